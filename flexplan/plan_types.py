@@ -1,0 +1,119 @@
+"""The planner's output: a frozen, serialisable :class:`Plan`.
+
+Placement convention shared by estimator, planner and executor: a phase's ``gpu_layers``
+(M) are always the *last* M decoder layers; their weights and KV cache live in GPU memory.
+The other N - M layers keep weights and KV in host memory and are either computed on the
+CPU (``cpu``, ``splitgen``) or streamed to the GPU layer by layer (``gpu-offload``,
+``gpu-offload-partial``). The embedding lookup runs on the host; the final norm and LM head
+sit with the last layer (GPU whenever the policy computes the last layer on the GPU).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, field
+from types import MappingProxyType
+from typing import Any, Mapping
+
+POLICIES = ("cpu", "gpu", "gpu-offload", "gpu-offload-partial", "splitgen")
+PHASES = ("prefill", "decode")
+# Which side computes the host-resident (first N - M) layers.
+HOST_LAYERS_ON_CPU = {"cpu": True, "splitgen": True, "gpu": False, "gpu-offload": False, "gpu-offload-partial": False}
+
+
+def _num(x: float) -> float | None:
+    return None if x is None or (isinstance(x, float) and not math.isfinite(x)) else x
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One policy for one phase as the estimator sees it."""
+
+    phase: str
+    policy: str
+    gpu_layers: int
+    time_s: float  # TTFT (prefill) or mean TPOT over decode steps (decode); inf when infeasible
+    gpu_memory_bytes: int
+    cpu_memory_bytes: int
+    pcie_bytes: float  # whole prefill, or mean per decode step
+    feasible: bool
+    reason: str = ""  # why not feasible, empty when feasible
+    terms: Mapping[str, float] = field(default_factory=dict)  # time breakdown (s)
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["time_s"] = _num(self.time_s)
+        d["terms"] = {k: _num(v) for k, v in self.terms.items()}
+        return d
+
+
+@dataclass(frozen=True)
+class PhaseChoice:
+    policy: str
+    gpu_layers: int
+    time_s: float
+    gpu_memory_bytes: int
+    cpu_memory_bytes: int
+    pcie_bytes: float
+
+    @classmethod
+    def of(cls, c: Candidate) -> "PhaseChoice":
+        return cls(c.policy, c.gpu_layers, c.time_s, c.gpu_memory_bytes, c.cpu_memory_bytes, c.pcie_bytes)
+
+
+@dataclass(frozen=True)
+class Plan:
+    model: str
+    hardware: str
+    batch_size: int
+    input_len: int
+    output_len: int
+    dtype: str  # weights/KV on the GPU and in pinned host buffers
+    cpu_dtype: str  # what the CPU computes in (and stores its layers in)
+    num_layers: int
+    gpu_memory_bytes: int  # budget planned against
+    cpu_memory_bytes: int
+    prefill: PhaseChoice
+    decode: PhaseChoice
+    ttft_s: float
+    tpot_s: float
+    load_s: float  # initial loading of GPU-resident weights (included in E2E, as in the paper)
+    switch_s: float  # moving KV/weights between the prefill and decode placements
+    e2e_s: float
+    reason: str
+    candidates: tuple[Candidate, ...] = ()
+    baselines: Mapping[str, float | None] = field(default_factory=dict)
+    calibration: str = "defaults"
+    notes: tuple[str, ...] = ()
+
+    def __post_init__(self):
+        object.__setattr__(self, "baselines", MappingProxyType(dict(self.baselines)))
+
+    @property
+    def phases(self) -> dict[str, PhaseChoice]:
+        return {"prefill": self.prefill, "decode": self.decode}
+
+    def to_dict(self) -> dict[str, Any]:
+        d = {k: getattr(self, k) for k in self.__dataclass_fields__}
+        d["prefill"] = asdict(self.prefill)
+        d["decode"] = asdict(self.decode)
+        d["candidates"] = [c.to_dict() for c in self.candidates]
+        d["baselines"] = {k: _num(v) for k, v in self.baselines.items()}
+        d["notes"] = list(self.notes)
+        return d
+
+    def to_json(self, **kw) -> str:
+        return json.dumps(self.to_dict(), **kw)
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "Plan":
+        d = dict(d)
+        d["prefill"] = PhaseChoice(**d["prefill"])
+        d["decode"] = PhaseChoice(**d["decode"])
+        d["candidates"] = tuple(
+            Candidate(**{**c, "time_s": math.inf if c["time_s"] is None else c["time_s"]}) for c in d.get("candidates", ())
+        )
+        d["notes"] = tuple(d.get("notes", ()))
+        d["baselines"] = {k: (math.inf if v is None else v) for k, v in d.get("baselines", {}).items()}
+        return cls(**d)

@@ -1,0 +1,64 @@
+"""Bundled HuggingFace configs (no hub is reachable): ``catalog/<org>--<name>.json``."""
+
+from __future__ import annotations
+
+import json
+from functools import lru_cache
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+from flexplan.errors import MalformedDataError, UnknownModelError, suggest
+from flexplan.workload.model import ModelSpec
+
+
+def _catalog_dir():
+    return resources.files("flexplan.workload") / "catalog"
+
+
+@lru_cache(maxsize=1)
+def _catalog_files() -> dict[str, Any]:
+    out = {}
+    for entry in _catalog_dir().iterdir():
+        if entry.name.endswith(".json"):
+            out[entry.name[: -len(".json")].replace("--", "/")] = entry
+    return out
+
+
+def catalog_names() -> list[str]:
+    return sorted(_catalog_files())
+
+
+@lru_cache(maxsize=64)
+def _load_catalog_spec(model_id: str) -> ModelSpec:
+    entry = _catalog_files()[model_id]
+    try:
+        cfg = json.loads(entry.read_text())
+    except json.JSONDecodeError as e:
+        raise MalformedDataError(f"bundled config for {model_id} is corrupt: {e}") from None
+    return ModelSpec.from_config(cfg, name=model_id)
+
+
+def resolve_model(model: Any) -> ModelSpec:
+    """A catalog id (case-insensitive, org optional), a config.json / model folder path, a
+    ``PretrainedConfig``, a loaded model (its ``.config``) or a :class:`ModelSpec`."""
+    if isinstance(model, ModelSpec):
+        return model
+    if hasattr(model, "config") and hasattr(model.config, "to_dict"):
+        return ModelSpec.from_config(model.config)
+    if not isinstance(model, (str, Path)):
+        return ModelSpec.from_config(model)
+    text = str(model)
+    files = _catalog_files()
+    lowered = {k.lower(): k for k in files}
+    short = {k.split("/")[-1].lower(): k for k in files}
+    key = lowered.get(text.lower()) or short.get(text.lower())
+    if key:
+        return _load_catalog_spec(key)
+    path = Path(text).expanduser()
+    if path.exists():
+        return ModelSpec.from_config(path)
+    raise UnknownModelError(
+        f"unknown model {text!r}: not in the bundled catalog and not a local config.json or model folder."
+        + suggest(text, files) + " (`flexplan models` lists the catalog)"
+    )
