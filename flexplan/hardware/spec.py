@@ -60,6 +60,7 @@ class GPUSpec:
     memory_bandwidth_bytes_per_s: float
     peak_flops_per_s: dict[str, float]  # dense tensor-core peak per canonical dtype
     hwdb_id: str | None = None
+    runtime_reserved_bytes: int = 1 << 30  # CUDA context + allocator slack, not usable by the plan
 
 
 @dataclass(frozen=True)

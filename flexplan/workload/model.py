@@ -46,6 +46,8 @@ class ModelSpec:
     max_position_embeddings: int
     learned_pos_embeddings: int = 0  # rows of a learned position table (OPT: max_pos + 2)
     word_embed_proj_dim: int | None = None  # OPT-350m style projection, None when equal to hidden
+    norm_affine: bool = True  # OPT's layer_norm_elementwise_affine=False: norms hold no parameters
+    final_norm: bool = True  # OPT builds decoder.final_layer_norm only with do_layer_norm_before
 
     # ---- construction -------------------------------------------------------------
     @classmethod
@@ -97,6 +99,8 @@ class ModelSpec:
                 max_position_embeddings=int(cfg["max_position_embeddings"]),
                 learned_pos_embeddings=int(cfg["max_position_embeddings"]) + 2,
                 word_embed_proj_dim=None if proj in (None, hidden) else int(proj),
+                norm_affine=bool(cfg.get("layer_norm_elementwise_affine", True)),
+                final_norm=bool(cfg.get("do_layer_norm_before", True)) and not cfg.get("_remove_final_layer_norm", False),
             )
         else:
             hidden = int(cfg["hidden_size"])
@@ -160,7 +164,7 @@ class ModelSpec:
             bias += h
         if self.mlp_bias:
             bias += (2 * i if self.gated_mlp else i) + h
-        norms = 2 * h * (2 if self.norm == "layer" else 1)
+        norms = 2 * self._norm_params
         return self.linear_weight_params_per_layer + bias + norms
 
     @property
@@ -173,8 +177,14 @@ class ModelSpec:
         return n
 
     @property
-    def final_norm_params(self) -> int:
+    def _norm_params(self) -> int:
+        if not self.norm_affine:
+            return 0
         return self.hidden_size * (2 if self.norm == "layer" else 1)
+
+    @property
+    def final_norm_params(self) -> int:
+        return self._norm_params if self.final_norm else 0
 
     @property
     def lm_head_params(self) -> int:

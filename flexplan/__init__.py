@@ -1,0 +1,41 @@
+"""flexplan: plan and run LLM inference over a modest GPU and a big CPU (FlexInfer and beyond).
+
+    import flexplan
+    p = flexplan.plan("facebook/opt-66b", hardware="flexinfer-server2", batch_size=16, input_len=512, output_len=32)
+    p.prefill.policy, p.decode.policy, p.e2e_s
+
+    lm = flexplan.load(path_or_model)          # generate()-compatible, plan="auto"
+    out = lm.generate(**inputs, max_new_tokens=32)
+
+Importing flexplan does not import torch; ``flexplan.load`` does.
+"""
+
+from flexplan.errors import (
+    CalibrationError,
+    DeviceUnavailableError,
+    DoesNotFitError,
+    FlexplanError,
+    InvalidInputError,
+    MalformedDataError,
+    UnknownHardwareError,
+    UnknownModelError,
+    UnsupportedModelError,
+)
+from flexplan.plan_types import POLICIES, Candidate, PhaseChoice, Plan
+from flexplan.planner import plan
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "POLICIES", "CalibrationError", "Candidate", "DeviceUnavailableError", "DoesNotFitError", "FlexplanError",
+    "InvalidInputError", "MalformedDataError", "PhaseChoice", "Plan", "UnknownHardwareError", "UnknownModelError",
+    "UnsupportedModelError", "load", "plan",
+]
+
+
+def __getattr__(name):
+    if name == "load":
+        from flexplan.api import load
+
+        return load
+    raise AttributeError(f"module 'flexplan' has no attribute {name!r}")

@@ -1,0 +1,5 @@
+import sys
+
+from flexplan.cli import main
+
+sys.exit(main())

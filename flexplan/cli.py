@@ -1,0 +1,178 @@
+"""`flexplan` command line: explain, hw, models, run, calibrate, validate.
+
+Every error flexplan raises on purpose is printed as one line on stderr with exit code 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from flexplan.errors import FlexplanError, InvalidInputError
+
+GiB = 1 << 30
+
+
+def _int_list(text: str) -> list[int]:
+    """'1,2,4' or '1-32' (powers of two) or '8' -> list of ints."""
+    out: list[int] = []
+    for part in text.split(","):
+        part = part.strip()
+        try:
+            if "-" in part[1:]:
+                lo, hi = (int(x) for x in part.split("-", 1))
+                v = lo
+                while v <= hi:
+                    out.append(v)
+                    v *= 2
+            else:
+                out.append(int(part))
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, a list 1,2,4 or a range 1-32, got {text!r}") from None
+    return out
+
+
+def _gib(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected GiB as a number, got {text!r}") from None
+    if v < 0:
+        raise argparse.ArgumentTypeError(f"memory must be >= 0 GiB, got {text}")
+    return v * GiB
+
+
+def cmd_explain(args) -> int:
+    from flexplan.explain import format_plan, format_sweep
+    from flexplan.planner import plan
+
+    plans = []
+    for b in args.batch_size:
+        for i in args.input_len:
+            for o in args.output_len:
+                plans.append(plan(args.model, hardware=args.hw, batch_size=b, input_len=i, output_len=o,
+                                  dtype=args.dtype, gpu_memory_bytes=args.gpu_memory, cpu_memory_bytes=args.cpu_memory,
+                                  prefill=args.prefill, decode=args.decode, gpu_layers=args.gpu_layers))
+    if args.json:
+        out = plans[0].to_dict() if len(plans) == 1 else [p.to_dict() for p in plans]
+        print(json.dumps(out, indent=2))
+    elif len(plans) == 1:
+        print(format_plan(plans[0]))
+    else:
+        print(format_sweep(plans))
+    return 0
+
+
+def cmd_hw(args) -> int:
+    from flexplan.hardware import report
+
+    if args.list:
+        print(report.format_list())
+        return 0
+    if args.hw == "local":
+        from flexplan.hardware.introspect import introspect, local_hardware
+
+        machine = introspect()
+        hw = local_hardware()
+        print(report.format_hw(machine, hw=hw, calibration_line=_calibration_line(hw)))
+    else:
+        from flexplan.hardware import get_hardware
+
+        hw = get_hardware(args.hw)
+        print(report.format_hw(hw, calibration_line=_calibration_line(hw)))
+    return 0
+
+
+def _calibration_line(hw) -> str | None:
+    try:
+        from flexplan.calibration import describe_calibration
+    except ImportError:
+        return None
+    return describe_calibration(hw)
+
+
+def cmd_models(args) -> int:
+    from flexplan.workload import catalog_names, resolve_model
+
+    print(f"{'model':<42} {'family':<8} {'layers':>6} {'hidden':>7} {'heads/kv':>9} {'params':>9}")
+    for name in catalog_names():
+        m = resolve_model(name)
+        print(f"{name:<42} {m.family:<8} {m.num_layers:>6} {m.hidden_size:>7} "
+              f"{str(m.num_heads) + '/' + str(m.num_kv_heads):>9} {m.total_params / 1e9:>8.2f}B")
+    return 0
+
+
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """``command``: the subcommand about to run; only its module is imported (keeps `flexplan hw` fast)."""
+    from flexplan.plan_types import POLICIES
+
+    ap = argparse.ArgumentParser(prog="flexplan", description="Plan and run LLM inference over CPU + GPU (FlexInfer).")
+    sub = ap.add_subparsers(dest="command", required=True)
+
+    ex = sub.add_parser("explain", help="predict every policy per phase and show the chosen pair")
+    ex.add_argument("model", help="catalog id (see `flexplan models`), config.json or model folder")
+    ex.add_argument("--hw", default="local", help="hwdb server, CPU[xS]+GPU+LINK, or 'local' (default)")
+    ex.add_argument("-b", "--batch-size", type=_int_list, default=[1], help="batch size(s): 8, 1,4,16 or 1-32")
+    ex.add_argument("-i", "--input-len", type=_int_list, default=[512])
+    ex.add_argument("-o", "--output-len", type=_int_list, default=[32])
+    ex.add_argument("--dtype", default="bfloat16")
+    ex.add_argument("--gpu-memory", type=_gib, default=None, metavar="GiB", help="GPU memory budget")
+    ex.add_argument("--cpu-memory", type=_gib, default=None, metavar="GiB", help="host memory budget")
+    ex.add_argument("--prefill", choices=POLICIES, default=None, help="force the prefill policy")
+    ex.add_argument("--decode", choices=POLICIES, default=None, help="force the decode policy")
+    ex.add_argument("--gpu-layers", type=int, default=None, help="force M, the GPU-resident layers")
+    ex.add_argument("--json", action="store_true", help="print plan.to_dict() as JSON")
+    ex.set_defaults(func=cmd_explain)
+
+    hw = sub.add_parser("hw", help="show this machine and its hwdb matches (or --list hwdb)")
+    hw.add_argument("--list", action="store_true", help="list hwdb servers, CPUs, GPUs and links")
+    hw.add_argument("--hw", default="local", help="describe a hwdb entry instead of this machine")
+    hw.set_defaults(func=cmd_hw)
+
+    mo = sub.add_parser("models", help="list the bundled model catalog")
+    mo.set_defaults(func=cmd_models)
+
+    for name, (module, help_text) in LAZY_COMMANDS.items():
+        _add_lazy(sub, name, module, help_text, load=(command == name))
+    return ap
+
+
+# Commands whose modules import torch: imported only when that command runs.
+LAZY_COMMANDS = {
+    "run": ("flexplan.run_cmd", "run a model under a plan (default: the embedded SmolLM2)"),
+    "calibrate": ("flexplan.calibration.cli", "measure this machine's efficiency factors"),
+    "validate": ("flexplan.validate", "predicted vs measured TTFT/TPOT over a grid"),
+}
+
+
+def _add_lazy(sub, name: str, module: str, help_text: str, load: bool) -> None:
+    import importlib
+    import importlib.util
+
+    if importlib.util.find_spec(module) is None:
+        return
+    p = sub.add_parser(name, help=help_text)
+    if load:
+        mod = importlib.import_module(module)
+        mod.add_arguments(p)
+        p.set_defaults(func=mod.run)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    command = next((a for a in argv if not a.startswith("-")), None)
+    parser = build_parser(command)
+    args = parser.parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except FlexplanError as e:
+        print(f"flexplan {args.command}: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

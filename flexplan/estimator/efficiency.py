@@ -1,0 +1,102 @@
+"""Efficiency factors Eff_* (FlexInfer section 5.2): achieved / peak, per component.
+
+The estimator asks an :class:`Efficiency` for each factor *with the shape of the operation*
+(tokens per GEMM, KV length, transfer size), so a calibration can make them functions of
+shape. :class:`DefaultEfficiency` answers with documented constants until the machine is
+calibrated (``flexplan calibrate``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+
+from flexplan.hardware.spec import Hardware
+
+
+class Efficiency(Protocol):
+    source: str
+
+    def cpu_compute(self, tokens: float) -> float: ...  # Eff_CPU,Comp for a GEMM with `tokens` rows
+    def cpu_memory(self, tokens: float) -> float: ...  # Eff_CPU,Mem while streaming weights (GEMM rows)
+    def cpu_attention(self, context_len: float | np.ndarray) -> float | np.ndarray: ...  # KV read rate factor
+    def gpu_compute(self, tokens: float) -> float: ...
+    def gpu_memory(self, tokens: float) -> float: ...
+    def h2d(self, transfer_bytes: float) -> float: ...  # Eff_ICN host -> device
+    def d2h(self, transfer_bytes: float) -> float: ...  # Eff_ICN device -> host
+    def cpu_under_copy(self) -> float: ...  # CPU slowdown factor (>= 1) while an H2D copy runs
+    def cpu_threads(self) -> int | None: ...  # best thread count found by calibration, None = all cores
+
+
+# Defaults per CPU compute path. Sources: FlexInfer section 3.2 reports, for OPT-66B with input
+# 128 and batch 1, SPR (AMX) TTFT 39% below FlexGen-on-H100 and ICL (AVX-512) TTFT 2x above;
+# with FlexGen's prefill bound by streaming ~130 GB over PCIe 5 at ~50 GB/s, that puts achieved
+# CPU GEMM throughput near 10 TFLOP/s on 2x 6454S (0.07 of 144.2) and near 3 TFLOP/s on
+# 2x 8352Y (0.35 of 9.0). Their TPOT (SPR 63-70% below FlexGen) implies ~40% of the STREAM
+# bandwidth of Table 3 for decode. AVX2 numbers are typical oneDNN fp32 results (calibrate!).
+CPU_DEFAULTS = {
+    "amx": dict(compute=0.07, memory=0.40),
+    "avx512": dict(compute=0.35, memory=0.45),
+    "avx2": dict(compute=0.60, memory=0.60),
+}
+GPU_COMPUTE_DEFAULT = 0.60  # large bf16 GEMMs on A100/H100 with PyTorch reach 60-75% of dense peak
+GPU_MEMORY_DEFAULT = 0.80  # of STREAM/datasheet bandwidth
+ICN_DEFAULT = 0.80  # pinned cudaMemcpyAsync typically reaches 75-90% of the PCIe per-direction rate
+
+
+def cpu_path(hw: Hardware) -> str:
+    isa = hw.cpu.isa
+    if "amx_bf16" in isa:
+        return "amx"
+    if "avx512f" in isa:
+        return "avx512"
+    if not isa:  # hwdb entry without flags: infer from the dtype peaks
+        return "amx" if hw.cpu.compute_dtype == "bfloat16" else "avx2"
+    return "avx2"
+
+
+@dataclass(frozen=True)
+class DefaultEfficiency:
+    """Constant factors; see CPU_DEFAULTS for where the CPU numbers come from."""
+
+    cpu_compute_eff: float
+    cpu_memory_eff: float
+    gpu_compute_eff: float = GPU_COMPUTE_DEFAULT
+    gpu_memory_eff: float = GPU_MEMORY_DEFAULT
+    icn_eff: float = ICN_DEFAULT
+    source: str = "defaults"
+
+    @classmethod
+    def for_hardware(cls, hw: Hardware) -> "DefaultEfficiency":
+        d = CPU_DEFAULTS[cpu_path(hw)]
+        return cls(cpu_compute_eff=d["compute"], cpu_memory_eff=d["memory"],
+                   source=f"defaults ({cpu_path(hw)} CPU; not calibrated)")
+
+    def cpu_compute(self, tokens):
+        return self.cpu_compute_eff
+
+    def cpu_memory(self, tokens):
+        return self.cpu_memory_eff
+
+    def cpu_attention(self, context_len):
+        return self.cpu_memory_eff
+
+    def gpu_compute(self, tokens):
+        return self.gpu_compute_eff
+
+    def gpu_memory(self, tokens):
+        return self.gpu_memory_eff
+
+    def h2d(self, transfer_bytes):
+        return self.icn_eff
+
+    def d2h(self, transfer_bytes):
+        return self.icn_eff
+
+    def cpu_under_copy(self):
+        return 1.0
+
+    def cpu_threads(self):
+        return None

@@ -1,0 +1,77 @@
+"""Human-readable rendering of a Plan (what `flexplan explain` prints)."""
+
+from __future__ import annotations
+
+import math
+
+from flexplan.plan_types import PHASES, Plan
+
+GiB = 1 << 30
+
+
+def _t(x: float) -> str:
+    if x is None or not math.isfinite(x):
+        return "-"
+    return f"{x * 1e3:.1f} ms" if x < 1 else f"{x:.2f} s"
+
+
+def _b(x: float) -> str:
+    return f"{x / GiB:.1f}" if x else "0"
+
+
+def format_plan(p: Plan) -> str:
+    lines = [
+        f"{p.model} on {p.hardware}: batch {p.batch_size}, input {p.input_len}, output {p.output_len}, "
+        f"{p.dtype} (CPU computes in {p.cpu_dtype}); GPU budget {_b(p.gpu_memory_bytes)} GiB, host {_b(p.cpu_memory_bytes)} GiB",
+        f"efficiency factors: {p.calibration}",
+    ]
+    for ph in PHASES:
+        label = "TTFT" if ph == "prefill" else "TPOT"
+        lines += ["", f"{ph} candidates ({label}):",
+                  f"  {'policy':<21}{'M':>4} {label:>10} {'GPU GiB':>8} {'host GiB':>9} {'PCIe GB':>9}  note"]
+        for c in p.candidates:
+            if c.phase != ph:
+                continue
+            chosen = (p.prefill if ph == "prefill" else p.decode)
+            mark = "*" if c.feasible and c.policy == chosen.policy else " "
+            pcie = f"{c.pcie_bytes / 1e9:.2f}" if c.feasible else "-"
+            note = c.reason if not c.feasible else ("chosen" if mark == "*" else "")
+            lines.append(f"{mark} {c.policy:<21}{c.gpu_layers:>4} {_t(c.time_s):>10} {_b(c.gpu_memory_bytes):>8} "
+                         f"{_b(c.cpu_memory_bytes):>9} {pcie:>9}  {note}")
+    lines += [
+        "",
+        f"chosen: prefill {p.prefill.policy} (M={p.prefill.gpu_layers}), decode {p.decode.policy} (M={p.decode.gpu_layers})",
+        f"  TTFT {_t(p.ttft_s)}, TPOT {_t(p.tpot_s)}, initial load {_t(p.load_s)}, phase switch {_t(p.switch_s)}, "
+        f"E2E {_t(p.e2e_s)}",
+        f"why: {p.reason}",
+        "",
+        "E2E against homogeneous baselines (same policy for both phases):",
+    ]
+    for name, e2e in p.baselines.items():
+        if e2e is None or not math.isfinite(e2e):
+            lines.append(f"  {name:<21} {'does not fit':>10}")
+        else:
+            lines.append(f"  {name:<21} {_t(e2e):>10}   flexplan is {100 * (1 - p.e2e_s / e2e):5.1f}% lower")
+    for n in p.notes:
+        lines.append(f"note: {n}")
+    return "\n".join(lines)
+
+
+def format_sweep(plans: list[Plan]) -> str:
+    """One line per plan, and the mean reduction against FlexGen (all `gpu-offload`)."""
+    lines = [f"{'batch':>5} {'input':>6} {'output':>6}  {'prefill':<22} {'decode':<22} {'E2E':>10} "
+             f"{'FlexGen E2E':>12} {'reduction':>9}"]
+    reductions = []
+    for p in plans:
+        fg = p.baselines.get("gpu-offload")
+        red = (1 - p.e2e_s / fg) if fg and math.isfinite(fg) else None
+        if red is not None:
+            reductions.append(red)
+        lines.append(f"{p.batch_size:>5} {p.input_len:>6} {p.output_len:>6}  "
+                     f"{p.prefill.policy + ' M=' + str(p.prefill.gpu_layers):<22} "
+                     f"{p.decode.policy + ' M=' + str(p.decode.gpu_layers):<22} {_t(p.e2e_s):>10} {_t(fg):>12} "
+                     f"{'-' if red is None else f'{100 * red:.1f}%':>9}")
+    if reductions:
+        lines.append(f"mean E2E reduction vs gpu-offload (FlexGen): {100 * sum(reductions) / len(reductions):.1f}% "
+                     f"over {len(reductions)} shapes")
+    return "\n".join(lines)
