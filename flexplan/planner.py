@@ -27,6 +27,7 @@ from flexplan.workload import resolve_model
 from flexplan.workload.model import ModelSpec
 
 GiB = 1 << 30
+ICN_SWITCH_EFF = 0.8  # bulk copies at a phase switch: the default Eff_ICN
 
 
 @dataclass
@@ -82,13 +83,14 @@ def _phase_options(phase: str, policy: str, pc: PhaseCosts, pc_prefill: PhaseCos
     ms = pol.gpu_layer_options(n)
     if force_m is not None and policy in ("splitgen", "gpu-offload-partial"):
         ms = ms[ms == force_m]
+    if policy != "cpu" and not hw.has_gpu:
+        inf = np.full(ms.shape, np.inf)
+        return _Options(policy, ms, inf, inf, inf, inf, np.zeros(ms.shape, bool), {}, inf)
     est = pol.estimate(pc, n, ms)
-    gpu_b = memory.gpu_bytes(shape, hw, pol.host_mode, ms, phase) if hw.has_gpu or policy == "cpu" else np.full(ms.shape, np.inf)
+    gpu_b = memory.gpu_bytes(shape, hw, pol.host_mode, ms, phase)
     cpu_b = memory.cpu_bytes(shape, pol.host_mode, ms, phase)
     gpu_b = np.broadcast_to(gpu_b, ms.shape).astype(float)
     feasible = (gpu_b <= gpu_budget) & (cpu_b <= cpu_budget) & np.isfinite(est.time_s)
-    if policy != "cpu" and not hw.has_gpu:
-        feasible[:] = False
     load = pol.initial_load_s(pc_prefill, ms) if phase == "prefill" else np.zeros(ms.shape)
     return _Options(policy, ms, est.time_s, est.pcie_bytes, gpu_b, cpu_b, feasible, est.terms, load)
 
@@ -112,7 +114,7 @@ def _location(n: int, m: int, host_mode: str) -> list[str]:
 
 
 def switch_s(shape: Shape, hw: Hardware, pc_prefill: PhaseCosts, prefill: str, m_p: int, decode: str, m_d: int,
-             ttft_s: float) -> float:
+             ttft_s: float, include_initial_load: bool = True) -> float:
     """Moving KV (at the prompt's length) and weights from the prefill placement to the decode one.
     Layers that become GPU-resident for decode: free if prefill streamed them through the GPU
     (they stay), loaded over the link otherwise (overlapped with a CPU-only prefill). Layers
@@ -137,21 +139,23 @@ def switch_s(shape: Shape, hw: Hardware, pc_prefill: PhaseCosts, prefill: str, m
     if REGISTRY[decode].name != "cpu" and m_p == 0 and prefill == "cpu":
         h2d_weights += lb.head_gpu
     bw_h2d, bw_d2h = hw.link.h2d_bandwidth_bytes_per_s, hw.link.d2h_bandwidth_bytes_per_s
-    t_weights = t_link_s(h2d_weights, bw_h2d, 0.8) if h2d_weights else 0.0
+    t_weights = t_link_s(h2d_weights, bw_h2d, ICN_SWITCH_EFF) if h2d_weights and include_initial_load else 0.0
     if prefill == "cpu":  # the link is idle during a CPU-only prefill: load then
         t_weights = max(0.0, t_weights - ttft_s)
-    return max(t_weights + t_link_s(h2d, bw_h2d, 0.8), t_link_s(d2h, bw_d2h, 0.8))
+    return max(t_weights + t_link_s(h2d, bw_h2d, ICN_SWITCH_EFF), t_link_s(d2h, bw_d2h, ICN_SWITCH_EFF))
 
 
 def plan(model: Any, hardware: Any = "local", batch_size: int = 1, input_len: int = 128, output_len: int = 32,
          dtype: str = "bfloat16", gpu_memory_bytes: float | None = None, cpu_memory_bytes: float | None = None,
          prefill: str | None = None, decode: str | None = None, gpu_layers: int | None = None,
-         efficiency: Efficiency | None = None) -> Plan:
+         efficiency: Efficiency | None = None, include_initial_load: bool = True) -> Plan:
     """Choose the prefill and decode policies with the lowest predicted end-to-end latency.
 
     ``model``: catalog id, config path/folder, PretrainedConfig, HF model or ModelSpec.
     ``hardware``: hwdb server name, composition ``CPU[xS]+GPU+LINK``, ``"local"``, or a Hardware.
-    ``prefill``/``decode``/``gpu_layers`` force a policy or M. Raises :class:`DoesNotFitError`
+    ``prefill``/``decode``/``gpu_layers`` force a policy or M. ``include_initial_load``: count the
+    loading of GPU-resident weights in E2E, as the paper does (footnote 5); a long-running process
+    that already holds its weights plans with False. Raises :class:`DoesNotFitError`
     when no placement fits, :class:`InvalidInputError` for bad arguments.
     """
     _check_positive(batch_size=batch_size, input_len=input_len, output_len=output_len)
@@ -186,10 +190,11 @@ def plan(model: Any, hardware: Any = "local", batch_size: int = 1, input_len: in
             i = o.best()
             if i is None:
                 j = int(np.argmin(o.gpu_bytes + o.cpu_bytes)) if o.gpu_layers.size else None
+                finite = j is not None and np.isfinite(o.gpu_bytes[j])
                 candidates.append(Candidate(
                     ph, pol, int(o.gpu_layers[j]) if j is not None else 0, math.inf,
-                    int(o.gpu_bytes[j]) if j is not None and np.isfinite(o.gpu_bytes[j]) else 0,
-                    int(o.cpu_bytes[j]) if j is not None else 0, 0.0, False, _why_not(o, hw, gpu_budget, cpu_budget)))
+                    int(o.gpu_bytes[j]) if finite else 0, int(o.cpu_bytes[j]) if finite else 0, 0.0, False,
+                    _why_not(o, hw, gpu_budget, cpu_budget)))
             else:
                 candidates.append(Candidate(
                     ph, pol, int(o.gpu_layers[i]), float(o.time_s[i]), int(o.gpu_bytes[i]), int(o.cpu_bytes[i]),
@@ -204,8 +209,8 @@ def plan(model: Any, hardware: Any = "local", batch_size: int = 1, input_len: in
         if host > cpu_budget:
             return None
         ttft = float(op.time_s[ip])
-        sw = switch_s(shape, hw, pcs["prefill"], p, m_p, d, m_d, ttft)
-        load = float(op.load_s[ip])
+        sw = switch_s(shape, hw, pcs["prefill"], p, m_p, d, m_d, ttft, include_initial_load)
+        load = float(op.load_s[ip]) if include_initial_load else 0.0
         return load + ttft + sw + steps * float(od.time_s[idx_d]), load, sw
 
     def best_pair(p_pols, d_pols):

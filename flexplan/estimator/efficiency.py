@@ -28,6 +28,8 @@ class Efficiency(Protocol):
     def d2h(self, transfer_bytes: float) -> float: ...  # Eff_ICN device -> host
     def cpu_under_copy(self) -> float: ...  # CPU slowdown factor (>= 1) while an H2D copy runs
     def cpu_threads(self) -> int | None: ...  # best thread count found by calibration, None = all cores
+    def cpu_layer_overhead_s(self) -> float: ...  # fixed dispatch cost of one decoder layer on the CPU
+    def gpu_layer_overhead_s(self) -> float: ...  # ... on the GPU (kernel launches of one layer)
 
 
 # Defaults per CPU compute path. Sources: FlexInfer section 3.2 reports, for OPT-66B with input
@@ -44,6 +46,10 @@ CPU_DEFAULTS = {
 GPU_COMPUTE_DEFAULT = 0.60  # large bf16 GEMMs on A100/H100 with PyTorch reach 60-75% of dense peak
 GPU_MEMORY_DEFAULT = 0.80  # of STREAM/datasheet bandwidth
 ICN_DEFAULT = 0.80  # pinned cudaMemcpyAsync typically reaches 75-90% of the PCIe per-direction rate
+# Not in the paper (its layers are large enough to ignore it): eager PyTorch runs ~15-20 ops per
+# decoder layer; at ~10 us each on the CPU and ~5 us per kernel launch on the GPU.
+CPU_LAYER_OVERHEAD_DEFAULT_S = 150e-6
+GPU_LAYER_OVERHEAD_DEFAULT_S = 100e-6
 
 
 def cpu_path(hw: Hardware) -> str:
@@ -66,6 +72,8 @@ class DefaultEfficiency:
     gpu_compute_eff: float = GPU_COMPUTE_DEFAULT
     gpu_memory_eff: float = GPU_MEMORY_DEFAULT
     icn_eff: float = ICN_DEFAULT
+    cpu_overhead_s: float = CPU_LAYER_OVERHEAD_DEFAULT_S
+    gpu_overhead_s: float = GPU_LAYER_OVERHEAD_DEFAULT_S
     source: str = "defaults"
 
     @classmethod
@@ -100,3 +108,9 @@ class DefaultEfficiency:
 
     def cpu_threads(self):
         return None
+
+    def cpu_layer_overhead_s(self):
+        return self.cpu_overhead_s
+
+    def gpu_layer_overhead_s(self):
+        return self.gpu_overhead_s

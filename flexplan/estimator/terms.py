@@ -111,7 +111,7 @@ def phase_costs(shape: Shape, hw: Hardware, eff: Efficiency, phase: str) -> Phas
                                 eff.cpu_attention(ctx))
     t_cpu = (t_compute_s(flops, th_cpu, eff.cpu_compute(rows))
              + t_memory_s(d_cpu + kv_write_cpu, cpu.memory_bandwidth_bytes_per_s, eff.cpu_memory(rows))
-             + t_cpu_attn)
+             + t_cpu_attn + eff.cpu_layer_overhead_s())
     head_flops = costs.c_lm_head(m, b)
     t_cpu_head = (t_compute_s(head_flops, th_cpu, eff.cpu_compute(b))
                   + t_memory_s(costs.d_lm_head(m, shape.cpu_bytes), cpu.memory_bandwidth_bytes_per_s, eff.cpu_memory(b)))
@@ -126,7 +126,7 @@ def phase_costs(shape: Shape, hw: Hardware, eff: Efficiency, phase: str) -> Phas
     th_gpu = gpu.peak_flops_per_s[shape.dtype]
     bw_gpu = gpu.memory_bandwidth_bytes_per_s
     t_gpu = (t_compute_s(flops, th_gpu, eff.gpu_compute(rows))
-             + t_memory_s(d_gpu + kv_read + kv_write, bw_gpu, eff.gpu_memory(rows)))
+             + t_memory_s(d_gpu + kv_read + kv_write, bw_gpu, eff.gpu_memory(rows)) + eff.gpu_layer_overhead_s())
     t_gpu_head = t_compute_s(head_flops, th_gpu, eff.gpu_compute(b)) + t_memory_s(head_gpu, bw_gpu, eff.gpu_memory(b))
     h2d, d2h = link.h2d_bandwidth_bytes_per_s, link.d2h_bandwidth_bytes_per_s
     return PhaseCosts(

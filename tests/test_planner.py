@@ -1,0 +1,172 @@
+"""Planner and estimator: properties that must always hold, and the paper's qualitative result."""
+
+import json
+import math
+from dataclasses import replace
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import flexplan
+from flexplan.errors import DoesNotFitError, InvalidInputError, UnknownModelError
+from flexplan.estimator import REGISTRY, DefaultEfficiency, Shape, phase_costs
+from flexplan.estimator import memory
+from flexplan.hardware.spec import CPUSpec, GPUSpec, Hardware, LinkSpec
+from flexplan.plan_types import POLICIES, Plan
+from flexplan.workload import resolve_model
+
+GiB = 1 << 30
+
+
+def server(cpu_flops=144.2e12, cpu_bw=407.8e9, gpu_flops=756e12, gpu_bw=1754.4e9, link_bw=64e9,
+           gpu_mem=80e9, cpu_mem=512e9, amx=True):
+    isa = frozenset({"amx_bf16", "avx512f"} if amx else {"avx2"})
+    flops = {"bfloat16": cpu_flops, "float32": cpu_flops / 16} if amx else {"float32": cpu_flops, "bfloat16": cpu_flops / 100}
+    cpu = CPUSpec("test cpu", 2, 64, flops, cpu_bw, int(cpu_mem), isa)
+    gpu = GPUSpec("test gpu", int(gpu_mem), gpu_bw, {"bfloat16": gpu_flops, "float16": gpu_flops, "float32": gpu_flops / 14})
+    return Hardware("test-server", cpu, gpu, LinkSpec("test link", link_bw, link_bw))
+
+
+FACTORS = st.floats(min_value=1.0, max_value=8.0)
+MODELS = st.sampled_from(["facebook/opt-66b", "meta-llama/Llama-2-70b-hf", "meta-llama/Llama-2-7b-hf", "Qwen/Qwen2.5-7B"])
+SHAPES = st.tuples(st.sampled_from([1, 2, 8, 32]), st.sampled_from([16, 128, 512, 1024]), st.sampled_from([2, 8, 32, 128]))
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(model=MODELS, shape=SHAPES, which=st.sampled_from(["cpu_flops", "cpu_bw", "gpu_flops", "gpu_bw", "link_bw"]),
+       factor=FACTORS, gpu_gib=st.sampled_from([16, 40, 80]))
+def test_more_bandwidth_or_compute_never_slower(model, shape, which, factor, gpu_gib):
+    b, s, o = shape
+    base = server(gpu_mem=gpu_gib * 1e9)
+    kw = {"cpu_flops": 144.2e12, "cpu_bw": 407.8e9, "gpu_flops": 756e12, "gpu_bw": 1754.4e9, "link_bw": 64e9}
+    kw[which] *= factor
+    faster = server(gpu_mem=gpu_gib * 1e9, **kw)
+    spec = resolve_model(model)
+    # every policy, phase and M: no slower
+    for hw_a, hw_b in ((base, faster),):
+        sa = Shape(spec, b, s, o, "bfloat16", hw_a.cpu.compute_dtype)
+        for ph in ("prefill", "decode"):
+            pa = phase_costs(sa, hw_a, DefaultEfficiency.for_hardware(hw_a), ph)
+            pb = phase_costs(sa, hw_b, DefaultEfficiency.for_hardware(hw_b), ph)
+            for pol in REGISTRY.values():
+                ms = pol.gpu_layer_options(spec.num_layers)
+                ta, tb = pol.estimate(pa, spec.num_layers, ms).time_s, pol.estimate(pb, spec.num_layers, ms).time_s
+                assert np.all(tb <= ta * (1 + 1e-12)), (pol.name, ph, which)
+    # and the plan's E2E is no worse
+    try:
+        pa = flexplan.plan(spec, base, batch_size=b, input_len=s, output_len=o)
+    except DoesNotFitError:
+        return
+    pb = flexplan.plan(spec, faster, batch_size=b, input_len=s, output_len=o)
+    assert pb.e2e_s <= pa.e2e_s * (1 + 1e-9)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(model=MODELS, shape=SHAPES, gpu_gib=st.floats(min_value=0.0, max_value=160.0),
+       cpu_gib=st.floats(min_value=8.0, max_value=1024.0))
+def test_plan_never_exceeds_its_memory(model, shape, gpu_gib, cpu_gib):
+    b, s, o = shape
+    hw = server()
+    try:
+        p = flexplan.plan(model, hw, batch_size=b, input_len=s, output_len=o,
+                          gpu_memory_bytes=gpu_gib * GiB, cpu_memory_bytes=cpu_gib * GiB)
+    except DoesNotFitError as e:
+        assert "GiB" in str(e)
+        return
+    for ph in (p.prefill, p.decode):
+        assert ph.gpu_memory_bytes <= gpu_gib * GiB
+        assert ph.cpu_memory_bytes <= cpu_gib * GiB
+    spec = resolve_model(model)
+    shape_ = Shape(spec, b, s, o, "bfloat16", hw.cpu.compute_dtype)
+    both = memory.pair_cpu_bytes(shape_, REGISTRY[p.prefill.policy].host_mode, p.prefill.gpu_layers,
+                                 REGISTRY[p.decode.policy].host_mode, p.decode.gpu_layers)
+    assert both <= cpu_gib * GiB
+    for c in p.candidates:
+        if c.feasible:
+            assert c.gpu_memory_bytes <= gpu_gib * GiB and c.cpu_memory_bytes <= cpu_gib * GiB
+
+
+def test_paper_qualitative_result_server2():
+    """FlexInfer 6.2/6.3: GPU offloading for compute-heavy prefill, a CPU-using policy for decode,
+    and far below FlexGen (all gpu-offload) end to end."""
+    hw = server()  # Table 3 server 2 figures
+    reductions = []
+    for b in (1, 2, 4, 8, 16, 32):
+        p = flexplan.plan("facebook/opt-66b", hw, batch_size=b, input_len=512, output_len=32)
+        assert p.prefill.policy in ("gpu-offload", "gpu-offload-partial")
+        assert p.decode.policy in ("splitgen", "cpu")
+        reductions.append(1 - p.e2e_s / p.baselines["gpu-offload"])
+    assert 0.5 < np.mean(reductions) < 0.95
+
+
+def test_small_model_on_big_gpu_runs_all_on_gpu():
+    # weights already resident (a serving process): everything on the GPU
+    p = flexplan.plan("meta-llama/Llama-2-7b-hf", server(), batch_size=1, input_len=128, output_len=32,
+                      include_initial_load=False)
+    assert (p.prefill.policy, p.decode.policy) == ("gpu", "gpu")
+    assert p.prefill.gpu_layers == p.decode.gpu_layers == 32
+    assert p.load_s == 0
+
+
+def test_counting_the_initial_load_hides_it_behind_a_cpu_prefill():
+    # paper mode (footnote 5): uploading 13 GB costs more than an AMX CPU prefill of 128 tokens,
+    # so the planner prefills on the CPU while the weights cross PCIe, then decodes on the GPU
+    p = flexplan.plan("meta-llama/Llama-2-7b-hf", server(), batch_size=1, input_len=128, output_len=32)
+    assert p.decode.policy == "gpu"
+    gpu_only = p.baselines["gpu"]
+    assert p.e2e_s <= gpu_only
+    assert p.load_s + p.switch_s < 0.3 * gpu_only
+
+
+def test_no_gpu_means_cpu():
+    hw = replace(server(), gpu=None, link=None)
+    p = flexplan.plan("meta-llama/Llama-2-7b-hf", hw, batch_size=1, input_len=64, output_len=8)
+    assert (p.prefill.policy, p.decode.policy) == ("cpu", "cpu")
+    assert {c.reason for c in p.candidates if c.policy != "cpu"} == {"no GPU"}
+
+
+def test_tpot_follows_growing_kv():
+    hw = server()
+    short = flexplan.plan("meta-llama/Llama-2-70b-hf", hw, batch_size=8, input_len=512, output_len=8, decode="cpu")
+    long = flexplan.plan("meta-llama/Llama-2-70b-hf", hw, batch_size=8, input_len=512, output_len=1024, decode="cpu")
+    assert long.tpot_s > short.tpot_s  # mean over steps with a longer KV cache
+
+
+def test_forced_policies_and_m():
+    p = flexplan.plan("facebook/opt-30b", server(gpu_mem=40e9), batch_size=4, input_len=256, output_len=16,
+                      prefill="splitgen", decode="cpu", gpu_layers=10)
+    assert (p.prefill.policy, p.prefill.gpu_layers, p.decode.policy) == ("splitgen", 10, "cpu")
+
+
+def test_plan_serialises_and_round_trips():
+    p = flexplan.plan("facebook/opt-66b", server(), batch_size=4, input_len=512, output_len=32)
+    d = json.loads(p.to_json())
+    assert set(d["baselines"]) == set(POLICIES)
+    assert d["baselines"]["gpu"] is None  # does not fit: JSON null, not Infinity
+    assert len(d["candidates"]) == 2 * len(POLICIES)
+    q = Plan.from_dict(d)
+    assert q.prefill == p.prefill and q.decode == p.decode and q.e2e_s == p.e2e_s
+    with pytest.raises(Exception):
+        p.ttft_s = 0  # frozen
+
+
+@pytest.mark.parametrize("kw", [dict(batch_size=0), dict(input_len=-1), dict(output_len=0), dict(batch_size=1.5),
+                                dict(dtype="int3"), dict(prefill="fast"), dict(gpu_layers=999)])
+def test_bad_arguments_are_typed(kw):
+    args = dict(batch_size=1, input_len=16, output_len=4)
+    args.update(kw)
+    with pytest.raises(InvalidInputError):
+        flexplan.plan("facebook/opt-66b", server(), **args)
+
+
+def test_unknown_model_suggests():
+    with pytest.raises(UnknownModelError, match="facebook/opt-66b"):
+        flexplan.plan("opt-67b", server())
+
+
+def test_model_that_fits_nowhere_says_how_much():
+    with pytest.raises(DoesNotFitError, match=r"needs .* GiB host memory .* usable 64.0 GiB"):
+        flexplan.plan("meta-llama/Llama-2-70b-hf", server(gpu_mem=16e9), batch_size=1, input_len=128, output_len=8,
+                      cpu_memory_bytes=64 * GiB)
