@@ -12,7 +12,7 @@ where ``load`` is the initial loading of GPU-resident weights (the paper include
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -148,14 +148,16 @@ def switch_s(shape: Shape, hw: Hardware, pc_prefill: PhaseCosts, prefill: str, m
 def plan(model: Any, hardware: Any = "local", batch_size: int = 1, input_len: int = 128, output_len: int = 32,
          dtype: str = "bfloat16", gpu_memory_bytes: float | None = None, cpu_memory_bytes: float | None = None,
          prefill: str | None = None, decode: str | None = None, gpu_layers: int | None = None,
-         efficiency: Efficiency | None = None, include_initial_load: bool = True) -> Plan:
+         efficiency: Efficiency | None = None, include_initial_load: bool = True, cpu_dtype: str | None = None) -> Plan:
     """Choose the prefill and decode policies with the lowest predicted end-to-end latency.
 
     ``model``: catalog id, config path/folder, PretrainedConfig, HF model or ModelSpec.
     ``hardware``: hwdb server name, composition ``CPU[xS]+GPU+LINK``, ``"local"``, or a Hardware.
     ``prefill``/``decode``/``gpu_layers`` force a policy or M. ``include_initial_load``: count the
     loading of GPU-resident weights in E2E, as the paper does (footnote 5); a long-running process
-    that already holds its weights plans with False. Raises :class:`DoesNotFitError`
+    that already holds its weights plans with False. ``cpu_dtype``: what the CPU computes in; by
+    default the planner tries the CPU's native fast dtype and float32 and keeps the lower E2E
+    (on some CPUs bf16 GEMMs are faster but bf16 GEMV slower than fp32). Raises :class:`DoesNotFitError`
     when no placement fits, :class:`InvalidInputError` for bad arguments.
     """
     _check_positive(batch_size=batch_size, input_len=input_len, output_len=output_len)
@@ -169,9 +171,37 @@ def plan(model: Any, hardware: Any = "local", batch_size: int = 1, input_len: in
     dtype = canonical_dtype(dtype)
     if hw.gpu is not None and dtype not in hw.gpu.peak_flops_per_s:
         raise InvalidInputError(f"{hw.gpu.name} has no {dtype} figure in hwdb; use one of {', '.join(hw.gpu.peak_flops_per_s)}")
-    cpu_dtype = hw.cpu.compute_dtype
-    shape = Shape(spec, batch_size, input_len, output_len, dtype, cpu_dtype)
     eff = _efficiency(hw, efficiency)
+    if cpu_dtype is not None:
+        cpu_dtypes = [canonical_dtype(cpu_dtype)]
+        if hw.cpu.peak_flops_per_s.get(cpu_dtypes[0], 0) <= 0:
+            raise InvalidInputError(f"{hw.cpu.name} has no {cpu_dtypes[0]} figure; use one of "
+                                    f"{', '.join(hw.cpu.peak_flops_per_s)}")
+    else:
+        cpu_dtypes = list(dict.fromkeys([hw.cpu.compute_dtype, "float32"]))
+    best: Plan | None = None
+    error: DoesNotFitError | None = None
+    for cd in cpu_dtypes:
+        try:
+            p = _plan_one(spec, hw, eff, Shape(spec, batch_size, input_len, output_len, dtype, cd), gpu_memory_bytes,
+                          cpu_memory_bytes, prefill, decode, gpu_layers, include_initial_load)
+        except DoesNotFitError as e:
+            error = error or e
+            continue
+        if best is None or p.e2e_s < best.e2e_s:
+            if best is not None:
+                p = replace(p, notes=p.notes + (f"CPU computes in {cd}: predicted E2E {p.e2e_s:.3g} s vs "
+                                                f"{best.e2e_s:.3g} s in {best.cpu_dtype}",))
+            best = p
+    if best is None:
+        raise error
+    return best
+
+
+def _plan_one(spec: ModelSpec, hw: Hardware, eff: Efficiency, shape: Shape, gpu_memory_bytes, cpu_memory_bytes,
+              prefill, decode, gpu_layers, include_initial_load) -> Plan:
+    batch_size, input_len, output_len, dtype, cpu_dtype = (shape.batch, shape.input_len, shape.output_len,
+                                                           shape.dtype, shape.cpu_dtype)
 
     gpu_budget = float(gpu_memory_bytes if gpu_memory_bytes is not None else (hw.gpu.memory_bytes if hw.gpu else 0))
     cpu_budget = float(cpu_memory_bytes if cpu_memory_bytes is not None
@@ -275,6 +305,8 @@ def _reason(cp: Candidate, cd: Candidate, candidates: list[Candidate], baselines
         r = runner_up(c.phase, c.policy)
         if r is None:
             parts.append(f"{c.policy} is the only {c.phase} policy that fits")
+        elif r.time_s <= c.time_s * 1.01:
+            parts.append(f"{c.policy} ties with {r.policy} on {label} ({c.time_s:.3g} s) and wins end to end")
         else:
             parts.append(f"{c.policy} gives the lowest {label} ({c.time_s:.3g} s vs {r.policy} {r.time_s:.3g} s)")
     homo = min(baselines.values())

@@ -19,9 +19,11 @@ from flexplan.hardware.spec import Hardware
 class Efficiency(Protocol):
     source: str
 
-    def cpu_compute(self, tokens: float) -> float: ...  # Eff_CPU,Comp for a GEMM with `tokens` rows
-    def cpu_memory(self, tokens: float) -> float: ...  # Eff_CPU,Mem while streaming weights (GEMM rows)
-    def cpu_attention(self, context_len: float | np.ndarray) -> float | np.ndarray: ...  # KV read rate factor
+    # CPU factors depend on the dtype the CPU computes in (PyTorch's bf16 GEMV path can be far
+    # slower than its fp32 one on the same CPU, while bf16 GEMMs are faster): `dtype` is canonical.
+    def cpu_compute(self, tokens: float, dtype: str) -> float: ...  # Eff_CPU,Comp for a GEMM with `tokens` rows
+    def cpu_memory(self, tokens: float, dtype: str) -> float: ...  # Eff_CPU,Mem while streaming weights
+    def cpu_attention(self, context_len, dtype: str): ...  # KV read rate factor
     def gpu_compute(self, tokens: float) -> float: ...
     def gpu_memory(self, tokens: float) -> float: ...
     def h2d(self, transfer_bytes: float) -> float: ...  # Eff_ICN host -> device
@@ -82,13 +84,13 @@ class DefaultEfficiency:
         return cls(cpu_compute_eff=d["compute"], cpu_memory_eff=d["memory"],
                    source=f"defaults ({cpu_path(hw)} CPU; not calibrated)")
 
-    def cpu_compute(self, tokens):
+    def cpu_compute(self, tokens, dtype=None):
         return self.cpu_compute_eff
 
-    def cpu_memory(self, tokens):
+    def cpu_memory(self, tokens, dtype=None):
         return self.cpu_memory_eff
 
-    def cpu_attention(self, context_len):
+    def cpu_attention(self, context_len, dtype=None):
         return self.cpu_memory_eff
 
     def gpu_compute(self, tokens):

@@ -108,13 +108,15 @@ def phase_costs(shape: Shape, hw: Hardware, eff: Efficiency, phase: str) -> Phas
         kv_write = float(costs.d_kv_cache(m, b, 1, shape.w_bytes))
         kv_write_cpu = float(costs.d_kv_cache(m, b, 1, shape.cpu_bytes))
         t_cpu_attn = t_memory_s(costs.d_kv_cache(m, b, ctx, shape.cpu_bytes), cpu.memory_bandwidth_bytes_per_s,
-                                eff.cpu_attention(ctx))
-    t_cpu = (t_compute_s(flops, th_cpu, eff.cpu_compute(rows))
-             + t_memory_s(d_cpu + kv_write_cpu, cpu.memory_bandwidth_bytes_per_s, eff.cpu_memory(rows))
+                                eff.cpu_attention(ctx, shape.cpu_dtype))
+    cd = shape.cpu_dtype
+    t_cpu = (t_compute_s(flops, th_cpu, eff.cpu_compute(rows, cd))
+             + t_memory_s(d_cpu + kv_write_cpu, cpu.memory_bandwidth_bytes_per_s, eff.cpu_memory(rows, cd))
              + t_cpu_attn + eff.cpu_layer_overhead_s())
     head_flops = costs.c_lm_head(m, b)
-    t_cpu_head = (t_compute_s(head_flops, th_cpu, eff.cpu_compute(b))
-                  + t_memory_s(costs.d_lm_head(m, shape.cpu_bytes), cpu.memory_bandwidth_bytes_per_s, eff.cpu_memory(b)))
+    t_cpu_head = (t_compute_s(head_flops, th_cpu, eff.cpu_compute(b, cd))
+                  + t_memory_s(costs.d_lm_head(m, shape.cpu_bytes), cpu.memory_bandwidth_bytes_per_s,
+                               eff.cpu_memory(b, cd)))
     hidden = costs.d_output(m, b, tokens_per_seq, shape.w_bytes)
     logits = costs.d_logits(m, b)
     head_gpu = costs.d_lm_head(m, shape.w_bytes)

@@ -1,0 +1,94 @@
+"""The `flexplan` command line: explain, hw, models; bad input gives one clear line, no traceback."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def flexplan(*args, env=None, timeout=120):
+    e = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    e.update(env or {})
+    return subprocess.run([sys.executable, "-m", "flexplan", *args], capture_output=True, text=True, env=e,
+                          timeout=timeout, cwd=REPO)
+
+
+def test_explain_paper_setting():
+    r = flexplan("explain", "facebook/opt-66b", "--hw", "flexinfer-server2", "-b", "16", "-i", "512", "-o", "32")
+    assert r.returncode == 0, r.stderr
+    out = r.stdout
+    assert "prefill candidates" in out and "decode candidates" in out
+    for policy in ("cpu", "gpu-offload", "gpu-offload-partial", "splitgen", "gpu"):
+        assert policy in out
+    assert "chosen: prefill gpu-offload" in out
+    assert "why:" in out and "lower" in out
+
+
+def test_explain_sweep_reports_reduction_vs_flexgen():
+    r = flexplan("explain", "facebook/opt-66b", "--hw", "flexinfer-server2", "-b", "1-32", "-i", "512", "-o", "32")
+    assert r.returncode == 0, r.stderr
+    assert "mean E2E reduction vs gpu-offload (FlexGen)" in r.stdout
+    assert r.stdout.count("\n") >= 7
+
+
+def test_explain_json_is_plan_to_dict():
+    r = flexplan("explain", "meta-llama/Llama-2-70b-hf", "--hw", "flexinfer-server1", "-b", "4", "--json")
+    assert r.returncode == 0, r.stderr
+    d = json.loads(r.stdout)
+    assert d["prefill"]["policy"] and d["decode"]["policy"] and d["e2e_s"] > 0
+    assert len(d["candidates"]) == 10 and "gpu-offload" in d["baselines"]
+
+
+def test_gpu_memory_cap_changes_the_plan():
+    big = json.loads(flexplan("explain", "meta-llama/Llama-2-7b-hf", "--hw", "flexinfer-server2", "--json").stdout)
+    small = json.loads(flexplan("explain", "meta-llama/Llama-2-7b-hf", "--hw", "flexinfer-server2", "--json",
+                                "--gpu-memory", "6").stdout)
+    assert small["gpu_memory_bytes"] == 6 * 2**30
+    assert small["decode"]["gpu_layers"] < big["decode"]["gpu_layers"]
+
+
+def test_models_and_hw_list():
+    r = flexplan("models")
+    assert r.returncode == 0 and "facebook/opt-66b" in r.stdout and "HuggingFaceTB/SmolLM2-135M-Instruct" in r.stdout
+    r = flexplan("hw", "--list")
+    assert r.returncode == 0 and "flexinfer-server1" in r.stdout and "flexinfer-server2" in r.stdout
+
+
+def test_hw_local():
+    r = flexplan("hw")
+    assert r.returncode == 0, r.stderr
+    assert "cores" in r.stdout.lower()
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["explain", "opt-67b", "--hw", "flexinfer-server2"], "facebook/opt-66b"),
+    (["explain", "facebook/opt-66b", "--hw", "flexinfer-server3"], "flexinfer-server"),
+    (["explain", "facebook/opt-66b", "--hw", "flexinfer-server2", "-i", "0"], "input_len"),
+    (["explain", "meta-llama/Llama-2-70b-hf", "--hw", "flexinfer-server1", "--cpu-memory", "32", "--gpu-memory", "8"],
+     "GiB"),
+])
+def test_bad_input_is_one_line(args, needle):
+    r = flexplan(*args)
+    assert r.returncode == 2
+    assert "Traceback" not in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert needle in r.stderr
+
+
+def test_malformed_config_file(tmp_path):
+    bad = tmp_path / "config.json"
+    bad.write_text("{not json")
+    r = flexplan("explain", str(bad), "--hw", "flexinfer-server2")
+    assert r.returncode == 2 and "Traceback" not in r.stderr and "config" in r.stderr
+
+
+def test_malformed_hwdb(tmp_path):
+    for f in ("cpus.yaml", "gpus.yaml", "links.yaml", "servers.yaml"):
+        (tmp_path / f).write_text((open(os.path.join(REPO, "hwdb", f)).read()))
+    (tmp_path / "gpus.yaml").write_text("gpus: [ {id: x, : }")
+    r = flexplan("explain", "facebook/opt-66b", "--hw", "flexinfer-server2", env={"FLEXPLAN_HWDB_DIR": str(tmp_path)})
+    assert r.returncode == 2 and "Traceback" not in r.stderr and "gpus.yaml" in r.stderr
