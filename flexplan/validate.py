@@ -1,0 +1,303 @@
+"""`flexplan validate`: run the executor over a grid and compare measured TTFT/TPOT with predictions.
+
+For every (batch, input, output) point and every prefill/decode policy pair of the grid it runs
+one greedy generation of exactly ``output`` tokens (after a warm-up), reads the measured TTFT and
+TPOT (TPOT = (E2E - TTFT) / (output - 1)), and records the plan's predictions under the
+calibration in use and under the default efficiency factors, side by side. It writes
+
+- ``validation.csv``: one row per run;
+- ``validation.png``: predicted vs measured, one panel per phase;
+- ``summary.json``: MAPE and p90 absolute percentage error per phase and policy (calibrated and
+  default factors), and the planner's regret: measured E2E of the pair the planner picks among the
+  grid's pairs over the best measured E2E at that point (mean and max over points).
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import math
+import os
+import sys
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+from flexplan.errors import InvalidInputError
+from flexplan.plan_types import POLICIES
+
+CSV_COLUMNS = [
+    "model", "hardware", "prefill_policy", "decode_policy", "prefill_gpu_layers", "decode_gpu_layers",
+    "batch_size", "input_len", "output_len", "cpu_dtype", "cpu_threads",
+    "measured_ttft_s", "measured_tpot_s", "measured_e2e_s",
+    "predicted_ttft_s", "predicted_tpot_s", "predicted_e2e_s",
+    "default_predicted_ttft_s", "default_predicted_tpot_s", "default_predicted_e2e_s", "calibration",
+]
+DEFAULT_GRID = "b=1,4,8 i=32,128,512 o=16,64"
+
+
+def parse_grid(text: str) -> dict[str, list[int]]:
+    """'b=1,4,8 i=32,128 o=16,64' -> {'b': [...], 'i': [...], 'o': [...]}."""
+    grid: dict[str, list[int]] = {}
+    for part in text.replace(";", " ").split():
+        key, _, vals = part.partition("=")
+        if key not in ("b", "i", "o") or not vals:
+            raise InvalidInputError(f"bad grid part {part!r}; write e.g. {DEFAULT_GRID!r}")
+        try:
+            grid[key] = [int(v) for v in vals.split(",")]
+        except ValueError:
+            raise InvalidInputError(f"grid values must be integers: {part!r}") from None
+        if any(v <= 0 for v in grid[key]):
+            raise InvalidInputError(f"grid values must be positive: {part!r}")
+    missing = {"b", "i", "o"} - set(grid)
+    if missing:
+        raise InvalidInputError(f"grid lacks {', '.join(sorted(missing))}; write e.g. {DEFAULT_GRID!r}")
+    if min(grid["o"]) < 2:
+        raise InvalidInputError("output lengths must be >= 2 to measure TPOT")
+    return grid
+
+
+def parse_pairs(text: str) -> list[tuple[str, str]]:
+    """'cpu' or 'cpu,splitgen' (homogeneous) or 'gpu-offload:splitgen' (prefill:decode)."""
+    pairs = []
+    for item in text.split(","):
+        p, _, d = item.strip().partition(":")
+        d = d or p
+        for name in (p, d):
+            if name not in POLICIES:
+                raise InvalidInputError(f"unknown policy {name!r}; use {', '.join(POLICIES)}")
+        pairs.append((p, d))
+    return pairs
+
+
+def _pct_errors(pred: list[float], meas: list[float]) -> list[float]:
+    return [abs(p - m) / m * 100 for p, m in zip(pred, meas) if m and m > 0 and p is not None and math.isfinite(p)]
+
+
+def _p90(xs: list[float]) -> float:
+    if not xs:
+        return math.nan
+    xs = sorted(xs)
+    k = 0.9 * (len(xs) - 1)
+    lo, hi = math.floor(k), math.ceil(k)
+    return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
+
+
+def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """MAPE and p90 per phase and policy (calibrated and default factors) and the planner's regret."""
+    out: dict[str, Any] = {"mape": {}, "p90": {}, "mape_default": {}, "p90_default": {}, "runs": len(rows)}
+    for phase, key in (("prefill", "ttft"), ("decode", "tpot")):
+        pol_key = f"{phase}_policy"
+        for pol in sorted({r[pol_key] for r in rows}):
+            sel = [r for r in rows if r[pol_key] == pol]
+            meas = [r[f"measured_{key}_s"] for r in sel]
+            for suffix, pk in (("", f"predicted_{key}_s"), ("_default", f"default_predicted_{key}_s")):
+                errs = _pct_errors([r[pk] for r in sel], meas)
+                out["mape" + suffix].setdefault(phase, {})[pol] = sum(errs) / len(errs) if errs else math.nan
+                out["p90" + suffix].setdefault(phase, {})[pol] = _p90(errs)
+    # regret: at each grid point, the pair with the lowest predicted E2E vs the lowest measured one
+    points: dict[tuple, list[dict]] = {}
+    for r in rows:
+        points.setdefault((r["batch_size"], r["input_len"], r["output_len"]), []).append(r)
+    regrets = []
+    for runs in points.values():
+        chosen = min(runs, key=lambda r: r["predicted_e2e_s"])
+        best = min(r["measured_e2e_s"] for r in runs)
+        regrets.append(chosen["measured_e2e_s"] / best)
+    out["regret"] = sum(regrets) / len(regrets) if regrets else math.nan
+    out["regret_max"] = max(regrets) if regrets else math.nan
+    out["pairs_per_point"] = max((len(v) for v in points.values()), default=0)
+    return out
+
+
+def _clean(x):
+    if isinstance(x, float) and not math.isfinite(x):
+        return None
+    if isinstance(x, dict):
+        return {k: _clean(v) for k, v in x.items()}
+    return x
+
+
+def write_outputs(rows: list[dict[str, Any]], summary: dict[str, Any], out_dir: Path, meta: dict[str, Any],
+                  plot: bool = True) -> dict[str, Path]:
+    """CSV, summary JSON and plot, each written to a temp name and renamed (never half-written)."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    paths = {"csv": out_dir / "validation.csv", "summary": out_dir / "summary.json"}
+    tmp = paths["csv"].with_suffix(".csv.tmp")
+    with open(tmp, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=CSV_COLUMNS)
+        w.writeheader()
+        for r in rows:
+            w.writerow({k: r.get(k) for k in CSV_COLUMNS})
+    os.replace(tmp, paths["csv"])
+    tmp = paths["summary"].with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(_clean({**meta, **summary}), indent=2) + "\n")
+    os.replace(tmp, paths["summary"])
+    if plot:
+        paths["plot"] = out_dir / "validation.png"
+        plot_validation(rows, paths["plot"])
+    return paths
+
+
+def plot_validation(rows: list[dict[str, Any]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4.5))
+    for ax, (phase, key) in zip(axes, (("prefill", "ttft"), ("decode", "tpot"))):
+        for label, pk, marker in (("calibrated", f"predicted_{key}_s", "o"), ("defaults", f"default_predicted_{key}_s", "x")):
+            xs = [r[f"measured_{key}_s"] for r in rows]
+            ys = [r[pk] for r in rows]
+            ax.scatter(xs, ys, marker=marker, label=label, alpha=0.8)
+        lo = min(min(r[f"measured_{key}_s"] for r in rows), min(r[f"predicted_{key}_s"] for r in rows)) * 0.8
+        hi = max(max(r[f"measured_{key}_s"] for r in rows), max(r[f"predicted_{key}_s"] for r in rows)) * 1.25
+        ax.plot([lo, hi], [lo, hi], "k--", lw=0.8)
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+        ax.set_xlabel(f"measured {key.upper()} (s)")
+        ax.set_ylabel(f"predicted {key.upper()} (s)")
+        ax.set_title(f"{phase}: {key.upper()}")
+        ax.legend()
+    fig.tight_layout()
+    tmp = path.with_suffix(".tmp.png")
+    fig.savefig(tmp, dpi=90)
+    plt.close(fig)
+    os.replace(tmp, path)
+
+
+def format_summary(s: dict[str, Any]) -> str:
+    lines = [f"{'phase':<8} {'policy':<21} {'MAPE':>7} {'p90':>7}   {'MAPE (defaults)':>15} {'p90 (defaults)':>14}"]
+    for phase in ("prefill", "decode"):
+        for pol, mape in s["mape"].get(phase, {}).items():
+            lines.append(f"{phase:<8} {pol:<21} {mape:>6.1f}% {s['p90'][phase][pol]:>6.1f}%   "
+                         f"{s['mape_default'][phase][pol]:>14.1f}% {s['p90_default'][phase][pol]:>13.1f}%")
+    lines.append(f"planner regret (measured E2E of chosen pair / best measured): mean {s['regret']:.3f}, "
+                 f"max {s['regret_max']:.3f} over points with {s['pairs_per_point']} pair(s) each")
+    return "\n".join(lines)
+
+
+# ---- running ------------------------------------------------------------------------------
+def resolve_model_dir(name: str) -> Path:
+    if name in ("smollm2", "default"):
+        from flexplan.smollm import default_model_dir
+
+        return default_model_dir()
+    if name.startswith("random-llama"):
+        from flexplan.synthetic import random_llama_dir
+
+        return random_llama_dir()
+    path = Path(name).expanduser()
+    if not (path / "config.json").is_file():
+        raise InvalidInputError(f"--model {name!r} is not smollm2, random-llama-1gb, or a folder with config.json")
+    return path
+
+
+def run_grid(model_dir: Path, grid: dict[str, list[int]], pairs: list[tuple[str, str]], hardware: str = "local",
+             accelerator: str | None = None, gpu_memory_bytes: float | None = None, repeats: int = 1,
+             progress=None) -> list[dict[str, Any]]:
+    import torch
+
+    import flexplan
+    from flexplan.estimator import DefaultEfficiency
+    from flexplan.hardware import get_hardware
+
+    hw = get_hardware(hardware)
+    if accelerator == "cpu":
+        from flexplan.hardware.standin import standin_hardware
+
+        hw = standin_hardware(int(gpu_memory_bytes or 4 << 30), base=hw)
+    default_eff = DefaultEfficiency.for_hardware(hw)
+    rows = []
+    shapes = [(b, i, o) for b in grid["b"] for i in grid["i"] for o in grid["o"]]
+    for p_pol, d_pol in pairs:
+        lm = flexplan.load(str(model_dir), plan={"prefill": p_pol, "decode": d_pol}, accelerator=accelerator,
+                           hardware=hw, gpu_memory_bytes=gpu_memory_bytes)
+        vocab = lm.config.vocab_size
+        gen = torch.Generator().manual_seed(0)
+        warm = torch.randint(3, vocab, (1, 16), generator=gen)
+        lm.generate(input_ids=warm, attention_mask=torch.ones_like(warm), max_new_tokens=4, min_new_tokens=4,
+                    do_sample=False)
+        for b, i, o in shapes:
+            ids = torch.randint(3, vocab, (b, i), generator=gen)
+            runs = []
+            for _ in range(repeats):
+                lm.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=o, min_new_tokens=o,
+                            do_sample=False)
+                runs.append(lm.last_stats)
+            runs.sort(key=lambda s: s.e2e_s)
+            st = runs[len(runs) // 2]
+            p = st.plan
+            dp = flexplan.plan(lm.config, hw, batch_size=b, input_len=i, output_len=o, dtype=p.dtype,
+                               prefill=p_pol, decode=d_pol, gpu_layers=p.decode.gpu_layers or None,
+                               gpu_memory_bytes=gpu_memory_bytes, efficiency=default_eff, cpu_dtype=p.cpu_dtype)
+            rows.append(dict(
+                model=model_dir.name, hardware=hw.name, prefill_policy=p_pol, decode_policy=d_pol,
+                prefill_gpu_layers=p.prefill.gpu_layers, decode_gpu_layers=p.decode.gpu_layers, batch_size=b,
+                input_len=i, output_len=o, cpu_dtype=p.cpu_dtype, cpu_threads=st.cpu_threads,
+                measured_ttft_s=st.ttft_s, measured_tpot_s=st.tpot_s, measured_e2e_s=st.e2e_s,
+                predicted_ttft_s=p.ttft_s, predicted_tpot_s=p.tpot_s,
+                predicted_e2e_s=p.ttft_s + p.switch_s + (o - 1) * p.tpot_s,
+                default_predicted_ttft_s=dp.ttft_s, default_predicted_tpot_s=dp.tpot_s,
+                default_predicted_e2e_s=dp.ttft_s + dp.switch_s + (o - 1) * dp.tpot_s, calibration=p.calibration))
+            if progress:
+                progress(rows[-1])
+        del lm
+    return rows
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="smollm2", help="smollm2 (default), random-llama-1gb, or an HF model folder")
+    p.add_argument("--grid", default=DEFAULT_GRID, help=f"batch, input, output values (default {DEFAULT_GRID!r})")
+    p.add_argument("--policies", default="cpu", help="policies or prefill:decode pairs, comma separated (default cpu)")
+    p.add_argument("--hw", default="local")
+    p.add_argument("--accelerator", choices=["cuda", "cpu", "none"], default=None)
+    p.add_argument("--gpu-memory", type=float, default=None, metavar="GiB", help="cap the GPU budget")
+    p.add_argument("--repeats", type=int, default=1, help="runs per point; the median E2E run is kept")
+    p.add_argument("--out", default=None, help="output folder (default benchmarks/results/validate-<model>-<date>)")
+    p.add_argument("--json", action="store_true", help="print the summary as JSON")
+    p.add_argument("--no-plot", action="store_true")
+
+
+def run(args) -> int:
+    grid = parse_grid(args.grid)
+    pairs = parse_pairs(args.policies)
+    if args.repeats < 1:
+        raise InvalidInputError("--repeats must be >= 1")
+    model_dir = resolve_model_dir(args.model)
+    acc = None if args.accelerator in (None, "none") else args.accelerator
+    gpu_mem = args.gpu_memory * (1 << 30) if args.gpu_memory else None
+    stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+    out_dir = Path(args.out) if args.out else Path("benchmarks/results") / f"validate-{model_dir.name}-{stamp}"
+    total = len(pairs) * len(grid["b"]) * len(grid["i"]) * len(grid["o"])
+    t0 = time.perf_counter()
+
+    def progress(r):
+        done = progress.n = getattr(progress, "n", 0) + 1
+        print(f"[{done}/{total}] {r['prefill_policy']}:{r['decode_policy']} b={r['batch_size']} i={r['input_len']} "
+              f"o={r['output_len']}: TTFT {r['measured_ttft_s'] * 1e3:.1f} ms (pred {r['predicted_ttft_s'] * 1e3:.1f}), "
+              f"TPOT {r['measured_tpot_s'] * 1e3:.1f} ms (pred {r['predicted_tpot_s'] * 1e3:.1f})",
+              file=sys.stderr if args.json else sys.stdout, flush=True)
+
+    rows = run_grid(model_dir, grid, pairs, hardware=args.hw, accelerator=acc, gpu_memory_bytes=gpu_mem,
+                    repeats=args.repeats, progress=progress)
+    from flexplan.hardware.introspect import introspect
+
+    m = introspect()
+    meta = {"model": model_dir.name, "grid": args.grid, "policies": args.policies, "hardware": args.hw,
+            "machine": {"cpu": m.cpu.model_name, "usable_cores": m.cpu.usable_physical_cores, "gpus": [g.name for g in m.gpus]},
+            "calibration": rows[0]["calibration"] if rows else None, "wall_s": time.perf_counter() - t0,
+            "date_utc": stamp}
+    summary = summarize(rows)
+    paths = write_outputs(rows, summary, out_dir, meta, plot=not args.no_plot)
+    if args.json:
+        print(json.dumps(_clean({"mape": summary["mape"], "p90": summary["p90"], "regret": summary["regret"],
+                                 "mape_default": summary["mape_default"], "p90_default": summary["p90_default"],
+                                 "regret_max": summary["regret_max"], "out": str(out_dir)}), indent=2))
+    else:
+        print(format_summary(summary))
+        print("wrote " + ", ".join(str(p) for p in paths.values()))
+    return 0
