@@ -1,0 +1,32 @@
+"""The notebooks execute headless (policy maps; validation error on a committed validation CSV)."""
+
+import glob
+import os
+
+import pytest
+
+nbformat = pytest.importorskip("nbformat")
+nbclient = pytest.importorskip("nbclient")
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+NOTEBOOKS = sorted(glob.glob(os.path.join(REPO, "notebooks", "*.ipynb")))
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=os.path.basename)
+def test_notebook_runs(path):
+    nb = nbformat.read(path, as_version=4)
+    client = nbclient.NotebookClient(nb, timeout=300, kernel_name="python3",
+                                     resources={"metadata": {"path": os.path.dirname(path)}})
+    client.execute()
+    errors = [o for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", []) if o.output_type == "error"]
+    assert not errors
+    printed = "".join(o.get("text", "") for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", [])
+                      if o.output_type == "stream")
+    if "policy_maps" in path:
+        assert "mean predicted E2E reduction vs FlexGen" in printed
+    else:
+        assert "MAPE" in printed
+
+
+def test_two_notebooks():
+    assert {os.path.basename(p) for p in NOTEBOOKS} >= {"policy_maps.ipynb", "validation_error.ipynb"}
