@@ -1,0 +1,342 @@
+"""``flexplan calibrate [--quick] [--out PATH]``: run the micro-benchmarks, write the file.
+
+The run measures; it derives factors only to show them (and to store them, for humans, under
+``derived``); the estimator recomputes them at load time against the Hardware it plans for.
+A benchmark that fails is reported and recorded under ``failures``; if the GEMV/GEMM
+benchmarks (the ones every factor needs) fail, nothing is written. The file is written
+atomically at the end, so an interrupted run leaves the previous calibration untouched.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import os
+import platform
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from flexplan.errors import CalibrationError
+
+ESSENTIAL = ("cpu_gemv", "cpu_gemm")  # in the CPU's compute dtype: without them no factor exists
+
+
+@dataclass
+class Step:
+    key: str  # where the result goes in `measurements`
+    units: int  # progress-bar ticks this step makes
+    run: Callable[[Callable[[], None]], object]  # gets tick(); returns the measurement
+    dtype: str | None = None  # per-dtype CPU step: list results are merged, dict results keyed by dtype
+
+    @property
+    def label(self) -> str:
+        return f"{self.key}[{self.dtype}]" if self.dtype else self.key
+
+
+@dataclass
+class Result:
+    path: Path | None
+    doc: dict
+    failures: dict[str, str]
+    wall_s: float
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--quick", action="store_true", help="fewer shapes and repeats (about a minute)")
+    p.add_argument("--tiny", action="store_true", help=argparse.SUPPRESS)  # tests: seconds, meaningless numbers
+    p.add_argument("--out", default=None, metavar="PATH",
+                   help="file or folder to write (default: the calibration folder, a name from this machine's "
+                        "fingerprint)")
+    p.add_argument("--threads", type=int, default=None, help="CPU threads to measure with (default: usable cores)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def run(args) -> int:
+    mode = "tiny" if args.tiny else "quick" if args.quick else "full"
+    res = calibrate(mode=mode, out=args.out, threads=args.threads, progress=not args.no_progress)
+    for name, err in res.failures.items():
+        print(f"flexplan calibrate: benchmark {name} failed: {err}", file=sys.stderr)
+    print(format_summary(res))
+    return 1 if res.failures else 0
+
+
+def _local_hardware():
+    from flexplan.hardware import get_hardware
+
+    return get_hardware("local")
+
+
+def _steps(mode: str, hw, threads: int, cpu_dtypes: list[str], gpu_dtype: str | None) -> list[Step]:
+    from flexplan.calibration import microbench as mb
+
+    s = mb.MODES[mode]
+    per_shape = len(s.weight_shapes)
+    steps = [Step("cpu_stream", 1, lambda tick: mb.stream(s, threads))]
+    for dt in cpu_dtypes:  # the planner weighs the CPU's fast dtype against float32
+        steps += [
+            Step("cpu_op_dispatch", 1, lambda tick, dt=dt: mb.op_dispatch(s, dt), dt),
+            Step("cpu_gemv", len(s.gemv_tokens) * per_shape, lambda tick, dt=dt: mb.gemm(s.gemv_tokens, s, dt, tick=tick), dt),
+            Step("cpu_gemm", len(s.gemm_tokens) * per_shape, lambda tick, dt=dt: mb.gemm(s.gemm_tokens, s, dt, tick=tick), dt),
+            Step("cpu_attention", len(s.attn_kv_lens) * len(s.attn_batches),
+                 lambda tick, dt=dt: mb.attention(s, dt, tick=tick), dt),
+        ]
+    steps += [
+        Step("cpu_layer_overhead", 1, lambda tick: mb.layer_overhead(s, cpu_dtypes[0])),
+        Step("cpu_threads", len(mb.thread_counts(hw.cpu.cores)),
+             lambda tick: mb.thread_sweep(s, cpu_dtypes[0], hw.cpu.cores, tick=tick)),
+    ]
+    if gpu_dtype is not None:
+        from flexplan.calibration import microbench_gpu as gb
+
+        steps += [
+            Step("gpu_gemv", len(s.gemv_tokens) * per_shape, lambda tick: gb.gemm(s.gemv_tokens, s, gpu_dtype, tick=tick)),
+            Step("gpu_gemm", len(s.gemm_tokens) * per_shape, lambda tick: gb.gemm(s.gemm_tokens, s, gpu_dtype, tick=tick)),
+            Step("gpu_memory", 1, lambda tick: gb.memory(s)),
+            Step("gpu_layer_overhead", 1, lambda tick: gb.layer_overhead(s, gpu_dtype)),
+            Step("h2d", len(s.transfer_bytes), lambda tick: gb.link(s, "h2d", tick=tick)),
+            Step("d2h", len(s.transfer_bytes), lambda tick: gb.link(s, "d2h", tick=tick)),
+            Step("cpu_under_copy", 1, lambda tick: gb.cpu_under_copy(s, cpu_dtypes[0])),
+        ]
+    return steps
+
+
+def _store(measurements: dict, step: Step, result) -> None:
+    if step.dtype is None:
+        measurements[step.key] = result
+    elif isinstance(result, list):
+        measurements.setdefault(step.key, []).extend(result)
+    else:
+        measurements.setdefault(step.key, {})[step.dtype] = result
+
+
+def _gpu_dtype(hw) -> tuple[str | None, str | None]:
+    """(dtype to measure the GPU in, why the GPU is skipped)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return None, None if hw.gpu is None else "torch sees no CUDA device (CPU-only torch build?)"
+    if hw.gpu is None:
+        return None, "torch sees a CUDA device but the local Hardware has none (CUDA_VISIBLE_DEVICES?)"
+    return ("bfloat16" if torch.cuda.is_bf16_supported() else "float16"), None
+
+
+def calibrate(mode: str = "quick", out: str | Path | None = None, threads: int | None = None, progress: bool = True,
+              hw=None) -> Result:
+    """Run the benchmarks of ``mode`` ("full", "quick", "tiny") and write the calibration file
+    (atomically). Raises CalibrationError, writing nothing, when the essential benchmarks fail."""
+    import torch
+    from tqdm import tqdm
+
+    from flexplan.calibration import microbench as mb
+    from flexplan.calibration import store
+
+    t_start = time.perf_counter()
+    busy_start = _cpu_seconds()
+    hw = hw or _local_hardware()
+    identity = store.local_identity()
+    cpu_dtypes = list(dict.fromkeys([hw.cpu.compute_dtype, "float32"]))
+    threads = int(threads or hw.cpu.cores)
+    path = _target(out, identity)
+    _check_writable(path)
+    gpu_dtype, gpu_skip = _gpu_dtype(hw)
+    steps = _steps(mode, hw, threads, cpu_dtypes, gpu_dtype)
+    measurements: dict[str, object] = {}
+    failures: dict[str, str] = {}
+    with mb.torch_threads(threads), tqdm(total=sum(s.units for s in steps), disable=not progress, unit="shape",
+                                         desc="calibrate", leave=False) as bar:
+        for step in steps:
+            bar.set_postfix_str(step.label)
+            done = [0]
+
+            def tick(bar=bar, done=done):
+                done[0] += 1
+                bar.update(1)
+
+            try:
+                _store(measurements, step, step.run(tick))
+            except KeyboardInterrupt:
+                raise
+            except Exception as e:  # noqa: BLE001 - any benchmark failure is reported, the run goes on
+                failures[step.label] = f"{type(e).__name__}: {e}"
+            bar.update(step.units - done[0])
+    missing = [f"{n}[{cpu_dtypes[0]}]" for n in ESSENTIAL if f"{n}[{cpu_dtypes[0]}]" in failures]
+    if missing:
+        raise CalibrationError("calibration failed, nothing written: " + "; ".join(f"{n}: {failures[n]}" for n in missing))
+
+    now = dt.datetime.now(dt.timezone.utc)
+    settings = {"cpu_dtypes": cpu_dtypes, "cpu_threads": threads, "gpu_dtype": gpu_dtype,
+                "rotate_bytes": mb.rotate_bytes(mb.MODES[mode])}
+    doc = {
+        "format": store.FORMAT,
+        "version": store.VERSION,
+        "created_utc": now.isoformat(timespec="seconds").replace("+00:00", "Z"),
+        "mode": mode,
+        "fingerprint": identity.fingerprint,
+        "machine": {**identity.to_dict(), "hardware": hw.name, "cpu_hwdb_id": hw.cpu.hwdb_id,
+                    "cpu_isa": sorted(hw.cpu.isa), "llc_bytes": mb.llc_bytes(),
+                    "gpu_measured": gb_name() if gpu_dtype else None},
+        "torch_version": str(torch.__version__),
+        "software": _software(),
+        "settings": settings,
+        "duration_s": 0.0,
+        "other_processes_cpu_share": None,  # of all cores' time during the run: > 0.1 means noisy figures
+        "failures": failures,
+        "skipped": {"gpu": gpu_skip} if gpu_skip else {},
+        "measurements": measurements,
+        "derived": None,
+        "complete": True,  # last key: a file cut short anywhere lacks it
+    }
+    doc["derived"] = _derived(doc, hw)
+    doc["duration_s"] = round(time.perf_counter() - t_start, 1)
+    doc["other_processes_cpu_share"] = _other_share(busy_start, _cpu_seconds(), doc["duration_s"], hw.cpu.cores)
+    try:
+        store.write_atomic(store.plain(doc), path)
+    except OSError as e:
+        raise CalibrationError(f"could not write {path}: {e.strerror or e}; nothing written "
+                               f"(choose another place with --out or ${store.DIR_ENV})") from None
+    return Result(path, doc, failures, time.perf_counter() - t_start)
+
+
+def _cpu_seconds() -> tuple[float, float] | None:
+    """(CPU seconds all processes spent busy, CPU seconds this process spent), or None."""
+    import resource
+
+    try:
+        with open("/proc/stat") as f:
+            fields = [float(x) for x in f.readline().split()[1:]]
+    except (OSError, ValueError):
+        return None
+    busy = sum(fields[:3]) + sum(fields[5:8])  # user nice system irq softirq steal (not idle, iowait)
+    me = resource.getrusage(resource.RUSAGE_SELF)
+    return busy / os.sysconf("SC_CLK_TCK"), me.ru_utime + me.ru_stime
+
+
+def _other_share(start, end, wall_s: float, cores: int) -> float | None:
+    """Share of all cores' time that other processes used during the run."""
+    if start is None or end is None or wall_s <= 0:
+        return None
+    others = (end[0] - start[0]) - (end[1] - start[1])
+    return round(max(0.0, others) / (wall_s * max(1, os.cpu_count() or cores)), 3)
+
+
+def gb_name() -> str:
+    from flexplan.calibration import microbench_gpu as gb
+
+    return gb.device_name()
+
+
+def _software() -> dict[str, str]:
+    import flexplan
+
+    out = {"python": platform.python_version(), "flexplan": getattr(flexplan, "__version__", "?")}
+    try:
+        import transformers
+
+        out["transformers"] = transformers.__version__
+    except ImportError:
+        pass
+    return out
+
+
+def _derived(doc: dict, hw) -> dict:
+    """The factors these measurements give against ``hw``'s peak figures (informational: the
+    estimator recomputes them at load time against the Hardware it plans for)."""
+    from flexplan.calibration.efficiency import from_measurements
+
+    try:
+        eff = from_measurements(doc["measurements"], doc["settings"], hw, source="this run")
+    except (KeyError, TypeError, ValueError, IndexError) as e:
+        raise CalibrationError(f"calibration failed, nothing written: the measurements give no factors "
+                               f"({type(e).__name__}: {e})") from None
+    against = {"hardware": hw.name,
+               "cpu_peak_flops_per_s": {dt: float(hw.cpu.peak_flops_per_s[dt]) for dt in doc["settings"]["cpu_dtypes"]},
+               "cpu_memory_bandwidth_bytes_per_s": float(hw.cpu.memory_bandwidth_bytes_per_s)}
+    if hw.gpu is not None:
+        against["gpu_memory_bandwidth_bytes_per_s"] = float(hw.gpu.memory_bandwidth_bytes_per_s)
+    if hw.link is not None:
+        against["link_h2d_bandwidth_bytes_per_s"] = float(hw.link.h2d_bandwidth_bytes_per_s)
+    return {"against": against, **eff.describe_factors()}
+
+
+def _check_writable(path: Path) -> None:
+    """Fail before minutes of benchmarks, not after."""
+    from flexplan.calibration.store import DIR_ENV
+
+    import tempfile
+
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, probe = tempfile.mkstemp(prefix=".probe.", dir=path.parent)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as e:
+        raise CalibrationError(f"cannot write to {path.parent} ({e.strerror or e}); choose another place with "
+                               f"--out or ${DIR_ENV}") from None
+
+
+def _target(out: str | Path | None, identity) -> Path:
+    from flexplan.calibration import store
+
+    if out is None:
+        return store.write_dir() / store.file_name(identity)
+    p = Path(out).expanduser()
+    return p / store.file_name(identity) if p.is_dir() or str(out).endswith(("/", "\\")) else p
+
+
+def format_summary(res: Result) -> str:
+    """What the run measured and the factors it gives, in a few lines."""
+    from flexplan.calibration.store import display_path
+
+    m, d, st = res.doc["measurements"], res.doc["derived"], res.doc["settings"]
+    lines = [f"wrote {display_path(res.path)} ({res.doc['mode']} run, {res.wall_s:.0f} s, "
+             f"{st['cpu_threads']} threads, CPU in {' and '.join(st['cpu_dtypes'])})"]
+    if "cpu_stream" in m:
+        lines.append(f"  STREAM triad {m['cpu_stream']['triad_bytes_per_s'] / 1e9:.1f} GB/s, "
+                     f"copy {m['cpu_stream']['copy_bytes_per_s'] / 1e9:.1f} GB/s")
+    for dt in st["cpu_dtypes"]:
+        gemv = [r for r in m.get("cpu_gemv", []) if r["dtype"] == dt]
+        gemm = [r for r in m.get("cpu_gemm", []) if r["dtype"] == dt]
+        attn = [r for r in m.get("cpu_attention", []) if r["dtype"] == dt]
+        for k, n in dict.fromkeys((r["k"], r["n"]) for r in gemv + gemm):
+            lines.append(f"  {dt} {k}x{n}: GEMV weight GB/s by tokens " + ", ".join(
+                f"{r['tokens']}:{r['weight_bytes_per_s'] / 1e9:.1f}" for r in gemv if (r["k"], r["n"]) == (k, n))
+                + "; GEMM GFLOP/s " + ", ".join(
+                f"{r['tokens']}:{r['flops_per_s'] / 1e9:.0f}" for r in gemm if (r["k"], r["n"]) == (k, n)))
+        if attn:
+            lines.append(f"  {dt}: decode attention KV GB/s by (batch, kv_len) " + ", ".join(
+                f"({r['batch']},{r['kv_len']}):{r['kv_bytes_per_s'] / 1e9:.1f}" for r in attn))
+    if m.get("cpu_layer_overhead"):
+        lines.append(f"  per-layer overhead {m['cpu_layer_overhead']['time_s'] * 1e6:.0f} us")
+    if m.get("cpu_threads"):
+        lines.append("  threads (prefill s, decode s): " + ", ".join(
+            f"{r['threads']}:({r['prefill_time_s']:.3g}, {r['decode_time_s']:.3g})" for r in m["cpu_threads"]["sweep"]))
+    a = d["against"]
+    lines.append(f"factors against {a['hardware']} (CPU peak "
+                 + ", ".join(f"{dt} {v / 1e9:.0f}" for dt, v in a["cpu_peak_flops_per_s"].items())
+                 + f" GFLOP/s, {a['cpu_memory_bandwidth_bytes_per_s'] / 1e9:.0f} GB/s):")
+    for dt, f in d["cpu"].items():
+        for key, x in (("compute", "tokens"), ("memory", "tokens"), ("attention", "kv_len")):
+            if f.get(key):
+                lines.append(f"  cpu {key:<9} {dt:<8} " + "  ".join(f"{r[x]:g}:{r['eff']:.3g}" for r in f[key]))
+    for key, x in (("gpu_compute", "tokens"), ("gpu_memory", "tokens"), ("h2d", "bytes"), ("d2h", "bytes")):
+        if d.get(key):
+            lines.append(f"  {key:<13} " + "  ".join(f"{r[x]:g}:{r['eff']:.3g}" for r in d[key]))
+    lines.append(f"  cpu_layer_overhead_s {d['cpu_layer_overhead_s']:.3g}, cpu_threads {d['cpu_threads']}, "
+                 f"cpu_under_copy {d['cpu_under_copy']:.3g}")
+    from flexplan.calibration.store import FILE_ENV, calibration_dirs, file_name, local_identity
+
+    if (res.path.parent.resolve() not in [d.resolve() for d in calibration_dirs()]
+            or res.path.name != file_name(local_identity())):
+        lines.append(f"  not in a lookup folder: use it with {FILE_ENV}={res.path}")
+    share = res.doc.get("other_processes_cpu_share")
+    if share is not None and share > 0.1:
+        lines.append(f"  warning: other processes used {share:.0%} of the CPU during the run: these figures are "
+                     "noisy; re-run on an idle machine")
+    for part, why in res.doc.get("skipped", {}).items():
+        lines.append(f"  skipped {part}: {why}")
+    for n in d.get("notes", []):
+        lines.append(f"  note: {n}")
+    return "\n".join(lines)

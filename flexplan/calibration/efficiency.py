@@ -1,0 +1,354 @@
+"""Shape-dependent efficiency factors from a calibration file (FlexInfer section 5.2).
+
+A calibration file holds absolute measurements (seconds, bytes/s). The factors are computed
+here, at load time, against the peak figures of the :class:`Hardware` being planned for, so
+that the estimator's ADDITIVE per-layer formula (``flexplan/estimator/terms.py``)
+
+    t = C / (TH x Eff_comp(tokens)) + D / (BW x Eff_mem(tokens)) + KV / (BW x Eff_attn(ctx)) + overhead
+
+reproduces each measured time at the calibrated shape:
+
+- Eff_mem from the GEMV at the fewest tokens (compute there is taken as fully hidden,
+  Eff_comp = 1): ``D / (BW x (t - C / TH))``.
+- Eff_comp(tokens) from what is left once the memory term is paid:
+  ``C / (TH x (t - D / (BW x Eff_mem)))``; when nothing is left (compute fully hidden) Eff_comp
+  is 1 and Eff_mem(tokens) absorbs the rest.
+- Eff_attn(ctx) from SDPA decode attention, after its compute term at Eff_comp(batch); the mean
+  over the measured batch sizes (the protocol's factor depends on ctx only).
+- Per-op dispatch cost (a tiny matmul / SDPA call) is taken out of each op's time: the
+  estimator charges it once per layer, in the per-layer overhead.
+
+CPU factors are kept per compute dtype (the planner weighs the CPU's fast dtype against
+float32; PyTorch's bf16 GEMV can be slower than fp32 where bf16 GEMMs are faster).
+
+Between measured points the factors are interpolated linearly in log(tokens), log(ctx) or
+log(bytes) and held constant beyond the ends. All factors are clamped to (0, 1].
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from flexplan.estimator.efficiency import DefaultEfficiency
+from flexplan.hardware.spec import Hardware
+
+EFF_MIN = 1e-4  # a factor below this is a broken measurement, not a slow machine
+MAX_DISPATCH_SHARE = 0.25  # dispatch is a correction: never more than this share of an op's time
+
+
+class Table:
+    """A factor as a function of one positive quantity, piecewise linear in log(x), clamped."""
+
+    def __init__(self, x, y):
+        order = np.argsort(np.asarray(x, dtype=float))
+        self.x = np.asarray(x, dtype=float)[order]
+        self.y = np.clip(np.asarray(y, dtype=float)[order], EFF_MIN, 1.0)
+        if self.x.size == 0 or np.any(self.x <= 0) or not np.all(np.isfinite(self.y)):
+            raise ValueError("a factor table needs positive x and finite y")
+        self._logx = np.log(self.x)
+
+    def __call__(self, v):
+        out = np.interp(np.log(np.maximum(np.asarray(v, dtype=float), 1e-30)), self._logx, self.y)
+        return float(out) if np.ndim(out) == 0 else out
+
+    def rows(self, key: str) -> list[dict[str, float]]:
+        return [{key: _num(x), "eff": _num(y)} for x, y in zip(self.x, self.y)]
+
+
+def _num(x: float) -> float:
+    return float(f"{float(x):.4g}")
+
+
+def _stat_s(row: dict) -> float:
+    return float(row["time_s"])
+
+
+def _less_dispatch(row: dict, dispatch_s: float, capped: list) -> float:
+    """The op's time without its fixed call cost (charged per layer by the estimator)."""
+    t = _stat_s(row)
+    if dispatch_s > MAX_DISPATCH_SHARE * t:
+        capped.append(dispatch_s)
+        return (1 - MAX_DISPATCH_SHARE) * t
+    return t - dispatch_s
+
+
+# ----------------------------------------------------------------------------- derivations (pure)
+
+
+def derive_gemm(rows: list[dict], peak_flops_per_s: float, bandwidth_bytes_per_s: float,
+                dispatch_s: float = 0.0) -> tuple[Table, Table, list[str]]:
+    """(Eff_comp(tokens), Eff_mem(tokens), notes) from GEMM/GEMV rows {tokens, k, n,
+    dtype_bytes, time_s}; rows with the same tokens (several weight shapes) add up, as the
+    GEMMs of one layer do."""
+    by_t: dict[int, list[float]] = {}
+    capped: list[float] = []
+    for r in rows:
+        t, k, n, b = int(r["tokens"]), int(r["k"]), int(r["n"]), float(r["dtype_bytes"])
+        s = by_t.setdefault(t, [0.0, 0.0, 0.0])
+        s[0] += 2.0 * t * k * n  # C
+        s[1] += (k * n + t * (k + n)) * b  # D: weights + activations in and out
+        s[2] += _less_dispatch(r, dispatch_s, capped)
+    if not by_t:
+        raise ValueError("no GEMM measurements")
+    notes = []
+    if capped:
+        notes.append(f"op dispatch measured {dispatch_s * 1e6:.0f} us, over {MAX_DISPATCH_SHARE:.0%} of "
+                     f"{len(capped)} GEMM times: capped (a busy machine?)")
+    tokens = sorted(by_t)
+    c0, d0, t0 = by_t[tokens[0]]
+    left = t0 - c0 / peak_flops_per_s
+    eff_m0 = d0 / (bandwidth_bytes_per_s * left) if left > 0 else 1.0
+    if eff_m0 > 1.0:
+        notes.append(f"weight streaming measured {d0 / left / 1e9:.1f} GB/s, above the hardware's "
+                     f"{bandwidth_bytes_per_s / 1e9:.1f} GB/s: memory factor capped at 1")
+        eff_m0 = 1.0
+    eff_c, eff_m = [], []
+    for t in tokens:
+        c, d, tt = by_t[t]
+        rest = tt - d / (bandwidth_bytes_per_s * eff_m0)
+        if rest > c / peak_flops_per_s:
+            eff_c.append(c / (peak_flops_per_s * rest))
+            eff_m.append(eff_m0)
+        else:  # compute hidden: memory runs faster than at the fewest tokens (or noise)
+            eff_c.append(1.0)
+            mem_s = tt - c / peak_flops_per_s
+            eff_m.append(min(1.0, d / (bandwidth_bytes_per_s * mem_s)) if mem_s > 0 else 1.0)
+    above = [t for t in tokens if by_t[t][0] / by_t[t][2] > peak_flops_per_s * 1.02]
+    if above:
+        best = max(by_t[t][0] / by_t[t][2] for t in above)
+        notes.append(f"GEMM at {', '.join(map(str, above))} tokens measured up to {best / 1e9:.4g} GFLOP/s, above "
+                     f"the hardware's peak {peak_flops_per_s / 1e9:.4g}: factors capped at 1 (is the peak right?)")
+    return Table(tokens, eff_c), Table(tokens, eff_m), notes
+
+
+def derive_attention(rows: list[dict], peak_flops_per_s: float, bandwidth_bytes_per_s: float,
+                     eff_compute: Table, dispatch_s: float = 0.0) -> tuple[Table, dict[int, Table]]:
+    """Eff_attn(ctx) (mean over batch sizes) and the per-batch tables, from SDPA rows {batch,
+    kv_len, heads, kv_heads, head_dim, dtype_bytes, time_s}: KV = 2 b L kv_heads head_dim
+    bytes, C = 4 b heads head_dim L (as in workload/costs.py)."""
+    per_batch: dict[int, dict[int, float]] = {}
+    for r in rows:
+        b, L = int(r["batch"]), int(r["kv_len"])
+        kv = 2.0 * b * L * int(r["kv_heads"]) * int(r["head_dim"]) * float(r["dtype_bytes"])
+        c = 4.0 * b * int(r["heads"]) * int(r["head_dim"]) * L
+        t = _less_dispatch(r, dispatch_s, [])
+        mem_s = t - c / (peak_flops_per_s * eff_compute(b))
+        per_batch.setdefault(b, {})[L] = min(1.0, kv / (bandwidth_bytes_per_s * mem_s)) if mem_s > 0 else 1.0
+    if not per_batch:
+        raise ValueError("no attention measurements")
+    tables = {b: Table(list(d), list(d.values())) for b, d in sorted(per_batch.items())}
+    lens = sorted({L for d in per_batch.values() for L in d})
+    mean = [float(np.mean([tables[b](L) for b in tables])) for L in lens]
+    return Table(lens, mean), tables
+
+
+def derive_link(rows: list[dict], bandwidth_bytes_per_s: float) -> Table:
+    """Eff_ICN(bytes) = measured rate / link rate, from rows {bytes, time_s}."""
+    return Table([float(r["bytes"]) for r in rows],
+                 [float(r["bytes"]) / _stat_s(r) / bandwidth_bytes_per_s for r in rows])
+
+
+def best_threads(sweep: list[dict]) -> int:
+    """The thread count with the lowest sum of prefill and decode times, each relative to its
+    own best (Park & Egger 4.1: all cores is not always fastest)."""
+    pre = min(float(r["prefill_time_s"]) for r in sweep)
+    dec = min(float(r["decode_time_s"]) for r in sweep)
+    return int(min(sweep, key=lambda r: (float(r["prefill_time_s"]) / pre + float(r["decode_time_s"]) / dec,
+                                         -int(r["threads"])))["threads"])
+
+
+# ----------------------------------------------------------------------------- the Efficiency
+
+
+@dataclass(frozen=True)
+class CPUFactors:
+    """The CPU factor tables of one compute dtype."""
+
+    compute: Table
+    memory: Table
+    attention: Table | None
+
+
+@dataclass(frozen=True)
+class CalibratedEfficiency:
+    """The :class:`~flexplan.estimator.efficiency.Efficiency` protocol from measurements. CPU
+    factors are per compute dtype; a dtype the calibration did not measure gets the defaults."""
+
+    cpu: dict[str, CPUFactors]
+    cpu_dtype: str  # the one asked for when the caller gives none
+    cpu_overhead_s: float
+    threads: int | None
+    under_copy: float
+    gpu_compute_table: Table | None
+    gpu_memory_table: Table | None
+    h2d_table: Table | None
+    d2h_table: Table | None
+    gpu_overhead_s: float
+    defaults: DefaultEfficiency
+    source: str
+    notes: tuple[str, ...] = field(default_factory=tuple)
+
+    def _cpu(self, dtype: str | None) -> CPUFactors | None:
+        return self.cpu.get(dtype or self.cpu_dtype)
+
+    def cpu_compute(self, tokens, dtype=None):
+        f = self._cpu(dtype)
+        return f.compute(tokens) if f else self.defaults.cpu_compute(tokens, dtype)
+
+    def cpu_memory(self, tokens, dtype=None):
+        f = self._cpu(dtype)
+        return f.memory(tokens) if f else self.defaults.cpu_memory(tokens, dtype)
+
+    def cpu_attention(self, context_len, dtype=None):
+        f = self._cpu(dtype)
+        if f is None:
+            return self.defaults.cpu_attention(context_len, dtype)
+        if f.attention is None:  # not measured: KV reads stream like weights at one token
+            eff = f.memory(1)
+            return eff if np.ndim(context_len) == 0 else np.full(np.shape(context_len), eff)
+        return f.attention(context_len)
+
+    def gpu_compute(self, tokens):
+        return self.gpu_compute_table(tokens) if self.gpu_compute_table else self.defaults.gpu_compute(tokens)
+
+    def gpu_memory(self, tokens):
+        return self.gpu_memory_table(tokens) if self.gpu_memory_table else self.defaults.gpu_memory(tokens)
+
+    def h2d(self, transfer_bytes):
+        return self.h2d_table(transfer_bytes) if self.h2d_table else self.defaults.h2d(transfer_bytes)
+
+    def d2h(self, transfer_bytes):
+        return self.d2h_table(transfer_bytes) if self.d2h_table else self.defaults.d2h(transfer_bytes)
+
+    def cpu_under_copy(self):
+        return self.under_copy
+
+    def cpu_threads(self):
+        return self.threads
+
+    def cpu_layer_overhead_s(self):
+        return self.cpu_overhead_s
+
+    def gpu_layer_overhead_s(self):
+        return self.gpu_overhead_s
+
+    def describe_factors(self) -> dict[str, Any]:
+        """The factor tables as plain data (for the YAML's derived section and for humans)."""
+        out: dict[str, Any] = {"cpu": {dt: {"compute": f.compute.rows("tokens"), "memory": f.memory.rows("tokens"),
+                                            "attention": f.attention.rows("kv_len") if f.attention else None}
+                                       for dt, f in self.cpu.items()},
+                               "cpu_layer_overhead_s": _num(self.cpu_overhead_s), "cpu_threads": self.threads,
+                               "cpu_under_copy": _num(self.under_copy)}
+        for name, t, key in (("gpu_compute", self.gpu_compute_table, "tokens"),
+                             ("gpu_memory", self.gpu_memory_table, "tokens"),
+                             ("h2d", self.h2d_table, "bytes"), ("d2h", self.d2h_table, "bytes")):
+            out[name] = t.rows(key) if t else None
+        out["gpu_layer_overhead_s"] = _num(self.gpu_overhead_s)
+        out["notes"] = list(self.notes)
+        return out
+
+
+def _part(meas: dict, name: str, kind: type):
+    v = meas.get(name)
+    return v if isinstance(v, kind) and v else None
+
+
+GEMM_KEYS = ("dtype", "tokens", "k", "n", "dtype_bytes", "time_s")
+ATTENTION_KEYS = ("dtype", "batch", "kv_len", "heads", "kv_heads", "head_dim", "dtype_bytes", "time_s")
+
+
+def check_rows(rows, keys: tuple[str, ...], what: str) -> list[dict]:
+    """``rows`` as a list of dicts holding ``keys`` with positive numbers (``dtype`` a string);
+    ValueError naming the first bad row otherwise."""
+    if rows is None:
+        return []
+    if not isinstance(rows, list):
+        raise ValueError(f"`{what}` should be a list of rows")
+    for i, r in enumerate(rows):
+        bad = [k for k in keys if not isinstance(r, dict) or k not in r
+               or (k == "dtype" and not isinstance(r[k], str))
+               or (k != "dtype" and (isinstance(r[k], bool) or not isinstance(r[k], (int, float)) or not r[k] > 0))]
+        if bad:
+            raise ValueError(f"`{what}` row {i} lacks or has a bad {', '.join(bad)}")
+    return rows
+
+
+def _of_dtype(rows: list[dict], dtype: str) -> list[dict]:
+    return [r for r in rows if r["dtype"] == dtype]
+
+
+def cpu_factors(meas: dict, dtype: str, hw: Hardware, notes: list[str]) -> CPUFactors | None:
+    """Compute, memory and attention tables of the CPU in ``dtype``; None when not measured."""
+    gemm_rows = (_of_dtype(check_rows(meas.get("cpu_gemv"), GEMM_KEYS, "measurements.cpu_gemv"), dtype)
+                 + _of_dtype(check_rows(meas.get("cpu_gemm"), GEMM_KEYS, "measurements.cpu_gemm"), dtype))
+    if not gemm_rows:
+        return None
+    th = float(hw.cpu.peak_flops_per_s[dtype])
+    bw = float(hw.cpu.memory_bandwidth_bytes_per_s)
+    disp = (meas.get("cpu_op_dispatch") or {}).get(dtype) or {}
+    eff_c, eff_m, n = derive_gemm(gemm_rows, th, bw, float(disp.get("linear_call_s", 0.0)))
+    notes += [f"CPU {dtype}: {x}" for x in n]
+    attn_rows = _of_dtype(check_rows(meas.get("cpu_attention"), ATTENTION_KEYS, "measurements.cpu_attention"), dtype)
+    eff_a = derive_attention(attn_rows, th, bw, eff_c, float(disp.get("sdpa_call_s", 0.0)))[0] if attn_rows else None
+    if eff_a is None:
+        notes.append(f"CPU {dtype} attention not measured: KV reads use the weight-streaming factor")
+    return CPUFactors(eff_c, eff_m, eff_a)
+
+
+def from_measurements(meas: dict, settings: dict, hw: Hardware, source: str) -> CalibratedEfficiency:
+    """Factors of ``hw`` that reproduce the measurements ``meas`` (a calibration file's
+    ``measurements`` section). Raises ValueError/KeyError/TypeError on malformed content."""
+    defaults = DefaultEfficiency.for_hardware(hw)
+    notes: list[str] = []
+    cpu = {}
+    for dtype in settings["cpu_dtypes"]:
+        f = cpu_factors(meas, dtype, hw, notes)
+        if f is not None:
+            cpu[dtype] = f
+    if not cpu:
+        raise ValueError("no CPU GEMV/GEMM measurements")
+    for dtype in dict.fromkeys([hw.cpu.compute_dtype, "float32"]):
+        if dtype not in cpu:
+            notes.append(f"CPU {dtype} not measured: its factors are defaults")
+    layer = _part(meas, "cpu_layer_overhead", dict)
+    cpu_overhead = float(layer["time_s"]) if layer else defaults.cpu_layer_overhead_s()
+    if not layer:
+        notes.append("CPU per-layer overhead not measured: default")
+    sweep = _part(meas, "cpu_threads", dict)
+    threads = best_threads(sweep["sweep"]) if sweep else None
+
+    gpu_c = gpu_m = h2d = d2h = None
+    gpu_overhead = defaults.gpu_layer_overhead_s()
+    under_copy = 1.0
+    gpu_rows = (check_rows(meas.get("gpu_gemv"), GEMM_KEYS, "measurements.gpu_gemv")
+                + check_rows(meas.get("gpu_gemm"), GEMM_KEYS, "measurements.gpu_gemm"))
+    if hw.gpu is not None and gpu_rows:
+        gpu_dtype = settings.get("gpu_dtype") or "bfloat16"
+        gpu_c, gpu_m, n = derive_gemm(gpu_rows, float(hw.gpu.peak_flops_per_s[gpu_dtype]),
+                                      float(hw.gpu.memory_bandwidth_bytes_per_s))
+        notes += [f"GPU: {x}" for x in n]
+        g_layer = _part(meas, "gpu_layer_overhead", dict)
+        if g_layer:
+            gpu_overhead = float(g_layer["time_s"])
+    elif hw.gpu is not None:
+        notes.append("no GPU measurements in this calibration: GPU factors are defaults")
+    if hw.link is not None:
+        if check_rows(meas.get("h2d"), ("bytes", "time_s"), "measurements.h2d"):
+            h2d = derive_link(meas["h2d"], hw.link.h2d_bandwidth_bytes_per_s)
+        if check_rows(meas.get("d2h"), ("bytes", "time_s"), "measurements.d2h"):
+            d2h = derive_link(meas["d2h"], hw.link.d2h_bandwidth_bytes_per_s)
+        if h2d is None or d2h is None:
+            notes.append("link not measured: Eff_ICN is the default")
+    contention = _part(meas, "cpu_under_copy", dict)
+    if contention:
+        under_copy = max(1.0, float(contention["factor"]))
+    else:
+        notes.append("CPU slowdown under a host-to-device copy not measured (no GPU): 1.0")
+    primary = hw.cpu.compute_dtype if hw.cpu.compute_dtype in cpu else next(iter(cpu))
+    return CalibratedEfficiency(
+        cpu=cpu, cpu_dtype=primary, cpu_overhead_s=cpu_overhead, threads=threads, under_copy=under_copy,
+        gpu_compute_table=gpu_c, gpu_memory_table=gpu_m, h2d_table=h2d, d2h_table=d2h, gpu_overhead_s=gpu_overhead,
+        defaults=defaults, source=source, notes=tuple(notes))

@@ -1,0 +1,297 @@
+"""CPU micro-benchmarks for ``flexplan calibrate`` (torch). Each returns plain data with units
+in its key names; none of them derives a factor (that is ``calibration/efficiency.py``).
+
+- GEMV / GEMM: ``tokens`` x k times k x n in the CPU compute dtype, weights cycled through
+  distinct copies that together exceed the last-level cache several times, as the weights of
+  successive layers do: each call streams its weights from DRAM.
+- Decode attention: ``scaled_dot_product_attention`` with one query over a KV cache, grouped
+  query heads as transformers runs them (``enable_gqa``), KV cycled the same way.
+- Per-op dispatch: a tiny matmul and a tiny SDPA call (their fixed cost).
+- Per-layer overhead: a real transformers ``LlamaDecoderLayer`` of hidden size 64 in decode
+  shape (one token, a KV cache): the fixed cost of one layer, Python and dispatch included.
+- Thread sweep (Park & Egger 4.1): a prefill GEMM and a decode GEMV at 1..cores threads.
+
+Times are the fastest of the timed runs (``time_s``, as STREAM and ``timeit`` report: what the
+machine can do; slower runs are interference, e.g. an OpenMP thread descheduled by another
+process), after one untimed warm-up; the median is kept as ``time_median_s``.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from collections.abc import Callable
+from contextlib import contextmanager
+from dataclasses import dataclass, replace
+
+# Attention heads of a real model: Llama-3-8B (32 query heads, 8 KV heads, head_dim 128).
+ATTN_HEADS, ATTN_KV_HEADS, ATTN_HEAD_DIM = 32, 8, 128
+# Weight shapes (k x n) typical of a 7-8B layer at hidden 2048..4096: attention projection and MLP.
+WEIGHT_SHAPES = ((2048, 2048), (2048, 5632))
+
+
+@dataclass(frozen=True)
+class Sizes:
+    """How much to measure. ``rotate_bytes``: distinct weights/KV cycled per benchmark (0: auto,
+    4 x the last-level cache and at least 128 MB)."""
+
+    gemv_tokens: tuple[int, ...]
+    gemm_tokens: tuple[int, ...]
+    weight_shapes: tuple[tuple[int, int], ...]
+    attn_kv_lens: tuple[int, ...]
+    attn_batches: tuple[int, ...]
+    attn_heads: tuple[int, int, int] = (ATTN_HEADS, ATTN_KV_HEADS, ATTN_HEAD_DIM)
+    repeats: int = 5
+    budget_s: float = 2.0  # per shape: stop repeating once this much time was spent (>= 3 runs)
+    rotate_bytes: int = 0
+    stream_bytes: int = 256 * 2**20
+    layer_calls: int = 200
+    sweep_prefill_tokens: int = 256
+    transfer_bytes: tuple[int, ...] = (2**20, 16 * 2**20, 256 * 2**20, 2**30)  # GPU link sweep
+
+
+MODES = {
+    "full": Sizes(gemv_tokens=(1, 2, 4, 8, 16), gemm_tokens=(64, 256, 1024, 4096), weight_shapes=WEIGHT_SHAPES,
+                  attn_kv_lens=(128, 512, 2048, 8192), attn_batches=(1, 8), repeats=7, budget_s=4.0,
+                  sweep_prefill_tokens=1024),
+    "quick": Sizes(gemv_tokens=(1, 4, 16), gemm_tokens=(64, 256, 1024), weight_shapes=WEIGHT_SHAPES,
+                   attn_kv_lens=(128, 512, 2048, 8192), attn_batches=(1, 8), repeats=7, budget_s=1.0,
+                   stream_bytes=128 * 2**20, layer_calls=100, transfer_bytes=(2**20, 16 * 2**20, 256 * 2**20)),
+    # for tests: seconds, not minutes; the numbers mean little
+    "tiny": Sizes(gemv_tokens=(1, 4), gemm_tokens=(16, 64), weight_shapes=((256, 512),), attn_kv_lens=(64, 256),
+                  attn_batches=(1, 2), attn_heads=(4, 2, 32), repeats=3, budget_s=0.2, rotate_bytes=4 * 2**20,
+                  stream_bytes=4 * 2**20, layer_calls=10, sweep_prefill_tokens=16,
+                  transfer_bytes=(2**16, 2**20)),
+}
+
+
+# ----------------------------------------------------------------------------- helpers
+
+
+def llc_bytes() -> int:
+    """Size of the last-level cache (one instance), from sysfs; 32 MiB when unknown."""
+    import glob
+
+    best = 0
+    for d in glob.glob("/sys/devices/system/cpu/cpu0/cache/index*"):
+        try:
+            size = open(f"{d}/size").read().strip().upper()
+            mult = {"K": 2**10, "M": 2**20, "G": 2**30}.get(size[-1], 1)
+            best = max(best, int(size.rstrip("KMG")) * mult)
+        except (OSError, ValueError):
+            continue
+    return best or 32 * 2**20
+
+
+def rotate_bytes(sizes: Sizes) -> int:
+    return sizes.rotate_bytes or max(4 * llc_bytes(), 128 * 2**20)
+
+
+def torch_dtype(name: str):
+    import torch
+
+    return getattr(torch, name)
+
+
+def dtype_bytes(name: str) -> int:
+    return torch_dtype(name).itemsize
+
+
+@contextmanager
+def torch_threads(threads: int | None):
+    import torch
+
+    before = torch.get_num_threads()
+    if threads:
+        torch.set_num_threads(int(threads))
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def time_call(fn: Callable[[], object], repeats: int, budget_s: float, sync: Callable[[], None] | None = None,
+              inner: int = 1) -> dict[str, float]:
+    """Fastest (``time_s``) and median seconds per call of ``fn`` (``inner`` calls per timed run,
+    ``sync`` after them, e.g. torch.cuda.synchronize), after one untimed warm-up run. Stops after
+    ``repeats`` runs, or earlier (never before 3) once ``budget_s`` is spent."""
+    def run():
+        t0 = time.perf_counter()
+        for _ in range(inner):
+            fn()
+        if sync:
+            sync()
+        return (time.perf_counter() - t0) / inner
+
+    run()
+    times: list[float] = []
+    start = time.perf_counter()
+    while len(times) < max(1, repeats):
+        times.append(run())
+        if len(times) >= 3 and time.perf_counter() - start > budget_s:
+            break
+    return {"time_s": min(times), "time_median_s": statistics.median(times), "runs": len(times)}
+
+
+def _sig(x: float) -> float:
+    """Six significant digits (readable YAML)."""
+    return float(f"{x:.6g}")
+
+
+def copies_for(one_bytes: int, total_bytes: int, cap: int = 256) -> int:
+    """How many distinct copies of ``one_bytes`` to cycle so that the whole exceeds ``total_bytes``."""
+    return max(1, min(cap, math.ceil(total_bytes / max(1, one_bytes))))
+
+
+class Cycle:
+    """Round-robin over distinct tensors."""
+
+    def __init__(self, items):
+        self.items, self.i = list(items), 0
+
+    def next(self):
+        self.i = (self.i + 1) % len(self.items)
+        return self.items[self.i]
+
+
+# ----------------------------------------------------------------------------- benchmarks
+
+
+def stream(sizes: Sizes, threads: int) -> dict[str, float]:
+    """STREAM triad and copy (flexplan/calibration/stream.py)."""
+    from flexplan.calibration.stream import copy_bytes_per_s, stream_triad_bytes_per_s
+
+    return {"triad_bytes_per_s": _sig(stream_triad_bytes_per_s(sizes.stream_bytes, threads=threads)),
+            "copy_bytes_per_s": _sig(copy_bytes_per_s(sizes.stream_bytes, threads=threads)),
+            "array_bytes": int(sizes.stream_bytes)}
+
+
+def op_dispatch(sizes: Sizes, dtype: str, device: str = "cpu", sync=None) -> dict[str, float]:
+    """Fixed cost of one small op call: a 1 x 64 x 64 matmul and a 1-query SDPA over 1 key."""
+    import torch
+    import torch.nn.functional as F
+
+    dt = torch_dtype(dtype)
+    a, w = torch.ones(1, 64, dtype=dt, device=device), torch.ones(64, 64, dtype=dt, device=device)
+    q, kv = torch.ones(1, 4, 1, 16, dtype=dt, device=device), torch.ones(1, 2, 1, 16, dtype=dt, device=device)
+    with torch.inference_mode():
+        inner = max(1, sizes.layer_calls // 10)
+        lin = time_call(lambda: F.linear(a, w), sizes.repeats, sizes.budget_s / 2, sync, inner)
+        sdpa = time_call(lambda: F.scaled_dot_product_attention(q, kv, kv, enable_gqa=True), sizes.repeats,
+                         sizes.budget_s / 2, sync, inner)
+    return {"linear_call_s": _sig(lin["time_s"]), "sdpa_call_s": _sig(sdpa["time_s"])}
+
+
+def gemm(tokens: tuple[int, ...], sizes: Sizes, dtype: str, device: str = "cpu", sync=None,
+         tick: Callable[[], None] | None = None, total_bytes: int | None = None, inner: int = 1) -> list[dict]:
+    """One row per (tokens, k, n): ``time_s`` per call, achieved ``flops_per_s`` and the
+    ``weight_bytes_per_s`` the weights streamed at. ``inner`` calls per timed run (GPU: kernels
+    queue back to back, one synchronize per run)."""
+    import torch
+    import torch.nn.functional as F
+
+    dt, nbytes = torch_dtype(dtype), dtype_bytes(dtype)
+    total_bytes = total_bytes or rotate_bytes(sizes)
+    rows = []
+    with torch.inference_mode():
+        for k, n in sizes.weight_shapes:
+            ws = Cycle(torch.full((n, k), 0.01, dtype=dt, device=device)
+                       for _ in range(copies_for(k * n * nbytes, total_bytes)))
+            for t in tokens:
+                x = torch.full((t, k), 0.5, dtype=dt, device=device)
+                r = time_call(lambda: F.linear(x, ws.next()), sizes.repeats, sizes.budget_s, sync, inner)
+                rows.append({"dtype": dtype, "tokens": t, "k": k, "n": n, "dtype_bytes": nbytes, "time_s": _sig(r["time_s"]),
+                             "time_median_s": _sig(r["time_median_s"]), "runs": r["runs"],
+                             "flops_per_s": _sig(2.0 * t * k * n / r["time_s"]),
+                             "weight_bytes_per_s": _sig(k * n * nbytes / r["time_s"])})
+                if tick:
+                    tick()
+            del ws
+    return rows
+
+
+def attention(sizes: Sizes, dtype: str, device: str = "cpu", sync=None,
+              tick: Callable[[], None] | None = None) -> list[dict]:
+    """Decode attention: one query per sequence over ``kv_len`` cached keys; achieved
+    ``kv_bytes_per_s`` (K and V read once)."""
+    import torch
+    import torch.nn.functional as F
+
+    dt, nbytes = torch_dtype(dtype), dtype_bytes(dtype)
+    heads, kv_heads, hd = sizes.attn_heads
+    rows = []
+    with torch.inference_mode():
+        for b in sizes.attn_batches:
+            q = torch.full((b, heads, 1, hd), 0.1, dtype=dt, device=device)
+            for L in sizes.attn_kv_lens:
+                one = 2 * b * kv_heads * L * hd * nbytes
+                kvs = Cycle([(torch.full((b, kv_heads, L, hd), 0.1, dtype=dt, device=device),
+                              torch.full((b, kv_heads, L, hd), 0.2, dtype=dt, device=device))
+                             for _ in range(copies_for(one, rotate_bytes(sizes)))])
+
+                def call():
+                    k, v = kvs.next()
+                    return F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+
+                r = time_call(call, sizes.repeats, sizes.budget_s, sync)
+                rows.append({"dtype": dtype, "batch": b, "kv_len": L, "heads": heads, "kv_heads": kv_heads, "head_dim": hd,
+                             "dtype_bytes": nbytes, "time_s": _sig(r["time_s"]), "time_median_s": _sig(r["time_median_s"]),
+                             "runs": r["runs"], "kv_bytes_per_s": _sig(one / r["time_s"])})
+                del kvs
+                if tick:
+                    tick()
+    return rows
+
+
+def layer_overhead(sizes: Sizes, dtype: str, device: str = "cpu", sync=None, inner: int = 1) -> dict[str, float]:
+    """One decode step of a tiny (hidden 64) transformers LlamaDecoderLayer with a KV cache:
+    the fixed per-layer cost (its arithmetic is negligible)."""
+    import torch
+    from transformers import LlamaConfig
+    from transformers.cache_utils import DynamicCache
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
+
+    cfg = LlamaConfig(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+                      head_dim=16, num_hidden_layers=1, vocab_size=128)
+    cfg._attn_implementation = "sdpa"
+    dt = torch_dtype(dtype)
+    layer = LlamaDecoderLayer(cfg, 0).to(device=device, dtype=dt).eval()
+    rotary = LlamaRotaryEmbedding(cfg).to(device)
+    cache = DynamicCache(config=cfg)
+    with torch.inference_mode():
+        prompt = torch.full((1, 16, 64), 0.1, dtype=dt, device=device)
+        pos = torch.arange(16, device=device)[None]
+        layer(prompt, position_ids=pos, position_embeddings=rotary(prompt, pos), past_key_values=cache, use_cache=True)
+        x = torch.full((1, 1, 64), 0.1, dtype=dt, device=device)
+        p = torch.tensor([[16]], device=device)
+        pe = rotary(x, p)
+        r = time_call(lambda: layer(x, position_ids=p, position_embeddings=pe, past_key_values=cache, use_cache=True),
+                      max(3, sizes.layer_calls // inner), 2 * sizes.budget_s, sync, inner)
+    return {"time_s": _sig(r["time_s"]), "time_median_s": _sig(r["time_median_s"]), "runs": r["runs"],
+            "hidden_size": 64, "layer": "transformers LlamaDecoderLayer (sdpa), decode step with DynamicCache"}
+
+
+def thread_counts(cores: int) -> list[int]:
+    """1..cores when few; else powers of two, 3/4 and all of the cores."""
+    if cores <= 8:
+        return list(range(1, cores + 1))
+    picks = {1, cores, (3 * cores) // 4, cores // 2} | {2**i for i in range(1, int(math.log2(cores)) + 1)}
+    return sorted(c for c in picks if 1 <= c <= cores)
+
+
+def thread_sweep(sizes: Sizes, dtype: str, cores: int, tick: Callable[[], None] | None = None) -> dict:
+    """Prefill GEMM and decode GEMV time at each thread count; the best counts."""
+    k, n = sizes.weight_shapes[-1]
+    one = replace(sizes, weight_shapes=((k, n),))
+    sweep = []
+    for threads in thread_counts(cores):
+        with torch_threads(threads):
+            pre, dec = gemm((sizes.sweep_prefill_tokens, 1), one, dtype)
+        sweep.append({"threads": threads, "prefill_time_s": pre["time_s"], "decode_time_s": dec["time_s"]})
+        if tick:
+            tick()
+    return {"prefill": {"tokens": sizes.sweep_prefill_tokens, "k": k, "n": n}, "decode": {"tokens": 1, "k": k, "n": n},
+            "sweep": sweep,
+            "best_prefill_threads": min(sweep, key=lambda r: r["prefill_time_s"])["threads"],
+            "best_decode_threads": min(sweep, key=lambda r: r["decode_time_s"])["threads"]}

@@ -1,0 +1,337 @@
+"""Calibration: the file it writes, how it is read back, refused, and turned into factors.
+
+One tiny calibration run (seconds; its numbers mean little) feeds the round-trip tests; the
+derivation is checked on synthetic measurements whose factors are known.
+"""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import yaml
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import flexplan
+from flexplan.calibration import describe_calibration, efficiency_for, efficiency_from_file, store
+from flexplan.calibration.efficiency import CalibratedEfficiency, Table, best_threads, derive_attention, derive_gemm
+from flexplan.errors import CalibrationError
+from flexplan.estimator import DefaultEfficiency
+from flexplan.hardware import get_hardware
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def cal_dir(tmp_path_factory):
+    """A calibration folder holding one tiny calibration of this machine."""
+    from flexplan.calibration.cli import calibrate
+
+    d = tmp_path_factory.mktemp("calibration")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv(store.DIR_ENV, str(d))
+        mp.delenv(store.FILE_ENV, raising=False)
+        res = calibrate(mode="tiny", progress=False)
+    assert res.path.parent == d
+    return d, res
+
+
+@pytest.fixture
+def use_dir(cal_dir, monkeypatch):
+    """Only the tiny calibration is visible (not a real one in the checkout's calibration/)."""
+    d, res = cal_dir
+    monkeypatch.setenv(store.DIR_ENV, str(d))
+    monkeypatch.delenv(store.FILE_ENV, raising=False)
+    monkeypatch.setattr(store, "calibration_dirs", lambda: [d])
+    return d, res
+
+
+def _valid_doc(cal_dir) -> dict:
+    return yaml.safe_load(cal_dir[1].path.read_text())
+
+
+def _write(path: Path, doc) -> Path:
+    path.write_text(doc if isinstance(doc, str) else yaml.safe_dump(doc, sort_keys=False))
+    return path
+
+
+# ----------------------------------------------------------------------------- round trip
+
+
+def test_tiny_run_writes_a_valid_file(use_dir):
+    d, res = use_dir
+    ident = store.local_identity()
+    assert res.path.name == store.file_name(ident)
+    assert res.path.name.endswith(f"-{ident.fingerprint[:8]}.yaml")
+    assert not res.failures, res.failures
+    cal = store.load_calibration(res.path)
+    doc = cal.doc
+    assert doc["format"] == "flexplan-calibration" and doc["version"] == 1
+    assert doc["fingerprint"] == ident.fingerprint
+    assert doc["created_utc"].endswith("Z") and doc["torch_version"]
+    meas = doc["measurements"]
+    for key in ("cpu_stream", "cpu_op_dispatch", "cpu_gemv", "cpu_gemm", "cpu_attention", "cpu_layer_overhead",
+                "cpu_threads"):
+        assert meas[key], key
+    assert all(r["time_s"] > 0 and r["flops_per_s"] > 0 for r in meas["cpu_gemm"])
+    assert set(doc["settings"]["cpu_dtypes"]) >= {"float32"}
+    assert [p.name for p in d.iterdir()] == [res.path.name]  # no temp files left
+
+
+def test_factors_in_range_interpolated_and_clamped(use_dir):
+    hw = get_hardware("local")
+    eff = efficiency_for(hw)
+    assert isinstance(eff, CalibratedEfficiency)
+    assert store.file_name(store.local_identity()) in eff.source and "old" in eff.source
+    for dt, f in eff.cpu.items():
+        for table in (f.compute, f.memory, f.attention):
+            xs = table.x
+            ys = np.array([table(x) for x in xs])
+            assert np.all((ys > 0) & (ys <= 1))
+            # clamped beyond the ends
+            assert table(xs[0] / 10) == pytest.approx(ys[0]) and table(xs[-1] * 10) == pytest.approx(ys[-1])
+            # between two measured points the value lies between them
+            for (x0, y0), (x1, y1) in zip(zip(xs, ys), zip(xs[1:], ys[1:])):
+                mids = np.exp(np.linspace(np.log(x0), np.log(x1), 7))
+                v = table(mids)
+                assert np.all(v >= min(y0, y1) - 1e-12) and np.all(v <= max(y0, y1) + 1e-12)
+                assert np.all(np.diff(v) >= -1e-12) or np.all(np.diff(v) <= 1e-12)
+    ctx = np.array([10.0, 100.0, 1e4])
+    assert eff.cpu_attention(ctx, "float32").shape == ctx.shape
+    assert eff.cpu_under_copy() == 1.0 and eff.cpu_threads() >= 1 and eff.cpu_layer_overhead_s() > 0
+    assert eff.h2d(1e6) == DefaultEfficiency.for_hardware(hw).h2d(1e6)  # no GPU part: defaults
+
+
+def test_plan_on_local_uses_the_calibration(use_dir):
+    p = flexplan.plan("HuggingFaceTB/SmolLM2-135M-Instruct", hardware="local", input_len=32, output_len=4)
+    assert store.file_name(store.local_identity()) in p.calibration
+    line = describe_calibration(get_hardware("local"))
+    assert line.startswith("calibration in use:") and store.file_name(store.local_identity()) in line
+
+
+def test_hwdb_hardware_and_missing_file_use_defaults(use_dir, tmp_path, monkeypatch):
+    server = get_hardware("flexinfer-server2")
+    assert isinstance(efficiency_for(server), DefaultEfficiency)
+    monkeypatch.setattr(store, "calibration_dirs", lambda: [tmp_path])
+    local = get_hardware("local")
+    assert isinstance(efficiency_for(local), DefaultEfficiency)
+    assert describe_calibration(local) == "calibration: none: run `flexplan calibrate --quick`"
+
+
+def test_newest_matching_file_wins_and_load_is_cached(use_dir, tmp_path, monkeypatch):
+    doc = _valid_doc(use_dir)
+    monkeypatch.setattr(store, "calibration_dirs", lambda: [tmp_path / "a", tmp_path / "b"])
+    name = store.file_name(store.local_identity())
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    _write(tmp_path / "a" / name, {**doc, "created_utc": "2020-01-01T00:00:00Z"})
+    _write(tmp_path / "b" / name, {**doc, "created_utc": "2024-01-01T00:00:00Z"})
+    _write(tmp_path / "b" / "other-machine-1c-nogpu-00000000.yaml", "not: [valid")  # not ours: never read
+    assert store.find_calibration().path == tmp_path / "b" / name
+    a = store.load_calibration(tmp_path / "b" / name)
+    assert store.load_calibration(tmp_path / "b" / name) is a  # cached
+    _write(tmp_path / "b" / name, {**doc, "created_utc": "2019-01-01T00:00:00Z", "mode": "edited"})
+    os.utime(tmp_path / "b" / name, ns=(1, 10**18))
+    assert store.load_calibration(tmp_path / "b" / name).doc["mode"] == "edited"  # mtime changed: re-read
+    assert store.find_calibration().path == tmp_path / "a" / name
+
+
+# ----------------------------------------------------------------------------- atomic write
+
+
+def test_crash_during_write_leaves_old_file_intact(tmp_path, monkeypatch):
+    target = tmp_path / "x.yaml"
+    store.write_atomic({"format": "old"}, target)
+    before = target.read_text()
+
+    def boom(*a, **k):
+        raise RuntimeError("disk on fire")
+
+    monkeypatch.setattr(yaml, "safe_dump", boom)
+    with pytest.raises(RuntimeError):
+        store.write_atomic({"format": "new"}, target)
+    with pytest.raises(RuntimeError):
+        store.write_atomic({"format": "new"}, tmp_path / "fresh.yaml")
+    assert target.read_text() == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["x.yaml"]
+
+
+def test_failed_essential_benchmark_writes_nothing(tmp_path, monkeypatch):
+    from flexplan.calibration import cli, microbench
+
+    monkeypatch.setenv(store.DIR_ENV, str(tmp_path))
+
+    def broken(*a, **k):
+        raise MemoryError("no room for weights")
+
+    monkeypatch.setattr(microbench, "gemm", broken)
+    with pytest.raises(CalibrationError, match="cpu_gemv.*no room for weights"):
+        cli.calibrate(mode="tiny", progress=False)
+    assert list(tmp_path.iterdir()) == []
+
+
+# ----------------------------------------------------------------------------- refusing bad files
+
+
+def _bad_files(doc: dict) -> dict[str, object]:
+    no_meas = {k: v for k, v in doc.items() if k != "measurements"}
+    text = yaml.safe_dump(doc, sort_keys=False)
+    return {
+        "corrupt": "format: flexplan-calibration\nversion: 1\nmeasurements: [unclosed\n",
+        "truncated": text[: len(text) // 3],
+        "missing": no_meas,
+        "version": {**doc, "version": 99},
+        "format": {**doc, "format": "something-else"},
+        "empty": "",
+        "bad_rows": {**doc, "measurements": {**doc["measurements"], "cpu_gemm": [{"tokens": 1}]}},
+    }
+
+
+EXPECT = {"corrupt": "not valid YAML", "truncated": "truncated", "missing": "lacks `measurements`",
+          "version": "version 99", "format": "not a flexplan calibration file", "empty": "not a flexplan calibration",
+          "bad_rows": "malformed measurements"}
+
+
+@pytest.mark.parametrize("kind", list(EXPECT))
+def test_bad_file_is_refused_with_a_clear_message(use_dir, tmp_path, monkeypatch, kind):
+    path = _write(tmp_path / f"{kind}.yaml", _bad_files(_valid_doc(use_dir))[kind])
+    monkeypatch.setenv(store.FILE_ENV, str(path))
+    with pytest.raises(CalibrationError) as e:
+        efficiency_for(get_hardware("local"))
+    msg = str(e.value)
+    assert EXPECT[kind] in msg and path.name in msg and "flexplan calibrate" in msg
+
+
+def test_foreign_file_is_refused(use_dir, tmp_path, monkeypatch):
+    doc = _valid_doc(use_dir)
+    doc["fingerprint"] = "0123456789abcdef"
+    doc["machine"]["cpu_model"] = "Intel(R) Xeon(R) Gold 6454S"
+    path = _write(tmp_path / "foreign.yaml", doc)
+    monkeypatch.setenv(store.FILE_ENV, str(path))
+    with pytest.raises(CalibrationError, match="another machine.*6454S"):
+        efficiency_for(get_hardware("local"))
+    with pytest.raises(CalibrationError, match="another machine"):
+        efficiency_from_file(path, get_hardware("local"))
+    assert isinstance(efficiency_from_file(use_dir[1].path, get_hardware("local")), CalibratedEfficiency)
+    # a foreign or corrupt file carrying this machine's name is not skipped silently either
+    monkeypatch.delenv(store.FILE_ENV)
+    monkeypatch.setattr(store, "calibration_dirs", lambda: [tmp_path / "auto"])
+    (tmp_path / "auto").mkdir()
+    named = _write(tmp_path / "auto" / store.file_name(store.local_identity()), doc)
+    with pytest.raises(CalibrationError, match="another machine"):
+        efficiency_for(get_hardware("local"))
+    _write(named, "format: [")
+    with pytest.raises(CalibrationError, match="not valid YAML"):
+        describe_calibration(get_hardware("local"))
+
+
+def test_cli_hw_with_corrupt_file_prints_one_line(tmp_path):
+    bad = _write(tmp_path / "bad.yaml", "format: flexplan-calibration\nversion: [1\n")
+    env = {**os.environ, store.FILE_ENV: str(bad)}
+    r = subprocess.run([sys.executable, "-m", "flexplan.cli", "hw"], capture_output=True, text=True, env=env,
+                       cwd=REPO, timeout=60)
+    assert r.returncode != 0
+    assert "Traceback" not in r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and "bad.yaml" in lines[0] and "flexplan calibrate" in lines[0]
+
+
+def test_cli_calibrate_then_hw(tmp_path):
+    env = {**os.environ, store.DIR_ENV: str(tmp_path)}
+    env.pop(store.FILE_ENV, None)
+    r = subprocess.run([sys.executable, "-m", "flexplan.cli", "calibrate", "--tiny", "--no-progress"],
+                       capture_output=True, text=True, env=env, cwd=REPO, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith("wrote ") and "factors against local" in r.stdout
+    [written] = list(tmp_path.iterdir())
+    r = subprocess.run([sys.executable, "-m", "flexplan.cli", "hw"], capture_output=True, text=True, env=env,
+                       cwd=REPO, timeout=60)
+    assert r.returncode == 0 and f"calibration in use: {written}" in r.stdout
+
+
+def test_unwritable_target_fails_before_measuring(monkeypatch):
+    from flexplan.calibration import cli, microbench
+
+    monkeypatch.setattr(microbench, "gemm", lambda *a, **k: pytest.fail("measured before checking the target"))
+    with pytest.raises(CalibrationError, match="cannot write"):
+        cli.calibrate(mode="tiny", out="/proc/no/such/place.yaml", progress=False)
+
+
+def test_import_is_light():
+    code = ("import sys, flexplan.calibration as c, flexplan.calibration.store, flexplan.calibration.efficiency; "
+            "assert 'torch' not in sys.modules, 'torch imported'")
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO, timeout=60)
+
+
+# ----------------------------------------------------------------------------- derivation (pure)
+
+
+TH, BW = 2e12, 100e9  # FLOP/s, bytes/s
+SHAPES = [(2048, 2048), (2048, 5632)]
+
+
+def _gemm_rows(eff_c: dict, eff_m: float, dtype_bytes=4):
+    """Times the estimator's additive formula gives with known factors."""
+    rows = []
+    for t, ec in eff_c.items():
+        for k, n in SHAPES:
+            c, d = 2.0 * t * k * n, (k * n + t * (k + n)) * dtype_bytes
+            rows.append({"tokens": t, "k": k, "n": n, "dtype_bytes": dtype_bytes,
+                         "time_s": c / (TH * ec) + d / (BW * eff_m)})
+    return rows
+
+
+@settings(max_examples=40, deadline=None)
+@given(eff_m=st.floats(0.05, 1.0), effs=st.lists(st.floats(0.02, 1.0), min_size=5, max_size=5))
+def test_derived_factors_reproduce_the_measured_times(eff_m, effs):
+    eff_c = dict(zip([1, 16, 64, 256, 4096], [1.0] + effs[1:]))
+    rows = _gemm_rows(eff_c, eff_m)
+    comp, mem, _ = derive_gemm(rows, TH, BW)
+    for t in eff_c:
+        c = sum(2.0 * t * k * n for k, n in SHAPES)
+        d = sum((k * n + t * (k + n)) * 4 for k, n in SHAPES)
+        measured = sum(r["time_s"] for r in rows if r["tokens"] == t)
+        predicted = c / (TH * comp(t)) + d / (BW * mem(t))
+        assert predicted == pytest.approx(measured, rel=1e-6)
+    assert mem(1) == pytest.approx(eff_m, rel=1e-9)
+
+
+def test_compute_hidden_goes_to_memory_factor():
+    # at 16 tokens the GEMV is as fast as at 1: nothing left for compute -> eff_c = 1, eff_m absorbs
+    rows = _gemm_rows({1: 1.0, 16: 1.0}, 0.5)
+    for r in rows:
+        if r["tokens"] == 16:
+            r["time_s"] *= 0.9
+    comp, mem, _ = derive_gemm(rows, TH, BW)
+    assert comp(16) == 1.0 and mem(16) > mem(1)
+
+
+def test_attention_factor_after_its_compute():
+    eff = Table([1, 8], [1.0, 1.0])
+    rows = []
+    for b in (1, 8):
+        for L, e in ((128, 0.3), (8192, 0.6)):
+            kv, c = 2.0 * b * L * 8 * 128 * 4, 4.0 * b * 32 * 128 * L
+            rows.append({"batch": b, "kv_len": L, "heads": 32, "kv_heads": 8, "head_dim": 128, "dtype_bytes": 4,
+                         "time_s": c / TH + kv / (BW * e)})
+    mean, per_batch = derive_attention(rows, TH, BW, eff)
+    assert mean(128) == pytest.approx(0.3) and mean(8192) == pytest.approx(0.6)
+    assert mean(1024) == pytest.approx(0.45)  # halfway in log(kv_len)
+
+
+def test_best_threads_is_not_always_all_cores():
+    sweep = [{"threads": 1, "prefill_time_s": 4.0, "decode_time_s": 1.0},
+             {"threads": 2, "prefill_time_s": 2.0, "decode_time_s": 0.9},
+             {"threads": 4, "prefill_time_s": 2.1, "decode_time_s": 1.2}]
+    assert best_threads(sweep) == 2
+
+
+def test_file_names():
+    ident = store.MachineIdentity("Intel(R) Xeon(R) Gold 6454S", 64, ("NVIDIA H100 80GB HBM3",), ("gen5x16",))
+    assert store.file_name(ident) == f"xeon-gold-6454s-64c-h100-80gb-{ident.fingerprint[:8]}.yaml"
+    amd = store.MachineIdentity("AMD EPYC 7763 64-Core Processor", 8)
+    assert store.file_name(amd).startswith("epyc-7763-8c-nogpu-")
+    assert store.MachineIdentity("AMD EPYC", 2).fingerprint != store.MachineIdentity("AMD EPYC", 4).fingerprint
