@@ -105,22 +105,25 @@ def default_model_dir(verbose: bool = True) -> Path:
             f"to a float32 HuggingFace folder in {target} (once, ~20 s)",
             file=sys.stderr, flush=True,
         )
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{MODEL_NAME}.tmp-", dir=target.parent))
     try:
-        tmp.chmod(0o777 & ~_umask())  # mkdtemp makes it private; the cache is an ordinary folder
+        target.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{MODEL_NAME}.tmp-", dir=target.parent))
+    except OSError as e:
+        raise FlexplanError(f"cannot write the converted {MODEL_NAME} to {target.parent} ({e.strerror or e}); "
+                            "set FLEXPLAN_CACHE_DIR to a writable folder") from None
+    try:
+        tmp.chmod(0o755)  # mkdtemp makes it private; the cache is an ordinary folder
         convert_gguf(gguf, tmp)
         (tmp / MARKER_FILE).write_text(json.dumps(marker, indent=1))
         _replace_dir(tmp, target, marker)
+    except OSError as e:
+        raise FlexplanError(f"converting {gguf.name} into {target} failed: {e}; nothing was cached "
+                            "(check free disk space, or set FLEXPLAN_CACHE_DIR)") from None
+    except ImportError as e:
+        raise FlexplanError(f"converting {gguf.name} needs the gguf package ({e}); `pip install gguf`") from None
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return target
-
-
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
 
 
 def _replace_dir(src: Path, target: Path, marker: dict) -> None:

