@@ -1,0 +1,287 @@
+"""``flexplan.load``: a HuggingFace causal LM that runs its plan behind a ``generate()`` API.
+
+    lm = flexplan.load("path/to/model")            # plan="auto", CUDA when there is one
+    out = lm.generate(**tok(prompts, return_tensors="pt", padding=True), max_new_tokens=32)
+    print(lm.last_stats.summary())                  # measured TTFT/TPOT, GB/s, TFLOP/s vs predicted
+
+``generate`` takes and returns what transformers' ``generate`` does (greedy, sampling, beam
+search, stopping criteria, streamers, batched left-padded inputs); the executor only decides
+where each layer computes.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+import torch
+
+from flexplan.errors import DeviceUnavailableError, InvalidInputError
+from flexplan.executor.cpu_backend import local_cpu_cores, local_cpu_dtype
+from flexplan.executor.families import check_supported
+from flexplan.executor.link import Link
+from flexplan.executor.loading import is_model_folder, load_streaming, read_config
+from flexplan.executor.placement import Placement, require_accelerator
+from flexplan.executor.plans import check_overrides, fixed_plan
+from flexplan.executor.runner import Executor
+from flexplan.executor.stats import RunStats, collect
+from flexplan.hardware.spec import Hardware, canonical_dtype
+from flexplan.plan_types import Plan
+
+DEFAULT_SHAPE = {"batch_size": 1, "input_len": 128, "output_len": 32}
+
+
+def _host_memory_bytes(field: str = "MemAvailable") -> int:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def _resolve_accelerator(accelerator: str | None) -> str | None:
+    if accelerator is None:
+        return "cuda" if torch.cuda.is_available() else None
+    acc = str(accelerator).lower()
+    if acc.startswith("cuda"):
+        if not torch.cuda.is_available():
+            why = "torch was built without CUDA" if torch.version.cuda is None else "no CUDA device is visible"
+            raise DeviceUnavailableError(
+                f"accelerator={accelerator!r} but {why} (torch {torch.__version__}); use accelerator=None "
+                "(CPU only) or accelerator='cpu' to run every path on the CPU stand-in")
+        return acc
+    if acc == "cpu":
+        return "cpu"
+    raise InvalidInputError(f"accelerator must be 'cuda', 'cpu' (stand-in) or None, got {accelerator!r}")
+
+
+class FlexModel:
+    """A loaded model, its executor and its plan; ``generate()`` as in transformers."""
+
+    def __init__(self, model, executor: Executor, *, tokenizer=None, plan_spec: Any = None,
+                 planner_args: dict[str, Any] | None = None):
+        self.model = model
+        self.executor = executor
+        self.tokenizer = tokenizer
+        self.last_stats: RunStats | None = None
+        # "auto" or a dict of overrides: planned per request shape; a Plan: fixed
+        self._auto = isinstance(plan_spec, dict) or plan_spec == "auto"
+        self._plan_spec = {k: v for k, v in plan_spec.items() if k not in DEFAULT_SHAPE} if isinstance(plan_spec, dict) else plan_spec
+        self._planner_args = planner_args or {}
+        self._plans: dict[tuple[int, int, int], Plan] = {}
+
+    @property
+    def config(self):
+        return self.model.config
+
+    @property
+    def plan(self) -> Plan:
+        return self.executor.plan
+
+    @property
+    def generation_config(self):
+        return self.model.generation_config
+
+    @property
+    def device(self) -> torch.device:
+        return torch.device("cpu")  # inputs go to the host: the embedding lookup runs there
+
+    def __call__(self, *args, **kwargs):
+        return self.model(*args, **kwargs)
+
+    def plan_for(self, batch_size: int, input_len: int, output_len: int) -> Plan:
+        """The plan for one request shape (planned once per shape)."""
+        key = (int(batch_size), int(input_len), int(output_len))
+        if key not in self._plans:
+            self._plans[key] = _make_plan(self._plan_spec, self.model.config, batch_size=key[0], input_len=key[1],
+                                          output_len=key[2], **self._planner_args)
+        return self._plans[key]
+
+    def _request_shape(self, inputs, generation_config, kwargs) -> tuple[int, int, int, int]:
+        x = inputs if inputs is not None else kwargs.get("input_ids")
+        x = x if x is not None else kwargs.get("inputs_embeds")
+        if x is None or not hasattr(x, "shape") or len(x.shape) < 2:
+            raise InvalidInputError("generate() needs input_ids (batch x tokens) or inputs_embeds")
+        batch, input_len = int(x.shape[0]), int(x.shape[1])
+        gc = generation_config or self.model.generation_config
+        max_new = kwargs.get("max_new_tokens")
+        if max_new is None and kwargs.get("max_length") is not None:
+            max_new = kwargs["max_length"] - input_len
+        if max_new is None:
+            max_new = gc.max_new_tokens if gc.max_new_tokens is not None else gc.max_length - input_len
+        beams = kwargs.get("num_beams", gc.num_beams) or 1
+        seqs = kwargs.get("num_return_sequences", gc.num_return_sequences) or 1
+        return batch, batch * max(int(beams), int(seqs)), input_len, max(int(max_new), 1)
+
+    def __repr__(self) -> str:
+        p = self.executor.placement
+        return f"FlexModel({self.config.model_type}, {p.describe()}, accelerator={self.executor.link.name})"
+
+    def generate(self, inputs=None, generation_config=None, *args, **kwargs):
+        """transformers' ``generate`` (same arguments, same return value), run under the plan;
+        fills ``last_stats``."""
+        batch, eff_batch, input_len, max_new = self._request_shape(inputs, generation_config, kwargs)
+        if self._auto:
+            self.executor.place(self.plan_for(eff_batch, input_len, max_new))
+        use_cache = kwargs.get("use_cache", (generation_config or self.model.generation_config).use_cache)
+        if kwargs.get("past_key_values") is None and use_cache is not False:
+            kwargs["past_key_values"] = self.executor.new_cache(eff_batch, input_len + max_new)
+        allocations_before = dict(self.executor.link.allocations)
+        self.executor.begin_run()
+        t0 = time.perf_counter()
+        try:
+            out = self.model.generate(inputs, generation_config, *args, **kwargs)
+        finally:
+            self.executor.end_run()
+        t1 = time.perf_counter()
+        seqs = out if isinstance(out, torch.Tensor) else out.sequences
+        self.last_stats = collect(self.executor, t0, t1, eff_batch, input_len, int(seqs.shape[1]) - input_len,
+                                  allocations_before)
+        return out
+
+
+def _make_plan(plan: Any, config, *, accelerator: str | None, hardware: Any, dtype: str, cpu_dtype: str,
+               gpu_memory_bytes: int | None, batch_size: int, input_len: int, output_len: int) -> Plan:
+    """A Plan from "auto", a Plan or a dict of overrides, for what exists. Policies forced with
+    per-phase M, or while the planner has no hardware model, give a fixed plan (no estimate)."""
+    if isinstance(plan, Plan):
+        return plan
+    shape = dict(batch_size=batch_size, input_len=input_len, output_len=output_len)
+    overrides: dict[str, Any] = {}
+    forced_cpu_dtype = None
+    if isinstance(plan, dict):
+        check_overrides(plan)
+        overrides = dict(plan)
+        for k in ("batch_size", "input_len", "output_len"):
+            shape[k] = overrides.pop(k, shape[k])
+        dtype = canonical_dtype(overrides.pop("dtype", dtype))
+        if "cpu_dtype" in overrides:
+            forced_cpu_dtype = cpu_dtype = canonical_dtype(overrides.pop("cpu_dtype"))
+    elif plan != "auto":
+        raise InvalidInputError(f"plan must be 'auto', a flexplan.Plan or a dict of overrides, got {plan!r}")
+    if accelerator is None:  # nothing to plan: the CPU computes everything
+        bad = {k: v for k, v in overrides.items() if k in ("prefill", "decode") and v != "cpu"}
+        if bad:
+            raise DeviceUnavailableError(
+                f"plan overrides {bad} need an accelerator but CUDA is not available; use plan='auto', "
+                "'cpu' for both phases, or accelerator='cpu' to run them on the CPU stand-in")
+        overrides.update(prefill="cpu", decode="cpu")
+        dtype = cpu_dtype
+    forced = overrides.get("prefill") and overrides.get("decode")
+    per_phase_m = "prefill_gpu_layers" in overrides or "decode_gpu_layers" in overrides
+    if forced and (per_phase_m or hardware is None or not _planner_available()):
+        return fixed_plan(config, overrides["prefill"], overrides["decode"], overrides.get("gpu_layers"),
+                          prefill_gpu_layers=overrides.get("prefill_gpu_layers"),
+                          decode_gpu_layers=overrides.get("decode_gpu_layers"), dtype=dtype, cpu_dtype=cpu_dtype,
+                          gpu_memory_bytes=gpu_memory_bytes or 0, hardware=str(getattr(hardware, "name", hardware)),
+                          **shape)
+    if per_phase_m:
+        raise InvalidInputError("prefill_gpu_layers / decode_gpu_layers need both 'prefill' and 'decode' policies")
+    from flexplan.planner import plan as plan_fn
+
+    return plan_fn(config, hardware=hardware if hardware is not None else "local", dtype=dtype,
+                   gpu_memory_bytes=gpu_memory_bytes if accelerator else None, prefill=overrides.get("prefill"),
+                   decode=overrides.get("decode"), gpu_layers=overrides.get("gpu_layers"),
+                   cpu_dtype=forced_cpu_dtype, **shape)
+
+
+def _planner_available() -> bool:
+    try:
+        from flexplan.hardware import get_hardware
+
+        get_hardware("local")
+        return True
+    except Exception:  # noqa: BLE001 - no hardware model: placements must be given in full
+        return False
+
+
+def load(model_or_path, plan: Any = "auto", accelerator: str | None = None, hardware: Any = "local",
+         dtype: str | None = None, gpu_memory_bytes: int | None = None,
+         pinned_memory_budget_bytes: int | None = None) -> FlexModel:
+    """Load (or take over) a llama / mistral / qwen2 / opt causal LM and run it under a plan.
+
+    ``model_or_path``: a folder with config.json + *.safetensors (streamed tensor by tensor into
+    place), or a loaded ``*ForCausalLM`` (its weights are re-placed in place; keep a copy if you
+    need the original). ``plan``: "auto" (planned per request shape), a Plan, or overrides such
+    as ``{"prefill": "splitgen", "decode": "cpu", "gpu_layers": 4}``. ``accelerator``: "cuda",
+    "cpu" (the CPU stands in for the GPU, every path runs) or None (CUDA if available, else the
+    CPU alone). ``gpu_memory_bytes``: accelerator budget (default: free CUDA memory; the stand-in:
+    a quarter of available host memory). ``pinned_memory_budget_bytes``: bound on pinned host
+    memory (default: half of physical memory).
+    """
+    acc = _resolve_accelerator(accelerator)
+    from_path = isinstance(model_or_path, (str, os.PathLike))
+    if from_path:
+        if not is_model_folder(model_or_path):
+            raise InvalidInputError(
+                f"{model_or_path} is not a model folder with config.json and *.safetensors shards; pass such a "
+                "folder or a loaded transformers model")
+        config = read_config(model_or_path)
+    else:
+        config = getattr(model_or_path, "config", None)
+    check_supported(config)
+    cpu_dtype = local_cpu_dtype()
+    if dtype:
+        dtype = canonical_dtype(dtype)
+    elif acc and acc.startswith("cuda"):
+        dtype = "bfloat16" if torch.cuda.is_bf16_supported() else "float16"
+    else:
+        dtype = cpu_dtype
+    if acc == "cpu" and gpu_memory_bytes is None:
+        gpu_memory_bytes = _host_memory_bytes() // 4
+    elif acc and acc.startswith("cuda") and gpu_memory_bytes is None:
+        gpu_memory_bytes = int(torch.cuda.mem_get_info(torch.device(acc))[0])
+    if pinned_memory_budget_bytes is None:
+        pinned_memory_budget_bytes = _host_memory_bytes("MemTotal") // 2
+    hw = hardware
+    if acc == "cpu" and not (isinstance(hardware, Hardware) and hardware.has_gpu):
+        from flexplan.hardware.standin import standin_hardware
+
+        hw = _lazy_standin(standin_hardware, gpu_memory_bytes, hardware if isinstance(hardware, Hardware) else None)
+    planner_args = dict(accelerator=acc, hardware=hw, dtype=dtype, cpu_dtype=cpu_dtype, gpu_memory_bytes=gpu_memory_bytes)
+    p = _make_plan(plan, config, **planner_args, **DEFAULT_SHAPE)
+    n = int(getattr(config, "num_hidden_layers"))
+    require_accelerator(Placement.from_plan(p, n), acc is not None, torch.version.cuda is not None)
+    link = Link(acc or "cpu")
+    budget = gpu_memory_bytes if acc else None
+    cores = local_cpu_cores()
+    if from_path:
+        model = load_streaming(model_or_path, p, link, gpu_memory_bytes=budget,
+                               pinned_memory_budget_bytes=pinned_memory_budget_bytes, cpu_cores=cores)
+        executor = model.flexplan_executor
+        tokenizer = _tokenizer(model_or_path)
+    else:
+        model = model_or_path
+        previous = getattr(model, "flexplan_executor", None)
+        if previous is not None:  # loaded again: the new executor takes over from the old one
+            previous.remove_hooks()
+        executor = Executor(model, p, link, accelerator_budget_bytes=budget,
+                            pinned_budget_bytes=pinned_memory_budget_bytes, cpu_cores=cores)
+        model.flexplan_executor = executor
+        tokenizer = None
+    return FlexModel(model, executor, tokenizer=tokenizer, plan_spec=plan, planner_args=planner_args)
+
+
+def _lazy_standin(make, gpu_memory_bytes: int, base=None):
+    """The stand-in Hardware when the local CPU can be described; else None (plans must then be
+    given in full, checked when planning)."""
+    try:
+        return make(int(gpu_memory_bytes), base=base)
+    except Exception:  # noqa: BLE001 - no hardware model yet: fixed plans still run
+        return None
+
+
+def _tokenizer(path):
+    try:
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(str(path))
+    except Exception:  # noqa: BLE001 - a folder without tokenizer files is fine
+        return None
+
+
+__all__ = ["FlexModel", "load"]

@@ -1,0 +1,372 @@
+"""Run a HuggingFace decoder layer by layer under a Plan: FlexInfer's Inference Executor (5.3).
+
+``generate()`` is not reimplemented. The executor hooks the model: one forward call is one step
+(its phase: prefill when the cache is empty, else decode). Before each decoder layer it makes
+sure the layer's weights and KV cache are where the layer computes (rebinding views; for a
+streamed layer, waiting for its prefetch and issuing the next one), moves the hidden state and,
+at most once per step and device, the rotary embeddings / mask / position ids. After a layer it
+offloads a streamed layer's new KV tokens and, during prefill, starts moving the KV cache to
+where the decode policy needs it, overlapped with the next layers.
+
+The embedding lookup runs on the host; final norm + LM head sit with the last layer; logits
+come back to the host, where ``generate()`` samples.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+
+import torch
+from torch import nn
+
+from flexplan.executor.cpu_backend import configure
+from flexplan.executor.families import decoder_parts
+from flexplan.executor.kv_cache import FlexCache, FlexKVLayer, KVPool, kv_bytes
+from flexplan.executor.link import ACCELERATOR, HOST_MEMORY, PINNED, Link
+from flexplan.executor.placement import (
+    CPU, RESIDENT, STREAMED, MemoryNeed, Placement, check_fits, memory_need)
+from flexplan.executor.stats import PhaseStats, step_flops
+from flexplan.executor.step import Step, generic_kv_to
+from flexplan.executor.weights import GroupWeights, StreamSlots, torch_dtype
+from flexplan.plan_types import Plan
+from flexplan.workload.model import ModelSpec
+
+PREFILL, DECODE = "prefill", "decode"
+
+
+def _params(modules: dict[str, nn.Module]) -> dict[str, tuple[nn.Module, str]]:
+    out: dict[str, tuple[nn.Module, str]] = {}
+    for prefix, module in modules.items():
+        for mname, m in module.named_modules(prefix=prefix):
+            for leaf, p in m._parameters.items():
+                if p is not None:
+                    out[f"{mname}.{leaf}"] = (m, leaf)
+    return out
+
+
+class Executor:
+    """Places a model's weights for a plan and runs its forward passes layer by layer."""
+
+    def __init__(self, model: nn.Module, plan: Plan, link: Link, *, source=None,
+                 accelerator_budget_bytes: int | None = None, pinned_budget_bytes: int | None = None,
+                 cpu_cores: int | None = None, use_ipex: bool = True):
+        self.model = model.eval()
+        self.parts = decoder_parts(model)
+        self.spec = ModelSpec.from_config(model.config)
+        self.link = link
+        self.num_layers = len(self.parts.layers)
+        self.accelerator_budget_bytes = accelerator_budget_bytes
+        self.pinned_budget_bytes = pinned_budget_bytes
+        self.backend = configure(cpu_cores, use_ipex)
+        tied = self._tied_embedding()
+        self.embed = GroupWeights("embedding", None, _params(self.parts.embedding))
+        prefix = f"{self.parts.stack_prefix}.layers"
+        self.layers = [GroupWeights(f"layer {i}", i, _params({f"{prefix}.{i}": layer}))
+                       for i, layer in enumerate(self.parts.layers)]
+        self.head = GroupWeights("head", None, _params(self.parts.head),
+                                 {"lm_head.weight": (self.embed, tied)} if tied else None)
+        covered = {n for g in (self.embed, *self.layers, self.head) for n in g.params}
+        missing = [n for n, _ in model.named_parameters() if n not in covered]
+        if missing:
+            from flexplan.errors import UnsupportedModelError
+            raise UnsupportedModelError(f"parameters outside the embedding, decoder layers and head: {missing[:5]}")
+        self.slots: StreamSlots | None = None
+        self.kv_pool = KVPool(link, self.spec.num_kv_heads, self.spec.head_dim)
+        self.plan: Plan | None = None
+        self.placement: Placement | None = None
+        self.phase_stats: dict[str, PhaseStats] = {}
+        self.prefill_end_s: float | None = None
+        self._step: Step | None = None
+        self._t_top: float | None = None
+        self.place(plan, source)
+        self._hooks = self._install_hooks()
+
+    def _tied_embedding(self) -> str | None:
+        """The embedding weight's name when the LM head shares it."""
+        lm = self.parts.lm_head
+        for name, m in self.parts.embedding.items():
+            if getattr(m, "weight", None) is not None and m.weight is lm.weight:
+                return f"{name}.weight"
+        return None
+
+    def _untie_head(self) -> None:
+        """Give the LM head its own Parameter: it may live on the accelerator while the embedding
+        stays on the host (on the host both stay views of one buffer)."""
+        if self._tied_embedding() is not None:
+            self.parts.lm_head.weight = nn.Parameter(self.parts.lm_head.weight.data, requires_grad=False)
+
+    # ---- placement --------------------------------------------------------------------------
+    def _dtype(self, place: str, placement: Placement | None = None) -> torch.dtype:
+        return torch_dtype((placement or self.placement).place_dtype(place))
+
+    def memory_need(self, placement: Placement, batch: int | None = None, capacity: int | None = None) -> MemoryNeed:
+        d = functools.partial(self._dtype, placement=placement)
+        kv = (lambda place: kv_bytes(batch, capacity, self.spec.num_kv_heads, self.spec.head_dim, d(place))) if batch else None
+        return memory_need(placement, lambda i, place: self.layers[i].nbytes(place, d(place)),
+                           lambda place: self.head.nbytes(place, d(place)),
+                           self.embed.nbytes(HOST_MEMORY, d(HOST_MEMORY)), kv)
+
+    def check(self, placement: Placement, batch: int, capacity: int) -> None:
+        need = self.memory_need(placement, batch, capacity)
+        check_fits(need, placement, self.accelerator_budget_bytes, self.pinned_budget_bytes,
+                   f"batch {batch} x {capacity} tokens")
+
+    def place(self, plan: Plan, source=None) -> None:
+        """Put every unit's weights where ``plan`` needs them (refusing before any allocation
+        when it does not fit). A no-op when the placement is unchanged."""
+        placement = Placement.from_plan(plan, self.num_layers)
+        self.check(placement, plan.batch_size, plan.input_len + plan.output_len)
+        if placement == self.placement and source is None:
+            self.plan = plan
+            return
+        self.placement, self.plan = placement, plan
+        self._untie_head()
+        for p in self.model.parameters():
+            p.requires_grad_(False)
+
+        def fill(group: GroupWeights, places) -> None:
+            src = source
+            if src is None and not group.storages:  # first placement of a loaded model: its own tensors
+                src = lambda name, g=group: g.param_tensor(name).detach()  # noqa: E731
+            group.ensure({p: self._dtype(p) for p in places}, self.link, src)
+
+        streamed = placement.streamed_layers
+        slot_bytes = max((self.layers[i].nbytes(PINNED, self._dtype(PINNED)) for i in streamed), default=0)
+        if self.slots is not None and self.slots.nbytes != slot_bytes:
+            self.slots.release(self.link)
+            self.slots = None
+        fill(self.embed, [HOST_MEMORY])
+        self.embed.bind(HOST_MEMORY)
+        for i, g in enumerate(self.layers):  # unit by unit: a loaded model's tensors are freed as we go
+            fill(g, placement.layer_places(i))
+            g.bind(placement.layer_place(i, PREFILL))
+        fill(self.head, placement.head_places())
+        self.head.bind(placement.head_place(PREFILL))
+        if streamed and self.slots is None:
+            self.slots = StreamSlots(self.link, slot_bytes)
+        if self.backend.ipex is not None:
+            for i in range(self.num_layers):
+                if all(placement.modes[ph][i] == CPU for ph in (PREFILL, DECODE)):
+                    self.backend.optimize(self.parts.layers[i], self._dtype(HOST_MEMORY))
+
+    def new_cache(self, batch_size: int, max_tokens: int) -> FlexCache:
+        """A cache for one request of ``batch_size`` sequences x ``max_tokens`` (prompt + new)
+        tokens, its buffers taken from the pool (allocated only when no earlier request was as
+        large); refused before any allocation when it does not fit."""
+        pl, batch, capacity = self.placement, batch_size, max_tokens
+        self.check(pl, batch, capacity)
+        kvh, hd = self.spec.num_kv_heads, self.spec.head_dim
+        needs = {}
+        for i in range(self.num_layers):
+            for place in pl.layer_places(i):
+                where = PINNED if place == HOST_MEMORY and pl.kv_host_pinned(i) else place
+                needs[(i, place)] = (where, kv_bytes(batch, capacity, kvh, hd, self._dtype(place)))
+        if pl.streamed_layers:
+            for s in (0, 1):
+                needs[("slot", s)] = (ACCELERATOR, kv_bytes(batch, capacity, kvh, hd, self._dtype(ACCELERATOR)))
+        self.kv_pool.ensure(needs)
+        layers = []
+        for i in range(self.num_layers):
+            stores = {p: self.kv_pool.views((i, p), batch, capacity, self._dtype(p)) for p in pl.layer_places(i)}
+            layers.append(FlexKVLayer(i, stores, pl.layer_place(i, PREFILL), self.link))
+        cache = FlexCache(layers)
+        cache.slots = ([self.kv_pool.views(("slot", s), batch, capacity, self._dtype(ACCELERATOR)) for s in (0, 1)]
+                       if pl.streamed_layers else [])
+        return cache
+
+    # ---- hooks ------------------------------------------------------------------------------
+    def _install_hooks(self) -> list:
+        h = [self.model.register_forward_pre_hook(self._before_model, with_kwargs=True),
+             self.model.register_forward_hook(self._after_model, with_kwargs=True),
+             self.parts.stack.register_forward_pre_hook(self._before_stack, with_kwargs=True),
+             self.parts.stack.register_forward_hook(self._after_stack, with_kwargs=True)]
+        for i, layer in enumerate(self.parts.layers):
+            h.append(layer.register_forward_pre_hook(functools.partial(self._before_layer, i), with_kwargs=True))
+            h.append(layer.register_forward_hook(functools.partial(self._after_layer, i), with_kwargs=True))
+        for m in self.parts.head.values():
+            h.append(m.register_forward_pre_hook(self._before_head))
+        h.append(self.parts.lm_head.register_forward_hook(self._after_lm_head))
+        return h
+
+    def remove_hooks(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+
+    def _before_model(self, module, args, kwargs):
+        self._t_top = time.perf_counter()
+
+    def _after_model(self, module, args, kwargs, output):
+        self._end_step()
+        self._t_top = None
+
+    def _before_stack(self, module, args, kwargs):
+        cache = kwargs.get("past_key_values")
+        x = kwargs.get("input_ids")
+        x = x if x is not None else kwargs.get("inputs_embeds")
+        x = x if x is not None else args[0]
+        past = cache.get_seq_length() if cache is not None else 0
+        phase = PREFILL if past == 0 else DECODE
+        self.link.phase = phase
+        self.link.step += 1
+        self.link.note(phase, self.link.step)
+        st = self._step = Step(phase, int(x.shape[0]), int(x.shape[1]), int(past),
+                                self._t_top if self._t_top is not None else time.perf_counter(),
+                                cache=cache if isinstance(cache, FlexCache) else None)
+        self.head.bind(self.placement.head_place(phase))
+        streamed = self.placement.streamed(phase)
+        if streamed:
+            self._prefetch(streamed[0], st)
+
+    def _after_stack(self, module, args, kwargs, output):
+        if self._t_top is None:  # the stack was called on its own
+            self._end_step()
+
+    def _end_step(self) -> None:
+        st = self._step
+        if st is None:
+            return
+        self.link.synchronize()
+        now = time.perf_counter()
+        ps = self.phase_stats.setdefault(st.phase, PhaseStats(st.phase))
+        ps.time_s += now - st.t0
+        ps.steps += 1
+        ps.tokens += st.batch * st.query_len
+        ps.flops += step_flops(self.spec, st.batch, st.query_len, st.past_len)
+        if st.phase == PREFILL:
+            self.prefill_end_s = now
+        self._step = None
+
+    def _prefetch(self, j: int, st: Step) -> None:
+        """Start copying streamed layer j's weights (and past KV) into the next free slot."""
+        slot = st.next_slot
+        st.next_slot ^= 1
+        st.slot_of[j] = slot
+        self.link.note("prefetch", j)
+        kv = st.cache.layers[j] if st.cache is not None else None
+        if kv is not None and kv.home != PINNED:  # a CPU-dtype host copy: convert on the host first
+            kv.wait_home_on_host()
+            kv.migrate(PINNED)
+        with self.link.on_copy_stream():
+            if self.slots.used[slot]:
+                self.link.wait(self.slots.free[slot], on_copy_stream=True)
+            self.slots.load(self.layers[j], slot, self.link)
+            if kv is not None:
+                kv.prefetch(st.cache.slots[slot], slot)
+            self.link.record(self.slots.ready[slot], on_copy_stream=True)
+
+    def _kv_to(self, kv: FlexKVLayer, place: str, on_acc: bool) -> None:
+        """Compute layer KV from ``place``: move it there first if the switch has not yet."""
+        if kv.home != place:
+            kv.wait_home_on_host()
+            if ACCELERATOR in (kv.home, place):
+                self.link.copy_stream_waits_compute()
+                with self.link.on_copy_stream():
+                    kv.migrate(place)
+                    kv.pending = self.link.event()
+                    self.link.record(kv.pending, on_copy_stream=True)
+            else:
+                kv.migrate(place)
+        kv.activate(place)
+        if kv.pending is not None:
+            if on_acc:
+                self.link.wait(kv.pending)
+            else:
+                kv.pending.synchronize()
+            kv.pending = None
+
+    def _before_layer(self, i: int, module, args, kwargs):
+        st = self._step
+        if st is None:
+            return None
+        mode = self.placement.modes[st.phase][i]
+        on_acc = mode != CPU
+        dtype = self._dtype(ACCELERATOR if on_acc else HOST_MEMORY)
+        g = self.layers[i]
+        cache = kwargs.get("past_key_values")
+        kv = cache.layers[i] if isinstance(cache, FlexCache) else None
+        if mode == STREAMED:
+            slot = st.slot_of[i]
+            self.link.wait(self.slots.ready[slot])
+            g.bind_views(self.slots.views(g, slot), tag=("slot", slot))
+            nxt = next((j for j in self.placement.streamed(st.phase) if j > i), None)
+            if nxt is not None:
+                self._prefetch(nxt, st)
+        else:
+            place = self.placement.layer_place(i, st.phase)
+            g.bind(place)
+            if kv is not None:
+                self._kv_to(kv, place, on_acc)
+        if kv is None and cache is not None:
+            generic_kv_to(cache, i, self.link.device if on_acc else torch.device("cpu"), dtype)
+        self.link.note("compute", i)
+        if args:
+            hidden, rest = args[0], tuple(args[1:])
+        else:
+            hidden, rest = kwargs.pop("hidden_states"), ()
+        hidden = st.hidden_to(self.link, hidden, on_acc, dtype, i)
+        kwargs = {k: (v if k == "past_key_values" else st.aux_to(self.link, v, on_acc, dtype)) for k, v in kwargs.items()}
+        if not args:
+            kwargs["hidden_states"] = hidden
+            return rest, kwargs
+        return (hidden,) + rest, kwargs
+
+    def _after_layer(self, i: int, module, args, kwargs, output):
+        st = self._step
+        if st is None:
+            return None
+        mode = self.placement.modes[st.phase][i]
+        cache = kwargs.get("past_key_values")
+        kv = cache.layers[i] if isinstance(cache, FlexCache) else None
+        if mode == STREAMED:
+            slot = st.slot_of[i]
+            self.link.record(self.slots.free[slot])
+            self.slots.used[slot] = True
+            if kv is not None:
+                with self.link.on_copy_stream():
+                    self.link.wait(self.slots.free[slot], on_copy_stream=True)
+                    kv.offload()
+                    kv.pending = self.link.event()
+                    self.link.record(kv.pending, on_copy_stream=True)
+        elif st.phase == PREFILL and kv is not None:
+            target = self.placement.layer_place(i, DECODE)
+            if kv.home != target and ACCELERATOR in (kv.home, target):
+                # the switch, overlapped: move this layer's KV while the next layers compute
+                done = self.link.event()
+                self.link.record(done)
+                with self.link.on_copy_stream():
+                    self.link.wait(done, on_copy_stream=True)
+                    kv.migrate(target)
+                    kv.pending = self.link.event()
+                    self.link.record(kv.pending, on_copy_stream=True)
+        st.hidden_on_acc = mode != CPU
+        self.link.note("computed", i)
+        return None
+
+    def _before_head(self, module, args):
+        st = self._step
+        if st is None or not args:
+            return None
+        on_acc = self.placement.head_mode(st.phase) == RESIDENT
+        dtype = self._dtype(ACCELERATOR if on_acc else HOST_MEMORY)
+        return (st.hidden_to(self.link, args[0], on_acc, dtype, None),) + tuple(args[1:])
+
+    def _after_lm_head(self, module, args, output):
+        st = self._step
+        if st is None or not st.hidden_on_acc:
+            return None
+        return self.link.move(output, False, None, "logits")
+
+    # ---- runs ------------------------------------------------------------------------------
+    def begin_run(self) -> None:
+        self.link.reset_log()
+        self.phase_stats = {}
+        self.prefill_end_s = None
+
+    def end_run(self) -> None:
+        """Wait for every copy, and point idle streamed layers back at their pinned home."""
+        self.link.synchronize()
+        self._step = None
+        for i, g in enumerate(self.layers):
+            g.bind(self.placement.layer_place(i, PREFILL))

@@ -1,0 +1,146 @@
+"""What a run achieved, next to what the plan predicted (gpt-fast style: bandwidth and FLOP/s).
+
+TTFT is the time from the ``generate()`` call to the end of the prefill forward; TPOT is
+(E2E - TTFT) / (new tokens - 1). FLOPs per step come from flexplan.workload.costs (FlexInfer
+Table 2: C_Prefill, C_Decode, plus the LM head); link bandwidth is bytes moved over the link in
+the phase divided by the phase's time.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from flexplan.plan_types import Plan
+from flexplan.workload import costs
+from flexplan.workload.model import ModelSpec
+
+
+def step_flops(spec: ModelSpec, batch: int, query_len: int, past_len: int) -> float:
+    """FLOPs of one forward step over all layers plus the LM head (last position only)."""
+    n = spec.num_layers
+    if past_len == 0:
+        per_layer = costs.c_prefill(spec, batch, query_len)
+    elif query_len == 1:
+        per_layer = float(costs.c_decode(spec, batch, past_len + 1))
+    else:  # a chunk on top of a past: GEMMs on q tokens, attention over past + causal chunk
+        pairs = query_len * past_len + costs.attention_pairs_prefill(query_len)
+        per_layer = 2.0 * batch * query_len * spec.linear_weight_params_per_layer + 4.0 * batch * spec.num_heads * spec.head_dim * pairs
+    return n * per_layer + costs.c_lm_head(spec, batch)
+
+
+@dataclass
+class PhaseStats:
+    phase: str
+    time_s: float = 0.0
+    steps: int = 0
+    tokens: int = 0  # tokens processed: batch x query length, summed over steps
+    flops: float = 0.0
+    h2d_bytes: int = 0
+    d2h_bytes: int = 0
+
+    @property
+    def link_bytes(self) -> int:
+        return self.h2d_bytes + self.d2h_bytes
+
+    @property
+    def link_bandwidth_bytes_per_s(self) -> float:
+        """Achieved: bytes moved over the link in this phase per second of this phase."""
+        return self.link_bytes / self.time_s if self.time_s > 0 else 0.0
+
+    @property
+    def flops_per_s(self) -> float:
+        return self.flops / self.time_s if self.time_s > 0 else 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["link_bandwidth_bytes_per_s"] = self.link_bandwidth_bytes_per_s
+        d["flops_per_s"] = self.flops_per_s
+        return d
+
+
+@dataclass
+class RunStats:
+    plan: Plan
+    placement: str  # what ran where, per phase
+    accelerator: str
+    cpu_backend: str  # "stock PyTorch ..." or "IPEX ..."
+    cpu_backend_why: str
+    cpu_threads: int
+    batch_size: int
+    input_len: int
+    new_tokens: int
+    ttft_s: float
+    tpot_s: float
+    e2e_s: float
+    predicted_ttft_s: float
+    predicted_tpot_s: float
+    prefill: PhaseStats
+    decode: PhaseStats
+    h2d_bytes: int  # whole run, switch included
+    d2h_bytes: int
+    switch_bytes: int  # KV moved at the prefill -> decode switch
+    buffers_allocated: dict[str, int] = field(default_factory=dict)  # during this run, per memory
+
+    @property
+    def phases(self) -> dict[str, PhaseStats]:
+        return {"prefill": self.prefill, "decode": self.decode}
+
+    def to_dict(self) -> dict[str, Any]:
+        d = {k: getattr(self, k) for k in self.__dataclass_fields__ if k not in ("plan", "prefill", "decode")}
+        d["plan"] = self.plan.to_dict()
+        d["prefill"] = self.prefill.to_dict()
+        d["decode"] = self.decode.to_dict()
+        return {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in d.items()}
+
+    def summary(self) -> str:
+        def pred(x: float) -> str:
+            return f"{x * 1e3:.2f} ms" if math.isfinite(x) else "n/a"
+
+        def pred_mb(x: float) -> str:
+            return f"{x / 1e6:.2f} MB" if math.isfinite(x) else "n/a"
+
+        lines = [
+            f"plan: {self.placement} on {self.accelerator}; CPU: {self.cpu_backend} ({self.cpu_backend_why}), "
+            f"{self.cpu_threads} threads",
+            f"TTFT {self.ttft_s * 1e3:.2f} ms (predicted {pred(self.predicted_ttft_s)}), "
+            f"TPOT {self.tpot_s * 1e3:.2f} ms (predicted {pred(self.predicted_tpot_s)}), "
+            f"E2E {self.e2e_s:.3f} s for {self.new_tokens} new tokens x batch {self.batch_size}",
+        ]
+        for p, choice in ((self.prefill, self.plan.prefill), (self.decode, self.plan.decode)):
+            per_step = p.link_bytes / max(p.steps, 1) if p.phase == "decode" else p.link_bytes
+            lines.append(
+                f"{p.phase}: link achieved {p.link_bandwidth_bytes_per_s / 1e9:.2f} GB/s "
+                f"({p.h2d_bytes / 1e6:.2f} MB h2d, {p.d2h_bytes / 1e6:.2f} MB d2h; "
+                f"{per_step / 1e6:.2f} MB{' per step' if p.phase == 'decode' else ''}, predicted "
+                f"{pred_mb(choice.pcie_bytes)}), compute achieved {p.flops_per_s / 1e12:.3f} TFLOP/s "
+                f"over {p.steps} steps")
+        return "\n".join(lines)
+
+
+def collect(executor, t_start_s: float, t_end_s: float, batch: int, input_len: int, new_tokens: int,
+            allocations_before: dict[str, int]) -> RunStats:
+    """RunStats of the request that ran between ``t_start_s`` and ``t_end_s`` on ``executor``."""
+    from flexplan.executor.link import D2H, H2D
+
+    link, plan = executor.link, executor.plan
+    e2e = t_end_s - t_start_s
+    ttft = (executor.prefill_end_s - t_start_s) if executor.prefill_end_s is not None else e2e
+    tpot = (e2e - ttft) / (new_tokens - 1) if new_tokens > 1 else math.nan
+    phases = {}
+    for ph in ("prefill", "decode"):
+        ps = executor.phase_stats.get(ph) or PhaseStats(ph)
+        ps.h2d_bytes = link.bytes_moved(H2D, phase=ph)
+        ps.d2h_bytes = link.bytes_moved(D2H, phase=ph)
+        phases[ph] = ps
+    switch = sum(t.nbytes for t in link.transfers if t.kind == "kv-switch" and t.direction in (H2D, D2H))
+    allocated = {k: v - allocations_before.get(k, 0) for k, v in link.allocations.items()
+                 if v - allocations_before.get(k, 0)}
+    return RunStats(
+        plan=plan, placement=executor.placement.describe(), accelerator=link.name if executor.placement.uses_accelerator
+        else "none", cpu_backend=executor.backend.name, cpu_backend_why=executor.backend.why, cpu_threads=executor.backend.threads, batch_size=batch,
+        input_len=input_len, new_tokens=new_tokens, ttft_s=ttft, tpot_s=tpot, e2e_s=e2e,
+        predicted_ttft_s=plan.ttft_s, predicted_tpot_s=plan.tpot_s, prefill=phases["prefill"],
+        decode=phases["decode"], h2d_bytes=link.bytes_moved(H2D), d2h_bytes=link.bytes_moved(D2H),
+        switch_bytes=switch, buffers_allocated=allocated)

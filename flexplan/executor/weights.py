@@ -1,0 +1,193 @@
+"""Weights of each placement unit packed into flat buffers, and the streaming double buffers.
+
+Each unit (the embedding, one decoder layer, the head) keeps one flat buffer per place it
+needs (pageable host in the CPU dtype, pinned host or accelerator in the accelerator dtype),
+allocated once when the model is placed. The module's parameters are views into one of them
+(``bind``), so moving a layer is rebinding views, and streaming a layer is ONE contiguous copy
+of its pinned buffer into an accelerator slot with the same layout.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+from torch import nn
+
+from flexplan.executor.link import ACCELERATOR, H2D, H2H, HOST_MEMORY, PINNED, Buffer, Link
+
+ALIGN_BYTES = 64
+TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def torch_dtype(name: str | torch.dtype) -> torch.dtype:
+    return name if isinstance(name, torch.dtype) else TORCH_DTYPES[name]
+
+
+@dataclass(frozen=True)
+class FlatLayout:
+    """Byte offset of each tensor of a unit inside one flat buffer, for one dtype."""
+
+    dtype: torch.dtype
+    entries: tuple[tuple[str, tuple[int, ...], int, int], ...]  # (name, shape, offset, nbytes)
+    nbytes: int
+
+    @classmethod
+    def of(cls, shapes: list[tuple[str, tuple[int, ...]]], dtype: torch.dtype) -> "FlatLayout":
+        elem = torch.empty((), dtype=dtype).element_size()
+        entries, off = [], 0
+        for name, shape in shapes:
+            n = elem
+            for d in shape:
+                n *= d
+            entries.append((name, tuple(shape), off, n))
+            off += -(-n // ALIGN_BYTES) * ALIGN_BYTES
+        return cls(dtype, tuple(entries), off)
+
+    @property
+    def param_bytes(self) -> int:
+        return sum(e[3] for e in self.entries)
+
+    def views(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:
+        return {name: flat[off:off + n].view(self.dtype).view(shape) for name, shape, off, n in self.entries}
+
+
+@dataclass
+class Storage:
+    place: str
+    buffer: Buffer
+    layout: FlatLayout
+    views: dict[str, torch.Tensor]
+
+
+def set_param(module: nn.Module, leaf: str, tensor: torch.Tensor) -> None:
+    """Point a parameter at ``tensor`` (keeps the Parameter object unless it was on meta)."""
+    p = module._parameters[leaf]
+    if p is None or p.device.type == "meta" or not torch._has_compatible_shallow_copy_type(p, tensor):
+        module._parameters[leaf] = nn.Parameter(tensor, requires_grad=False)
+    else:
+        p.data = tensor
+
+
+class GroupWeights:
+    """The parameters of one placement unit and the flat buffers that hold them."""
+
+    def __init__(self, name: str, layer: int | None, params: dict[str, tuple[nn.Module, str]],
+                 host_aliases: dict[str, tuple["GroupWeights", str]] | None = None):
+        self.name = name
+        self.layer = layer
+        self.params = params  # qualified name -> (module, leaf)
+        # names whose host (CPU-dtype) copy is another unit's tensor (a tied LM head = embedding)
+        self.host_aliases = host_aliases or {}
+        self.shapes = [(n, tuple(m._parameters[leaf].shape)) for n, (m, leaf) in params.items()]
+        self.storages: dict[str, Storage] = {}
+        self.bound: object = None
+        self._layouts: dict[tuple, FlatLayout] = {}
+
+    def layout(self, place: str, dtype: torch.dtype) -> FlatLayout:
+        key = (place == HOST_MEMORY, dtype)
+        if key not in self._layouts:
+            skip = set(self.host_aliases) if place == HOST_MEMORY else set()
+            self._layouts[key] = FlatLayout.of([s for s in self.shapes if s[0] not in skip], dtype)
+        return self._layouts[key]
+
+    def nbytes(self, place: str, dtype: torch.dtype) -> int:
+        return self.layout(place, dtype).nbytes
+
+    def param_tensor(self, name: str) -> torch.Tensor:
+        m, leaf = self.params[name]
+        return m._parameters[leaf]
+
+    def source_from_storages(self) -> Callable[[str], torch.Tensor] | None:
+        """Reads each tensor from an existing storage (for re-placement), preferring the host."""
+        for place in (PINNED, HOST_MEMORY, ACCELERATOR):
+            if place in self.storages:
+                st = self.storages[place]
+                return lambda name, st=st: st.views[name] if name in st.views else self._alias_view(name)
+        return None
+
+    def _alias_view(self, name: str) -> torch.Tensor:
+        other, other_name = self.host_aliases[name]
+        return other.storages[HOST_MEMORY if HOST_MEMORY in other.storages else PINNED].views[other_name]
+
+    def ensure(self, places: dict[str, torch.dtype], link: Link, source: Callable[[str], torch.Tensor] | None) -> None:
+        """Allocate and fill the storages in ``places`` that are missing (or of another dtype),
+        then free the ones no longer needed. ``source(name)`` gives each tensor's data."""
+        src = source if source is not None else self.source_from_storages()
+        for place, dtype in places.items():
+            cur = self.storages.get(place)
+            if cur is not None and cur.layout.dtype == dtype:
+                continue
+            layout = self.layout(place, dtype)
+            buf = link.alloc(max(layout.nbytes, 1), place, f"{self.name} weights ({place}, {str(dtype)[6:]})")
+            views = layout.views(buf.tensor)
+            direction = H2D if place == ACCELERATOR else H2H
+            for name, view in views.items():
+                with torch.no_grad():
+                    data = src(name)
+                    view.copy_(data)
+                if place == ACCELERATOR:
+                    link.log(direction, "load", self.layer, view.numel() * view.element_size())
+            if place == HOST_MEMORY:
+                for name in self.host_aliases:
+                    views[name] = self._alias_view(name)
+            old = self.storages.get(place)
+            self.storages[place] = Storage(place, buf, layout, views)
+            if old is not None:
+                link.free(old.buffer)
+                if self.bound == place:
+                    self.bound = None  # the parameters still point at the old buffer: rebind
+        for place in [p for p in self.storages if p not in places]:
+            link.free(self.storages.pop(place).buffer)
+        if self.bound not in self.storages:
+            self.bound = None
+
+    def bind(self, place: str) -> None:
+        """Point the module's parameters at the storage in ``place``."""
+        if self.bound == place:
+            return
+        self.bind_views(self.storages[place].views)
+        self.bound = place
+
+    def bind_views(self, views: dict[str, torch.Tensor], tag: object = None) -> None:
+        for name, (module, leaf) in self.params.items():
+            set_param(module, leaf, views[name])
+        self.bound = tag
+
+    def free(self, link: Link) -> None:
+        for st in self.storages.values():
+            link.free(st.buffer)
+        self.storages.clear()
+        self.bound = None
+
+
+class StreamSlots:
+    """Two accelerator buffers that streamed layers take turns in (double buffering): while
+    layer i computes from one, layer i+1 is copied into the other on the copy stream."""
+
+    def __init__(self, link: Link, nbytes: int):
+        self.nbytes = int(nbytes)
+        self.buffers = [link.alloc(max(self.nbytes, 1), ACCELERATOR, f"weight slot {s}") for s in (0, 1)]
+        self.ready = [link.event(), link.event()]  # copy into the slot finished
+        self.free = [link.event(), link.event()]  # last computation reading the slot finished
+        self.used = [False, False]
+        self._views: dict[tuple[str, int], dict[str, torch.Tensor]] = {}
+
+    def views(self, group: GroupWeights, slot: int) -> dict[str, torch.Tensor]:
+        key = (group.name, slot)
+        if key not in self._views:
+            layout = group.storages[PINNED].layout
+            self._views[key] = layout.views(self.buffers[slot].tensor)
+        return self._views[key]
+
+    def load(self, group: GroupWeights, slot: int, link: Link) -> None:
+        """Copy ``group``'s pinned weights into ``slot`` (caller is on the copy stream)."""
+        st = group.storages[PINNED]
+        n = st.layout.nbytes
+        link.copy(self.buffers[slot].tensor[:n], st.buffer.tensor[:n], H2D, "weights", group.layer)
+
+    def release(self, link: Link) -> None:
+        for b in self.buffers:
+            link.free(b)
+        self.buffers = []

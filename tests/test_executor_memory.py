@@ -1,0 +1,84 @@
+"""Pin once: flat buffers are allocated once per loaded model; repeated requests reuse them."""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+
+import flexplan.api as api
+from flexplan.executor.link import ACCELERATOR, PINNED
+from flexplan.executor.plans import fixed_plan
+
+from conftest import left_padded_batch
+
+GIB = 1 << 30
+
+
+def rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * 4096
+
+
+def buffers(link):
+    return sorted((b.where, b.nbytes, b.tensor.data_ptr()) for b in link.live_buffers())
+
+
+@pytest.mark.parametrize("prefill,decode", [("gpu-offload", "splitgen"), ("gpu-offload-partial", "cpu")])
+def test_repeated_generate_allocates_nothing(fresh, prefill, decode):
+    model, _ = fresh("mistral")
+    ids, mask = left_padded_batch()
+    plan = fixed_plan(model.config, prefill, decode, 2, batch_size=3, input_len=9, output_len=6, gpu_memory_bytes=GIB)
+    lm = api.load(model, plan=plan, accelerator="cpu", gpu_memory_bytes=GIB)
+    link = lm.executor.link
+    placed = dict(link.allocations)
+    assert placed[PINNED] >= 2 and placed[ACCELERATOR] >= 2  # per-layer flat buffers + double buffers
+    first = lm.generate(input_ids=ids, attention_mask=mask, max_new_tokens=6, do_sample=False)
+    after_first, live_after_first = dict(link.allocations), buffers(link)
+    gc.collect()
+    rss0 = rss_bytes()
+    for _ in range(5):
+        out = lm.generate(input_ids=ids, attention_mask=mask, max_new_tokens=6, do_sample=False)
+        assert torch.equal(out, first)
+        assert lm.last_stats.buffers_allocated == {}
+    gc.collect()
+    assert dict(link.allocations) == after_first  # no buffer was allocated (or pinned) again
+    assert buffers(link) == live_after_first  # same buffers, same sizes, same addresses
+    assert rss_bytes() - rss0 < 16 << 20
+
+
+def test_smaller_requests_reuse_the_kv_pool_larger_grow_it_once(fresh):
+    model, _ = fresh("llama")
+    plan = fixed_plan(model.config, "gpu-offload", "gpu-offload", batch_size=3, input_len=9, output_len=6,
+                      gpu_memory_bytes=GIB)
+    lm = api.load(model, plan=plan, accelerator="cpu", gpu_memory_bytes=GIB)
+    link = lm.executor.link
+    ids, mask = left_padded_batch()
+    lm.generate(input_ids=ids, attention_mask=mask, max_new_tokens=6, do_sample=False)
+    n0 = sum(link.allocations.values())
+    small_ids, small_mask = left_padded_batch(lengths=(3, 5))
+    lm.generate(input_ids=small_ids, attention_mask=small_mask, max_new_tokens=4, do_sample=False)
+    assert sum(link.allocations.values()) == n0
+    big_ids, big_mask = left_padded_batch(lengths=(12, 4, 9, 10))
+    lm.generate(input_ids=big_ids, attention_mask=big_mask, max_new_tokens=6, do_sample=False)
+    n1 = sum(link.allocations.values())
+    assert n1 > n0
+    lm.generate(input_ids=big_ids, attention_mask=big_mask, max_new_tokens=6, do_sample=False)
+    assert sum(link.allocations.values()) == n1
+
+
+def test_parameters_are_views_of_the_flat_buffers(fresh):
+    model, _ = fresh("qwen2")
+    plan = fixed_plan(model.config, "gpu-offload-partial", "splitgen", 2, batch_size=1, input_len=8, output_len=4,
+                      gpu_memory_bytes=GIB)
+    lm = api.load(model, plan=plan, accelerator="cpu", gpu_memory_bytes=GIB)
+    ex = lm.executor
+    for i, group in enumerate(ex.layers):
+        place = next(iter(group.storages)) if len(group.storages) == 1 else ex.placement.layer_place(i, "prefill")
+        buf = group.storages[place].buffer.tensor
+        lo, hi = buf.data_ptr(), buf.data_ptr() + buf.numel()
+        for p in lm.model.model.layers[i].parameters():
+            assert lo <= p.data_ptr() < hi
+    pinned = [b for b in ex.link.live_buffers(PINNED) if "weights" in b.tag]
+    assert len(pinned) == 2  # one flat buffer per streamed layer, nothing else pinned for weights
