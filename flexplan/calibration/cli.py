@@ -83,8 +83,12 @@ def _steps(mode: str, hw, threads: int, cpu_dtypes: list[str], gpu_dtype: str | 
             Step("cpu_attention", len(s.attn_kv_lens) * len(s.attn_batches),
                  lambda tick, dt=dt: mb.attention(s, dt, tick=tick), dt),
         ]
+    for dt in cpu_dtypes:
+        steps.append(Step("cpu_layers", len(s.layer_widths) * len(s.layer_shapes),
+                          lambda tick, dt=dt: mb.layers(s, dt, tick=tick), dt))
     steps += [
         Step("cpu_layer_overhead", 1, lambda tick: mb.layer_overhead(s, cpu_dtypes[0])),
+        Step("cpu_generate_step", 1, lambda tick: mb.generate_step(s, cpu_dtypes[0])),
         Step("cpu_threads", len(mb.thread_counts(hw.cpu.cores)),
              lambda tick: mb.thread_sweep(s, cpu_dtypes[0], hw.cpu.cores, tick=tick)),
     ]

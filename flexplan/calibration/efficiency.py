@@ -33,7 +33,7 @@ from typing import Any
 import numpy as np
 
 from flexplan.estimator.efficiency import DefaultEfficiency
-from flexplan.hardware.spec import Hardware
+from flexplan.hardware.spec import DTYPE_BYTES, Hardware
 
 EFF_MIN = 1e-4  # a factor below this is a broken measurement, not a slow machine
 MAX_DISPATCH_SHARE = 0.25  # dispatch is a correction: never more than this share of an op's time
@@ -42,10 +42,10 @@ MAX_DISPATCH_SHARE = 0.25  # dispatch is a correction: never more than this shar
 class Table:
     """A factor as a function of one positive quantity, piecewise linear in log(x), clamped."""
 
-    def __init__(self, x, y):
+    def __init__(self, x, y, lo: float | None = None, hi: float | None = None):
         order = np.argsort(np.asarray(x, dtype=float))
         self.x = np.asarray(x, dtype=float)[order]
-        self.y = np.clip(np.asarray(y, dtype=float)[order], EFF_MIN, 1.0)
+        self.y = np.clip(np.asarray(y, dtype=float)[order], EFF_MIN if lo is None else lo, EFF_MAX if hi is None else hi)
         if self.x.size == 0 or np.any(self.x <= 0) or not np.all(np.isfinite(self.y)):
             raise ValueError("a factor table needs positive x and finite y")
         self._logx = np.log(self.x)
@@ -56,6 +56,12 @@ class Table:
 
     def rows(self, key: str) -> list[dict[str, float]]:
         return [{key: _num(x), "eff": _num(y)} for x, y in zip(self.x, self.y)]
+
+
+# Factors are measured / nominal. The nominal peak of a machine whose SKU is hidden (a VM) is an
+# assumption and can be below what the machine does; the factor then exceeds 1 so that the
+# estimator reproduces the measurement. Bounded, to catch nonsense.
+EFF_MAX = 4.0
 
 
 def _num(x: float) -> float:
@@ -100,27 +106,26 @@ def derive_gemm(rows: list[dict], peak_flops_per_s: float, bandwidth_bytes_per_s
     tokens = sorted(by_t)
     c0, d0, t0 = by_t[tokens[0]]
     left = t0 - c0 / peak_flops_per_s
-    eff_m0 = d0 / (bandwidth_bytes_per_s * left) if left > 0 else 1.0
+    eff_m0 = min(EFF_MAX, d0 / (bandwidth_bytes_per_s * left)) if left > 0 else 1.0
     if eff_m0 > 1.0:
         notes.append(f"weight streaming measured {d0 / left / 1e9:.1f} GB/s, above the hardware's "
-                     f"{bandwidth_bytes_per_s / 1e9:.1f} GB/s: memory factor capped at 1")
-        eff_m0 = 1.0
+                     f"{bandwidth_bytes_per_s / 1e9:.1f} GB/s: memory factor {eff_m0:.3g} (is the bandwidth right?)")
     eff_c, eff_m = [], []
     for t in tokens:
         c, d, tt = by_t[t]
         rest = tt - d / (bandwidth_bytes_per_s * eff_m0)
-        if rest > c / peak_flops_per_s:
+        if rest > c / (peak_flops_per_s * EFF_MAX):
             eff_c.append(c / (peak_flops_per_s * rest))
             eff_m.append(eff_m0)
         else:  # compute hidden: memory runs faster than at the fewest tokens (or noise)
-            eff_c.append(1.0)
-            mem_s = tt - c / peak_flops_per_s
-            eff_m.append(min(1.0, d / (bandwidth_bytes_per_s * mem_s)) if mem_s > 0 else 1.0)
+            eff_c.append(EFF_MAX)
+            mem_s = tt - c / (peak_flops_per_s * EFF_MAX)
+            eff_m.append(min(EFF_MAX, d / (bandwidth_bytes_per_s * mem_s)) if mem_s > 0 else EFF_MAX)
     above = [t for t in tokens if by_t[t][0] / by_t[t][2] > peak_flops_per_s * 1.02]
     if above:
         best = max(by_t[t][0] / by_t[t][2] for t in above)
         notes.append(f"GEMM at {', '.join(map(str, above))} tokens measured up to {best / 1e9:.4g} GFLOP/s, above "
-                     f"the hardware's peak {peak_flops_per_s / 1e9:.4g}: factors capped at 1 (is the peak right?)")
+                     f"the hardware's peak {peak_flops_per_s / 1e9:.4g}: factors above 1 (is the peak right?)")
     return Table(tokens, eff_c), Table(tokens, eff_m), notes
 
 
@@ -136,7 +141,7 @@ def derive_attention(rows: list[dict], peak_flops_per_s: float, bandwidth_bytes_
         c = 4.0 * b * int(r["heads"]) * int(r["head_dim"]) * L
         t = _less_dispatch(r, dispatch_s, [])
         mem_s = t - c / (peak_flops_per_s * eff_compute(b))
-        per_batch.setdefault(b, {})[L] = min(1.0, kv / (bandwidth_bytes_per_s * mem_s)) if mem_s > 0 else 1.0
+        per_batch.setdefault(b, {})[L] = min(EFF_MAX, kv / (bandwidth_bytes_per_s * mem_s)) if mem_s > 0 else EFF_MAX
     if not per_batch:
         raise ValueError("no attention measurements")
     tables = {b: Table(list(d), list(d.values())) for b, d in sorted(per_batch.items())}
@@ -170,6 +175,7 @@ class CPUFactors:
     compute: Table
     memory: Table
     attention: Table | None
+    overhead: Table | None = None  # fixed seconds per decoder layer by tokens per GEMM (real-layer fit)
 
 
 @dataclass(frozen=True)
@@ -188,6 +194,7 @@ class CalibratedEfficiency:
     d2h_table: Table | None
     gpu_overhead_s: float
     defaults: DefaultEfficiency
+    step_overhead_s: float
     source: str
     notes: tuple[str, ...] = field(default_factory=tuple)
 
@@ -229,8 +236,14 @@ class CalibratedEfficiency:
     def cpu_threads(self):
         return self.threads
 
-    def cpu_layer_overhead_s(self):
+    def cpu_layer_overhead_s(self, tokens=1, dtype=None):
+        f = self._cpu(dtype)
+        if f is not None and f.overhead is not None:
+            return f.overhead(tokens)
         return self.cpu_overhead_s
+
+    def cpu_step_overhead_s(self):
+        return self.step_overhead_s
 
     def gpu_layer_overhead_s(self):
         return self.gpu_overhead_s
@@ -238,8 +251,10 @@ class CalibratedEfficiency:
     def describe_factors(self) -> dict[str, Any]:
         """The factor tables as plain data (for the YAML's derived section and for humans)."""
         out: dict[str, Any] = {"cpu": {dt: {"compute": f.compute.rows("tokens"), "memory": f.memory.rows("tokens"),
-                                            "attention": f.attention.rows("kv_len") if f.attention else None}
+                                            "attention": f.attention.rows("kv_len") if f.attention else None,
+                                            "layer_overhead_s": f.overhead.rows("tokens") if f.overhead else None}
                                        for dt, f in self.cpu.items()},
+                               "cpu_step_overhead_s": _num(self.step_overhead_s),
                                "cpu_layer_overhead_s": _num(self.cpu_overhead_s), "cpu_threads": self.threads,
                                "cpu_under_copy": _num(self.under_copy)}
         for name, t, key in (("gpu_compute", self.gpu_compute_table, "tokens"),
@@ -249,6 +264,70 @@ class CalibratedEfficiency:
         out["gpu_layer_overhead_s"] = _num(self.gpu_overhead_s)
         out["notes"] = list(self.notes)
         return out
+
+
+LAYER_KEYS = ("dtype", "hidden", "intermediate", "heads", "kv_heads", "head_dim", "batch", "query_len", "kv_len",
+              "time_s")
+
+
+def derive_layers(rows: list[dict], peak_flops_per_s: float, bandwidth_bytes_per_s: float, eff_c: Table,
+                  eff_m: Table, eff_a: Table | None, dtype_bytes: float) -> tuple[Table, Table, Table, list[str]]:
+    """Per-layer overhead, and compute/memory factors, from real decoder layers of several widths.
+
+    At each token count the estimator's CPU layer time is C/(TH Eff_c) + D/(BW Eff_m) + KV/(BW
+    Eff_attn) + overhead (flexplan/estimator/terms.py). Decode rows (one query) fit
+    ``t - compute - attention = overhead + D x slope`` over the widths (Eff_m = 1/(slope BW));
+    prefill rows fit ``t - memory = overhead + C x slope`` (Eff_c = 1/(slope TH)). The GEMM
+    micro-benchmarks keep the token counts these rows do not cover. Returns (overhead, compute,
+    memory, notes)."""
+    from flexplan.workload import costs
+    from flexplan.workload.model import ModelSpec
+
+    groups: dict[tuple[int, int], list[dict]] = {}
+    for r in rows:
+        groups.setdefault((int(r["batch"]), int(r["query_len"])), []).append(r)
+    over: dict[int, float] = {}
+    comp = dict(zip(eff_c.x.tolist(), eff_c.y.tolist()))
+    mem = dict(zip(eff_m.x.tolist(), eff_m.y.tolist()))
+    notes = []
+    for (batch, q_len), group in sorted(groups.items()):
+        tokens = batch * q_len
+        xs, ys = [], []
+        for r in group:
+            m = ModelSpec.from_config(dict(model_type="llama", hidden_size=r["hidden"], intermediate_size=r["intermediate"],
+                                           num_attention_heads=r["heads"], num_key_value_heads=r["kv_heads"],
+                                           head_dim=r["head_dim"], num_hidden_layers=1, vocab_size=128))
+            t = float(r["time_s"])
+            if q_len == 1:
+                ctx = int(r["kv_len"])
+                c = float(costs.c_decode(m, batch, ctx))
+                d = costs.d_decode(m, batch, dtype_bytes, dtype_bytes) + float(costs.d_kv_cache(m, batch, 1, dtype_bytes))
+                kv = float(costs.d_kv_cache(m, batch, ctx, dtype_bytes))
+                attn = kv / (bandwidth_bytes_per_s * float(eff_a(ctx))) if eff_a is not None else 0.0
+                xs.append(d)
+                ys.append(t - c / (peak_flops_per_s * float(eff_c(tokens))) - attn)
+            else:
+                c = costs.c_prefill(m, batch, q_len)
+                d = costs.d_prefill(m, batch, q_len, dtype_bytes, dtype_bytes) + float(costs.d_kv_cache(m, batch, q_len, dtype_bytes))
+                xs.append(c)
+                ys.append(t - d / (bandwidth_bytes_per_s * float(eff_m(tokens))))
+        if len(xs) < 2:
+            continue
+        slope, intercept = np.polyfit(np.asarray(xs), np.asarray(ys), 1)
+        if slope <= 0:
+            notes.append(f"layer fit at {tokens} tokens has no positive slope (noise?): kept the GEMM factors")
+            continue
+        over[tokens] = max(float(intercept), 0.0)
+        if intercept < 0:  # no fixed part: refit through the origin
+            slope = float(np.dot(xs, ys) / np.dot(xs, xs))
+        if q_len == 1:
+            mem[tokens] = 1.0 / (slope * bandwidth_bytes_per_s)
+        else:
+            comp[tokens] = 1.0 / (slope * peak_flops_per_s)
+    if not over:
+        raise ValueError("no usable layer measurements")
+    return (Table(list(over), list(over.values()), lo=0.0, hi=1.0), Table(list(comp), list(comp.values())),
+            Table(list(mem), list(mem.values())), notes)
 
 
 def _part(meas: dict, name: str, kind: type):
@@ -295,7 +374,12 @@ def cpu_factors(meas: dict, dtype: str, hw: Hardware, notes: list[str]) -> CPUFa
     eff_a = derive_attention(attn_rows, th, bw, eff_c, float(disp.get("sdpa_call_s", 0.0)))[0] if attn_rows else None
     if eff_a is None:
         notes.append(f"CPU {dtype} attention not measured: KV reads use the weight-streaming factor")
-    return CPUFactors(eff_c, eff_m, eff_a)
+    layer_rows = _of_dtype(check_rows(meas.get("cpu_layers"), LAYER_KEYS, "measurements.cpu_layers"), dtype)
+    overhead = None
+    if layer_rows:
+        overhead, eff_c, eff_m, n = derive_layers(layer_rows, th, bw, eff_c, eff_m, eff_a, float(DTYPE_BYTES[dtype]))
+        notes += [f"CPU {dtype}: {x}" for x in n]
+    return CPUFactors(eff_c, eff_m, eff_a, overhead)
 
 
 def from_measurements(meas: dict, settings: dict, hw: Hardware, source: str) -> CalibratedEfficiency:
@@ -317,6 +401,12 @@ def from_measurements(meas: dict, settings: dict, hw: Hardware, source: str) -> 
     cpu_overhead = float(layer["time_s"]) if layer else defaults.cpu_layer_overhead_s()
     if not layer:
         notes.append("CPU per-layer overhead not measured: default")
+    gen = _part(meas, "cpu_generate_step", dict)
+    if gen:  # the toy model's one layer is in the step time: take it out
+        step_overhead = max(float(gen["time_s"]) - int(gen.get("layers", 1)) * cpu_overhead, 0.0)
+    else:
+        step_overhead = defaults.cpu_step_overhead_s()
+        notes.append("generate() step overhead not measured: default")
     sweep = _part(meas, "cpu_threads", dict)
     threads = best_threads(sweep["sweep"]) if sweep else None
 
@@ -351,4 +441,4 @@ def from_measurements(meas: dict, settings: dict, hw: Hardware, source: str) -> 
     return CalibratedEfficiency(
         cpu=cpu, cpu_dtype=primary, cpu_overhead_s=cpu_overhead, threads=threads, under_copy=under_copy,
         gpu_compute_table=gpu_c, gpu_memory_table=gpu_m, h2d_table=h2d, d2h_table=d2h, gpu_overhead_s=gpu_overhead,
-        defaults=defaults, source=source, notes=tuple(notes))
+        defaults=defaults, step_overhead_s=step_overhead, source=source, notes=tuple(notes))

@@ -9,6 +9,12 @@ in its key names; none of them derives a factor (that is ``calibration/efficienc
 - Per-op dispatch: a tiny matmul and a tiny SDPA call (their fixed cost).
 - Per-layer overhead: a real transformers ``LlamaDecoderLayer`` of hidden size 64 in decode
   shape (one token, a KV cache): the fixed cost of one layer, Python and dispatch included.
+- Real layers: transformers ``LlamaDecoderLayer``s of three widths (SmolLM2-, 1B- and TinyLlama-
+  sized), in decode shape (batch 1 and 8 over a KV cache) and prefill shape (128 and 512 tokens),
+  cycled through copies that exceed the cache as consecutive layers do. Fitting their times
+  against layer size separates a fixed per-layer cost from the size-proportional part.
+- Generate step: transformers ``generate()`` on a one-layer toy model: the per-step cost of the
+  generation loop outside the layers (logits processing, stopping criteria, cache bookkeeping).
 - Thread sweep (Park & Egger 4.1): a prefill GEMM and a decode GEMV at 1..cores threads.
 
 Times are the fastest of the timed runs (``time_s``, as STREAM and ``timeit`` report: what the
@@ -49,6 +55,11 @@ class Sizes:
     layer_calls: int = 200
     sweep_prefill_tokens: int = 256
     transfer_bytes: tuple[int, ...] = (2**20, 16 * 2**20, 256 * 2**20, 2**30)  # GPU link sweep
+    # (hidden, intermediate, heads, kv_heads, head_dim) of real layers, and (batch, query_len) shapes
+    layer_widths: tuple[tuple[int, int, int, int, int], ...] = (
+        (576, 1536, 9, 3, 64), (1024, 2816, 16, 4, 64), (2048, 5632, 32, 8, 64))
+    layer_shapes: tuple[tuple[int, int], ...] = ((1, 1), (8, 1), (1, 128), (1, 512))
+    layer_kv_len: int = 128
 
 
 MODES = {
@@ -62,7 +73,8 @@ MODES = {
     "tiny": Sizes(gemv_tokens=(1, 4), gemm_tokens=(16, 64), weight_shapes=((256, 512),), attn_kv_lens=(64, 256),
                   attn_batches=(1, 2), attn_heads=(4, 2, 32), repeats=3, budget_s=0.2, rotate_bytes=4 * 2**20,
                   stream_bytes=4 * 2**20, layer_calls=10, sweep_prefill_tokens=16,
-                  transfer_bytes=(2**16, 2**20)),
+                  transfer_bytes=(2**16, 2**20), layer_widths=((64, 128, 4, 2, 16), (128, 256, 4, 2, 32)),
+                  layer_shapes=((1, 1), (1, 16)), layer_kv_len=16),
 }
 
 
@@ -270,6 +282,86 @@ def layer_overhead(sizes: Sizes, dtype: str, device: str = "cpu", sync=None, inn
                       max(3, sizes.layer_calls // inner), 2 * sizes.budget_s, sync, inner)
     return {"time_s": _sig(r["time_s"]), "time_median_s": _sig(r["time_median_s"]), "runs": r["runs"],
             "hidden_size": 64, "layer": "transformers LlamaDecoderLayer (sdpa), decode step with DynamicCache"}
+
+
+def _llama_config(hidden: int, inter: int, heads: int, kv_heads: int, head_dim: int, layers: int = 1, vocab: int = 128):
+    from transformers import LlamaConfig
+
+    cfg = LlamaConfig(hidden_size=hidden, intermediate_size=inter, num_attention_heads=heads,
+                      num_key_value_heads=kv_heads, head_dim=head_dim, num_hidden_layers=layers, vocab_size=vocab)
+    cfg._attn_implementation = "sdpa"
+    return cfg
+
+
+def layers(sizes: Sizes, dtype: str, tick: Callable[[], None] | None = None) -> list[dict]:
+    """Seconds per real decoder layer for each width and (batch, query_len) shape: decode steps
+    read a KV cache of ``layer_kv_len`` tokens; prefill writes a fresh one."""
+    import torch
+    from transformers.cache_utils import DynamicCache
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
+
+    dt = torch_dtype(dtype)
+    rows = []
+    for hidden, inter, heads, kv_heads, head_dim in sizes.layer_widths:
+        cfg = _llama_config(hidden, inter, heads, kv_heads, head_dim)
+        one = LlamaDecoderLayer(cfg, 0).to(dt)
+        params = sum(p.numel() for p in one.parameters())
+        n_copies = copies_for(params * dtype_bytes(dtype), rotate_bytes(sizes), cap=64)
+        copies = [one] + [LlamaDecoderLayer(cfg, 0).to(dt) for _ in range(n_copies - 1)]
+        for layer in copies:
+            layer.eval()
+        rotary = LlamaRotaryEmbedding(cfg)
+        for batch, q_len in sizes.layer_shapes:
+            past = sizes.layer_kv_len if q_len == 1 else 0
+            with torch.inference_mode():
+                caches = [DynamicCache(config=cfg) for _ in copies]
+                if past:
+                    prompt = torch.randn(batch, past, hidden, dtype=dt)
+                    pos = torch.arange(past)[None]
+                    pe = rotary(prompt, pos)
+                    for layer, cache in zip(copies, caches):
+                        layer(prompt, position_ids=pos, position_embeddings=pe, past_key_values=cache, use_cache=True)
+                x = torch.randn(batch, q_len, hidden, dtype=dt)
+                pos = torch.arange(past, past + q_len)[None]
+                pe = rotary(x, pos)
+
+                def run_all():
+                    for layer, cache in zip(copies, caches):
+                        if not past:  # prefill writes a fresh cache
+                            cache = DynamicCache(config=cfg)
+                        layer(x, position_ids=pos, position_embeddings=pe, past_key_values=cache, use_cache=True)
+                        if past:
+                            cache.crop(-q_len)  # back to the same KV length for the next run
+
+                r = time_call(run_all, max(3, sizes.repeats), sizes.budget_s)
+            rows.append({"dtype": dtype, "hidden": hidden, "intermediate": inter, "heads": heads, "kv_heads": kv_heads,
+                         "head_dim": head_dim, "batch": batch, "query_len": q_len, "kv_len": past + q_len,
+                         "params": params, "copies": len(copies), "time_s": _sig(r["time_s"] / len(copies)),
+                         "time_median_s": _sig(r["time_median_s"] / len(copies)), "runs": r["runs"]})
+            if tick:
+                tick()
+        del copies
+    return rows
+
+
+def generate_step(sizes: Sizes, dtype: str) -> dict[str, float]:
+    """Per-step seconds of transformers generate() on a one-layer toy Llama (hidden 64): the loop's
+    own cost plus one tiny layer (which the derivation subtracts)."""
+    import torch
+    from transformers import LlamaForCausalLM
+
+    model = LlamaForCausalLM(_llama_config(64, 128, 4, 2, 16)).to(torch_dtype(dtype)).eval()
+    ids = torch.ones(1, 16, dtype=torch.long)
+
+    def gen(n):
+        return lambda: model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=n,
+                                      min_new_tokens=n, do_sample=False, pad_token_id=0)
+
+    steps = 32
+    short = time_call(gen(1), 5, sizes.budget_s)
+    long = time_call(gen(steps + 1), 5, 2 * sizes.budget_s)
+    return {"time_s": _sig(max(long["time_s"] - short["time_s"], 0.0) / steps), "layers": 1, "hidden_size": 64,
+            "steps": steps}
 
 
 def thread_counts(cores: int) -> list[int]:

@@ -30,7 +30,9 @@ class Efficiency(Protocol):
     def d2h(self, transfer_bytes: float) -> float: ...  # Eff_ICN device -> host
     def cpu_under_copy(self) -> float: ...  # CPU slowdown factor (>= 1) while an H2D copy runs
     def cpu_threads(self) -> int | None: ...  # best thread count found by calibration, None = all cores
-    def cpu_layer_overhead_s(self) -> float: ...  # fixed dispatch cost of one decoder layer on the CPU
+    def cpu_layer_overhead_s(self, tokens: float = 1, dtype: str | None = None) -> float: ...  # fixed cost of one
+    # decoder layer on the CPU (Python, dispatch, small ops), by tokens per GEMM
+    def cpu_step_overhead_s(self) -> float: ...  # generate() loop per step, outside the layers (host side)
     def gpu_layer_overhead_s(self) -> float: ...  # ... on the GPU (kernel launches of one layer)
 
 
@@ -52,6 +54,7 @@ ICN_DEFAULT = 0.80  # pinned cudaMemcpyAsync typically reaches 75-90% of the PCI
 # decoder layer; at ~10 us each on the CPU and ~5 us per kernel launch on the GPU.
 CPU_LAYER_OVERHEAD_DEFAULT_S = 150e-6
 GPU_LAYER_OVERHEAD_DEFAULT_S = 100e-6
+STEP_OVERHEAD_DEFAULT_S = 1e-3  # transformers generate(): logits processors, stopping criteria, cache bookkeeping
 
 
 def cpu_path(hw: Hardware) -> str:
@@ -111,8 +114,11 @@ class DefaultEfficiency:
     def cpu_threads(self):
         return None
 
-    def cpu_layer_overhead_s(self):
+    def cpu_layer_overhead_s(self, tokens=1, dtype=None):
         return self.cpu_overhead_s
+
+    def cpu_step_overhead_s(self):
+        return STEP_OVERHEAD_DEFAULT_S
 
     def gpu_layer_overhead_s(self):
         return self.gpu_overhead_s

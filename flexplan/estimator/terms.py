@@ -112,11 +112,12 @@ def phase_costs(shape: Shape, hw: Hardware, eff: Efficiency, phase: str) -> Phas
     cd = shape.cpu_dtype
     t_cpu = (t_compute_s(flops, th_cpu, eff.cpu_compute(rows, cd))
              + t_memory_s(d_cpu + kv_write_cpu, cpu.memory_bandwidth_bytes_per_s, eff.cpu_memory(rows, cd))
-             + t_cpu_attn + eff.cpu_layer_overhead_s())
+             + t_cpu_attn + eff.cpu_layer_overhead_s(rows, cd))
     head_flops = costs.c_lm_head(m, b)
+    step_overhead = eff.cpu_step_overhead_s()  # the host runs generate()'s loop whatever the policy
     t_cpu_head = (t_compute_s(head_flops, th_cpu, eff.cpu_compute(b, cd))
                   + t_memory_s(costs.d_lm_head(m, shape.cpu_bytes), cpu.memory_bandwidth_bytes_per_s,
-                               eff.cpu_memory(b, cd)))
+                               eff.cpu_memory(b, cd)) + step_overhead)
     hidden = costs.d_output(m, b, tokens_per_seq, shape.w_bytes)
     logits = costs.d_logits(m, b)
     head_gpu = costs.d_lm_head(m, shape.w_bytes)
@@ -129,7 +130,8 @@ def phase_costs(shape: Shape, hw: Hardware, eff: Efficiency, phase: str) -> Phas
     bw_gpu = gpu.memory_bandwidth_bytes_per_s
     t_gpu = (t_compute_s(flops, th_gpu, eff.gpu_compute(rows))
              + t_memory_s(d_gpu + kv_read + kv_write, bw_gpu, eff.gpu_memory(rows)) + eff.gpu_layer_overhead_s())
-    t_gpu_head = t_compute_s(head_flops, th_gpu, eff.gpu_compute(b)) + t_memory_s(head_gpu, bw_gpu, eff.gpu_memory(b))
+    t_gpu_head = (t_compute_s(head_flops, th_gpu, eff.gpu_compute(b)) + t_memory_s(head_gpu, bw_gpu, eff.gpu_memory(b))
+                  + step_overhead)
     h2d, d2h = link.h2d_bandwidth_bytes_per_s, link.d2h_bandwidth_bytes_per_s
     return PhaseCosts(
         phase=phase, tokens_per_seq=tokens_per_seq, t_cpu_layer_s=t_cpu, t_gpu_layer_s=t_gpu,

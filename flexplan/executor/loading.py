@@ -2,7 +2,7 @@
 
 The module skeleton is built on the meta device (parameters only; small buffers such as the
 rotary frequencies are computed for real), then the shards are read tensor by tensor with
-``safe_open`` and copied directly into each unit's flat buffers (pinned host, CPU-dtype host or
+``readinto`` and copied directly into each unit's flat buffers (pinned host, CPU-dtype host or
 accelerator). Peak host memory stays near the model's placed size plus one tensor, instead of
 a full model loaded first and copied again.
 """
@@ -50,18 +50,45 @@ def build_skeleton(config) -> torch.nn.Module:
     return model.eval()
 
 
+SAFETENSORS_DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "I64": torch.int64,
+    "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool,
+}
+
+
+def read_safetensors_header(path: Path) -> tuple[dict[str, dict], int]:
+    """(tensor name -> {dtype, shape, data_offsets}, byte offset where the data starts)."""
+    try:
+        with open(path, "rb") as f:
+            n = int.from_bytes(f.read(8), "little")
+            if not 0 < n < 100 << 20:
+                raise ValueError(f"header length {n}")
+            header = json.loads(f.read(n))
+    except (OSError, ValueError) as e:
+        raise MalformedDataError(f"{path} is not a readable safetensors file: {e}") from None
+    header.pop("__metadata__", None)
+    return header, 8 + n
+
+
 class SafetensorsSource:
-    """``source(name) -> tensor``: one tensor read from the shard that holds it."""
+    """``source(name) -> tensor``: one tensor read from the shard that holds it.
+
+    Reads with plain ``readinto`` into a fresh tensor instead of memory-mapping the shards
+    (``safe_open``): mapped pages of a shard stay resident (and in RSS) while it is open, which
+    doubled peak host memory. Each tensor read here is freed once the caller has copied it into
+    its final place, so peak host memory is the placed model plus the largest tensor.
+    """
 
     def __init__(self, folder, tied: dict[str, str] | None = None):
-        from safetensors import safe_open
-
         self.folder = Path(folder)
         files = sorted(self.folder.glob("*.safetensors"))
         if not files:
             raise InvalidInputError(f"{self.folder} has no *.safetensors shards")
-        self._files = {f: safe_open(str(f), framework="pt") for f in files}
-        self._where = {k: f for f, h in self._files.items() for k in h.keys()}
+        self._where: dict[str, tuple[Path, dict, int]] = {}
+        for f in files:
+            header, data_start = read_safetensors_header(f)
+            for k, meta in header.items():
+                self._where[k] = (f, meta, data_start)
         self.tied = tied or {}
 
     def key_for(self, name: str) -> str:
@@ -74,10 +101,21 @@ class SafetensorsSource:
 
     def __call__(self, name: str) -> torch.Tensor:
         key = self.key_for(name)
-        return self._files[self._where[key]].get_tensor(key)
+        path, meta, data_start = self._where[key]
+        dtype = SAFETENSORS_DTYPES.get(meta["dtype"])
+        if dtype is None:
+            raise MalformedDataError(f"{path}: tensor {key!r} has unsupported dtype {meta['dtype']}")
+        begin, end = meta["data_offsets"]
+        raw = torch.empty(end - begin, dtype=torch.uint8)
+        with open(path, "rb") as f:
+            f.seek(data_start + begin)
+            got = f.readinto(raw.numpy())
+        if got != end - begin:
+            raise MalformedDataError(f"{path} is truncated: tensor {key!r} needs {end - begin} bytes, read {got}")
+        return raw.view(dtype).reshape(meta["shape"])
 
     def close(self) -> None:
-        self._files.clear()
+        self._where.clear()
 
 
 def load_streaming(path, plan: Plan, accelerator: str | Link = "cuda", *, gpu_memory_bytes: int | None = None,
