@@ -1,6 +1,6 @@
 """flexplan's ``cpu`` policy against plain transformers ``generate()`` on this machine.
 
-Same model, dtype (float32), torch threads and greedy decoding on both sides; prompts are
+Same model, dtype (``--dtype``, default float32), torch threads and greedy decoding on both sides; prompts are
 random token ids of the exact input length, and ``min_new_tokens = max_new_tokens`` so both
 generate exactly the output length. Each side runs once to warm up, then ``--repeats``
 times, interleaved (transformers, flexplan, transformers, ...) so background load hits
@@ -37,6 +37,7 @@ CASES = {
     "c": ("random-llama", 1, 128, 32),
 }
 QUICK_CASES = {"a": ("smollm2", 1, 32, 8), "b": ("smollm2", 2, 64, 8), "c": ("random-llama", 1, 32, 8)}
+DTYPE = "float32"  # set from --dtype
 NOT_SLOWER_TOLERANCE = 1.05  # flexplan/transformers up to this counts as "not slower" (run-to-run noise)
 BANDWIDTH_TARGET_FRACTION = 0.75
 
@@ -94,7 +95,7 @@ def load_transformers(folder: Path):
     import torch
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    return AutoModelForCausalLM.from_pretrained(folder, dtype=getattr(torch, DTYPE)).eval()
 
 
 def load_flexplan(folder: Path, batch: int, input_len: int, output_len: int):
@@ -104,8 +105,8 @@ def load_flexplan(folder: Path, batch: int, input_len: int, output_len: int):
     from flexplan.planner import plan
 
     p = plan(folder, hardware="local", batch_size=batch, input_len=input_len, output_len=output_len,
-             dtype="float32", cpu_dtype="float32", prefill="cpu", decode="cpu")
-    return load(folder, plan=p, accelerator=None, dtype="float32"), p
+             dtype=DTYPE, cpu_dtype=DTYPE, prefill="cpu", decode="cpu")
+    return load(folder, plan=p, accelerator=None, dtype=DTYPE), p
 
 
 def decode_bytes_per_step(folder: Path, batch: int, input_len: int, output_len: int) -> float:
@@ -119,8 +120,9 @@ def decode_bytes_per_step(folder: Path, batch: int, input_len: int, output_len: 
 
     m = resolve_model(folder)
     ctx = input_len + np.arange(1, output_len)  # keys attended by decode steps 1 .. output_len - 1
-    kv = float(np.mean(d_kv_cache(m, batch, ctx, 4)))
-    return m.num_layers * (d_weights(m, 4) + kv) + d_lm_head(m, 4)
+    nb = 4 if DTYPE == "float32" else 2
+    kv = float(np.mean(d_kv_cache(m, batch, ctx, nb)))
+    return m.num_layers * (d_weights(m, nb) + kv) + d_lm_head(m, nb)
 
 
 def run_case(name: str, spec: tuple, repeats: int) -> dict:
@@ -128,7 +130,7 @@ def run_case(name: str, spec: tuple, repeats: int) -> dict:
 
     model_name, batch, input_len, output_len = spec
     folder = model_folder(model_name)
-    print(f"\n({name}) {folder.name}: batch {batch}, input {input_len}, output {output_len}, float32, "
+    print(f"\n({name}) {folder.name}: batch {batch}, input {input_len}, output {output_len}, {DTYPE}, "
           f"{torch.get_num_threads()} threads", flush=True)
     hf = load_transformers(folder)
     inputs = random_inputs(hf.config.vocab_size, batch, input_len)
@@ -149,7 +151,7 @@ def run_case(name: str, spec: tuple, repeats: int) -> dict:
     del hf, fx
     gc.collect()
 
-    result = {"model": folder.name, "batch": batch, "input_len": input_len, "output_len": output_len,
+    result = {"model": folder.name, "dtype": DTYPE, "batch": batch, "input_len": input_len, "output_len": output_len,
               "repeats": repeats, "plan": plan.to_dict(), "runs": runs, "flexplan_stats": flexplan_stats}
     for side in runs:
         result[side] = {k: median([r[k] for r in runs[side]]) for k in ("ttft_s", "tpot_s", "e2e_s")}
@@ -198,6 +200,8 @@ def _stats_dict(stats):
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
+                    help="dtype of both sides (bfloat16 only where the CPU is fast at it)")
     ap.add_argument("--cases", default="a,b,c", help="comma-separated subset of a,b,c (default: all)")
     ap.add_argument("--quick", action="store_true", help="smaller shapes and 1 repeat (smoke test)")
     ap.add_argument("--repeats", type=int, default=None, help="timed repeats per side (default 3, quick 1)")
@@ -206,6 +210,8 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     import torch
 
+    global DTYPE
+    DTYPE = args.dtype
     if args.threads:
         torch.set_num_threads(args.threads)
     cases = [c.strip() for c in args.cases.split(",") if c.strip()]
@@ -215,7 +221,8 @@ def main(argv: list[str] | None = None) -> int:
     table = QUICK_CASES if args.quick else CASES
     repeats = args.repeats or (1 if args.quick else 3)
     results = {c: run_case(c, table[c], repeats) for c in cases}
-    name = args.name or ("bench_cpu_vs_transformers_quick" if args.quick else "bench_cpu_vs_transformers")
+    name = args.name or ("bench_cpu_vs_transformers" + ("_quick" if args.quick else "")
+                         + ("" if DTYPE == "float32" else f"_{DTYPE}"))
     path = write_result(name, {"quick": args.quick, "threads": torch.get_num_threads(), "cases": results})
     print(f"\nwrote {path}")
     return 0

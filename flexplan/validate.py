@@ -223,6 +223,9 @@ def run_grid(model_dir: Path, grid: dict[str, list[int]], pairs: list[tuple[str,
                     do_sample=False)
         for b, i, o in shapes:
             ids = torch.randint(3, vocab, (b, i), generator=gen)
+            # warm this shape (the plan may place weights in another CPU dtype; oneDNN caches kernels)
+            lm.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=2, min_new_tokens=2,
+                        do_sample=False)
             runs = []
             for _ in range(repeats):
                 lm.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=o, min_new_tokens=o,

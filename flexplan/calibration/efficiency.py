@@ -69,7 +69,8 @@ def _num(x: float) -> float:
 
 
 def _stat_s(row: dict) -> float:
-    return float(row["time_s"])
+    """The median run when recorded: predictions are for typical runs, not the luckiest one."""
+    return float(row.get("time_median_s") or row["time_s"])
 
 
 def _less_dispatch(row: dict, dispatch_s: float, capped: list) -> float:
@@ -175,7 +176,9 @@ class CPUFactors:
     compute: Table
     memory: Table
     attention: Table | None
-    overhead: Table | None = None  # fixed seconds per decoder layer by tokens per GEMM (real-layer fit)
+    overhead: "LayerOverhead | None" = None  # seconds per real layer beyond the factors (tokens, layer size)
+    head_compute: Table | None = None  # the LM head's tall GEMV (hidden x vocab)
+    head_memory: Table | None = None
 
 
 @dataclass(frozen=True)
@@ -194,7 +197,7 @@ class CalibratedEfficiency:
     d2h_table: Table | None
     gpu_overhead_s: float
     defaults: DefaultEfficiency
-    step_overhead_s: float
+    step_overhead: "StepOverhead"
     source: str
     notes: tuple[str, ...] = field(default_factory=tuple)
 
@@ -208,6 +211,14 @@ class CalibratedEfficiency:
     def cpu_memory(self, tokens, dtype=None):
         f = self._cpu(dtype)
         return f.memory(tokens) if f else self.defaults.cpu_memory(tokens, dtype)
+
+    def cpu_head_compute(self, tokens, dtype=None):
+        f = self._cpu(dtype)
+        return f.head_compute(tokens) if f and f.head_compute else self.cpu_compute(tokens, dtype)
+
+    def cpu_head_memory(self, tokens, dtype=None):
+        f = self._cpu(dtype)
+        return f.head_memory(tokens) if f and f.head_memory else self.cpu_memory(tokens, dtype)
 
     def cpu_attention(self, context_len, dtype=None):
         f = self._cpu(dtype)
@@ -236,14 +247,14 @@ class CalibratedEfficiency:
     def cpu_threads(self):
         return self.threads
 
-    def cpu_layer_overhead_s(self, tokens=1, dtype=None):
+    def cpu_layer_overhead_s(self, tokens=1, dtype=None, layer_bytes=None):
         f = self._cpu(dtype)
         if f is not None and f.overhead is not None:
-            return f.overhead(tokens)
+            return f.overhead(tokens, layer_bytes)
         return self.cpu_overhead_s
 
-    def cpu_step_overhead_s(self):
-        return self.step_overhead_s
+    def cpu_step_overhead_s(self, batch=1, vocab=0):
+        return self.step_overhead(batch, vocab)
 
     def gpu_layer_overhead_s(self):
         return self.gpu_overhead_s
@@ -252,9 +263,10 @@ class CalibratedEfficiency:
         """The factor tables as plain data (for the YAML's derived section and for humans)."""
         out: dict[str, Any] = {"cpu": {dt: {"compute": f.compute.rows("tokens"), "memory": f.memory.rows("tokens"),
                                             "attention": f.attention.rows("kv_len") if f.attention else None,
-                                            "layer_overhead_s": f.overhead.rows("tokens") if f.overhead else None}
+                                            "layer_overhead_s": f.overhead.rows() if f.overhead else None}
                                        for dt, f in self.cpu.items()},
-                               "cpu_step_overhead_s": _num(self.step_overhead_s),
+                               "cpu_step_overhead_s": {"base_s": _num(self.step_overhead.base_s),
+                                                       "per_logit_s": _num(self.step_overhead.per_logit_s)},
                                "cpu_layer_overhead_s": _num(self.cpu_overhead_s), "cpu_threads": self.threads,
                                "cpu_under_copy": _num(self.under_copy)}
         for name, t, key in (("gpu_compute", self.gpu_compute_table, "tokens"),
@@ -270,64 +282,77 @@ LAYER_KEYS = ("dtype", "hidden", "intermediate", "heads", "kv_heads", "head_dim"
               "time_s")
 
 
-def derive_layers(rows: list[dict], peak_flops_per_s: float, bandwidth_bytes_per_s: float, eff_c: Table,
-                  eff_m: Table, eff_a: Table | None, dtype_bytes: float) -> tuple[Table, Table, Table, list[str]]:
-    """Per-layer overhead, and compute/memory factors, from real decoder layers of several widths.
+@dataclass(frozen=True)
+class StepOverhead:
+    """generate()'s own cost per step: a base plus a part per logit (batch x vocab)."""
 
-    At each token count the estimator's CPU layer time is C/(TH Eff_c) + D/(BW Eff_m) + KV/(BW
-    Eff_attn) + overhead (flexplan/estimator/terms.py). Decode rows (one query) fit
-    ``t - compute - attention = overhead + D x slope`` over the widths (Eff_m = 1/(slope BW));
-    prefill rows fit ``t - memory = overhead + C x slope`` (Eff_c = 1/(slope TH)). The GEMM
-    micro-benchmarks keep the token counts these rows do not cover. Returns (overhead, compute,
-    memory, notes)."""
+    base_s: float
+    per_logit_s: float
+
+    def __call__(self, batch: float = 1, vocab: float = 0) -> float:
+        return self.base_s + self.per_logit_s * float(batch) * float(vocab)
+
+
+class LayerOverhead:
+    """Seconds a real decoder layer takes beyond what the GEMM, GEMV and attention factors
+    explain, by tokens per GEMM and layer size: piecewise linear in log(layer bytes) within a
+    token count, then in log(tokens) between the two nearest token counts; clamped at the ends."""
+
+    def __init__(self, by_tokens: dict[int, Table]):
+        self.tokens = np.array(sorted(by_tokens), dtype=float)
+        self.tables = [by_tokens[int(t)] for t in self.tokens]
+
+    def __call__(self, tokens: float, layer_bytes: float | None) -> float:
+        def at(i: int) -> float:
+            t = self.tables[i]
+            return float(t(layer_bytes)) if layer_bytes else float(np.median(t.y))
+
+        lt = np.log(max(float(tokens), 1e-9))
+        logs = np.log(self.tokens)
+        if lt <= logs[0]:
+            return at(0)
+        if lt >= logs[-1]:
+            return at(len(logs) - 1)
+        j = int(np.searchsorted(logs, lt))
+        w = (lt - logs[j - 1]) / (logs[j] - logs[j - 1])
+        return (1 - w) * at(j - 1) + w * at(j)
+
+    def rows(self) -> list[dict[str, float]]:
+        return [{"tokens": _num(t), "layer_bytes": _num(x), "overhead_s": _num(y)}
+                for t, tab in zip(self.tokens, self.tables) for x, y in zip(tab.x, tab.y)]
+
+
+def derive_layers(rows: list[dict], peak_flops_per_s: float, bandwidth_bytes_per_s: float, eff_c: Table,
+                  eff_m: Table, eff_a: Table | None, dtype_bytes: float) -> LayerOverhead:
+    """Per-layer overhead from real decoder layers: measured time minus the estimator's own terms
+    (flexplan/estimator/terms.py: C/(TH Eff_c) + D/(BW Eff_m) [+ KV/(BW Eff_attn) in decode]),
+    with the factors of the micro-benchmarks, so the estimator reproduces each calibrated layer."""
     from flexplan.workload import costs
     from flexplan.workload.model import ModelSpec
 
-    groups: dict[tuple[int, int], list[dict]] = {}
+    by_tokens: dict[int, dict[float, float]] = {}
     for r in rows:
-        groups.setdefault((int(r["batch"]), int(r["query_len"])), []).append(r)
-    over: dict[int, float] = {}
-    comp = dict(zip(eff_c.x.tolist(), eff_c.y.tolist()))
-    mem = dict(zip(eff_m.x.tolist(), eff_m.y.tolist()))
-    notes = []
-    for (batch, q_len), group in sorted(groups.items()):
+        batch, q_len = int(r["batch"]), int(r["query_len"])
         tokens = batch * q_len
-        xs, ys = [], []
-        for r in group:
-            m = ModelSpec.from_config(dict(model_type="llama", hidden_size=r["hidden"], intermediate_size=r["intermediate"],
-                                           num_attention_heads=r["heads"], num_key_value_heads=r["kv_heads"],
-                                           head_dim=r["head_dim"], num_hidden_layers=1, vocab_size=128))
-            t = float(r["time_s"])
-            if q_len == 1:
-                ctx = int(r["kv_len"])
-                c = float(costs.c_decode(m, batch, ctx))
-                d = costs.d_decode(m, batch, dtype_bytes, dtype_bytes) + float(costs.d_kv_cache(m, batch, 1, dtype_bytes))
-                kv = float(costs.d_kv_cache(m, batch, ctx, dtype_bytes))
-                attn = kv / (bandwidth_bytes_per_s * float(eff_a(ctx))) if eff_a is not None else 0.0
-                xs.append(d)
-                ys.append(t - c / (peak_flops_per_s * float(eff_c(tokens))) - attn)
-            else:
-                c = costs.c_prefill(m, batch, q_len)
-                d = costs.d_prefill(m, batch, q_len, dtype_bytes, dtype_bytes) + float(costs.d_kv_cache(m, batch, q_len, dtype_bytes))
-                xs.append(c)
-                ys.append(t - d / (bandwidth_bytes_per_s * float(eff_m(tokens))))
-        if len(xs) < 2:
-            continue
-        slope, intercept = np.polyfit(np.asarray(xs), np.asarray(ys), 1)
-        if slope <= 0:
-            notes.append(f"layer fit at {tokens} tokens has no positive slope (noise?): kept the GEMM factors")
-            continue
-        over[tokens] = max(float(intercept), 0.0)
-        if intercept < 0:  # no fixed part: refit through the origin
-            slope = float(np.dot(xs, ys) / np.dot(xs, xs))
+        m = ModelSpec.from_config(dict(model_type="llama", hidden_size=r["hidden"], intermediate_size=r["intermediate"],
+                                       num_attention_heads=r["heads"], num_key_value_heads=r["kv_heads"],
+                                       head_dim=r["head_dim"], num_hidden_layers=1, vocab_size=128))
         if q_len == 1:
-            mem[tokens] = 1.0 / (slope * bandwidth_bytes_per_s)
+            ctx = int(r["kv_len"])
+            c = float(costs.c_decode(m, batch, ctx))
+            d = costs.d_decode(m, batch, dtype_bytes, dtype_bytes) + float(costs.d_kv_cache(m, batch, 1, dtype_bytes))
+            kv = float(costs.d_kv_cache(m, batch, ctx, dtype_bytes))
+            other = kv / (bandwidth_bytes_per_s * float(eff_a(ctx))) if eff_a is not None else 0.0
         else:
-            comp[tokens] = 1.0 / (slope * peak_flops_per_s)
-    if not over:
+            c = costs.c_prefill(m, batch, q_len)
+            d = costs.d_prefill(m, batch, q_len, dtype_bytes, dtype_bytes) + float(costs.d_kv_cache(m, batch, q_len, dtype_bytes))
+            other = 0.0
+        modelled = c / (peak_flops_per_s * float(eff_c(tokens))) + d / (bandwidth_bytes_per_s * float(eff_m(tokens))) + other
+        layer_bytes = float(costs.d_weights(m, int(dtype_bytes)))
+        by_tokens.setdefault(tokens, {})[layer_bytes] = max(_stat_s(r) - modelled, 0.0)
+    if not by_tokens:
         raise ValueError("no usable layer measurements")
-    return (Table(list(over), list(over.values()), lo=0.0, hi=1.0), Table(list(comp), list(comp.values())),
-            Table(list(mem), list(mem.values())), notes)
+    return LayerOverhead({t: Table(list(d), list(d.values()), lo=0.0, hi=10.0) for t, d in by_tokens.items()})
 
 
 def _part(meas: dict, name: str, kind: type):
@@ -374,12 +399,16 @@ def cpu_factors(meas: dict, dtype: str, hw: Hardware, notes: list[str]) -> CPUFa
     eff_a = derive_attention(attn_rows, th, bw, eff_c, float(disp.get("sdpa_call_s", 0.0)))[0] if attn_rows else None
     if eff_a is None:
         notes.append(f"CPU {dtype} attention not measured: KV reads use the weight-streaming factor")
+    head_rows = _of_dtype(check_rows(meas.get("cpu_head_gemv"), GEMM_KEYS, "measurements.cpu_head_gemv"), dtype)
+    head_c = head_m = None
+    if head_rows:
+        head_c, head_m, n = derive_gemm(head_rows, th, bw, float(disp.get("linear_call_s", 0.0)))
+        notes += [f"CPU {dtype} LM head: {x}" for x in n]
     layer_rows = _of_dtype(check_rows(meas.get("cpu_layers"), LAYER_KEYS, "measurements.cpu_layers"), dtype)
     overhead = None
     if layer_rows:
-        overhead, eff_c, eff_m, n = derive_layers(layer_rows, th, bw, eff_c, eff_m, eff_a, float(DTYPE_BYTES[dtype]))
-        notes += [f"CPU {dtype}: {x}" for x in n]
-    return CPUFactors(eff_c, eff_m, eff_a, overhead)
+        overhead = derive_layers(layer_rows, th, bw, eff_c, eff_m, eff_a, float(DTYPE_BYTES[dtype]))
+    return CPUFactors(eff_c, eff_m, eff_a, overhead, head_c, head_m)
 
 
 def from_measurements(meas: dict, settings: dict, hw: Hardware, source: str) -> CalibratedEfficiency:
@@ -401,11 +430,17 @@ def from_measurements(meas: dict, settings: dict, hw: Hardware, source: str) -> 
     cpu_overhead = float(layer["time_s"]) if layer else defaults.cpu_layer_overhead_s()
     if not layer:
         notes.append("CPU per-layer overhead not measured: default")
-    gen = _part(meas, "cpu_generate_step", dict)
-    if gen:  # the toy model's one layer is in the step time: take it out
-        step_overhead = max(float(gen["time_s"]) - int(gen.get("layers", 1)) * cpu_overhead, 0.0)
+    gen = meas.get("cpu_generate_step")
+    step_overhead = StepOverhead(defaults.cpu_step_overhead_s(), 0.0)
+    if isinstance(gen, list) and gen:  # the toy model's one layer is in the step time: take it out
+        xs = np.array([float(r["batch"]) * float(r["vocab"]) for r in gen])
+        ys = np.array([max(_stat_s(r) - int(r.get("layers", 1)) * cpu_overhead, 0.0) for r in gen])
+        if len(set(xs.tolist())) >= 2:
+            slope, base = np.polyfit(xs, ys, 1)
+            step_overhead = StepOverhead(max(float(base), 0.0), max(float(slope), 0.0))
+        else:
+            step_overhead = StepOverhead(float(np.mean(ys)), 0.0)
     else:
-        step_overhead = defaults.cpu_step_overhead_s()
         notes.append("generate() step overhead not measured: default")
     sweep = _part(meas, "cpu_threads", dict)
     threads = best_threads(sweep["sweep"]) if sweep else None
@@ -441,4 +476,4 @@ def from_measurements(meas: dict, settings: dict, hw: Hardware, source: str) -> 
     return CalibratedEfficiency(
         cpu=cpu, cpu_dtype=primary, cpu_overhead_s=cpu_overhead, threads=threads, under_copy=under_copy,
         gpu_compute_table=gpu_c, gpu_memory_table=gpu_m, h2d_table=h2d, d2h_table=d2h, gpu_overhead_s=gpu_overhead,
-        defaults=defaults, step_overhead_s=step_overhead, source=source, notes=tuple(notes))
+        defaults=defaults, step_overhead=step_overhead, source=source, notes=tuple(notes))

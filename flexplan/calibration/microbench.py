@@ -60,21 +60,26 @@ class Sizes:
         (576, 1536, 9, 3, 64), (1024, 2816, 16, 4, 64), (2048, 5632, 32, 8, 64))
     layer_shapes: tuple[tuple[int, int], ...] = ((1, 1), (8, 1), (1, 128), (1, 512))
     layer_kv_len: int = 128
+    # (hidden, vocab) of LM heads: a tall GEMV that streams differently from a layer's projections
+    head_shapes: tuple[tuple[int, int], ...] = ((576, 49152), (2048, 32000))
+    head_tokens: tuple[int, ...] = (1, 8)
 
 
 MODES = {
     "full": Sizes(gemv_tokens=(1, 2, 4, 8, 16), gemm_tokens=(64, 256, 1024, 4096), weight_shapes=WEIGHT_SHAPES,
                   attn_kv_lens=(128, 512, 2048, 8192), attn_batches=(1, 8), repeats=7, budget_s=4.0,
-                  sweep_prefill_tokens=1024),
+                  sweep_prefill_tokens=1024,
+                  layer_shapes=((1, 1), (4, 1), (8, 1), (1, 128), (1, 512), (4, 512), (8, 512))),
     "quick": Sizes(gemv_tokens=(1, 4, 16), gemm_tokens=(64, 256, 1024), weight_shapes=WEIGHT_SHAPES,
                    attn_kv_lens=(128, 512, 2048, 8192), attn_batches=(1, 8), repeats=7, budget_s=1.0,
-                   stream_bytes=128 * 2**20, layer_calls=100, transfer_bytes=(2**20, 16 * 2**20, 256 * 2**20)),
+                   stream_bytes=128 * 2**20, layer_calls=100, transfer_bytes=(2**20, 16 * 2**20, 256 * 2**20),
+                   layer_shapes=((1, 1), (8, 1), (1, 128), (1, 512), (4, 512))),
     # for tests: seconds, not minutes; the numbers mean little
     "tiny": Sizes(gemv_tokens=(1, 4), gemm_tokens=(16, 64), weight_shapes=((256, 512),), attn_kv_lens=(64, 256),
                   attn_batches=(1, 2), attn_heads=(4, 2, 32), repeats=3, budget_s=0.2, rotate_bytes=4 * 2**20,
                   stream_bytes=4 * 2**20, layer_calls=10, sweep_prefill_tokens=16,
                   transfer_bytes=(2**16, 2**20), layer_widths=((64, 128, 4, 2, 16), (128, 256, 4, 2, 32)),
-                  layer_shapes=((1, 1), (1, 16)), layer_kv_len=16),
+                  layer_shapes=((1, 1), (1, 16)), layer_kv_len=16, head_shapes=((64, 1000),), head_tokens=(1, 2)),
 }
 
 
@@ -293,6 +298,11 @@ def _llama_config(hidden: int, inter: int, heads: int, kv_heads: int, head_dim: 
     return cfg
 
 
+def head_gemv(sizes: Sizes, dtype: str, tick: Callable[[], None] | None = None) -> list[dict]:
+    """The LM head's GEMV (hidden x vocab) at decode batch sizes, weights streamed from DRAM."""
+    return gemm(sizes.head_tokens, replace(sizes, weight_shapes=sizes.head_shapes), dtype, tick=tick)
+
+
 def layers(sizes: Sizes, dtype: str, tick: Callable[[], None] | None = None) -> list[dict]:
     """Seconds per real decoder layer for each width and (batch, query_len) shape: decode steps
     read a KV cache of ``layer_kv_len`` tokens; prefill writes a fresh one."""
@@ -344,24 +354,29 @@ def layers(sizes: Sizes, dtype: str, tick: Callable[[], None] | None = None) -> 
     return rows
 
 
-def generate_step(sizes: Sizes, dtype: str) -> dict[str, float]:
-    """Per-step seconds of transformers generate() on a one-layer toy Llama (hidden 64): the loop's
-    own cost plus one tiny layer (which the derivation subtracts)."""
+def generate_step(sizes: Sizes, dtype: str) -> list[dict]:
+    """Per-step seconds of transformers generate() on one-layer toy Llamas (hidden 16) with a small
+    and a real-sized vocabulary, at batch 1 and 4: the loop's own cost, which grows with batch x
+    vocab (logits upcast, processors, argmax, stopping criteria), plus a negligible layer and head."""
     import torch
     from transformers import LlamaForCausalLM
 
-    model = LlamaForCausalLM(_llama_config(64, 128, 4, 2, 16)).to(torch_dtype(dtype)).eval()
-    ids = torch.ones(1, 16, dtype=torch.long)
+    rows = []
+    for vocab, batch in ((128, 1), (65536, 1), (65536, 4)):
+        model = LlamaForCausalLM(_llama_config(16, 32, 2, 1, 8, vocab=vocab)).to(torch_dtype(dtype)).eval()
+        ids = torch.ones(batch, 16, dtype=torch.long)
 
-    def gen(n):
-        return lambda: model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=n,
-                                      min_new_tokens=n, do_sample=False, pad_token_id=0)
+        def gen(n, model=model, ids=ids):
+            return lambda: model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=n,
+                                          min_new_tokens=n, do_sample=False, pad_token_id=0)
 
-    steps = 32
-    short = time_call(gen(1), 5, sizes.budget_s)
-    long = time_call(gen(steps + 1), 5, 2 * sizes.budget_s)
-    return {"time_s": _sig(max(long["time_s"] - short["time_s"], 0.0) / steps), "layers": 1, "hidden_size": 64,
-            "steps": steps}
+        steps = 32
+        short = time_call(gen(1), 5, sizes.budget_s)
+        long = time_call(gen(steps + 1), 5, 2 * sizes.budget_s)
+        rows.append({"dtype": dtype, "vocab": vocab, "batch": batch, "layers": 1, "hidden_size": 16, "steps": steps,
+                     "time_s": _sig(max(long["time_s"] - short["time_s"], 0.0) / steps),
+                     "time_median_s": _sig(max(long["time_median_s"] - short["time_median_s"], 0.0) / steps)})
+    return rows
 
 
 def thread_counts(cores: int) -> list[int]:

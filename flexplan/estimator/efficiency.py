@@ -24,15 +24,19 @@ class Efficiency(Protocol):
     def cpu_compute(self, tokens: float, dtype: str) -> float: ...  # Eff_CPU,Comp for a GEMM with `tokens` rows
     def cpu_memory(self, tokens: float, dtype: str) -> float: ...  # Eff_CPU,Mem while streaming weights
     def cpu_attention(self, context_len, dtype: str): ...  # KV read rate factor
+    def cpu_head_compute(self, tokens: float, dtype: str) -> float: ...  # the LM head (hidden x vocab GEMV)
+    def cpu_head_memory(self, tokens: float, dtype: str) -> float: ...
     def gpu_compute(self, tokens: float) -> float: ...
     def gpu_memory(self, tokens: float) -> float: ...
     def h2d(self, transfer_bytes: float) -> float: ...  # Eff_ICN host -> device
     def d2h(self, transfer_bytes: float) -> float: ...  # Eff_ICN device -> host
     def cpu_under_copy(self) -> float: ...  # CPU slowdown factor (>= 1) while an H2D copy runs
     def cpu_threads(self) -> int | None: ...  # best thread count found by calibration, None = all cores
-    def cpu_layer_overhead_s(self, tokens: float = 1, dtype: str | None = None) -> float: ...  # fixed cost of one
-    # decoder layer on the CPU (Python, dispatch, small ops), by tokens per GEMM
-    def cpu_step_overhead_s(self) -> float: ...  # generate() loop per step, outside the layers (host side)
+    def cpu_layer_overhead_s(self, tokens: float = 1, dtype: str | None = None,
+                             layer_bytes: float | None = None) -> float: ...  # cost of one decoder layer on the
+    # CPU beyond its GEMMs and KV reads (Python, dispatch, norms, rotary), by tokens per GEMM and layer size
+    def cpu_step_overhead_s(self, batch: int = 1, vocab: int = 0) -> float: ...  # generate() loop per step,
+    # outside the layers (host side): logits upcast, processors, argmax, stopping criteria
     def gpu_layer_overhead_s(self) -> float: ...  # ... on the GPU (kernel launches of one layer)
 
 
@@ -96,6 +100,12 @@ class DefaultEfficiency:
     def cpu_attention(self, context_len, dtype=None):
         return self.cpu_memory_eff
 
+    def cpu_head_compute(self, tokens, dtype=None):
+        return self.cpu_compute_eff
+
+    def cpu_head_memory(self, tokens, dtype=None):
+        return self.cpu_memory_eff
+
     def gpu_compute(self, tokens):
         return self.gpu_compute_eff
 
@@ -114,10 +124,10 @@ class DefaultEfficiency:
     def cpu_threads(self):
         return None
 
-    def cpu_layer_overhead_s(self, tokens=1, dtype=None):
+    def cpu_layer_overhead_s(self, tokens=1, dtype=None, layer_bytes=None):
         return self.cpu_overhead_s
 
-    def cpu_step_overhead_s(self):
+    def cpu_step_overhead_s(self, batch=1, vocab=0):
         return STEP_OVERHEAD_DEFAULT_S
 
     def gpu_layer_overhead_s(self):

@@ -112,12 +112,12 @@ def phase_costs(shape: Shape, hw: Hardware, eff: Efficiency, phase: str) -> Phas
     cd = shape.cpu_dtype
     t_cpu = (t_compute_s(flops, th_cpu, eff.cpu_compute(rows, cd))
              + t_memory_s(d_cpu + kv_write_cpu, cpu.memory_bandwidth_bytes_per_s, eff.cpu_memory(rows, cd))
-             + t_cpu_attn + eff.cpu_layer_overhead_s(rows, cd))
+             + t_cpu_attn + eff.cpu_layer_overhead_s(rows, cd, costs.d_weights(m, shape.cpu_bytes)))
     head_flops = costs.c_lm_head(m, b)
-    step_overhead = eff.cpu_step_overhead_s()  # the host runs generate()'s loop whatever the policy
-    t_cpu_head = (t_compute_s(head_flops, th_cpu, eff.cpu_compute(b, cd))
+    step_overhead = eff.cpu_step_overhead_s(b, m.vocab_size)  # the host runs generate()'s loop, whatever the policy
+    t_cpu_head = (t_compute_s(head_flops, th_cpu, eff.cpu_head_compute(b, cd))
                   + t_memory_s(costs.d_lm_head(m, shape.cpu_bytes), cpu.memory_bandwidth_bytes_per_s,
-                               eff.cpu_memory(b, cd)) + step_overhead)
+                               eff.cpu_head_memory(b, cd)) + step_overhead)
     hidden = costs.d_output(m, b, tokens_per_seq, shape.w_bytes)
     logits = costs.d_logits(m, b)
     head_gpu = costs.d_lm_head(m, shape.w_bytes)
