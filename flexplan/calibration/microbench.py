@@ -4,8 +4,9 @@ in its key names; none of them derives a factor (that is ``calibration/efficienc
 - GEMV / GEMM: ``tokens`` x k times k x n in the CPU compute dtype, weights cycled through
   distinct copies that together exceed the last-level cache several times, as the weights of
   successive layers do: each call streams its weights from DRAM.
-- Decode attention: ``scaled_dot_product_attention`` with one query over a KV cache, grouped
-  query heads as transformers runs them (``enable_gqa``), KV cycled the same way.
+- Decode attention: transformers' ``sdpa_attention_forward`` with one query over a KV cache and
+  an all-true mask, as flexplan's executor runs CPU decode attention (PyTorch's unmasked CPU
+  SDPA path for grouped-query heads reads a bf16 KV cache ~10x slower), KV cycled the same way.
 - Per-op dispatch: a tiny matmul and a tiny SDPA call (their fixed cost).
 - Per-layer overhead: a real transformers ``LlamaDecoderLayer`` of hidden size 64 in decode
   shape (one token, a KV cache): the fixed cost of one layer, Python and dispatch included.
@@ -228,12 +229,22 @@ def gemm(tokens: tuple[int, ...], sizes: Sizes, dtype: str, device: str = "cpu",
     return rows
 
 
+class _SDPAModule:
+    """What transformers' sdpa_attention_forward reads from an attention module."""
+
+    is_causal = False
+    training = False
+
+    def __init__(self, groups: int):
+        self.num_key_value_groups = groups
+
+
 def attention(sizes: Sizes, dtype: str, device: str = "cpu", sync=None,
               tick: Callable[[], None] | None = None) -> list[dict]:
     """Decode attention: one query per sequence over ``kv_len`` cached keys; achieved
     ``kv_bytes_per_s`` (K and V read once)."""
     import torch
-    import torch.nn.functional as F
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     dt, nbytes = torch_dtype(dtype), dtype_bytes(dtype)
     heads, kv_heads, hd = sizes.attn_heads
@@ -247,9 +258,12 @@ def attention(sizes: Sizes, dtype: str, device: str = "cpu", sync=None,
                               torch.full((b, kv_heads, L, hd), 0.2, dtype=dt, device=device))
                              for _ in range(copies_for(one, rotate_bytes(sizes)))])
 
-                def call():
+                mask = torch.ones(b, 1, 1, L, dtype=torch.bool, device=device)
+                module = _SDPAModule(heads // kv_heads)
+
+                def call():  # as the executor runs CPU decode attention: transformers' SDPA with a mask
                     k, v = kvs.next()
-                    return F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+                    return sdpa_attention_forward(module, q, k, v, mask if device == "cpu" else None, scaling=hd ** -0.5)
 
                 r = time_call(call, sizes.repeats, sizes.budget_s, sync)
                 rows.append({"dtype": dtype, "batch": b, "kv_len": L, "heads": heads, "kv_heads": kv_heads, "head_dim": hd,
