@@ -143,10 +143,11 @@ def test_missing_package_says_how_to_install(monkeypatch):
 PROMPTS = ["What is the capital of France?", "Write one sentence about the sea, please."]
 NEW_TOKENS = 8
 # (prefill, decode, gpu_layers, accelerator): the CPU stands in for the accelerator.
+# Every prefill x decode pair of the five policies; M = 10 of 30 layers where a policy takes one.
 COMBINATIONS = [
-    ("cpu", "cpu", None, None),
-    ("cpu", "splitgen", 10, "cpu"),
-    ("gpu-offload", "splitgen", 10, "cpu"),  # streamed prefill, resident layers, phase switch
+    (p, d, 10 if {p, d} & {"splitgen", "gpu-offload-partial"} else None, None if p == d == "cpu" else "cpu")
+    for p in ("cpu", "gpu", "gpu-offload", "gpu-offload-partial", "splitgen")
+    for d in ("cpu", "gpu", "gpu-offload", "gpu-offload-partial", "splitgen")
 ]
 
 
