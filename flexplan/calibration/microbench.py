@@ -29,8 +29,9 @@ import math
 import statistics
 import time
 from collections.abc import Callable
-from contextlib import contextmanager
 from dataclasses import dataclass, replace
+
+from flexplan.calibration.stream import torch_threads  # noqa: F401  (used by callers of this module)
 
 # Attention heads of a real model: Llama-3-8B (32 query heads, 8 KV heads, head_dim 128).
 ATTN_HEADS, ATTN_KV_HEADS, ATTN_HEAD_DIM = 32, 8, 128
@@ -114,19 +115,6 @@ def torch_dtype(name: str):
 
 def dtype_bytes(name: str) -> int:
     return torch_dtype(name).itemsize
-
-
-@contextmanager
-def torch_threads(threads: int | None):
-    import torch
-
-    before = torch.get_num_threads()
-    if threads:
-        torch.set_num_threads(int(threads))
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
 
 
 def time_call(fn: Callable[[], object], repeats: int, budget_s: float, sync: Callable[[], None] | None = None,

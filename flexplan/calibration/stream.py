@@ -23,7 +23,8 @@ DEFAULT_REPEATS = 5
 
 
 @contextmanager
-def _torch_threads(threads: int | None):
+def torch_threads(threads: int | None):
+    """torch's intra-op thread count set to ``threads`` (None: unchanged) for the block."""
     import torch
 
     before = torch.get_num_threads()
@@ -59,7 +60,7 @@ def stream_triad_bytes_per_s(n_bytes: int = DEFAULT_ARRAY_BYTES, threads: int | 
     counting ``3 * n_bytes`` per iteration. ``threads``: torch intra-op threads (None: as set)."""
     import torch
 
-    with _torch_threads(threads):
+    with torch_threads(threads):
         (a, b, c), size = _arrays(n_bytes, 3)
         return _best_rate_bytes_per_s(lambda: torch.add(b, c, alpha=3.0, out=a), 3 * size, repeats)
 
@@ -68,7 +69,7 @@ def copy_bytes_per_s(n_bytes: int = DEFAULT_ARRAY_BYTES, threads: int | None = N
                      repeats: int = DEFAULT_REPEATS) -> float:
     """STREAM copy ``a = b`` on two float32 arrays of ``n_bytes`` each; bytes/s, counting
     ``2 * n_bytes`` per iteration."""
-    with _torch_threads(threads):
+    with torch_threads(threads):
         (a, b), size = _arrays(n_bytes, 2)
         return _best_rate_bytes_per_s(lambda: a.copy_(b), 2 * size, repeats)
 
