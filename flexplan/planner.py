@@ -59,11 +59,10 @@ def _check_positive(**kw: Any) -> None:
             raise InvalidInputError(f"{k} must be a positive integer, got {v!r}")
 
 
-def _resolve_hardware(hardware: Any, gpu_memory_bytes, cpu_memory_bytes) -> Hardware:
+def _resolve_hardware(hardware: Any) -> Hardware:
     from flexplan.hardware import get_hardware
 
-    hw = hardware if isinstance(hardware, Hardware) else get_hardware(str(hardware))
-    return hw
+    return hardware if isinstance(hardware, Hardware) else get_hardware(str(hardware))
 
 
 def _efficiency(hw: Hardware, efficiency: Efficiency | None) -> Efficiency:
@@ -113,7 +112,7 @@ def _location(n: int, m: int, host_mode: str) -> list[str]:
     return [("gpu" if j >= n - m else host_mode) for j in range(n)]
 
 
-def switch_s(shape: Shape, hw: Hardware, pc_prefill: PhaseCosts, prefill: str, m_p: int, decode: str, m_d: int,
+def switch_s(shape: Shape, hw: Hardware, prefill: str, m_p: int, decode: str, m_d: int,
              ttft_s: float, include_initial_load: bool = True) -> float:
     """Moving KV (at the prompt's length) and weights from the prefill placement to the decode one.
     Layers that become GPU-resident for decode: free if prefill streamed them through the GPU
@@ -167,7 +166,7 @@ def plan(model: Any, hardware: Any = "local", batch_size: int = 1, input_len: in
     spec: ModelSpec = resolve_model(model)
     if gpu_layers is not None and not (0 <= gpu_layers <= spec.num_layers):
         raise InvalidInputError(f"gpu_layers must be between 0 and {spec.num_layers} for {spec.name}, got {gpu_layers}")
-    hw = _resolve_hardware(hardware, gpu_memory_bytes, cpu_memory_bytes)
+    hw = _resolve_hardware(hardware)
     dtype = canonical_dtype(dtype)
     if hw.gpu is not None and dtype not in hw.gpu.peak_flops_per_s:
         raise InvalidInputError(f"{hw.gpu.name} has no {dtype} figure in hwdb; use one of {', '.join(hw.gpu.peak_flops_per_s)}")
@@ -239,7 +238,7 @@ def _plan_one(spec: ModelSpec, hw: Hardware, eff: Efficiency, shape: Shape, gpu_
         if host > cpu_budget:
             return None
         ttft = float(op.time_s[ip])
-        sw = switch_s(shape, hw, pcs["prefill"], p, m_p, d, m_d, ttft, include_initial_load)
+        sw = switch_s(shape, hw, p, m_p, d, m_d, ttft, include_initial_load)
         load = float(op.load_s[ip]) if include_initial_load else 0.0
         return load + ttft + sw + steps * float(od.time_s[idx_d]), load, sw
 
