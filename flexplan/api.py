@@ -201,7 +201,7 @@ def _planner_available() -> bool:
 
 def load(model_or_path, plan: Any = "auto", accelerator: str | None = None, hardware: Any = "local",
          dtype: str | None = None, gpu_memory_bytes: int | None = None,
-         pinned_memory_budget_bytes: int | None = None) -> FlexModel:
+         pinned_memory_budget_bytes: int | None = None, cpu_linear_kernel: str | None = None) -> FlexModel:
     """Load (or take over) a llama / mistral / qwen2 / opt causal LM and run it under a plan.
 
     ``model_or_path``: a folder with config.json + *.safetensors (streamed tensor by tensor into
@@ -211,7 +211,9 @@ def load(model_or_path, plan: Any = "auto", accelerator: str | None = None, hard
     "cpu" (the CPU stands in for the GPU, every path runs) or None (CUDA if available, else the
     CPU alone). ``gpu_memory_bytes``: accelerator budget (default: free CUDA memory; the stand-in:
     a quarter of available host memory). ``pinned_memory_budget_bytes``: bound on pinned host
-    memory (default: half of physical memory).
+    memory (default: half of physical memory). ``cpu_linear_kernel``: how the CPU computes its
+    linears, ``"onednn-packed"`` (default where available: weights reordered once, GEMVs at memory
+    bandwidth) or ``"F.linear"`` (stock kernel, bit-identical to transformers in fp32 too).
     """
     acc = _resolve_accelerator(accelerator)
     from_path = isinstance(model_or_path, (str, os.PathLike))
@@ -251,7 +253,8 @@ def load(model_or_path, plan: Any = "auto", accelerator: str | None = None, hard
     cores = local_cpu_cores()
     if from_path:
         model = load_streaming(model_or_path, p, link, gpu_memory_bytes=budget,
-                               pinned_memory_budget_bytes=pinned_memory_budget_bytes, cpu_cores=cores)
+                               pinned_memory_budget_bytes=pinned_memory_budget_bytes, cpu_cores=cores,
+                               cpu_linear_kernel=cpu_linear_kernel)
         executor = model.flexplan_executor
         tokenizer = _tokenizer(model_or_path)
     else:
@@ -260,7 +263,8 @@ def load(model_or_path, plan: Any = "auto", accelerator: str | None = None, hard
         if previous is not None:  # loaded again: the new executor takes over from the old one
             previous.remove_hooks()
         executor = Executor(model, p, link, accelerator_budget_bytes=budget,
-                            pinned_budget_bytes=pinned_memory_budget_bytes, cpu_cores=cores)
+                            pinned_budget_bytes=pinned_memory_budget_bytes, cpu_cores=cores,
+                            cpu_linear_kernel=cpu_linear_kernel)
         model.flexplan_executor = executor
         tokenizer = None
     return FlexModel(model, executor, tokenizer=tokenizer, plan_spec=plan, planner_args=planner_args)

@@ -22,7 +22,9 @@ def rss_bytes() -> int:
 
 
 def buffers(link):
-    return sorted((b.where, b.nbytes, b.tensor.data_ptr()) for b in link.live_buffers())
+    """(where, bytes, identity) of each live buffer (a oneDNN-packed weight has no data_ptr)."""
+    return sorted((b.where, b.nbytes, id(b.tensor) if b.tensor.is_mkldnn else b.tensor.data_ptr())
+                  for b in link.live_buffers())
 
 
 @pytest.mark.parametrize("prefill,decode", [("gpu-offload", "splitgen"), ("gpu-offload-partial", "cpu")])
@@ -82,3 +84,40 @@ def test_parameters_are_views_of_the_flat_buffers(fresh):
             assert lo <= p.data_ptr() < hi
     pinned = [b for b in ex.link.live_buffers(PINNED) if "weights" in b.tag]
     assert len(pinned) == 2  # one flat buffer per streamed layer, nothing else pinned for weights
+
+
+@pytest.mark.parametrize("kernel", ["onednn-packed", "F.linear"])
+def test_cpu_layers_hold_one_copy_of_their_weights(fresh, kernel):
+    """CPU-computed layers: with packing each linear's weight IS its packed tensor (not a second
+    copy beside the flat buffer); host memory is the model's size either way."""
+    from flexplan.executor import cpu_linear
+
+    if kernel == "onednn-packed" and not cpu_linear.packing_available():
+        pytest.skip("this torch has no oneDNN prepacked linear")
+    model, ref = fresh("qwen2")  # untied head: packed too
+    model_bytes = sum(p.numel() * p.element_size() for p in ref.parameters())
+    plan = fixed_plan(model.config, "cpu", "cpu", 0, batch_size=3, input_len=9, output_len=6, cpu_dtype="float32")
+    lm = api.load(model, plan=plan, accelerator="cpu", gpu_memory_bytes=GIB, cpu_linear_kernel=kernel)
+    ex = lm.executor
+    linears = [m for m in lm.model.modules() if type(m) is torch.nn.Linear]
+    assert linears and all(m.weight.is_mkldnn == (kernel == "onednn-packed") for m in linears)
+    weights = sum(b.nbytes for b in ex.link.live_buffers("host"))
+    assert model_bytes <= weights < model_bytes + 64 * len(list(ref.parameters()))  # alignment only
+    assert ex.memory_need(ex.placement).host_bytes == weights
+    ids, mask = left_padded_batch()
+    expected = ref.generate(input_ids=ids, attention_mask=mask, max_new_tokens=6, do_sample=False)
+    assert torch.equal(lm.generate(input_ids=ids, attention_mask=mask, max_new_tokens=6, do_sample=False), expected)
+    assert lm.last_stats.cpu_linear_kernel == kernel
+
+
+def test_packed_cpu_layers_can_be_replaced_onto_the_accelerator(fresh):
+    """A later plan that streams a formerly CPU-only layer reads its packed weights back exactly."""
+    model, ref = fresh("llama")
+    ids, mask = left_padded_batch()
+    expected = ref.generate(input_ids=ids, attention_mask=mask, max_new_tokens=6, do_sample=False)
+    kw = dict(batch_size=3, input_len=9, output_len=6, gpu_memory_bytes=GIB, cpu_dtype="float32")
+    lm = api.load(model, plan=fixed_plan(model.config, "cpu", "cpu", 0, **kw), accelerator="cpu", gpu_memory_bytes=GIB)
+    assert torch.equal(lm.generate(input_ids=ids, attention_mask=mask, max_new_tokens=6, do_sample=False), expected)
+    lm.executor.place(fixed_plan(model.config, "gpu-offload", "gpu", 4, **kw))
+    assert not any(p.is_mkldnn for p in lm.model.parameters())
+    assert torch.equal(lm.generate(input_ids=ids, attention_mask=mask, max_new_tokens=6, do_sample=False), expected)

@@ -1,9 +1,10 @@
-"""How the CPU computes its layers: threads, dtype, and IPEX when (and only when) it works.
+"""How the CPU computes its layers: threads, dtype, linear kernel, and IPEX when (and only when) it works.
 
 FlexInfer (section 5.4) runs CPU layers with IPEX kernels. IPEX is archived and pinned to
 torch 2.8, so it is used only when ``import intel_extension_for_pytorch`` works AND its
 major.minor matches the installed torch; otherwise stock PyTorch. Which one ran is recorded
-in the run statistics.
+in the run statistics. With stock PyTorch the CPU's linears compute from oneDNN-packed weights
+(``cpu_linear``) unless the caller asks for plain ``F.linear``.
 """
 
 from __future__ import annotations
@@ -14,6 +15,9 @@ from dataclasses import dataclass
 
 import torch
 
+from flexplan.errors import InvalidInputError
+from flexplan.executor import cpu_linear
+
 
 @dataclass(frozen=True)
 class CPUBackend:
@@ -21,6 +25,11 @@ class CPUBackend:
     threads: int
     why: str  # why this backend (IPEX missing, incompatible, ...)
     ipex: object | None = None
+    linear_kernel: str = cpu_linear.KERNEL_PLAIN  # cpu_linear.KERNELS
+
+    @property
+    def packs_weights(self) -> bool:
+        return self.linear_kernel == cpu_linear.KERNEL_PACKED
 
     def optimize(self, module: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
         """IPEX's module-level optimisation for a layer the CPU computes in every phase. Weights
@@ -53,15 +62,21 @@ def ipex_status() -> tuple[object | None, str]:
     return ipex, f"IPEX {version} matches torch {torch.__version__}"
 
 
-def configure(cores: int | None = None, use_ipex: bool = True) -> CPUBackend:
-    """Set the intra-op thread count to the hardware's cores and pick the backend."""
+def configure(cores: int | None = None, use_ipex: bool = True, linear_kernel: str | None = None) -> CPUBackend:
+    """Set the intra-op thread count to the hardware's cores and pick the backend. ``linear_kernel``
+    (stock PyTorch only): ``"onednn-packed"`` (the default where this torch has it) or ``"F.linear"``."""
+    if linear_kernel is not None and linear_kernel not in cpu_linear.KERNELS:
+        raise InvalidInputError(f"unknown CPU linear kernel {linear_kernel!r}; use one of {', '.join(cpu_linear.KERNELS)}")
+    if linear_kernel == cpu_linear.KERNEL_PACKED and not cpu_linear.packing_available():
+        raise InvalidInputError("this torch build has no oneDNN prepacked linear; use linear_kernel='F.linear'")
     threads = int(cores) if cores else (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
     if torch.get_num_threads() != threads:
         torch.set_num_threads(threads)
     ipex, why = ipex_status() if use_ipex else (None, "IPEX disabled by the caller")
     if ipex is not None:
         return CPUBackend(f"IPEX {ipex.__version__}", threads, why, ipex)
-    return CPUBackend(f"stock PyTorch {torch.__version__}", threads, why)
+    return CPUBackend(f"stock PyTorch {torch.__version__}", threads, why,
+                      linear_kernel=linear_kernel or cpu_linear.default_kernel())
 
 
 def local_cpu_dtype() -> str:

@@ -55,7 +55,7 @@ class Buffer:
     nbytes: int = field(init=False)
 
     def __post_init__(self):
-        self.nbytes = int(self.tensor.numel())
+        self.nbytes = int(self.tensor.numel() * self.tensor.element_size())
 
 
 class _NullEvent:
@@ -106,6 +106,13 @@ class Link:
         else:
             raise ValueError(f"unknown memory {where!r}")
         buf = Buffer(t, where, tag)
+        self._live[id(buf)] = buf
+        self.allocations[where] += 1
+        return buf
+
+    def adopt(self, tensor: torch.Tensor, where: str, tag: str) -> Buffer:
+        """Register a tensor made elsewhere (a oneDNN-packed weight) as a live buffer of ``where``."""
+        buf = Buffer(tensor, where, tag)
         self._live[id(buf)] = buf
         self.allocations[where] += 1
         return buf

@@ -119,7 +119,8 @@ class SafetensorsSource:
 
 
 def load_streaming(path, plan: Plan, accelerator: str | Link = "cuda", *, gpu_memory_bytes: int | None = None,
-                   pinned_memory_budget_bytes: int | None = None, cpu_cores: int | None = None) -> torch.nn.Module:
+                   pinned_memory_budget_bytes: int | None = None, cpu_cores: int | None = None,
+                   cpu_linear_kernel: str | None = None) -> torch.nn.Module:
     """A ``*ForCausalLM`` whose weights were streamed from ``path`` into the places ``plan``
     needs, with the executor installed (``model.flexplan_executor``); its ``generate()`` runs
     the plan (use ``flexplan.load`` for per-request KV caches and statistics)."""
@@ -136,7 +137,8 @@ def load_streaming(path, plan: Plan, accelerator: str | Link = "cuda", *, gpu_me
     source = SafetensorsSource(path, tied)
     try:
         executor = Executor(model, plan, link, source=source, accelerator_budget_bytes=gpu_memory_bytes,
-                            pinned_budget_bytes=pinned_memory_budget_bytes, cpu_cores=cpu_cores)
+                            pinned_budget_bytes=pinned_memory_budget_bytes, cpu_cores=cpu_cores,
+                            cpu_linear_kernel=cpu_linear_kernel)
     finally:
         source.close()
     model.flexplan_executor = executor

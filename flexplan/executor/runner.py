@@ -20,6 +20,7 @@ import time
 import torch
 from torch import nn
 
+from flexplan.executor import cpu_linear
 from flexplan.executor.cpu_backend import configure
 from flexplan.executor.families import decoder_parts
 from flexplan.executor.kv_cache import FlexCache, FlexKVLayer, KVPool, kv_bytes
@@ -50,7 +51,7 @@ class Executor:
 
     def __init__(self, model: nn.Module, plan: Plan, link: Link, *, source=None,
                  accelerator_budget_bytes: int | None = None, pinned_budget_bytes: int | None = None,
-                 cpu_cores: int | None = None, use_ipex: bool = True):
+                 cpu_cores: int | None = None, use_ipex: bool = True, cpu_linear_kernel: str | None = None):
         self.model = model.eval()
         self.parts = decoder_parts(model)
         self.spec = ModelSpec.from_config(model.config)
@@ -58,14 +59,18 @@ class Executor:
         self.num_layers = len(self.parts.layers)
         self.accelerator_budget_bytes = accelerator_budget_bytes
         self.pinned_budget_bytes = pinned_budget_bytes
-        self.backend = configure(cpu_cores, use_ipex)
+        self.backend = configure(cpu_cores, use_ipex, cpu_linear_kernel)
+        pack = self.backend.packs_weights
         tied = self._tied_embedding()
         self.embed = GroupWeights("embedding", None, _params(self.parts.embedding))
         prefix = f"{self.parts.stack_prefix}.layers"
-        self.layers = [GroupWeights(f"layer {i}", i, _params({f"{prefix}.{i}": layer}))
+        self.layers = [GroupWeights(f"layer {i}", i, _params({f"{prefix}.{i}": layer}), pack_host=pack)
                        for i, layer in enumerate(self.parts.layers)]
         self.head = GroupWeights("head", None, _params(self.parts.head),
-                                 {"lm_head.weight": (self.embed, tied)} if tied else None)
+                                 {"lm_head.weight": (self.embed, tied)} if tied else None, pack_host=pack)
+        self._packed_linears = [m for g in (*self.layers, self.head) for n, (m, _) in g.params.items() if n in g.packed]
+        for m in self._packed_linears:
+            cpu_linear.install(m)
         covered = {n for g in (self.embed, *self.layers, self.head) for n in g.params}
         missing = [n for n, _ in model.named_parameters() if n not in covered]
         if missing:
@@ -128,7 +133,7 @@ class Executor:
         def fill(group: GroupWeights, places) -> None:
             src = source
             if src is None and not group.storages:  # first placement of a loaded model: its own tensors
-                src = lambda name, g=group: g.param_tensor(name).detach()  # noqa: E731
+                src = lambda name, g=group: cpu_linear.dense(g.param_tensor(name).detach())  # noqa: E731
             group.ensure({p: self._dtype(p) for p in places}, self.link, src)
 
         streamed = placement.streamed_layers
@@ -193,6 +198,8 @@ class Executor:
         for h in self._hooks:
             h.remove()
         self._hooks = []
+        for m in self._packed_linears:
+            cpu_linear.uninstall(m)
 
     def _before_model(self, module, args, kwargs):
         self._t_top = time.perf_counter()

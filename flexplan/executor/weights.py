@@ -5,6 +5,10 @@ needs (pageable host in the CPU dtype, pinned host or accelerator in the acceler
 allocated once when the model is placed. The module's parameters are views into one of them
 (``bind``), so moving a layer is rebinding views, and streaming a layer is ONE contiguous copy
 of its pinned buffer into an accelerator slot with the same layout.
+
+In host memory (the CPU computes from it and never streams it) the weights of plain linears are
+instead oneDNN-packed tensors (``cpu_linear``), one per matrix, in place of their slice of the
+flat buffer: the CPU's GEMVs then run at memory bandwidth, and there is still one copy.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from typing import Callable
 import torch
 from torch import nn
 
+from flexplan.executor import cpu_linear
 from flexplan.executor.link import ACCELERATOR, H2D, H2H, HOST_MEMORY, PINNED, Buffer, Link
 
 ALIGN_BYTES = 64
@@ -59,6 +64,10 @@ class Storage:
     buffer: Buffer
     layout: FlatLayout
     views: dict[str, torch.Tensor]
+    packed: tuple[Buffer, ...] = ()  # oneDNN-packed linear weights (host only), outside the flat buffer
+
+    def buffers(self) -> tuple[Buffer, ...]:
+        return (self.buffer, *self.packed)
 
 
 def set_param(module: nn.Module, leaf: str, tensor: torch.Tensor) -> None:
@@ -74,12 +83,15 @@ class GroupWeights:
     """The parameters of one placement unit and the flat buffers that hold them."""
 
     def __init__(self, name: str, layer: int | None, params: dict[str, tuple[nn.Module, str]],
-                 host_aliases: dict[str, tuple["GroupWeights", str]] | None = None):
+                 host_aliases: dict[str, tuple["GroupWeights", str]] | None = None, pack_host: bool = False):
         self.name = name
         self.layer = layer
         self.params = params  # qualified name -> (module, leaf)
         # names whose host (CPU-dtype) copy is another unit's tensor (a tied LM head = embedding)
         self.host_aliases = host_aliases or {}
+        # names whose host copy is a oneDNN-packed tensor of its own (plain linears' weights)
+        self.packed = frozenset(n for n, (m, leaf) in params.items()
+                                if pack_host and leaf == "weight" and cpu_linear.packable(m) and n not in self.host_aliases)
         self.shapes = [(n, tuple(m._parameters[leaf].shape)) for n, (m, leaf) in params.items()]
         self.storages: dict[str, Storage] = {}
         self.bound: object = None
@@ -88,12 +100,16 @@ class GroupWeights:
     def layout(self, place: str, dtype: torch.dtype) -> FlatLayout:
         key = (place == HOST_MEMORY, dtype)
         if key not in self._layouts:
-            skip = set(self.host_aliases) if place == HOST_MEMORY else set()
+            skip = set(self.host_aliases) | self.packed if place == HOST_MEMORY else set()
             self._layouts[key] = FlatLayout.of([s for s in self.shapes if s[0] not in skip], dtype)
         return self._layouts[key]
 
     def nbytes(self, place: str, dtype: torch.dtype) -> int:
-        return self.layout(place, dtype).nbytes
+        """Bytes this unit's weights take in ``place`` (flat buffer plus packed weights)."""
+        n = self.layout(place, dtype).nbytes
+        if place == HOST_MEMORY and self.packed:
+            n += FlatLayout.of([s for s in self.shapes if s[0] in self.packed], dtype).param_bytes
+        return n
 
     def param_tensor(self, name: str) -> torch.Tensor:
         m, leaf = self.params[name]
@@ -104,7 +120,7 @@ class GroupWeights:
         for place in (PINNED, HOST_MEMORY, ACCELERATOR):
             if place in self.storages:
                 st = self.storages[place]
-                return lambda name, st=st: st.views[name] if name in st.views else self._alias_view(name)
+                return lambda name, st=st: cpu_linear.dense(st.views[name] if name in st.views else self._alias_view(name))
         return None
 
     def _alias_view(self, name: str) -> torch.Tensor:
@@ -129,17 +145,22 @@ class GroupWeights:
                     view.copy_(data)
                 if place == ACCELERATOR:
                     link.log(direction, "load", self.layer, view.numel() * view.element_size())
+            packed = []
             if place == HOST_MEMORY:
                 for name in self.host_aliases:
                     views[name] = self._alias_view(name)
+                for name in sorted(self.packed):
+                    w = cpu_linear.pack(cpu_linear.dense(src(name)).to(dtype))
+                    packed.append(link.adopt(w, HOST_MEMORY, f"{self.name} {name} (oneDNN-packed)"))
+                    views[name] = w
             old = self.storages.get(place)
-            self.storages[place] = Storage(place, buf, layout, views)
+            self.storages[place] = Storage(place, buf, layout, views, tuple(packed))
             if old is not None:
-                link.free(old.buffer)
+                self._free(old, link)
                 if self.bound == place:
                     self.bound = None  # the parameters still point at the old buffer: rebind
         for place in [p for p in self.storages if p not in places]:
-            link.free(self.storages.pop(place).buffer)
+            self._free(self.storages.pop(place), link)
         if self.bound not in self.storages:
             self.bound = None
 
@@ -155,9 +176,14 @@ class GroupWeights:
             set_param(module, leaf, views[name])
         self.bound = tag
 
+    @staticmethod
+    def _free(st: Storage, link: Link) -> None:
+        for b in st.buffers():
+            link.free(b)
+
     def free(self, link: Link) -> None:
         for st in self.storages.values():
-            link.free(st.buffer)
+            self._free(st, link)
         self.storages.clear()
         self.bound = None
 
