@@ -121,3 +121,25 @@ def test_packed_cpu_layers_can_be_replaced_onto_the_accelerator(fresh):
     lm.executor.place(fixed_plan(model.config, "gpu-offload", "gpu", 4, **kw))
     assert not any(p.is_mkldnn for p in lm.model.parameters())
     assert torch.equal(lm.generate(input_ids=ids, attention_mask=mask, max_new_tokens=6, do_sample=False), expected)
+
+
+def test_packed_weights_follow_the_decode_batch(fresh):
+    """Batch-1 decode packs for GEMV (oneDNN's batch hint 1); a larger batch repacks for the
+    generic layout, once, and the tokens do not change."""
+    from flexplan.executor import cpu_linear
+
+    if not cpu_linear.packing_available():
+        pytest.skip("this torch has no oneDNN prepacked linear")
+    model, ref = fresh("mistral")
+    kw = dict(input_len=9, output_len=6, cpu_dtype="float32")
+    lm = api.load(model, plan=fixed_plan(model.config, "cpu", "cpu", 0, batch_size=1, **kw), accelerator=None)
+    ex = lm.executor
+    assert ex.pack_batch == 1 and all(g.storages["host"].pack_batch == 1 for g in ex.layers)
+    ids, mask = left_padded_batch()
+    expected = ref.generate(input_ids=ids, attention_mask=mask, max_new_tokens=6, do_sample=False)
+    ex.place(fixed_plan(model.config, "cpu", "cpu", 0, batch_size=3, **kw))
+    assert ex.pack_batch is None and all(g.storages["host"].pack_batch is None for g in ex.layers)
+    n = sum(ex.link.allocations.values())
+    ex.place(fixed_plan(model.config, "cpu", "cpu", 0, batch_size=5, **kw))  # same layout: nothing repacked
+    assert sum(ex.link.allocations.values()) == n
+    assert torch.equal(lm.generate(input_ids=ids, attention_mask=mask, max_new_tokens=6, do_sample=False), expected)

@@ -173,8 +173,10 @@ def calibrate(mode: str = "quick", out: str | Path | None = None, threads: int |
         raise CalibrationError("calibration failed, nothing written: " + "; ".join(f"{n}: {failures[n]}" for n in missing))
 
     now = dt.datetime.now(dt.timezone.utc)
+    from flexplan.executor.cpu_linear import default_kernel
+
     settings = {"cpu_dtypes": cpu_dtypes, "cpu_threads": threads, "gpu_dtype": gpu_dtype,
-                "rotate_bytes": mb.rotate_bytes(mb.MODES[mode])}
+                "rotate_bytes": mb.rotate_bytes(mb.MODES[mode]), "cpu_linear_kernel": default_kernel()}
     doc = {
         "format": store.FORMAT,
         "version": store.VERSION,

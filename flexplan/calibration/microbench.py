@@ -195,25 +195,34 @@ def gemm(tokens: tuple[int, ...], sizes: Sizes, dtype: str, device: str = "cpu",
     ``weight_bytes_per_s`` the weights streamed at. ``inner`` calls per timed run (GPU: kernels
     queue back to back, one synchronize per run)."""
     import torch
-    import torch.nn.functional as F
+
+    from flexplan.executor.cpu_linear import LinearKernel, pack_batch_hint
 
     dt, nbytes = torch_dtype(dtype), dtype_bytes(dtype)
     total_bytes = total_bytes or rotate_bytes(sizes)
+    linear = LinearKernel(device=device)  # on the CPU: the executor's kernel (oneDNN-packed weights)
     rows = []
     with torch.inference_mode():
         for k, n in sizes.weight_shapes:
-            ws = Cycle(torch.full((n, k), 0.01, dtype=dt, device=device)
-                       for _ in range(copies_for(k * n * nbytes, total_bytes)))
+            count = copies_for(k * n * nbytes, total_bytes)
+            by_hint: dict = {}
             for t in tokens:
+                hint = pack_batch_hint(t)
+                if hint not in by_hint:  # weights as the executor holds them for this batch
+                    by_hint.clear()
+                    by_hint[hint] = Cycle(linear.prepare(torch.full((n, k), 0.01, dtype=dt, device=device), t)
+                                          for _ in range(count))
+                ws = by_hint[hint]
                 x = torch.full((t, k), 0.5, dtype=dt, device=device)
-                r = time_call(lambda: F.linear(x, ws.next()), sizes.repeats, sizes.budget_s, sync, inner)
-                rows.append({"dtype": dtype, "tokens": t, "k": k, "n": n, "dtype_bytes": nbytes, "time_s": _sig(r["time_s"]),
+                r = time_call(lambda: linear(x, ws.next()), sizes.repeats, sizes.budget_s, sync, inner)
+                rows.append({"dtype": dtype, "tokens": t, "k": k, "n": n, "dtype_bytes": nbytes, "kernel": linear.name,
+                             "time_s": _sig(r["time_s"]),
                              "time_median_s": _sig(r["time_median_s"]), "runs": r["runs"],
                              "flops_per_s": _sig(2.0 * t * k * n / r["time_s"]),
                              "weight_bytes_per_s": _sig(k * n * nbytes / r["time_s"])})
                 if tick:
                     tick()
-            del ws
+            del by_hint
     return rows
 
 
@@ -271,11 +280,15 @@ def layer_overhead(sizes: Sizes, dtype: str, device: str = "cpu", sync=None, inn
     from transformers.cache_utils import DynamicCache
     from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
 
+    from flexplan.executor.cpu_linear import LinearKernel, pack_batch_hint, pack_module
+
     cfg = LlamaConfig(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
                       head_dim=16, num_hidden_layers=1, vocab_size=128)
     cfg._attn_implementation = "sdpa"
     dt = torch_dtype(dtype)
     layer = LlamaDecoderLayer(cfg, 0).to(device=device, dtype=dt).eval()
+    if device == "cpu" and LinearKernel().packed:  # as the executor computes CPU layers
+        pack_module(layer, pack_batch_hint(1))
     rotary = LlamaRotaryEmbedding(cfg).to(device)
     cache = DynamicCache(config=cfg)
     with torch.inference_mode():
@@ -312,7 +325,10 @@ def layers(sizes: Sizes, dtype: str, tick: Callable[[], None] | None = None) -> 
     from transformers.cache_utils import DynamicCache
     from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
 
+    from flexplan.executor.cpu_linear import LinearKernel, pack_batch_hint, pack_module
+
     dt = torch_dtype(dtype)
+    kernel = LinearKernel()
     rows = []
     for hidden, inter, heads, kv_heads, head_dim in sizes.layer_widths:
         cfg = _llama_config(hidden, inter, heads, kv_heads, head_dim)
@@ -325,6 +341,9 @@ def layers(sizes: Sizes, dtype: str, tick: Callable[[], None] | None = None) -> 
         rotary = LlamaRotaryEmbedding(cfg)
         for batch, q_len in sizes.layer_shapes:
             past = sizes.layer_kv_len if q_len == 1 else 0
+            if kernel.packed:  # weights as the executor holds them for a plan of this batch
+                for layer in copies:
+                    pack_module(layer, pack_batch_hint(batch))
             with torch.inference_mode():
                 caches = [DynamicCache(config=cfg) for _ in copies]
                 if past:
@@ -346,7 +365,8 @@ def layers(sizes: Sizes, dtype: str, tick: Callable[[], None] | None = None) -> 
                             cache.crop(-q_len)  # back to the same KV length for the next run
 
                 r = time_call(run_all, max(3, sizes.repeats), sizes.budget_s)
-            rows.append({"dtype": dtype, "hidden": hidden, "intermediate": inter, "heads": heads, "kv_heads": kv_heads,
+            rows.append({"dtype": dtype, "kernel": kernel.name, "hidden": hidden, "intermediate": inter, "heads": heads,
+                         "kv_heads": kv_heads,
                          "head_dim": head_dim, "batch": batch, "query_len": q_len, "kv_len": past + q_len,
                          "params": params, "copies": len(copies), "time_s": _sig(r["time_s"] / len(copies)),
                          "time_median_s": _sig(r["time_median_s"] / len(copies)), "runs": r["runs"]})

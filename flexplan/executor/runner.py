@@ -80,6 +80,7 @@ class Executor:
         self.kv_pool = KVPool(link, self.spec.num_kv_heads, self.spec.head_dim)
         self.plan: Plan | None = None
         self.placement: Placement | None = None
+        self.pack_batch: int | None = None  # batch hint of the packed CPU weights (cpu_linear)
         self.phase_stats: dict[str, PhaseStats] = {}
         self.prefill_end_s: float | None = None
         self._step: Step | None = None
@@ -122,10 +123,11 @@ class Executor:
         when it does not fit). A no-op when the placement is unchanged."""
         placement = Placement.from_plan(plan, self.num_layers)
         self.check(placement, plan.batch_size, plan.input_len + plan.output_len)
-        if placement == self.placement and source is None:
+        pack_batch = cpu_linear.pack_batch_hint(plan.batch_size) if self.backend.packs_weights else None
+        if placement == self.placement and pack_batch == self.pack_batch and source is None:
             self.plan = plan
             return
-        self.placement, self.plan = placement, plan
+        self.placement, self.plan, self.pack_batch = placement, plan, pack_batch
         self._untie_head()
         for p in self.model.parameters():
             p.requires_grad_(False)
@@ -134,7 +136,7 @@ class Executor:
             src = source
             if src is None and not group.storages:  # first placement of a loaded model: its own tensors
                 src = lambda name, g=group: cpu_linear.dense(g.param_tensor(name).detach())  # noqa: E731
-            group.ensure({p: self._dtype(p) for p in places}, self.link, src)
+            group.ensure({p: self._dtype(p) for p in places}, self.link, src, pack_batch)
 
         streamed = placement.streamed_layers
         slot_bytes = max((self.layers[i].nbytes(PINNED, self._dtype(PINNED)) for i in streamed), default=0)

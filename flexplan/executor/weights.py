@@ -65,6 +65,7 @@ class Storage:
     layout: FlatLayout
     views: dict[str, torch.Tensor]
     packed: tuple[Buffer, ...] = ()  # oneDNN-packed linear weights (host only), outside the flat buffer
+    pack_batch: int | None = None  # the batch hint they were packed for
 
     def buffers(self) -> tuple[Buffer, ...]:
         return (self.buffer, *self.packed)
@@ -127,13 +128,16 @@ class GroupWeights:
         other, other_name = self.host_aliases[name]
         return other.storages[HOST_MEMORY if HOST_MEMORY in other.storages else PINNED].views[other_name]
 
-    def ensure(self, places: dict[str, torch.dtype], link: Link, source: Callable[[str], torch.Tensor] | None) -> None:
-        """Allocate and fill the storages in ``places`` that are missing (or of another dtype),
-        then free the ones no longer needed. ``source(name)`` gives each tensor's data."""
+    def ensure(self, places: dict[str, torch.dtype], link: Link, source: Callable[[str], torch.Tensor] | None,
+               pack_batch: int | None = None) -> None:
+        """Allocate and fill the storages in ``places`` that are missing (or of another dtype, or
+        packed for another batch hint), then free the ones no longer needed. ``source(name)``
+        gives each tensor's data."""
         src = source if source is not None else self.source_from_storages()
         for place, dtype in places.items():
             cur = self.storages.get(place)
-            if cur is not None and cur.layout.dtype == dtype:
+            if (cur is not None and cur.layout.dtype == dtype
+                    and not (cur.packed and cur.pack_batch != pack_batch)):
                 continue
             layout = self.layout(place, dtype)
             buf = link.alloc(max(layout.nbytes, 1), place, f"{self.name} weights ({place}, {str(dtype)[6:]})")
@@ -150,11 +154,11 @@ class GroupWeights:
                 for name in self.host_aliases:
                     views[name] = self._alias_view(name)
                 for name in sorted(self.packed):
-                    w = cpu_linear.pack(cpu_linear.dense(src(name)).to(dtype))
+                    w = cpu_linear.pack(cpu_linear.dense(src(name)).to(dtype), pack_batch)
                     packed.append(link.adopt(w, HOST_MEMORY, f"{self.name} {name} (oneDNN-packed)"))
                     views[name] = w
             old = self.storages.get(place)
-            self.storages[place] = Storage(place, buf, layout, views, tuple(packed))
+            self.storages[place] = Storage(place, buf, layout, views, tuple(packed), pack_batch)
             if old is not None:
                 self._free(old, link)
                 if self.bound == place:
