@@ -42,9 +42,18 @@ def test_load_from_folder_matches_transformers(saved, family, prefill, decode):
 
 def test_streaming_reads_each_tensor_once_into_its_flat_buffer(saved, monkeypatch):
     path, ref = saved("llama")
-    reads = []
-    original = loading.SafetensorsSource.__call__
+    reads, direct = [], []
+    original, original_into = loading.SafetensorsSource.__call__, loading.SafetensorsSource.read_into
+
+    def read_into(self, name, dst):
+        done = original_into(self, name, dst)
+        if done:
+            reads.append(name)
+            direct.append(name)
+        return done
+
     monkeypatch.setattr(loading.SafetensorsSource, "__call__", lambda self, name: reads.append(name) or original(self, name))
+    monkeypatch.setattr(loading.SafetensorsSource, "read_into", read_into)
     plan = fixed_plan(ref.config, "splitgen", "splitgen", 2, batch_size=1, input_len=8, output_len=4)
     link = Link("cpu")
     model = loading.load_streaming(path, plan, link, gpu_memory_bytes=GIB)
@@ -52,6 +61,10 @@ def test_streaming_reads_each_tensor_once_into_its_flat_buffer(saved, monkeypatc
     # each tensor read once; the tied LM head is read once more, for its accelerator copy
     assert sorted(reads) == sorted(names)
     assert "lm_head.weight" in names
+    # fp32 on disk, fp32 flat buffers: every tensor of a flat buffer is read straight into it
+    # (packed CPU linears go through a temporary: oneDNN reorders them into their own memory)
+    packed = {n for n, p in model.named_parameters() if p.is_mkldnn}
+    assert direct and set(direct) | packed >= set(names) - {"lm_head.weight"}
     placed = sum(b.nbytes for b in link.live_buffers())
     weights = sum(p.numel() * 4 for p in ref.parameters())  # tied: the embedding counted once
     # nothing beyond the flat buffers; the head (norm + tied LM head) lives on the accelerator only,

@@ -79,8 +79,14 @@ class SafetensorsSource:
     its final place, so peak host memory is the placed model plus the largest tensor.
     """
 
-    def __init__(self, folder, tied: dict[str, str] | None = None):
+    def __init__(self, folder, tied: dict[str, str] | None = None, reuse_buffer: bool = False):
+        """``reuse_buffer``: every call reads into one scratch buffer (sized for the largest
+        tensor, freed by ``close``), so the returned tensor is valid only until the next call.
+        The loader consumes each tensor at once; one buffer instead of a fresh allocation per
+        tensor keeps the heap from fragmenting between the packed weights it is creating."""
         self.folder = Path(folder)
+        self.reuse_buffer = reuse_buffer
+        self._scratch: torch.Tensor | None = None
         files = sorted(self.folder.glob("*.safetensors"))
         if not files:
             raise InvalidInputError(f"{self.folder} has no *.safetensors shards")
@@ -99,23 +105,48 @@ class SafetensorsSource:
             return self.key_for(self.tied[name])
         raise MalformedDataError(f"{self.folder}: no tensor {name!r} in the safetensors shards")
 
-    def __call__(self, name: str) -> torch.Tensor:
+    def _entry(self, name: str) -> tuple[str, Path, torch.dtype, list[int], int, int]:
         key = self.key_for(name)
         path, meta, data_start = self._where[key]
         dtype = SAFETENSORS_DTYPES.get(meta["dtype"])
         if dtype is None:
             raise MalformedDataError(f"{path}: tensor {key!r} has unsupported dtype {meta['dtype']}")
         begin, end = meta["data_offsets"]
-        raw = torch.empty(end - begin, dtype=torch.uint8)
+        return key, path, dtype, list(meta["shape"]), data_start + begin, end - begin
+
+    @staticmethod
+    def _read(path: Path, key: str, offset: int, nbytes: int, out: torch.Tensor) -> None:
         with open(path, "rb") as f:
-            f.seek(data_start + begin)
-            got = f.readinto(raw.numpy())
-        if got != end - begin:
-            raise MalformedDataError(f"{path} is truncated: tensor {key!r} needs {end - begin} bytes, read {got}")
-        return raw.view(dtype).reshape(meta["shape"])
+            f.seek(offset)
+            got = f.readinto(out.numpy())
+        if got != nbytes:
+            raise MalformedDataError(f"{path} is truncated: tensor {key!r} needs {nbytes} bytes, read {got}")
+
+    def __call__(self, name: str) -> torch.Tensor:
+        key, path, dtype, shape, offset, nbytes = self._entry(name)
+        if self.reuse_buffer:
+            if self._scratch is None or self._scratch.numel() < nbytes:
+                largest = max(m["data_offsets"][1] - m["data_offsets"][0] for _, m, _ in self._where.values())
+                self._scratch = torch.empty(largest, dtype=torch.uint8)
+            raw = self._scratch[:nbytes]
+        else:
+            raw = torch.empty(nbytes, dtype=torch.uint8)
+        self._read(path, key, offset, nbytes, raw)
+        return raw.view(dtype).reshape(shape)
+
+    def read_into(self, name: str, dst: torch.Tensor) -> bool:
+        """Read ``name`` straight into ``dst`` when it is a contiguous host tensor of the same
+        dtype and shape (no intermediate copy); False when a conversion is needed instead."""
+        key, path, dtype, shape, offset, nbytes = self._entry(name)
+        if (dst.device.type != "cpu" or dst.dtype != dtype or list(dst.shape) != shape
+                or not dst.is_contiguous() or dst.is_mkldnn):
+            return False
+        self._read(path, key, offset, nbytes, dst.view(-1).view(torch.uint8))
+        return True
 
     def close(self) -> None:
         self._where.clear()
+        self._scratch = None
 
 
 def load_streaming(path, plan: Plan, accelerator: str | Link = "cuda", *, gpu_memory_bytes: int | None = None,
@@ -134,7 +165,7 @@ def load_streaming(path, plan: Plan, accelerator: str | Link = "cuda", *, gpu_me
         emb = model.get_input_embeddings()
         emb_name = next(n for n, m in model.named_modules() if m is emb)
         tied["lm_head.weight"] = f"{emb_name}.weight"
-    source = SafetensorsSource(path, tied)
+    source = SafetensorsSource(path, tied, reuse_buffer=True)
     try:
         executor = Executor(model, plan, link, source=source, accelerator_budget_bytes=gpu_memory_bytes,
                             pinned_budget_bytes=pinned_memory_budget_bytes, cpu_cores=cpu_cores,

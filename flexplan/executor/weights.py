@@ -143,10 +143,11 @@ class GroupWeights:
             buf = link.alloc(max(layout.nbytes, 1), place, f"{self.name} weights ({place}, {str(dtype)[6:]})")
             views = layout.views(buf.tensor)
             direction = H2D if place == ACCELERATOR else H2H
+            read_into = getattr(src, "read_into", None)  # a file source fills host buffers directly
             for name, view in views.items():
                 with torch.no_grad():
-                    data = src(name)
-                    view.copy_(data)
+                    if read_into is None or not read_into(name, view):
+                        view.copy_(src(name))
                 if place == ACCELERATOR:
                     link.log(direction, "load", self.layer, view.numel() * view.element_size())
             packed = []
