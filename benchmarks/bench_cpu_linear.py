@@ -1,0 +1,86 @@
+"""CPU GEMV/GEMM: stock ``F.linear`` against oneDNN-packed weights (flexplan/executor/cpu_linear.py).
+
+The seven linears of a TinyLlama-shaped decoder layer (hidden 2048, KV 512, intermediate
+5632), 8 layers of them (1.41 GB fp32, more than the last-level cache), run back to back as
+one decode step would, at batch 1 and 8 (decode) and 512 tokens (prefill), in fp32 and bf16. Kernels: ``F.linear`` on dense
+weights; packed with batch hint 1 (what flexplan uses for batch-1 decode plans); packed with
+no hint (the generic layout, used for larger batches). Each round times every kernel once,
+interleaved, so this VM's bandwidth swings hit all alike; the median over ``--rounds`` is
+reported (GB/s of weights and GFLOP/s) next to a STREAM triad sample taken before each round,
+with the largest difference of each packed kernel's output from ``F.linear``'s.
+
+    python benchmarks/bench_cpu_linear.py            # writes results/bench_cpu_linear.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+from common import median, write_result  # noqa: E402  (also puts the repo on sys.path)
+
+HIDDEN, KV, INTER, LAYERS = 2048, 512, 5632, 8
+SHAPES = [(HIDDEN, HIDDEN), (KV, HIDDEN), (KV, HIDDEN), (HIDDEN, HIDDEN), (INTER, HIDDEN), (INTER, HIDDEN),
+          (HIDDEN, INTER)]  # (out, in): q, k, v, o, gate, up, down
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--rounds", type=int, default=9)
+    ap.add_argument("--batches", default="1,8,512", help="rows of x: decode batches and prefill tokens")
+    ap.add_argument("--dtypes", default="float32,bfloat16")
+    args = ap.parse_args(argv)
+    import torch
+    import torch.nn.functional as F
+
+    from flexplan.calibration.stream import stream_triad_bytes_per_s
+    from flexplan.executor import cpu_linear
+
+    if not cpu_linear.packing_available():
+        print("this torch build has no oneDNN prepacked linear", file=sys.stderr)
+        return 2
+    results = []
+    for dtype_name in args.dtypes.split(","):
+        dt = getattr(torch, dtype_name)
+        dense = [torch.randn(o, i).to(dt) for _ in range(LAYERS) for o, i in SHAPES]
+        nbytes = sum(w.numel() * w.element_size() for w in dense)
+        kernels = {"F.linear": (dense, F.linear),
+                   "packed, hint 1": ([cpu_linear.pack(w, 1) for w in dense], cpu_linear.packed_linear),
+                   "packed, no hint": ([cpu_linear.pack(w, None) for w in dense], cpu_linear.packed_linear)}
+        for batch in (int(b) for b in args.batches.split(",")):
+            xs = {k: torch.randn(batch, 1, k).to(dt) for k in (HIDDEN, INTER)}
+            rates = {name: [] for name in kernels}
+            stream = []
+            for r in range(args.rounds + 1):  # round 0 warms up
+                s = stream_triad_bytes_per_s(threads=torch.get_num_threads())
+                for name, (weights, fn) in kernels.items():
+                    t0 = time.perf_counter()
+                    for w in weights:
+                        fn(xs[w.shape[1]], w)
+                    if r:
+                        rates[name].append(nbytes / (time.perf_counter() - t0))
+                if r:
+                    stream.append(s)
+            flops = 2.0 * batch * nbytes / dense[0].element_size()
+            w, k = dense[-1], dense[-1].shape[1]
+            diff = {name: float((fn(xs[k], ws[-1]) - F.linear(xs[k], w)).abs().max())
+                    for name, (ws, fn) in kernels.items() if name != "F.linear"}
+            row = {"dtype": dtype_name, "batch": batch, "weight_bytes": nbytes, "stream_triad_bytes_per_s": stream,
+                   "rates_bytes_per_s": rates, "median_bytes_per_s": {k: median(v) for k, v in rates.items()},
+                   "median_flops_per_s": {k: flops / nbytes * median(v) for k, v in rates.items()},
+                   "max_abs_diff_from_F_linear": diff}
+            results.append(row)
+            cells = "  ".join(f"{k} {median(v) / 1e9:5.1f} GB/s {flops / nbytes * median(v) / 1e9:4.0f} GFLOP/s"
+                              for k, v in rates.items())
+            print(f"{dtype_name:<9} batch {batch:>3}: {cells}  (STREAM triad median {median(stream) / 1e9:.1f} GB/s; "
+                  f"max |packed - F.linear| {max(diff.values()):.1e})", flush=True)
+        del dense, kernels
+    path = write_result("bench_cpu_linear", {"threads": torch.get_num_threads(), "layers": LAYERS,
+                                             "shapes_out_in": SHAPES, "rounds": args.rounds, "rows": results})
+    print(f"\nwrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
