@@ -62,7 +62,7 @@ class AnonPeakSampler:
         return max(self.peak, proc_status_bytes("RssAnon"))
 
 
-def child(loader: str, folder: Path) -> dict:
+def child(loader: str, folder: Path, kernel: str | None = None) -> dict:
     """Runs in the subprocess: load once, measure, print one JSON line."""
     import torch
     import transformers  # noqa: F401  (imported before the baseline on both sides)
@@ -79,7 +79,7 @@ def child(loader: str, folder: Path) -> dict:
 
         p = fixed_plan(transformers.AutoConfig.from_pretrained(folder), "cpu", "cpu", dtype="float32",
                        cpu_dtype="float32", batch_size=1, input_len=8, output_len=1)
-        model = load_streaming(folder, p, "cpu")
+        model = load_streaming(folder, p, "cpu", cpu_linear_kernel=kernel)
     else:
         from transformers import AutoModelForCausalLM
 
@@ -102,9 +102,10 @@ def gb(x: float) -> str:
     return f"{x / 1e9:.2f} GB"
 
 
-def measure(loader: str, folder: Path) -> dict:
+def measure(loader: str, folder: Path, kernel: str | None = None) -> dict:
     env = dict(os.environ)
-    r = subprocess.run([sys.executable, __file__, "--child", loader, "--model", str(folder)],
+    extra = ["--cpu-linear-kernel", kernel] if kernel else []
+    r = subprocess.run([sys.executable, __file__, "--child", loader, "--model", str(folder), *extra],
                        capture_output=True, text=True, env=env)
     if r.returncode != 0:
         raise SystemExit(f"{loader} loader failed:\n{r.stderr[-3000:]}")
@@ -116,15 +117,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=2, help="subprocess runs per loader (median reported)")
     ap.add_argument("--model", default=None, help="model folder (default: the random Llama, created once)")
     ap.add_argument("--child", choices=LOADERS, help=argparse.SUPPRESS)
+    ap.add_argument("--cpu-linear-kernel", choices=["onednn-packed", "F.linear"], default=None,
+                    help="flexplan's CPU linear kernel (default: onednn-packed where available); results file "
+                         "bench_load_memory_<kernel>.json when given")
     args = ap.parse_args(argv)
     folder = Path(args.model) if args.model else random_llama_dir()
     if args.child:
-        print(json.dumps(child(args.child, folder)))
+        print(json.dumps(child(args.child, folder, args.cpu_linear_kernel)))
         return 0
 
     disk = dir_size_bytes(folder)
     print(f"{folder.name}: {disk / 1e9:.2f} GB of safetensors on disk")
-    runs = {loader: [measure(loader, folder) for _ in range(args.repeats)] for loader in LOADERS}
+    runs = {loader: [measure(loader, folder, args.cpu_linear_kernel) for _ in range(args.repeats)] for loader in LOADERS}
     summary = {}
     keys = ("peak_rss_bytes", "peak_rss_load_bytes", "baseline_rss_bytes", "peak_anon_bytes", "baseline_anon_bytes",
             "final_anon_bytes", "final_file_bytes", "load_s")
@@ -149,9 +153,10 @@ def main(argv: list[str] | None = None) -> int:
               f"{summary[loader]['load_peak_above_baseline_bytes'] / disk:.2f} x model size")
     print("  (RSS counts private memory and safetensors pages mapped from the page cache; 'anon' is private "
           "memory alone, sampled every 5 ms, above the post-import baseline)")
-    path = write_result("bench_load_memory", {
-        "model": folder.name, "model_bytes_on_disk": disk, "runs": runs, "summary": summary,
-        "ratio_peak_rss": ratio, "ratio_peak_above_baseline": ratio_above,
+    name = "bench_load_memory" + (f"_{args.cpu_linear_kernel.replace('.', '_')}" if args.cpu_linear_kernel else "")
+    path = write_result(name, {
+        "cpu_linear_kernel": args.cpu_linear_kernel, "model": folder.name, "model_bytes_on_disk": disk, "runs": runs,
+        "summary": summary, "ratio_peak_rss": ratio, "ratio_peak_above_baseline": ratio_above,
     })
     print(f"\nwrote {path}")
     return 0
