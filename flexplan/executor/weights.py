@@ -109,7 +109,10 @@ class GroupWeights:
         """Bytes this unit's weights take in ``place`` (flat buffer plus packed weights)."""
         n = self.layout(place, dtype).nbytes
         if place == HOST_MEMORY and self.packed:
-            n += FlatLayout.of([s for s in self.shapes if s[0] in self.packed], dtype).param_bytes
+            key = ("packed", dtype)
+            if key not in self._layouts:
+                self._layouts[key] = FlatLayout.of([s for s in self.shapes if s[0] in self.packed], dtype)
+            n += self._layouts[key].param_bytes
         return n
 
     def param_tensor(self, name: str) -> torch.Tensor:
