@@ -1,13 +1,15 @@
-"""CPU GEMV/GEMM: stock ``F.linear`` against oneDNN-packed weights (flexplan/executor/cpu_linear.py).
+"""CPU GEMV/GEMM: stock ``F.linear`` against oneDNN-packed and blocked weights (flexplan/executor/cpu_linear.py).
 
 The seven linears of a TinyLlama-shaped decoder layer (hidden 2048, KV 512, intermediate
 5632), 8 layers of them (1.41 GB fp32, more than the last-level cache), run back to back as
 one decode step would, at batch 1 and 8 (decode) and 512 tokens (prefill), in fp32 and bf16. Kernels: ``F.linear`` on dense
 weights; packed with batch hint 1 (what flexplan uses for batch-1 decode plans); packed with
-no hint (the generic layout, used for larger batches). Each round times every kernel once,
-interleaved, so this VM's bandwidth swings hit all alike; the median over ``--rounds`` is
-reported (GB/s of weights and GFLOP/s) next to a STREAM triad sample taken before each round,
-with the largest difference of each packed kernel's output from ``F.linear``'s.
+no hint (the generic layout, used for larger batches); for fp32, flexplan's blocked layout
+(flexplan/executor/native_gemv.c, for every batch; the default where the native kernel builds). Each round times every kernel once, interleaved, so this
+VM's bandwidth swings hit all alike; the median over ``--rounds`` is reported (GB/s of weights
+and GFLOP/s) next to a STREAM triad sample taken before each round, with the median over rounds of
+each kernel's rate as a fraction of that round's triad, and the largest difference of each
+kernel's output from ``F.linear``'s.
 
     python benchmarks/bench_cpu_linear.py            # writes results/bench_cpu_linear.json
 """
@@ -48,9 +50,12 @@ def main(argv: list[str] | None = None) -> int:
         kernels = {"F.linear": (dense, F.linear),
                    "packed, hint 1": ([cpu_linear.pack(w, 1) for w in dense], cpu_linear.packed_linear),
                    "packed, no hint": ([cpu_linear.pack(w, None) for w in dense], cpu_linear.packed_linear)}
+        if dt == torch.float32 and cpu_linear.blocking_available():
+            kernels["blocked"] = ([cpu_linear.block(w) for w in dense], cpu_linear.blocked_linear)
         for batch in (int(b) for b in args.batches.split(",")):
             xs = {k: torch.randn(batch, 1, k).to(dt) for k in (HIDDEN, INTER)}
             rates = {name: [] for name in kernels}
+            of_stream = {name: [] for name in kernels}
             stream = []
             for r in range(args.rounds + 1):  # round 0 warms up
                 s = stream_triad_bytes_per_s(threads=torch.get_num_threads())
@@ -60,6 +65,7 @@ def main(argv: list[str] | None = None) -> int:
                         fn(xs[w.shape[1]], w)
                     if r:
                         rates[name].append(nbytes / (time.perf_counter() - t0))
+                        of_stream[name].append(rates[name][-1] / s)
                 if r:
                     stream.append(s)
             flops = 2.0 * batch * nbytes / dense[0].element_size()
@@ -69,12 +75,13 @@ def main(argv: list[str] | None = None) -> int:
             row = {"dtype": dtype_name, "batch": batch, "weight_bytes": nbytes, "stream_triad_bytes_per_s": stream,
                    "rates_bytes_per_s": rates, "median_bytes_per_s": {k: median(v) for k, v in rates.items()},
                    "median_flops_per_s": {k: flops / nbytes * median(v) for k, v in rates.items()},
+                   "median_fraction_of_stream_triad": {k: median(v) for k, v in of_stream.items()},
                    "max_abs_diff_from_F_linear": diff}
             results.append(row)
-            cells = "  ".join(f"{k} {median(v) / 1e9:5.1f} GB/s {flops / nbytes * median(v) / 1e9:4.0f} GFLOP/s"
-                              for k, v in rates.items())
+            cells = "  ".join(f"{k} {median(v) / 1e9:5.1f} GB/s ({median(of_stream[k]):.0%}) "
+                              f"{flops / nbytes * median(v) / 1e9:4.0f} GFLOP/s" for k, v in rates.items())
             print(f"{dtype_name:<9} batch {batch:>3}: {cells}  (STREAM triad median {median(stream) / 1e9:.1f} GB/s; "
-                  f"max |packed - F.linear| {max(diff.values()):.1e})", flush=True)
+                  f"max |kernel - F.linear| {max(diff.values()):.1e})", flush=True)
         del dense, kernels
     path = write_result("bench_cpu_linear", {"threads": torch.get_num_threads(), "layers": LAYERS,
                                              "shapes_out_in": SHAPES, "rounds": args.rounds, "rows": results})

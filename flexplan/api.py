@@ -212,8 +212,10 @@ def load(model_or_path, plan: Any = "auto", accelerator: str | None = None, hard
     CPU alone). ``gpu_memory_bytes``: accelerator budget (default: free CUDA memory; the stand-in:
     a quarter of available host memory). ``pinned_memory_budget_bytes``: bound on pinned host
     memory (default: half of physical memory). ``cpu_linear_kernel``: how the CPU computes its
-    linears, ``"onednn-packed"`` (default where available: weights reordered once, GEMVs at memory
-    bandwidth) or ``"F.linear"`` (stock kernel, bit-identical to transformers in fp32 too).
+    linears: ``"flexplan-blocked"`` (default where flexplan's native kernel builds: float32 weights
+    blocked once for it, the rest as below), ``"onednn-packed"`` (default otherwise: weights
+    reordered once for oneDNN) or ``"F.linear"`` (stock kernel, bit-identical to transformers in
+    fp32 too). Packed kernels read decode weights near memory bandwidth (cpu_linear).
     """
     acc = _resolve_accelerator(accelerator)
     from_path = isinstance(model_or_path, (str, os.PathLike))

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import flexplan.api as api
-from flexplan.executor import loading
+from flexplan.executor import cpu_linear, loading
 from flexplan.executor.link import Link
 from flexplan.executor.plans import fixed_plan
 
@@ -62,8 +62,8 @@ def test_streaming_reads_each_tensor_once_into_its_flat_buffer(saved, monkeypatc
     assert sorted(reads) == sorted(names)
     assert "lm_head.weight" in names
     # fp32 on disk, fp32 flat buffers: every tensor of a flat buffer is read straight into it
-    # (packed CPU linears go through a temporary: oneDNN reorders them into their own memory)
-    packed = {n for n, p in model.named_parameters() if p.is_mkldnn}
+    # (packed CPU linears go through a temporary: they are reordered into their own memory)
+    packed = {n for n, p in model.named_parameters() if cpu_linear.is_packed(p)}
     assert direct and set(direct) | packed >= set(names) - {"lm_head.weight"}
     placed = sum(b.nbytes for b in link.live_buffers())
     weights = sum(p.numel() * 4 for p in ref.parameters())  # tied: the embedding counted once

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import flexplan.api as api
+from flexplan.executor import cpu_linear
 from flexplan.executor.link import ACCELERATOR, PINNED
 from flexplan.executor.plans import fixed_plan
 
@@ -86,21 +87,26 @@ def test_parameters_are_views_of_the_flat_buffers(fresh):
     assert len(pinned) == 2  # one flat buffer per streamed layer, nothing else pinned for weights
 
 
-@pytest.mark.parametrize("kernel", ["onednn-packed", "F.linear"])
+@pytest.mark.parametrize("kernel", ["flexplan-blocked", "onednn-packed", "F.linear"])
 def test_cpu_layers_hold_one_copy_of_their_weights(fresh, kernel):
     """CPU-computed layers: with packing each linear's weight IS its packed tensor (not a second
     copy beside the flat buffer); host memory is the model's size either way."""
     from flexplan.executor import cpu_linear
 
-    if kernel == "onednn-packed" and not cpu_linear.packing_available():
-        pytest.skip("this torch has no oneDNN prepacked linear")
+    if cpu_linear.kernel_unavailable(kernel):
+        pytest.skip(cpu_linear.kernel_unavailable(kernel))
     model, ref = fresh("qwen2")  # untied head: packed too
     model_bytes = sum(p.numel() * p.element_size() for p in ref.parameters())
     plan = fixed_plan(model.config, "cpu", "cpu", 0, batch_size=3, input_len=9, output_len=6, cpu_dtype="float32")
     lm = api.load(model, plan=plan, accelerator="cpu", gpu_memory_bytes=GIB, cpu_linear_kernel=kernel)
     ex = lm.executor
     linears = [m for m in lm.model.modules() if type(m) is torch.nn.Linear]
-    assert linears and all(m.weight.is_mkldnn == (kernel == "onednn-packed") for m in linears)
+    assert linears and all(cpu_linear.is_packed(m.weight) == (kernel != "F.linear") for m in linears)
+    # flexplan-blocked: float32 weights whose rows are a multiple of 64 are blocked, the others
+    # (here the 16- and 32-row K/V projections) oneDNN-packed
+    blocked = [m for m in linears if cpu_linear.is_blocked(m.weight)]
+    assert len(blocked) == (sum(m.out_features % 64 == 0 for m in linears) if kernel == "flexplan-blocked" else 0)
+    assert kernel != "flexplan-blocked" or 0 < len(blocked) < len(linears)
     weights = sum(b.nbytes for b in ex.link.live_buffers("host"))
     assert model_bytes <= weights < model_bytes + 64 * len(list(ref.parameters()))  # alignment only
     assert ex.memory_need(ex.placement).host_bytes == weights
@@ -119,7 +125,7 @@ def test_packed_cpu_layers_can_be_replaced_onto_the_accelerator(fresh):
     lm = api.load(model, plan=fixed_plan(model.config, "cpu", "cpu", 0, **kw), accelerator="cpu", gpu_memory_bytes=GIB)
     assert torch.equal(lm.generate(input_ids=ids, attention_mask=mask, max_new_tokens=6, do_sample=False), expected)
     lm.executor.place(fixed_plan(model.config, "gpu-offload", "gpu", 4, **kw))
-    assert not any(p.is_mkldnn for p in lm.model.parameters())
+    assert not any(cpu_linear.is_packed(p) for p in lm.model.parameters())
     assert torch.equal(lm.generate(input_ids=ids, attention_mask=mask, max_new_tokens=6, do_sample=False), expected)
 
 
@@ -132,7 +138,8 @@ def test_packed_weights_follow_the_decode_batch(fresh):
         pytest.skip("this torch has no oneDNN prepacked linear")
     model, ref = fresh("mistral")
     kw = dict(input_len=9, output_len=6, cpu_dtype="float32")
-    lm = api.load(model, plan=fixed_plan(model.config, "cpu", "cpu", 0, batch_size=1, **kw), accelerator=None)
+    lm = api.load(model, plan=fixed_plan(model.config, "cpu", "cpu", 0, batch_size=1, **kw), accelerator=None,
+                  cpu_linear_kernel="onednn-packed")
     ex = lm.executor
     assert ex.pack_batch == 1 and all(g.storages["host"].pack_batch == 1 for g in ex.layers)
     ids, mask = left_padded_batch()

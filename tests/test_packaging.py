@@ -18,3 +18,4 @@ def test_every_package_is_listed_in_pyproject():
     assert cfg["package-dir"]["flexplan._hwdb"] == "hwdb" and "flexplan._hwdb" in listed
     assert os.path.isfile(os.path.join(REPO, "hwdb", "__init__.py"))
     assert "*.yaml" in cfg["package-data"]["flexplan._hwdb"]
+    assert "*.c" in cfg["package-data"]["flexplan.executor"]  # native_gemv.c, compiled on first use

@@ -287,8 +287,9 @@ def layer_overhead(sizes: Sizes, dtype: str, device: str = "cpu", sync=None, inn
     cfg._attn_implementation = "sdpa"
     dt = torch_dtype(dtype)
     layer = LlamaDecoderLayer(cfg, 0).to(device=device, dtype=dt).eval()
-    if device == "cpu" and LinearKernel().packed:  # as the executor computes CPU layers
-        pack_module(layer, pack_batch_hint(1))
+    kernel = LinearKernel(device=device)
+    if kernel.packed:  # as the executor computes CPU layers
+        pack_module(layer, pack_batch_hint(1), kernel.name)
     rotary = LlamaRotaryEmbedding(cfg).to(device)
     cache = DynamicCache(config=cfg)
     with torch.inference_mode():
@@ -343,7 +344,7 @@ def layers(sizes: Sizes, dtype: str, tick: Callable[[], None] | None = None) -> 
             past = sizes.layer_kv_len if q_len == 1 else 0
             if kernel.packed:  # weights as the executor holds them for a plan of this batch
                 for layer in copies:
-                    pack_module(layer, pack_batch_hint(batch))
+                    pack_module(layer, pack_batch_hint(batch), kernel.name)
             with torch.inference_mode():
                 caches = [DynamicCache(config=cfg) for _ in copies]
                 if past:

@@ -3,8 +3,9 @@
 FlexInfer (section 5.4) runs CPU layers with IPEX kernels. IPEX is archived and pinned to
 torch 2.8, so it is used only when ``import intel_extension_for_pytorch`` works AND its
 major.minor matches the installed torch; otherwise stock PyTorch. Which one ran is recorded
-in the run statistics. With stock PyTorch the CPU's linears compute from oneDNN-packed weights
-(``cpu_linear``) unless the caller asks for plain ``F.linear``.
+in the run statistics. With stock PyTorch the CPU's linears compute from packed weights
+(``cpu_linear``: flexplan's blocked layout and native kernel for float32, oneDNN's packed layout
+for the rest) unless the caller asks for plain ``F.linear``.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ class CPUBackend:
 
     @property
     def packs_weights(self) -> bool:
-        return self.linear_kernel == cpu_linear.KERNEL_PACKED
+        return self.linear_kernel in cpu_linear.PACKING_KERNELS
 
     def optimize(self, module: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
         """IPEX's module-level optimisation for a layer the CPU computes in every phase. Weights
@@ -64,11 +65,12 @@ def ipex_status() -> tuple[object | None, str]:
 
 def configure(cores: int | None = None, use_ipex: bool = True, linear_kernel: str | None = None) -> CPUBackend:
     """Set the intra-op thread count to the hardware's cores and pick the backend. ``linear_kernel``
-    (stock PyTorch only): ``"onednn-packed"`` (the default where this torch has it) or ``"F.linear"``."""
-    if linear_kernel is not None and linear_kernel not in cpu_linear.KERNELS:
-        raise InvalidInputError(f"unknown CPU linear kernel {linear_kernel!r}; use one of {', '.join(cpu_linear.KERNELS)}")
-    if linear_kernel == cpu_linear.KERNEL_PACKED and not cpu_linear.packing_available():
-        raise InvalidInputError("this torch build has no oneDNN prepacked linear; use linear_kernel='F.linear'")
+    (stock PyTorch only): ``"flexplan-blocked"`` (float32 weights blocked for flexplan's native
+    GEMV, other weights oneDNN-packed; the default where the native GEMV builds), ``"onednn-packed"``
+    (the default where only oneDNN's packed linear is there) or ``"F.linear"``."""
+    why_not = cpu_linear.kernel_unavailable(linear_kernel) if linear_kernel is not None else None
+    if why_not:
+        raise InvalidInputError(why_not)
     threads = int(cores) if cores else (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
     if torch.get_num_threads() != threads:
         torch.set_num_threads(threads)

@@ -1,22 +1,30 @@
-"""oneDNN-prepacked weights for the linear layers the CPU computes.
+"""Packed weights for the linear layers the CPU computes: flexplan's blocked layout, or oneDNN's.
 
 Decode on the CPU is a GEMV per weight matrix: it should stream the weights at memory bandwidth.
 Stock ``F.linear`` does not: on the development machine (2 cores of an AMD EPYC Zen 4) it reads a
 TinyLlama-sized fp32 weight at ~20 GB/s at batch 1 and ~10 GB/s at batch 8, against a measured
-STREAM triad of ~39 GB/s. oneDNN's inner product on a weight reordered once into its blocked
-layout (``torch.ops.mkldnn._reorder_linear_weight``, the kernel torch.compile's CPU freezing
-pass uses) reads the same weights at ~32 GB/s (batch 1) and ~26 GB/s (batch 8), and is as fast
-or faster for prefill GEMMs (512 tokens, fp32: 217 against 186 GFLOP/s). Measured by
-``python benchmarks/bench_cpu_linear.py`` (``benchmarks/results/bench_cpu_linear.json``).
+STREAM triad of ~39 GB/s (this VM's memory also runs at ~66-70 GB/s for minutes at a time).
+Two packed layouts, each REPLACING the dense weight (it is the ``weight`` Parameter of the
+``nn.Linear``), so a CPU layer holds one copy:
 
-The packed weight REPLACES the dense one (it is the ``weight`` Parameter of the ``nn.Linear``,
-an opaque oneDNN tensor of the same shape, dtype and size), so a CPU layer holds one copy.
-Calling stock ``F.linear`` on it raises (it never silently computes garbage); ``install``
-gives each linear a forward that uses the packed kernel when its weight is packed and
-``F.linear`` otherwise, so the same module also runs with dense weights on any device.
+- ``flexplan-blocked`` (the default where the native kernel builds, ``native``): float32 weights
+  with ``out`` a multiple of 64 are held as [out/64, in, 64] and computed by
+  ``native_gemv.c``, one sequential stream per thread, for decode and prefill alike. Other
+  weights (bf16, odd shapes) take oneDNN's layout below.
+- ``onednn-packed``: oneDNN's inner product on a weight reordered once into its layout
+  (``torch.ops.mkldnn._reorder_linear_weight``, the kernel torch.compile's CPU freezing pass
+  uses), an opaque tensor of the same shape; batch-1 decode plans use batch hint 1.
 
-bf16 results are bit-identical to ``F.linear`` (both are oneDNN); fp32 ones differ in the last
-bits (``F.linear`` goes to an sgemm with another summation order).
+Figures (GB/s of weights at batch 1 and 8, GFLOP/s at 512 tokens, against F.linear and the
+STREAM triad) come from ``python benchmarks/bench_cpu_linear.py``
+(``benchmarks/results/bench_cpu_linear.json``); README quotes them.
+
+Calling stock ``F.linear`` on a packed weight raises (a 3-D or an opaque tensor; it never
+silently computes garbage); ``install`` gives each linear a forward that uses the kernel of its
+weight's layout, so the same module also runs with dense weights on any device.
+
+bf16 oneDNN results are bit-identical to ``F.linear`` (both are oneDNN); fp32 ones differ in the
+last bits (other summation orders).
 """
 
 from __future__ import annotations
@@ -27,9 +35,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+KERNEL_BLOCKED = "flexplan-blocked"
 KERNEL_PACKED = "onednn-packed"
 KERNEL_PLAIN = "F.linear"
-KERNELS = (KERNEL_PACKED, KERNEL_PLAIN)
+KERNELS = (KERNEL_BLOCKED, KERNEL_PACKED, KERNEL_PLAIN)
+PACKING_KERNELS = (KERNEL_BLOCKED, KERNEL_PACKED)
 
 
 @functools.lru_cache(maxsize=None)
@@ -45,8 +55,30 @@ def packing_available() -> bool:
         return False
 
 
+def blocking_available() -> bool:
+    """Whether flexplan's native GEMV compiled and passed its check here (``native``)."""
+    from flexplan.executor import native
+
+    return native.available()
+
+
 def default_kernel() -> str:
+    if blocking_available():
+        return KERNEL_BLOCKED
     return KERNEL_PACKED if packing_available() else KERNEL_PLAIN
+
+
+def kernel_unavailable(kernel: str) -> str | None:
+    """Why ``kernel`` cannot run here (None: it can)."""
+    if kernel not in KERNELS:
+        return f"unknown CPU linear kernel {kernel!r}; use one of {', '.join(KERNELS)}"
+    if kernel == KERNEL_BLOCKED and not blocking_available():
+        from flexplan.executor import native
+
+        return f"{native.status()[1]}; use linear_kernel='{KERNEL_PACKED}' or '{KERNEL_PLAIN}'"
+    if kernel == KERNEL_PACKED and not packing_available():
+        return f"this torch build has no oneDNN prepacked linear; use linear_kernel='{KERNEL_PLAIN}'"
+    return None
 
 
 def pack_batch_hint(decode_batch: int) -> int | None:
@@ -58,33 +90,87 @@ def pack_batch_hint(decode_batch: int) -> int | None:
     return 1 if int(decode_batch) == 1 else None
 
 
-def pack(weight: torch.Tensor, batch_hint: int | None = None) -> torch.Tensor:
-    """A dense [out, in] CPU weight reordered into oneDNN's layout (a new tensor)."""
+def blockable(weight: torch.Tensor) -> bool:
+    """A float32 [out, in] weight with ``out`` a multiple of the native block (64)."""
+    return weight.dtype == torch.float32 and weight.dim() == 2 and weight.shape[0] % BLOCK == 0
+
+
+BLOCK = 64  # columns per block of the blocked layout (native_gemv.c's BLOCK)
+
+
+def block(weight: torch.Tensor) -> torch.Tensor:
+    """A dense [out, in] weight as [out/64, in, 64] (``P[k, i, c] = W[64 k + c, i]``), a new tensor."""
+    out, k = weight.shape
+    return weight.detach().reshape(out // BLOCK, BLOCK, k).transpose(1, 2).contiguous()
+
+
+def is_blocked(t: torch.Tensor | None) -> bool:
+    return t is not None and not t.is_mkldnn and t.dim() == 3
+
+
+def layout_name(t: torch.Tensor) -> str:
+    return "blocked" if is_blocked(t) else "oneDNN-packed" if t.is_mkldnn else "dense"
+
+
+def pack(weight: torch.Tensor, batch_hint: int | None = None, kernel: str = KERNEL_PACKED) -> torch.Tensor:
+    """A dense [out, in] CPU weight in the layout ``kernel`` computes from (a new tensor): blocked
+    for ``flexplan-blocked`` where the weight is blockable (float32, ``out`` a multiple of 64),
+    else oneDNN's layout, for the decode batch ``batch_hint`` (None: the generic one)."""
     with torch.no_grad():
         w = weight.detach().contiguous()
+        if kernel == KERNEL_BLOCKED and blockable(w) and blocking_available():
+            return block(w)
         if batch_hint:
             return torch.ops.mkldnn._reorder_linear_weight(w, int(batch_hint))
         return torch.ops.mkldnn._reorder_linear_weight(w)
 
 
 def dense(t: torch.Tensor) -> torch.Tensor:
-    """The dense tensor behind ``t`` (a packed weight is reordered back, exactly)."""
-    return t.to_dense() if t.is_mkldnn else t
+    """The dense tensor behind ``t`` (a packed or blocked weight is reordered back, exactly)."""
+    if t.is_mkldnn:
+        return t.to_dense()
+    if is_blocked(t):
+        return t.transpose(1, 2).reshape(t.shape[0] * t.shape[2], t.shape[1])
+    return t
 
 
 def is_packed(t: torch.Tensor | None) -> bool:
-    return t is not None and t.is_mkldnn
+    return t is not None and (t.is_mkldnn or is_blocked(t))
 
 
 def packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [None], "")
 
 
+def blocked_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear`` on a blocked weight with the native kernel (float32 ``x``, any token count:
+    decode GEMVs and prefill GEMMs alike); ``torch.matmul`` on the blocks for anything else."""
+    from flexplan.executor import native
+
+    n_blocks, k, block_cols = weight.shape
+    out = n_blocks * block_cols
+    x2 = x.reshape(-1, k)
+    gemv = native.status()[0]
+    if x2.dtype == torch.float32 and gemv is not None:
+        y = gemv.gemv(weight, x2.contiguous(), None if bias is None else bias.contiguous())
+    else:
+        y = torch.matmul(x2, weight).permute(1, 0, 2).reshape(x2.shape[0], out)
+        if bias is not None:
+            y.add_(bias)
+    return y.reshape(*x.shape[:-1], out)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear`` for a weight in any of the layouts (oneDNN-packed, blocked or dense)."""
+    if weight.is_mkldnn:
+        return packed_linear(x, weight, bias)
+    if weight.dim() == 3:
+        return blocked_linear(x, weight, bias)
+    return F.linear(x, weight, bias)
+
+
 def _forward(module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    w = module.weight
-    if w.is_mkldnn:
-        return packed_linear(x, w, module.bias)
-    return F.linear(x, w, module.bias)
+    return linear(x, module.weight, module.bias)
 
 
 def packable(module: nn.Module) -> bool:
@@ -101,19 +187,19 @@ def uninstall(module: nn.Linear) -> None:
     module.__dict__.pop("forward", None)
 
 
-def pack_module(root: nn.Module, batch_hint: int | None = None) -> int:
-    """Pack every plain CPU linear under ``root`` in place (its weight replaced; one packed for
-    another hint is repacked); the count packed. For code that owns a CPU-only module outright
-    (calibration's layers)."""
+def pack_module(root: nn.Module, batch_hint: int | None = None, kernel: str = KERNEL_PACKED) -> int:
+    """Pack every plain CPU linear under ``root`` in place for ``kernel`` (its weight replaced;
+    one packed for another hint or kernel is repacked); the count packed. For code that owns a
+    CPU-only module outright (calibration's layers)."""
     n = 0
     for m in root.modules():
         if not packable(m) or m.weight.device.type != "cpu":
             continue
-        if m.weight.is_mkldnn and getattr(m, "_flexplan_pack_batch", None) == batch_hint:
+        if is_packed(m.weight) and getattr(m, "_flexplan_pack_key", None) == (kernel, batch_hint):
             continue
         install(m)
-        m._parameters["weight"] = nn.Parameter(pack(dense(m.weight), batch_hint), requires_grad=False)
-        m._flexplan_pack_batch = batch_hint
+        m._parameters["weight"] = nn.Parameter(pack(dense(m.weight), batch_hint, kernel), requires_grad=False)
+        m._flexplan_pack_key = (kernel, batch_hint)
         n += 1
     return n
 
@@ -127,10 +213,10 @@ class LinearKernel:
 
     @property
     def packed(self) -> bool:
-        return self.name == KERNEL_PACKED
+        return self.name in PACKING_KERNELS
 
     def prepare(self, weight: torch.Tensor, batch: int = 1) -> torch.Tensor:
-        return pack(weight, pack_batch_hint(batch)) if self.packed else weight
+        return pack(weight, pack_batch_hint(batch), self.name) if self.packed else weight
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        return packed_linear(x, weight) if weight.is_mkldnn else F.linear(x, weight)
+        return linear(x, weight)

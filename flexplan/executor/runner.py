@@ -60,14 +60,14 @@ class Executor:
         self.accelerator_budget_bytes = accelerator_budget_bytes
         self.pinned_budget_bytes = pinned_budget_bytes
         self.backend = configure(cpu_cores, use_ipex, cpu_linear_kernel)
-        pack = self.backend.packs_weights
+        pack = self.backend.linear_kernel if self.backend.packs_weights else None
         tied = self._tied_embedding()
         self.embed = GroupWeights("embedding", None, _params(self.parts.embedding))
         prefix = f"{self.parts.stack_prefix}.layers"
-        self.layers = [GroupWeights(f"layer {i}", i, _params({f"{prefix}.{i}": layer}), pack_host=pack)
+        self.layers = [GroupWeights(f"layer {i}", i, _params({f"{prefix}.{i}": layer}), pack_kernel=pack)
                        for i, layer in enumerate(self.parts.layers)]
         self.head = GroupWeights("head", None, _params(self.parts.head),
-                                 {"lm_head.weight": (self.embed, tied)} if tied else None, pack_host=pack)
+                                 {"lm_head.weight": (self.embed, tied)} if tied else None, pack_kernel=pack)
         self._packed_linears = [m for g in (*self.layers, self.head) for n, (m, _) in g.params.items() if n in g.packed]
         for m in self._packed_linears:
             cpu_linear.install(m)

@@ -68,7 +68,7 @@ class RunStats:
     cpu_backend: str  # "stock PyTorch ..." or "IPEX ..."
     cpu_backend_why: str
     cpu_threads: int
-    cpu_linear_kernel: str  # "onednn-packed" or "F.linear"
+    cpu_linear_kernel: str  # cpu_linear.KERNELS: "flexplan-blocked", "onednn-packed" or "F.linear"
     batch_size: int
     input_len: int
     new_tokens: int

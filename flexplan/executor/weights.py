@@ -64,7 +64,7 @@ class Storage:
     buffer: Buffer
     layout: FlatLayout
     views: dict[str, torch.Tensor]
-    packed: tuple[Buffer, ...] = ()  # oneDNN-packed linear weights (host only), outside the flat buffer
+    packed: tuple[Buffer, ...] = ()  # packed linear weights (host only, cpu_linear), outside the flat buffer
     pack_batch: int | None = None  # the batch hint they were packed for
 
     def buffers(self) -> tuple[Buffer, ...]:
@@ -84,15 +84,17 @@ class GroupWeights:
     """The parameters of one placement unit and the flat buffers that hold them."""
 
     def __init__(self, name: str, layer: int | None, params: dict[str, tuple[nn.Module, str]],
-                 host_aliases: dict[str, tuple["GroupWeights", str]] | None = None, pack_host: bool = False):
+                 host_aliases: dict[str, tuple["GroupWeights", str]] | None = None, pack_kernel: str | None = None):
         self.name = name
         self.layer = layer
         self.params = params  # qualified name -> (module, leaf)
         # names whose host (CPU-dtype) copy is another unit's tensor (a tied LM head = embedding)
         self.host_aliases = host_aliases or {}
-        # names whose host copy is a oneDNN-packed tensor of its own (plain linears' weights)
+        # names whose host copy is a packed (blocked or oneDNN) tensor of its own (plain linears'
+        # weights), in the layout of ``pack_kernel`` (cpu_linear.PACKING_KERNELS; None: no packing)
+        self.pack_kernel = pack_kernel
         self.packed = frozenset(n for n, (m, leaf) in params.items()
-                                if pack_host and leaf == "weight" and cpu_linear.packable(m) and n not in self.host_aliases)
+                                if pack_kernel and leaf == "weight" and cpu_linear.packable(m) and n not in self.host_aliases)
         self.shapes = [(n, tuple(m._parameters[leaf].shape)) for n, (m, leaf) in params.items()]
         self.storages: dict[str, Storage] = {}
         self.bound: object = None
@@ -158,8 +160,8 @@ class GroupWeights:
                 for name in self.host_aliases:
                     views[name] = self._alias_view(name)
                 for name in sorted(self.packed):
-                    w = cpu_linear.pack(cpu_linear.dense(src(name)).to(dtype), pack_batch)
-                    packed.append(link.adopt(w, HOST_MEMORY, f"{self.name} {name} (oneDNN-packed)"))
+                    w = cpu_linear.pack(cpu_linear.dense(src(name)).to(dtype), pack_batch, self.pack_kernel)
+                    packed.append(link.adopt(w, HOST_MEMORY, f"{self.name} {name} ({cpu_linear.layout_name(w)})"))
                     views[name] = w
             old = self.storages.get(place)
             self.storages[place] = Storage(place, buf, layout, views, tuple(packed), pack_batch)

@@ -1,0 +1,86 @@
+"""flexplan's native blocked GEMV (flexplan/executor/native.py, native_gemv.c) and its fallback."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from flexplan.errors import InvalidInputError
+from flexplan.executor import cpu_backend, cpu_linear, native
+
+needs_native = pytest.mark.skipif(not native.available(), reason=f"{native.status()[1]}")
+
+
+@pytest.fixture
+def fresh_status():
+    """native.status() recomputed under the test's environment, and again after it."""
+    native.status.cache_clear()
+    yield
+    native.status.cache_clear()
+
+
+@needs_native
+@pytest.mark.parametrize("tokens", [1, 2, 5, 6, 7, 13, 64, 200])
+@pytest.mark.parametrize("out,k,with_bias", [(64, 7, False), (192, 300, True), (128, 1000, True)])
+def test_blocked_linear_matches_f_linear(tokens, out, k, with_bias):
+    g = torch.Generator().manual_seed(tokens * 1000 + out + k)
+    w = torch.randn(out, k, generator=g)
+    x = torch.randn(1, tokens, k, generator=g)  # [batch, seq, in] as a decoder layer passes it
+    b = torch.randn(out, generator=g) if with_bias else None
+    p = cpu_linear.pack(w, 1, cpu_linear.KERNEL_BLOCKED)
+    assert p.shape == (out // 64, k, 64) and cpu_linear.is_blocked(p)
+    y = cpu_linear.linear(x, p, b)
+    ref = F.linear(x.double(), w.double(), None if b is None else b.double())
+    assert y.shape == (1, tokens, out) and y.dtype == torch.float32
+    assert float((y.double() - ref).abs().max()) <= 1e-5 * float(ref.abs().max())
+
+
+@needs_native
+def test_blocked_weights_read_back_exactly_and_refuse_stock_f_linear():
+    w = torch.randn(128, 40)
+    p = cpu_linear.pack(w, None, cpu_linear.KERNEL_BLOCKED)
+    assert torch.equal(cpu_linear.dense(p), w)
+    with pytest.raises(RuntimeError):
+        F.linear(torch.randn(1, 40), p)  # a 3-D weight: stock F.linear never computes garbage from it
+
+
+@needs_native
+def test_weights_that_cannot_be_blocked_take_onednn_or_stay_dense():
+    odd = torch.randn(48, 40)  # rows not a multiple of 64
+    half = torch.randn(128, 40).to(torch.bfloat16)
+    for w in (odd, half):
+        p = cpu_linear.pack(w, 1, cpu_linear.KERNEL_BLOCKED)
+        assert not cpu_linear.is_blocked(p)
+        assert p.is_mkldnn == cpu_linear.packing_available()
+
+
+def test_disabled_native_kernel_falls_back_with_its_reason(monkeypatch, fresh_status):
+    monkeypatch.setenv("FLEXPLAN_NATIVE", "0")
+    gemv, why = native.status()
+    assert gemv is None and "FLEXPLAN_NATIVE=0" in why
+    assert cpu_linear.default_kernel() != cpu_linear.KERNEL_BLOCKED
+    with pytest.raises(InvalidInputError, match="FLEXPLAN_NATIVE"):
+        cpu_backend.configure(linear_kernel=cpu_linear.KERNEL_BLOCKED)
+    # packing for the blocked kernel without it gives oneDNN's layout (or dense), never a wrong one
+    assert not cpu_linear.is_blocked(cpu_linear.pack(torch.randn(64, 8), 1, cpu_linear.KERNEL_BLOCKED))
+
+
+def test_broken_compiler_leaves_no_library_and_says_why(monkeypatch, tmp_path, fresh_status):
+    if native.status()[1].startswith("native GEMV is built for"):
+        pytest.skip("not Linux x86-64")
+    broken = tmp_path / "cc"
+    broken.write_text("#!/bin/sh\necho 'cc: error: no such option' >&2\nexit 1\n")
+    broken.chmod(0o755)
+    monkeypatch.setenv("CC", str(broken))
+    monkeypatch.setenv("FLEXPLAN_CACHE_DIR", str(tmp_path / "cache"))
+    native.status.cache_clear()
+    gemv, why = native.status()
+    assert gemv is None and "failed" in why and "no such option" in why
+    leftovers = list((tmp_path / "cache").rglob("*")) if (tmp_path / "cache").exists() else []
+    assert not [f for f in leftovers if f.is_file()]  # no half-written library
+
+
+def test_unknown_kernel_is_refused_with_the_choices():
+    with pytest.raises(InvalidInputError, match="flexplan-blocked, onednn-packed, F.linear"):
+        cpu_backend.configure(linear_kernel="mkl")
