@@ -84,3 +84,23 @@ def test_broken_compiler_leaves_no_library_and_says_why(monkeypatch, tmp_path, f
 def test_unknown_kernel_is_refused_with_the_choices():
     with pytest.raises(InvalidInputError, match="flexplan-blocked, onednn-packed, F.linear"):
         cpu_backend.configure(linear_kernel="mkl")
+
+
+@pytest.mark.parametrize("march,isa", [("x86-64-v4", "avx512f"), ("x86-64-v3", "avx2"), ("x86-64", "generic")])
+def test_every_isa_path_passes_the_self_check(tmp_path, march, isa):
+    """The AVX-512, AVX2 and plain-C paths of native_gemv.c, each built for its own ISA level and
+    checked against F.linear (the build for this CPU takes only one of them)."""
+    import ctypes
+    import subprocess
+
+    cc = native._compiler()
+    if cc is None or not native.status()[1].startswith("native GEMV ("):
+        pytest.skip(native.status()[1])
+    if isa == "avx512f" and native.status()[0].isa != "avx512f":
+        pytest.skip("this CPU has no AVX-512")
+    so = tmp_path / f"gemv-{march}.so"
+    flags = [f if f != "-march=native" else f"-march={march}" for f in native.CFLAGS]
+    subprocess.run([cc, *flags, str(native.SOURCE), "-o", str(so)], check=True, capture_output=True)
+    built = native.NativeGemv(ctypes.CDLL(str(so)), so)
+    assert built.isa == isa
+    native._self_check(built)
