@@ -105,3 +105,35 @@ def test_every_isa_path_passes_the_self_check(tmp_path, march, isa):
     built = native.NativeGemv(ctypes.CDLL(str(so)), so)
     assert built.isa == isa
     native._self_check(built)
+
+
+@needs_native
+def test_tied_embedding_and_head_share_one_blocked_weight():
+    """A tied LM head streams from the blocked layout too: the embedding's weight is blocked once
+    (its lookup reads rows out of the blocks), the head computes from the same tensor, no second
+    copy is made, and greedy tokens match transformers."""
+    import copy
+
+    import transformers
+
+    import flexplan.api as api
+    from flexplan.executor.plans import fixed_plan
+
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                                   num_key_value_heads=2, vocab_size=192, tie_word_embeddings=True,
+                                   pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    ref = transformers.LlamaForCausalLM(cfg).eval()
+    ids = torch.randint(3, 192, (2, 7))
+    mask = torch.ones_like(ids)
+    mask[1, :2] = 0
+    expected = ref.generate(input_ids=ids, attention_mask=mask, max_new_tokens=6, do_sample=False)
+    plan = fixed_plan(cfg, "cpu", "cpu", 0, batch_size=2, input_len=7, output_len=6, cpu_dtype="float32")
+    lm = api.load(copy.deepcopy(ref), plan=plan, accelerator="cpu", gpu_memory_bytes=2**30)
+    assert torch.equal(lm.generate(input_ids=ids, attention_mask=mask, max_new_tokens=6, do_sample=False), expected)
+    emb = lm.model.get_input_embeddings().weight
+    assert cpu_linear.is_blocked(emb) and lm.model.lm_head.weight.data_ptr() == emb.data_ptr()
+    assert torch.equal(cpu_linear.dense(emb), ref.get_input_embeddings().weight)
+    weights = sum(b.nbytes for b in lm.executor.link.live_buffers("host") if not b.tag.startswith("KV"))
+    model_bytes = sum(p.numel() * p.element_size() for p in ref.parameters())  # the tied weight once
+    assert model_bytes <= weights < model_bytes + 64 * len(list(ref.parameters()))  # alignment only

@@ -173,6 +173,34 @@ def _forward(module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     return linear(x, module.weight, module.bias)
 
 
+def pack_embedding(weight: torch.Tensor) -> torch.Tensor:
+    """A tied embedding / LM head weight [vocab, hidden] for the host: blocked where it can be (the
+    head's GEMV then streams like the other linears and the lookup reads rows out of the blocks),
+    else a dense copy (oneDNN's opaque layout cannot be indexed for the lookup)."""
+    with torch.no_grad():
+        w = weight.detach().contiguous()
+        if blockable(w) and blocking_available():
+            return block(w)
+        return w.clone()
+
+
+def embedding_rows(ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``F.embedding(ids, W)`` for W in the blocked layout: row r is ``P[r // 64, :, r % 64]``."""
+    block_cols = weight.shape[2]
+    return weight.permute(0, 2, 1)[torch.div(ids, block_cols, rounding_mode="floor"), ids % block_cols]
+
+
+def _embedding_forward(module: nn.Embedding, ids: torch.Tensor) -> torch.Tensor:
+    if is_blocked(module.weight):
+        return embedding_rows(ids, module.weight)
+    return nn.Embedding.forward(module, ids)
+
+
+def install_embedding(module: nn.Embedding) -> None:
+    """Let ``module`` look rows up in a blocked weight (an instance-level forward)."""
+    module.forward = functools.partial(_embedding_forward, module)
+
+
 def packable(module: nn.Module) -> bool:
     """A plain ``nn.Linear`` (subclasses such as quantised linears keep their own forward)."""
     return type(module) is nn.Linear

@@ -62,15 +62,23 @@ class Executor:
         self.backend = configure(cpu_cores, use_ipex, cpu_linear_kernel)
         pack = self.backend.linear_kernel if self.backend.packs_weights else None
         tied = self._tied_embedding()
-        self.embed = GroupWeights("embedding", None, _params(self.parts.embedding))
+        # a tied embedding is packed too (blocked, so the LM head's GEMV streams like the others)
+        tied_packed = (frozenset({tied}) if tied and pack == cpu_linear.KERNEL_BLOCKED
+                       and self.parts.lm_head.weight.shape[0] % cpu_linear.BLOCK == 0 else frozenset())
+        self.embed = GroupWeights("embedding", None, _params(self.parts.embedding), packed_embeddings=tied_packed)
         prefix = f"{self.parts.stack_prefix}.layers"
         self.layers = [GroupWeights(f"layer {i}", i, _params({f"{prefix}.{i}": layer}), pack_kernel=pack)
                        for i, layer in enumerate(self.parts.layers)]
         self.head = GroupWeights("head", None, _params(self.parts.head),
                                  {"lm_head.weight": (self.embed, tied)} if tied else None, pack_kernel=pack)
         self._packed_linears = [m for g in (*self.layers, self.head) for n, (m, _) in g.params.items() if n in g.packed]
+        if tied_packed:
+            self._packed_linears.append(self.parts.lm_head)
         for m in self._packed_linears:
             cpu_linear.install(m)
+        self._packed_embeddings = [self.embed.params[n][0] for n in tied_packed]
+        for m in self._packed_embeddings:
+            cpu_linear.install_embedding(m)
         covered = {n for g in (self.embed, *self.layers, self.head) for n in g.params}
         missing = [n for n, _ in model.named_parameters() if n not in covered]
         if missing:
@@ -200,7 +208,7 @@ class Executor:
         for h in self._hooks:
             h.remove()
         self._hooks = []
-        for m in self._packed_linears:
+        for m in (*self._packed_linears, *self._packed_embeddings):
             cpu_linear.uninstall(m)
 
     def _before_model(self, module, args, kwargs):

@@ -84,7 +84,8 @@ class GroupWeights:
     """The parameters of one placement unit and the flat buffers that hold them."""
 
     def __init__(self, name: str, layer: int | None, params: dict[str, tuple[nn.Module, str]],
-                 host_aliases: dict[str, tuple["GroupWeights", str]] | None = None, pack_kernel: str | None = None):
+                 host_aliases: dict[str, tuple["GroupWeights", str]] | None = None, pack_kernel: str | None = None,
+                 packed_embeddings: frozenset[str] = frozenset()):
         self.name = name
         self.layer = layer
         self.params = params  # qualified name -> (module, leaf)
@@ -95,6 +96,8 @@ class GroupWeights:
         self.pack_kernel = pack_kernel
         self.packed = frozenset(n for n, (m, leaf) in params.items()
                                 if pack_kernel and leaf == "weight" and cpu_linear.packable(m) and n not in self.host_aliases)
+        # an embedding whose weight the LM head shares: held as cpu_linear.pack_embedding gives it
+        self.packed |= frozenset(packed_embeddings)
         self.shapes = [(n, tuple(m._parameters[leaf].shape)) for n, (m, leaf) in params.items()]
         self.storages: dict[str, Storage] = {}
         self.bound: object = None
@@ -160,7 +163,11 @@ class GroupWeights:
                 for name in self.host_aliases:
                     views[name] = self._alias_view(name)
                 for name in sorted(self.packed):
-                    w = cpu_linear.pack(cpu_linear.dense(src(name)).to(dtype), pack_batch, self.pack_kernel)
+                    w = cpu_linear.dense(src(name)).to(dtype)
+                    if isinstance(self.params[name][0], nn.Embedding):
+                        w = cpu_linear.pack_embedding(w)
+                    else:
+                        w = cpu_linear.pack(w, pack_batch, self.pack_kernel)
                     packed.append(link.adopt(w, HOST_MEMORY, f"{self.name} {name} ({cpu_linear.layout_name(w)})"))
                     views[name] = w
             old = self.storages.get(place)
