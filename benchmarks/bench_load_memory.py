@@ -10,8 +10,9 @@ once after the forward step. Printed: model size on disk, peak RSS, peak RSS abo
 post-import baseline, the ratio flexplan/transformers, and each loader's peak while loading.
 
 flexplan's expected peak is the placed model plus its largest tensor: tensors of flat buffers
-are read straight into them, but a CPU linear's weight is read into a temporary before oneDNN
-reorders it into its packed layout (for this model the untied 262 MB LM head).
+are read straight into them, but a CPU linear's weight is read into a temporary before it is
+reordered into its packed layout, flexplan's blocked one or oneDNN's (for this model the untied
+262 MB LM head).
 
     python benchmarks/bench_load_memory.py
     python benchmarks/bench_load_memory.py --repeats 1
@@ -117,8 +118,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=2, help="subprocess runs per loader (median reported)")
     ap.add_argument("--model", default=None, help="model folder (default: the random Llama, created once)")
     ap.add_argument("--child", choices=LOADERS, help=argparse.SUPPRESS)
-    ap.add_argument("--cpu-linear-kernel", choices=["onednn-packed", "F.linear"], default=None,
-                    help="flexplan's CPU linear kernel (default: onednn-packed where available); results file "
+    ap.add_argument("--cpu-linear-kernel", choices=["flexplan-blocked", "onednn-packed", "F.linear"], default=None,
+                    help="flexplan's CPU linear kernel (default: cpu_linear.default_kernel()); results file "
                          "bench_load_memory_<kernel>.json when given")
     args = ap.parse_args(argv)
     folder = Path(args.model) if args.model else random_llama_dir()

@@ -137,3 +137,31 @@ def test_tied_embedding_and_head_share_one_blocked_weight():
     weights = sum(b.nbytes for b in lm.executor.link.live_buffers("host") if not b.tag.startswith("KV"))
     model_bytes = sum(p.numel() * p.element_size() for p in ref.parameters())  # the tied weight once
     assert model_bytes <= weights < model_bytes + 64 * len(list(ref.parameters()))  # alignment only
+
+
+@needs_native
+def test_blocked_weights_are_not_repacked_for_another_decode_batch():
+    """Only oneDNN's layout depends on the decode batch; with every weight blocked, a plan for
+    another batch class allocates nothing and the tokens stay the same."""
+    import transformers
+
+    import flexplan.api as api
+    from flexplan.executor.plans import fixed_plan
+
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                                   num_key_value_heads=4, vocab_size=192, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    ref = transformers.LlamaForCausalLM(cfg).eval()
+    ids = torch.randint(3, 192, (1, 7))
+    expected = ref.generate(input_ids=ids, max_new_tokens=5, do_sample=False)
+    kw = dict(input_len=7, output_len=5, cpu_dtype="float32")
+    import copy
+
+    lm = api.load(copy.deepcopy(ref), plan=fixed_plan(cfg, "cpu", "cpu", 0, batch_size=1, **kw), accelerator="cpu",
+                  gpu_memory_bytes=2**30, cpu_linear_kernel=cpu_linear.KERNEL_BLOCKED)
+    linears = [m for m in lm.model.modules() if type(m) is torch.nn.Linear]
+    assert linears and all(cpu_linear.is_blocked(m.weight) for m in linears)
+    n = sum(lm.executor.link.allocations.values())
+    lm.executor.place(fixed_plan(cfg, "cpu", "cpu", 0, batch_size=3, **kw))
+    assert sum(lm.executor.link.allocations.values()) == n
+    assert torch.equal(lm.generate(input_ids=ids, max_new_tokens=5, do_sample=False), expected)

@@ -35,6 +35,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from flexplan.executor import native
+
 KERNEL_BLOCKED = "flexplan-blocked"
 KERNEL_PACKED = "onednn-packed"
 KERNEL_PLAIN = "F.linear"
@@ -57,8 +59,6 @@ def packing_available() -> bool:
 
 def blocking_available() -> bool:
     """Whether flexplan's native GEMV compiled and passed its check here (``native``)."""
-    from flexplan.executor import native
-
     return native.available()
 
 
@@ -73,8 +73,6 @@ def kernel_unavailable(kernel: str) -> str | None:
     if kernel not in KERNELS:
         return f"unknown CPU linear kernel {kernel!r}; use one of {', '.join(KERNELS)}"
     if kernel == KERNEL_BLOCKED and not blocking_available():
-        from flexplan.executor import native
-
         return f"{native.status()[1]}; use linear_kernel='{KERNEL_PACKED}' or '{KERNEL_PLAIN}'"
     if kernel == KERNEL_PACKED and not packing_available():
         return f"this torch build has no oneDNN prepacked linear; use linear_kernel='{KERNEL_PLAIN}'"
@@ -145,8 +143,6 @@ def packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
 def blocked_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear`` on a blocked weight with the native kernel (float32 ``x``, any token count:
     decode GEMVs and prefill GEMMs alike); ``torch.matmul`` on the blocks for anything else."""
-    from flexplan.executor import native
-
     n_blocks, k, block_cols = weight.shape
     out = n_blocks * block_cols
     x2 = x.reshape(-1, k)

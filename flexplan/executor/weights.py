@@ -139,13 +139,13 @@ class GroupWeights:
     def ensure(self, places: dict[str, torch.dtype], link: Link, source: Callable[[str], torch.Tensor] | None,
                pack_batch: int | None = None) -> None:
         """Allocate and fill the storages in ``places`` that are missing (or of another dtype, or
-        packed for another batch hint), then free the ones no longer needed. ``source(name)``
-        gives each tensor's data."""
+        holding oneDNN-packed weights for another batch hint; blocked weights do not depend on
+        it), then free the ones no longer needed. ``source(name)`` gives each tensor's data."""
         src = source if source is not None else self.source_from_storages()
         for place, dtype in places.items():
             cur = self.storages.get(place)
             if (cur is not None and cur.layout.dtype == dtype
-                    and not (cur.packed and cur.pack_batch != pack_batch)):
+                    and not (cur.pack_batch != pack_batch and any(b.tensor.is_mkldnn for b in cur.packed))):
                 continue
             layout = self.layout(place, dtype)
             buf = link.alloc(max(layout.nbytes, 1), place, f"{self.name} weights ({place}, {str(dtype)[6:]})")
