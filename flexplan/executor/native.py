@@ -1,6 +1,9 @@
-"""flexplan's native CPU GEMV (``native_gemv.c``): compiled on first use, cached, checked, optional.
+"""flexplan's native CPU kernels: compiled on first use, cached, checked, optional.
 
-The C source ships inside the package. The first process that needs it compiles it with the
+Two libraries, each from one C file shipped inside the package: the blocked GEMV
+(``native_gemv.c``, :func:`status`) and the fused decode-step ops (``native_decode.c``:
+RMSNorm, rotary embedding, one-query attention; :func:`decode_status`). The first process that
+needs one compiles it with the
 system C compiler (``$CC``, else ``cc``/``gcc``) for this CPU (``-O3 -march=native -fopenmp``,
 under a second) into the user cache (``<cache>/native/``), keyed by a hash of the source, the
 compiler's version and the CPU's flags; the library is written under a temporary name and renamed,
@@ -9,7 +12,8 @@ step at ``pip install``) and checked against ``F.linear`` before first use.
 
 When anything fails (no compiler, no OpenMP, not Linux/x86, a failed check, or
 ``FLEXPLAN_NATIVE=0``), :func:`status` says why and the CPU executor falls back to oneDNN's packed
-weights: the native kernel is an accelerator, never a requirement.
+weights (and the decoder layers keep transformers' own ops): the native kernels are an
+accelerator, never a requirement.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from pathlib import Path
 import torch
 
 SOURCE = Path(__file__).with_name("native_gemv.c")
+DECODE_SOURCES = (SOURCE, Path(__file__).with_name("native_decode.c"))  # the fused layer calls the GEMV
 CFLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11")
 DISABLE_ENV = "FLEXPLAN_NATIVE"
 
@@ -56,6 +61,89 @@ class NativeGemv:
         return y
 
 
+class LayerWeights(ctypes.Structure):
+    """``flexplan_layer`` of native_decode.c: one decoder layer's weights (blocked) and sizes."""
+
+    _fields_ = ([(n, ctypes.c_void_p) for n in ("ln1", "ln2", "wq", "wk", "wv", "wo", "bq", "bk", "bv", "bo",
+                                                "wg", "wu", "wd", "bg", "bu", "bd")]
+                + [(n, ctypes.c_int64) for n in ("hidden", "inter", "hq", "hk", "d")]
+                + [(n, ctypes.c_float) for n in ("eps1", "eps2", "scale")])
+
+
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+class NativeDecode:
+    """The loaded fused decode ops (``native_decode.c``), float32 CPU tensors only."""
+
+    def __init__(self, lib: ctypes.CDLL, path: Path):
+        self.path = path
+        i64, ptr, f32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
+        self._rmsnorm = lib.flexplan_rmsnorm_f32
+        self._rmsnorm.argtypes = [ptr, ptr, ptr, i64, i64, f32]
+        self._rmsnorm.restype = None
+        self._rope = lib.flexplan_rope_f32
+        self._rope.argtypes = [ptr, ptr, ptr, i64, i64, i64]
+        self._rope.restype = None
+        self._attention = lib.flexplan_decode_attention_f32
+        self._attention.argtypes = [ptr] * 5 + [i64] * 8 + [f32]
+        self._attention.restype = ctypes.c_int
+        self._pre = lib.flexplan_layer_pre_attention_f32
+        self._pre.argtypes = [ctypes.POINTER(LayerWeights)] + [ptr] * 3 + [i64] + [ptr] * 4
+        self._pre.restype = None
+        self._post = lib.flexplan_layer_post_attention_f32
+        self._post.argtypes = [ctypes.POINTER(LayerWeights)] + [ptr] * 6 + [i64] * 5 + [ptr] * 5
+        self._post.restype = ctypes.c_int
+        self._lib = lib
+
+    def rmsnorm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """``weight * x / sqrt(mean(x**2, -1) + eps)`` for a contiguous x [..., n] and weight [n]."""
+        n = x.shape[-1]
+        y = torch.empty_like(x)
+        self._rmsnorm(x.data_ptr(), weight.data_ptr(), y.data_ptr(), x.numel() // n, n, eps)
+        return y
+
+    def rope_(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+        """Rotary embedding in place on x [tokens, heads, d] (contiguous) with cos/sin [tokens, d]."""
+        tokens, heads, d = x.shape
+        self._rope(x.data_ptr(), cos.data_ptr(), sin.data_ptr(), tokens, heads, d)
+
+    def decode_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+                         scale: float) -> torch.Tensor:
+        """softmax(q k^T * scale) v for one query per sequence: q [b, hq, d] contiguous; k, v
+        [b, hk, T, d] views with the same strides and the last dimension contiguous; mask [b, T]
+        bool (True = attend, contiguous) or None. Returns [b, hq, d]."""
+        b, hq, d = q.shape
+        hk, t = k.shape[1], k.shape[2]
+        out = torch.empty_like(q)
+        rc = self._attention(q.data_ptr(), k.data_ptr(), v.data_ptr(), None if mask is None else mask.data_ptr(),
+                             out.data_ptr(), b, hq, hk, t, d, k.stride(0), k.stride(1), k.stride(2), scale)
+        if rc != 0:
+            raise MemoryError(f"native decode attention could not allocate scores for {t} keys")
+        return out
+
+    def layer_pre_attention(self, lw: LayerWeights, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                            xn: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """RMSNorm, q/k/v GEMVs and rotary embedding of x [batch, hidden] into q [batch, hq*d] and
+        k, v [batch, hk*d] (xn: scratch [batch, hidden]); cos/sin [batch, d]."""
+        self._pre(ctypes.byref(lw), x.data_ptr(), cos.data_ptr(), sin.data_ptr(), x.shape[0], xn.data_ptr(),
+                  q.data_ptr(), k.data_ptr(), v.data_ptr())
+
+    def layer_post_attention(self, lw: LayerWeights, x: torch.Tensor, y: torch.Tensor, q: torch.Tensor,
+                             keys: torch.Tensor | None, values: torch.Tensor | None, mask: torch.Tensor | None,
+                             scratch: dict[str, torch.Tensor]) -> None:
+        """y [batch, hidden] = the layer's output for input x: attention of q over keys/values
+        (as :meth:`decode_attention`; with keys None, ``scratch["attn"]`` already holds it), o GEMV +
+        residual, RMSNorm, SiLU MLP + residual."""
+        t, strides = (0, (0, 0, 0)) if keys is None else (keys.shape[2], keys.stride()[:3])
+        rc = self._post(ctypes.byref(lw), x.data_ptr(), y.data_ptr(), q.data_ptr(), _ptr(keys), _ptr(values),
+                        _ptr(mask), t, *strides, x.shape[0], scratch["attn"].data_ptr(), scratch["tmp"].data_ptr(),
+                        scratch["xn"].data_ptr(), scratch["g"].data_ptr(), scratch["u"].data_ptr())
+        if rc != 0:
+            raise MemoryError(f"native decode attention could not allocate scores for {t} keys")
+
+
 def _cache_root() -> Path:
     from flexplan.smollm import cache_dir
 
@@ -79,12 +167,12 @@ def _compiler() -> str | None:
     return None
 
 
-def _compile(cc: str, target: Path) -> None:
+def _compile(cc: str, target: Path, sources: tuple[Path, ...] = (SOURCE,)) -> None:
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=target.name + ".", suffix=".tmp", dir=target.parent)
     os.close(fd)
     try:
-        r = subprocess.run([cc, *CFLAGS, str(SOURCE), "-o", tmp], capture_output=True, text=True, timeout=120)
+        r = subprocess.run([cc, *CFLAGS, *map(str, sources), "-o", tmp], capture_output=True, text=True, timeout=120)
         if r.returncode != 0:
             raise RuntimeError(f"{cc} failed: {(r.stderr or r.stdout).strip()[-400:]}")
         os.replace(tmp, target)
@@ -109,28 +197,85 @@ def _self_check(native: NativeGemv) -> None:
             raise RuntimeError(f"self-check failed: relative error {err:.2e} at out={out} in={k} batch={batch}")
 
 
+def _unavailable() -> str | None:
+    """Why no native library can be built here at all, or None."""
+    if os.environ.get(DISABLE_ENV, "1").strip().lower() in ("0", "false", "no", "off"):
+        return f"disabled by {DISABLE_ENV}=0"
+    if platform.system() != "Linux" or platform.machine().lower() not in ("x86_64", "amd64"):
+        return f"native kernels are built for Linux x86-64 only (this is {platform.system()} {platform.machine()})"
+    return None
+
+
+def _library(stem: str, sources: tuple[Path, ...], cc: str) -> Path:
+    """The library compiled from ``sources``, from the cache (compiled now when it is not there)."""
+    version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
+    key = hashlib.sha256(b"".join(p.read_bytes() for p in sources) + version.encode() + _cpu_flags().encode()
+                         + " ".join(CFLAGS).encode()).hexdigest()[:16]
+    target = _cache_root() / f"{stem}-{key}.so"
+    if not target.exists():
+        _compile(cc, target, sources)
+    return target
+
+
+def _decode_self_check(ops: NativeDecode) -> None:
+    """Each fused op against its PyTorch formula (transformers' RMSNorm, rotate_half, SDPA with
+    grouped heads and a padding mask) on a strided cache view; raises if one is off."""
+    g = torch.Generator().manual_seed(0)
+    x, w = torch.randn(3, 40, generator=g), torch.randn(40, generator=g)
+    ref = w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5))
+    errs = {"rmsnorm": (ops.rmsnorm(x, w, 1e-5) - ref).abs().max() / ref.abs().max()}
+    q, cos, sin = torch.randn(2, 4, 8, generator=g), torch.randn(2, 8, generator=g), torch.randn(2, 8, generator=g)
+    rot = torch.cat((-q[..., 4:], q[..., :4]), -1)
+    ref = q * cos[:, None] + rot * sin[:, None]
+    ops.rope_(q, cos, sin)
+    errs["rope"] = (q - ref).abs().max() / ref.abs().max()
+    cache = torch.randn(2, 2, 2, 11, 8, generator=g)  # [k/v, b, hk, capacity, d]: keys are the first 9
+    k, v = cache[0, :, :, :9], cache[1, :, :, :9]
+    q = torch.randn(2, 4, 8, generator=g)
+    mask = torch.ones(2, 9, dtype=torch.bool)
+    mask[1, :3] = False
+    ref = torch.nn.functional.scaled_dot_product_attention(
+        q[:, :, None], k.repeat_interleave(2, 1), v.repeat_interleave(2, 1), attn_mask=mask[:, None, None], scale=0.3)
+    errs["attention"] = (ops.decode_attention(q, k, v, mask, 0.3) - ref[:, :, 0]).abs().max() / ref.abs().max()
+    bad = {name: float(e) for name, e in errs.items() if not float(e) < 1e-5}
+    if bad:
+        raise RuntimeError(f"self-check failed: relative error {bad}")
+
+
 @functools.lru_cache(maxsize=None)
 def status() -> tuple[NativeGemv | None, str]:
     """(the checked native GEMV or None, a one-line reason)."""
-    if os.environ.get(DISABLE_ENV, "1").strip().lower() in ("0", "false", "no", "off"):
-        return None, f"disabled by {DISABLE_ENV}=0"
-    if platform.system() != "Linux" or platform.machine().lower() not in ("x86_64", "amd64"):
-        return None, f"native GEMV is built for Linux x86-64 only (this is {platform.system()} {platform.machine()})"
+    why = _unavailable()
+    if why:
+        return None, why.replace("native kernels are", "native GEMV is")
     cc = _compiler()
     if cc is None:
         return None, "no C compiler found (set CC, or install gcc)"
     try:
-        version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
-        key = hashlib.sha256(SOURCE.read_bytes() + version.encode() + _cpu_flags().encode()
-                             + " ".join(CFLAGS).encode()).hexdigest()[:16]
-        target = _cache_root() / f"gemv-{key}.so"
-        if not target.exists():
-            _compile(cc, target)
+        target = _library("gemv", (SOURCE,), cc)
         native = NativeGemv(ctypes.CDLL(str(target)), target)
         _self_check(native)
     except Exception as e:  # noqa: BLE001 - any failure means: no native kernel, with the reason
         return None, f"native GEMV unavailable: {type(e).__name__}: {e}"
     return native, f"native GEMV ({native.isa}) from {target}"
+
+
+@functools.lru_cache(maxsize=None)
+def decode_status() -> tuple[NativeDecode | None, str]:
+    """(the checked fused decode ops or None, a one-line reason)."""
+    why = _unavailable()
+    if why:
+        return None, why
+    cc = _compiler()
+    if cc is None:
+        return None, "no C compiler found (set CC, or install gcc)"
+    try:
+        target = _library("decode", DECODE_SOURCES, cc)
+        ops = NativeDecode(ctypes.CDLL(str(target)), target)
+        _decode_self_check(ops)
+    except Exception as e:  # noqa: BLE001 - any failure means: transformers' own ops, with the reason
+        return None, f"native decode ops unavailable: {type(e).__name__}: {e}"
+    return ops, f"native decode ops from {target}"
 
 
 def available() -> bool:

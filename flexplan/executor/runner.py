@@ -20,7 +20,7 @@ import time
 import torch
 from torch import nn
 
-from flexplan.executor import cpu_linear
+from flexplan.executor import cpu_decode, cpu_linear
 from flexplan.executor.cpu_backend import configure
 from flexplan.executor.families import decoder_parts
 from flexplan.executor.kv_cache import FlexCache, FlexKVLayer, KVPool, kv_bytes
@@ -79,6 +79,10 @@ class Executor:
         self._packed_embeddings = [self.embed.params[n][0] for n in tied_packed]
         for m in self._packed_embeddings:
             cpu_linear.install_embedding(m)
+        self._fused = (cpu_decode.install(self.parts.layers, list(self.parts.head.values()))
+                       if cpu_decode.fusable_family(self.parts.family) and self.backend.ipex is None else [])
+        self.cpu_decode_ops = (cpu_decode.describe() if self._fused else
+                               f"transformers' ops ({'IPEX' if self.backend.ipex is not None else self.parts.family})")
         covered = {n for g in (self.embed, *self.layers, self.head) for n in g.params}
         missing = [n for n, _ in model.named_parameters() if n not in covered]
         if missing:
@@ -210,6 +214,8 @@ class Executor:
         self._hooks = []
         for m in (*self._packed_linears, *self._packed_embeddings):
             cpu_linear.uninstall(m)
+        cpu_decode.uninstall(self._fused)
+        self._fused = []
 
     def _before_model(self, module, args, kwargs):
         self._t_top = time.perf_counter()
@@ -324,7 +330,7 @@ class Executor:
             hidden, rest = kwargs.pop("hidden_states"), ()
         hidden = st.hidden_to(self.link, hidden, on_acc, dtype, i)
         kwargs = {k: (v if k == "past_key_values" else st.aux_to(self.link, v, on_acc, dtype)) for k, v in kwargs.items()}
-        if (not on_acc and st.query_len == 1 and kwargs.get("attention_mask", 0) is None
+        if (not on_acc and st.query_len == 1 and kwargs.get("attention_mask", 0) is None and not self._fused
                 and getattr(self.model.config, "_attn_implementation", None) == "sdpa"):
             kwargs["attention_mask"] = st.cpu_decode_mask()
         if not args:

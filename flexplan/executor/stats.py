@@ -69,6 +69,7 @@ class RunStats:
     cpu_backend_why: str
     cpu_threads: int
     cpu_linear_kernel: str  # cpu_linear.KERNELS: "flexplan-blocked", "onednn-packed" or "F.linear"
+    cpu_decode_ops: str  # cpu_decode.describe(): native fused norm/rotary/attention, or transformers' ops
     batch_size: int
     input_len: int
     new_tokens: int
@@ -104,7 +105,7 @@ class RunStats:
 
         lines = [
             f"plan: {self.placement} on {self.accelerator}; CPU: {self.cpu_backend} ({self.cpu_backend_why}), "
-            f"{self.cpu_threads} threads, linears via {self.cpu_linear_kernel}",
+            f"{self.cpu_threads} threads, linears via {self.cpu_linear_kernel}, {self.cpu_decode_ops}",
             f"TTFT {self.ttft_s * 1e3:.2f} ms (predicted {pred(self.predicted_ttft_s)}), "
             f"TPOT {self.tpot_s * 1e3:.2f} ms (predicted {pred(self.predicted_tpot_s)}), "
             f"E2E {self.e2e_s:.3f} s for {self.new_tokens} new tokens x batch {self.batch_size}",
@@ -141,7 +142,8 @@ def collect(executor, t_start_s: float, t_end_s: float, batch: int, input_len: i
     return RunStats(
         plan=plan, placement=executor.placement.describe(), accelerator=link.name if executor.placement.uses_accelerator
         else "none", cpu_backend=executor.backend.name, cpu_backend_why=executor.backend.why,
-        cpu_threads=executor.backend.threads, cpu_linear_kernel=executor.backend.linear_kernel, batch_size=batch,
+        cpu_threads=executor.backend.threads, cpu_linear_kernel=executor.backend.linear_kernel,
+        cpu_decode_ops=executor.cpu_decode_ops, batch_size=batch,
         input_len=input_len, new_tokens=new_tokens, ttft_s=ttft, tpot_s=tpot, e2e_s=e2e,
         predicted_ttft_s=plan.ttft_s, predicted_tpot_s=plan.tpot_s, prefill=phases["prefill"],
         decode=phases["decode"], h2d_bytes=link.bytes_moved(H2D), d2h_bytes=link.bytes_moved(D2H),

@@ -1,0 +1,210 @@
+"""Fused CPU forwards for Llama-style decoder layers: RMSNorm, and a decode step's attention.
+
+A decode step at batch 1 reads every weight once; what it does besides the GEMVs is a few dozen
+small PyTorch ops per layer, each a dispatch plus a thread-pool wake-up: RMSNorm is 7 ops,
+rotary embedding 14, SDPA's CPU kernel ~150 us for 160 keys. On the development machine they
+cost ~5 ms of a ~40 ms step of a 2 GB model. Here they are replaced, per module instance, by
+flexplan's native ops (``native_decode.c``, through :func:`flexplan.executor.native.decode_status`):
+
+- every ``*RMSNorm`` of the model (decoder layers and final norm): one call;
+- the attention module of a decoder layer, for a decode step (one query position per
+  sequence): q/k/v projections (the installed linears), rotary embedding in place, the cache
+  update (the cache's own ``update``), one-query grouped-head attention reading the cache's
+  view through its strides, the output projection.
+
+Covered: float32 tensors on the CPU, the families in :data:`FUSED_FAMILIES` (same attention
+block), no attention weights requested, a boolean padding mask or none. Anything else (another
+device or dtype: a layer on the accelerator; prefill; a float mask; ``FLEXPLAN_NATIVE=0``) runs
+transformers' own forward, so the instance-level forward never changes what is computed, only
+how. The class and other instances are untouched; :func:`uninstall` removes it.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from torch import nn
+
+from flexplan.executor import native
+
+FUSED_FAMILIES = ("llama", "mistral", "qwen2")  # LlamaAttention's structure (Mistral/Qwen2 differ only in the mask)
+
+
+def _cpu_f32(*tensors: torch.Tensor) -> bool:
+    return all(t.device.type == "cpu" and t.dtype == torch.float32 for t in tensors)
+
+
+def _rmsnorm_forward(module: nn.Module, ops: native.NativeDecode, hidden_states: torch.Tensor) -> torch.Tensor:
+    if _cpu_f32(hidden_states, module.weight) and hidden_states.is_contiguous():
+        return ops.rmsnorm(hidden_states, module.weight, float(module.variance_epsilon))
+    return type(module).forward(module, hidden_states)
+
+
+def _padding_mask(mask: torch.Tensor | None, batch: int, keys: int) -> tuple[bool, torch.Tensor | None]:
+    """(usable, a [batch, keys] bool mask or None) from what the layer was given."""
+    if mask is None:
+        return True, None
+    if mask.dtype != torch.bool or mask.dim() != 4 or mask.shape[1] != 1 or mask.shape[2] != 1:
+        return False, None
+    m = mask[:, 0, 0, :]
+    if m.shape[-1] != keys or m.shape[0] not in (1, batch) or m.device.type != "cpu":
+        return False, None
+    return True, m.expand(batch, keys).contiguous()
+
+
+def _attention_forward(module: nn.Module, ops: native.NativeDecode, *args, **kwargs):
+    hidden = args[0] if args else kwargs.get("hidden_states")
+    pe, mask, cache = kwargs.get("position_embeddings"), kwargs.get("attention_mask"), kwargs.get("past_key_values")
+    fusable = (len(args) <= 1 and hidden is not None and hidden.dim() == 3 and hidden.shape[1] == 1
+               and cache is not None and pe is not None and not module.training
+               and not kwargs.get("output_attentions") and _cpu_f32(hidden, *pe))
+    d = module.head_dim
+    if fusable:
+        b = hidden.shape[0]
+        cos, sin = pe
+        fusable = cos.shape[-1] == d and cos.numel() == b * d and sin.shape == cos.shape
+    if not fusable:
+        return type(module).forward(module, *args, **kwargs)
+    q, k, v = module.q_proj(hidden), module.k_proj(hidden), module.v_proj(hidden)
+    hq, hk = q.shape[-1] // d, k.shape[-1] // d
+    q, k = q.contiguous().view(b, hq, d), k.contiguous().view(b, hk, d)
+    cos, sin = cos.reshape(b, d).contiguous(), sin.reshape(b, d).contiguous()
+    ops.rope_(q, cos, sin)
+    ops.rope_(k, cos, sin)
+    keys, values = cache.update(k.view(b, 1, hk, d).transpose(1, 2), v.view(b, 1, hk, d).transpose(1, 2),
+                                module.layer_idx)
+    usable, m = _padding_mask(mask, b, keys.shape[2])
+    if usable and _cpu_f32(keys, values) and keys.stride() == values.stride() and keys.stride(-1) == 1:
+        out = ops.decode_attention(q, keys, values, m, float(module.scaling))
+    else:  # the cache or mask is not one the native op reads: PyTorch's SDPA on the same tensors
+        out = torch.nn.functional.scaled_dot_product_attention(
+            q.view(b, hq, 1, d), keys, values, attn_mask=mask, scale=module.scaling, enable_gqa=hq != hk)
+    return module.o_proj(out.reshape(b, 1, hq * d)), None
+
+
+_SILU = ("SiLU", "SiLUActivation")
+
+
+def _blocked(*linears: nn.Module) -> bool:
+    return all(m.weight.dim() == 3 and _cpu_f32(m.weight) and (m.bias is None or _cpu_f32(m.bias)) for m in linears)
+
+
+class FusedLayer:
+    """A whole decoder layer for one decode step in two native calls around the cache update
+    (``flexplan_layer_pre/post_attention_f32``), when its linears are blocked for the native GEMV.
+    Any other call goes to :func:`_attention_forward` / :func:`_rmsnorm_forward` through
+    transformers' layer forward."""
+
+    def __init__(self, layer: nn.Module, ops: native.NativeDecode):
+        self.layer, self.ops = layer, ops
+        a, m = layer.self_attn, layer.mlp
+        self.attn, self.head_dim, self.layer_idx = a, a.head_dim, a.layer_idx
+        self.norms = (layer.input_layernorm, layer.post_attention_layernorm)
+        self.linears = (a.q_proj, a.k_proj, a.v_proj, a.o_proj, m.gate_proj, m.up_proj, m.down_proj)
+        self.silu = type(m.act_fn).__name__ in _SILU
+        self.weights = native.LayerWeights()
+        self._bound: tuple = ()  # (address, shape, dtype, device) of the tensors the struct points at
+        self._ok = False
+        self.scratch: dict[str, torch.Tensor] = {}
+
+    def _fill(self) -> bool:
+        """Point the weight struct at the layer's current tensors (again only when the executor has
+        rebound them); False when they are not all blocked float32 on the CPU (another kernel, or
+        a layer on the accelerator)."""
+        tensors = tuple(t for lin in self.linears for t in (lin._parameters["weight"], lin._parameters["bias"])) \
+            + tuple(n._parameters["weight"] for n in self.norms)
+        # the executor rebinds a Parameter's .data in place: compare where the data is, not the object
+        bound = tuple(None if t is None else (id(t) if t.is_mkldnn else t.data_ptr(), t.shape, t.dtype, t.device)
+                      for t in tensors)
+        if bound == self._bound:
+            return self._ok
+        self._bound = bound
+        self._ok = (self.silu and _blocked(*self.linears) and _cpu_f32(*(n.weight for n in self.norms))
+                    and all(hasattr(n, "variance_epsilon") for n in self.norms))
+        if not self._ok:
+            return False
+        w, a, d = self.weights, self.attn, self.head_dim
+        (w.ln1, w.ln2), (w.eps1, w.eps2) = (n.weight.data_ptr() for n in self.norms), \
+            (float(n.variance_epsilon) for n in self.norms)
+        for name, lin in zip("qkvogud", self.linears):
+            setattr(w, "w" + name, lin.weight.data_ptr())
+            setattr(w, "b" + name, None if lin.bias is None else lin.bias.data_ptr())
+        q, k, o, down = (lin.weight.shape for lin in (a.q_proj, a.k_proj, a.o_proj, self.linears[-1]))
+        w.hidden, w.inter, w.hq, w.hk, w.d = o[0] * o[2], down[1], q[0] * q[2] // d, k[0] * k[2] // d, d
+        w.scale = float(a.scaling)
+        return True
+
+    def _buffers(self, batch: int) -> dict[str, torch.Tensor]:
+        w = self.weights
+        if not self.scratch or self.scratch["xn"].shape[0] != batch:
+            sizes = dict(xn=w.hidden, tmp=w.hidden, q=w.hq * w.d, attn=w.hq * w.d, k=w.hk * w.d, v=w.hk * w.d,
+                         g=w.inter, u=w.inter)
+            self.scratch = {n: torch.empty(batch, size) for n, size in sizes.items()}
+        return self.scratch
+
+    def __call__(self, *args, **kwargs):
+        layer = self.layer
+        hidden = args[0] if args else kwargs.get("hidden_states")
+        pe, mask, cache = kwargs.get("position_embeddings"), kwargs.get("attention_mask"), kwargs.get("past_key_values")
+        if not (len(args) <= 1 and hidden is not None and hidden.dim() == 3 and hidden.shape[1] == 1
+                and cache is not None and pe is not None and not layer.training
+                and not kwargs.get("output_attentions") and _cpu_f32(hidden, *pe)
+                and pe[0].shape[-1] == self.head_dim and pe[0].numel() == hidden.shape[0] * self.head_dim
+                and self._fill()):
+            return type(layer).forward(layer, *args, **kwargs)
+        w, b = self.weights, hidden.shape[0]
+        s = self._buffers(b)
+        x = hidden.reshape(b, w.hidden).contiguous()
+        cos, sin = (t.reshape(b, w.d).contiguous() for t in pe)
+        self.ops.layer_pre_attention(w, x, cos, sin, s["xn"], s["q"], s["k"], s["v"])
+        k4, v4 = (s[n].view(b, 1, w.hk, w.d).transpose(1, 2) for n in ("k", "v"))
+        keys, values = cache.update(k4, v4, self.layer_idx)
+        usable, m = _padding_mask(mask, b, keys.shape[2])
+        if not (usable and _cpu_f32(keys, values) and keys.stride() == values.stride() and keys.stride(-1) == 1):
+            s["attn"].copy_(torch.nn.functional.scaled_dot_product_attention(
+                s["q"].view(b, w.hq, 1, w.d), keys, values, attn_mask=mask, scale=w.scale,
+                enable_gqa=w.hq != w.hk).reshape(b, -1))
+            keys = values = m = None
+        y = torch.empty(b, 1, w.hidden)
+        self.ops.layer_post_attention(w, x, y, s["q"], keys, values, m, s)
+        return y
+
+
+def fusable_family(family: str) -> bool:
+    return family in FUSED_FAMILIES
+
+
+def install(layers: nn.ModuleList, norms: list[nn.Module]) -> list[nn.Module]:
+    """Give each decoder layer's attention block and every RMSNorm in ``layers`` and ``norms`` the
+    fused forward; the modules changed (for :func:`uninstall`). Nothing when the native ops are
+    unavailable."""
+    ops = native.decode_status()[0]
+    if ops is None:
+        return []
+    changed = []
+    for layer in layers:
+        if all(hasattr(layer, a) for a in ("self_attn", "mlp", "input_layernorm", "post_attention_layernorm")):
+            layer.forward = FusedLayer(layer, ops)
+            changed.append(layer)
+    for module in [m for layer in layers for m in layer.modules()] + list(norms):
+        if type(module).__name__.endswith("RMSNorm") and hasattr(module, "variance_epsilon"):
+            module.forward = functools.partial(_rmsnorm_forward, module, ops)
+        elif all(hasattr(module, a) for a in ("q_proj", "k_proj", "v_proj", "o_proj", "head_dim", "scaling",
+                                               "layer_idx")):
+            module.forward = functools.partial(_attention_forward, module, ops)
+        else:
+            continue
+        changed.append(module)
+    return changed
+
+
+def uninstall(modules: list[nn.Module]) -> None:
+    for m in modules:
+        m.__dict__.pop("forward", None)
+
+
+def describe() -> str:
+    """What the CPU's decoder layers run besides the linears (for run statistics)."""
+    ops, why = native.decode_status()
+    return "native fused RMSNorm, rotary, decode attention" if ops is not None else f"transformers' ops ({why})"

@@ -1,0 +1,132 @@
+"""flexplan's fused CPU decode ops (native_decode.c, flexplan/executor/cpu_decode.py) against PyTorch and transformers."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from flexplan.executor import cpu_decode, native
+
+needs_decode = pytest.mark.skipif(native.decode_status()[0] is None, reason=f"{native.decode_status()[1]}")
+
+
+def _rel(a: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((a.double() - ref.double()).abs().max() / ref.double().abs().max())
+
+
+@needs_decode
+@pytest.mark.parametrize("rows,n", [(1, 64), (3, 40), (9, 576)])
+def test_rmsnorm_matches_llama_formula(rows, n):
+    ops = native.decode_status()[0]
+    g = torch.Generator().manual_seed(n)
+    x, w = torch.randn(rows, n, generator=g), torch.randn(n, generator=g)
+    ref = w.double() * (x.double() * torch.rsqrt(x.double().pow(2).mean(-1, keepdim=True) + 1e-6))
+    assert _rel(ops.rmsnorm(x, w, 1e-6), ref) < 1e-6
+
+
+@needs_decode
+@pytest.mark.parametrize("d", [8, 64, 80])
+def test_rope_matches_rotate_half(d):
+    ops = native.decode_status()[0]
+    g = torch.Generator().manual_seed(d)
+    x, cos, sin = torch.randn(3, 5, d, generator=g), torch.randn(3, d, generator=g), torch.randn(3, d, generator=g)
+    rot = torch.cat((-x[..., d // 2:], x[..., :d // 2]), -1)
+    ref = x * cos[:, None] + rot * sin[:, None]
+    ops.rope_(x, cos, sin)
+    assert _rel(x, ref) < 1e-6
+
+
+@needs_decode
+@pytest.mark.parametrize("keys", [1, 31, 32, 33, 100])
+@pytest.mark.parametrize("d,hq,hk", [(64, 8, 2), (24, 4, 4), (128, 4, 1)])
+def test_decode_attention_matches_sdpa_on_a_strided_cache(keys, d, hq, hk):
+    """One query per sequence, grouped heads, a padding mask, keys read through the strides of a
+    [capacity, batch, heads, d] cache view (flexplan's KV layout) across chunk boundaries."""
+    ops = native.decode_status()[0]
+    g = torch.Generator().manual_seed(keys * d)
+    b, cap = 3, keys + 5
+    kbuf, vbuf = torch.randn(cap, b, hk, d, generator=g), torch.randn(cap, b, hk, d, generator=g)
+    k, v = kbuf[:keys].permute(1, 2, 0, 3), vbuf[:keys].permute(1, 2, 0, 3)
+    q = torch.randn(b, hq, d, generator=g)
+    mask = torch.ones(b, keys, dtype=torch.bool)
+    mask[1, : keys // 2] = False  # a left-padded row
+    ref = F.scaled_dot_product_attention(q[:, :, None].double(), k.double(), v.double(),
+                                         attn_mask=mask[:, None, None], scale=0.2, enable_gqa=hq != hk)[:, :, 0]
+    assert _rel(ops.decode_attention(q, k, v, mask, 0.2), ref) < 1e-5
+    ref = F.scaled_dot_product_attention(q[:, :, None].double(), k.double(), v.double(), scale=0.2,
+                                         enable_gqa=hq != hk)[:, :, 0]
+    assert _rel(ops.decode_attention(q, k, v, None, 0.2), ref) < 1e-5
+
+
+@needs_decode
+def test_fully_masked_row_gives_zeros_not_nan():
+    ops = native.decode_status()[0]
+    k = v = torch.randn(1, 1, 40, 16)
+    out = ops.decode_attention(torch.randn(1, 2, 16), k, v, torch.zeros(1, 40, dtype=torch.bool), 0.25)
+    assert torch.equal(out, torch.zeros_like(out))
+
+
+def _wide_model(family: str):
+    """Widths the blocked kernel takes (every linear's out a multiple of 64), head_dim 64."""
+    import transformers
+
+    cfg = dict(vocab_size=192, hidden_size=256, intermediate_size=320, num_hidden_layers=2, num_attention_heads=4,
+               num_key_value_heads=2, max_position_embeddings=128, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    config = (transformers.Qwen2Config(**cfg) if family == "qwen2" else transformers.LlamaConfig(**cfg))
+    torch.manual_seed(3)
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.mul_(4.0)
+            elif p.dim() == 1 and family == "qwen2":
+                p.add_(0.1 * torch.randn_like(p))  # biases that matter
+    return model
+
+
+@needs_decode
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_fused_layer_runs_decode_and_matches_transformers(family, one_thread, monkeypatch):
+    """The whole-layer fused path runs every decode step of every layer (counted), and greedy
+    tokens of a left-padded batch equal transformers' own; logits agree to float32 precision."""
+    import copy
+
+    from conftest import left_padded_batch
+
+    from flexplan import api
+
+    if not native.available():
+        pytest.skip(native.status()[1])
+    ref = _wide_model(family)
+    calls = []
+    ops = native.decode_status()[0]
+    post = ops.layer_post_attention
+    monkeypatch.setattr(ops, "layer_post_attention", lambda *a, **k: (calls.append(1), post(*a, **k))[1])
+    lm = api.load(copy.deepcopy(ref), plan={"prefill": "cpu", "decode": "cpu", "cpu_dtype": "float32"},
+                  accelerator="cpu", dtype="float32")
+    assert lm.executor.backend.linear_kernel == "flexplan-blocked"
+    ids, mask = left_padded_batch((7, 4, 9))
+    ids = ids % 192
+    kw = dict(input_ids=ids, attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0,
+              output_scores=True, return_dict_in_generate=True)
+    ours, theirs = lm.generate(**kw), ref.generate(**kw)
+    assert torch.equal(ours.sequences, theirs.sequences)
+    assert len(calls) == 2 * 5  # 2 layers x 5 decode steps
+    for a, b in zip(ours.scores, theirs.scores):
+        assert _rel(a, b) < 1e-4
+    assert "native fused" in lm.last_stats.cpu_decode_ops
+
+
+def test_without_native_ops_layers_keep_transformers_forward(monkeypatch):
+    monkeypatch.setenv("FLEXPLAN_NATIVE", "0")
+    native.decode_status.cache_clear()
+    try:
+        ops, why = native.decode_status()
+        assert ops is None and "FLEXPLAN_NATIVE=0" in why
+        model = _wide_model("llama")
+        assert cpu_decode.install(model.model.layers, [model.model.norm]) == []
+        assert "forward" not in model.model.layers[0].__dict__
+        assert cpu_decode.describe().startswith("transformers' ops")
+    finally:
+        native.decode_status.cache_clear()
