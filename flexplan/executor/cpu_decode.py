@@ -1,11 +1,14 @@
-"""Fused CPU forwards for Llama-style decoder layers: RMSNorm, and a decode step's attention.
+"""Fused CPU forwards for Llama-style decoder layers: a whole decode step, or its norms and attention.
 
 A decode step at batch 1 reads every weight once; what it does besides the GEMVs is a few dozen
-small PyTorch ops per layer, each a dispatch plus a thread-pool wake-up: RMSNorm is 7 ops,
-rotary embedding 14, SDPA's CPU kernel ~150 us for 160 keys. On the development machine they
-cost ~5 ms of a ~40 ms step of a 2 GB model. Here they are replaced, per module instance, by
-flexplan's native ops (``native_decode.c``, through :func:`flexplan.executor.native.decode_status`):
+small PyTorch ops per layer, each a dispatch from Python on caches the GEMVs have just flushed:
+RMSNorm is 7 ops, rotary embedding 14, SDPA's CPU kernel ~150 us for 160 keys. On the development
+machine, timed ad hoc, everything that was not a GEMV cost ~8-10 ms of a ~40 ms step of a 2 GB
+model. Here they are replaced, per module instance, by flexplan's native ops (``native_decode.c``,
+through :func:`flexplan.executor.native.decode_status`):
 
+- a decoder layer whose linears are blocked (``cpu_linear``): a decode step is two native calls
+  around the cache's own ``update`` (:class:`FusedLayer`);
 - every ``*RMSNorm`` of the model (decoder layers and final norm): one call;
 - the attention module of a decoder layer, for a decode step (one query position per
   sequence): q/k/v projections (the installed linears), rotary embedding in place, the cache

@@ -3,8 +3,8 @@
  * A batch-1 decode step reads every weight once. Between its GEMVs, transformers runs a few dozen
  * small PyTorch ops per layer (RMSNorm is 7 ops, rotary embedding 14, residual adds, SiLU,
  * SDPA), each a dispatch from Python; after a GEMV has streamed megabytes of weights through the
- * caches each of them starts cold. On the development machine (2 Zen 4 cores) that was ~8 ms of
- * a ~42 ms step of a 2 GB model, the difference between ~65% and ~80% of the memory bandwidth.
+ * caches each of them starts cold. On the development machine (2 Zen 4 cores), timed ad hoc, that
+ * was ~8-10 ms of a ~40 ms step of a 2 GB model.
  *
  * Ops (each a single call; all tensors float32, contiguous unless strides are given):
  *   flexplan_rmsnorm_f32      y = w * x / sqrt(mean(x^2) + eps) per row          (LlamaRMSNorm)
@@ -25,9 +25,9 @@
  * (sequence, chunk), so each thread reads a contiguous stretch of the cache (all heads of a
  * position are adjacent in flexplan's [capacity, batch, kv heads, d] cache) instead of every
  * kv-head-th row; the chunks' partial softmaxes are merged afterwards (the flash-decoding
- * scheme). exp is a vectorisable Cody-Waite + degree-6 polynomial (Cephes expf, within 2 ulp);
- * reductions sum in another order than PyTorch's: results differ from transformers' by a few
- * float32 ulps, like any two BLAS libraries.
+ * scheme). exp is a vectorisable Cody-Waite range reduction + Cephes expf's degree-6 polynomial;
+ * reductions sum in another order than PyTorch's. The results differ from transformers' in the
+ * last float32 bits (tests/test_native_decode.py holds them to 1e-5 relative of PyTorch's).
  */
 #include <math.h>
 #include <stdint.h>
