@@ -130,3 +130,25 @@ def test_without_native_ops_layers_keep_transformers_forward(monkeypatch):
         assert cpu_decode.describe().startswith("transformers' ops")
     finally:
         native.decode_status.cache_clear()
+
+
+@needs_decode
+@pytest.mark.parametrize("cpu_dtype,masked", [("bfloat16", True), ("float32", False)])
+def test_unmasked_decode_gets_the_all_true_mask_only_where_transformers_attends(cpu_dtype, masked, one_thread):
+    """The fused ops attend without a mask in fp32; a bf16 CPU layer still runs transformers' SDPA,
+    whose unmasked grouped-query CPU path is ~10x slower, so it keeps getting the all-true mask."""
+    from flexplan import api
+
+    model = _wide_model("llama")
+    seen = []
+    model.model.layers[0].self_attn.register_forward_pre_hook(
+        lambda mod, args, kwargs: seen.append(kwargs.get("attention_mask")), with_kwargs=True)
+    lm = api.load(model, plan={"prefill": "cpu", "decode": "cpu", "cpu_dtype": cpu_dtype}, accelerator="cpu",
+                  dtype=cpu_dtype)
+    assert lm.executor._fused
+    lm.generate(input_ids=torch.tensor([[5, 6, 7, 8]]), max_new_tokens=3, do_sample=False, pad_token_id=0)
+    decode_masks = seen[1:]  # the first call is the prefill
+    if masked:
+        assert decode_masks and all(m is not None and bool(m.all()) for m in decode_masks)
+    else:
+        assert not decode_masks  # fp32: the fused layer ran, not transformers' attention

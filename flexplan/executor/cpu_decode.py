@@ -44,46 +44,62 @@ def _rmsnorm_forward(module: nn.Module, ops: native.NativeDecode, hidden_states:
     return type(module).forward(module, hidden_states)
 
 
-def _padding_mask(mask: torch.Tensor | None, batch: int, keys: int) -> tuple[bool, torch.Tensor | None]:
-    """(usable, a [batch, keys] bool mask or None) from what the layer was given."""
+def _decode_call(args: tuple, kwargs: dict, head_dim: int, training: bool):
+    """(hidden [b, 1, h], (cos, sin) as [b, d], mask, cache) when this call is a decode step the
+    native ops take (keyword arguments as transformers' layers pass them, float32 on the CPU, a
+    cache, no attention weights asked for), else None."""
+    hidden = args[0] if args else kwargs.get("hidden_states")
+    pe, cache = kwargs.get("position_embeddings"), kwargs.get("past_key_values")
+    if not (len(args) <= 1 and hidden is not None and hidden.dim() == 3 and hidden.shape[1] == 1
+            and cache is not None and pe is not None and not training and not kwargs.get("output_attentions")
+            and _cpu_f32(hidden, *pe) and pe[0].shape[-1] == head_dim and pe[0].shape == pe[1].shape
+            and pe[0].numel() == hidden.shape[0] * head_dim):
+        return None
+    b = hidden.shape[0]
+    return hidden, tuple(t.reshape(b, head_dim).contiguous() for t in pe), kwargs.get("attention_mask"), cache
+
+
+def _native_readable(keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None,
+                     batch: int) -> tuple[bool, torch.Tensor | None]:
+    """(whether the native attention can read this cache view and mask, the mask as [batch, keys]
+    bool or None). A mask must be boolean and shared by the heads ([b or 1, 1, 1, keys])."""
+    if not (_cpu_f32(keys, values) and keys.stride() == values.stride() and keys.stride(-1) == 1):
+        return False, None
     if mask is None:
         return True, None
-    if mask.dtype != torch.bool or mask.dim() != 4 or mask.shape[1] != 1 or mask.shape[2] != 1:
+    n = keys.shape[2]
+    if (mask.dtype != torch.bool or mask.dim() != 4 or mask.shape[1:] != (1, 1, n) or mask.shape[0] not in (1, batch)
+            or mask.device.type != "cpu"):
         return False, None
-    m = mask[:, 0, 0, :]
-    if m.shape[-1] != keys or m.shape[0] not in (1, batch) or m.device.type != "cpu":
-        return False, None
-    return True, m.expand(batch, keys).contiguous()
+    return True, mask[:, 0, 0, :].expand(batch, n).contiguous()
 
 
 def _attention_forward(module: nn.Module, ops: native.NativeDecode, *args, **kwargs):
-    hidden = args[0] if args else kwargs.get("hidden_states")
-    pe, mask, cache = kwargs.get("position_embeddings"), kwargs.get("attention_mask"), kwargs.get("past_key_values")
-    fusable = (len(args) <= 1 and hidden is not None and hidden.dim() == 3 and hidden.shape[1] == 1
-               and cache is not None and pe is not None and not module.training
-               and not kwargs.get("output_attentions") and _cpu_f32(hidden, *pe))
-    d = module.head_dim
-    if fusable:
-        b = hidden.shape[0]
-        cos, sin = pe
-        fusable = cos.shape[-1] == d and cos.numel() == b * d and sin.shape == cos.shape
-    if not fusable:
+    call = _decode_call(args, kwargs, module.head_dim, module.training)
+    if call is None:
         return type(module).forward(module, *args, **kwargs)
+    hidden, (cos, sin), mask, cache = call
+    b, d = hidden.shape[0], module.head_dim
     q, k, v = module.q_proj(hidden), module.k_proj(hidden), module.v_proj(hidden)
     hq, hk = q.shape[-1] // d, k.shape[-1] // d
     q, k = q.contiguous().view(b, hq, d), k.contiguous().view(b, hk, d)
-    cos, sin = cos.reshape(b, d).contiguous(), sin.reshape(b, d).contiguous()
     ops.rope_(q, cos, sin)
     ops.rope_(k, cos, sin)
     keys, values = cache.update(k.view(b, 1, hk, d).transpose(1, 2), v.view(b, 1, hk, d).transpose(1, 2),
                                 module.layer_idx)
-    usable, m = _padding_mask(mask, b, keys.shape[2])
-    if usable and _cpu_f32(keys, values) and keys.stride() == values.stride() and keys.stride(-1) == 1:
+    readable, m = _native_readable(keys, values, mask, b)
+    if readable:
         out = ops.decode_attention(q, keys, values, m, float(module.scaling))
-    else:  # the cache or mask is not one the native op reads: PyTorch's SDPA on the same tensors
-        out = torch.nn.functional.scaled_dot_product_attention(
-            q.view(b, hq, 1, d), keys, values, attn_mask=mask, scale=module.scaling, enable_gqa=hq != hk)
+    else:
+        out = _sdpa(q, keys, values, mask, module.scaling)
     return module.o_proj(out.reshape(b, 1, hq * d)), None
+
+
+def _sdpa(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask, scale: float) -> torch.Tensor:
+    """PyTorch's SDPA for q [b, hq, d] over a cache the native op does not read; [b, hq * d]."""
+    b, hq, d = q.shape
+    return torch.nn.functional.scaled_dot_product_attention(
+        q.view(b, hq, 1, d), keys, values, attn_mask=mask, scale=scale, enable_gqa=hq != keys.shape[1]).reshape(b, -1)
 
 
 _SILU = ("SiLU", "SiLUActivation")
@@ -148,26 +164,19 @@ class FusedLayer:
 
     def __call__(self, *args, **kwargs):
         layer = self.layer
-        hidden = args[0] if args else kwargs.get("hidden_states")
-        pe, mask, cache = kwargs.get("position_embeddings"), kwargs.get("attention_mask"), kwargs.get("past_key_values")
-        if not (len(args) <= 1 and hidden is not None and hidden.dim() == 3 and hidden.shape[1] == 1
-                and cache is not None and pe is not None and not layer.training
-                and not kwargs.get("output_attentions") and _cpu_f32(hidden, *pe)
-                and pe[0].shape[-1] == self.head_dim and pe[0].numel() == hidden.shape[0] * self.head_dim
-                and self._fill()):
+        call = _decode_call(args, kwargs, self.head_dim, layer.training)
+        if call is None or not self._fill():
             return type(layer).forward(layer, *args, **kwargs)
+        hidden, (cos, sin), mask, cache = call
         w, b = self.weights, hidden.shape[0]
         s = self._buffers(b)
         x = hidden.reshape(b, w.hidden).contiguous()
-        cos, sin = (t.reshape(b, w.d).contiguous() for t in pe)
         self.ops.layer_pre_attention(w, x, cos, sin, s["xn"], s["q"], s["k"], s["v"])
         k4, v4 = (s[n].view(b, 1, w.hk, w.d).transpose(1, 2) for n in ("k", "v"))
         keys, values = cache.update(k4, v4, self.layer_idx)
-        usable, m = _padding_mask(mask, b, keys.shape[2])
-        if not (usable and _cpu_f32(keys, values) and keys.stride() == values.stride() and keys.stride(-1) == 1):
-            s["attn"].copy_(torch.nn.functional.scaled_dot_product_attention(
-                s["q"].view(b, w.hq, 1, w.d), keys, values, attn_mask=mask, scale=w.scale,
-                enable_gqa=w.hq != w.hk).reshape(b, -1))
+        readable, m = _native_readable(keys, values, mask, b)
+        if not readable:  # attention by SDPA; the native call does the rest of the layer
+            s["attn"].copy_(_sdpa(s["q"].view(b, w.hq, w.d), keys, values, mask, w.scale))
             keys = values = m = None
         y = torch.empty(b, 1, w.hidden)
         self.ops.layer_post_attention(w, x, y, s["q"], keys, values, m, s)

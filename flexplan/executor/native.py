@@ -242,27 +242,8 @@ def _decode_self_check(ops: NativeDecode) -> None:
         raise RuntimeError(f"self-check failed: relative error {bad}")
 
 
-@functools.lru_cache(maxsize=None)
-def status() -> tuple[NativeGemv | None, str]:
-    """(the checked native GEMV or None, a one-line reason)."""
-    why = _unavailable()
-    if why:
-        return None, why.replace("native kernels are", "native GEMV is")
-    cc = _compiler()
-    if cc is None:
-        return None, "no C compiler found (set CC, or install gcc)"
-    try:
-        target = _library("gemv", (SOURCE,), cc)
-        native = NativeGemv(ctypes.CDLL(str(target)), target)
-        _self_check(native)
-    except Exception as e:  # noqa: BLE001 - any failure means: no native kernel, with the reason
-        return None, f"native GEMV unavailable: {type(e).__name__}: {e}"
-    return native, f"native GEMV ({native.isa}) from {target}"
-
-
-@functools.lru_cache(maxsize=None)
-def decode_status() -> tuple[NativeDecode | None, str]:
-    """(the checked fused decode ops or None, a one-line reason)."""
+def _load(label: str, stem: str, sources: tuple[Path, ...], wrap, check):
+    """(the checked library object or None, a one-line reason): built/cached, loaded, self-checked."""
     why = _unavailable()
     if why:
         return None, why
@@ -270,12 +251,25 @@ def decode_status() -> tuple[NativeDecode | None, str]:
     if cc is None:
         return None, "no C compiler found (set CC, or install gcc)"
     try:
-        target = _library("decode", DECODE_SOURCES, cc)
-        ops = NativeDecode(ctypes.CDLL(str(target)), target)
-        _decode_self_check(ops)
-    except Exception as e:  # noqa: BLE001 - any failure means: transformers' own ops, with the reason
-        return None, f"native decode ops unavailable: {type(e).__name__}: {e}"
-    return ops, f"native decode ops from {target}"
+        target = _library(stem, sources, cc)
+        lib = wrap(ctypes.CDLL(str(target)), target)
+        check(lib)
+    except Exception as e:  # noqa: BLE001 - any failure means: no native library, with the reason
+        return None, f"{label} unavailable: {type(e).__name__}: {e}"
+    return lib, f"{label}{f' ({lib.isa})' if hasattr(lib, 'isa') else ''} from {target}"
+
+
+@functools.lru_cache(maxsize=None)
+def status() -> tuple[NativeGemv | None, str]:
+    """(the checked native GEMV or None, a one-line reason)."""
+    return _load("native GEMV", "gemv", (SOURCE,), NativeGemv, _self_check)
+
+
+@functools.lru_cache(maxsize=None)
+def decode_status() -> tuple[NativeDecode | None, str]:
+    """(the checked fused decode ops or None, a one-line reason; without them the decoder layers
+    keep transformers' own ops)."""
+    return _load("native decode ops", "decode", DECODE_SOURCES, NativeDecode, _decode_self_check)
 
 
 def available() -> bool:

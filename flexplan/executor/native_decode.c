@@ -39,8 +39,6 @@ void flexplan_blocked_gemv_f32(const float* P, const float* x, float* y, const f
 
 #define CHUNK_T 32 /* key positions per attention work item */
 
-const char* flexplan_decode_abi(void) { return "flexplan-decode-2"; }
-
 /* e^x for x <= 0 (softmax) and SiLU's e^-x, vectorisable: x = n ln2 + r, |r| <= ln2/2. */
 #pragma omp declare simd
 static inline float exp_f32(float x) {

@@ -330,7 +330,8 @@ class Executor:
             hidden, rest = kwargs.pop("hidden_states"), ()
         hidden = st.hidden_to(self.link, hidden, on_acc, dtype, i)
         kwargs = {k: (v if k == "past_key_values" else st.aux_to(self.link, v, on_acc, dtype)) for k, v in kwargs.items()}
-        if (not on_acc and st.query_len == 1 and kwargs.get("attention_mask", 0) is None and not self._fused
+        if (not on_acc and st.query_len == 1 and kwargs.get("attention_mask", 0) is None
+                and not (self._fused and dtype == torch.float32)  # fp32: the fused ops attend unmasked
                 and getattr(self.model.config, "_attn_implementation", None) == "sdpa"):
             kwargs["attention_mask"] = st.cpu_decode_mask()
         if not args:
