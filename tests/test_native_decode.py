@@ -67,13 +67,14 @@ def test_fully_masked_row_gives_zeros_not_nan():
     assert torch.equal(out, torch.zeros_like(out))
 
 
-def _wide_model(family: str):
+def _wide_model(family: str, **overrides):
     """Widths the blocked kernel takes (every linear's out a multiple of 64), head_dim 64."""
     import transformers
 
     cfg = dict(vocab_size=192, hidden_size=256, intermediate_size=320, num_hidden_layers=2, num_attention_heads=4,
                num_key_value_heads=2, max_position_embeddings=128, pad_token_id=0, bos_token_id=1, eos_token_id=2)
-    config = (transformers.Qwen2Config(**cfg) if family == "qwen2" else transformers.LlamaConfig(**cfg))
+    config = {"qwen2": transformers.Qwen2Config, "mistral": transformers.MistralConfig}.get(
+        family, transformers.LlamaConfig)(**cfg, **overrides)
     torch.manual_seed(3)
     model = transformers.AutoModelForCausalLM.from_config(config).eval()
     with torch.no_grad():
@@ -85,11 +86,20 @@ def _wide_model(family: str):
     return model
 
 
+def _counted(monkeypatch, ops, name: str) -> list:
+    calls = []
+    fn = getattr(ops, name)
+    monkeypatch.setattr(ops, name, lambda *a, **k: (calls.append(1), fn(*a, **k))[1])
+    return calls
+
+
 @needs_decode
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
-def test_fused_layer_runs_decode_and_matches_transformers(family, one_thread, monkeypatch):
-    """The whole-layer fused path runs every decode step of every layer (counted), and greedy
-    tokens of a left-padded batch equal transformers' own; logits agree to float32 precision."""
+@pytest.mark.parametrize("path", ["stack", "layer"])
+def test_fused_decode_runs_every_step_and_matches_transformers(family, path, one_thread, monkeypatch):
+    """The whole-stack native step (one call per decode step), or without it the whole-layer one
+    (one call per layer and step), runs every decode step (counted); greedy tokens of a
+    left-padded batch equal transformers' own and logits agree to float32 precision."""
     import copy
 
     from conftest import left_padded_batch
@@ -99,23 +109,70 @@ def test_fused_layer_runs_decode_and_matches_transformers(family, one_thread, mo
     if not native.available():
         pytest.skip(native.status()[1])
     ref = _wide_model(family)
-    calls = []
     ops = native.decode_status()[0]
-    post = ops.layer_post_attention
-    monkeypatch.setattr(ops, "layer_post_attention", lambda *a, **k: (calls.append(1), post(*a, **k))[1])
+    stack_calls, layer_calls = _counted(monkeypatch, ops, "decode_stack"), _counted(monkeypatch, ops,
+                                                                                    "layer_post_attention")
     lm = api.load(copy.deepcopy(ref), plan={"prefill": "cpu", "decode": "cpu", "cpu_dtype": "float32"},
                   accelerator="cpu", dtype="float32")
     assert lm.executor.backend.linear_kernel == "flexplan-blocked"
+    if path == "layer":
+        monkeypatch.setattr(lm.executor, "_cpu_step_ready", lambda st: False)
     ids, mask = left_padded_batch((7, 4, 9))
     ids = ids % 192
     kw = dict(input_ids=ids, attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0,
               output_scores=True, return_dict_in_generate=True)
     ours, theirs = lm.generate(**kw), ref.generate(**kw)
     assert torch.equal(ours.sequences, theirs.sequences)
-    assert len(calls) == 2 * 5  # 2 layers x 5 decode steps
+    if path == "stack":
+        assert (len(stack_calls), len(layer_calls)) == (5, 0)  # 5 decode steps, each one call
+        assert lm.last_stats.native_stack_steps == 5 and "5 by the native decode stack" in lm.last_stats.summary()
+    else:
+        assert (len(stack_calls), len(layer_calls)) == (0, 2 * 5)  # 2 layers x 5 decode steps
     for a, b in zip(ours.scores, theirs.scores):
         assert _rel(a, b) < 1e-4
     assert "native fused" in lm.last_stats.cpu_decode_ops
+
+
+@needs_decode
+@pytest.mark.parametrize("prefill,decode,stack_steps", [("splitgen", "cpu", 5), ("cpu", "splitgen", 0)])
+def test_native_stack_runs_only_when_every_decode_layer_is_on_the_cpu(prefill, decode, stack_steps, one_thread):
+    """After a splitgen prefill the decode step's KV moves to the host and the native stack takes
+    the step; a splitgen decode (last layer on the stand-in accelerator) keeps the per-layer path.
+    Greedy tokens equal transformers' either way."""
+    import copy
+
+    from conftest import left_padded_batch
+
+    from flexplan import api
+
+    if not native.available():
+        pytest.skip(native.status()[1])
+    ref = _wide_model("llama")
+    lm = api.load(copy.deepcopy(ref), plan={"prefill": prefill, "decode": decode, "gpu_layers": 1,
+                                            "cpu_dtype": "float32"}, accelerator="cpu", dtype="float32")
+    ids, mask = left_padded_batch((7, 4, 9))
+    kw = dict(input_ids=ids % 192, attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0)
+    assert torch.equal(lm.generate(**kw), ref.generate(**kw))
+    assert lm.last_stats.native_stack_steps == stack_steps
+
+
+@needs_decode
+def test_native_stack_leaves_steps_past_a_sliding_window_to_the_layers(one_thread):
+    """Mistral with an 8-token window: steps whose keys fit in the window run natively, later ones
+    by layer (with transformers' sliding-window mask); tokens equal transformers'."""
+    import copy
+
+    from flexplan import api
+
+    if not native.available():
+        pytest.skip(native.status()[1])
+    ref = _wide_model("mistral", sliding_window=8)
+    lm = api.load(copy.deepcopy(ref), plan={"prefill": "cpu", "decode": "cpu", "cpu_dtype": "float32"},
+                  accelerator="cpu", dtype="float32")
+    ids = torch.arange(3, 8).view(1, 5)  # keys 6..8 fit the window at steps 1-3, keys 9..12 do not
+    kw = dict(input_ids=ids, max_new_tokens=8, min_new_tokens=8, do_sample=False, pad_token_id=0)
+    assert torch.equal(lm.generate(**kw), ref.generate(**kw))
+    assert lm.last_stats.native_stack_steps == 3
 
 
 def test_without_native_ops_layers_keep_transformers_forward(monkeypatch):

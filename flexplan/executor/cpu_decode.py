@@ -7,6 +7,9 @@ machine, timed ad hoc, everything that was not a GEMV cost ~8-10 ms of a ~40 ms 
 model. Here they are replaced, per module instance, by flexplan's native ops (``native_decode.c``,
 through :func:`flexplan.executor.native.decode_status`):
 
+- the decoder stack, when every layer is a :class:`FusedLayer` and the executor has put every
+  layer of the step on the CPU: a decode step is one native call for all the layers, which also
+  appends the new k and v to the KV cache (:class:`FusedStack`);
 - a decoder layer whose linears are blocked (``cpu_linear``): a decode step is two native calls
   around the cache's own ``update`` (:class:`FusedLayer`);
 - every ``*RMSNorm`` of the model (decoder layers and final norm): one call;
@@ -24,10 +27,12 @@ how. The class and other instances are untouched; :func:`uninstall` removes it.
 
 from __future__ import annotations
 
+import ctypes
 import functools
 
 import torch
 from torch import nn
+from transformers.modeling_outputs import BaseModelOutputWithPast
 
 from flexplan.executor import native
 
@@ -105,6 +110,15 @@ def _sdpa(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask, scale
 _SILU = ("SiLU", "SiLUActivation")
 
 
+def _scratch(have: dict[str, torch.Tensor], w: native.LayerWeights, batch: int) -> dict[str, torch.Tensor]:
+    """The native layer calls' scratch rows for ``batch`` sequences (``have`` when it fits)."""
+    if have and have["xn"].shape[0] == batch:
+        return have
+    sizes = dict(xn=w.hidden, tmp=w.hidden, y=w.hidden, q=w.hq * w.d, attn=w.hq * w.d, k=w.hk * w.d,
+                 v=w.hk * w.d, g=w.inter, u=w.inter)
+    return {n: torch.empty(batch, size) for n, size in sizes.items()}
+
+
 def _blocked(*linears: nn.Module) -> bool:
     return all(m.weight.dim() == 3 and _cpu_f32(m.weight) and (m.bias is None or _cpu_f32(m.bias)) for m in linears)
 
@@ -154,12 +168,12 @@ class FusedLayer:
         w.scale = float(a.scaling)
         return True
 
-    def _buffers(self, batch: int) -> dict[str, torch.Tensor]:
+    def dims(self) -> tuple[int, ...]:
         w = self.weights
-        if not self.scratch or self.scratch["xn"].shape[0] != batch:
-            sizes = dict(xn=w.hidden, tmp=w.hidden, q=w.hq * w.d, attn=w.hq * w.d, k=w.hk * w.d, v=w.hk * w.d,
-                         g=w.inter, u=w.inter)
-            self.scratch = {n: torch.empty(batch, size) for n, size in sizes.items()}
+        return w.hidden, w.inter, w.hq, w.hk, w.d
+
+    def _buffers(self, batch: int) -> dict[str, torch.Tensor]:
+        self.scratch = _scratch(self.scratch, self.weights, batch)
         return self.scratch
 
     def __call__(self, *args, **kwargs):
@@ -181,6 +195,98 @@ class FusedLayer:
         y = torch.empty(b, 1, w.hidden)
         self.ops.layer_post_attention(w, x, y, s["q"], keys, values, m, s)
         return y
+
+
+_STACK_KWARGS = frozenset({"input_ids", "inputs_embeds", "attention_mask", "position_ids", "past_key_values",
+                           "use_cache", "return_dict", "output_attentions", "output_hidden_states"})
+
+
+class FusedStack:
+    """The decoder stack (embedding, every decoder layer, final norm) for one decode step with one
+    native call for all the layers (``flexplan_decode_stack_f32``), which writes each layer's new
+    k and v straight into its KV cache. Nothing runs in Python between the layers: no module
+    calls, no hooks, no cache ``update()``, no per-layer mask or rotary handling.
+
+    It runs only while :attr:`armed`, which the executor sets for a decode step whose every layer
+    computes on the CPU, after putting their weights and KV caches there (what its per-layer
+    hooks would do); and only when every layer is a :class:`FusedLayer` with blocked float32
+    weights, the cache's buffers are float32 on the host (:meth:`FlexKVLayer.cpu_f32_buffers`),
+    the mask is a 2-D padding mask, and no sliding window cuts the keys. Anything else runs the
+    stack's own forward, layer by layer (where the layers' fused forwards still apply)."""
+
+    def __init__(self, stack: nn.Module, layers: list[FusedLayer], ops: native.NativeDecode):
+        self.stack, self.layers, self.ops = stack, layers, ops
+        self.n = len(layers)
+        self.weight_ptrs = (ctypes.POINTER(native.LayerWeights) * self.n)(*(ctypes.pointer(f.weights) for f in layers))
+        self.window = getattr(stack.config, "sliding_window", None)
+        self.armed = False
+        self.steps = 0  # decode steps run natively
+        self.scratch: dict[str, torch.Tensor] = {}
+        self._cache_ptrs: tuple = ()  # (key, k pointer array, v pointer array)
+
+    def _kv_pointers(self, buffers: list) -> tuple:
+        key = tuple(t.data_ptr() for kv in buffers for t in kv)
+        if self._cache_ptrs[:1] != (key,):
+            arr = ctypes.c_void_p * self.n
+            self._cache_ptrs = (key, arr(*key[0::2]), arr(*key[1::2]))
+        return self._cache_ptrs[1:]
+
+    def _run(self, kwargs: dict):
+        """The step's output, or None when this call is not one the native stack takes."""
+        cache, ids, embeds = kwargs.get("past_key_values"), kwargs.get("input_ids"), kwargs.get("inputs_embeds")
+        config = self.stack.config
+        if (self.stack.training or not _STACK_KWARGS.issuperset(kwargs) or kwargs.get("return_dict") is False
+                or kwargs.get("output_attentions") or kwargs.get("output_hidden_states")
+                or getattr(config, "output_attentions", False) or getattr(config, "output_hidden_states", False)
+                or (ids is None) == (embeds is None) or len(getattr(cache, "layers", ())) != self.n
+                or config.num_hidden_layers != self.n):
+            return None
+        x = self.stack.embed_tokens(ids) if embeds is None else embeds
+        b = x.shape[0]
+        pos = cache.layers[0].length
+        buffers = [kv.cpu_f32_buffers() for kv in cache.layers]
+        if (x.dim() != 3 or x.shape[1] != 1 or not _cpu_f32(x) or any(buf is None for buf in buffers)
+                or any(kv.length != pos for kv in cache.layers) or pos + 1 > cache.layers[0].capacity
+                or any(buf[0].shape[1] != b for buf in buffers) or (self.window and pos + 1 > self.window)
+                or not all(f._fill() for f in self.layers) or len({f.dims() for f in self.layers}) != 1):
+            return None
+        mask = kwargs.get("attention_mask")
+        if mask is not None:
+            if mask.dim() != 2 or tuple(mask.shape) != (b, pos + 1) or mask.device.type != "cpu":
+                return None
+            mask = None if bool(mask.all()) else mask.to(torch.bool).contiguous()
+        position_ids = kwargs.get("position_ids")
+        if position_ids is None:
+            position_ids = torch.full((1, 1), pos, dtype=torch.long)
+        cos, sin = self.stack.rotary_emb(x, position_ids)
+        d = self.layers[0].head_dim
+        if not (_cpu_f32(cos, sin) and cos.shape[-1] == d and cos.numel() in (d, b * d)):
+            return None
+        cos, sin = (t.reshape(-1, d).expand(b, d).contiguous() for t in (cos, sin))
+        self.scratch = _scratch(self.scratch, self.layers[0].weights, b)
+        h = x.reshape(b, -1).clone()
+        k_ptrs, v_ptrs = self._kv_pointers(buffers)
+        self.ops.decode_stack(self.weight_ptrs, self.n, k_ptrs, v_ptrs, pos, h, cos, sin, mask, self.scratch)
+        for kv in cache.layers:
+            kv.advance(1)
+        self.steps += 1
+        return BaseModelOutputWithPast(last_hidden_state=self.stack.norm(h.view(b, 1, -1)), past_key_values=cache)
+
+    def __call__(self, *args, **kwargs):
+        out = self._run(kwargs) if self.armed and not args else None
+        return out if out is not None else type(self.stack).forward(self.stack, *args, **kwargs)
+
+
+def install_stack(stack: nn.Module, layers: nn.ModuleList) -> FusedStack | None:
+    """Give the decoder stack the native whole-stack decode step (:class:`FusedStack`) when
+    every decoder layer has a :class:`FusedLayer` (installed by :func:`install`), else None.
+    :func:`uninstall` ([stack]) removes it."""
+    fused = [layer.__dict__.get("forward") for layer in layers]
+    if not layers or not all(isinstance(f, FusedLayer) for f in fused) or not all(
+            hasattr(stack, a) for a in ("embed_tokens", "rotary_emb", "norm", "config")):
+        return None
+    stack.forward = FusedStack(stack, fused, fused[0].ops)
+    return stack.forward
 
 
 def fusable_family(family: str) -> bool:
@@ -219,4 +325,5 @@ def uninstall(modules: list[nn.Module]) -> None:
 def describe() -> str:
     """What the CPU's decoder layers run besides the linears (for run statistics)."""
     ops, why = native.decode_status()
-    return "native fused RMSNorm, rotary, decode attention" if ops is not None else f"transformers' ops ({why})"
+    return ("native fused decode (all layers in one call when every layer is on the CPU, else per layer; "
+            "RMSNorm, rotary, attention)" if ops is not None else f"transformers' ops ({why})")

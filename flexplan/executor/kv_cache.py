@@ -112,10 +112,25 @@ class FlexKVLayer(CacheLayerMixin):
             raise InvalidInputError(f"the KV cache was sized for batch {self.batch}, got {key_states.shape[0]}")
         k_buf[start:start + q].copy_(key_states.permute(2, 0, 1, 3))
         v_buf[start:start + q].copy_(value_states.permute(2, 0, 1, 3))
-        self.length = start + q
+        return self.advance(q)
+
+    def advance(self, tokens: int) -> KV:
+        """Count ``tokens`` more as written into the active buffers (by :meth:`update`, or by a
+        native decode step that wrote them in place); the [batch, heads, length, d] views."""
+        k_buf, v_buf = self.active
+        self.length += tokens
         self.keys = k_buf[:self.length].permute(1, 2, 0, 3)
         self.values = v_buf[:self.length].permute(1, 2, 0, 3)
         return self.keys, self.values
+
+    def cpu_f32_buffers(self) -> KV | None:
+        """The active (capacity, batch, kv_heads, head_dim) buffers when they are contiguous
+        float32 host tensors, which a native decode step writes into directly; else None."""
+        if self.active is None:
+            return None
+        k, v = self.active
+        ok = all(t.device.type == "cpu" and t.dtype == torch.float32 and t.is_contiguous() for t in (k, v))
+        return (k, v) if ok else None
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         return self.length + query_length, 0

@@ -95,6 +95,9 @@ class NativeDecode:
         self._post = lib.flexplan_layer_post_attention_f32
         self._post.argtypes = [ctypes.POINTER(LayerWeights)] + [ptr] * 6 + [i64] * 5 + [ptr] * 5
         self._post.restype = ctypes.c_int
+        self._stack = lib.flexplan_decode_stack_f32
+        self._stack.argtypes = [ptr, i64, ptr, ptr, i64, i64] + [ptr] * 11
+        self._stack.restype = ctypes.c_int
         self._lib = lib
 
     def rmsnorm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -142,6 +145,19 @@ class NativeDecode:
                         scratch["xn"].data_ptr(), scratch["g"].data_ptr(), scratch["u"].data_ptr())
         if rc != 0:
             raise MemoryError(f"native decode attention could not allocate scores for {t} keys")
+
+    def decode_stack(self, layers, n: int, k_caches, v_caches, pos: int, x: torch.Tensor, cos: torch.Tensor,
+                     sin: torch.Tensor, mask: torch.Tensor | None, scratch: dict[str, torch.Tensor]) -> None:
+        """One decode step through ``n`` decoder layers: ``layers`` an array of pointers to their
+        :class:`LayerWeights`, ``k_caches``/``v_caches`` arrays of pointers to each layer's
+        [capacity, batch, hk, d] float32 cache, whose position ``pos`` receives this step's k and v;
+        x [batch, hidden] holds the embeddings in and the last layer's output out; mask [batch,
+        pos + 1] bool or None; cos/sin [batch, d]. Scratch as :meth:`layer_post_attention`, plus
+        ``y`` [batch, hidden]."""
+        rc = self._stack(layers, n, k_caches, v_caches, pos, x.shape[0], cos.data_ptr(), sin.data_ptr(), _ptr(mask),
+                         x.data_ptr(), *(scratch[k].data_ptr() for k in ("y", "q", "attn", "tmp", "xn", "g", "u")))
+        if rc != 0:
+            raise MemoryError(f"native decode attention could not allocate scores for {pos + 1} keys")
 
 
 def _cache_root() -> Path:

@@ -17,6 +17,8 @@
  *                             the KV-cache update (which stays the cache's own Python method):
  *                             RMSNorm, q/k/v GEMVs, rotary | attention, o GEMV + residual,
  *                             RMSNorm, gate/up GEMVs, SiLU * up, down GEMV + residual.
+ *   flexplan_decode_stack_f32 every layer of a decode step in one call, appending each layer's new
+ *                             k and v to its KV cache itself (no Python between the layers)
  *
  * The GEMVs are native_gemv.c's flexplan_blocked_gemv_f32 (compiled into the same library), on
  * weights in its blocked layout [out/64, in, 64].
@@ -274,5 +276,28 @@ int flexplan_layer_post_attention_f32(const flexplan_layer* L, const float* x, f
     for (int64_t i = 0; i < batch * I; i++) g[i] = g[i] / (1.0f + exp_f32(-g[i])) * u[i];
     flexplan_blocked_gemv_f32(L->wd, g, tmp, L->bd, H, I, batch);
     for (int64_t i = 0; i < batch * H; i++) y[i] += tmp[i];
+    return 0;
+}
+
+/* A whole decode step of a stack of n decoder layers with the same sizes: for each layer, the
+ * pre-attention half writes this step's k and v straight into the layer's KV cache at position
+ * pos (rotary applied there), attention reads positions [0, pos], then the post-attention half.
+ *   kc[l], vc[l]: layer l's cache, flexplan's layout [capacity, batch, hk, d] (position-major)
+ *   x [batch, hidden]: the embeddings in, the last layer's output out; y [batch, hidden] scratch
+ *   mask [batch, pos + 1] bytes or NULL; cos/sin [batch, d]; other scratch as
+ *   flexplan_layer_post_attention_f32's, q [batch, hq d].
+ * Returns 0, or -1 (no memory for attention's partials). */
+int flexplan_decode_stack_f32(const flexplan_layer* const* layers, int64_t n, float* const* kc, float* const* vc,
+                              int64_t pos, int64_t batch, const float* cos_, const float* sin_, const uint8_t* mask,
+                              float* x, float* y, float* q, float* attn, float* tmp, float* xn, float* g, float* u) {
+    for (int64_t l = 0; l < n; l++) {
+        const flexplan_layer* L = layers[l];
+        const int64_t row = batch * L->hk * L->d; /* floats per cache position */
+        flexplan_layer_pre_attention_f32(L, x, cos_, sin_, batch, xn, q, kc[l] + pos * row, vc[l] + pos * row);
+        if (flexplan_layer_post_attention_f32(L, x, y, q, kc[l], vc[l], mask, pos + 1, L->hk * L->d, L->d, row,
+                                              batch, attn, tmp, xn, g, u) != 0)
+            return -1;
+        memcpy(x, y, sizeof(float) * (size_t)(batch * L->hidden));
+    }
     return 0;
 }

@@ -6,7 +6,9 @@ sure the layer's weights and KV cache are where the layer computes (rebinding vi
 streamed layer, waiting for its prefetch and issuing the next one), moves the hidden state and,
 at most once per step and device, the rotary embeddings / mask / position ids. After a layer it
 offloads a streamed layer's new KV tokens and, during prefill, starts moving the KV cache to
-where the decode policy needs it, overlapped with the next layers.
+where the decode policy needs it, overlapped with the next layers. A decode step whose every layer
+computes on the CPU is prepared for all layers before the stack runs, so that the native decode
+stack (``cpu_decode.FusedStack``) can run them in one call, without the per-layer hooks.
 
 The embedding lookup runs on the host; final norm + LM head sit with the last layer; logits
 come back to the host, where ``generate()`` samples.
@@ -81,6 +83,9 @@ class Executor:
             cpu_linear.install_embedding(m)
         self._fused = (cpu_decode.install(self.parts.layers, list(self.parts.head.values()))
                        if cpu_decode.fusable_family(self.parts.family) and self.backend.ipex is None else [])
+        self._stack = cpu_decode.install_stack(self.parts.stack, self.parts.layers) if self._fused else None
+        if self._stack is not None:
+            self._fused.append(self.parts.stack)
         self.cpu_decode_ops = (cpu_decode.describe() if self._fused else
                                f"transformers' ops ({'IPEX' if self.backend.ipex is not None else self.parts.family})")
         covered = {n for g in (self.embed, *self.layers, self.head) for n in g.params}
@@ -97,6 +102,7 @@ class Executor:
         self.prefill_end_s: float | None = None
         self._step: Step | None = None
         self._t_top: float | None = None
+        self._stack_steps_before = 0
         self.place(plan, source)
         self._hooks = self._install_hooks()
 
@@ -215,7 +221,7 @@ class Executor:
         for m in (*self._packed_linears, *self._packed_embeddings):
             cpu_linear.uninstall(m)
         cpu_decode.uninstall(self._fused)
-        self._fused = []
+        self._fused, self._stack = [], None
 
     def _before_model(self, module, args, kwargs):
         self._t_top = time.perf_counter()
@@ -241,6 +247,20 @@ class Executor:
         streamed = self.placement.streamed(phase)
         if streamed:
             self._prefetch(streamed[0], st)
+        if self._stack is not None:
+            self._stack.armed = self._cpu_step_ready(st)
+
+    def _cpu_step_ready(self, st: Step) -> bool:
+        """For a decode step whose every layer computes on the CPU, with flexplan's cache: do
+        now what the per-layer hooks would (weights bound to host memory, each KV cache moved to
+        and activated there), so the native stack may run every layer in one call; else False."""
+        if st.phase != DECODE or st.cache is None or any(m != CPU for m in self.placement.modes[DECODE]):
+            return False
+        for i, g in enumerate(self.layers):
+            place = self.placement.layer_place(i, DECODE)
+            g.bind(place)
+            self._kv_to(st.cache.layers[i], place, False)
+        return True
 
     def _after_stack(self, module, args, kwargs, output):
         if self._t_top is None:  # the stack was called on its own
@@ -260,6 +280,8 @@ class Executor:
         if st.phase == PREFILL:
             self.prefill_end_s = now
         self._step = None
+        if self._stack is not None:
+            self._stack.armed = False
 
     def _prefetch(self, j: int, st: Step) -> None:
         """Start copying streamed layer j's weights (and past KV) into the next free slot."""
@@ -396,6 +418,12 @@ class Executor:
         self.link.reset_log()
         self.phase_stats = {}
         self.prefill_end_s = None
+        self._stack_steps_before = self._stack.steps if self._stack is not None else 0
+
+    @property
+    def native_stack_steps(self) -> int:
+        """Decode steps of this run that the native stack ran (all layers in one call)."""
+        return self._stack.steps - self._stack_steps_before if self._stack is not None else 0
 
     def end_run(self) -> None:
         """Wait for every copy, and point idle streamed layers back at their pinned home."""

@@ -83,6 +83,7 @@ class RunStats:
     h2d_bytes: int  # whole run, switch included
     d2h_bytes: int
     switch_bytes: int  # KV moved at the prefill -> decode switch
+    native_stack_steps: int = 0  # decode steps run by cpu_decode.FusedStack (all layers in one native call)
     buffers_allocated: dict[str, int] = field(default_factory=dict)  # during this run, per memory
 
     @property
@@ -117,7 +118,9 @@ class RunStats:
                 f"({p.h2d_bytes / 1e6:.2f} MB h2d, {p.d2h_bytes / 1e6:.2f} MB d2h; "
                 f"{per_step / 1e6:.2f} MB{' per step' if p.phase == 'decode' else ''}, predicted "
                 f"{pred_mb(choice.pcie_bytes)}), compute achieved {p.flops_per_s / 1e12:.3f} TFLOP/s "
-                f"over {p.steps} steps")
+                f"over {p.steps} steps"
+                + (f", {self.native_stack_steps} by the native decode stack" if p.phase == "decode"
+                   and self.native_stack_steps else ""))
         return "\n".join(lines)
 
 
@@ -147,4 +150,4 @@ def collect(executor, t_start_s: float, t_end_s: float, batch: int, input_len: i
         input_len=input_len, new_tokens=new_tokens, ttft_s=ttft, tpot_s=tpot, e2e_s=e2e,
         predicted_ttft_s=plan.ttft_s, predicted_tpot_s=plan.tpot_s, prefill=phases["prefill"],
         decode=phases["decode"], h2d_bytes=link.bytes_moved(H2D), d2h_bytes=link.bytes_moved(D2H),
-        switch_bytes=switch, buffers_allocated=allocated)
+        switch_bytes=switch, buffers_allocated=allocated, native_stack_steps=executor.native_stack_steps)
