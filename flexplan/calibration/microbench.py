@@ -12,8 +12,11 @@ in its key names; none of them derives a factor (that is ``calibration/efficienc
   shape (one token, a KV cache): the fixed cost of one layer, Python and dispatch included.
 - Real layers: transformers ``LlamaDecoderLayer``s of three widths (SmolLM2-, 1B- and TinyLlama-
   sized), in decode shape (batch 1 and 8 over a KV cache) and prefill shape (128 and 512 tokens),
-  cycled through copies that exceed the cache as consecutive layers do. Fitting their times
-  against layer size separates a fixed per-layer cost from the size-proportional part.
+  cycled through copies that exceed the cache as consecutive layers do, with the executor's
+  packed weights and its fused decode forward (``cpu_decode.FusedLayer``, float32 blocked
+  weights). Fitting their times against layer size separates a fixed per-layer cost from the
+  size-proportional part. The executor's whole-stack decode step (``cpu_decode.FusedStack``)
+  has less Python per layer than this, so the fixed cost is an upper bound for it.
 - Generate step: transformers ``generate()`` on a one-layer toy model: the per-step cost of the
   generation loop outside the layers (logits processing, stopping criteria, cache bookkeeping).
 - Thread sweep (Park & Egger 4.1): a prefill GEMM and a decode GEMV at 1..cores threads.
@@ -326,6 +329,7 @@ def layers(sizes: Sizes, dtype: str, tick: Callable[[], None] | None = None) -> 
     from transformers.cache_utils import DynamicCache
     from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
 
+    from flexplan.executor import cpu_decode
     from flexplan.executor.cpu_linear import LinearKernel, pack_batch_hint, pack_module
 
     dt = torch_dtype(dtype)
@@ -345,6 +349,7 @@ def layers(sizes: Sizes, dtype: str, tick: Callable[[], None] | None = None) -> 
             if kernel.packed:  # weights as the executor holds them for a plan of this batch
                 for layer in copies:
                     pack_module(layer, pack_batch_hint(batch), kernel.name)
+                cpu_decode.install(copies, [])  # and its fused decode forwards (where they apply)
             with torch.inference_mode():
                 caches = [DynamicCache(config=cfg) for _ in copies]
                 if past:

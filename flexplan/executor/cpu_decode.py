@@ -58,10 +58,15 @@ def _decode_call(args: tuple, kwargs: dict, head_dim: int, training: bool):
     if not (len(args) <= 1 and hidden is not None and hidden.dim() == 3 and hidden.shape[1] == 1
             and cache is not None and pe is not None and not training and not kwargs.get("output_attentions")
             and _cpu_f32(hidden, *pe) and pe[0].shape[-1] == head_dim and pe[0].shape == pe[1].shape
-            and pe[0].numel() == hidden.shape[0] * head_dim):
+            and pe[0].numel() in (head_dim, hidden.shape[0] * head_dim)):
         return None
-    b = hidden.shape[0]
-    return hidden, tuple(t.reshape(b, head_dim).contiguous() for t in pe), kwargs.get("attention_mask"), cache
+    return hidden, _rows(pe, hidden.shape[0], head_dim), kwargs.get("attention_mask"), cache
+
+
+def _rows(pe: tuple[torch.Tensor, torch.Tensor], batch: int, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin as contiguous [batch, head_dim] rows (one position shared by the batch is
+    repeated)."""
+    return tuple(t.reshape(-1, head_dim).expand(batch, head_dim).contiguous() for t in pe)
 
 
 def _native_readable(keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None,
@@ -262,7 +267,7 @@ class FusedStack:
         d = self.layers[0].head_dim
         if not (_cpu_f32(cos, sin) and cos.shape[-1] == d and cos.numel() in (d, b * d)):
             return None
-        cos, sin = (t.reshape(-1, d).expand(b, d).contiguous() for t in (cos, sin))
+        cos, sin = _rows((cos, sin), b, d)
         self.scratch = _scratch(self.scratch, self.layers[0].weights, b)
         h = x.reshape(b, -1).clone()
         k_ptrs, v_ptrs = self._kv_pointers(buffers)

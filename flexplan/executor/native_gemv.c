@@ -10,12 +10,11 @@
  * sequential stream (64 floats of row i, then of row i+1, ...), which the hardware prefetcher
  * follows at full speed; row-major GEMVs keep 4-8 row streams per thread in flight and, on the
  * development machine (2 Zen 4 cores), stall at ~50 GB/s where the memory gives ~66-70 GB/s
- * (benchmarks/bench_cpu_linear.py has the measured figures). With batch > 1 the kernel runs up
- * to 4 batch rows against each row of a block while it is in L1, and later groups of 4 against
- * the block while it is still in L2/L3, so DRAM sees the weights once per step.
- *
- * Prefill (many tokens) does not come here: a GEMM on P is torch.matmul(x, P), a batched GEMM
- * with N = 64 (flexplan/executor/cpu_linear.py).
+ * (benchmarks/bench_cpu_linear.py has the measured figures). With batch > 1 the kernel runs
+ * GROUP batch rows (6 with AVX-512, 1 otherwise) against an L1-sized chunk of a block, then the
+ * next group against the same chunk while it is still in L1/L2, so DRAM sees the weights once
+ * per step. Prefill comes here too, its tokens as the batch rows (flexplan/executor/cpu_linear.py);
+ * only non-float32 inputs take torch.matmul on the blocks.
  *
  * Compiled on first use by flexplan/executor/native.py with -O3 -march=native -fopenmp. torch
  * loads its own libgomp.so.1 first, so this library binds to the same OpenMP runtime: one
