@@ -124,6 +124,20 @@ def test_hwdb_hardware_and_missing_file_use_defaults(use_dir, tmp_path, monkeypa
     assert describe_calibration(local) == "calibration: none: run `flexplan calibrate --quick`"
 
 
+def test_installed_package_reads_its_shipped_files_last_and_never_writes_there(tmp_path, monkeypatch):
+    """A non-editable install has no checkout: the calibration/ files shipped in the package are
+    looked up after the user cache, and ``flexplan calibrate`` writes to the user cache."""
+    monkeypatch.delenv(store.DIR_ENV, raising=False)
+    monkeypatch.setattr(store, "source_checkout_dir", lambda: None)
+    monkeypatch.setattr(store, "user_cache_dir", lambda: tmp_path / "cache")
+    monkeypatch.setattr(store, "shipped_dir", lambda: tmp_path / "shipped")
+    assert store.calibration_dirs() == [tmp_path / "cache", tmp_path / "shipped"]
+    assert store.write_dir() == tmp_path / "cache"
+    import flexplan._calibration  # the repository's calibration/ folder, as a package
+
+    assert Path(flexplan._calibration.__file__).parent.name == "calibration"
+
+
 def test_newest_matching_file_wins_and_load_is_cached(use_dir, tmp_path, monkeypatch):
     doc = _valid_doc(use_dir)
     monkeypatch.setattr(store, "calibration_dirs", lambda: [tmp_path / "a", tmp_path / "b"])

@@ -19,3 +19,7 @@ def test_every_package_is_listed_in_pyproject():
     assert os.path.isfile(os.path.join(REPO, "hwdb", "__init__.py"))
     assert "*.yaml" in cfg["package-data"]["flexplan._hwdb"]
     assert "*.c" in cfg["package-data"]["flexplan.executor"]  # native_gemv.c, compiled on first use
+    # calibration files of real machines ship too, so a non-editable install on one finds its file
+    assert cfg["package-dir"]["flexplan._calibration"] == "calibration" and "flexplan._calibration" in listed
+    assert os.path.isfile(os.path.join(REPO, "calibration", "__init__.py"))
+    assert "*.yaml" in cfg["package-data"]["flexplan._calibration"]

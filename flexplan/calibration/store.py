@@ -8,7 +8,9 @@ physical core count, the GPU names and their PCIe generation/width. Files are na
 
 Directories, in lookup order (writing goes to the first that applies):
 ``$FLEXPLAN_CALIBRATION_DIR``; the checkout's top-level ``calibration/`` (when flexplan runs from
-a source tree); ``$XDG_CACHE_HOME/flexplan/calibration`` (default ``~/.cache/...``).
+a source tree); ``$XDG_CACHE_HOME/flexplan/calibration`` (default ``~/.cache/...``); last, read
+only, the files of that same ``calibration/`` folder that ship inside the installed package
+(``flexplan._calibration``), so a non-editable install on a machine that has one finds it.
 ``$FLEXPLAN_CALIBRATION_FILE`` names one file explicitly instead of the automatic lookup.
 
 No torch here: ``flexplan hw`` and ``flexplan.plan()`` read calibrations and must stay fast.
@@ -135,8 +137,17 @@ def user_cache_dir() -> Path:
     return Path(base) / "flexplan" / "calibration"
 
 
+def shipped_dir() -> Path | None:
+    """The calibration files installed with the package (the repository's ``calibration/``)."""
+    try:
+        import flexplan._calibration as shipped
+    except ImportError:
+        return None
+    return Path(shipped.__file__).resolve().parent
+
+
 def calibration_dirs() -> list[Path]:
-    """Where calibration files are looked up, in order."""
+    """Where calibration files are looked up, in order (the shipped folder last: never written)."""
     dirs = []
     if os.environ.get(DIR_ENV):
         dirs.append(Path(os.environ[DIR_ENV]).expanduser())
@@ -144,6 +155,9 @@ def calibration_dirs() -> list[Path]:
     if checkout is not None:
         dirs.append(checkout)
     dirs.append(user_cache_dir())
+    shipped = shipped_dir()
+    if shipped is not None and (checkout is None or shipped != checkout.resolve()):
+        dirs.append(shipped)
     return list(dict.fromkeys(dirs))
 
 
