@@ -157,6 +157,34 @@ def test_native_stack_runs_only_when_every_decode_layer_is_on_the_cpu(prefill, d
 
 
 @needs_decode
+def test_native_stack_decodes_after_a_streamed_prefill_in_another_dtype(one_thread):
+    """FlexInfer's pair: prefill streams layers to the accelerator (bf16), decode runs on the CPU
+    (fp32). The CPU's own packed copy serves decode, so the native stack takes every step, and the
+    tokens equal those of the same plan run layer by layer."""
+    import copy
+
+    from conftest import left_padded_batch
+
+    from flexplan import api
+
+    if not native.available():
+        pytest.skip(native.status()[1])
+    ref = _wide_model("llama")
+    plan = {"prefill": "gpu-offload", "decode": "cpu", "cpu_dtype": "float32"}
+    ids, mask = left_padded_batch((7, 4, 9))
+    kw = dict(input_ids=ids % 192, attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0)
+    outs = []
+    for stack in (True, False):
+        lm = api.load(copy.deepcopy(ref), plan=plan, accelerator="cpu", dtype="bfloat16")
+        if not stack:
+            lm.executor._cpu_step_ready = lambda st: False
+        outs.append(lm.generate(**kw))
+        assert lm.last_stats.native_stack_steps == (5 if stack else 0)
+        assert lm.executor.placement.layer_places(0) == {"host", "pinned"}
+    assert torch.equal(*outs)
+
+
+@needs_decode
 def test_native_stack_leaves_steps_past_a_sliding_window_to_the_layers(one_thread):
     """Mistral with an 8-token window: steps whose keys fit in the window run natively, later ones
     by layer (with transformers' sliding-window mask); tokens equal transformers'."""
