@@ -156,7 +156,7 @@ def calibration_dirs() -> list[Path]:
         dirs.append(checkout)
     dirs.append(user_cache_dir())
     shipped = shipped_dir()
-    if shipped is not None and (checkout is None or shipped != checkout.resolve()):
+    if shipped is not None:  # in a source checkout it is the checkout's folder: dropped as a repeat
         dirs.append(shipped)
     return list(dict.fromkeys(dirs))
 

@@ -246,14 +246,17 @@ class FusedStack:
                 or (ids is None) == (embeds is None) or len(getattr(cache, "layers", ())) != self.n
                 or config.num_hidden_layers != self.n):
             return None
-        x = self.stack.embed_tokens(ids) if embeds is None else embeds
-        b = x.shape[0]
+        given = ids if embeds is None else embeds
+        b = given.shape[0]
         pos = cache.layers[0].length
         buffers = [kv.cpu_f32_buffers() for kv in cache.layers]
-        if (x.dim() != 3 or x.shape[1] != 1 or not _cpu_f32(x) or any(buf is None for buf in buffers)
+        if (given.dim() != (2 if embeds is None else 3) or given.shape[1] != 1 or any(buf is None for buf in buffers)
                 or any(kv.length != pos for kv in cache.layers) or pos + 1 > cache.layers[0].capacity
                 or any(buf[0].shape[1] != b for buf in buffers) or (self.window and pos + 1 > self.window)
                 or not all(f._fill() for f in self.layers) or len({f.dims() for f in self.layers}) != 1):
+            return None  # checked before the embedding lookup: a declined step does not pay for it twice
+        x = self.stack.embed_tokens(ids) if embeds is None else embeds
+        if not _cpu_f32(x):
             return None
         mask = kwargs.get("attention_mask")
         if mask is not None:
