@@ -16,6 +16,7 @@ import time
 from typing import Any
 
 import torch
+from torch import nn
 
 from flexplan.errors import DeviceUnavailableError, InvalidInputError
 from flexplan.executor.cpu_backend import local_cpu_cores, local_cpu_dtype
@@ -170,7 +171,6 @@ def _make_plan(plan: Any, config, *, accelerator: str | None, hardware: Any, dty
                 f"plan overrides {bad} need an accelerator but CUDA is not available; use plan='auto', "
                 "'cpu' for both phases, or accelerator='cpu' to run them on the CPU stand-in")
         overrides.update(prefill="cpu", decode="cpu")
-        dtype = cpu_dtype
     forced = overrides.get("prefill") and overrides.get("decode")
     per_phase_m = "prefill_gpu_layers" in overrides or "decode_gpu_layers" in overrides
     if forced and (per_phase_m or hardware is None or not _planner_available()):
@@ -187,6 +187,20 @@ def _make_plan(plan: Any, config, *, accelerator: str | None, hardware: Any, dty
                    gpu_memory_bytes=gpu_memory_bytes if accelerator else None, prefill=overrides.get("prefill"),
                    decode=overrides.get("decode"), gpu_layers=overrides.get("gpu_layers"),
                    cpu_dtype=forced_cpu_dtype, **shape)
+
+
+def _checkpoint_dtype(model_or_path, config) -> str | None:
+    """The dtype of the model's weights: a loaded model's parameters', else the config's
+    ``dtype`` (``torch_dtype`` before transformers 5); None when neither says."""
+    if isinstance(model_or_path, nn.Module):
+        p = next(iter(model_or_path.parameters()), None)
+        found = None if p is None else p.dtype
+    else:
+        found = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+    try:
+        return canonical_dtype(str(found)) if found is not None else None
+    except InvalidInputError:  # e.g. a quantised or unusual dtype: treat as unknown
+        return None
 
 
 def _planner_available() -> bool:
@@ -233,6 +247,8 @@ def load(model_or_path, plan: Any = "auto", accelerator: str | None = None, hard
         dtype = canonical_dtype(dtype)
     elif acc and acc.startswith("cuda"):
         dtype = "bfloat16" if torch.cuda.is_bf16_supported() else "float16"
+    elif acc is None:  # the CPU alone: the weights keep their own dtype where the CPU can read it as is
+        dtype = _checkpoint_dtype(model_or_path, config) or cpu_dtype  # (spec.cpu_weight_dtype)
     else:
         dtype = cpu_dtype
     if acc == "cpu" and gpu_memory_bytes is None:

@@ -202,7 +202,7 @@ def phase_memory_bytes(spec, plan, phase: str, new_tokens: int) -> float:
     over its new_tokens - 1 steps (KV read at each step's context)."""
     import numpy as np
 
-    from flexplan.hardware.spec import DTYPE_BYTES
+    from flexplan.hardware.spec import DTYPE_BYTES, cpu_weight_dtype
     from flexplan.plan_types import HOST_LAYERS_ON_CPU
     from flexplan.workload import costs
 
@@ -216,11 +216,12 @@ def phase_memory_bytes(spec, plan, phase: str, new_tokens: int) -> float:
     for layer in range(n):
         host_side = layer < n - m and on_cpu
         eb = DTYPE_BYTES[plan.cpu_dtype if host_side else plan.dtype]
+        wb = DTYPE_BYTES[cpu_weight_dtype(plan.dtype, plan.cpu_dtype) if host_side else plan.dtype]
         if phase == "prefill":
-            total += costs.d_prefill(spec, b, s, eb, eb) + float(costs.d_kv_cache(spec, b, s, eb))
+            total += costs.d_prefill(spec, b, s, wb, eb) + float(costs.d_kv_cache(spec, b, s, eb))
         else:
-            total += steps * costs.d_decode(spec, b, eb, eb) + float(np.sum(costs.d_kv_cache(spec, b, ctx, eb)))
-    head_bytes = DTYPE_BYTES[plan.cpu_dtype if (m == 0 and on_cpu) else plan.dtype]
+            total += steps * costs.d_decode(spec, b, wb, eb) + float(np.sum(costs.d_kv_cache(spec, b, ctx, eb)))
+    head_bytes = DTYPE_BYTES[cpu_weight_dtype(plan.dtype, plan.cpu_dtype) if (m == 0 and on_cpu) else plan.dtype]
     return total + costs.d_lm_head(spec, head_bytes) * (1 if phase == "prefill" else steps)
 
 

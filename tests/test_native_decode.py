@@ -237,3 +237,47 @@ def test_unmasked_decode_gets_the_all_true_mask_only_where_transformers_attends(
         assert decode_masks and all(m is not None and bool(m.all()) for m in decode_masks)
     else:
         assert not decode_masks  # fp32: the fused layer ran, not transformers' attention
+
+
+@needs_decode
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("source", ["model", "folder"])
+def test_16bit_checkpoint_on_the_float32_cpu_keeps_16bit_weights_with_float32_results(dtype, source, one_thread,
+                                                                                        tmp_path):
+    """A bf16 / fp16 model on the CPU alone (which computes in float32 here): the linear weights
+    and the tied-or-not LM head stay 16-bit in the blocked layout, the host holds about half the
+    bytes, the native stack takes every decode step, and scores equal bit for bit those of the
+    same model widened to float32 first (greedy tokens equal transformers' float32 ones)."""
+    import copy
+
+    from conftest import left_padded_batch
+
+    from flexplan import api
+
+    if not native.available():
+        pytest.skip(native.status()[1])
+    import transformers
+
+    ref = _wide_model("llama").to(dtype)
+    wide = copy.deepcopy(ref).float()
+    if source == "folder":  # the reference as transformers loads it (rotary frequencies computed in float32)
+        ref.save_pretrained(tmp_path)
+        wide = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
+    plan = {"prefill": "cpu", "decode": "cpu", "cpu_dtype": "float32"}
+    lm = api.load(str(tmp_path) if source == "folder" else copy.deepcopy(ref), plan=plan)
+    lm32 = api.load(copy.deepcopy(wide), plan=plan)
+    assert (lm.executor.plan.dtype, lm.executor.plan.cpu_dtype) == (str(dtype)[6:], "float32")
+    layer = lm.model.model.layers[1]
+    assert layer.mlp.down_proj.weight.dtype == dtype and layer.mlp.down_proj.weight.dim() == 3
+    assert lm.model.lm_head.weight.dtype == dtype and layer.input_layernorm.weight.dtype == torch.float32
+    host = lambda m: m.executor.memory_need(m.executor.placement).host["CPU weights"]  # noqa: E731
+    linears = sum(p.numel() for n, p in wide.named_parameters() if p.dim() == 2 and "embed" not in n)
+    assert host(lm32) - host(lm) == 2 * linears  # 4 -> 2 bytes per linear weight, nothing else changed
+    ids, mask = left_padded_batch((7, 4, 9))
+    kw = dict(input_ids=ids % 192, attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0,
+              output_scores=True, return_dict_in_generate=True)
+    ours, widened = lm.generate(**kw), lm32.generate(**kw)
+    assert lm.last_stats.native_stack_steps == 5
+    assert torch.equal(ours.sequences, widened.sequences)
+    assert all(torch.equal(a, b) for a, b in zip(ours.scores, widened.scores))
+    assert torch.equal(ours.sequences, wide.generate(**kw).sequences)

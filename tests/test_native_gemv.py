@@ -165,3 +165,36 @@ def test_blocked_weights_are_not_repacked_for_another_decode_batch():
     lm.executor.place(fixed_plan(cfg, "cpu", "cpu", 0, batch_size=3, **kw))
     assert sum(lm.executor.link.allocations.values()) == n
     assert torch.equal(lm.generate(input_ids=ids, max_new_tokens=5, do_sample=False), expected)
+
+
+@needs_native
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("tokens,with_bias", [(1, False), (3, True), (7, True), (40, False)])
+def test_16bit_blocked_weights_compute_exactly_as_their_float32_widening(dtype, tokens, with_bias):
+    """A 16-bit weight blocked for a float32 computation stays 16-bit (half the bytes) and gives
+    the float32 kernel's result on ``w.float()`` bit for bit: the widening is exact and the
+    summation order the same."""
+    g = torch.Generator().manual_seed(tokens)
+    w = (torch.randn(192, 300, generator=g) * 3).to(dtype)
+    x = torch.randn(1, tokens, 300, generator=g)
+    b = torch.randn(192, generator=g) if with_bias else None
+    p = cpu_linear.pack(w, 1, cpu_linear.KERNEL_BLOCKED, torch.float32)
+    assert cpu_linear.is_blocked(p) and p.dtype == dtype and torch.equal(cpu_linear.dense(p), w)
+    assert cpu_linear.stored_dtype(tuple(w.shape), dtype, torch.float32, cpu_linear.KERNEL_BLOCKED) == dtype
+    y = cpu_linear.linear(x, p, b)
+    assert y.dtype == torch.float32
+    assert torch.equal(y, cpu_linear.linear(x, cpu_linear.pack(w.float(), 1, cpu_linear.KERNEL_BLOCKED), b))
+    ref = F.linear(x.double(), w.double(), None if b is None else b.double())
+    assert float((y.double() - ref).abs().max()) <= 1e-5 * float(ref.abs().max())
+
+
+@needs_native
+def test_16bit_weights_that_cannot_be_blocked_are_widened_for_the_float32_cpu():
+    """Where the blocked kernel cannot read a 16-bit weight (odd rows, another kernel) the CPU gets
+    it in its compute dtype, and stored_dtype says so (the executor sizes memory with it)."""
+    odd = torch.randn(48, 40).to(torch.bfloat16)
+    for w, kernel in ((odd, cpu_linear.KERNEL_BLOCKED), (torch.randn(128, 40).half(), cpu_linear.KERNEL_PACKED)):
+        assert cpu_linear.stored_dtype(tuple(w.shape), w.dtype, torch.float32, kernel) == torch.float32
+        p = cpu_linear.pack(w, 1, kernel, torch.float32)
+        assert not cpu_linear.is_blocked(p)
+        assert torch.equal(cpu_linear.dense(p), w.float())

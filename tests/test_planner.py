@@ -170,3 +170,26 @@ def test_model_that_fits_nowhere_says_how_much():
     with pytest.raises(DoesNotFitError, match=r"needs .* GiB host memory .* usable 64.0 GiB"):
         flexplan.plan("meta-llama/Llama-2-70b-hf", server(gpu_mem=16e9), batch_size=1, input_len=128, output_len=8,
                       cpu_memory_bytes=64 * GiB)
+
+
+def test_a_16bit_model_on_a_float32_cpu_is_planned_with_16bit_weight_bytes():
+    """spec.cpu_weight_dtype: a bf16 model that the CPU computes in float32 keeps 2-byte weights
+    (flexplan's blocked GEMV widens them as it reads), so CPU decode moves and the host holds
+    half the weight bytes of a float32 model; activations and KV stay float32."""
+    from flexplan.estimator import memory
+    from flexplan.hardware.spec import cpu_weight_dtype
+
+    assert cpu_weight_dtype("bfloat16", "float32") == "bfloat16"
+    assert cpu_weight_dtype("float16", "float32") == "float16"
+    assert cpu_weight_dtype("float32", "float32") == "float32"
+    assert cpu_weight_dtype("float16", "bfloat16") == "bfloat16"  # a bf16 CPU computes (and holds) bf16
+    hw = replace(server(), gpu=None, link=None)
+    spec = flexplan.workload.resolve_model("meta-llama/Llama-2-7b-hf")
+    half, full = (Shape(spec, 1, 128, 32, d, "float32") for d in ("bfloat16", "float32"))
+    assert (half.cpu_weight_bytes, half.cpu_bytes, full.cpu_weight_bytes) == (2, 4, 4)
+    assert memory.LayerBytes.of(half).w_cpu * 2 == memory.LayerBytes.of(full).w_cpu
+    assert memory.LayerBytes.of(half).kv_cpu == memory.LayerBytes.of(full).kv_cpu
+    kw = dict(batch_size=1, input_len=64, output_len=8, cpu_dtype="float32", prefill="cpu", decode="cpu")
+    p16, p32 = (flexplan.plan(spec, hw, dtype=d, **kw) for d in ("bfloat16", "float32"))
+    assert 0.45 < p16.tpot_s / p32.tpot_s < 0.6  # decode is the weights' bytes over bandwidth
+    assert p16.decode.cpu_memory_bytes < 0.6 * p32.decode.cpu_memory_bytes

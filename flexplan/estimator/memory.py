@@ -32,7 +32,7 @@ def activation_bytes(shape: Shape, tokens_per_seq: int, elem_bytes: int) -> floa
 @dataclass(frozen=True)
 class LayerBytes:
     w_gpu: float  # one layer's weights in the GPU dtype
-    w_cpu: float  # ... in the CPU compute dtype
+    w_cpu: float  # ... as the CPU holds them (Shape.cpu_weight_bytes)
     kv_gpu: float  # one layer's KV for the whole sequence, GPU dtype
     kv_cpu: float
     head_gpu: float  # LM head + final norm on the GPU
@@ -43,10 +43,10 @@ class LayerBytes:
     def of(cls, shape: Shape) -> "LayerBytes":
         m, total = shape.model, shape.input_len + shape.output_len
         return cls(
-            w_gpu=costs.d_weights(m, shape.w_bytes), w_cpu=costs.d_weights(m, shape.cpu_bytes),
+            w_gpu=costs.d_weights(m, shape.w_bytes), w_cpu=costs.d_weights(m, shape.cpu_weight_bytes),
             kv_gpu=costs.kv_cache_bytes_per_layer(m, shape.batch, total, shape.w_bytes),
             kv_cpu=costs.kv_cache_bytes_per_layer(m, shape.batch, total, shape.cpu_bytes),
-            head_gpu=costs.d_lm_head(m, shape.w_bytes), head_cpu=costs.d_lm_head(m, shape.cpu_bytes),
+            head_gpu=costs.d_lm_head(m, shape.w_bytes), head_cpu=costs.d_lm_head(m, shape.cpu_weight_bytes),
             embed_cpu=float(m.embedding_params * shape.cpu_bytes),
         )
 

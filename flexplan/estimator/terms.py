@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from flexplan.estimator.efficiency import Efficiency
-from flexplan.hardware.spec import DTYPE_BYTES, Hardware
+from flexplan.hardware.spec import DTYPE_BYTES, Hardware, cpu_weight_dtype
 from flexplan.workload import costs
 from flexplan.workload.model import ModelSpec
 
@@ -47,7 +47,14 @@ class Shape:
 
     @property
     def cpu_bytes(self) -> int:
+        """Bytes per element of what the CPU computes on (activations, KV cache, norms)."""
         return DTYPE_BYTES[self.cpu_dtype]
+
+    @property
+    def cpu_weight_bytes(self) -> int:
+        """Bytes per element of the CPU's linear weights (spec.cpu_weight_dtype: a 16-bit model
+        stays 16-bit under float32 compute)."""
+        return DTYPE_BYTES[cpu_weight_dtype(self.dtype, self.cpu_dtype)]
 
     @property
     def decode_context_lens(self) -> np.ndarray:
@@ -92,7 +99,7 @@ def phase_costs(shape: Shape, hw: Hardware, eff: Efficiency, phase: str) -> Phas
     if phase == "prefill":
         tokens_per_seq, rows = shape.input_len, b * shape.input_len
         flops = costs.c_prefill(m, b, shape.input_len)
-        d_cpu = costs.d_prefill(m, b, shape.input_len, shape.cpu_bytes, shape.cpu_bytes)
+        d_cpu = costs.d_prefill(m, b, shape.input_len, shape.cpu_weight_bytes, shape.cpu_bytes)
         d_gpu = costs.d_prefill(m, b, shape.input_len, shape.w_bytes, shape.w_bytes)
         kv_read = 0.0  # nothing cached yet; the prompt's K, V are produced by the layer
         kv_write = float(costs.d_kv_cache(m, b, shape.input_len, shape.w_bytes))
@@ -102,7 +109,7 @@ def phase_costs(shape: Shape, hw: Hardware, eff: Efficiency, phase: str) -> Phas
         ctx = shape.decode_context_lens
         tokens_per_seq, rows = 1, b
         flops = costs.c_decode(m, b, ctx)
-        d_cpu = costs.d_decode(m, b, shape.cpu_bytes, shape.cpu_bytes)
+        d_cpu = costs.d_decode(m, b, shape.cpu_weight_bytes, shape.cpu_bytes)
         d_gpu = costs.d_decode(m, b, shape.w_bytes, shape.w_bytes)
         kv_read = costs.d_kv_cache(m, b, ctx - 1, shape.w_bytes)  # cached part, before this token
         kv_write = float(costs.d_kv_cache(m, b, 1, shape.w_bytes))
@@ -112,11 +119,11 @@ def phase_costs(shape: Shape, hw: Hardware, eff: Efficiency, phase: str) -> Phas
     cd = shape.cpu_dtype
     t_cpu = (t_compute_s(flops, th_cpu, eff.cpu_compute(rows, cd))
              + t_memory_s(d_cpu + kv_write_cpu, cpu.memory_bandwidth_bytes_per_s, eff.cpu_memory(rows, cd))
-             + t_cpu_attn + eff.cpu_layer_overhead_s(rows, cd, costs.d_weights(m, shape.cpu_bytes)))
+             + t_cpu_attn + eff.cpu_layer_overhead_s(rows, cd, costs.d_weights(m, shape.cpu_weight_bytes)))
     head_flops = costs.c_lm_head(m, b)
     step_overhead = eff.cpu_step_overhead_s(b, m.vocab_size)  # the host runs generate()'s loop, whatever the policy
     t_cpu_head = (t_compute_s(head_flops, th_cpu, eff.cpu_head_compute(b, cd))
-                  + t_memory_s(costs.d_lm_head(m, shape.cpu_bytes), cpu.memory_bandwidth_bytes_per_s,
+                  + t_memory_s(costs.d_lm_head(m, shape.cpu_weight_bytes), cpu.memory_bandwidth_bytes_per_s,
                                eff.cpu_head_memory(b, cd)) + step_overhead)
     hidden = costs.d_output(m, b, tokens_per_seq, shape.w_bytes)
     logits = costs.d_logits(m, b)

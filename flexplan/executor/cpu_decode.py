@@ -18,7 +18,8 @@ through :func:`flexplan.executor.native.decode_status`):
   update (the cache's own ``update``), one-query grouped-head attention reading the cache's
   view through its strides, the output projection.
 
-Covered: float32 tensors on the CPU, the families in :data:`FUSED_FAMILIES` (same attention
+Covered: float32 tensors on the CPU (linear weights float32 or, blocked, 16-bit: computed in
+float32), the families in :data:`FUSED_FAMILIES` (same attention
 block), no attention weights requested, a boolean padding mask or none. Anything else (another
 device or dtype: a layer on the accelerator; prefill; a float mask; ``FLEXPLAN_NATIVE=0``) runs
 transformers' own forward, so the instance-level forward never changes what is computed, only
@@ -125,7 +126,12 @@ def _scratch(have: dict[str, torch.Tensor], w: native.LayerWeights, batch: int) 
 
 
 def _blocked(*linears: nn.Module) -> bool:
-    return all(m.weight.dim() == 3 and _cpu_f32(m.weight) and (m.bias is None or _cpu_f32(m.bias)) for m in linears)
+    """Blocked weights on the CPU, all of one dtype the native GEMV reads (float32 or 16-bit),
+    float32 biases."""
+    dtypes = {m.weight.dtype for m in linears}
+    return (len(dtypes) == 1 and dtypes <= set(native.WEIGHT_TYPES)
+            and all(m.weight.dim() == 3 and m.weight.device.type == "cpu" and (m.bias is None or _cpu_f32(m.bias))
+                    for m in linears))
 
 
 class FusedLayer:
@@ -148,8 +154,8 @@ class FusedLayer:
 
     def _fill(self) -> bool:
         """Point the weight struct at the layer's current tensors (again only when the executor has
-        rebound them); False when they are not all blocked float32 on the CPU (another kernel, or
-        a layer on the accelerator)."""
+        rebound them); False when they are not all blocked on the CPU in one dtype the GEMV reads
+        (another kernel, or a layer on the accelerator)."""
         tensors = tuple(t for lin in self.linears for t in (lin._parameters["weight"], lin._parameters["bias"])) \
             + tuple(n._parameters["weight"] for n in self.norms)
         # the executor rebinds a Parameter's .data in place: compare where the data is, not the object
@@ -171,6 +177,7 @@ class FusedLayer:
         q, k, o, down = (lin.weight.shape for lin in (a.q_proj, a.k_proj, a.o_proj, self.linears[-1]))
         w.hidden, w.inter, w.hq, w.hk, w.d = o[0] * o[2], down[1], q[0] * q[2] // d, k[0] * k[2] // d, d
         w.scale = float(a.scaling)
+        w.wtype = native.WEIGHT_TYPES[a.q_proj.weight.dtype]
         return True
 
     def dims(self) -> tuple[int, ...]:
@@ -214,8 +221,8 @@ class FusedStack:
 
     It runs only while :attr:`armed`, which the executor sets for a decode step whose every layer
     computes on the CPU, after putting their weights and KV caches there (what its per-layer
-    hooks would do); and only when every layer is a :class:`FusedLayer` with blocked float32
-    weights, the cache's buffers are float32 on the host (:meth:`FlexKVLayer.cpu_f32_buffers`),
+    hooks would do); and only when every layer is a :class:`FusedLayer` with blocked weights
+    (float32, or 16-bit computed in float32), the cache's buffers are float32 on the host (:meth:`FlexKVLayer.cpu_f32_buffers`),
     the mask is a 2-D padding mask, and no sliding window cuts the keys. Anything else runs the
     stack's own forward, layer by layer (where the layers' fused forwards still apply)."""
 

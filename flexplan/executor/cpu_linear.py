@@ -7,10 +7,13 @@ STREAM triad of ~39 GB/s (this VM's memory also runs at ~66-70 GB/s for minutes 
 Two packed layouts, each REPLACING the dense weight (it is the ``weight`` Parameter of the
 ``nn.Linear``), so a CPU layer holds one copy:
 
-- ``flexplan-blocked`` (the default where the native kernel builds, ``native``): float32 weights
-  with ``out`` a multiple of 64 are held as [out/64, in, 64] and computed by
-  ``native_gemv.c``, one sequential stream per thread, for decode and prefill alike. Other
-  weights (bf16, odd shapes) take oneDNN's layout below.
+- ``flexplan-blocked`` (the default where the native kernel builds, ``native``): weights with
+  ``out`` a multiple of 64 are held as [out/64, in, 64] and computed in float32 by
+  ``native_gemv.c``, one sequential stream per thread, for decode and prefill alike. They are
+  float32, or bfloat16 / float16 when the model's weights are 16-bit and the CPU computes in
+  float32 (``flexplan.hardware.spec.cpu_weight_dtype``): the kernel widens each weight as it reads
+  it, so the result is the float32 one bit for bit at half the bytes. Other weights (bf16
+  compute on AMX, odd shapes) take oneDNN's layout below.
 - ``onednn-packed``: oneDNN's inner product on a weight reordered once into its layout
   (``torch.ops.mkldnn._reorder_linear_weight``, the kernel torch.compile's CPU freezing pass
   uses), an opaque tensor of the same shape; batch-1 decode plans use batch hint 1.
@@ -88,9 +91,29 @@ def pack_batch_hint(decode_batch: int) -> int | None:
     return 1 if int(decode_batch) == 1 else None
 
 
-def blockable(weight: torch.Tensor) -> bool:
-    """A float32 [out, in] weight with ``out`` a multiple of the native block (64)."""
-    return weight.dtype == torch.float32 and weight.dim() == 2 and weight.shape[0] % BLOCK == 0
+BLOCKED_WEIGHT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # what native_gemv.c reads
+
+
+def blockable(weight: torch.Tensor, compute_dtype: torch.dtype | None = None) -> bool:
+    """An [out, in] weight with ``out`` a multiple of the native block (64) that the native GEMV
+    computes as ``compute_dtype`` (default: the weight's) asks: float32, or 16-bit weights read
+    into a float32 computation."""
+    return _blockable(tuple(weight.shape), weight.dtype, compute_dtype or weight.dtype)
+
+
+def _blockable(shape: tuple[int, ...], dtype: torch.dtype, compute_dtype: torch.dtype) -> bool:
+    return (len(shape) == 2 and shape[0] % BLOCK == 0 and compute_dtype == torch.float32
+            and dtype in BLOCKED_WEIGHT_DTYPES)
+
+
+def stored_dtype(shape: tuple[int, ...], weight_dtype: torch.dtype, compute_dtype: torch.dtype,
+                 kernel: str | None) -> torch.dtype:
+    """The dtype :func:`pack` gives a weight of ``shape`` asked for in ``weight_dtype`` for a CPU
+    computing in ``compute_dtype``: ``weight_dtype`` where the blocked kernel reads it, else the
+    compute dtype (oneDNN and F.linear take one dtype)."""
+    if kernel == KERNEL_BLOCKED and blocking_available() and _blockable(tuple(shape), weight_dtype, compute_dtype):
+        return weight_dtype
+    return compute_dtype
 
 
 BLOCK = 64  # columns per block of the blocked layout (native_gemv.c's BLOCK)
@@ -110,14 +133,19 @@ def layout_name(t: torch.Tensor) -> str:
     return "blocked" if is_blocked(t) else "oneDNN-packed" if t.is_mkldnn else "dense"
 
 
-def pack(weight: torch.Tensor, batch_hint: int | None = None, kernel: str = KERNEL_PACKED) -> torch.Tensor:
-    """A dense [out, in] CPU weight in the layout ``kernel`` computes from (a new tensor): blocked
-    for ``flexplan-blocked`` where the weight is blockable (float32, ``out`` a multiple of 64),
-    else oneDNN's layout, for the decode batch ``batch_hint`` (None: the generic one)."""
+def pack(weight: torch.Tensor, batch_hint: int | None = None, kernel: str = KERNEL_PACKED,
+         compute_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """A dense [out, in] CPU weight in the layout ``kernel`` computes from, for a CPU computing
+    in ``compute_dtype`` (default: the weight's dtype), a new tensor: blocked for
+    ``flexplan-blocked`` where the weight is blockable (``out`` a multiple of 64; float32, or
+    16-bit kept as it is for a float32 computation), else oneDNN's layout in the compute dtype,
+    for the decode batch ``batch_hint`` (None: the generic one)."""
+    compute = compute_dtype or weight.dtype
     with torch.no_grad():
         w = weight.detach().contiguous()
-        if kernel == KERNEL_BLOCKED and blockable(w) and blocking_available():
+        if kernel == KERNEL_BLOCKED and blockable(w, compute) and blocking_available():
             return block(w)
+        w = w.to(compute)
         if batch_hint:
             return torch.ops.mkldnn._reorder_linear_weight(w, int(batch_hint))
         return torch.ops.mkldnn._reorder_linear_weight(w)
@@ -142,15 +170,16 @@ def packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
 
 def blocked_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear`` on a blocked weight with the native kernel (float32 ``x``, any token count:
-    decode GEMVs and prefill GEMMs alike); ``torch.matmul`` on the blocks for anything else."""
+    decode GEMVs and prefill GEMMs alike; the weight float32 or 16-bit, widened as it is read);
+    ``torch.matmul`` on the blocks, in ``x``'s dtype, for anything else."""
     n_blocks, k, block_cols = weight.shape
     out = n_blocks * block_cols
     x2 = x.reshape(-1, k)
     gemv = native.status()[0]
-    if x2.dtype == torch.float32 and gemv is not None:
+    if x2.dtype == torch.float32 and gemv is not None and (bias is None or bias.dtype == torch.float32):
         y = gemv.gemv(weight, x2.contiguous(), None if bias is None else bias.contiguous())
     else:
-        y = torch.matmul(x2, weight).permute(1, 0, 2).reshape(x2.shape[0], out)
+        y = torch.matmul(x2, weight.to(x2.dtype)).permute(1, 0, 2).reshape(x2.shape[0], out)
         if bias is not None:
             y.add_(bias)
     return y.reshape(*x.shape[:-1], out)
@@ -169,21 +198,24 @@ def _forward(module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     return linear(x, module.weight, module.bias)
 
 
-def pack_embedding(weight: torch.Tensor) -> torch.Tensor:
-    """A tied embedding / LM head weight [vocab, hidden] for the host: blocked where it can be (the
-    head's GEMV then streams like the other linears and the lookup reads rows out of the blocks),
-    else a dense copy (oneDNN's opaque layout cannot be indexed for the lookup)."""
+def pack_embedding(weight: torch.Tensor, compute_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """A tied embedding / LM head weight [vocab, hidden] for the host, for a CPU computing in
+    ``compute_dtype`` (default: the weight's dtype): blocked where it can be (the head's GEMV then
+    streams like the other linears and the lookup reads rows out of the blocks), else a dense copy
+    in the compute dtype (oneDNN's opaque layout cannot be indexed for the lookup)."""
+    compute = compute_dtype or weight.dtype
     with torch.no_grad():
         w = weight.detach().contiguous()
-        if blockable(w) and blocking_available():
+        if blockable(w, compute) and blocking_available():
             return block(w)
-        return w.clone()
+        return w.to(compute, copy=True)
 
 
 def embedding_rows(ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """``F.embedding(ids, W)`` for W in the blocked layout: row r is ``P[r // 64, :, r % 64]``."""
+    """``F.embedding(ids, W)`` for W in the blocked layout: row r is ``P[r // 64, :, r % 64]``,
+    in float32 (what the CPU computes in when it holds 16-bit blocked weights)."""
     block_cols = weight.shape[2]
-    return weight.permute(0, 2, 1)[torch.div(ids, block_cols, rounding_mode="floor"), ids % block_cols]
+    return weight.permute(0, 2, 1)[torch.div(ids, block_cols, rounding_mode="floor"), ids % block_cols].float()
 
 
 def _embedding_forward(module: nn.Embedding, ids: torch.Tensor) -> torch.Tensor:

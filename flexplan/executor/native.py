@@ -36,8 +36,12 @@ CFLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11")
 DISABLE_ENV = "FLEXPLAN_NATIVE"
 
 
+WEIGHT_TYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # native_gemv.c's WEIGHT_*
+
+
 class NativeGemv:
-    """The loaded library: ``gemv(P, x, y, bias, out, in, batch)`` on blocked float32 weights."""
+    """The loaded library: ``gemv(P, x, bias)`` on blocked float32, bfloat16 or float16 weights,
+    computed in float32."""
 
     def __init__(self, lib: ctypes.CDLL, path: Path):
         self.path = path
@@ -45,28 +49,30 @@ class NativeGemv:
         lib.flexplan_gemv_block.restype = ctypes.c_int
         self.isa = lib.flexplan_gemv_isa().decode()
         self.block = int(lib.flexplan_gemv_block())
-        self._gemv = lib.flexplan_blocked_gemv_f32
-        self._gemv.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3
-        self._gemv.restype = None
+        self._gemv = lib.flexplan_blocked_gemv
+        self._gemv.argtypes = [ctypes.c_void_p, ctypes.c_int64] + [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3
+        self._gemv.restype = ctypes.c_int
         self._lib = lib  # keeps the library loaded
 
     def gemv(self, blocked: torch.Tensor, x2d: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        """``x2d @ W.T (+ bias)`` for ``blocked`` = W as [out/64, in, 64]; x2d [batch, in] float32,
-        contiguous. Returns a new [batch, out] float32 tensor."""
+        """``x2d @ W.float().T (+ bias)`` for ``blocked`` = W as [out/64, in, 64] (a dtype of
+        :data:`WEIGHT_TYPES`); x2d [batch, in] and bias float32, contiguous. Returns a new
+        [batch, out] float32 tensor."""
         n_blocks, k, block = blocked.shape
         out = n_blocks * block
         y = torch.empty(x2d.shape[0], out, dtype=torch.float32)
-        self._gemv(blocked.data_ptr(), x2d.data_ptr(), y.data_ptr(), None if bias is None else bias.data_ptr(),
-                   out, k, x2d.shape[0])
+        self._gemv(blocked.data_ptr(), WEIGHT_TYPES[blocked.dtype], x2d.data_ptr(), y.data_ptr(),
+                   None if bias is None else bias.data_ptr(), out, k, x2d.shape[0])
         return y
 
 
 class LayerWeights(ctypes.Structure):
-    """``flexplan_layer`` of native_decode.c: one decoder layer's weights (blocked) and sizes."""
+    """``flexplan_layer`` of native_decode.c: one decoder layer's weights (blocked, all seven of
+    one dtype: ``wtype`` its :data:`WEIGHT_TYPES` code) and sizes."""
 
     _fields_ = ([(n, ctypes.c_void_p) for n in ("ln1", "ln2", "wq", "wk", "wv", "wo", "bq", "bk", "bv", "bo",
                                                 "wg", "wu", "wd", "bg", "bu", "bd")]
-                + [(n, ctypes.c_int64) for n in ("hidden", "inter", "hq", "hk", "d")]
+                + [(n, ctypes.c_int64) for n in ("hidden", "inter", "hq", "hk", "d", "wtype")]
                 + [(n, ctypes.c_float) for n in ("eps1", "eps2", "scale")])
 
 
@@ -199,10 +205,11 @@ def _compile(cc: str, target: Path, sources: tuple[Path, ...] = (SOURCE,)) -> No
 
 def _self_check(native: NativeGemv) -> None:
     """The kernel against F.linear in float64 on odd sizes, with and without bias and batch rows
-    past one group; raises if it is off."""
+    past one group, for each weight dtype (16-bit weights widened exactly); raises if it is off."""
     g = torch.Generator().manual_seed(0)
-    for out, k, batch, with_bias in ((128, 37, 1, True), (64, 300, 6, False), (192, 64, 3, True)):
-        w = torch.randn(out, k, generator=g)
+    for (out, k, batch, with_bias), dtype in zip(((128, 37, 1, True), (64, 300, 6, False), (192, 64, 3, True)) * 3,
+                                                 [d for d in WEIGHT_TYPES for _ in range(3)]):
+        w = torch.randn(out, k, generator=g).to(dtype)
         x = torch.randn(batch, k, generator=g)
         b = torch.randn(out, generator=g) if with_bias else None
         blocked = w.view(out // native.block, native.block, k).transpose(1, 2).contiguous()
@@ -210,7 +217,8 @@ def _self_check(native: NativeGemv) -> None:
         ref = torch.nn.functional.linear(x.double(), w.double(), None if b is None else b.double())
         err = float((y - ref).abs().max() / ref.abs().max())
         if not err < 1e-5:
-            raise RuntimeError(f"self-check failed: relative error {err:.2e} at out={out} in={k} batch={batch}")
+            raise RuntimeError(f"self-check failed: relative error {err:.2e} at out={out} in={k} batch={batch} "
+                               f"({dtype})")
 
 
 def _unavailable() -> str | None:

@@ -20,8 +20,9 @@
  *   flexplan_decode_stack_f32 every layer of a decode step in one call, appending each layer's new
  *                             k and v to its KV cache itself (no Python between the layers)
  *
- * The GEMVs are native_gemv.c's flexplan_blocked_gemv_f32 (compiled into the same library), on
- * weights in its blocked layout [out/64, in, 64].
+ * The GEMVs are native_gemv.c's flexplan_blocked_gemv (compiled into the same library), on
+ * weights in its blocked layout [out/64, in, 64], float32 or 16-bit (a layer's seven in one type,
+ * flexplan_layer.wtype); activations, norms, biases and the KV cache are float32 throughout.
  *
  * Attention splits the keys of each sequence into chunks of CHUNK_T positions, one work item per
  * (sequence, chunk), so each thread reads a contiguous stretch of the cache (all heads of a
@@ -36,8 +37,8 @@
 #include <stdlib.h>
 #include <string.h>
 
-void flexplan_blocked_gemv_f32(const float* P, const float* x, float* y, const float* bias, int64_t out,
-                               int64_t in, int64_t batch);
+int flexplan_blocked_gemv(const void* P, int64_t wtype, const float* x, float* y, const float* bias, int64_t out,
+                          int64_t in, int64_t batch);
 
 #define CHUNK_T 32 /* key positions per attention work item */
 
@@ -236,11 +237,12 @@ int flexplan_decode_attention_f32(const float* q, const float* k, const float* v
 /* The blocked weights (and biases or NULL) of one decoder layer, and its sizes. */
 typedef struct {
     const float *ln1, *ln2;                 /* RMSNorm weights [hidden] */
-    const float *wq, *wk, *wv, *wo;         /* blocked [out/64, in, 64] */
+    const void *wq, *wk, *wv, *wo;          /* blocked [out/64, in, 64], of type wtype */
     const float *bq, *bk, *bv, *bo;
-    const float *wg, *wu, *wd;
+    const void *wg, *wu, *wd;
     const float *bg, *bu, *bd;
     int64_t hidden, inter, hq, hk, d;
+    int64_t wtype;                          /* native_gemv.c's WEIGHT_F32, _BF16 or _F16 */
     float eps1, eps2, scale;
 } flexplan_layer;
 
@@ -249,9 +251,9 @@ typedef struct {
 void flexplan_layer_pre_attention_f32(const flexplan_layer* L, const float* x, const float* cos_,
                                       const float* sin_, int64_t batch, float* xn, float* q, float* k, float* v) {
     flexplan_rmsnorm_f32(x, L->ln1, xn, batch, L->hidden, L->eps1);
-    flexplan_blocked_gemv_f32(L->wq, xn, q, L->bq, L->hq * L->d, L->hidden, batch);
-    flexplan_blocked_gemv_f32(L->wk, xn, k, L->bk, L->hk * L->d, L->hidden, batch);
-    flexplan_blocked_gemv_f32(L->wv, xn, v, L->bv, L->hk * L->d, L->hidden, batch);
+    flexplan_blocked_gemv(L->wq, L->wtype, xn, q, L->bq, L->hq * L->d, L->hidden, batch);
+    flexplan_blocked_gemv(L->wk, L->wtype, xn, k, L->bk, L->hk * L->d, L->hidden, batch);
+    flexplan_blocked_gemv(L->wv, L->wtype, xn, v, L->bv, L->hk * L->d, L->hidden, batch);
     flexplan_rope_f32(q, cos_, sin_, batch, L->hq, L->d);
     flexplan_rope_f32(k, cos_, sin_, batch, L->hk, L->d);
 }
@@ -267,14 +269,14 @@ int flexplan_layer_post_attention_f32(const flexplan_layer* L, const float* x, f
     if (keys && flexplan_decode_attention_f32(q, keys, values, mask, attn, batch, L->hq, L->hk, T, L->d, sb, sh,
                                               st, L->scale) != 0)
         return -1;
-    flexplan_blocked_gemv_f32(L->wo, attn, tmp, L->bo, H, L->hq * L->d, batch);
+    flexplan_blocked_gemv(L->wo, L->wtype, attn, tmp, L->bo, H, L->hq * L->d, batch);
     for (int64_t i = 0; i < batch * H; i++) y[i] = x[i] + tmp[i];
     flexplan_rmsnorm_f32(y, L->ln2, xn, batch, H, L->eps2);
-    flexplan_blocked_gemv_f32(L->wg, xn, g, L->bg, I, H, batch);
-    flexplan_blocked_gemv_f32(L->wu, xn, u, L->bu, I, H, batch);
+    flexplan_blocked_gemv(L->wg, L->wtype, xn, g, L->bg, I, H, batch);
+    flexplan_blocked_gemv(L->wu, L->wtype, xn, u, L->bu, I, H, batch);
 #pragma omp simd
     for (int64_t i = 0; i < batch * I; i++) g[i] = g[i] / (1.0f + exp_f32(-g[i])) * u[i];
-    flexplan_blocked_gemv_f32(L->wd, g, tmp, L->bd, H, I, batch);
+    flexplan_blocked_gemv(L->wd, L->wtype, g, tmp, L->bd, H, I, batch);
     for (int64_t i = 0; i < batch * H; i++) y[i] += tmp[i];
     return 0;
 }

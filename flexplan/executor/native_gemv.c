@@ -1,9 +1,14 @@
-/* flexplan's CPU GEMV for decode, on float32 weights in a column-blocked layout.
+/* flexplan's CPU GEMV for decode, on weights in a column-blocked layout, computed in float32.
  *
  * The weight of an nn.Linear, W [out, in] (out a multiple of 64), is held as P [out/64, in, 64]:
  * P[k, i, c] = W[64 k + c, i]. For each block k, y[b, 64 k + c] = sum_i P[k, i, c] * x[b, i]
  * (+ bias[64 k + c]) for every batch row b < batch. x is [batch, in] and y [batch, out], both
- * float32 and contiguous; bias is float32 or NULL.
+ * float32 and contiguous; bias is float32 or NULL. P is float32, bfloat16 or float16 (WEIGHT_*):
+ * 16-bit weights are widened to float32 in registers as they are read (exactly: every bf16 and
+ * f16 value is a float32 value), so a 16-bit checkpoint computes as it would after .float(), in
+ * the same order, bit for bit, while DRAM delivers half the bytes. That is the point: decode
+ * time is the weights' bytes over memory bandwidth, and a CPU without fast bf16 arithmetic
+ * (AVX2, AVX-512 without AMX) still gets the 16-bit bytes.
  *
  * Why this layout: a batch-1 decode step is one GEMV per weight matrix and should read the
  * weights at memory bandwidth. In the blocked layout each thread reads its blocks as ONE
@@ -21,6 +26,7 @@
  * thread pool, sized by torch.set_num_threads. ISA paths: AVX-512F, AVX2 + FMA, plain C.
  */
 #include <stdint.h>
+#include <string.h>
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #include <immintrin.h>
 #endif
@@ -64,36 +70,86 @@ static inline vec vfma(vec a, vec b, vec c) { return a * b + c; }
 
 #define NV (BLOCK / VW) /* vectors per row of a block */
 #define GROUP_MAX 6
-#define CHUNK (16384 / (BLOCK * 4)) /* rows of a block per pass: 16 KB */
-/* The first batch group's pass over a block prefetches the rows PREFETCH_ROWS ahead (8 KB) with
- * the non-temporal hint: the weights, read once per step, then displace less of the caches that
- * the rest of the decode step (norms, attention, the KV cache, the interpreter) runs from. On the
+#define CHUNK_BYTES 16384 /* bytes of a block's rows per pass (in L1) */
+/* The first batch group's pass over a block prefetches PREFETCH_BYTES ahead (8 KB) with the
+ * non-temporal hint: the weights, read once per step, then displace less of the caches that the
+ * rest of the decode step (norms, attention, the KV cache, the interpreter) runs from. On the
  * development machine this took a real decode step of the 1.97 GB random Llama from ~58 to
  * ~53-56 ms in the ~39 GB/s memory state and from ~40-44 to ~39-40 ms in the ~64 GB/s one (an
- * ad-hoc interleaved comparison; benchmarks/bench_cpu_vs_transformers.py has the committed
- * figures with it). */
-#define PREFETCH_ROWS 32
+ * ad-hoc interleaved comparison, float32 weights; benchmarks/bench_cpu_vs_transformers.py has
+ * the committed figures with it). */
+#define PREFETCH_BYTES 8192
+
+enum { WEIGHT_F32 = 0, WEIGHT_BF16 = 1, WEIGHT_F16 = 2 };
 
 const char* flexplan_gemv_isa(void) { return ISA; }
 int flexplan_gemv_block(void) { return BLOCK; }
 
-/* Rows [i0, i1) of one block p [in, 64] against nb (a constant at each call site) batch rows of
- * x, accumulated into y (zeroed first when `first`). */
-static inline __attribute__((always_inline)) void block_rows(const float* p, const float* x, float* y,
-                                                             int64_t in, int64_t out, int64_t i0, int64_t i1,
-                                                             int first, int prefetch, const int nb) {
+#if !defined(__AVX512F__) && !(defined(__AVX2__) && defined(__F16C__))
+static inline float f16_to_f32(uint16_t h) { /* IEEE binary16 -> binary32, exact (subnormals too) */
+  const uint32_t sign = (uint32_t)(h & 0x8000u) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ffu;
+  uint32_t bits;
+  if (exp == 0x1f) bits = sign | 0x7f800000u | (man << 13);
+  else if (exp) bits = sign | ((exp + 112u) << 23) | (man << 13);
+  else if (!man) bits = sign;
+  else { /* subnormal: normalise */
+    int e = -1;
+    uint32_t m = man;
+    do { m <<= 1, ++e; } while (!(m & 0x400u));
+    bits = sign | ((uint32_t)(112 - e) << 23) | ((m & 0x3ffu) << 13);
+  }
+  float f;
+  memcpy(&f, &bits, sizeof f);
+  return f;
+}
+#endif
+
+/* VW weights from element idx of p, as float32 (wt a constant at each call site). */
+static inline __attribute__((always_inline)) vec wload(const void* p, int64_t idx, const int wt) {
+  if (wt == WEIGHT_F32) return vload((const float*)p + idx);
+  const uint16_t* h = (const uint16_t*)p + idx;
+#if defined(__AVX512F__)
+  const __m256i raw = _mm256_loadu_si256((const __m256i*)h);
+  if (wt == WEIGHT_BF16) return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+  return _mm512_cvtph_ps(raw);
+#elif defined(__AVX2__) && defined(__FMA__)
+  const __m128i raw = _mm_loadu_si128((const __m128i*)h);
+  if (wt == WEIGHT_BF16) return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
+#if defined(__F16C__)
+  return _mm256_cvtph_ps(raw);
+#else
+  float f[VW];
+  for (int j = 0; j < VW; ++j) f[j] = f16_to_f32(h[j]);
+  return _mm256_loadu_ps(f);
+#endif
+#else
+  if (wt == WEIGHT_BF16) {
+    const uint32_t bits = (uint32_t)h[0] << 16;
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+  }
+  return f16_to_f32(h[0]);
+#endif
+}
+
+/* Rows [i0, i1) of one block p [in, 64] (weights of type wt) against nb batch rows of x,
+ * accumulated into y (zeroed first when `first`); nb and wt are constants at each call site. */
+static inline __attribute__((always_inline)) void block_rows(const void* p, const float* x, float* y, int64_t in,
+                                                             int64_t out, int64_t i0, int64_t i1, int first,
+                                                             int prefetch, const int nb, const int wt) {
   vec acc[GROUP_MAX][NV];
   _Pragma("GCC unroll 8") for (int b = 0; b < nb; ++b)
     _Pragma("GCC unroll 64") for (int v = 0; v < NV; ++v) acc[b][v] = first ? vzero() : vload(y + b * out + v * VW);
   for (int64_t i = i0; i < i1; ++i) {
-    const float* row = p + i * BLOCK;
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
-    if (prefetch) /* the first pass over a chunk: fetch ahead, non-temporally (see PREFETCH_ROWS) */
-      _Pragma("GCC unroll 4") for (int l = 0; l < BLOCK * 4 / 64; ++l)
-        _mm_prefetch((const char*)(row + PREFETCH_ROWS * BLOCK) + 64 * l, _MM_HINT_NTA);
+    const int row_bytes = BLOCK * (wt == WEIGHT_F32 ? 4 : 2);
+    if (prefetch) /* the first pass over a chunk: fetch ahead, non-temporally (see PREFETCH_BYTES) */
+      _Pragma("GCC unroll 4") for (int l = 0; l < row_bytes / 64; ++l)
+        _mm_prefetch((const char*)p + i * row_bytes + PREFETCH_BYTES + 64 * l, _MM_HINT_NTA);
 #endif
     vec w[NV];
-    _Pragma("GCC unroll 64") for (int v = 0; v < NV; ++v) w[v] = vload(row + v * VW);
+    _Pragma("GCC unroll 64") for (int v = 0; v < NV; ++v) w[v] = wload(p, i * BLOCK + v * VW, wt);
     _Pragma("GCC unroll 8") for (int b = 0; b < nb; ++b) {
       const vec xb = vset1(x[b * in + i]);
       _Pragma("GCC unroll 64") for (int v = 0; v < NV; ++v) acc[b][v] = vfma(w[v], xb, acc[b][v]);
@@ -103,38 +159,51 @@ static inline __attribute__((always_inline)) void block_rows(const float* p, con
     _Pragma("GCC unroll 64") for (int v = 0; v < NV; ++v) vstore(y + b * out + v * VW, acc[b][v]);
 }
 
-/* y = x P^T (+ bias) for any batch: each thread takes whole blocks; a block is walked in chunks
- * of CHUNK rows (16 KB, in L1), and every group of GROUP batch rows runs against a chunk before
- * the next chunk is read, so the weights stream from DRAM once whatever the batch. */
-void flexplan_blocked_gemv_f32(const float* P, const float* x, float* y, const float* bias, int64_t out,
-                               int64_t in, int64_t batch) {
-  const int64_t blocks = out / BLOCK;
-#pragma omp parallel for schedule(static)
-  for (int64_t k = 0; k < blocks; ++k) {
-    const float* p = P + k * in * BLOCK;
-    for (int64_t i0 = 0; i0 < in; i0 += CHUNK) {
-      const int64_t i1 = i0 + CHUNK < in ? i0 + CHUNK : in;
-      for (int64_t b = 0; b < batch; b += GROUP) {
-        const float* xb = x + b * in;
-        float* yb = y + b * out + k * BLOCK;
-        const int first = i0 == 0;
-        switch (batch - b < GROUP ? batch - b : GROUP) {
+/* One block k of y = x P^T (+ bias), weights of type wt: the block is walked in chunks of
+ * CHUNK_BYTES (in L1), and every group of GROUP batch rows runs against a chunk before the next
+ * chunk is read, so the weights stream from DRAM once whatever the batch. */
+static inline __attribute__((always_inline)) void gemv_block(const void* P, const float* x, float* y,
+                                                             const float* bias, int64_t out, int64_t in,
+                                                             int64_t batch, int64_t k, const int wt) {
+  const int64_t chunk = CHUNK_BYTES / (BLOCK * (wt == WEIGHT_F32 ? 4 : 2));
+  const void* p = (const char*)P + k * in * BLOCK * (wt == WEIGHT_F32 ? 4 : 2);
+  for (int64_t i0 = 0; i0 < in; i0 += chunk) {
+    const int64_t i1 = i0 + chunk < in ? i0 + chunk : in;
+    for (int64_t b = 0; b < batch; b += GROUP) {
+      const float* xb = x + b * in;
+      float* yb = y + b * out + k * BLOCK;
+      const int first = i0 == 0;
+      switch (batch - b < GROUP ? batch - b : GROUP) {
 #if GROUP >= 6
-          case 6: block_rows(p, xb, yb, in, out, i0, i1, first, b == 0, 6); break;
-          case 5: block_rows(p, xb, yb, in, out, i0, i1, first, b == 0, 5); break;
-          case 4: block_rows(p, xb, yb, in, out, i0, i1, first, b == 0, 4); break;
-          case 3: block_rows(p, xb, yb, in, out, i0, i1, first, b == 0, 3); break;
-          case 2: block_rows(p, xb, yb, in, out, i0, i1, first, b == 0, 2); break;
+        case 6: block_rows(p, xb, yb, in, out, i0, i1, first, b == 0, 6, wt); break;
+        case 5: block_rows(p, xb, yb, in, out, i0, i1, first, b == 0, 5, wt); break;
+        case 4: block_rows(p, xb, yb, in, out, i0, i1, first, b == 0, 4, wt); break;
+        case 3: block_rows(p, xb, yb, in, out, i0, i1, first, b == 0, 3, wt); break;
+        case 2: block_rows(p, xb, yb, in, out, i0, i1, first, b == 0, 2, wt); break;
 #endif
-          default: block_rows(p, xb, yb, in, out, i0, i1, first, b == 0, 1); break;
-        }
+        default: block_rows(p, xb, yb, in, out, i0, i1, first, b == 0, 1, wt); break;
       }
     }
-    if (bias)
-      for (int64_t b = 0; b < batch; ++b)
-        for (int v = 0; v < NV; ++v) {
-          float* yv = y + b * out + k * BLOCK + v * VW;
-          vstore(yv, vadd(vload(yv), vload(bias + k * BLOCK + v * VW)));
-        }
   }
+  if (bias)
+    for (int64_t b = 0; b < batch; ++b)
+      for (int v = 0; v < NV; ++v) {
+        float* yv = y + b * out + k * BLOCK + v * VW;
+        vstore(yv, vadd(vload(yv), vload(bias + k * BLOCK + v * VW)));
+      }
+}
+
+/* y = x P^T (+ bias) for any batch, P of weight type wtype (WEIGHT_*): each thread takes whole
+ * blocks. Returns 0, or -1 for an unknown weight type. */
+int flexplan_blocked_gemv(const void* P, int64_t wtype, const float* x, float* y, const float* bias, int64_t out,
+                          int64_t in, int64_t batch) {
+  const int64_t blocks = out / BLOCK;
+  if (wtype != WEIGHT_F32 && wtype != WEIGHT_BF16 && wtype != WEIGHT_F16) return -1;
+#pragma omp parallel for schedule(static)
+  for (int64_t k = 0; k < blocks; ++k) {
+    if (wtype == WEIGHT_F32) gemv_block(P, x, y, bias, out, in, batch, k, WEIGHT_F32);
+    else if (wtype == WEIGHT_BF16) gemv_block(P, x, y, bias, out, in, batch, k, WEIGHT_BF16);
+    else gemv_block(P, x, y, bias, out, in, batch, k, WEIGHT_F16);
+  }
+  return 0;
 }

@@ -24,6 +24,7 @@ from typing import Mapping
 
 from flexplan.errors import DeviceUnavailableError, DoesNotFitError, InvalidInputError
 from flexplan.executor.link import ACCELERATOR, HOST_MEMORY, PINNED
+from flexplan.hardware.spec import cpu_weight_dtype
 from flexplan.plan_types import PHASES, POLICIES, Plan
 
 CPU, STREAMED, RESIDENT = "cpu", "streamed", "resident"
@@ -109,6 +110,11 @@ class Placement:
 
     def place_dtype(self, place: str) -> str:
         return self.cpu_dtype if place == HOST_MEMORY else self.dtype
+
+    @property
+    def cpu_weight_dtype(self) -> str:
+        """What the CPU's packed linear weights are asked for in (spec.cpu_weight_dtype)."""
+        return cpu_weight_dtype(self.dtype, self.cpu_dtype)
 
     def kv_host_pinned(self, i: int) -> bool:
         """A host KV copy in the CPU dtype is pinned when it crosses the link at the switch."""

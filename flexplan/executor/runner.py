@@ -126,10 +126,11 @@ class Executor:
 
     def memory_need(self, placement: Placement, batch: int | None = None, capacity: int | None = None) -> MemoryNeed:
         d = functools.partial(self._dtype, placement=placement)
+        wd = torch_dtype(placement.cpu_weight_dtype)
         kv = (lambda place: kv_bytes(batch, capacity, self.spec.num_kv_heads, self.spec.head_dim, d(place))) if batch else None
-        return memory_need(placement, lambda i, place: self.layers[i].nbytes(place, d(place)),
-                           lambda place: self.head.nbytes(place, d(place)),
-                           self.embed.nbytes(HOST_MEMORY, d(HOST_MEMORY)), kv)
+        return memory_need(placement, lambda i, place: self.layers[i].nbytes(place, d(place), wd),
+                           lambda place: self.head.nbytes(place, d(place), wd),
+                           self.embed.nbytes(HOST_MEMORY, d(HOST_MEMORY), wd), kv)
 
     def check(self, placement: Placement, batch: int, capacity: int) -> None:
         need = self.memory_need(placement, batch, capacity)
@@ -154,7 +155,8 @@ class Executor:
             src = source
             if src is None and not group.storages:  # first placement of a loaded model: its own tensors
                 src = lambda name, g=group: cpu_linear.dense(g.param_tensor(name).detach())  # noqa: E731
-            group.ensure({p: self._dtype(p) for p in places}, self.link, src, pack_batch)
+            group.ensure({p: self._dtype(p) for p in places}, self.link, src, pack_batch,
+                         torch_dtype(placement.cpu_weight_dtype))
 
         streamed = placement.streamed_layers
         slot_bytes = max((self.layers[i].nbytes(PINNED, self._dtype(PINNED)) for i in streamed), default=0)

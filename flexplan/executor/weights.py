@@ -7,8 +7,10 @@ allocated once when the model is placed. The module's parameters are views into 
 of its pinned buffer into an accelerator slot with the same layout.
 
 In host memory (the CPU computes from it and never streams it) the weights of plain linears are
-instead oneDNN-packed tensors (``cpu_linear``), one per matrix, in place of their slice of the
-flat buffer: the CPU's GEMVs then run at memory bandwidth, and there is still one copy.
+instead packed tensors (``cpu_linear``: blocked or oneDNN-packed), one per matrix, in place of
+their slice of the flat buffer: the CPU's GEMVs then run at memory bandwidth, and there is still
+one copy. Blocked ones keep a 16-bit model's dtype when the CPU computes in float32
+(``flexplan.hardware.spec.cpu_weight_dtype``).
 """
 
 from __future__ import annotations
@@ -66,6 +68,7 @@ class Storage:
     views: dict[str, torch.Tensor]
     packed: tuple[Buffer, ...] = ()  # packed linear weights (host only, cpu_linear), outside the flat buffer
     pack_batch: int | None = None  # the batch hint they were packed for
+    weight_dtype: torch.dtype | None = None  # the dtype they were asked for in (host only)
 
     def buffers(self) -> tuple[Buffer, ...]:
         return (self.buffer, *self.packed)
@@ -110,14 +113,23 @@ class GroupWeights:
             self._layouts[key] = FlatLayout.of([s for s in self.shapes if s[0] not in skip], dtype)
         return self._layouts[key]
 
-    def nbytes(self, place: str, dtype: torch.dtype) -> int:
-        """Bytes this unit's weights take in ``place`` (flat buffer plus packed weights)."""
+    def packed_dtype(self, name: str, dtype: torch.dtype, weight_dtype: torch.dtype | None) -> torch.dtype:
+        """The dtype the packed host weight ``name`` is held in when the CPU computes in ``dtype``
+        and the weights are asked for in ``weight_dtype`` (None: ``dtype``): cpu_linear.stored_dtype."""
+        kernel = cpu_linear.KERNEL_BLOCKED if isinstance(self.params[name][0], nn.Embedding) else self.pack_kernel
+        return cpu_linear.stored_dtype(dict(self.shapes)[name], weight_dtype or dtype, dtype, kernel)
+
+    def nbytes(self, place: str, dtype: torch.dtype, weight_dtype: torch.dtype | None = None) -> int:
+        """Bytes this unit's weights take in ``place`` (flat buffer plus packed weights, these
+        asked for in ``weight_dtype``)."""
         n = self.layout(place, dtype).nbytes
         if place == HOST_MEMORY and self.packed:
-            key = ("packed", dtype)
-            if key not in self._layouts:
-                self._layouts[key] = FlatLayout.of([s for s in self.shapes if s[0] in self.packed], dtype)
-            n += self._layouts[key].param_bytes
+            for name, shape in self.shapes:
+                if name in self.packed:
+                    numel = 1
+                    for d in shape:
+                        numel *= d
+                    n += numel * torch.empty((), dtype=self.packed_dtype(name, dtype, weight_dtype)).element_size()
         return n
 
     def param_tensor(self, name: str) -> torch.Tensor:
@@ -137,14 +149,17 @@ class GroupWeights:
         return other.storages[HOST_MEMORY if HOST_MEMORY in other.storages else PINNED].views[other_name]
 
     def ensure(self, places: dict[str, torch.dtype], link: Link, source: Callable[[str], torch.Tensor] | None,
-               pack_batch: int | None = None) -> None:
+               pack_batch: int | None = None, weight_dtype: torch.dtype | None = None) -> None:
         """Allocate and fill the storages in ``places`` that are missing (or of another dtype, or
         holding oneDNN-packed weights for another batch hint; blocked weights do not depend on
-        it), then free the ones no longer needed. ``source(name)`` gives each tensor's data."""
+        it), then free the ones no longer needed. ``source(name)`` gives each tensor's data. The
+        packed host weights are asked for in ``weight_dtype`` (None: the host dtype; see
+        :meth:`packed_dtype`)."""
         src = source if source is not None else self.source_from_storages()
         for place, dtype in places.items():
             cur = self.storages.get(place)
             if (cur is not None and cur.layout.dtype == dtype
+                    and (place != HOST_MEMORY or cur.weight_dtype == weight_dtype)
                     and not (cur.pack_batch != pack_batch and any(b.tensor.is_mkldnn for b in cur.packed))):
                 continue
             layout = self.layout(place, dtype)
@@ -163,15 +178,16 @@ class GroupWeights:
                 for name in self.host_aliases:
                     views[name] = self._alias_view(name)
                 for name in sorted(self.packed):
-                    w = cpu_linear.dense(src(name)).to(dtype)
+                    w = cpu_linear.dense(src(name)).to(self.packed_dtype(name, dtype, weight_dtype))
                     if isinstance(self.params[name][0], nn.Embedding):
-                        w = cpu_linear.pack_embedding(w)
+                        w = cpu_linear.pack_embedding(w, dtype)
                     else:
-                        w = cpu_linear.pack(w, pack_batch, self.pack_kernel)
+                        w = cpu_linear.pack(w, pack_batch, self.pack_kernel, dtype)
                     packed.append(link.adopt(w, HOST_MEMORY, f"{self.name} {name} ({cpu_linear.layout_name(w)})"))
                     views[name] = w
             old = self.storages.get(place)
-            self.storages[place] = Storage(place, buf, layout, views, tuple(packed), pack_batch)
+            self.storages[place] = Storage(place, buf, layout, views, tuple(packed), pack_batch,
+                                           weight_dtype if place == HOST_MEMORY else None)
             if old is not None:
                 self._free(old, link)
                 if self.bound == place:

@@ -29,6 +29,17 @@ def canonical_dtype(name: str) -> str:
         ) from None
 
 
+def cpu_weight_dtype(dtype: str, cpu_dtype: str) -> str:
+    """What the CPU holds its layers' linear weights (and a tied LM head) in, for a model whose
+    weights are ``dtype`` and a CPU that computes in ``cpu_dtype``: a 16-bit ``dtype`` stays
+    16-bit when the CPU computes in float32 (flexplan's blocked GEMV widens each weight as it
+    reads it, exactly, so decode reads half the bytes and the host holds half); otherwise the
+    CPU dtype. Norms, biases, activations and the KV cache are in ``cpu_dtype`` either way."""
+    if cpu_dtype == "float32" and DTYPE_BYTES[dtype] == 2:
+        return dtype
+    return cpu_dtype
+
+
 @dataclass(frozen=True)
 class CPUSpec:
     """All sockets of the host CPU taken together."""
