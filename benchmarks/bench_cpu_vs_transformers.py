@@ -13,8 +13,11 @@ them in the JSON.
 
 Cases: (a) SmolLM2-135M-Instruct, batch 1, input 128, output 32; (b) SmolLM2, batch 8,
 input 512, output 32; (c) a random-weight Llama of ~2 GB fp32 (benchmarks/common.py),
-batch 1, input 128, output 32, with the decode bandwidth achieved: (weights read + KV cache
-read per decode step) / TPOT, against STREAM triad bandwidth measured right before every timed
+batch 1, input 128, output 32; (d) the same Llama as a bf16 checkpoint (0.98 GB; its weights
+rounded to bf16), same shape: transformers computes in bf16 (the checkpoint's dtype), flexplan in
+float32 on the weights kept in bf16 (spec.cpu_weight_dtype), so both read 2-byte weights; --dtype
+does not apply to it. (c) and (d) print the decode bandwidth achieved: (weights read + KV cache
+read per decode step, flexplan's bytes: float32 KV) / TPOT, against STREAM triad bandwidth measured right before every timed
 run (this VM's memory bandwidth swings between ~38 and ~66 GB/s from minute to minute, so a
 figure taken once at the start is not the bandwidth the runs saw). Each run's fraction is its
 bandwidth over the mean of the STREAM samples just before and after it; the median is reported.
@@ -38,8 +41,11 @@ CASES = {
     "a": ("smollm2", 1, 128, 32),
     "b": ("smollm2", 8, 512, 32),
     "c": ("random-llama", 1, 128, 32),
+    "d": ("random-llama-bf16", 1, 128, 32),
 }
-QUICK_CASES = {"a": ("smollm2", 1, 32, 8), "b": ("smollm2", 2, 64, 8), "c": ("random-llama", 1, 32, 8)}
+QUICK_CASES = {"a": ("smollm2", 1, 32, 8), "b": ("smollm2", 2, 64, 8), "c": ("random-llama", 1, 32, 8),
+               "d": ("random-llama-bf16", 1, 32, 8)}
+WEIGHTS_DTYPE = {"random-llama-bf16": "bfloat16"}  # checkpoints whose dtype is fixed (not --dtype)
 DTYPE = "float32"  # set from --dtype
 NOT_SLOWER_TOLERANCE = 1.05  # flexplan/transformers up to this counts as "not slower" (run-to-run noise)
 BANDWIDTH_TARGET_FRACTION = 0.75
@@ -83,6 +89,10 @@ def model_folder(name: str) -> Path:
         from flexplan.smollm import default_model_dir
 
         return default_model_dir()
+    if name == "random-llama-bf16":
+        from flexplan.synthetic import random_llama_bf16_dir
+
+        return random_llama_bf16_dir()
     return random_llama_dir()
 
 
@@ -94,28 +104,30 @@ def random_inputs(vocab_size: int, batch: int, input_len: int, seed: int = 0):
     return {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
 
 
-def load_transformers(folder: Path):
+def load_transformers(folder: Path, dtype: str):
     import torch
     from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(folder, dtype=getattr(torch, DTYPE)).eval()
+    return AutoModelForCausalLM.from_pretrained(folder, dtype=getattr(torch, dtype)).eval()
 
 
-def load_flexplan(folder: Path, batch: int, input_len: int, output_len: int):
-    """flexplan with the ``cpu`` policy for both phases, planned for this exact shape, float32
-    like the transformers side (``cpu_dtype`` is forced: the planner may otherwise pick bf16)."""
+def load_flexplan(folder: Path, batch: int, input_len: int, output_len: int, dtype: str, cpu_dtype: str):
+    """flexplan with the ``cpu`` policy for both phases, planned for this exact shape, weights in
+    ``dtype`` like the transformers side, computing in ``cpu_dtype`` (forced: the planner may
+    otherwise pick bf16)."""
     from flexplan.api import load
     from flexplan.planner import plan
 
     p = plan(folder, hardware="local", batch_size=batch, input_len=input_len, output_len=output_len,
-             dtype=DTYPE, cpu_dtype=DTYPE, prefill="cpu", decode="cpu")
-    return load(folder, plan=p, accelerator=None, dtype=DTYPE), p
+             dtype=dtype, cpu_dtype=cpu_dtype, prefill="cpu", decode="cpu")
+    return load(folder, plan=p, accelerator=None, dtype=dtype), p
 
 
-def decode_bytes_per_step(folder: Path, batch: int, input_len: int, output_len: int) -> float:
-    """Mean bytes a float32 decode step reads: every layer's weights and its KV cache (at the
-    context length of that step, averaged over the output_len - 1 decode steps), plus the
-    final norm and LM head (flexplan.workload.costs, Table 2)."""
+def decode_bytes_per_step(folder: Path, batch: int, input_len: int, output_len: int, weight_bytes: int,
+                          kv_bytes: int) -> float:
+    """Mean bytes a decode step reads: every layer's weights and its KV cache (at the context
+    length of that step, averaged over the output_len - 1 decode steps), plus the final norm and
+    LM head (flexplan.workload.costs, Table 2)."""
     import numpy as np
 
     from flexplan.workload import resolve_model
@@ -123,9 +135,8 @@ def decode_bytes_per_step(folder: Path, batch: int, input_len: int, output_len: 
 
     m = resolve_model(folder)
     ctx = input_len + np.arange(1, output_len)  # keys attended by decode steps 1 .. output_len - 1
-    nb = 4 if DTYPE == "float32" else 2
-    kv = float(np.mean(d_kv_cache(m, batch, ctx, nb)))
-    return m.num_layers * (d_weights(m, nb) + kv) + d_lm_head(m, nb)
+    kv = float(np.mean(d_kv_cache(m, batch, ctx, kv_bytes)))
+    return m.num_layers * (d_weights(m, weight_bytes) + kv) + d_lm_head(m, weight_bytes)
 
 
 def run_case(name: str, spec: tuple, repeats: int) -> dict:
@@ -133,18 +144,20 @@ def run_case(name: str, spec: tuple, repeats: int) -> dict:
 
     model_name, batch, input_len, output_len = spec
     folder = model_folder(model_name)
-    print(f"\n({name}) {folder.name}: batch {batch}, input {input_len}, output {output_len}, {DTYPE}, "
-          f"{torch.get_num_threads()} threads", flush=True)
-    hf = load_transformers(folder)
+    dtype = WEIGHTS_DTYPE.get(model_name, DTYPE)
+    cpu_dtype = "float32" if model_name in WEIGHTS_DTYPE else DTYPE  # a fixed 16-bit checkpoint: widened
+    print(f"\n({name}) {folder.name}: batch {batch}, input {input_len}, output {output_len}, weights {dtype}, "
+          f"flexplan computes in {cpu_dtype}, {torch.get_num_threads()} threads", flush=True)
+    hf = load_transformers(folder, dtype)
     inputs = random_inputs(hf.config.vocab_size, batch, input_len)
     pad = hf.generation_config.pad_token_id
     pad = 0 if pad is None else int(pad if not isinstance(pad, list) else pad[0])
-    fx, plan = load_flexplan(folder, batch, input_len, output_len)
+    fx, plan = load_flexplan(folder, batch, input_len, output_len, dtype, cpu_dtype)
 
     runs = {"transformers": [], "flexplan": []}
     flexplan_stats = []
     sides = (("transformers", hf), ("flexplan", fx))
-    bandwidth = model_name == "random-llama"
+    bandwidth = model_name.startswith("random-llama")
     stream = []  # STREAM triad samples, one before each timed run and one after the last
     for side, model in sides:  # warm-up
         timed_generate(model, inputs, output_len, pad)
@@ -160,7 +173,7 @@ def run_case(name: str, spec: tuple, repeats: int) -> dict:
     del hf, fx
     gc.collect()
 
-    result = {"model": folder.name, "dtype": DTYPE, "batch": batch, "input_len": input_len, "output_len": output_len,
+    result = {"model": folder.name, "dtype": dtype, "flexplan_cpu_dtype": cpu_dtype, "batch": batch, "input_len": input_len, "output_len": output_len,
               "repeats": repeats, "plan": plan.to_dict(), "runs": runs, "flexplan_stats": flexplan_stats}
     for side in runs:
         result[side] = {k: median([r[k] for r in runs[side]]) for k in ("ttft_s", "tpot_s", "e2e_s")}
@@ -180,7 +193,10 @@ def run_case(name: str, spec: tuple, repeats: int) -> dict:
           f"(efficiency factors: {plan.calibration})")
 
     if bandwidth:
-        step_bytes = decode_bytes_per_step(folder, batch, input_len, output_len)
+        from flexplan.hardware.spec import DTYPE_BYTES, cpu_weight_dtype
+
+        step_bytes = decode_bytes_per_step(folder, batch, input_len, output_len,
+                                           DTYPE_BYTES[cpu_weight_dtype(dtype, cpu_dtype)], DTYPE_BYTES[cpu_dtype])
         result["decode_bytes_per_step"] = step_bytes
         result["stream_triad_samples_bytes_per_s"] = stream
         result["stream_triad_bytes_per_s"] = median(stream)
@@ -225,7 +241,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
                     help="dtype of both sides (bfloat16 only where the CPU is fast at it)")
-    ap.add_argument("--cases", default="a,b,c", help="comma-separated subset of a,b,c (default: all)")
+    ap.add_argument("--cases", default="a,b,c,d", help="comma-separated subset of a,b,c,d (default: all)")
     ap.add_argument("--quick", action="store_true", help="smaller shapes and 1 repeat (smoke test)")
     ap.add_argument("--repeats", type=int, default=None, help="timed repeats per side (default 3, quick 1)")
     ap.add_argument("--threads", type=int, default=None, help="torch threads for both sides (default: torch's)")

@@ -2,7 +2,8 @@
 
 ``random_llama_dir()`` writes, once, a Llama with TinyLlama's widths (hidden 2048, intermediate
 5632, GQA 32/8 heads, vocab 32000, untied LM head) and 8 layers: 491.8M parameters, 1.97 GB in
-fp32, into the flexplan cache, as a normal HF folder (config.json + model.safetensors).
+fp32, into the flexplan cache, as a normal HF folder (config.json + model.safetensors);
+``random_llama_bf16_dir()`` the same weights rounded to a bf16 checkpoint.
 ``random_model_dir(name, config)`` does the same for any config (``LLAMA2_7B_CONFIG``: a
 Llama-2-7B-shaped model in bf16 for the GPU offloading benchmark), tensor by tensor.
 Folders are written under a temporary name and renamed into place: never half-written.
@@ -45,6 +46,13 @@ def random_llama_dir(seed: int = 0) -> Path:
     n_params = llama_params(RANDOM_LLAMA_CONFIG)
     assert 4 * n_params >= 1e9, f"random Llama holds {4 * n_params / 1e9:.2f} GB, want >= 1 GB"
     return random_model_dir(RANDOM_LLAMA_NAME, RANDOM_LLAMA_CONFIG, seed)
+
+
+def random_llama_bf16_dir(seed: int = 0) -> Path:
+    """The same random Llama as :func:`random_llama_dir` (same seed: its weights rounded to
+    bf16) as a bf16 checkpoint, 0.98 GB, created on first use."""
+    return random_model_dir("random-llama-bf16", dict(RANDOM_LLAMA_CONFIG, torch_dtype="bfloat16"),
+                            seed)
 
 
 def random_model_dir(name: str, config: dict[str, Any], seed: int = 0) -> Path:
