@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+from flexplan.hardware.spec import cpu_weight_dtype
 from flexplan.plan_types import PHASES, Plan
 
 GiB = 1 << 30
@@ -19,10 +20,15 @@ def _b(x: float) -> str:
     return f"{x / GiB:.1f}" if x else "0"
 
 
+def _cpu_side(p: Plan) -> str:
+    held = cpu_weight_dtype(p.dtype, p.cpu_dtype)
+    return f"CPU computes in {p.cpu_dtype}" + (f" on {held} weights" if held != p.cpu_dtype else "")
+
+
 def format_plan(p: Plan) -> str:
     lines = [
         f"{p.model} on {p.hardware}: batch {p.batch_size}, input {p.input_len}, output {p.output_len}, "
-        f"{p.dtype} (CPU computes in {p.cpu_dtype}); GPU budget {_b(p.gpu_memory_bytes)} GiB, host {_b(p.cpu_memory_bytes)} GiB",
+        f"{p.dtype} ({_cpu_side(p)}); GPU budget {_b(p.gpu_memory_bytes)} GiB, host {_b(p.cpu_memory_bytes)} GiB",
         f"efficiency factors: {p.calibration}",
     ]
     for ph in PHASES:
