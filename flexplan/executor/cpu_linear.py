@@ -91,7 +91,7 @@ def pack_batch_hint(decode_batch: int) -> int | None:
     return 1 if int(decode_batch) == 1 else None
 
 
-BLOCKED_WEIGHT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # what native_gemv.c reads
+BLOCKED_WEIGHT_DTYPES = tuple(native.WEIGHT_TYPES)  # what native_gemv.c reads
 
 
 def blockable(weight: torch.Tensor, compute_dtype: torch.dtype | None = None) -> bool:

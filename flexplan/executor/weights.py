@@ -15,6 +15,7 @@ one copy. Blocked ones keep a 16-bit model's dtype when the CPU computes in floa
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Callable
 
@@ -102,6 +103,7 @@ class GroupWeights:
         # an embedding whose weight the LM head shares: held as cpu_linear.pack_embedding gives it
         self.packed |= frozenset(packed_embeddings)
         self.shapes = [(n, tuple(m._parameters[leaf].shape)) for n, (m, leaf) in params.items()]
+        self.shape_of = dict(self.shapes)
         self.storages: dict[str, Storage] = {}
         self.bound: object = None
         self._layouts: dict[tuple, FlatLayout] = {}
@@ -117,19 +119,15 @@ class GroupWeights:
         """The dtype the packed host weight ``name`` is held in when the CPU computes in ``dtype``
         and the weights are asked for in ``weight_dtype`` (None: ``dtype``): cpu_linear.stored_dtype."""
         kernel = cpu_linear.KERNEL_BLOCKED if isinstance(self.params[name][0], nn.Embedding) else self.pack_kernel
-        return cpu_linear.stored_dtype(dict(self.shapes)[name], weight_dtype or dtype, dtype, kernel)
+        return cpu_linear.stored_dtype(self.shape_of[name], weight_dtype or dtype, dtype, kernel)
 
     def nbytes(self, place: str, dtype: torch.dtype, weight_dtype: torch.dtype | None = None) -> int:
         """Bytes this unit's weights take in ``place`` (flat buffer plus packed weights, these
         asked for in ``weight_dtype``)."""
         n = self.layout(place, dtype).nbytes
-        if place == HOST_MEMORY and self.packed:
-            for name, shape in self.shapes:
-                if name in self.packed:
-                    numel = 1
-                    for d in shape:
-                        numel *= d
-                    n += numel * torch.empty((), dtype=self.packed_dtype(name, dtype, weight_dtype)).element_size()
+        if place == HOST_MEMORY:
+            n += sum(math.prod(self.shape_of[name]) * self.packed_dtype(name, dtype, weight_dtype).itemsize
+                     for name in self.packed)
         return n
 
     def param_tensor(self, name: str) -> torch.Tensor:
