@@ -52,7 +52,7 @@ def test_weights_that_cannot_be_blocked_take_onednn_or_stay_dense():
     for w in (odd, half):
         p = cpu_linear.pack(w, 1, cpu_linear.KERNEL_BLOCKED)
         assert not cpu_linear.is_blocked(p)
-        assert p.is_mkldnn == cpu_linear.packing_available()
+        assert p.is_mkldnn == cpu_linear.packing_available(w.dtype)
 
 
 def test_disabled_native_kernel_falls_back_with_its_reason(monkeypatch, fresh_status):

@@ -48,14 +48,16 @@ PACKING_KERNELS = (KERNEL_BLOCKED, KERNEL_PACKED)
 
 
 @functools.lru_cache(maxsize=None)
-def packing_available() -> bool:
-    """Whether this torch build has oneDNN and the prepacked linear ops, and they work."""
+def packing_available(dtype: torch.dtype = torch.float32) -> bool:
+    """Whether this torch build has oneDNN and the prepacked linear ops, and they work here for
+    ``dtype`` (oneDNN's bf16/fp16 packing needs AVX-512 BW/VL/DQ or AVX-NE-CONVERT: on an AVX2-only
+    CPU it raises, and such weights stay dense for F.linear)."""
     try:
         if not torch.backends.mkldnn.is_available():
             return False
-        w = torch.ops.mkldnn._reorder_linear_weight(torch.ones(4, 8))
-        y = torch.ops.mkldnn._linear_pointwise(torch.ones(2, 8), w, None, "none", [None], "")
-        return bool(torch.allclose(y, torch.full((2, 4), 8.0)))
+        w = torch.ops.mkldnn._reorder_linear_weight(torch.ones(4, 8, dtype=dtype))
+        y = torch.ops.mkldnn._linear_pointwise(torch.ones(2, 8, dtype=dtype), w, None, "none", [None], "")
+        return bool(torch.allclose(y.float(), torch.full((2, 4), 8.0)))
     except Exception:  # noqa: BLE001 - any failure means: compute with F.linear
         return False
 
@@ -139,13 +141,16 @@ def pack(weight: torch.Tensor, batch_hint: int | None = None, kernel: str = KERN
     in ``compute_dtype`` (default: the weight's dtype), a new tensor: blocked for
     ``flexplan-blocked`` where the weight is blockable (``out`` a multiple of 64; float32, or
     16-bit kept as it is for a float32 computation), else oneDNN's layout in the compute dtype,
-    for the decode batch ``batch_hint`` (None: the generic one)."""
+    for the decode batch ``batch_hint`` (None: the generic one), or dense in the compute dtype
+    where oneDNN cannot pack that dtype on this CPU."""
     compute = compute_dtype or weight.dtype
     with torch.no_grad():
         w = weight.detach().contiguous()
         if kernel == KERNEL_BLOCKED and blockable(w, compute) and blocking_available():
             return block(w)
         w = w.to(compute)
+        if not packing_available(compute):
+            return w
         if batch_hint:
             return torch.ops.mkldnn._reorder_linear_weight(w, int(batch_hint))
         return torch.ops.mkldnn._reorder_linear_weight(w)
