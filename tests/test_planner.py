@@ -12,9 +12,9 @@ from hypothesis import strategies as st
 import flexplan
 from flexplan.errors import DoesNotFitError, InvalidInputError, UnknownModelError
 from flexplan.estimator import REGISTRY, DefaultEfficiency, Shape, phase_costs
-from flexplan.estimator import memory
 from flexplan.hardware.spec import CPUSpec, GPUSpec, Hardware, LinkSpec
 from flexplan.plan_types import POLICIES, Plan
+from flexplan.planner import placement_memory
 from flexplan.workload import resolve_model
 
 GiB = 1 << 30
@@ -79,10 +79,11 @@ def test_plan_never_exceeds_its_memory(model, shape, gpu_gib, cpu_gib):
         assert ph.gpu_memory_bytes <= gpu_gib * GiB
         assert ph.cpu_memory_bytes <= cpu_gib * GiB
     spec = resolve_model(model)
-    shape_ = Shape(spec, b, s, o, "bfloat16", hw.cpu.compute_dtype)
-    both = memory.pair_cpu_bytes(shape_, REGISTRY[p.prefill.policy].host_mode, p.prefill.gpu_layers,
-                                 REGISTRY[p.decode.policy].host_mode, p.decode.gpu_layers)
-    assert both <= cpu_gib * GiB
+    shape_ = Shape(spec, b, s, o, "bfloat16", p.cpu_dtype)
+    n = spec.num_layers
+    both = placement_memory(shape_, hw, {"prefill": REGISTRY[p.prefill.policy].placement(n, p.prefill.gpu_layers, "prefill"),
+                                         "decode": REGISTRY[p.decode.policy].placement(n, p.decode.gpu_layers, "decode")})
+    assert both.host_total_bytes <= cpu_gib * GiB
     for c in p.candidates:
         if c.feasible:
             assert c.gpu_memory_bytes <= gpu_gib * GiB and c.cpu_memory_bytes <= cpu_gib * GiB
@@ -176,8 +177,9 @@ def test_a_16bit_model_on_a_float32_cpu_is_planned_with_16bit_weight_bytes():
     """spec.cpu_weight_dtype: a bf16 model that the CPU computes in float32 keeps 2-byte weights
     (flexplan's blocked GEMV widens them as it reads), so CPU decode moves and the host holds
     half the weight bytes of a float32 model; activations and KV stay float32."""
-    from flexplan.estimator import memory
+    from flexplan import memory
     from flexplan.hardware.spec import cpu_weight_dtype
+    from flexplan.placement import ACCELERATOR, HOST
 
     assert cpu_weight_dtype("bfloat16", "float32") == "bfloat16"
     assert cpu_weight_dtype("float16", "float32") == "float16"
@@ -187,8 +189,12 @@ def test_a_16bit_model_on_a_float32_cpu_is_planned_with_16bit_weight_bytes():
     spec = flexplan.workload.resolve_model("meta-llama/Llama-2-7b-hf")
     half, full = (Shape(spec, 1, 128, 32, d, "float32") for d in ("bfloat16", "float32"))
     assert (half.cpu_weight_bytes, half.cpu_bytes, full.cpu_weight_bytes) == (2, 4, 4)
-    assert memory.LayerBytes.of(half).w_cpu * 2 == memory.LayerBytes.of(full).w_cpu
-    assert memory.LayerBytes.of(half).kv_cpu == memory.LayerBytes.of(full).kv_cpu
+    layer = memory.Inventory.from_spec(spec).layers[0]
+    linears = sum(t.shape[0] * t.shape[1] for t in layer if t.kind == memory.LINEAR)
+    w16, w32 = (memory.unit_bytes(layer, HOST, d, "float32", memory.KERNEL_BLOCKED) for d in ("bfloat16", "float32"))
+    assert w32 - w16 == 2 * linears  # 4 -> 2 bytes per linear weight; norms stay float32
+    assert memory.unit_bytes(layer, ACCELERATOR, "bfloat16", "float32", None) * 2 == \
+        memory.unit_bytes(layer, ACCELERATOR, "float32", "float32", None)
     kw = dict(batch_size=1, input_len=64, output_len=8, cpu_dtype="float32", prefill="cpu", decode="cpu")
     p16, p32 = (flexplan.plan(spec, hw, dtype=d, **kw) for d in ("bfloat16", "float32"))
     assert 0.45 < p16.tpot_s / p32.tpot_s < 0.6  # decode is the weights' bytes over bandwidth
