@@ -211,7 +211,30 @@ class Placement:
 
     def __eq__(self, other):
         return (isinstance(other, Placement) and dict(self.phases) == dict(other.phases)
-                and (self.dtype, self.cpu_dtype) == (other.dtype, other.cpu_dtype))
+                and (self.dtype, self.cpu_dtype) == (other.dtype, other.cpu_dtype)
+                and dict(self.policies) == dict(other.policies))
+
+    @classmethod
+    def from_plan(cls, plan, num_layers: int) -> "Placement":
+        """Both phases of a :class:`~flexplan.plan_types.Plan`, each from its policy's placement rule."""
+        from flexplan.errors import InvalidInputError
+        from flexplan.estimator.policies import REGISTRY
+
+        if plan.num_layers != num_layers:
+            raise InvalidInputError(
+                f"the plan is for a {plan.num_layers}-layer model but this model has {num_layers} decoder layers; "
+                f"plan for this model (flexplan.plan(model, ...)) or pass plan='auto'")
+        phases = {}
+        for ph, c in plan.phases.items():
+            if c.policy not in REGISTRY:
+                raise InvalidInputError(f"unknown policy {c.policy!r}; use one of {', '.join(REGISTRY)}")
+            if not 0 <= c.gpu_layers <= num_layers:
+                raise InvalidInputError(
+                    f"gpu_layers must be between 0 and {num_layers} for a {num_layers}-layer model, got {c.gpu_layers}")
+            phases[ph] = REGISTRY[c.policy].placement(num_layers, int(c.gpu_layers), ph)
+            if phases[ph].num_layers != num_layers:
+                raise InvalidInputError(f"policy {c.policy} placed {phases[ph].num_layers} of {num_layers} layers")
+        return cls.of(phases, plan.dtype, plan.cpu_dtype, {ph: c.policy for ph, c in plan.phases.items()})
 
     @property
     def num_layers(self) -> int:
