@@ -132,17 +132,17 @@ def unit_bytes(tensors: tuple[Tensor, ...], place: str, dtype: str, cpu_dtype: s
     """Bytes of one unit's weights in ``place``: its flat buffer (64-byte aligned tensors), plus
     on the host its packed weights (GroupWeights.nbytes)."""
     if place != HOST:
-        return sum(_padded(math.prod(t.shape) * DTYPE_BYTES[dtype]) for t in tensors)
+        return max(1, sum(_padded(math.prod(t.shape) * DTYPE_BYTES[dtype]) for t in tensors))
     wdt = cpu_weight_dtype(dtype, cpu_dtype)
-    n = 0
+    flat = packed = 0
     for t in tensors:
         if t.kind == ALIAS:
             continue
         if _packed(t, kernel):
-            n += math.prod(t.shape) * DTYPE_BYTES[packed_dtype(t, wdt, cpu_dtype, kernel)]
+            packed += math.prod(t.shape) * DTYPE_BYTES[packed_dtype(t, wdt, cpu_dtype, kernel)]
         else:
-            n += _padded(math.prod(t.shape) * DTYPE_BYTES[cpu_dtype])
-    return n
+            flat += _padded(math.prod(t.shape) * DTYPE_BYTES[cpu_dtype])
+    return max(1, flat) + packed  # a flat buffer is allocated even when empty (Link.alloc(max(n, 1)))
 
 
 def kv_bytes(inv: Inventory, batch: int, capacity: int, dtype: str) -> int:

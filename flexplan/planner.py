@@ -88,13 +88,15 @@ def _inventory(spec: ModelSpec) -> memory.Inventory:
 _INVENTORIES: dict[ModelSpec, memory.Inventory] = {}
 
 
-def placement_memory(shape: Shape, hw: Hardware, phases: dict[str, PhasePlacement]) -> memory.MemoryNeed:
+def placement_memory(shape: Shape, hw: Hardware | None, phases: dict[str, PhasePlacement],
+                     kernel: str | None = memory.KERNEL_BLOCKED) -> memory.MemoryNeed:
     """The memory model (flexplan.memory.footprint) of a placement of one or both phases, for the
-    request ``shape`` on ``hw`` (its accelerator runtime's reserve counted)."""
+    request ``shape`` on ``hw`` (its accelerator runtime's reserve counted; None: no reserve), the
+    CPU's linears held as ``kernel`` holds them (the planner assumes flexplan's blocked kernel)."""
     placement = Placement.of(phases, shape.dtype, shape.cpu_dtype)
-    reserve = hw.gpu.runtime_reserved_bytes if hw.gpu is not None else 0
+    reserve = hw.gpu.runtime_reserved_bytes if hw is not None and hw.gpu is not None else 0
     return memory.footprint(_inventory(shape.model), placement, shape.batch, shape.input_len,
-                            shape.input_len + shape.output_len, reserved_bytes=reserve)
+                            shape.input_len + shape.output_len, kernel, reserved_bytes=reserve)
 
 
 def _phase_memory(shape: Shape, hw: Hardware, policy: str, ms: np.ndarray, phase: str) -> tuple[np.ndarray, np.ndarray]:
