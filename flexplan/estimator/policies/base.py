@@ -43,6 +43,7 @@ class Policy:
     needs_gpu_layers: bool = False  # M is the caller's choice (else the single option)
     vectorised: bool = True  # placement() takes an array of M
     paper: str = ""  # where the formula comes from
+    reproduces: str = ""  # the published system this policy is, when it is the baseline to beat (explain)
 
     def gpu_layer_options(self, num_layers: int) -> np.ndarray:
         raise NotImplementedError

@@ -43,6 +43,7 @@ def streamed_time(pc: PhaseCosts, num_layers: int, gpu_layers: np.ndarray) -> Ph
 class GPUOffloadPolicy(Policy):
     host_mode = STREAMED
     paper = "FlexInfer Eq. 2 (FlexGen)"
+    reproduces = "FlexGen"
 
     def gpu_layer_options(self, num_layers):
         return np.array([0])
