@@ -189,7 +189,7 @@ class MemoryNeed:
 
 def _total(d: Mapping[str, object]):
     t = sum(d.values(), 0)
-    return int(t) if np.ndim(t) == 0 else t
+    return t if isinstance(t, np.ndarray) else int(t)
 
 
 def _units(inv: Inventory, dtype: str, cpu_dtype: str, kernel: str | None) -> dict:

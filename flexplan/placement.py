@@ -260,10 +260,10 @@ class Placement:
         return [i for i, m in enumerate(self.phases[phase].modes) if m.streamed]
 
     def _raw_places(self, modes) -> frozenset[str]:
-        raw = {m.weights for m in modes}
-        if {HOST, PINNED} <= raw and self.same_dtype:
-            raw.discard(HOST)  # one pinned copy serves the CPU and the stream
-        return frozenset(raw)
+        raw = frozenset(m.weights for m in modes)
+        if self.same_dtype and HOST in raw and PINNED in raw:
+            raw = raw - {HOST}  # one pinned copy serves the CPU and the stream
+        return raw
 
     def layer_places(self, i: int) -> frozenset[str]:
         """Where layer i's weights (and KV cache) are stored over the whole request."""
@@ -298,6 +298,10 @@ class Placement:
     def streamed_layers(self) -> list[int]:
         """Layers streamed in at least one phase."""
         return sorted({i for ph in self.phases for i in self.streamed(ph)})
+
+    @cached_property
+    def _census(self) -> dict[tuple[frozenset, bool], object]:
+        return self.census()
 
     def census(self) -> dict[tuple[frozenset, bool], object]:
         """(places of a layer over the request, any phase streams it) -> how many layers; run
