@@ -278,7 +278,7 @@ def _plan_one(spec: ModelSpec, hw: Hardware, eff: Efficiency, shape: Shape, gpu_
         m_p, m_d = int(op.gpu_layers[ip]), int(od.gpu_layers[idx_d])
         need = placement_memory(shape, hw, {"prefill": REGISTRY[p].placement(n, m_p, "prefill"),
                                             "decode": REGISTRY[d].placement(n, m_d, "decode")})
-        if need.host_total_bytes > cpu_budget:
+        if need.host_total_bytes > cpu_budget or need.accelerator_bytes > gpu_budget:
             scores[key] = None
             return None
         ttft = float(op.time_s[ip])
@@ -309,6 +309,9 @@ def _plan_one(spec: ModelSpec, hw: Hardware, eff: Efficiency, shape: Shape, gpu_
                 for ip in ip_set:
                     for i_d in id_set:
                         s = score(p, ip, d, i_d)
+                        while s is None and i_d > 0:  # both phases' buffers together: fewer decode GPU layers
+                            i_d -= 1
+                            s = score(p, ip, d, i_d) if od.feasible[i_d] else None
                         if s is not None and (best is None or s[0] < best[0]):
                             best = (s[0], s[1], s[2], p, ip, d, i_d)
         return best

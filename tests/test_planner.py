@@ -14,6 +14,7 @@ from flexplan.errors import DoesNotFitError, InvalidInputError, UnknownModelErro
 from flexplan.estimator import REGISTRY, DefaultEfficiency, Shape, phase_costs
 from flexplan.hardware.spec import CPUSpec, GPUSpec, Hardware, LinkSpec
 from flexplan.plan_types import POLICIES, Plan
+from flexplan.planner import placement_memory
 from flexplan.workload import resolve_model
 
 GiB = 1 << 30
@@ -80,6 +81,12 @@ def test_plan_never_exceeds_its_memory(model, shape, gpu_gib, cpu_gib):
     for c in p.candidates:
         if c.feasible:
             assert c.gpu_memory_bytes <= gpu_gib * GiB and c.cpu_memory_bytes <= cpu_gib * GiB
+    # what the executor will hold for the request (both phases' placements together) fits too
+    spec = resolve_model(model)
+    n = spec.num_layers
+    held = placement_memory(Shape(spec, b, s, o, p.dtype, p.cpu_dtype), hw, {
+        ph: REGISTRY[c.policy].placement(n, c.gpu_layers, ph) for ph, c in p.phases.items()})
+    assert held.accelerator_bytes <= gpu_gib * GiB and held.host_total_bytes <= cpu_gib * GiB
 
 
 def test_paper_qualitative_result_server2():
