@@ -58,6 +58,15 @@ class LayerMode:
     name: str
     weights: str  # home of the layer's weights and KV cache
     computes: str
+    # operator groups placed otherwise than the layer, ((group, Where), ...): the unit the next
+    # policies need (decode attention on the CPU, experts on the CPU). The memory model and the
+    # executor place whole layers today and refuse such a mode (see ``uniform``).
+    overrides: tuple[tuple[str, Where], ...] = ()
+
+    @property
+    def uniform(self) -> bool:
+        """Every operator group of the layer lives and computes where the layer does."""
+        return all(w == Where(self.weights, self.computes) for _, w in self.overrides)
 
     @property
     def on_cpu(self) -> bool:
@@ -70,7 +79,7 @@ class LayerMode:
 
     def groups(self) -> Mapping[str, Where]:
         w = Where(self.weights, self.computes)
-        return MappingProxyType({g: w for g in GROUPS})
+        return MappingProxyType({**{g: w for g in GROUPS}, **dict(self.overrides)})
 
     def __str__(self) -> str:
         return self.name
@@ -234,6 +243,10 @@ class Placement:
             phases[ph] = REGISTRY[c.policy].placement(num_layers, int(c.gpu_layers), ph)
             if phases[ph].num_layers != num_layers:
                 raise InvalidInputError(f"policy {c.policy} placed {phases[ph].num_layers} of {num_layers} layers")
+            split = [m.name for m, n in phases[ph].runs if n and not m.uniform]
+            if split:
+                raise InvalidInputError(f"policy {c.policy} places operator groups of a layer apart ({split[0]}); "
+                                        "the memory model and the executor place whole layers")
         return cls.of(phases, plan.dtype, plan.cpu_dtype, {ph: c.policy for ph, c in plan.phases.items()})
 
     @property

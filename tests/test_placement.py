@@ -71,3 +71,30 @@ def test_vectorised_footprint_equals_one_at_a_time():
         one = footprint(inv, Placement.of({"decode": PhasePlacement.of((STREAMED, n - m), (RESIDENT, m))},
                                           "bfloat16", "float32"), 4, 128, 160, reserved_bytes=1 << 30)
         assert vec.accelerator_bytes[m] == one.accelerator_bytes and vec.host_total_bytes[m] == one.host_total_bytes
+
+
+def test_operator_groups_placed_apart_are_described_but_refused_by_the_executor_path():
+    import pytest
+
+    from flexplan.errors import InvalidInputError
+    from flexplan.estimator.policies import register, unregister
+    from flexplan.estimator.policies.splitgen import SplitGenPolicy
+    from flexplan.executor.plans import fixed_plan
+    from flexplan.placement import ON_CPU, LayerMode, Where
+
+    attn_on_cpu = LayerMode("attention on CPU", ACCELERATOR, "accelerator", (("attention", Where(HOST, ON_CPU)),))
+    assert not attn_on_cpu.uniform and attn_on_cpu.groups()["attention"] == Where(HOST, ON_CPU)
+    assert attn_on_cpu.groups()["mlp"] == Where(ACCELERATOR, "accelerator") and RESIDENT.uniform
+
+    class Neo(SplitGenPolicy):  # NEO-style: decode attention on the CPU (a later issue runs it)
+        def placement(self, num_layers, gpu_layers, phase):
+            return PhasePlacement.of((attn_on_cpu, num_layers))
+
+    register("neo-toy", Neo())
+    try:
+        plan = fixed_plan({"model_type": "llama", "num_hidden_layers": 2, "hidden_size": 8, "intermediate_size": 8,
+                           "num_attention_heads": 2, "vocab_size": 16}, "neo-toy", "neo-toy", 1)
+        with pytest.raises(InvalidInputError, match="whole layers"):
+            Placement.from_plan(plan, 2)
+    finally:
+        unregister("neo-toy")

@@ -199,3 +199,18 @@ def test_a_16bit_model_on_a_float32_cpu_is_planned_with_16bit_weight_bytes():
     p16, p32 = (flexplan.plan(spec, hw, dtype=d, **kw) for d in ("bfloat16", "float32"))
     assert 0.45 < p16.tpot_s / p32.tpot_s < 0.6  # decode is the weights' bytes over bandwidth
     assert p16.decode.cpu_memory_bytes < 0.6 * p32.decode.cpu_memory_bytes
+
+
+def test_phase_switch_moves_at_the_calibrated_link_efficiency():
+    """switch_s: bytes over BW_ICN x Eff_ICN with the calibration's h2d / d2h factors (no constant)."""
+    from flexplan.planner import switch_s
+
+    hw = server()
+    spec = resolve_model("meta-llama/Llama-2-7b-hf")
+    shape = Shape(spec, 4, 512, 32, "bfloat16", "bfloat16")
+    base = DefaultEfficiency.for_hardware(hw)
+    half = replace(base, icn_eff=base.icn_eff / 2)
+    # gpu prefill -> splitgen decode with 16 GPU layers: 16 layers' prompt KV go back to the host
+    t, t_half = (switch_s(shape, hw, "gpu", 32, "splitgen", 16, 1.0, eff=e) for e in (base, half))
+    kv = 16 * 2 * 4 * 512 * spec.kv_dim * 2  # layers x (K, V) x batch x prompt x kv_dim x bf16
+    assert t == pytest.approx(kv / (64e9 * base.icn_eff)) and t_half == pytest.approx(2 * t)
