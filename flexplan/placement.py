@@ -29,8 +29,6 @@ from functools import cached_property
 from types import MappingProxyType
 from typing import Mapping
 
-import numpy as np
-
 # Where weights / KV live.
 HOST = "host"  # pageable host memory, the CPU's dtype
 PINNED = "pinned"  # page-locked host memory, the accelerator's dtype (source of async copies)
@@ -89,10 +87,6 @@ CPU = LayerMode("cpu", HOST, ON_CPU)
 STREAMED = LayerMode("streamed", PINNED, ON_ACCELERATOR)
 RESIDENT = LayerMode("resident", ACCELERATOR, ON_ACCELERATOR)
 MODES = (CPU, STREAMED, RESIDENT)
-
-
-def place_of(mode: LayerMode) -> str:
-    return mode.weights
 
 
 @dataclass(frozen=True)
@@ -171,8 +165,8 @@ class PhasePlacement:
         return ", ".join(f"{v} {k}" for k, v in counts.items())
 
 
-def _segments(a: PhasePlacement, b: PhasePlacement):
-    """(mode in a, mode in b, layers) over the layers, merging the two run lists."""
+def segments(a: PhasePlacement, b: PhasePlacement):
+    """(mode in a, mode in b, number of layers) along the layers of two placements of one model."""
     ra, rb = [[m, int(c)] for m, c in a.runs if c], [[m, int(c)] for m, c in b.runs if c]
     i = j = 0
     while i < len(ra) and j < len(rb):
@@ -204,9 +198,9 @@ class Placement:
         phases = dict(phases)
         if "prefill" in phases and "decode" in phases:
             p, d = phases["prefill"], phases["decode"]
-            if any(a.streamed and b is RESIDENT for a, b, _ in _segments(p, d)):
+            if any(a.streamed and b is RESIDENT for a, b, _ in segments(p, d)):
                 runs: list[list] = []
-                for a, b, n in _segments(p, d):
+                for a, b, n in segments(p, d):
                     m = RESIDENT if a.streamed and b is RESIDENT else a
                     if runs and runs[-1][0] is m:
                         runs[-1][1] += n
@@ -327,7 +321,7 @@ class Placement:
             return out
         pps = list(self.phases.values())
         segs = [(frozenset(self._raw_places((a, b))), a.streamed or b.streamed, n)
-                for a, b, n in _segments(pps[0], pps[1])]
+                for a, b, n in segments(pps[0], pps[1])]
         for places, streamed, n in segs:
             out[(places, streamed)] = out.get((places, streamed), 0) + n
         return out

@@ -22,7 +22,7 @@ from flexplan import memory
 from flexplan.estimator import REGISTRY, DefaultEfficiency, Efficiency, Shape, phase_costs
 from flexplan.estimator.terms import PhaseCosts, t_link_s
 from flexplan.hardware.spec import Hardware, canonical_dtype
-from flexplan.placement import ACCELERATOR, CPU, Placement, PhasePlacement, _segments
+from flexplan.placement import ACCELERATOR, CPU, Placement, PhasePlacement, segments
 from flexplan.plan_types import PHASES, POLICIES, Candidate, PhaseChoice, Plan
 from flexplan.workload import costs, resolve_model
 from flexplan.workload.model import ModelSpec
@@ -156,7 +156,7 @@ def switch_s(shape: Shape, hw: Hardware, prefill: str, m_p: int, decode: str, m_
     kv_prompt = float(costs.kv_cache_bytes_per_layer(m, shape.batch, shape.input_len, shape.w_bytes))
     pp, dp = REGISTRY[prefill].placement(n, m_p, "prefill"), REGISTRY[decode].placement(n, m_d, "decode")
     h2d = d2h = h2d_weights = 0.0
-    for a, b, count in _segments(pp, dp):
+    for a, b, count in segments(pp, dp):
         a_res, b_res = a.weights == ACCELERATOR, b.weights == ACCELERATOR
         if a_res == b_res:
             continue  # same memory (host copies in both dtypes are kept)
