@@ -130,7 +130,7 @@ class FlexModel:
             self.executor.place(self.plan_for(eff_batch, input_len, max_new))
         use_cache = kwargs.get("use_cache", (generation_config or self.model.generation_config).use_cache)
         if kwargs.get("past_key_values") is None and use_cache is not False:
-            kwargs["past_key_values"] = self.executor.new_cache(eff_batch, input_len + max_new)
+            kwargs["past_key_values"] = self.executor.new_cache(eff_batch, input_len + max_new, input_len)
         allocations_before = dict(self.executor.link.allocations)
         self.executor.begin_run()
         t0 = time.perf_counter()

@@ -1,11 +1,9 @@
 """The planner's output: a frozen, serialisable :class:`Plan`.
 
-Placement convention shared by estimator, planner and executor: a phase's ``gpu_layers``
-(M) are always the *last* M decoder layers; their weights and KV cache live in GPU memory.
-The other N - M layers keep weights and KV in host memory and are either computed on the
-CPU (``cpu``, ``splitgen``) or streamed to the GPU layer by layer (``gpu-offload``,
-``gpu-offload-partial``). The embedding lookup runs on the host; the final norm and LM head
-sit with the last layer (GPU whenever the policy computes the last layer on the GPU).
+A plan names one policy and its M (``gpu_layers``) per phase; what that means layer by layer
+(where each operator group's weights live and where it computes) is the policy's placement
+rule, ``flexplan.placement`` (read by estimator, planner, explain and executor alike). The
+policies are those of the registry, ``flexplan.estimator.policies``.
 """
 
 from __future__ import annotations
@@ -14,12 +12,54 @@ import json
 import math
 from dataclasses import asdict, dataclass, field
 from types import MappingProxyType
-from typing import Any, Mapping
+from typing import Any, Iterator, Mapping, Sequence
 
-POLICIES = ("cpu", "gpu", "gpu-offload", "gpu-offload-partial", "splitgen")
 PHASES = ("prefill", "decode")
-# Which side computes the host-resident (first N - M) layers.
-HOST_LAYERS_ON_CPU = {"cpu": True, "splitgen": True, "gpu": False, "gpu-offload": False, "gpu-offload-partial": False}
+
+
+def _registry():
+    from flexplan.estimator.policies import REGISTRY
+
+    return REGISTRY
+
+
+class _PolicyNames(Sequence):
+    """The registered policy names, read live from the registry (a policy registered at run time
+    appears here at once)."""
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(tuple(_registry()))
+
+    def __len__(self) -> int:
+        return len(_registry())
+
+    def __getitem__(self, i):
+        return tuple(_registry())[i]
+
+    def __contains__(self, name) -> bool:
+        return name in _registry()
+
+    def __repr__(self) -> str:
+        return repr(tuple(self))
+
+
+class _HostLayersOnCPU(Mapping):
+    """policy -> whether its host-resident layers compute on the CPU (derived from each policy's
+    placement rule; kept for callers that ask per policy name)."""
+
+    def __getitem__(self, name: str) -> bool:
+        mode = _registry()[name].host_mode
+        return mode is not None and mode.on_cpu
+
+    def __iter__(self):
+        return iter(tuple(_registry()))
+
+    def __len__(self) -> int:
+        return len(_registry())
+
+
+POLICIES: Sequence[str] = _PolicyNames()
+HOST_LAYERS_ON_CPU: Mapping[str, bool] = _HostLayersOnCPU()
 
 
 def _num(x: float) -> float | None:

@@ -18,16 +18,16 @@ from typing import Any
 import numpy as np
 
 from flexplan.errors import DoesNotFitError, InvalidInputError
+from flexplan import memory
 from flexplan.estimator import REGISTRY, DefaultEfficiency, Efficiency, Shape, phase_costs
-from flexplan.estimator import memory
 from flexplan.estimator.terms import PhaseCosts, t_link_s
 from flexplan.hardware.spec import Hardware, canonical_dtype
+from flexplan.placement import ACCELERATOR, CPU, Placement, PhasePlacement, segments
 from flexplan.plan_types import PHASES, POLICIES, Candidate, PhaseChoice, Plan
-from flexplan.workload import resolve_model
+from flexplan.workload import costs, resolve_model
 from flexplan.workload.model import ModelSpec
 
 GiB = 1 << 30
-ICN_SWITCH_EFF = 0.8  # bulk copies at a phase switch: the default Eff_ICN
 
 
 @dataclass
@@ -43,6 +43,7 @@ class _Options:
     feasible: np.ndarray
     terms: dict[str, np.ndarray]
     load_s: np.ndarray  # initial load before prefill (prefill options only)
+    reason: str = ""  # why none is feasible, when it is not the memory
 
     def best(self) -> int | None:
         idx = np.flatnonzero(self.feasible)
@@ -75,28 +76,60 @@ def _efficiency(hw: Hardware, efficiency: Efficiency | None) -> Efficiency:
     return efficiency_for(hw)
 
 
+def _inventory(spec: ModelSpec) -> memory.Inventory:
+    inv = _INVENTORIES.get(spec)
+    if inv is None:
+        inv = _INVENTORIES[spec] = memory.Inventory.from_spec(spec)
+        if len(_INVENTORIES) > 64:
+            _INVENTORIES.pop(next(iter(_INVENTORIES)))
+    return inv
+
+
+_INVENTORIES: dict[ModelSpec, memory.Inventory] = {}
+
+
+def placement_memory(shape: Shape, hw: Hardware | None, phases: dict[str, PhasePlacement],
+                     kernel: str | None = memory.KERNEL_BLOCKED) -> memory.MemoryNeed:
+    """The memory model (flexplan.memory.footprint) of a placement of one or both phases, for the
+    request ``shape`` on ``hw`` (its accelerator runtime's reserve counted; None: no reserve), the
+    CPU's linears held as ``kernel`` holds them (the planner assumes flexplan's blocked kernel)."""
+    placement = Placement.of(phases, shape.dtype, shape.cpu_dtype)
+    reserve = hw.gpu.runtime_reserved_bytes if hw is not None and hw.gpu is not None else 0
+    return memory.footprint(_inventory(shape.model), placement, shape.batch, shape.input_len,
+                            shape.input_len + shape.output_len, kernel, reserved_bytes=reserve)
+
+
+def _phase_memory(shape: Shape, hw: Hardware, policy: str, ms: np.ndarray, phase: str) -> tuple[np.ndarray, np.ndarray]:
+    """(accelerator bytes, host bytes) of ``policy`` in ``phase`` for each M in ``ms``."""
+    pol, n = REGISTRY[policy], shape.model.num_layers
+    if pol.vectorised:
+        need = placement_memory(shape, hw, {phase: pol.placement(n, ms, phase)})
+        return (np.broadcast_to(need.accelerator_bytes, ms.shape).astype(float),
+                np.broadcast_to(need.host_total_bytes, ms.shape).astype(float))
+    needs = [placement_memory(shape, hw, {phase: pol.placement(n, int(m), phase)}) for m in ms]
+    return (np.array([x.accelerator_bytes for x in needs], float), np.array([x.host_total_bytes for x in needs], float))
+
+
 def _phase_options(phase: str, policy: str, pc: PhaseCosts, pc_prefill: PhaseCosts, shape: Shape,
                    hw: Hardware, gpu_budget: float, cpu_budget: float, force_m: int | None) -> _Options:
     pol = REGISTRY[policy]
     n = shape.model.num_layers
     ms = pol.gpu_layer_options(n)
-    if force_m is not None and policy in ("splitgen", "gpu-offload-partial"):
+    if force_m is not None and pol.needs_gpu_layers:
         ms = ms[ms == force_m]
-    if policy != "cpu" and not hw.has_gpu:
+    if not hw.has_gpu and pol.needs_accelerator(n):
         inf = np.full(ms.shape, np.inf)
-        return _Options(policy, ms, inf, inf, inf, inf, np.zeros(ms.shape, bool), {}, inf)
+        return _Options(policy, ms, inf, inf, inf, inf, np.zeros(ms.shape, bool), {}, inf, "no GPU")
     est = pol.estimate(pc, n, ms)
-    gpu_b = memory.gpu_bytes(shape, hw, pol.host_mode, ms, phase)
-    cpu_b = memory.cpu_bytes(shape, pol.host_mode, ms, phase)
-    gpu_b = np.broadcast_to(gpu_b, ms.shape).astype(float)
+    gpu_b, cpu_b = _phase_memory(shape, hw, policy, ms, phase)
     feasible = (gpu_b <= gpu_budget) & (cpu_b <= cpu_budget) & np.isfinite(est.time_s)
     load = pol.initial_load_s(pc_prefill, ms) if phase == "prefill" else np.zeros(ms.shape)
     return _Options(policy, ms, est.time_s, est.pcie_bytes, gpu_b, cpu_b, feasible, est.terms, load)
 
 
 def _why_not(o: _Options, hw: Hardware, gpu_budget: float, cpu_budget: float) -> str:
-    if o.policy != "cpu" and not hw.has_gpu:
-        return "no GPU"
+    if o.reason:
+        return o.reason
     if o.gpu_layers.size == 0:
         return "no valid number of GPU layers"
     i = int(np.argmin(o.gpu_bytes + o.cpu_bytes))
@@ -108,40 +141,41 @@ def _why_not(o: _Options, hw: Hardware, gpu_budget: float, cpu_budget: float) ->
     return "; ".join(parts) or "infeasible"
 
 
-def _location(n: int, m: int, host_mode: str) -> list[str]:
-    return [("gpu" if j >= n - m else host_mode) for j in range(n)]
-
-
 def switch_s(shape: Shape, hw: Hardware, prefill: str, m_p: int, decode: str, m_d: int,
-             ttft_s: float, include_initial_load: bool = True) -> float:
-    """Moving KV (at the prompt's length) and weights from the prefill placement to the decode one.
+             ttft_s: float, include_initial_load: bool = True, eff: Efficiency | None = None) -> float:
+    """Moving KV (at the prompt's length) and weights from the prefill placement to the decode one,
+    over the link at its calibrated efficiency (Eff_ICN per direction and transfer size).
     Layers that become GPU-resident for decode: free if prefill streamed them through the GPU
     (they stay), loaded over the link otherwise (overlapped with a CPU-only prefill). Layers
-    leaving the GPU send their weights back only if no host copy exists."""
+    leaving the GPU send their weights back only if no host copy exists (one always does)."""
     if not hw.has_gpu:
         return 0.0
-    n = shape.model.num_layers
-    lb = memory.LayerBytes.of(shape)
-    kv_prompt = float(lb.kv_gpu * shape.input_len / (shape.input_len + shape.output_len))
-    pm, dm = REGISTRY[prefill].host_mode, REGISTRY[decode].host_mode
-    h2d = d2h = 0.0
-    h2d_weights = 0.0
-    for a, b in zip(_location(n, m_p, pm), _location(n, m_d, dm)):
-        if a == b or {a, b} == {"cpu", "stream"}:
+    eff = eff if eff is not None else DefaultEfficiency.for_hardware(hw)
+    m, n = shape.model, shape.model.num_layers
+    w_layer = costs.d_weights(m, shape.w_bytes)
+    kv_prompt = float(costs.kv_cache_bytes_per_layer(m, shape.batch, shape.input_len, shape.w_bytes))
+    pp, dp = REGISTRY[prefill].placement(n, m_p, "prefill"), REGISTRY[decode].placement(n, m_d, "decode")
+    h2d = d2h = h2d_weights = 0.0
+    for a, b, count in segments(pp, dp):
+        a_res, b_res = a.weights == ACCELERATOR, b.weights == ACCELERATOR
+        if a_res == b_res:
             continue  # same memory (host copies in both dtypes are kept)
-        if b == "gpu":  # host -> GPU resident
-            if a != "stream":
-                h2d_weights += lb.w_gpu
-            h2d += kv_prompt
+        if b_res:  # host -> GPU resident
+            if not a.streamed:
+                h2d_weights += count * w_layer
+            h2d += count * kv_prompt
         else:  # GPU resident -> host
-            d2h += kv_prompt
-    if REGISTRY[decode].name != "cpu" and m_p == 0 and prefill == "cpu":
-        h2d_weights += lb.head_gpu
+            d2h += count * kv_prompt
+    if not pp.head_on_accelerator() and dp.head_on_accelerator():
+        h2d_weights += costs.d_lm_head(m, shape.w_bytes)
     bw_h2d, bw_d2h = hw.link.h2d_bandwidth_bytes_per_s, hw.link.d2h_bandwidth_bytes_per_s
-    t_weights = t_link_s(h2d_weights, bw_h2d, ICN_SWITCH_EFF) if h2d_weights and include_initial_load else 0.0
-    if prefill == "cpu":  # the link is idle during a CPU-only prefill: load then
+    t_weights = (t_link_s(h2d_weights, bw_h2d, eff.h2d(h2d_weights)) if h2d_weights and include_initial_load
+                 else 0.0)
+    if not pp.uses_accelerator:  # the link is idle during a CPU-only prefill: load then
         t_weights = max(0.0, t_weights - ttft_s)
-    return max(t_weights + t_link_s(h2d, bw_h2d, ICN_SWITCH_EFF), t_link_s(d2h, bw_d2h, ICN_SWITCH_EFF))
+    t_h2d = t_link_s(h2d, bw_h2d, eff.h2d(h2d)) if h2d else 0.0
+    t_d2h = t_link_s(d2h, bw_d2h, eff.d2h(d2h)) if d2h else 0.0
+    return max(t_weights + t_h2d, t_d2h)
 
 
 def plan(model: Any, hardware: Any = "local", batch_size: int = 1, input_len: int = 128, output_len: int = 32,
@@ -231,16 +265,27 @@ def _plan_one(spec: ModelSpec, hw: Hardware, eff: Efficiency, shape: Shape, gpu_
 
     steps = shape.decode_steps
 
+    n = spec.num_layers
+    scores: dict[tuple, tuple[float, float, float] | None] = {}
+
     def score(p: str, ip: int, d: str, idx_d: int) -> tuple[float, float, float] | None:
+        """E2E of a pair, None when both placements together (the executor holds what either phase
+        needs) do not fit."""
+        key = (p, ip, d, idx_d)
+        if key in scores:
+            return scores[key]
         op, od = opts["prefill"][p], opts["decode"][d]
         m_p, m_d = int(op.gpu_layers[ip]), int(od.gpu_layers[idx_d])
-        host = memory.pair_cpu_bytes(shape, REGISTRY[p].host_mode, m_p, REGISTRY[d].host_mode, m_d)
-        if host > cpu_budget:
+        need = placement_memory(shape, hw, {"prefill": REGISTRY[p].placement(n, m_p, "prefill"),
+                                            "decode": REGISTRY[d].placement(n, m_d, "decode")})
+        if need.host_total_bytes > cpu_budget or need.accelerator_bytes > gpu_budget:
+            scores[key] = None
             return None
         ttft = float(op.time_s[ip])
-        sw = switch_s(shape, hw, p, m_p, d, m_d, ttft, include_initial_load)
+        sw = switch_s(shape, hw, p, m_p, d, m_d, ttft, include_initial_load, eff)
         load = float(op.load_s[ip]) if include_initial_load else 0.0
-        return load + ttft + sw + steps * float(od.time_s[idx_d]), load, sw
+        scores[key] = (load + ttft + sw + steps * float(od.time_s[idx_d]), load, sw)
+        return scores[key]
 
     def best_pair(p_pols, d_pols):
         best = None
@@ -264,6 +309,9 @@ def _plan_one(spec: ModelSpec, hw: Hardware, eff: Efficiency, shape: Shape, gpu_
                 for ip in ip_set:
                     for i_d in id_set:
                         s = score(p, ip, d, i_d)
+                        while s is None and i_d > 0:  # both phases' buffers together: fewer decode GPU layers
+                            i_d -= 1
+                            s = score(p, ip, d, i_d) if od.feasible[i_d] else None
                         if s is not None and (best is None or s[0] < best[0]):
                             best = (s[0], s[1], s[2], p, ip, d, i_d)
         return best
@@ -315,9 +363,9 @@ def _reason(cp: Candidate, cd: Candidate, candidates: list[Candidate], baselines
 
 
 def _no_fit_message(shape: Shape, hw: Hardware, gpu_budget, cpu_budget, prefill, decode, gpu_layers, candidates) -> str:
-    lb = memory.LayerBytes.of(shape)
     n = shape.model.num_layers
-    need_host_cpu = n * (lb.w_cpu + lb.kv_cpu) + lb.embed_cpu + lb.head_cpu
+    cpu_only = PhasePlacement.of((CPU, n))
+    need_host_cpu = placement_memory(shape, hw, {"prefill": cpu_only, "decode": cpu_only}).host_total_bytes
     forced = ", ".join(f"{k}={v}" for k, v in (("prefill", prefill), ("decode", decode), ("gpu_layers", gpu_layers)) if v is not None)
     why = "; ".join(f"{c.phase} {c.policy}: {c.reason}" for c in candidates if not c.feasible and
                     (c.policy in (prefill, decode) if forced else True))

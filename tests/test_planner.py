@@ -12,9 +12,9 @@ from hypothesis import strategies as st
 import flexplan
 from flexplan.errors import DoesNotFitError, InvalidInputError, UnknownModelError
 from flexplan.estimator import REGISTRY, DefaultEfficiency, Shape, phase_costs
-from flexplan.estimator import memory
 from flexplan.hardware.spec import CPUSpec, GPUSpec, Hardware, LinkSpec
 from flexplan.plan_types import POLICIES, Plan
+from flexplan.planner import placement_memory
 from flexplan.workload import resolve_model
 
 GiB = 1 << 30
@@ -78,14 +78,15 @@ def test_plan_never_exceeds_its_memory(model, shape, gpu_gib, cpu_gib):
     for ph in (p.prefill, p.decode):
         assert ph.gpu_memory_bytes <= gpu_gib * GiB
         assert ph.cpu_memory_bytes <= cpu_gib * GiB
-    spec = resolve_model(model)
-    shape_ = Shape(spec, b, s, o, "bfloat16", hw.cpu.compute_dtype)
-    both = memory.pair_cpu_bytes(shape_, REGISTRY[p.prefill.policy].host_mode, p.prefill.gpu_layers,
-                                 REGISTRY[p.decode.policy].host_mode, p.decode.gpu_layers)
-    assert both <= cpu_gib * GiB
     for c in p.candidates:
         if c.feasible:
             assert c.gpu_memory_bytes <= gpu_gib * GiB and c.cpu_memory_bytes <= cpu_gib * GiB
+    # what the executor will hold for the request (both phases' placements together) fits too
+    spec = resolve_model(model)
+    n = spec.num_layers
+    held = placement_memory(Shape(spec, b, s, o, p.dtype, p.cpu_dtype), hw, {
+        ph: REGISTRY[c.policy].placement(n, c.gpu_layers, ph) for ph, c in p.phases.items()})
+    assert held.accelerator_bytes <= gpu_gib * GiB and held.host_total_bytes <= cpu_gib * GiB
 
 
 def test_paper_qualitative_result_server2():
@@ -176,8 +177,9 @@ def test_a_16bit_model_on_a_float32_cpu_is_planned_with_16bit_weight_bytes():
     """spec.cpu_weight_dtype: a bf16 model that the CPU computes in float32 keeps 2-byte weights
     (flexplan's blocked GEMV widens them as it reads), so CPU decode moves and the host holds
     half the weight bytes of a float32 model; activations and KV stay float32."""
-    from flexplan.estimator import memory
+    from flexplan import memory
     from flexplan.hardware.spec import cpu_weight_dtype
+    from flexplan.placement import ACCELERATOR, HOST
 
     assert cpu_weight_dtype("bfloat16", "float32") == "bfloat16"
     assert cpu_weight_dtype("float16", "float32") == "float16"
@@ -187,9 +189,28 @@ def test_a_16bit_model_on_a_float32_cpu_is_planned_with_16bit_weight_bytes():
     spec = flexplan.workload.resolve_model("meta-llama/Llama-2-7b-hf")
     half, full = (Shape(spec, 1, 128, 32, d, "float32") for d in ("bfloat16", "float32"))
     assert (half.cpu_weight_bytes, half.cpu_bytes, full.cpu_weight_bytes) == (2, 4, 4)
-    assert memory.LayerBytes.of(half).w_cpu * 2 == memory.LayerBytes.of(full).w_cpu
-    assert memory.LayerBytes.of(half).kv_cpu == memory.LayerBytes.of(full).kv_cpu
+    layer = memory.Inventory.from_spec(spec).layers[0]
+    linears = sum(t.shape[0] * t.shape[1] for t in layer if t.kind == memory.LINEAR)
+    w16, w32 = (memory.unit_bytes(layer, HOST, d, "float32", memory.KERNEL_BLOCKED) for d in ("bfloat16", "float32"))
+    assert w32 - w16 == 2 * linears  # 4 -> 2 bytes per linear weight; norms stay float32
+    assert memory.unit_bytes(layer, ACCELERATOR, "bfloat16", "float32", None) * 2 == \
+        memory.unit_bytes(layer, ACCELERATOR, "float32", "float32", None)
     kw = dict(batch_size=1, input_len=64, output_len=8, cpu_dtype="float32", prefill="cpu", decode="cpu")
     p16, p32 = (flexplan.plan(spec, hw, dtype=d, **kw) for d in ("bfloat16", "float32"))
     assert 0.45 < p16.tpot_s / p32.tpot_s < 0.6  # decode is the weights' bytes over bandwidth
     assert p16.decode.cpu_memory_bytes < 0.6 * p32.decode.cpu_memory_bytes
+
+
+def test_phase_switch_moves_at_the_calibrated_link_efficiency():
+    """switch_s: bytes over BW_ICN x Eff_ICN with the calibration's h2d / d2h factors (no constant)."""
+    from flexplan.planner import switch_s
+
+    hw = server()
+    spec = resolve_model("meta-llama/Llama-2-7b-hf")
+    shape = Shape(spec, 4, 512, 32, "bfloat16", "bfloat16")
+    base = DefaultEfficiency.for_hardware(hw)
+    half = replace(base, icn_eff=base.icn_eff / 2)
+    # gpu prefill -> splitgen decode with 16 GPU layers: 16 layers' prompt KV go back to the host
+    t, t_half = (switch_s(shape, hw, "gpu", 32, "splitgen", 16, 1.0, eff=e) for e in (base, half))
+    kv = 16 * 2 * 4 * 512 * spec.kv_dim * 2  # layers x (K, V) x batch x prompt x kv_dim x bf16
+    assert t == pytest.approx(kv / (64e9 * base.icn_eff)) and t_half == pytest.approx(2 * t)

@@ -1,7 +1,7 @@
 """Run a HuggingFace decoder under a Plan, layer by layer: FlexInfer's Inference Executor.
 
-Rooms: ``link`` (streams, events, pinned memory, the transfer log), ``placement`` (what runs
-where in each phase; memory checks before allocation), ``weights`` (one flat buffer per layer
+Rooms: ``link`` (streams, events, pinned memory, the transfer log), ``placement`` (fit checks
+before allocation, on ``flexplan.placement`` and ``flexplan.memory``, which the planner reads too), ``weights`` (one flat buffer per layer
 and place; the streaming double buffers), ``kv_cache`` (a transformers Cache in preallocated
 buffers, ``prefetch()``/``offload()``), ``step`` (what one forward step moves), ``runner`` (the
 hooks that run each step under the plan), ``loading`` (safetensors straight into place),

@@ -22,10 +22,11 @@ import torch
 
 HOST = torch.device("cpu")
 
-# Where a buffer lives.
-ACCELERATOR = "accelerator"  # accelerator memory (the stand-in: host memory playing the part)
-PINNED = "pinned"  # page-locked host memory, the source/target of asynchronous copies
-HOST_MEMORY = "host"  # ordinary pageable host memory (stationary CPU-computed weights)
+# Where a buffer lives (flexplan.placement's names): accelerator memory (the stand-in: host memory
+# playing the part), page-locked host memory (the source/target of asynchronous copies), ordinary
+# pageable host memory (stationary CPU-computed weights).
+from flexplan.placement import ACCELERATOR, PINNED  # noqa: E402
+from flexplan.placement import HOST as HOST_MEMORY  # noqa: E402
 WHERE = (ACCELERATOR, PINNED, HOST_MEMORY)
 
 # Directions of a copy. Host-to-host conversions do not cross the link but are logged too.

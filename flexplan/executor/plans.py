@@ -12,7 +12,7 @@ from typing import Any
 
 from flexplan.errors import InvalidInputError
 from flexplan.hardware.spec import canonical_dtype
-from flexplan.plan_types import POLICIES, PhaseChoice, Plan
+from flexplan.plan_types import PhaseChoice, Plan
 from flexplan.workload.model import ModelSpec
 
 _OVERRIDE_KEYS = {"prefill", "decode", "gpu_layers", "prefill_gpu_layers", "decode_gpu_layers",
@@ -20,19 +20,12 @@ _OVERRIDE_KEYS = {"prefill", "decode", "gpu_layers", "prefill_gpu_layers", "deco
 
 
 def gpu_layers_for(policy: str, num_layers: int, gpu_layers: int | None) -> int:
-    """M for a policy: N for gpu, 0 for cpu and gpu-offload, the given M otherwise."""
-    if policy not in POLICIES:
-        raise InvalidInputError(f"unknown policy {policy!r}; use one of {', '.join(POLICIES)}")
-    if policy == "gpu":
-        return num_layers
-    if policy in ("cpu", "gpu-offload"):
-        return 0
-    if gpu_layers is None:
-        raise InvalidInputError(f"policy {policy} needs gpu_layers (how many of the last layers sit on the GPU), "
-                                f"e.g. {{'{policy}': ..., 'gpu_layers': {max(1, num_layers // 2)}}}")
-    if not 0 <= int(gpu_layers) <= num_layers:
-        raise InvalidInputError(f"gpu_layers must be between 0 and {num_layers}, got {gpu_layers}")
-    return int(gpu_layers)
+    """M a forced ``policy`` runs with (the policy's rule: its only option, or the caller's M)."""
+    from flexplan.estimator.policies import REGISTRY
+
+    if policy not in REGISTRY:
+        raise InvalidInputError(f"unknown policy {policy!r}; use one of {', '.join(REGISTRY)}")
+    return REGISTRY[policy].gpu_layers_for(num_layers, gpu_layers)
 
 
 def check_overrides(overrides: dict[str, Any]) -> None:

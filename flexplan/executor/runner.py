@@ -27,8 +27,8 @@ from flexplan.executor.cpu_backend import configure
 from flexplan.executor.families import decoder_parts
 from flexplan.executor.kv_cache import FlexCache, FlexKVLayer, KVPool, kv_bytes
 from flexplan.executor.link import ACCELERATOR, HOST_MEMORY, PINNED, Link
-from flexplan.executor.placement import (
-    CPU, RESIDENT, STREAMED, MemoryNeed, Placement, check_fits, memory_need)
+from flexplan.executor.placement import Placement, check_fits
+from flexplan.memory import ALIAS, LINEAR, PLAIN, TIED_EMBEDDING, Inventory, MemoryNeed, Tensor, footprint
 from flexplan.executor.stats import PhaseStats, step_flops
 from flexplan.executor.step import Step, generic_kv_to
 from flexplan.executor.weights import GroupWeights, StreamSlots, torch_dtype
@@ -124,16 +124,35 @@ class Executor:
     def _dtype(self, place: str, placement: Placement | None = None) -> torch.dtype:
         return torch_dtype((placement or self.placement).place_dtype(place))
 
-    def memory_need(self, placement: Placement, batch: int | None = None, capacity: int | None = None) -> MemoryNeed:
-        d = functools.partial(self._dtype, placement=placement)
-        wd = torch_dtype(placement.cpu_weight_dtype)
-        kv = (lambda place: kv_bytes(batch, capacity, self.spec.num_kv_heads, self.spec.head_dim, d(place))) if batch else None
-        return memory_need(placement, lambda i, place: self.layers[i].nbytes(place, d(place), wd),
-                           lambda place: self.head.nbytes(place, d(place), wd),
-                           self.embed.nbytes(HOST_MEMORY, d(HOST_MEMORY), wd), kv)
+    @functools.cached_property
+    def inventory(self) -> Inventory:
+        """The tensors of each placement unit as loaded (flexplan.memory sizes them)."""
+        def tensors(g: GroupWeights, prefix: str = "") -> tuple[Tensor, ...]:
+            out = []
+            for name, shape in g.shapes:
+                if name in g.host_aliases:
+                    kind = ALIAS
+                elif name in g.packed:
+                    kind = TIED_EMBEDDING if isinstance(g.params[name][0], nn.Embedding) else LINEAR
+                else:
+                    kind = PLAIN
+                out.append(Tensor(name.removeprefix(prefix), tuple(shape), kind))
+            return tuple(out)
 
-    def check(self, placement: Placement, batch: int, capacity: int) -> None:
-        need = self.memory_need(placement, batch, capacity)
+        prefix = f"{self.parts.stack_prefix}.layers"
+        s = self.spec
+        return Inventory(tensors(self.embed), tuple(tensors(g, f"{prefix}.{i}.") for i, g in enumerate(self.layers)),
+                         tensors(self.head), s.num_kv_heads, s.head_dim,
+                         4 * s.hidden_size + s.q_dim + 2 * s.kv_dim + 3 * s.intermediate_size, s.vocab_size)
+
+    def memory_need(self, placement: Placement, batch: int | None = None, capacity: int | None = None,
+                    input_len: int | None = None) -> MemoryNeed:
+        """flexplan.memory.footprint of ``placement`` for this model as loaded (None: weights only)."""
+        kernel = self.backend.linear_kernel if self.backend.packs_weights else None
+        return footprint(self.inventory, placement, batch, input_len or capacity, capacity, kernel)
+
+    def check(self, placement: Placement, batch: int, capacity: int, input_len: int | None = None) -> None:
+        need = self.memory_need(placement, batch, capacity, input_len)
         check_fits(need, placement, self.accelerator_budget_bytes, self.pinned_budget_bytes,
                    f"batch {batch} x {capacity} tokens")
 
@@ -141,7 +160,7 @@ class Executor:
         """Put every unit's weights where ``plan`` needs them (refusing before any allocation
         when it does not fit). A no-op when the placement is unchanged."""
         placement = Placement.from_plan(plan, self.num_layers)
-        self.check(placement, plan.batch_size, plan.input_len + plan.output_len)
+        self.check(placement, plan.batch_size, plan.input_len + plan.output_len, plan.input_len)
         pack_batch = cpu_linear.pack_batch_hint(plan.batch_size) if self.backend.packs_weights else None
         if placement == self.placement and pack_batch == self.pack_batch and source is None:
             self.plan = plan
@@ -174,15 +193,16 @@ class Executor:
             self.slots = StreamSlots(self.link, slot_bytes)
         if self.backend.ipex is not None:
             for i in range(self.num_layers):
-                if all(placement.modes[ph][i] == CPU for ph in (PREFILL, DECODE)):
+                if all(placement.modes[ph][i].on_cpu for ph in (PREFILL, DECODE)):
                     self.backend.optimize(self.parts.layers[i], self._dtype(HOST_MEMORY))
 
-    def new_cache(self, batch_size: int, max_tokens: int) -> FlexCache:
+    def new_cache(self, batch_size: int, max_tokens: int, input_len: int | None = None) -> FlexCache:
         """A cache for one request of ``batch_size`` sequences x ``max_tokens`` (prompt + new)
         tokens, its buffers taken from the pool (allocated only when no earlier request was as
-        large); refused before any allocation when it does not fit."""
+        large); refused before any allocation when it does not fit (with prefill activations for
+        ``input_len`` prompt tokens; None: ``max_tokens``)."""
         pl, batch, capacity = self.placement, batch_size, max_tokens
-        self.check(pl, batch, capacity)
+        self.check(pl, batch, capacity, input_len)
         kvh, hd = self.spec.num_kv_heads, self.spec.head_dim
         needs = {}
         for i in range(self.num_layers):
@@ -256,7 +276,7 @@ class Executor:
         """For a decode step whose every layer computes on the CPU, with flexplan's cache: do
         now what the per-layer hooks would (weights bound to host memory, each KV cache moved to
         and activated there), so the native stack may run every layer in one call; else False."""
-        if st.phase != DECODE or st.cache is None or any(m != CPU for m in self.placement.modes[DECODE]):
+        if st.phase != DECODE or st.cache is None or any(not m.on_cpu for m in self.placement.modes[DECODE]):
             return False
         for i, g in enumerate(self.layers):
             place = self.placement.layer_place(i, DECODE)
@@ -328,12 +348,12 @@ class Executor:
         if st is None:
             return None
         mode = self.placement.modes[st.phase][i]
-        on_acc = mode != CPU
+        on_acc = not mode.on_cpu
         dtype = self._dtype(ACCELERATOR if on_acc else HOST_MEMORY)
         g = self.layers[i]
         cache = kwargs.get("past_key_values")
         kv = cache.layers[i] if isinstance(cache, FlexCache) else None
-        if mode == STREAMED:
+        if mode.streamed:
             slot = st.slot_of[i]
             self.link.wait(self.slots.ready[slot])
             g.bind_views(self.slots.views(g, slot), tag=("slot", slot))
@@ -370,7 +390,7 @@ class Executor:
         mode = self.placement.modes[st.phase][i]
         cache = kwargs.get("past_key_values")
         kv = cache.layers[i] if isinstance(cache, FlexCache) else None
-        if mode == STREAMED:
+        if mode.streamed:
             slot = st.slot_of[i]
             self.link.record(self.slots.free[slot])
             self.slots.used[slot] = True
@@ -391,7 +411,7 @@ class Executor:
                     kv.migrate(target)
                     kv.pending = self.link.event()
                     self.link.record(kv.pending, on_copy_stream=True)
-        st.hidden_on_acc = mode != CPU
+        st.hidden_on_acc = not mode.on_cpu
         self.link.note("computed", i)
         return None
 
@@ -399,7 +419,7 @@ class Executor:
         st = self._step
         if st is None or not args:
             return None
-        on_acc = self.placement.head_mode(st.phase) == RESIDENT
+        on_acc = not self.placement.head_mode(st.phase).on_cpu
         dtype = self._dtype(ACCELERATOR if on_acc else HOST_MEMORY)
         x = st.hidden_to(self.link, args[0], on_acc, dtype, None)
         if module is self.parts.lm_head and x.dim() == 3 and x.stride(0) != x.shape[1] * x.stride(1):

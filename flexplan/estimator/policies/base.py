@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from flexplan.estimator.terms import PhaseCosts
+from flexplan.placement import RESIDENT, LayerMode, PhasePlacement
 
 
 def mean_over_steps(x) -> float:
@@ -31,12 +32,46 @@ class PhaseTime:
 
 
 class Policy:
-    name: str = ""
-    host_mode: str = "none"  # how host-resident layers run: 'cpu', 'stream' or 'none' (there are none)
+    """One policy: its placement rule, its M options and its estimator formula. Its name is the
+    one it is registered under (``flexplan.estimator.policies``), nowhere else.
+
+    The default placement rule: the first N - M layers in ``host_mode`` (None: there are none),
+    the last M resident on the accelerator; the head with the last layer."""
+
+    name: str = ""  # set by the registry
+    host_mode: LayerMode | None = None
+    needs_gpu_layers: bool = False  # M is the caller's choice (else the single option)
+    vectorised: bool = True  # placement() takes an array of M
     paper: str = ""  # where the formula comes from
+    reproduces: str = ""  # the published system this policy is, when it is the baseline to beat (explain)
 
     def gpu_layer_options(self, num_layers: int) -> np.ndarray:
         raise NotImplementedError
+
+    def placement(self, num_layers: int, gpu_layers, phase: str) -> PhasePlacement:
+        """Where each layer of ``phase`` lives and computes with M = ``gpu_layers`` (an int, or an
+        array of M when :attr:`vectorised`)."""
+        runs = ((self.host_mode, num_layers - gpu_layers),) if self.host_mode is not None else ()
+        return PhasePlacement(runs + ((RESIDENT, gpu_layers),))
+
+    def gpu_layers_for(self, num_layers: int, gpu_layers: int | None) -> int:
+        """M a forced plan runs with: the caller's (checked) when the policy takes one, else its only option."""
+        if not self.needs_gpu_layers:
+            return int(self.gpu_layer_options(num_layers)[0])
+        from flexplan.errors import InvalidInputError
+
+        if gpu_layers is None:
+            raise InvalidInputError(f"policy {self.name} needs gpu_layers (how many layers sit on the GPU), "
+                                    f"e.g. {{'{self.name}': ..., 'gpu_layers': {max(1, num_layers // 2)}}}")
+        if not 0 <= int(gpu_layers) <= num_layers:
+            raise InvalidInputError(f"gpu_layers must be between 0 and {num_layers}, got {gpu_layers}")
+        return int(gpu_layers)
+
+    def needs_accelerator(self, num_layers: int) -> bool:
+        """Whether any placement this policy makes computes on the accelerator."""
+        opts = self.gpu_layer_options(num_layers)
+        return any(self.placement(num_layers, int(m), ph).uses_accelerator
+                   for m in {*opts[:1], *opts[-1:]} for ph in ("prefill", "decode"))
 
     def estimate(self, pc: PhaseCosts, num_layers: int, gpu_layers: np.ndarray) -> PhaseTime:
         raise NotImplementedError

@@ -6,6 +6,7 @@ import numpy as np
 
 from flexplan.estimator.policies.base import PhaseTime, Policy, mean_over_steps
 from flexplan.estimator.terms import PhaseCosts
+from flexplan.placement import CPU
 
 
 def eq1_time_s(pc: PhaseCosts, num_layers: int) -> float:
@@ -14,8 +15,7 @@ def eq1_time_s(pc: PhaseCosts, num_layers: int) -> float:
 
 
 class CPUPolicy(Policy):
-    name = "cpu"
-    host_mode = "cpu"
+    host_mode = CPU
     paper = "FlexInfer Eq. 1"
 
     def gpu_layer_options(self, num_layers):

@@ -8,8 +8,7 @@ from flexplan.estimator.policies.base import PhaseTime, Policy, gpu_ends, mean_o
 
 
 class GPUPolicy(Policy):
-    name = "gpu"
-    host_mode = "none"
+    host_mode = None
     paper = "all layers resident; Eq. 2 without the transfer term"
 
     def gpu_layer_options(self, num_layers):

@@ -13,6 +13,7 @@ import numpy as np
 
 from flexplan.estimator.policies.base import PhaseTime, Policy, gpu_ends, mean_over_steps
 from flexplan.estimator.terms import PhaseCosts
+from flexplan.placement import STREAMED
 
 
 def eq2_streamed_layer_s(pc: PhaseCosts) -> float:
@@ -40,9 +41,9 @@ def streamed_time(pc: PhaseCosts, num_layers: int, gpu_layers: np.ndarray) -> Ph
 
 
 class GPUOffloadPolicy(Policy):
-    name = "gpu-offload"
-    host_mode = "stream"
+    host_mode = STREAMED
     paper = "FlexInfer Eq. 2 (FlexGen)"
+    reproduces = "FlexGen"
 
     def gpu_layer_options(self, num_layers):
         return np.array([0])
@@ -52,8 +53,8 @@ class GPUOffloadPolicy(Policy):
 
 
 class GPUOffloadPartialPolicy(Policy):
-    name = "gpu-offload-partial"
-    host_mode = "stream"
+    host_mode = STREAMED
+    needs_gpu_layers = True
     paper = "FlexGen_Opt (FlexInfer 6.1): Eq. 2 for streamed layers, resident layers compute only"
 
     def gpu_layer_options(self, num_layers):

@@ -15,6 +15,7 @@ import numpy as np
 
 from flexplan.estimator.policies.base import PhaseTime, Policy, gpu_ends, mean_over_steps
 from flexplan.estimator.terms import PhaseCosts
+from flexplan.placement import CPU
 
 
 def eq3_prefill_s(pc: PhaseCosts, num_layers: int, gpu_layers: np.ndarray):
@@ -25,8 +26,8 @@ def eq3_prefill_s(pc: PhaseCosts, num_layers: int, gpu_layers: np.ndarray):
 
 
 class SplitGenPolicy(Policy):
-    name = "splitgen"
-    host_mode = "cpu"
+    host_mode = CPU
+    needs_gpu_layers = True
     paper = "FlexInfer Eq. 3 / section 4.3"
 
     def gpu_layer_options(self, num_layers):

@@ -1,0 +1,282 @@
+"""How many bytes a placement occupies in accelerator, pinned and pageable host memory: ONE pure
+function, :func:`footprint`, that the planner calls (vectorised over its candidate M) and the
+executor's fit check calls (before it allocates anything).
+
+Sizes are what the executor allocates (``executor/weights.py``, ``executor/kv_cache.py``):
+
+- each placement unit (embedding, decoder layer, head) is one flat buffer per place, each tensor
+  in it padded to 64 bytes (``ALIGN_BYTES``); pinned and accelerator buffers hold the
+  accelerator dtype, host buffers the CPU dtype;
+- in host memory, plain linear weights are packed tensors of their own (no padding) when the CPU
+  linear kernel packs (``flexplan-blocked`` or ``onednn-packed``), held in the weight dtype where
+  the blocked kernel reads it (a 16-bit model under float32 compute: spec.cpu_weight_dtype) and in
+  the CPU dtype otherwise; a tied embedding is blocked likewise and the LM head's host copy IS it;
+- one KV buffer per place a layer's KV uses, in that place's dtype; a host copy is pinned when the
+  layer is also accelerator-resident (it crosses the link at the phase switch);
+- two accelerator weight slots and two KV slots when any layer is streamed (double buffering);
+- transient activations of one layer step and the fp32 logits (not allocated through the link),
+  and the accelerator runtime's reserve the caller gives.
+
+What the model holds comes as an :class:`Inventory` (tensor shapes of each unit): from a
+:class:`ModelSpec` for the planner, from the loaded modules for the executor.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from functools import cached_property
+from typing import Mapping
+
+import numpy as np
+
+from flexplan.hardware.spec import DTYPE_BYTES, cpu_weight_dtype
+from flexplan.placement import ACCELERATOR, HOST, ON_ACCELERATOR, ON_CPU, PINNED, Placement
+
+ALIGN_BYTES = 64  # executor.weights.FlatLayout: each tensor's offset in a flat buffer
+CPU_MEMORY_USABLE_FRACTION = 0.90  # leave 10% of host memory to the OS and the Python process
+KERNEL_BLOCKED, KERNEL_PACKED = "flexplan-blocked", "onednn-packed"  # executor.cpu_linear's names
+BLOCK = 64  # rows per block of the blocked layout
+BLOCKED_WEIGHT_DTYPES = ("float32", "bfloat16", "float16")  # what the native GEMV reads
+
+# Tensor kinds, for how the host holds them.
+PLAIN = "plain"  # in the unit's flat buffer everywhere
+LINEAR = "linear"  # a plain nn.Linear weight: packed on the host when the CPU kernel packs
+TIED_EMBEDDING = "tied embedding"  # an embedding the LM head shares: blocked on the host when it can be
+ALIAS = "alias"  # the LM head's host copy is the tied embedding's (no host bytes of its own)
+TRANSIENT = ("activations", "runtime reserve")  # parts not allocated through the executor's link
+
+
+@dataclass(frozen=True)
+class Tensor:
+    name: str
+    shape: tuple[int, ...]
+    kind: str = PLAIN
+
+
+@dataclass(frozen=True)
+class Inventory:
+    """The tensors of each placement unit, and the sizes activations and the KV cache need."""
+
+    embedding: tuple[Tensor, ...]
+    layers: tuple[tuple[Tensor, ...], ...]
+    head: tuple[Tensor, ...]
+    kv_heads: int
+    head_dim: int
+    activation_elems_per_row: int  # hidden, residual, q/k/v/attention output, MLP intermediates
+    vocab_size: int
+    _cache: dict = field(default_factory=dict, compare=False, hash=False, repr=False)
+
+    @cached_property
+    def homogeneous(self) -> bool:
+        return len(set(self.layers)) <= 1
+
+    @classmethod
+    def from_spec(cls, spec) -> "Inventory":
+        """What the executor would hold for ``spec`` (workload.ModelSpec), unit by unit."""
+        h, i, q, kv = spec.hidden_size, spec.intermediate_size, spec.q_dim, spec.kv_dim
+        emb = spec.word_embed_proj_dim or h
+
+        def norm(name, width=h):
+            if not spec.norm_affine:
+                return []
+            return [Tensor(f"{name}.weight", (width,))] + ([Tensor(f"{name}.bias", (width,))] if spec.norm == "layer" else [])
+
+        def linear(name, out, inp, bias):
+            return [Tensor(f"{name}.weight", (out, inp), LINEAR)] + ([Tensor(f"{name}.bias", (out,))] if bias else [])
+
+        layer = norm("attn_norm")
+        layer += linear("q", q, h, spec.qkv_bias) + linear("k", kv, h, spec.qkv_bias) + linear("v", kv, h, spec.qkv_bias)
+        layer += linear("o", h, q, spec.o_bias) + norm("mlp_norm")
+        if spec.gated_mlp:
+            layer += linear("gate", i, h, spec.mlp_bias) + linear("up", i, h, spec.mlp_bias) + linear("down", h, i, spec.mlp_bias)
+        else:
+            layer += linear("fc1", i, h, spec.mlp_bias) + linear("fc2", h, i, spec.mlp_bias)
+        tied = spec.tie_word_embeddings
+        embedding = [Tensor("embed_tokens.weight", (spec.vocab_size, emb), TIED_EMBEDDING if tied else PLAIN)]
+        if spec.learned_pos_embeddings:
+            embedding.append(Tensor("embed_positions.weight", (spec.learned_pos_embeddings, h)))
+        if spec.word_embed_proj_dim:
+            embedding.append(Tensor("project_in.weight", (h, emb)))  # the embedding unit packs nothing
+        head = norm("final_norm") if spec.final_norm else []
+        if spec.word_embed_proj_dim:
+            head.append(Tensor("project_out.weight", (emb, h), LINEAR))
+        head.append(Tensor("lm_head.weight", (spec.vocab_size, emb), ALIAS if tied else LINEAR))
+        per_row = 4 * h + q + 2 * kv + 3 * i
+        layer_t = tuple(layer)
+        return cls(tuple(embedding), (layer_t,) * spec.num_layers, tuple(head), spec.num_kv_heads, spec.head_dim,
+                   per_row, spec.vocab_size)
+
+
+def _padded(nbytes: int) -> int:
+    return -(-nbytes // ALIGN_BYTES) * ALIGN_BYTES
+
+
+def _packed(t: Tensor, kernel: str | None) -> bool:
+    if t.kind == LINEAR:
+        return kernel in (KERNEL_BLOCKED, KERNEL_PACKED)
+    if t.kind == TIED_EMBEDDING:
+        return kernel == KERNEL_BLOCKED and t.shape[0] % BLOCK == 0
+    return False
+
+
+def packed_dtype(t: Tensor, weight_dtype: str, cpu_dtype: str, kernel: str | None) -> str:
+    """cpu_linear.stored_dtype: the weight dtype where the blocked kernel reads it, else the CPU's."""
+    if (kernel == KERNEL_BLOCKED and len(t.shape) == 2 and t.shape[0] % BLOCK == 0 and cpu_dtype == "float32"
+            and weight_dtype in BLOCKED_WEIGHT_DTYPES):
+        return weight_dtype
+    return cpu_dtype
+
+
+def unit_bytes(tensors: tuple[Tensor, ...], place: str, dtype: str, cpu_dtype: str, kernel: str | None) -> int:
+    """Bytes of one unit's weights in ``place``: its flat buffer (64-byte aligned tensors), plus
+    on the host its packed weights (GroupWeights.nbytes)."""
+    if place != HOST:
+        return max(1, sum(_padded(math.prod(t.shape) * DTYPE_BYTES[dtype]) for t in tensors))
+    wdt = cpu_weight_dtype(dtype, cpu_dtype)
+    flat = packed = 0
+    for t in tensors:
+        if t.kind == ALIAS:
+            continue
+        if _packed(t, kernel):
+            packed += math.prod(t.shape) * DTYPE_BYTES[packed_dtype(t, wdt, cpu_dtype, kernel)]
+        else:
+            flat += _padded(math.prod(t.shape) * DTYPE_BYTES[cpu_dtype])
+    return max(1, flat) + packed  # a flat buffer is allocated even when empty (Link.alloc(max(n, 1)))
+
+
+def kv_bytes(inv: Inventory, batch: int, capacity: int, dtype: str) -> int:
+    """K and V of one layer: 2 x batch x tokens x kv_heads x head_dim elements (kv_cache.kv_bytes)."""
+    return 2 * batch * capacity * inv.kv_heads * inv.head_dim * DTYPE_BYTES[dtype]
+
+
+def activation_bytes(inv: Inventory, rows: int, dtype: str, batch: int) -> int:
+    """Peak transient activations of one layer step over ``rows`` tokens, plus fp32 logits of the
+    last position of each sequence."""
+    return rows * inv.activation_elems_per_row * DTYPE_BYTES[dtype] + batch * inv.vocab_size * 4
+
+
+@dataclass(frozen=True)
+class MemoryNeed:
+    """Bytes by memory, each with its parts (name -> bytes; arrays for a vectorised placement)."""
+
+    accelerator: Mapping[str, object]
+    pinned: Mapping[str, object]
+    host: Mapping[str, object]
+
+    @property
+    def accelerator_bytes(self):
+        return _total(self.accelerator)
+
+    @property
+    def pinned_bytes(self):
+        return _total(self.pinned)
+
+    @property
+    def host_bytes(self):
+        return _total(self.host)
+
+    @property
+    def host_total_bytes(self):
+        """Pinned plus pageable host memory."""
+        return self.pinned_bytes + self.host_bytes
+
+    def allocated(self, where: str):
+        """Bytes of ``where`` ('accelerator', 'pinned', 'host') the executor allocates through its
+        link (the transient parts left out)."""
+        return _total({k: v for k, v in getattr(self, where).items() if k not in TRANSIENT})
+
+
+def _total(d: Mapping[str, object]):
+    t = sum(d.values(), 0)
+    return t if isinstance(t, np.ndarray) else int(t)
+
+
+def _units(inv: Inventory, dtype: str, cpu_dtype: str, kernel: str | None) -> dict:
+    key = ("units", dtype, cpu_dtype, kernel)
+    if key not in inv._cache:
+        places = {HOST: cpu_dtype, PINNED: dtype, ACCELERATOR: dtype}
+        layers = inv.layers[:1] if inv.homogeneous else inv.layers
+        inv._cache[key] = dict(
+            layers=[{p: unit_bytes(ts, p, dtype, cpu_dtype, kernel) for p in places} for ts in layers],
+            head={p: unit_bytes(inv.head, p, dtype, cpu_dtype, kernel) for p in places},
+            embedding=unit_bytes(inv.embedding, HOST, dtype, cpu_dtype, kernel),
+        )
+    return inv._cache[key]
+
+
+def footprint(inv: Inventory, placement: Placement, batch: int | None = None, input_len: int | None = None,
+              capacity: int | None = None, kernel: str | None = KERNEL_BLOCKED,
+              reserved_bytes: float = 0) -> MemoryNeed:
+    """Accelerator / pinned / pageable host bytes of ``placement`` for a request of ``batch``
+    sequences of ``input_len`` prompt tokens and ``capacity`` tokens in all (None: weights only),
+    with the CPU's linears held as ``kernel`` holds them (``flexplan-blocked``, ``onednn-packed``,
+    None or ``F.linear``: unpacked). ``reserved_bytes``: the accelerator runtime's own reserve,
+    counted when the placement uses the accelerator. A placement of one phase whose run lengths
+    are arrays gives arrays."""
+    dt, cdt = placement.dtype, placement.cpu_dtype
+    u = _units(inv, dt, cdt, kernel)
+    kv = {p: (kv_bytes(inv, batch, capacity, placement.place_dtype(p)) if batch else 0) for p in (HOST, PINNED, ACCELERATOR)}
+    acc = {"resident weights": 0, "head": 0, "weight double buffers": 0, "KV cache": 0, "KV double buffers": 0,
+           "activations": 0, "runtime reserve": 0}
+    pinned = {"streamed weights": 0, "KV cache": 0}
+    host = {"CPU weights": u["embedding"], "KV cache": 0, "activations": 0}
+
+    def add(places, n, w):
+        for place in places:
+            if place == ACCELERATOR:
+                acc["resident weights"] = acc["resident weights"] + n * w[place]
+                acc["KV cache"] = acc["KV cache"] + n * kv[place]
+            elif place == PINNED:
+                pinned["streamed weights"] = pinned["streamed weights"] + n * w[place]
+                pinned["KV cache"] = pinned["KV cache"] + n * kv[place]
+            else:
+                host["CPU weights"] = host["CPU weights"] + n * w[place]
+                where = pinned if ACCELERATOR in places else host
+                where["KV cache"] = where["KV cache"] + n * kv[place]
+
+    vec = any(isinstance(c, np.ndarray) for pp in placement.phases.values() for _, c in pp.runs)
+    where = np.where if vec else (lambda c, x, y: x if c else y)
+    maximum = np.maximum if vec else max
+    any_streamed = False
+    if inv.homogeneous:
+        w = u["layers"][0] if u["layers"] else {HOST: 0, PINNED: 0, ACCELERATOR: 0}
+        for (places, streamed), n in placement.census().items():
+            add(places, n, w)
+            if streamed:
+                any_streamed = any_streamed | (n > 0)
+        slot = w[PINNED]
+    else:
+        for i in range(placement.num_layers):
+            add(placement.layer_places(i), 1, u["layers"][i])
+        streamed = placement.streamed_layers
+        any_streamed = bool(streamed)
+        slot = max((u["layers"][i][PINNED] for i in streamed), default=0)
+    acc["weight double buffers"] = where(any_streamed, 2 * slot, 0)
+    acc["KV double buffers"] = where(any_streamed, 2 * kv[ACCELERATOR], 0)
+
+    head_acc, head_cpu, uses_acc = False, False, False
+    act_acc, act_host = 0, 0
+    for ph, pp in placement.phases.items():
+        on_acc = pp.head_on_accelerator()
+        head_acc = head_acc | on_acc
+        head_cpu = head_cpu | (on_acc ^ True)
+        phase_acc = (pp.count(lambda m: m.computes == ON_ACCELERATOR) > 0) | on_acc
+        phase_cpu = (pp.count(lambda m: m.computes == ON_CPU) > 0) | (on_acc ^ True)
+        uses_acc = uses_acc | phase_acc
+        if batch:
+            rows = batch * (input_len if ph == "prefill" else 1)
+            act_acc = maximum(act_acc, where(phase_acc, activation_bytes(inv, rows, dt, batch), 0))
+            act_host = maximum(act_host, where(phase_cpu, activation_bytes(inv, rows, cdt, batch), 0))
+    acc["head"] = where(head_acc, u["head"][ACCELERATOR], 0)
+    host["CPU weights"] = host["CPU weights"] + where(head_cpu, u["head"][HOST], 0)
+    acc["activations"], host["activations"] = act_acc, act_host
+    acc["runtime reserve"] = where(uses_acc, reserved_bytes, 0)
+    if not vec:
+        return MemoryNeed(*({k: int(v) for k, v in d.items()} for d in (acc, pinned, host)))
+    shape = np.broadcast_shapes(*(np.shape(c) for pp in placement.phases.values() for _, c in pp.runs))
+
+    def fix(d):
+        return {k: np.broadcast_to(np.asarray(v, dtype=float), shape) for k, v in d.items()}
+
+    return MemoryNeed(fix(acc), fix(pinned), fix(host))

@@ -1,0 +1,330 @@
+"""Where every decoder layer's operators keep their weights and where they compute: one
+description that policies build, the estimator and memory model cost, the planner searches
+over, ``explain`` prints and the executor runs (in the spirit of FlexGen's ``Policy``).
+
+A phase's placement is stored compactly as *runs*: consecutive decoder layers in one
+:class:`LayerMode` (``((CPU, N - M), (RESIDENT, M))`` is SplitGen with M GPU layers). Run
+lengths may be numpy arrays, so the planner can describe every candidate M of a policy at once;
+the per-layer view (``modes``, ``groups(i)``) is computed on demand for a concrete placement.
+
+A layer mode says, for each operator group of the layer (attention projections, attention with
+its KV cache, the MLP or routed experts, shared experts), where its weights live (pageable
+``host`` memory in the CPU's dtype, ``pinned`` host memory in the accelerator's dtype, or
+``accelerator`` memory) and where it computes (``cpu`` or ``accelerator``). The three modes the
+policies use today place all groups of a layer alike:
+
+- ``cpu``: weights and KV in host memory, computed by the CPU;
+- ``streamed``: weights and KV in pinned host memory, copied into one of two accelerator double
+  buffers before the layer computes there;
+- ``resident``: weights and KV in accelerator memory.
+
+The final norm and LM head compute with the last layer unless a phase says otherwise; the
+embedding lookup runs on the host.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from functools import cached_property
+from types import MappingProxyType
+from typing import Mapping
+
+# Where weights / KV live.
+HOST = "host"  # pageable host memory, the CPU's dtype
+PINNED = "pinned"  # page-locked host memory, the accelerator's dtype (source of async copies)
+ACCELERATOR = "accelerator"
+# Where an operator computes.
+ON_CPU = "cpu"
+ON_ACCELERATOR = "accelerator"
+# Operator groups of a decoder layer.
+GROUPS = ("attention projections", "attention", "mlp", "shared experts")
+PHASES = ("prefill", "decode")
+
+
+@dataclass(frozen=True)
+class Where:
+    """One operator group: where its weights live and where it computes."""
+
+    weights: str
+    computes: str
+
+
+@dataclass(frozen=True)
+class LayerMode:
+    """How one decoder layer runs in one phase: a name and the place of each operator group."""
+
+    name: str
+    weights: str  # home of the layer's weights and KV cache
+    computes: str
+    # operator groups placed otherwise than the layer, ((group, Where), ...): the unit the next
+    # policies need (decode attention on the CPU, experts on the CPU). The memory model and the
+    # executor place whole layers today and refuse such a mode (see ``uniform``).
+    overrides: tuple[tuple[str, Where], ...] = ()
+
+    @property
+    def uniform(self) -> bool:
+        """Every operator group of the layer lives and computes where the layer does."""
+        return all(w == Where(self.weights, self.computes) for _, w in self.overrides)
+
+    @property
+    def on_cpu(self) -> bool:
+        return self.computes == ON_CPU
+
+    @property
+    def streamed(self) -> bool:
+        """Weights live off the accelerator but compute on it: copied in before each use."""
+        return self.computes == ON_ACCELERATOR and self.weights != ACCELERATOR
+
+    def groups(self) -> Mapping[str, Where]:
+        w = Where(self.weights, self.computes)
+        return MappingProxyType({**{g: w for g in GROUPS}, **dict(self.overrides)})
+
+    def __str__(self) -> str:
+        return self.name
+
+
+CPU = LayerMode("cpu", HOST, ON_CPU)
+STREAMED = LayerMode("streamed", PINNED, ON_ACCELERATOR)
+RESIDENT = LayerMode("resident", ACCELERATOR, ON_ACCELERATOR)
+MODES = (CPU, STREAMED, RESIDENT)
+
+
+@dataclass(frozen=True)
+class PhasePlacement:
+    """One phase: decoder layers as runs of one mode each (first layer first), and the head.
+
+    Run lengths are ints, or numpy arrays of equal shape (one entry per candidate M). ``head``:
+    the mode of the final norm + LM head; None = with the last layer."""
+
+    runs: tuple[tuple[LayerMode, object], ...]
+    head: LayerMode | None = None
+
+    @classmethod
+    def of(cls, *runs: tuple[LayerMode, object], head: LayerMode | None = None) -> "PhasePlacement":
+        return cls(tuple(runs), head)
+
+    @classmethod
+    def from_modes(cls, modes, head: LayerMode | None = None) -> "PhasePlacement":
+        runs: list[list] = []
+        for m in modes:
+            if runs and runs[-1][0] == m:
+                runs[-1][1] += 1
+            else:
+                runs.append([m, 1])
+        return cls(tuple((m, c) for m, c in runs), head)
+
+    @property
+    def num_layers(self):
+        return sum(c for _, c in self.runs)
+
+    def count(self, predicate) -> object:
+        """Layers (per candidate, if run lengths are arrays) whose mode satisfies ``predicate``."""
+        return sum((c for m, c in self.runs if predicate(m)), 0)
+
+    # ---- the per-layer view (concrete placements only) -----------------------------------
+    @cached_property
+    def modes(self) -> tuple[LayerMode, ...]:
+        return tuple(m for m, c in self.runs for _ in range(int(c)))
+
+    def layer(self, i: int) -> LayerMode:
+        return self.modes[i]
+
+    def groups(self, i: int) -> Mapping[str, Where]:
+        return self.modes[i].groups()
+
+    @cached_property
+    def head_mode(self) -> LayerMode:
+        if self.head is not None:
+            return self.head
+        for m, c in reversed(self.runs):
+            if int(c):
+                return RESIDENT if m.computes == ON_ACCELERATOR else CPU
+        return CPU
+
+    def head_on_accelerator(self):
+        """Whether the head computes on the accelerator (bool array for array run lengths)."""
+        if self.head is not None:
+            return self.head.computes == ON_ACCELERATOR
+        out, decided = False, False
+        for m, c in reversed(self.runs):
+            take = (c > 0) & (decided ^ True)
+            if m.computes == ON_ACCELERATOR:
+                out = out | take
+            decided = decided | take
+        return out
+
+    @property
+    def uses_accelerator(self) -> bool:
+        return any(m.computes != ON_CPU and int(c) for m, c in self.runs) or self.head_mode.computes != ON_CPU
+
+    def describe(self) -> str:
+        counts: dict[str, int] = {}
+        for m, c in self.runs:
+            if int(c):
+                counts[m.name] = counts.get(m.name, 0) + int(c)
+        return ", ".join(f"{v} {k}" for k, v in counts.items())
+
+
+def segments(a: PhasePlacement, b: PhasePlacement):
+    """(mode in a, mode in b, number of layers) along the layers of two placements of one model."""
+    ra, rb = [[m, int(c)] for m, c in a.runs if c], [[m, int(c)] for m, c in b.runs if c]
+    i = j = 0
+    while i < len(ra) and j < len(rb):
+        n = min(ra[i][1], rb[j][1])
+        yield ra[i][0], rb[j][0], n
+        ra[i][1] -= n
+        rb[j][1] -= n
+        i += ra[i][1] == 0
+        j += rb[j][1] == 0
+
+
+@dataclass(frozen=True)
+class Placement:
+    """A whole request: the placement of each phase it runs (both, for the executor; one, for a
+    planner candidate), the dtypes, and the policy names (for messages only).
+
+    FlexInfer section 5.3: when decode keeps a layer resident and prefill would stream it, the
+    layer is resident during prefill too (its weights are not streamed and its KV cache is
+    produced where decode reads it); :meth:`of` applies that rule."""
+
+    phases: Mapping[str, PhasePlacement]
+    dtype: str  # accelerator / pinned dtype (canonical name)
+    cpu_dtype: str  # what the CPU stores and computes its layers in
+    policies: Mapping[str, str] = field(default_factory=dict)
+
+    @classmethod
+    def of(cls, phases: Mapping[str, PhasePlacement], dtype: str, cpu_dtype: str,
+           policies: Mapping[str, str] | None = None) -> "Placement":
+        phases = dict(phases)
+        if "prefill" in phases and "decode" in phases:
+            p, d = phases["prefill"], phases["decode"]
+            if any(a.streamed and b is RESIDENT for a, b, _ in segments(p, d)):
+                runs: list[list] = []
+                for a, b, n in segments(p, d):
+                    m = RESIDENT if a.streamed and b is RESIDENT else a
+                    if runs and runs[-1][0] is m:
+                        runs[-1][1] += n
+                    else:
+                        runs.append([m, n])
+                phases["prefill"] = PhasePlacement(tuple((m, n) for m, n in runs), p.head)
+        return cls(MappingProxyType(phases), dtype, cpu_dtype, MappingProxyType(dict(policies or {})))
+
+    def __hash__(self):
+        return hash((tuple(self.phases.items()), self.dtype, self.cpu_dtype))
+
+    def __eq__(self, other):
+        return (isinstance(other, Placement) and dict(self.phases) == dict(other.phases)
+                and (self.dtype, self.cpu_dtype) == (other.dtype, other.cpu_dtype)
+                and dict(self.policies) == dict(other.policies))
+
+    @classmethod
+    def from_plan(cls, plan, num_layers: int) -> "Placement":
+        """Both phases of a :class:`~flexplan.plan_types.Plan`, each from its policy's placement rule."""
+        from flexplan.errors import InvalidInputError
+        from flexplan.estimator.policies import REGISTRY
+
+        if plan.num_layers != num_layers:
+            raise InvalidInputError(
+                f"the plan is for a {plan.num_layers}-layer model but this model has {num_layers} decoder layers; "
+                f"plan for this model (flexplan.plan(model, ...)) or pass plan='auto'")
+        phases = {}
+        for ph, c in plan.phases.items():
+            if c.policy not in REGISTRY:
+                raise InvalidInputError(f"unknown policy {c.policy!r}; use one of {', '.join(REGISTRY)}")
+            if not 0 <= c.gpu_layers <= num_layers:
+                raise InvalidInputError(
+                    f"gpu_layers must be between 0 and {num_layers} for a {num_layers}-layer model, got {c.gpu_layers}")
+            phases[ph] = REGISTRY[c.policy].placement(num_layers, int(c.gpu_layers), ph)
+            if phases[ph].num_layers != num_layers:
+                raise InvalidInputError(f"policy {c.policy} placed {phases[ph].num_layers} of {num_layers} layers")
+            split = [m.name for m, n in phases[ph].runs if n and not m.uniform]
+            if split:
+                raise InvalidInputError(f"policy {c.policy} places operator groups of a layer apart ({split[0]}); "
+                                        "the memory model and the executor place whole layers")
+        return cls.of(phases, plan.dtype, plan.cpu_dtype, {ph: c.policy for ph, c in plan.phases.items()})
+
+    @property
+    def num_layers(self) -> int:
+        return int(next(iter(self.phases.values())).num_layers)
+
+    @property
+    def modes(self) -> Mapping[str, tuple[LayerMode, ...]]:
+        return MappingProxyType({ph: pp.modes for ph, pp in self.phases.items()})
+
+    # ---- questions the executor and the memory model ask ------------------------------
+    @property
+    def uses_accelerator(self) -> bool:
+        return any(pp.uses_accelerator for pp in self.phases.values())
+
+    @property
+    def same_dtype(self) -> bool:
+        return self.dtype == self.cpu_dtype
+
+    def head_mode(self, phase: str) -> LayerMode:
+        return self.phases[phase].head_mode
+
+    def streamed(self, phase: str) -> list[int]:
+        return [i for i, m in enumerate(self.phases[phase].modes) if m.streamed]
+
+    def _raw_places(self, modes) -> frozenset[str]:
+        raw = frozenset(m.weights for m in modes)
+        if self.same_dtype and HOST in raw and PINNED in raw:
+            raw = raw - {HOST}  # one pinned copy serves the CPU and the stream
+        return raw
+
+    def layer_places(self, i: int) -> frozenset[str]:
+        """Where layer i's weights (and KV cache) are stored over the whole request."""
+        return self._raw_places([pp.modes[i] for pp in self.phases.values()])
+
+    def layer_place(self, i: int, phase: str) -> str:
+        """Which of those places the layer computes from (streamed: the pinned home) in ``phase``."""
+        p = self.phases[phase].modes[i].weights
+        return PINNED if p == HOST and p not in self.layer_places(i) else p
+
+    def head_places(self) -> frozenset[str]:
+        return frozenset(pp.head_mode.weights for pp in self.phases.values())
+
+    def head_place(self, phase: str) -> str:
+        return self.phases[phase].head_mode.weights
+
+    def place_dtype(self, place: str) -> str:
+        return self.cpu_dtype if place == HOST else self.dtype
+
+    @property
+    def cpu_weight_dtype(self) -> str:
+        """What the CPU's packed linear weights are asked for in (spec.cpu_weight_dtype)."""
+        from flexplan.hardware.spec import cpu_weight_dtype
+
+        return cpu_weight_dtype(self.dtype, self.cpu_dtype)
+
+    def kv_host_pinned(self, i: int) -> bool:
+        """A host KV copy in the CPU dtype is pinned when it crosses the link at the switch."""
+        return ACCELERATOR in self.layer_places(i)
+
+    @property
+    def streamed_layers(self) -> list[int]:
+        """Layers streamed in at least one phase."""
+        return sorted({i for ph in self.phases for i in self.streamed(ph)})
+
+    @cached_property
+    def _census(self) -> dict[tuple[frozenset, bool], object]:
+        return self.census()
+
+    def census(self) -> dict[tuple[frozenset, bool], object]:
+        """(places of a layer over the request, any phase streams it) -> how many layers; run
+        lengths may be arrays when the placement has one phase."""
+        out: dict[tuple[frozenset, bool], object] = {}
+        if len(self.phases) == 1:
+            for m, c in next(iter(self.phases.values())).runs:
+                key = (frozenset({m.weights}), m.streamed)
+                out[key] = out.get(key, 0) + c
+            return out
+        pps = list(self.phases.values())
+        segs = [(frozenset(self._raw_places((a, b))), a.streamed or b.streamed, n)
+                for a, b, n in segments(pps[0], pps[1])]
+        for places, streamed, n in segs:
+            out[(places, streamed)] = out.get((places, streamed), 0) + n
+        return out
+
+    def describe(self) -> str:
+        return "; ".join(f"{ph} {self.policies.get(ph, '?')} ({pp.describe()})" for ph, pp in self.phases.items())
