@@ -18,16 +18,17 @@ from flexplan.workload.model import ModelSpec
 
 
 def step_flops(spec: ModelSpec, batch: int, query_len: int, past_len: int) -> float:
-    """FLOPs of one forward step over all layers plus the LM head (last position only)."""
-    n = spec.num_layers
+    """FLOPs of one forward step over all layers plus the LM head (last position only):
+    C_Prefill (no past), C_Decode (one token on a past) or, for a chunk of ``query_len`` tokens on
+    top of ``past_len`` cached ones, C_Prefill of the whole minus C_Prefill of the past (GEMMs on
+    the chunk's tokens, attention of its queries over the past and causally within the chunk)."""
     if past_len == 0:
         per_layer = costs.c_prefill(spec, batch, query_len)
     elif query_len == 1:
         per_layer = float(costs.c_decode(spec, batch, past_len + 1))
-    else:  # a chunk on top of a past: GEMMs on q tokens, attention over past + causal chunk
-        pairs = query_len * past_len + costs.attention_pairs_prefill(query_len)
-        per_layer = 2.0 * batch * query_len * spec.linear_weight_params_per_layer + 4.0 * batch * spec.num_heads * spec.head_dim * pairs
-    return n * per_layer + costs.c_lm_head(spec, batch)
+    else:
+        per_layer = costs.c_prefill(spec, batch, past_len + query_len) - costs.c_prefill(spec, batch, past_len)
+    return spec.num_layers * per_layer + costs.c_lm_head(spec, batch)
 
 
 @dataclass
