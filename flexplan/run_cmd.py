@@ -271,7 +271,7 @@ def format_measured(plan, stats: Any, memory_rates: dict[str, float] | None = No
         ratio = f"  (measured/predicted {measured / predicted:.2f})" if ok else ""
         lines.append(f"{label}: measured {_t(measured)}, predicted {_t(predicted)}{ratio}")
     lines.append(f"{stats.new_tokens} new tokens, E2E {_t(stats.e2e_s)}; CPU: {stats.cpu_backend}, "
-                 f"{stats.cpu_threads} threads, linears via {stats.cpu_linear_kernel}")
+                 f"{stats.cpu_threads} threads ({stats.cpu_threads_source}), linears via {stats.cpu_linear_kernel}")
     for phase in PHASES:
         ps = stats.phases[phase]
         mem = (memory_rates or {}).get(phase)
