@@ -28,8 +28,8 @@ from flexplan.executor.placement import Placement, require_accelerator
 from flexplan.executor.plans import check_overrides, fixed_plan
 from flexplan.executor.runner import Executor
 from flexplan.executor.stats import RunStats, collect
-from flexplan.hardware.spec import Hardware, canonical_dtype
-from flexplan.inputs import check_generate_arguments, check_load_arguments, check_plan_argument
+from flexplan.hardware.spec import DTYPE_BYTES, Hardware, canonical_dtype
+from flexplan.inputs import check_generate_arguments, check_kv_fits_host, check_load_arguments, check_plan_argument
 from flexplan.plan_types import Plan
 
 DEFAULT_SHAPE = {"batch_size": 1, "input_len": 128, "output_len": 32}
@@ -128,6 +128,9 @@ class FlexModel:
         """transformers' ``generate`` (same arguments, same return value), run under the plan;
         fills ``last_stats``."""
         batch, eff_batch, input_len, max_new = self._request_shape(inputs, generation_config, kwargs)
+        if not str(self.executor.link.name).startswith("cuda"):  # every KV byte is in host memory
+            check_kv_fits_host(self.executor.spec, eff_batch, input_len + max_new,
+                               DTYPE_BYTES[self.plan.cpu_dtype], _host_memory_bytes("MemTotal"))
         if self._auto:
             self.executor.place(self.plan_for(eff_batch, input_len, max_new))
         use_cache = kwargs.get("use_cache", (generation_config or self.model.generation_config).use_cache)

@@ -13,7 +13,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from flexplan.errors import InvalidInputError, UnsupportedModelError, suggest
+from flexplan.errors import DoesNotFitError, InvalidInputError, UnsupportedModelError, suggest
 from flexplan.plan_types import POLICIES
 
 PHASE_KEYS = ("prefill", "decode")
@@ -157,6 +157,9 @@ def _vocab_and_width(model) -> tuple[int, int | None]:
 def check_input_ids(ids: Any, vocab: int, name: str = "input_ids") -> None:
     import torch
 
+    if isinstance(ids, dict) or hasattr(ids, "keys"):
+        raise InvalidInputError(f"{name} is a {_type(ids)} (a tokenizer's output?); pass it unpacked: "
+                                "generate(**inputs, max_new_tokens=N)")
     if not isinstance(ids, torch.Tensor):
         raise InvalidInputError(f"{name} must be a torch tensor of token ids (batch x tokens), got {_type(ids)}; "
                                 "use tokenizer(..., return_tensors='pt')")
@@ -238,3 +241,17 @@ def check_generate_arguments(model, inputs: Any, kwargs: dict[str, Any]) -> None
                                     "prompt; pass max_new_tokens=N instead")
     for key in ("num_beams", "num_return_sequences", "min_new_tokens"):
         check_count(key, kwargs.get(key), 0 if key == "min_new_tokens" else 1)
+
+
+def check_kv_fits_host(spec, batch: int, tokens: int, kv_elem_bytes: int, host_memory_bytes: int) -> None:
+    """Refuse a request whose KV cache alone, all layers in host memory, exceeds the machine's
+    physical memory (it could never run; the accelerator and pinned budgets are checked by the
+    executor). ``spec``: the model's ModelSpec."""
+    from flexplan.workload import costs
+
+    need = spec.num_layers * costs.kv_cache_bytes_per_layer(spec, batch, tokens, kv_elem_bytes)
+    if need > host_memory_bytes:
+        gib = 1 << 30
+        raise DoesNotFitError(f"batch {batch} x {tokens} tokens needs {need / gib:.1f} GiB of KV cache, more than "
+                              f"this machine's {host_memory_bytes / gib:.1f} GiB of memory; use a smaller batch, a "
+                              "shorter prompt or fewer max_new_tokens")

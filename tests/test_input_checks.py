@@ -9,7 +9,7 @@ import torch
 import transformers
 
 import flexplan.api as api
-from flexplan.errors import InvalidInputError, UnsupportedModelError
+from flexplan.errors import DoesNotFitError, InvalidInputError, UnsupportedModelError
 
 from conftest import VOCAB, left_padded_batch
 
@@ -136,6 +136,18 @@ def test_bad_generate_argument(lm, kwargs, words):
 def test_positional_ids_are_checked_too(lm):
     with pytest.raises(InvalidInputError, match="inputs holds token id 999"):
         lm.generate(torch.tensor([[5, 999]]), max_new_tokens=2, do_sample=False)
+
+
+def test_tokenizer_output_passed_whole(lm):
+    with pytest.raises(InvalidInputError, match=r"pass it unpacked: generate\(\*\*inputs"):
+        lm.generate({"input_ids": IDS, "attention_mask": MASK}, max_new_tokens=2)
+
+
+def test_request_larger_than_the_machine_is_refused_before_allocation(lm):
+    live = lm.executor.link.live_bytes()
+    with pytest.raises(DoesNotFitError, match=r"batch 2 x 1000000000005 tokens needs .* GiB of KV cache"):
+        lm.generate(input_ids=IDS, attention_mask=MASK, max_new_tokens=10**12, do_sample=False)
+    assert lm.executor.link.live_bytes() == live
 
 
 def test_good_inputs_still_run(lm, reference_models):
