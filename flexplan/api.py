@@ -239,7 +239,8 @@ def load(model_or_path, plan: Any = "auto", accelerator: str | None = None, hard
     ``cpu_threads``: intra-op threads of the CPU side (default: the count ``flexplan calibrate``
     found fastest on this machine, else all usable cores); ``last_stats`` says which.
     """
-    check_load_arguments(model_or_path, accelerator, dtype, gpu_memory_bytes, pinned_memory_budget_bytes, cpu_threads)
+    check_load_arguments(model_or_path, accelerator, dtype, gpu_memory_bytes, pinned_memory_budget_bytes, cpu_threads,
+                         hardware)
     acc = _resolve_accelerator(accelerator)
     from_path = isinstance(model_or_path, (str, os.PathLike))
     if from_path:

@@ -128,8 +128,23 @@ def check_plan_argument(plan: Any, num_layers: int) -> None:
             canonical_dtype(plan[key])
 
 
+def check_hardware(hardware: Any) -> None:
+    """None, "local", a hwdb name or composition (resolved now: UnknownHardwareError names the
+    close ones), or a flexplan Hardware."""
+    from flexplan.hardware.spec import Hardware
+
+    if hardware is None or hardware == "local" or isinstance(hardware, Hardware):
+        return
+    if not isinstance(hardware, str):
+        raise InvalidInputError(f"hardware must be 'local', a hwdb name such as 'flexinfer-server2' or a "
+                                f"flexplan Hardware, got {_type(hardware)}")
+    from flexplan.hardware import get_hardware
+
+    get_hardware(hardware)
+
+
 def check_load_arguments(model_or_path: Any, accelerator: Any, dtype: Any, gpu_memory_bytes: Any,
-                         pinned_memory_budget_bytes: Any, cpu_threads: Any) -> None:
+                         pinned_memory_budget_bytes: Any, cpu_threads: Any, hardware: Any = "local") -> None:
     """Everything ``load`` can check before it reads a config (the plan is checked against the
     config's layer count by :func:`check_plan_argument`)."""
     from flexplan.hardware.spec import canonical_dtype
@@ -141,6 +156,7 @@ def check_load_arguments(model_or_path: Any, accelerator: Any, dtype: Any, gpu_m
     check_byte_budget("gpu_memory_bytes", gpu_memory_bytes)
     check_byte_budget("pinned_memory_budget_bytes", pinned_memory_budget_bytes)
     check_cpu_threads(cpu_threads)
+    check_hardware(hardware)
 
 
 # ----------------------------------------------------------------------------- generate()

@@ -9,7 +9,7 @@ import torch
 import transformers
 
 import flexplan.api as api
-from flexplan.errors import DoesNotFitError, InvalidInputError, UnsupportedModelError
+from flexplan.errors import DoesNotFitError, InvalidInputError, UnknownHardwareError, UnsupportedModelError
 
 from conftest import VOCAB, left_padded_batch
 
@@ -51,6 +51,7 @@ def ptrs(model) -> list[int]:
     (dict(gpu_memory_bytes=1.5), ["gpu_memory_bytes", "whole number of bytes"]),
     (dict(pinned_memory_budget_bytes=-5), ["pinned_memory_budget_bytes", "non-negative"]),
     (dict(cpu_threads=0), ["cpu_threads must be a positive int"]),
+    (dict(hardware=3.5), ["hardware must be 'local'", "float"]),
 ])
 def test_bad_load_argument(fresh, kwargs, words):
     model, _ = fresh("llama")
@@ -60,6 +61,12 @@ def test_bad_load_argument(fresh, kwargs, words):
     msg = one_line(e)
     assert all(w in msg for w in words), msg
     assert ptrs(model) == before  # nothing was placed
+
+
+def test_unknown_hardware_name(fresh):
+    model, _ = fresh("llama")
+    with pytest.raises(UnknownHardwareError, match="flexinfer-server2"):
+        api.load(model, hardware="flexinfer-sever2")
 
 
 def test_unknown_policy_is_named_before_the_missing_accelerator(fresh):
