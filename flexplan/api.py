@@ -18,6 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from flexplan.calibration import calibrated_cpu_threads
 from flexplan.errors import DeviceUnavailableError, InvalidInputError
 from flexplan.executor.cpu_backend import local_cpu_cores, local_cpu_dtype
 from flexplan.executor.families import check_supported
@@ -27,7 +28,8 @@ from flexplan.executor.placement import Placement, require_accelerator
 from flexplan.executor.plans import check_overrides, fixed_plan
 from flexplan.executor.runner import Executor
 from flexplan.executor.stats import RunStats, collect
-from flexplan.hardware.spec import Hardware, canonical_dtype
+from flexplan.hardware.spec import DTYPE_BYTES, Hardware, canonical_dtype
+from flexplan.inputs import check_generate_arguments, check_kv_fits_host, check_load_arguments, check_plan_argument
 from flexplan.plan_types import Plan
 
 DEFAULT_SHAPE = {"batch_size": 1, "input_len": 128, "output_len": 32}
@@ -64,10 +66,11 @@ class FlexModel:
     """A loaded model, its executor and its plan; ``generate()`` as in transformers."""
 
     def __init__(self, model, executor: Executor, *, tokenizer=None, plan_spec: Any = None,
-                 planner_args: dict[str, Any] | None = None):
+                 planner_args: dict[str, Any] | None = None, cpu_threads_source: str = ""):
         self.model = model
         self.executor = executor
         self.tokenizer = tokenizer
+        self.cpu_threads_source = cpu_threads_source  # why the executor runs this many CPU threads
         self.last_stats: RunStats | None = None
         # "auto" or a dict of overrides: planned per request shape; a Plan: fixed
         self._auto = isinstance(plan_spec, dict) or plan_spec == "auto"
@@ -103,10 +106,9 @@ class FlexModel:
         return self._plans[key]
 
     def _request_shape(self, inputs, generation_config, kwargs) -> tuple[int, int, int, int]:
+        check_generate_arguments(self.model, inputs, kwargs)
         x = inputs if inputs is not None else kwargs.get("input_ids")
         x = x if x is not None else kwargs.get("inputs_embeds")
-        if x is None or not hasattr(x, "shape") or len(x.shape) < 2:
-            raise InvalidInputError("generate() needs input_ids (batch x tokens) or inputs_embeds")
         batch, input_len = int(x.shape[0]), int(x.shape[1])
         gc = generation_config or self.model.generation_config
         max_new = kwargs.get("max_new_tokens")
@@ -126,6 +128,9 @@ class FlexModel:
         """transformers' ``generate`` (same arguments, same return value), run under the plan;
         fills ``last_stats``."""
         batch, eff_batch, input_len, max_new = self._request_shape(inputs, generation_config, kwargs)
+        if not str(self.executor.link.name).startswith("cuda"):  # every KV byte is in host memory
+            check_kv_fits_host(self.executor.spec, eff_batch, input_len + max_new,
+                               DTYPE_BYTES[self.plan.cpu_dtype], _host_memory_bytes("MemTotal"))
         if self._auto:
             self.executor.place(self.plan_for(eff_batch, input_len, max_new))
         use_cache = kwargs.get("use_cache", (generation_config or self.model.generation_config).use_cache)
@@ -141,7 +146,7 @@ class FlexModel:
         t1 = time.perf_counter()
         seqs = out if isinstance(out, torch.Tensor) else out.sequences
         self.last_stats = collect(self.executor, t0, t1, eff_batch, input_len, int(seqs.shape[1]) - input_len,
-                                  allocations_before)
+                                  allocations_before, cpu_threads_source=self.cpu_threads_source)
         return out
 
 
@@ -215,7 +220,8 @@ def _planner_available() -> bool:
 
 def load(model_or_path, plan: Any = "auto", accelerator: str | None = None, hardware: Any = "local",
          dtype: str | None = None, gpu_memory_bytes: int | None = None,
-         pinned_memory_budget_bytes: int | None = None, cpu_linear_kernel: str | None = None) -> FlexModel:
+         pinned_memory_budget_bytes: int | None = None, cpu_linear_kernel: str | None = None,
+         cpu_threads: int | None = None) -> FlexModel:
     """Load (or take over) a llama / mistral / qwen2 / opt causal LM and run it under a plan.
 
     ``model_or_path``: a folder with config.json + *.safetensors (streamed tensor by tensor into
@@ -230,7 +236,11 @@ def load(model_or_path, plan: Any = "auto", accelerator: str | None = None, hard
     blocked once for it, the rest as below), ``"onednn-packed"`` (default otherwise: weights
     reordered once for oneDNN) or ``"F.linear"`` (stock kernel, bit-identical to transformers in
     fp32 too). Packed kernels read decode weights near memory bandwidth (cpu_linear).
+    ``cpu_threads``: intra-op threads of the CPU side (default: the count ``flexplan calibrate``
+    found fastest on this machine, else all usable cores); ``last_stats`` says which.
     """
+    check_load_arguments(model_or_path, accelerator, dtype, gpu_memory_bytes, pinned_memory_budget_bytes, cpu_threads,
+                         hardware)
     acc = _resolve_accelerator(accelerator)
     from_path = isinstance(model_or_path, (str, os.PathLike))
     if from_path:
@@ -242,6 +252,8 @@ def load(model_or_path, plan: Any = "auto", accelerator: str | None = None, hard
     else:
         config = getattr(model_or_path, "config", None)
     check_supported(config)
+    check_plan_argument(plan, int(getattr(config, "num_hidden_layers")))
+    gpu_memory_bytes = None if gpu_memory_bytes is None else int(gpu_memory_bytes)
     cpu_dtype = local_cpu_dtype()
     if dtype:
         dtype = canonical_dtype(dtype)
@@ -268,7 +280,7 @@ def load(model_or_path, plan: Any = "auto", accelerator: str | None = None, hard
     require_accelerator(Placement.from_plan(p, n), acc is not None, torch.version.cuda is not None)
     link = Link(acc or "cpu")
     budget = gpu_memory_bytes if acc else None
-    cores = local_cpu_cores()
+    cores, threads_source = _cpu_threads(cpu_threads)
     if from_path:
         model = load_streaming(model_or_path, p, link, gpu_memory_bytes=budget,
                                pinned_memory_budget_bytes=pinned_memory_budget_bytes, cpu_cores=cores,
@@ -285,7 +297,19 @@ def load(model_or_path, plan: Any = "auto", accelerator: str | None = None, hard
                             cpu_linear_kernel=cpu_linear_kernel)
         model.flexplan_executor = executor
         tokenizer = None
-    return FlexModel(model, executor, tokenizer=tokenizer, plan_spec=plan, planner_args=planner_args)
+    return FlexModel(model, executor, tokenizer=tokenizer, plan_spec=plan, planner_args=planner_args,
+                     cpu_threads_source=threads_source)
+
+
+def _cpu_threads(requested: int | None) -> tuple[int | None, str]:
+    """(CPU threads for the executor, why): the caller's, else the calibrated best, else all
+    usable cores (None lets cpu_backend.configure count them)."""
+    if requested is not None:
+        return int(requested), "given by the caller"
+    threads, why_not = calibrated_cpu_threads()
+    if threads is not None:
+        return threads, why_not
+    return local_cpu_cores(), f"all usable cores ({why_not})"
 
 
 def _lazy_standin(make, gpu_memory_bytes: int, base=None):

@@ -196,33 +196,29 @@ def _pad_id(tokenizer: Any) -> int | None:
 
 # ---- achieved memory traffic -----------------------------------------------------------
 def phase_memory_bytes(spec, plan, phase: str, new_tokens: int) -> float:
-    """Bytes a phase reads and writes in memory, FlexInfer Table 2 terms summed over layers
-    (D_Prefill or D_Decode, plus D_KVCache) and the LM head, each layer at the dtype of the
-    device that computes it. Prefill: one pass over the prompt (KV written). Decode: the sum
-    over its new_tokens - 1 steps (KV read at each step's context)."""
+    """Bytes a phase reads and writes in memory: the estimator's Table 2 terms
+    (``estimator.terms.phase_work``: D_Prefill or D_Decode plus D_KVCache read and written) summed
+    over layers, each layer at the dtypes of the device that computes it, and the LM head.
+    Prefill: one pass over the prompt. Decode: the sum over its new_tokens - 1 steps."""
     import numpy as np
 
-    from flexplan.hardware.spec import DTYPE_BYTES, cpu_weight_dtype
+    from flexplan.estimator.terms import Shape, phase_work
     from flexplan.plan_types import HOST_LAYERS_ON_CPU
-    from flexplan.workload import costs
 
     choice = plan.phases[phase]
     n, m = plan.num_layers, choice.gpu_layers
     on_cpu = HOST_LAYERS_ON_CPU[choice.policy]
-    b, s = plan.batch_size, plan.input_len
-    steps = max(new_tokens - 1, 0)
-    ctx = s + np.arange(1, steps + 1)
-    total = 0.0
-    for layer in range(n):
-        host_side = layer < n - m and on_cpu
-        eb = DTYPE_BYTES[plan.cpu_dtype if host_side else plan.dtype]
-        wb = DTYPE_BYTES[cpu_weight_dtype(plan.dtype, plan.cpu_dtype) if host_side else plan.dtype]
-        if phase == "prefill":
-            total += costs.d_prefill(spec, b, s, wb, eb) + float(costs.d_kv_cache(spec, b, s, eb))
-        else:
-            total += steps * costs.d_decode(spec, b, wb, eb) + float(np.sum(costs.d_kv_cache(spec, b, ctx, eb)))
-    head_bytes = DTYPE_BYTES[cpu_weight_dtype(plan.dtype, plan.cpu_dtype) if (m == 0 and on_cpu) else plan.dtype]
-    return total + costs.d_lm_head(spec, head_bytes) * (1 if phase == "prefill" else steps)
+    shape = Shape(spec, plan.batch_size, plan.input_len, max(new_tokens, 1), plan.dtype, plan.cpu_dtype)
+    work = phase_work(shape, phase)
+    steps = 1 if phase == "prefill" else shape.decode_steps
+
+    def over_steps(per_step) -> float:
+        return float(np.sum(np.broadcast_to(per_step, (max(steps, 1),))[:steps]))
+
+    cpu_layers = n - m if on_cpu else 0
+    head = work.head_bytes_cpu if (m == 0 and on_cpu) else work.head_bytes_gpu
+    return (cpu_layers * over_steps(work.cpu_memory_bytes) + (n - cpu_layers) * over_steps(work.gpu_memory_bytes)
+            + head * steps)
 
 
 def _memory_rates(folder: Path, plan, stats) -> dict[str, float] | None:
@@ -275,7 +271,7 @@ def format_measured(plan, stats: Any, memory_rates: dict[str, float] | None = No
         ratio = f"  (measured/predicted {measured / predicted:.2f})" if ok else ""
         lines.append(f"{label}: measured {_t(measured)}, predicted {_t(predicted)}{ratio}")
     lines.append(f"{stats.new_tokens} new tokens, E2E {_t(stats.e2e_s)}; CPU: {stats.cpu_backend}, "
-                 f"{stats.cpu_threads} threads, linears via {stats.cpu_linear_kernel}")
+                 f"{stats.cpu_threads} threads ({stats.cpu_threads_source}), linears via {stats.cpu_linear_kernel}")
     for phase in PHASES:
         ps = stats.phases[phase]
         mem = (memory_rates or {}).get(phase)

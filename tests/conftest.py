@@ -90,6 +90,7 @@ def one_thread(monkeypatch):
     import flexplan.api
 
     monkeypatch.setattr(flexplan.api, "local_cpu_cores", lambda: 1)
+    monkeypatch.setattr(flexplan.api, "calibrated_cpu_threads", lambda: (None, "one_thread fixture"))
     torch.set_num_threads(1)
 
 

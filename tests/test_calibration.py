@@ -344,6 +344,18 @@ def test_attention_factor_after_its_compute():
     assert mean(1024) == pytest.approx(0.45)  # halfway in log(kv_len)
 
 
+def test_calibrated_thread_count_for_the_executor(use_dir, tmp_path, monkeypatch):
+    from flexplan.calibration import calibrated_cpu_threads
+
+    d, res = use_dir
+    threads, why = calibrated_cpu_threads()
+    assert threads == efficiency_for(get_hardware("local")).cpu_threads() and threads >= 1
+    assert why.startswith("calibrated: fastest in the thread sweep of") and res.path.name in why
+    monkeypatch.setattr(store, "calibration_dirs", lambda: [tmp_path])
+    monkeypatch.setenv(store.DIR_ENV, str(tmp_path))
+    assert calibrated_cpu_threads() == (None, "no calibration of this machine")
+
+
 def test_best_threads_is_not_always_all_cores():
     sweep = [{"threads": 1, "prefill_time_s": 4.0, "decode_time_s": 1.0},
              {"threads": 2, "prefill_time_s": 2.0, "decode_time_s": 0.9},

@@ -18,8 +18,8 @@ if TYPE_CHECKING:  # pragma: no cover
     from flexplan.estimator.efficiency import Efficiency
     from flexplan.hardware.spec import Hardware
 
-__all__ = ["CalibrationError", "calibration_for", "describe_calibration", "efficiency_for", "efficiency_from_file",
-           "is_local"]
+__all__ = ["CalibrationError", "calibrated_cpu_threads", "calibration_for", "describe_calibration", "efficiency_for",
+           "efficiency_from_file", "is_local"]
 
 
 def is_local(hw: "Hardware") -> bool:
@@ -111,3 +111,23 @@ def describe_calibration(hw: "Hardware") -> str:
     eff = _calibrated(cal, hw)
     mode = cal.doc.get("mode", "?")
     return f"calibration in use: {cal.describe()} ({mode} run, CPU threads {eff.cpu_threads()})"
+
+
+def calibrated_cpu_threads() -> tuple[int | None, str]:
+    """(the CPU thread count this machine's calibration found fastest, where it comes from), or
+    (None, why not): no calibration, no thread sweep in it, or no hardware model of this machine.
+    ``flexplan.load`` gives it to the executor when the caller names no thread count."""
+    from flexplan.errors import FlexplanError
+    from flexplan.hardware import get_hardware
+
+    try:
+        hw = get_hardware("local")
+        cal = calibration_for(hw)
+        if cal is None:
+            return None, "no calibration of this machine"
+        threads = _calibrated(cal, hw).cpu_threads()
+    except FlexplanError as e:
+        return None, f"calibration unusable ({' '.join(str(e).split())[:120]})"
+    if not threads:
+        return None, f"{cal.describe()} has no thread sweep"
+    return int(threads), f"calibrated: fastest in the thread sweep of {cal.describe()}"

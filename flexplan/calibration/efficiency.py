@@ -33,7 +33,10 @@ from typing import Any
 import numpy as np
 
 from flexplan.estimator.efficiency import DefaultEfficiency
+from flexplan.estimator.terms import c_gemm, d_gemm, t_compute_s, t_memory_s, t_on_device_s
 from flexplan.hardware.spec import DTYPE_BYTES, Hardware
+from flexplan.workload import costs
+from flexplan.workload.model import ModelSpec
 
 EFF_MIN = 1e-4  # a factor below this is a broken measurement, not a slow machine
 MAX_DISPATCH_SHARE = 0.25  # dispatch is a correction: never more than this share of an op's time
@@ -95,8 +98,8 @@ def derive_gemm(rows: list[dict], peak_flops_per_s: float, bandwidth_bytes_per_s
     for r in rows:
         t, k, n, b = int(r["tokens"]), int(r["k"]), int(r["n"]), float(r["dtype_bytes"])
         s = by_t.setdefault(t, [0.0, 0.0, 0.0])
-        s[0] += 2.0 * t * k * n  # C
-        s[1] += (k * n + t * (k + n)) * b  # D: weights + activations in and out
+        s[0] += c_gemm(t, k, n)
+        s[1] += d_gemm(t, k, n, b)
         s[2] += _less_dispatch(r, dispatch_s, capped)
     if not by_t:
         raise ValueError("no GEMM measurements")
@@ -106,22 +109,22 @@ def derive_gemm(rows: list[dict], peak_flops_per_s: float, bandwidth_bytes_per_s
                      f"{len(capped)} GEMM times: capped (a busy machine?)")
     tokens = sorted(by_t)
     c0, d0, t0 = by_t[tokens[0]]
-    left = t0 - c0 / peak_flops_per_s
-    eff_m0 = min(EFF_MAX, d0 / (bandwidth_bytes_per_s * left)) if left > 0 else 1.0
+    left = t0 - t_compute_s(c0, peak_flops_per_s, 1.0)
+    eff_m0 = min(EFF_MAX, t_memory_s(d0, bandwidth_bytes_per_s, 1.0) / left) if left > 0 else 1.0
     if eff_m0 > 1.0:
         notes.append(f"weight streaming measured {d0 / left / 1e9:.1f} GB/s, above the hardware's "
                      f"{bandwidth_bytes_per_s / 1e9:.1f} GB/s: memory factor {eff_m0:.3g} (is the bandwidth right?)")
     eff_c, eff_m = [], []
     for t in tokens:
         c, d, tt = by_t[t]
-        rest = tt - d / (bandwidth_bytes_per_s * eff_m0)
-        if rest > c / (peak_flops_per_s * EFF_MAX):
-            eff_c.append(c / (peak_flops_per_s * rest))
+        rest = tt - t_memory_s(d, bandwidth_bytes_per_s, eff_m0)
+        if rest > t_compute_s(c, peak_flops_per_s, EFF_MAX):
+            eff_c.append(t_compute_s(c, peak_flops_per_s, 1.0) / rest)
             eff_m.append(eff_m0)
         else:  # compute hidden: memory runs faster than at the fewest tokens (or noise)
             eff_c.append(EFF_MAX)
-            mem_s = tt - c / (peak_flops_per_s * EFF_MAX)
-            eff_m.append(min(EFF_MAX, d / (bandwidth_bytes_per_s * mem_s)) if mem_s > 0 else EFF_MAX)
+            mem_s = tt - t_compute_s(c, peak_flops_per_s, EFF_MAX)
+            eff_m.append(min(EFF_MAX, t_memory_s(d, bandwidth_bytes_per_s, 1.0) / mem_s) if mem_s > 0 else EFF_MAX)
     above = [t for t in tokens if by_t[t][0] / by_t[t][2] > peak_flops_per_s * 1.02]
     if above:
         best = max(by_t[t][0] / by_t[t][2] for t in above)
@@ -133,22 +136,34 @@ def derive_gemm(rows: list[dict], peak_flops_per_s: float, bandwidth_bytes_per_s
 def derive_attention(rows: list[dict], peak_flops_per_s: float, bandwidth_bytes_per_s: float,
                      eff_compute: Table, dispatch_s: float = 0.0) -> tuple[Table, dict[int, Table]]:
     """Eff_attn(ctx) (mean over batch sizes) and the per-batch tables, from SDPA rows {batch,
-    kv_len, heads, kv_heads, head_dim, dtype_bytes, time_s}: KV = 2 b L kv_heads head_dim
-    bytes, C = 4 b heads head_dim L (as in workload/costs.py)."""
+    kv_len, heads, kv_heads, head_dim, dtype_bytes, time_s}: D_KVCache and the attention part of
+    C_Decode from workload/costs.py, for a layer of those heads."""
     per_batch: dict[int, dict[int, float]] = {}
     for r in rows:
         b, L = int(r["batch"]), int(r["kv_len"])
-        kv = 2.0 * b * L * int(r["kv_heads"]) * int(r["head_dim"]) * float(r["dtype_bytes"])
-        c = 4.0 * b * int(r["heads"]) * int(r["head_dim"]) * L
+        m = _attention_spec(int(r["heads"]), int(r["kv_heads"]), int(r["head_dim"]))
+        kv = float(costs.d_kv_cache(m, b, L, float(r["dtype_bytes"])))
+        c = float(costs.c_decode(m, b, L) - costs.c_decode(m, b, 0))  # attention over L keys, without the GEMMs
         t = _less_dispatch(r, dispatch_s, [])
-        mem_s = t - c / (peak_flops_per_s * eff_compute(b))
-        per_batch.setdefault(b, {})[L] = min(EFF_MAX, kv / (bandwidth_bytes_per_s * mem_s)) if mem_s > 0 else EFF_MAX
+        mem_s = t - t_compute_s(c, peak_flops_per_s, eff_compute(b))
+        per_batch.setdefault(b, {})[L] = (min(EFF_MAX, t_memory_s(kv, bandwidth_bytes_per_s, 1.0) / mem_s)
+                                          if mem_s > 0 else EFF_MAX)
     if not per_batch:
         raise ValueError("no attention measurements")
     tables = {b: Table(list(d), list(d.values())) for b, d in sorted(per_batch.items())}
     lens = sorted({L for d in per_batch.values() for L in d})
     mean = [float(np.mean([tables[b](L) for b in tables])) for L in lens]
     return Table(lens, mean), tables
+
+
+def _attention_spec(heads: int, kv_heads: int, head_dim: int, hidden: int | None = None,
+                    intermediate: int = 1) -> ModelSpec:
+    """A one-layer Llama-layout ModelSpec with these attention heads (and, for real layers, this
+    hidden and intermediate size): what workload/costs.py needs to size a calibrated op."""
+    return ModelSpec.from_config(dict(model_type="llama", hidden_size=hidden or heads * head_dim,
+                                      intermediate_size=intermediate, num_attention_heads=heads,
+                                      num_key_value_heads=kv_heads, head_dim=head_dim, num_hidden_layers=1,
+                                      vocab_size=128))
 
 
 def derive_link(rows: list[dict], bandwidth_bytes_per_s: float) -> Table:
@@ -324,31 +339,31 @@ class LayerOverhead:
 
 def derive_layers(rows: list[dict], peak_flops_per_s: float, bandwidth_bytes_per_s: float, eff_c: Table,
                   eff_m: Table, eff_a: Table | None, dtype_bytes: float) -> LayerOverhead:
-    """Per-layer overhead from real decoder layers: measured time minus the estimator's own terms
-    (flexplan/estimator/terms.py: C/(TH Eff_c) + D/(BW Eff_m) [+ KV/(BW Eff_attn) in decode]),
-    with the factors of the micro-benchmarks, so the estimator reproduces each calibrated layer."""
-    from flexplan.workload import costs
-    from flexplan.workload.model import ModelSpec
+    """Per-layer overhead from real decoder layers: measured time minus the estimator's own CPU
+    layer term (flexplan/estimator/terms.py, ``t_on_device_s`` over ``phase_work``: C/(TH Eff_c) +
+    D/(BW Eff_m) [+ KV/(BW Eff_attn) in decode]), with the factors of the micro-benchmarks, so the
+    estimator reproduces each calibrated layer."""
+    from flexplan.estimator.terms import Shape, phase_work
 
     by_tokens: dict[int, dict[float, float]] = {}
     for r in rows:
         batch, q_len = int(r["batch"]), int(r["query_len"])
         tokens = batch * q_len
-        m = ModelSpec.from_config(dict(model_type="llama", hidden_size=r["hidden"], intermediate_size=r["intermediate"],
-                                       num_attention_heads=r["heads"], num_key_value_heads=r["kv_heads"],
-                                       head_dim=r["head_dim"], num_hidden_layers=1, vocab_size=128))
-        if q_len == 1:
-            ctx = int(r["kv_len"])
-            c = float(costs.c_decode(m, batch, ctx))
-            d = costs.d_decode(m, batch, dtype_bytes, dtype_bytes) + float(costs.d_kv_cache(m, batch, 1, dtype_bytes))
-            kv = float(costs.d_kv_cache(m, batch, ctx, dtype_bytes))
-            other = kv / (bandwidth_bytes_per_s * float(eff_a(ctx))) if eff_a is not None else 0.0
+        m = _attention_spec(int(r["heads"]), int(r["kv_heads"]), int(r["head_dim"]), int(r["hidden"]),
+                            int(r["intermediate"]))
+        dtype = r["dtype"] if r.get("dtype") in DTYPE_BYTES else next(k for k, v in DTYPE_BYTES.items()
+                                                                      if v == int(dtype_bytes))
+        if q_len == 1:  # one decode step over kv_len keys (kv_len - 1 cached before it)
+            w = phase_work(Shape(m, batch, int(r["kv_len"]) - 1, 2, dtype, dtype), "decode")
+            flops, kv = float(w.flops[0]), float(w.kv_read_cpu[0])
+            eff_kv = float(eff_a(int(r["kv_len"]))) if eff_a is not None else None
         else:
-            c = costs.c_prefill(m, batch, q_len)
-            d = costs.d_prefill(m, batch, q_len, dtype_bytes, dtype_bytes) + float(costs.d_kv_cache(m, batch, q_len, dtype_bytes))
-            other = 0.0
-        modelled = c / (peak_flops_per_s * float(eff_c(tokens))) + d / (bandwidth_bytes_per_s * float(eff_m(tokens))) + other
-        layer_bytes = float(costs.d_weights(m, int(dtype_bytes)))
+            w = phase_work(Shape(m, batch, q_len, 1, dtype, dtype), "prefill")
+            flops, kv, eff_kv = float(w.flops), 0.0, None
+        modelled = t_on_device_s(flops, w.d_cpu + w.kv_write_cpu, peak_flops_per_s, bandwidth_bytes_per_s,
+                                 float(eff_c(tokens)), float(eff_m(tokens)), kv_bytes=kv if eff_kv else 0.0,
+                                 eff_kv=eff_kv or 1.0)
+        layer_bytes = w.weight_bytes_cpu
         by_tokens.setdefault(tokens, {})[layer_bytes] = max(_stat_s(r) - modelled, 0.0)
     if not by_tokens:
         raise ValueError("no usable layer measurements")

@@ -35,6 +35,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 from flexplan.calibration.stream import torch_threads  # noqa: F401  (used by callers of this module)
+from flexplan.estimator.terms import c_gemm
 
 # Attention heads of a real model: Llama-3-8B (32 query heads, 8 KV heads, head_dim 128).
 ATTN_HEADS, ATTN_KV_HEADS, ATTN_HEAD_DIM = 32, 8, 128
@@ -221,7 +222,7 @@ def gemm(tokens: tuple[int, ...], sizes: Sizes, dtype: str, device: str = "cpu",
                 rows.append({"dtype": dtype, "tokens": t, "k": k, "n": n, "dtype_bytes": nbytes, "kernel": linear.name,
                              "time_s": _sig(r["time_s"]),
                              "time_median_s": _sig(r["time_median_s"]), "runs": r["runs"],
-                             "flops_per_s": _sig(2.0 * t * k * n / r["time_s"]),
+                             "flops_per_s": _sig(c_gemm(t, k, n) / r["time_s"]),
                              "weight_bytes_per_s": _sig(k * n * nbytes / r["time_s"])})
                 if tick:
                     tick()

@@ -1,8 +1,12 @@
 """The time terms of FlexInfer's Equations 1-3, one small function each.
 
-``PhaseCosts`` gathers, for one phase, the per-layer Table 2 quantities and the time each
-device takes for one layer. Decode quantities are numpy arrays with one entry per decode
-step (the KV cache grows by one token per step); prefill quantities are scalars.
+:func:`phase_work` gathers, for one phase, the per-layer Table 2 quantities (from
+``flexplan/workload/costs.py``) at the dtypes of each device; :func:`phase_costs` turns them into
+the time each device takes for one layer. Decode quantities are numpy arrays with one entry per
+decode step (the KV cache grows by one token per step); prefill quantities are scalars.
+Calibration (``calibration/efficiency.py``), the executor's FLOP count (``executor/stats.py``)
+and ``flexplan run``'s achieved bandwidth (``run_cmd.py``) call these functions rather than
+retyping the formulas.
 """
 
 from __future__ import annotations
@@ -30,6 +34,26 @@ def t_memory_s(n_bytes, bandwidth_bytes_per_s: float, eff):
 def t_link_s(n_bytes, bandwidth_bytes_per_s: float, eff: float):
     """D_CPU->GPU / (BW_ICN x Eff_ICN) (or the reverse direction)."""
     return n_bytes / (bandwidth_bytes_per_s * eff)
+
+
+def t_on_device_s(flops, n_bytes, peak_flops_per_s: float, bandwidth_bytes_per_s: float, eff_compute, eff_memory,
+                  kv_bytes=0.0, eff_kv=1.0, overhead_s=0.0):
+    """One layer (or the LM head) on one device: the bracket of Eq. 1 and the first argument of
+    Eq. 2's max, C / (TH x Eff_Comp) + D / (BW x Eff_Mem), plus the KV cache read at its own
+    factor (D_KVCache / (BW x Eff_attn); 0 where D already holds it) and a fixed overhead."""
+    return (t_compute_s(flops, peak_flops_per_s, eff_compute) + t_memory_s(n_bytes, bandwidth_bytes_per_s, eff_memory)
+            + t_memory_s(kv_bytes, bandwidth_bytes_per_s, eff_kv) + overhead_s)
+
+
+def c_gemm(tokens, k: int, n: int) -> float:
+    """FLOPs of one (tokens x k) by (k x n) GEMM: 2 t k n (workload/costs.py's convention)."""
+    return 2.0 * tokens * k * n
+
+
+def d_gemm(tokens, k: int, n: int, dtype_bytes: float) -> float:
+    """Bytes one GEMM moves: its weight plus its activations in and out, (k n + t (k + n)) x bytes
+    (costs.d_prefill / d_decode are sums of these over a layer's GEMMs)."""
+    return (k * n + tokens * (k + n)) * float(dtype_bytes)
 
 
 @dataclass(frozen=True)
@@ -68,6 +92,67 @@ class Shape:
 
 
 @dataclass(frozen=True)
+class PhaseWork:
+    """Table 2 for one layer and one step of a phase, at the dtypes of the device that computes it."""
+
+    phase: str
+    tokens_per_seq: int  # s for prefill, 1 for decode
+    rows: int  # tokens per GEMM: b s in prefill, b in decode
+    context_len: object  # keys attended at each decode step (None in prefill)
+    flops: object  # C_Prefill / C_Decode
+    d_cpu: float  # D_Prefill / D_Decode at the CPU's weight and activation dtypes
+    d_gpu: float  # ... at the GPU dtype
+    kv_read_cpu: object  # D_KVCache the CPU's attention reads (decode: all ctx keys; prefill: 0)
+    kv_write_cpu: float  # the new K, V the CPU writes
+    kv_read: object  # the cached part at the GPU dtype, before this step's token (what a streamed layer loads)
+    kv_write: float  # the new K, V at the GPU dtype
+    weight_bytes_cpu: float
+    weight_bytes_gpu: float
+    head_flops: float
+    head_bytes_cpu: float
+    head_bytes_gpu: float
+    hidden_bytes: float  # D_Output
+    logits_bytes: float
+
+    @property
+    def cpu_memory_bytes(self):
+        """What one CPU layer moves through host memory per step: D + D_KVCache read and written."""
+        return self.d_cpu + self.kv_write_cpu + self.kv_read_cpu
+
+    @property
+    def gpu_memory_bytes(self):
+        """What one GPU layer moves through device memory per step."""
+        return self.d_gpu + self.kv_read + self.kv_write
+
+
+def phase_work(shape: Shape, phase: str) -> PhaseWork:
+    """The Table 2 quantities of ``phase`` (workload/costs.py) at each device's dtypes."""
+    m, b = shape.model, shape.batch
+    wb, cwb, cb = shape.w_bytes, shape.cpu_weight_bytes, shape.cpu_bytes
+    if phase == "prefill":
+        s = shape.input_len
+        tokens_per_seq, rows, ctx = s, b * s, None
+        flops = costs.c_prefill(m, b, s)
+        d_cpu, d_gpu = costs.d_prefill(m, b, s, cwb, cb), costs.d_prefill(m, b, s, wb, wb)
+        kv_read_cpu = kv_read = 0.0  # nothing cached yet; the prompt's K, V are produced by the layer
+        kv_write, kv_write_cpu = float(costs.d_kv_cache(m, b, s, wb)), float(costs.d_kv_cache(m, b, s, cb))
+    else:
+        ctx = shape.decode_context_lens
+        tokens_per_seq, rows = 1, b
+        flops = costs.c_decode(m, b, ctx)
+        d_cpu, d_gpu = costs.d_decode(m, b, cwb, cb), costs.d_decode(m, b, wb, wb)
+        kv_read_cpu = costs.d_kv_cache(m, b, ctx, cb)
+        kv_read = costs.d_kv_cache(m, b, ctx - 1, wb)  # cached part, before this token
+        kv_write, kv_write_cpu = float(costs.d_kv_cache(m, b, 1, wb)), float(costs.d_kv_cache(m, b, 1, cb))
+    return PhaseWork(
+        phase=phase, tokens_per_seq=tokens_per_seq, rows=rows, context_len=ctx, flops=flops, d_cpu=d_cpu,
+        d_gpu=d_gpu, kv_read_cpu=kv_read_cpu, kv_write_cpu=kv_write_cpu, kv_read=kv_read, kv_write=kv_write,
+        weight_bytes_cpu=costs.d_weights(m, cwb), weight_bytes_gpu=costs.d_weights(m, wb),
+        head_flops=costs.c_lm_head(m, b), head_bytes_cpu=costs.d_lm_head(m, cwb), head_bytes_gpu=costs.d_lm_head(m, wb),
+        hidden_bytes=costs.d_output(m, b, tokens_per_seq, wb), logits_bytes=costs.d_logits(m, b))
+
+
+@dataclass(frozen=True)
 class PhaseCosts:
     """One layer's time on each device and over the link, for one phase."""
 
@@ -93,62 +178,39 @@ class PhaseCosts:
 
 
 def phase_costs(shape: Shape, hw: Hardware, eff: Efficiency, phase: str) -> PhaseCosts:
-    m, b = shape.model, shape.batch
+    w = phase_work(shape, phase)
     cpu, gpu, link = hw.cpu, hw.gpu, hw.link
-    th_cpu = cpu.peak_flops_per_s[shape.cpu_dtype]
-    if phase == "prefill":
-        tokens_per_seq, rows = shape.input_len, b * shape.input_len
-        flops = costs.c_prefill(m, b, shape.input_len)
-        d_cpu = costs.d_prefill(m, b, shape.input_len, shape.cpu_weight_bytes, shape.cpu_bytes)
-        d_gpu = costs.d_prefill(m, b, shape.input_len, shape.w_bytes, shape.w_bytes)
-        kv_read = 0.0  # nothing cached yet; the prompt's K, V are produced by the layer
-        kv_write = float(costs.d_kv_cache(m, b, shape.input_len, shape.w_bytes))
-        kv_write_cpu = float(costs.d_kv_cache(m, b, shape.input_len, shape.cpu_bytes))
-        t_cpu_attn = 0.0
-    else:
-        ctx = shape.decode_context_lens
-        tokens_per_seq, rows = 1, b
-        flops = costs.c_decode(m, b, ctx)
-        d_cpu = costs.d_decode(m, b, shape.cpu_weight_bytes, shape.cpu_bytes)
-        d_gpu = costs.d_decode(m, b, shape.w_bytes, shape.w_bytes)
-        kv_read = costs.d_kv_cache(m, b, ctx - 1, shape.w_bytes)  # cached part, before this token
-        kv_write = float(costs.d_kv_cache(m, b, 1, shape.w_bytes))
-        kv_write_cpu = float(costs.d_kv_cache(m, b, 1, shape.cpu_bytes))
-        t_cpu_attn = t_memory_s(costs.d_kv_cache(m, b, ctx, shape.cpu_bytes), cpu.memory_bandwidth_bytes_per_s,
-                                eff.cpu_attention(ctx, shape.cpu_dtype))
-    cd = shape.cpu_dtype
-    t_cpu = (t_compute_s(flops, th_cpu, eff.cpu_compute(rows, cd))
-             + t_memory_s(d_cpu + kv_write_cpu, cpu.memory_bandwidth_bytes_per_s, eff.cpu_memory(rows, cd))
-             + t_cpu_attn + eff.cpu_layer_overhead_s(rows, cd, costs.d_weights(m, shape.cpu_weight_bytes)))
-    head_flops = costs.c_lm_head(m, b)
-    step_overhead = eff.cpu_step_overhead_s(b, m.vocab_size)  # the host runs generate()'s loop, whatever the policy
-    t_cpu_head = (t_compute_s(head_flops, th_cpu, eff.cpu_head_compute(b, cd))
-                  + t_memory_s(costs.d_lm_head(m, shape.cpu_weight_bytes), cpu.memory_bandwidth_bytes_per_s,
-                               eff.cpu_head_memory(b, cd)) + step_overhead)
-    hidden = costs.d_output(m, b, tokens_per_seq, shape.w_bytes)
-    logits = costs.d_logits(m, b)
-    head_gpu = costs.d_lm_head(m, shape.w_bytes)
-    w_gpu = costs.d_weights(m, shape.w_bytes)
+    cd, rows, b = shape.cpu_dtype, w.rows, shape.batch
+    th_cpu, bw_cpu = cpu.peak_flops_per_s[cd], cpu.memory_bandwidth_bytes_per_s
+    eff_kv = eff.cpu_attention(w.context_len, cd) if phase == "decode" else 1.0
+    t_cpu = t_on_device_s(w.flops, w.d_cpu + w.kv_write_cpu, th_cpu, bw_cpu, eff.cpu_compute(rows, cd),
+                          eff.cpu_memory(rows, cd), kv_bytes=w.kv_read_cpu, eff_kv=eff_kv,
+                          overhead_s=eff.cpu_layer_overhead_s(rows, cd, w.weight_bytes_cpu))
+    step_overhead = eff.cpu_step_overhead_s(b, shape.model.vocab_size)  # the host runs generate()'s loop, whatever the policy
+    t_cpu_head = t_on_device_s(w.head_flops, w.head_bytes_cpu, th_cpu, bw_cpu, eff.cpu_head_compute(b, cd),
+                               eff.cpu_head_memory(b, cd), overhead_s=step_overhead)
     if gpu is None or link is None:
         inf = float("inf")
-        return PhaseCosts(phase, tokens_per_seq, t_cpu, inf, inf, inf, inf, inf, inf, t_cpu_head, inf, inf,
-                          w_gpu, kv_read, kv_write, hidden, logits, head_gpu, 1.0)
-    th_gpu = gpu.peak_flops_per_s[shape.dtype]
-    bw_gpu = gpu.memory_bandwidth_bytes_per_s
-    t_gpu = (t_compute_s(flops, th_gpu, eff.gpu_compute(rows))
-             + t_memory_s(d_gpu + kv_read + kv_write, bw_gpu, eff.gpu_memory(rows)) + eff.gpu_layer_overhead_s())
-    t_gpu_head = (t_compute_s(head_flops, th_gpu, eff.gpu_compute(b)) + t_memory_s(head_gpu, bw_gpu, eff.gpu_memory(b))
-                  + step_overhead)
+        return PhaseCosts(phase, w.tokens_per_seq, t_cpu, inf, inf, inf, inf, inf, inf, t_cpu_head, inf, inf,
+                          w.weight_bytes_gpu, w.kv_read, w.kv_write, w.hidden_bytes, w.logits_bytes,
+                          w.head_bytes_gpu, 1.0)
+    th_gpu, bw_gpu = gpu.peak_flops_per_s[shape.dtype], gpu.memory_bandwidth_bytes_per_s
+    t_gpu = t_on_device_s(w.flops, w.gpu_memory_bytes, th_gpu, bw_gpu, eff.gpu_compute(rows), eff.gpu_memory(rows),
+                          overhead_s=eff.gpu_layer_overhead_s())
+    t_gpu_head = t_on_device_s(w.head_flops, w.head_bytes_gpu, th_gpu, bw_gpu, eff.gpu_compute(b), eff.gpu_memory(b),
+                               overhead_s=step_overhead)
     h2d, d2h = link.h2d_bandwidth_bytes_per_s, link.d2h_bandwidth_bytes_per_s
+    kv_read = w.kv_read
     return PhaseCosts(
-        phase=phase, tokens_per_seq=tokens_per_seq, t_cpu_layer_s=t_cpu, t_gpu_layer_s=t_gpu,
-        t_load_weights_s=t_link_s(w_gpu, h2d, eff.h2d(w_gpu)),
+        phase=phase, tokens_per_seq=w.tokens_per_seq, t_cpu_layer_s=t_cpu, t_gpu_layer_s=t_gpu,
+        t_load_weights_s=t_link_s(w.weight_bytes_gpu, h2d, eff.h2d(w.weight_bytes_gpu)),
         t_load_kv_s=t_link_s(kv_read, h2d, eff.h2d(np.mean(kv_read) if np.ndim(kv_read) else kv_read)),
-        t_store_kv_s=t_link_s(kv_write, d2h, eff.d2h(kv_write)),
-        t_hidden_h2d_s=t_link_s(hidden, h2d, eff.h2d(hidden)),
-        t_logits_d2h_s=t_link_s(logits, d2h, eff.d2h(logits)),
+        t_store_kv_s=t_link_s(w.kv_write, d2h, eff.d2h(w.kv_write)),
+        t_hidden_h2d_s=t_link_s(w.hidden_bytes, h2d, eff.h2d(w.hidden_bytes)),
+        t_logits_d2h_s=t_link_s(w.logits_bytes, d2h, eff.d2h(w.logits_bytes)),
         t_cpu_head_s=t_cpu_head, t_gpu_head_s=t_gpu_head,
-        t_load_head_s=t_link_s(head_gpu, h2d, eff.h2d(head_gpu)),
-        weight_bytes_gpu=w_gpu, kv_read_bytes=kv_read, kv_write_bytes=kv_write, hidden_bytes=hidden,
-        logits_bytes=logits, head_bytes_gpu=head_gpu, cpu_under_copy=eff.cpu_under_copy(),
+        t_load_head_s=t_link_s(w.head_bytes_gpu, h2d, eff.h2d(w.head_bytes_gpu)),
+        weight_bytes_gpu=w.weight_bytes_gpu, kv_read_bytes=kv_read, kv_write_bytes=w.kv_write,
+        hidden_bytes=w.hidden_bytes, logits_bytes=w.logits_bytes, head_bytes_gpu=w.head_bytes_gpu,
+        cpu_under_copy=eff.cpu_under_copy(),
     )

@@ -18,16 +18,17 @@ from flexplan.workload.model import ModelSpec
 
 
 def step_flops(spec: ModelSpec, batch: int, query_len: int, past_len: int) -> float:
-    """FLOPs of one forward step over all layers plus the LM head (last position only)."""
-    n = spec.num_layers
+    """FLOPs of one forward step over all layers plus the LM head (last position only):
+    C_Prefill (no past), C_Decode (one token on a past) or, for a chunk of ``query_len`` tokens on
+    top of ``past_len`` cached ones, C_Prefill of the whole minus C_Prefill of the past (GEMMs on
+    the chunk's tokens, attention of its queries over the past and causally within the chunk)."""
     if past_len == 0:
         per_layer = costs.c_prefill(spec, batch, query_len)
     elif query_len == 1:
         per_layer = float(costs.c_decode(spec, batch, past_len + 1))
-    else:  # a chunk on top of a past: GEMMs on q tokens, attention over past + causal chunk
-        pairs = query_len * past_len + costs.attention_pairs_prefill(query_len)
-        per_layer = 2.0 * batch * query_len * spec.linear_weight_params_per_layer + 4.0 * batch * spec.num_heads * spec.head_dim * pairs
-    return n * per_layer + costs.c_lm_head(spec, batch)
+    else:
+        per_layer = costs.c_prefill(spec, batch, past_len + query_len) - costs.c_prefill(spec, batch, past_len)
+    return spec.num_layers * per_layer + costs.c_lm_head(spec, batch)
 
 
 @dataclass
@@ -68,6 +69,7 @@ class RunStats:
     cpu_backend: str  # "stock PyTorch ..." or "IPEX ..."
     cpu_backend_why: str
     cpu_threads: int
+    cpu_threads_source: str  # "calibrated: ...", "given by the caller" or "all usable cores (...)"
     cpu_linear_kernel: str  # cpu_linear.KERNELS: "flexplan-blocked", "onednn-packed" or "F.linear"
     cpu_decode_ops: str  # cpu_decode.describe(): native fused norm/rotary/attention, or transformers' ops
     batch_size: int
@@ -106,7 +108,7 @@ class RunStats:
 
         lines = [
             f"plan: {self.placement} on {self.accelerator}; CPU: {self.cpu_backend} ({self.cpu_backend_why}), "
-            f"{self.cpu_threads} threads, linears via {self.cpu_linear_kernel}, {self.cpu_decode_ops}",
+            f"{self.cpu_threads} threads ({self.cpu_threads_source}), linears via {self.cpu_linear_kernel}, {self.cpu_decode_ops}",
             f"TTFT {self.ttft_s * 1e3:.2f} ms (predicted {pred(self.predicted_ttft_s)}), "
             f"TPOT {self.tpot_s * 1e3:.2f} ms (predicted {pred(self.predicted_tpot_s)}), "
             f"E2E {self.e2e_s:.3f} s for {self.new_tokens} new tokens x batch {self.batch_size}",
@@ -125,7 +127,7 @@ class RunStats:
 
 
 def collect(executor, t_start_s: float, t_end_s: float, batch: int, input_len: int, new_tokens: int,
-            allocations_before: dict[str, int]) -> RunStats:
+            allocations_before: dict[str, int], cpu_threads_source: str = "") -> RunStats:
     """RunStats of the request that ran between ``t_start_s`` and ``t_end_s`` on ``executor``."""
     from flexplan.executor.link import D2H, H2D
 
@@ -145,7 +147,8 @@ def collect(executor, t_start_s: float, t_end_s: float, batch: int, input_len: i
     return RunStats(
         plan=plan, placement=executor.placement.describe(), accelerator=link.name if executor.placement.uses_accelerator
         else "none", cpu_backend=executor.backend.name, cpu_backend_why=executor.backend.why,
-        cpu_threads=executor.backend.threads, cpu_linear_kernel=executor.backend.linear_kernel,
+        cpu_threads=executor.backend.threads, cpu_threads_source=cpu_threads_source or "as configured",
+        cpu_linear_kernel=executor.backend.linear_kernel,
         cpu_decode_ops=executor.cpu_decode_ops, batch_size=batch,
         input_len=input_len, new_tokens=new_tokens, ttft_s=ttft, tpot_s=tpot, e2e_s=e2e,
         predicted_ttft_s=plan.ttft_s, predicted_tpot_s=plan.tpot_s, prefill=phases["prefill"],
