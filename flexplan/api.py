@@ -170,7 +170,7 @@ def _make_plan(plan: Any, config, *, accelerator: str | None, hardware: Any, dty
     elif plan != "auto":
         raise InvalidInputError(f"plan must be 'auto', a flexplan.Plan or a dict of overrides, got {plan!r}")
     if accelerator is None:  # nothing to plan: the CPU computes everything
-        bad = {k: v for k, v in overrides.items() if k in ("prefill", "decode") and v != "cpu"}
+        bad = {k: v for k, v in overrides.items() if k in ("prefill", "decode") and _uses_accelerator(v)}
         if bad:
             raise DeviceUnavailableError(
                 f"plan overrides {bad} need an accelerator but CUDA is not available; use plan='auto', "
@@ -206,6 +206,14 @@ def _checkpoint_dtype(model_or_path, config) -> str | None:
         return canonical_dtype(str(found)) if found is not None else None
     except InvalidInputError:  # e.g. a quantised or unusual dtype: treat as unknown
         return None
+
+
+def _uses_accelerator(policy: str) -> bool:
+    """Whether a registered policy computes anything on an accelerator (asked of its placement rule)."""
+    from flexplan.estimator.policies import REGISTRY
+
+    pol = REGISTRY[policy]
+    return any(pol.placement(2, int(m), "decode").uses_accelerator for m in pol.gpu_layer_options(2))
 
 
 def _planner_available() -> bool:

@@ -203,11 +203,10 @@ def phase_memory_bytes(spec, plan, phase: str, new_tokens: int) -> float:
     import numpy as np
 
     from flexplan.estimator.terms import Shape, phase_work
-    from flexplan.plan_types import HOST_LAYERS_ON_CPU
+    from flexplan.placement import ON_ACCELERATOR, Placement
 
-    choice = plan.phases[phase]
-    n, m = plan.num_layers, choice.gpu_layers
-    on_cpu = HOST_LAYERS_ON_CPU[choice.policy]
+    n = plan.num_layers
+    placed = Placement.from_plan(plan, n).phases[phase]
     shape = Shape(spec, plan.batch_size, plan.input_len, max(new_tokens, 1), plan.dtype, plan.cpu_dtype)
     work = phase_work(shape, phase)
     steps = 1 if phase == "prefill" else shape.decode_steps
@@ -215,8 +214,8 @@ def phase_memory_bytes(spec, plan, phase: str, new_tokens: int) -> float:
     def over_steps(per_step) -> float:
         return float(np.sum(np.broadcast_to(per_step, (max(steps, 1),))[:steps]))
 
-    cpu_layers = n - m if on_cpu else 0
-    head = work.head_bytes_cpu if (m == 0 and on_cpu) else work.head_bytes_gpu
+    cpu_layers = int(placed.count(lambda mode: mode.on_cpu))
+    head = work.head_bytes_gpu if placed.head_mode.computes == ON_ACCELERATOR else work.head_bytes_cpu
     return (cpu_layers * over_steps(work.cpu_memory_bytes) + (n - cpu_layers) * over_steps(work.gpu_memory_bytes)
             + head * steps)
 
