@@ -24,7 +24,7 @@ ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attenti
 # model_type -> what the config does not say. Keys:
 #   gated: SwiGLU/GeGLU MLP (gate, up, down) vs plain (up, down)     norm: "rms" | "layer"
 #   norm_bias: LayerNorm holds a bias                                norms: norms per decoder layer
-#   qk_norm: "head" (head_dim weights), "full" (q_dim / kv_dim weights), "per_head_ln"
+#   qk_norm: "head" (head_dim weights), "full" (q_dim / kv_dim weights), "head_ln" (LayerNorm of head_dim)
 #   parallel: attention and MLP read the same input                  sinks: per-head attention sinks
 #   lm_head_bias, learned_pos (rows beyond max_position_embeddings: OPT's offset 2)
 #   defaults: config-class defaults for fields a published config.json may omit
@@ -44,7 +44,7 @@ TRAITS: dict[str, dict[str, Any]] = {
                                                            tie_word_embeddings=True)),
     "phi": dict(gated=False, norm="layer", norms=1, parallel=True, bias=True, lm_head_bias=True),
     "starcoder2": dict(gated=False, norm="layer", defaults=dict(use_bias=True)),
-    "stablelm": dict(norm="layer", o_bias=False, qk_norm="per_head_ln"),
+    "stablelm": dict(norm="layer", o_bias=False, qk_norm="full"),
     "cohere": dict(norm="layer", norm_bias=False, norms=1, parallel=True, qk_norm="full", defaults=dict(tie_word_embeddings=True)),
     "cohere2": dict(norm="layer", norm_bias=False, norms=1, parallel=True, defaults=dict(tie_word_embeddings=True)),
     "olmo": dict(norm="layer", norm_affine=False),

@@ -50,7 +50,7 @@ class ModelSpec:
     final_norm: bool = True  # OPT builds decoder.final_layer_norm only with do_layer_norm_before
     norm_bias: bool | None = None  # a LayerNorm with a bias (Cohere's has none); None: norm == "layer"
     norms_per_layer: int = 2  # 1 for GPT-J / Phi / Cohere parallel blocks, 4 for Gemma 2/3
-    qk_norm: str = ""  # "" | "head" (head_dim weights) | "full" (q_dim, kv_dim) | "head_ln" / "per_head_ln"
+    qk_norm: str = ""  # "" | "head": q, k norms of head_dim weights | "full": of q_dim, kv_dim | "head_ln": LayerNorms of head_dim
     parallel_block: bool = False  # attention and MLP read the same input (GPT-J, GPT-NeoX, Falcon, Cohere)
     attention_sinks: bool = False  # gpt-oss: one learned sink logit per head
     lm_head_bias: bool = False  # GPT-J, Phi
@@ -179,8 +179,7 @@ class ModelSpec:
         qkv = h * (heads * hd + kvh * hd + kvh * vd)
         if self.qkv_bias:
             qkv += heads * hd + kvh * hd + kvh * vd
-        qk_norm = {"": 0, "head": 2 * hd, "full": (heads + kvh) * hd, "head_ln": 4 * hd,
-                   "per_head_ln": (heads + kvh) * hd * (2 if self.norm_bias else 1)}[self.qk_norm]
+        qk_norm = {"": 0, "head": 2 * hd, "full": (heads + kvh) * hd, "head_ln": 4 * hd}[self.qk_norm]
         sinks = heads if self.attention_sinks else 0
         return qkv + o + qk_norm + sinks
 
