@@ -64,6 +64,22 @@ TRAITS: dict[str, dict[str, Any]] = {
                                       rms_norm_eps=1e-6)),
     "gpt_oss": dict(sinks=True, qkv_bias=True, o_bias=True, router_bias=True, expert_bias=True),
     "nemotron": dict(gated=False, norm="layer"),
+    "glm": dict(o_bias=False),
+    "glm4": dict(o_bias=False, norms=4),
+    "exaone4": dict(qk_norm="head"),
+    "hunyuan_v1_dense": dict(qk_norm="head"),
+    "hunyuan_v1_moe": dict(qk_norm="head"),
+    "mellum": dict(qk_norm="head"),
+    "minimax_m2": dict(qk_norm="full"),
+    "flex_olmo": dict(qk_norm="full"),
+    "phimoe": dict(norm="layer"),
+    "granite_swa": dict(sinks=True),
+    "granitemoe_swa": dict(sinks=True),
+    "bitnet": dict(extra=lambda h, i, hd: h + i),  # attn_sub_norm, ffn_sub_norm
+    "diffllama": dict(extra=lambda h, i, hd: 4 * hd),  # lambda_q1, lambda_k1, lambda_q2, lambda_k2
+    "hyperclovax": dict(norms=4),
+    "llama4_text": dict(dense_ffn="intermediate_size_mlp", shared_ffn="intermediate_size"),
+    "ernie4_5_moe": dict(router_bias=True),  # e_score_correction_bias is a Parameter there
     "persimmon": dict(gated=False, norm="layer", bias=True, qk_norm="head_ln"),
 }
 
@@ -77,8 +93,10 @@ NOT_LAYERWISE: dict[str, str] = {
     **{t: f"a hybrid linear-attention model: {_RECURRENT}" for t in ("qwen3_next", "minimax", "kimi_linear")},
     **{t: f"a recurrent model: {_RECURRENT}" for t in ("recurrent_gemma", "xlstm", "rwkv")},
 }
+# BERT-style encoders; some have a causal-LM head (is_decoder=True) but keep the encoder's layout.
 ENCODER_ONLY = ("bert", "roberta", "xlm-roberta", "distilbert", "albert", "electra", "deberta", "deberta-v2",
-                "modernbert", "camembert", "mpnet")
+                "modernbert", "camembert", "mpnet", "bert-generation", "big_bird", "data2vec-text", "ernie",
+                "megatron-bert", "roberta-prelayernorm", "roc_bert", "roformer", "xlm-roberta-xl", "xmod", "rembert")
 _NON_CAUSAL_SUFFIXES = ("ForMaskedLM", "ForSequenceClassification", "ForTokenClassification",
                         "ForQuestionAnswering", "ForPreTraining", "ForMultipleChoice")
 
@@ -165,6 +183,12 @@ def moe_layer_flags(cfg: dict[str, Any], n: int, num_experts: int) -> tuple[bool
     types = cfg.get("mlp_layer_types")
     if types:
         return tuple(t in ("sparse", "moe") for t in types)
+    if isinstance(cfg.get("moe_layers"), list):  # Llama 4: indices of the MoE layers
+        return tuple(i in set(cfg["moe_layers"]) for i in range(n))
+    if cfg.get("moe_layer_interval") is not None:  # ERNIE 4.5
+        start, end = int(cfg.get("moe_layer_start_index") or 0), cfg.get("moe_layer_end_index")
+        end = n - 1 if end is None or end < 0 else int(end)
+        return tuple((i + 1) % int(cfg["moe_layer_interval"]) == 0 and start <= i <= end for i in range(n))
     dense_first = int(cfg.get("first_k_dense_replace") or 0)
     only_mlp = set(cfg.get("mlp_only_layers") or [])
     step = int(cfg.get("decoder_sparse_step") or 1)
@@ -182,7 +206,7 @@ def spec_fields(cfg: dict[str, Any]) -> dict[str, Any]:
     heads = int(first(cfg, "num_attention_heads", "n_head", "n_heads", "num_heads"))
     kv_heads = first(cfg, "num_key_value_heads", "n_head_kv", "num_kv_heads", "multi_query_group_num", default=None)
     new_falcon = mt == "falcon" and cfg.get("new_decoder_architecture")
-    if mt == "falcon" and not new_falcon:
+    if "multi_query" in cfg and not new_falcon:  # GPT-BigCode, Falcon-7B: the flag decides
         kv_heads = 1 if cfg.get("multi_query") else heads
     elif kv_heads is None:
         kv_heads = 1 if cfg.get("multi_query") else heads
@@ -198,7 +222,7 @@ def spec_fields(cfg: dict[str, Any]) -> dict[str, Any]:
     qkv_bias = traits.get("qkv_bias", attn_bias)
     if mt in ("stablelm", "qwen2_moe"):
         qkv_bias = bool(first(cfg, "use_qkv_bias", "qkv_bias", default=qkv_bias))
-    o_bias = traits.get("o_bias", attn_bias)
+    o_bias = traits.get("o_bias", bool(first(cfg, "attention_out_bias", default=attn_bias)))
     mlp_bias = traits.get("mlp_bias", bool(first(cfg, "mlp_bias", default=bias or False)))
     if mt == "falcon":
         qkv_bias = o_bias = mlp_bias = bool(cfg.get("bias", False))
@@ -224,16 +248,20 @@ def spec_fields(cfg: dict[str, Any]) -> dict[str, Any]:
     num_experts = int(first(cfg, "num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts",
                             default=0) or 0)
     if int(first(cfg, "num_experts_per_tok", "experts_per_token", "moe_topk", "top_k",
-                 "num_experts_per_token", default=0) or 0) == 0:
+                 "num_experts_per_token", "moe_k", default=0) or 0) == 0:
         num_experts = 0
     k = int(first(cfg, "num_experts_per_tok", "experts_per_token", "moe_topk", "top_k", "num_experts_per_token",
-                  default=0) or 0) if num_experts else 0
+                  "moe_k", default=0) or 0) if num_experts else 0
     expert_inter = int(first(cfg, "moe_intermediate_size", "expert_intermediate_size", default=inter)) if num_experts else 0
     shared_inter, shared_gate = 0, False
     if num_experts and cfg.get("shared_expert_intermediate_size"):
         shared_inter, shared_gate = int(cfg["shared_expert_intermediate_size"]), mt in ("qwen2_moe",)
-    elif num_experts and cfg.get("n_shared_experts"):
-        shared_inter = int(cfg["n_shared_experts"]) * expert_inter
+    elif num_experts and first(cfg, "n_shared_experts", "moe_num_shared_experts", "num_shared_experts", default=0):
+        shared_inter = int(first(cfg, "n_shared_experts", "moe_num_shared_experts", "num_shared_experts")) * expert_inter
+    if num_experts and traits.get("shared_ffn"):
+        shared_inter = int(cfg[traits["shared_ffn"]])
+    if num_experts and traits.get("dense_ffn"):
+        inter = int(cfg[traits["dense_ffn"]])
     moe = moe_layer_flags(cfg, n, num_experts)
 
     kv_lora = int(cfg.get("kv_lora_rank") or 0)
@@ -261,7 +289,8 @@ def spec_fields(cfg: dict[str, Any]) -> dict[str, Any]:
         lm_head_bias=traits.get("lm_head_bias", False), v_head_dim=v_head_dim, layer_types=kinds, sliding_window=window,
         num_experts=num_experts, experts_per_token=k, expert_intermediate_size=expert_inter,
         shared_expert_intermediate_size=shared_inter, shared_expert_gate=shared_gate, moe_layers=moe,
-        router_bias=traits.get("router_bias", False), expert_bias=traits.get("expert_bias", False), **mla,
+        router_bias=traits.get("router_bias", False), expert_bias=traits.get("expert_bias", False),
+        extra_layer_params=traits["extra"](h, inter, head_dim) if "extra" in traits else 0, **mla,
     )
     if mt == "opt":
         proj = cfg.get("word_embed_proj_dim", h)

@@ -65,6 +65,7 @@ class ModelSpec:
     moe_layers: tuple[bool, ...] = ()  # per layer; (): none
     router_bias: bool = False
     expert_bias: bool = False  # gpt-oss: biases on the expert projections
+    extra_layer_params: int = 0  # per-layer parameters outside the usual groups (BitNet's sub-norms)
     kv_lora_rank: int = 0  # DeepSeek MLA (0: standard attention)
     q_lora_rank: int = 0
     qk_rope_head_dim: int = 0
@@ -223,7 +224,7 @@ class ModelSpec:
 
     def layer_params(self, i: int) -> int:
         """Every parameter of decoder layer ``i``."""
-        return self.attention_params + self.mlp_params(i) + self.layer_norm_params
+        return self.attention_params + self.mlp_params(i) + self.layer_norm_params + self.extra_layer_params
 
     def active_layer_params(self, i: int) -> int:
         """Parameters of layer ``i`` one token uses: all but the routed experts it skips."""
