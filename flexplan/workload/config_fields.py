@@ -64,6 +64,16 @@ TRAITS: dict[str, dict[str, Any]] = {
                                       rms_norm_eps=1e-6)),
     "gpt_oss": dict(sinks=True, qkv_bias=True, o_bias=True, router_bias=True, expert_bias=True),
     "nemotron": dict(gated=False, norm="layer"),
+    "bloom": dict(gated=False, norm="layer", bias=True, ffn_4h=True, embed_norm=True,
+                  defaults=dict(tie_word_embeddings=True)),
+    "mpt": dict(gated=False, norm="layer", ffn_4h=True, qkv_bias=False, o_bias=False, mlp_bias=False,
+                defaults=dict(tie_word_embeddings=True, no_bias=True)),  # no_bias: LayerNorms only
+    "gpt_neo": dict(gated=False, norm="layer", learned_pos=0, qkv_bias=False, o_bias=True, mlp_bias=True,
+                    defaults=dict(tie_word_embeddings=True)),
+    "biogpt": dict(gated=False, norm="layer", bias=True, learned_pos=2, defaults=dict(tie_word_embeddings=True)),
+    "cohere2_moe": dict(norm="layer", norm_bias=False, norms=1, parallel=True),
+    "exaone_moe": dict(qk_norm="head"),
+    "hy_v3": dict(qk_norm="head"),
     "glm": dict(o_bias=False),
     "glm4": dict(o_bias=False, norms=4),
     "exaone4": dict(qk_norm="head"),
@@ -78,7 +88,7 @@ TRAITS: dict[str, dict[str, Any]] = {
     "bitnet": dict(extra=lambda h, i, hd: h + i),  # attn_sub_norm, ffn_sub_norm
     "diffllama": dict(extra=lambda h, i, hd: 4 * hd),  # lambda_q1, lambda_k1, lambda_q2, lambda_k2
     "hyperclovax": dict(norms=4),
-    "llama4_text": dict(dense_ffn="intermediate_size_mlp", shared_ffn="intermediate_size"),
+    "llama4_text": dict(dense_ffn="intermediate_size_mlp", shared_ffn="intermediate_size", qk_norm=None),  # L2 norm
     "ernie4_5_moe": dict(router_bias=True),  # e_score_correction_bias is a Parameter there
     "persimmon": dict(gated=False, norm="layer", bias=True, qk_norm="head_ln"),
 }
@@ -149,9 +159,12 @@ def layer_kinds(cfg: dict[str, Any], traits: dict[str, Any], n: int) -> tuple[tu
     """(layer_types, sliding_window): explicit ``layer_types``, else Gemma-style
     ``sliding_window_pattern``, else Qwen-style ``use_sliding_window`` + ``max_window_layers``,
     else every layer sliding when ``sliding_window`` is set (Mistral, Phi-3, Starcoder2)."""
-    window = cfg.get("sliding_window")
+    window = cfg.get("sliding_window") or cfg.get("window_size")
     window = int(window) if window else None
     explicit = cfg.get("layer_types")
+    if not explicit and cfg.get("attention_types"):  # GPT-Neo: [[["global", "local"], 12]]
+        names = {"global": "full_attention", "local": "sliding_attention"}
+        explicit = [names[k] for kinds, times in cfg["attention_types"] for _ in range(times) for k in kinds]
     if explicit:
         kinds = tuple(str(k) for k in explicit)
         if len(kinds) != n:
@@ -212,7 +225,7 @@ def spec_fields(cfg: dict[str, Any]) -> dict[str, Any]:
         kv_heads = 1 if cfg.get("multi_query") else heads
     head_dim = int(cfg.get("head_dim") or h // heads)
     ffn_keys = ("intermediate_size", "ffn_dim", "ffn_hidden_size", "n_inner")
-    if any(k in cfg for k in ffn_keys[1:]) and all(cfg.get(k) is None for k in ffn_keys):
+    if traits.get("ffn_4h") or (any(k in cfg for k in ffn_keys) and all(cfg.get(k) is None for k in ffn_keys)):
         inter = 4 * h  # GPT-2 / GPT-J / Falcon: n_inner / ffn_hidden_size None means 4 x hidden
     else:
         inter = int(first(cfg, *ffn_keys))
@@ -237,6 +250,8 @@ def spec_fields(cfg: dict[str, Any]) -> dict[str, Any]:
     elif mt == "stablelm" and parallel:
         norms = 1
     qk_norm = traits.get("qk_norm", "")
+    if qk_norm is None:  # the config's QK-norm holds no parameters (Llama 4's L2 norm)
+        qk_norm, cfg = "", {k: v for k, v in cfg.items() if k not in ("use_qk_norm", "qk_layernorm", "qk_norm")}
     if mt in ("stablelm", "cohere", "persimmon", "phi"):  # optional QK-norm, switched by the config
         flag = first(cfg, "qk_layernorm", "use_qk_norm", default=False)
         qk_norm = (traits.get("qk_norm") or "head_ln") if flag else ""
@@ -284,13 +299,14 @@ def spec_fields(cfg: dict[str, Any]) -> dict[str, Any]:
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)), gated_mlp=traits.get("gated", True),
         norm=norm, qkv_bias=bool(qkv_bias), o_bias=bool(o_bias), mlp_bias=bool(mlp_bias),
         max_position_embeddings=max_pos, learned_pos_embeddings=learned_rows,
-        norm_bias=traits.get("norm_bias", norm == "layer"), norm_affine=traits.get("norm_affine", True),
+        norm_bias=traits.get("norm_bias", norm == "layer" and not cfg.get("no_bias")), norm_affine=traits.get("norm_affine", True),
         norms_per_layer=norms, qk_norm=qk_norm, parallel_block=parallel, attention_sinks=traits.get("sinks", False),
         lm_head_bias=traits.get("lm_head_bias", False), v_head_dim=v_head_dim, layer_types=kinds, sliding_window=window,
         num_experts=num_experts, experts_per_token=k, expert_intermediate_size=expert_inter,
         shared_expert_intermediate_size=shared_inter, shared_expert_gate=shared_gate, moe_layers=moe,
         router_bias=traits.get("router_bias", False), expert_bias=traits.get("expert_bias", False),
-        extra_layer_params=traits["extra"](h, inter, head_dim) if "extra" in traits else 0, **mla,
+        extra_layer_params=traits["extra"](h, inter, head_dim) if "extra" in traits else 0,
+        embedding_norm=bool(traits.get("embed_norm")), **mla,
     )
     if mt == "opt":
         proj = cfg.get("word_embed_proj_dim", h)

@@ -65,6 +65,7 @@ class ModelSpec:
     moe_layers: tuple[bool, ...] = ()  # per layer; (): none
     router_bias: bool = False
     expert_bias: bool = False  # gpt-oss: biases on the expert projections
+    embedding_norm: bool = False  # BLOOM's word_embeddings_layernorm
     extra_layer_params: int = 0  # per-layer parameters outside the usual groups (BitNet's sub-norms)
     kv_lora_rank: int = 0  # DeepSeek MLA (0: standard attention)
     q_lora_rank: int = 0
@@ -273,12 +274,13 @@ class ModelSpec:
 
     @property
     def embedding_params(self) -> int:
-        """Token (and learned position) embedding tables, plus OPT's projections if any."""
+        """Token (and learned position) embedding tables, plus OPT's projections and BLOOM's
+        embedding LayerNorm if any."""
         emb_dim = self.word_embed_proj_dim or self.hidden_size
         n = self.vocab_size * emb_dim + self.learned_pos_embeddings * self.hidden_size
         if self.word_embed_proj_dim:
             n += 2 * emb_dim * self.hidden_size
-        return n
+        return n + (self._norm_params if self.embedding_norm else 0)
 
     @property
     def _norm_params(self) -> int:
