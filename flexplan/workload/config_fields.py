@@ -74,11 +74,15 @@ TRAITS: dict[str, dict[str, Any]] = {
     "cohere2_moe": dict(norm="layer", norm_bias=False, norms=1, parallel=True),
     "exaone_moe": dict(qk_norm="head"),
     "hy_v3": dict(qk_norm="head"),
+    "hunyuan_v1_moe": dict(qk_norm="head", shared_ffn="intermediate_size"),  # shared_mlp of intermediate_size
+    "apertus": dict(gated=False, qk_norm="head", extra=lambda h, i, hd: 2),  # xIELU's alpha_p, alpha_n
+    "arcee": dict(gated=False),
+    "jais2": dict(gated=False, norm="layer"),
+    "nanochat": dict(gated=False, norm_affine=False, qk_norm=None),
     "glm": dict(o_bias=False),
     "glm4": dict(o_bias=False, norms=4),
     "exaone4": dict(qk_norm="head"),
     "hunyuan_v1_dense": dict(qk_norm="head"),
-    "hunyuan_v1_moe": dict(qk_norm="head"),
     "mellum": dict(qk_norm="head"),
     "minimax_m2": dict(qk_norm="full"),
     "flex_olmo": dict(qk_norm="full"),
