@@ -1,9 +1,12 @@
-"""Architecture of a decoder-only model, normalised from a HuggingFace config.
+"""Architecture of a decoder-only causal LM, normalised from a HuggingFace config.
 
-One :class:`ModelSpec` covers the families flexplan plans for: Llama 2/3/3.1, Mistral,
-Qwen2/2.5, SmolLM2 (Llama architecture) and OPT. It knows GQA/MQA (``num_kv_heads``),
-gated (SwiGLU) and plain MLPs, tied embeddings, ``head_dim`` overrides and biases, and it
-counts parameters exactly as the HuggingFace modules hold them.
+One :class:`ModelSpec` describes any decoder-only causal LM of transformers 5 whose layers
+keep a KV cache: GQA/MQA and MLA attention, explicit ``head_dim`` and separate value-head
+widths, QK-norm, biases, Gemma-style post-norms, parallel attention+MLP blocks, attention
+sinks, tied embeddings, sliding-window and mixed local/global layers, and mixtures of
+experts (routed and shared experts, dense first layers). It counts parameters exactly as
+the transformers modules hold them (tests compare with the modules on the meta device).
+The config fields are read in :mod:`flexplan.workload.config_fields`.
 """
 
 from __future__ import annotations
