@@ -212,28 +212,8 @@ def moe_layer_flags(cfg: dict[str, Any], n: int, num_experts: int) -> tuple[bool
     return tuple(i >= dense_first and i not in only_mlp and (i + 1) % step == 0 for i in range(n))
 
 
-def spec_fields(cfg: dict[str, Any]) -> dict[str, Any]:
-    """ModelSpec keyword arguments (all but ``name``) from a flat decoder config dict."""
-    mt = str(cfg.get("model_type") or "unknown")
-    traits = TRAITS.get(mt, {})
-    cfg = {**traits.get("defaults", {}), **{k: v for k, v in cfg.items() if v is not None or k not in
-                                              traits.get("defaults", {})}}
-    n = int(first(cfg, "num_hidden_layers", "n_layer", "num_layers", "n_layers"))
-    h = int(first(cfg, "hidden_size", "n_embd", "d_model", "dim"))
-    heads = int(first(cfg, "num_attention_heads", "n_head", "n_heads", "num_heads"))
-    kv_heads = first(cfg, "num_key_value_heads", "n_head_kv", "num_kv_heads", "multi_query_group_num", default=None)
-    new_falcon = mt == "falcon" and cfg.get("new_decoder_architecture")
-    if "multi_query" in cfg and not new_falcon:  # GPT-BigCode, Falcon-7B: the flag decides
-        kv_heads = 1 if cfg.get("multi_query") else heads
-    elif kv_heads is None:
-        kv_heads = 1 if cfg.get("multi_query") else heads
-    head_dim = int(cfg.get("head_dim") or h // heads)
-    ffn_keys = ("intermediate_size", "ffn_dim", "ffn_hidden_size", "n_inner")
-    if traits.get("ffn_4h") or (any(k in cfg for k in ffn_keys) and all(cfg.get(k) is None for k in ffn_keys)):
-        inter = 4 * h  # GPT-2 / GPT-J / Falcon: n_inner / ffn_hidden_size None means 4 x hidden
-    else:
-        inter = int(first(cfg, *ffn_keys))
-
+def _bias_fields(cfg: dict[str, Any], traits: dict[str, Any], mt: str) -> dict[str, bool]:
+    """qkv_bias, o_bias, mlp_bias from attention_bias / qkv_bias / bias / use_bias / enable_bias."""
     bias = cfg.get("bias", cfg.get("use_bias", cfg.get("enable_bias", traits.get("bias"))))
     attn_bias = bool(first(cfg, "attention_bias", "qkv_bias", "use_qkv_bias", default=bias or False))
     qkv_bias = traits.get("qkv_bias", attn_bias)
@@ -243,9 +223,14 @@ def spec_fields(cfg: dict[str, Any]) -> dict[str, Any]:
     mlp_bias = traits.get("mlp_bias", bool(first(cfg, "mlp_bias", default=bias or False)))
     if mt == "falcon":
         qkv_bias = o_bias = mlp_bias = bool(cfg.get("bias", False))
+    return dict(qkv_bias=bool(qkv_bias), o_bias=bool(o_bias), mlp_bias=bool(mlp_bias))
 
+
+def _block_fields(cfg: dict[str, Any], traits: dict[str, Any], mt: str) -> dict[str, Any]:
+    """Norm kind, norms per layer, QK-norm and parallel attention+MLP."""
     norm = traits.get("norm") or ("layer" if any(k in cfg for k in ("layer_norm_eps", "layer_norm_epsilon")) and
                                   "rms_norm_eps" not in cfg else "rms")
+    new_falcon = mt == "falcon" and cfg.get("new_decoder_architecture")
     parallel = bool(traits.get("parallel") or cfg.get("use_parallel_residual") or
                     (mt == "falcon" and (cfg.get("parallel_attn") or new_falcon)))
     norms = traits.get("norms", 2)
@@ -253,64 +238,87 @@ def spec_fields(cfg: dict[str, Any]) -> dict[str, Any]:
         norms = int(cfg.get("num_ln_in_parallel_attn") or 2) if new_falcon else (1 if parallel else 2)
     elif mt == "stablelm" and parallel:
         norms = 1
+    flag = first(cfg, "qk_layernorm", "use_qk_norm", "qk_norm", default=False)
     qk_norm = traits.get("qk_norm", "")
     if qk_norm is None:  # the config's QK-norm holds no parameters (Llama 4's L2 norm)
-        qk_norm, cfg = "", {k: v for k, v in cfg.items() if k not in ("use_qk_norm", "qk_layernorm", "qk_norm")}
-    if mt in ("stablelm", "cohere", "persimmon", "phi"):  # optional QK-norm, switched by the config
-        flag = first(cfg, "qk_layernorm", "use_qk_norm", default=False)
+        qk_norm = ""
+    elif mt in ("stablelm", "cohere", "persimmon", "phi"):  # optional QK-norm, switched by the config
         qk_norm = (traits.get("qk_norm") or "head_ln") if flag else ""
-        if mt == "phi" and flag:
-            qk_norm = "head_ln"
-    elif cfg.get("use_qk_norm") or cfg.get("qk_layernorm") or cfg.get("qk_norm"):
+    elif flag:
         qk_norm = qk_norm or "head"
+    return dict(norm=norm, norm_bias=traits.get("norm_bias", norm == "layer" and not cfg.get("no_bias")),
+                norm_affine=traits.get("norm_affine", True), norms_per_layer=norms, qk_norm=qk_norm,
+                parallel_block=parallel)
 
-    num_experts = int(first(cfg, "num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts",
-                            default=0) or 0)
-    if int(first(cfg, "num_experts_per_tok", "experts_per_token", "moe_topk", "top_k",
-                 "num_experts_per_token", "moe_k", default=0) or 0) == 0:
-        num_experts = 0
-    k = int(first(cfg, "num_experts_per_tok", "experts_per_token", "moe_topk", "top_k", "num_experts_per_token",
-                  "moe_k", default=0) or 0) if num_experts else 0
-    expert_inter = int(first(cfg, "moe_intermediate_size", "expert_intermediate_size", default=inter)) if num_experts else 0
+
+def _moe_fields(cfg: dict[str, Any], traits: dict[str, Any], mt: str, n: int, inter: int) -> dict[str, Any]:
+    """Routed experts, experts per token, expert and shared-expert widths, MoE layers."""
+    top_k = int(first(cfg, "num_experts_per_tok", "experts_per_token", "moe_topk", "top_k", "num_experts_per_token",
+                      "moe_k", default=0) or 0)
+    e = int(first(cfg, "num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts", default=0) or 0)
+    if not (e and top_k):
+        return dict(intermediate_size=inter, moe_layers=(False,) * n)
+    expert_inter = int(first(cfg, "moe_intermediate_size", "expert_intermediate_size", default=inter))
     shared_inter, shared_gate = 0, False
-    if num_experts and cfg.get("shared_expert_intermediate_size"):
-        shared_inter, shared_gate = int(cfg["shared_expert_intermediate_size"]), mt in ("qwen2_moe",)
-    elif num_experts and first(cfg, "n_shared_experts", "moe_num_shared_experts", "num_shared_experts", default=0):
-        shared_inter = int(first(cfg, "n_shared_experts", "moe_num_shared_experts", "num_shared_experts")) * expert_inter
-    if num_experts and traits.get("shared_ffn"):
+    n_shared = first(cfg, "n_shared_experts", "moe_num_shared_experts", "num_shared_experts", default=0)
+    if cfg.get("shared_expert_intermediate_size"):
+        shared_inter, shared_gate = int(cfg["shared_expert_intermediate_size"]), mt == "qwen2_moe"
+    elif n_shared:
+        shared_inter = int(n_shared) * expert_inter
+    if traits.get("shared_ffn"):
         shared_inter = int(cfg[traits["shared_ffn"]])
-    if num_experts and traits.get("dense_ffn"):
+    if traits.get("dense_ffn"):
         inter = int(cfg[traits["dense_ffn"]])
-    moe = moe_layer_flags(cfg, n, num_experts)
+    return dict(intermediate_size=inter, num_experts=e, experts_per_token=top_k, expert_intermediate_size=expert_inter,
+                shared_expert_intermediate_size=shared_inter, shared_expert_gate=shared_gate,
+                moe_layers=moe_layer_flags(cfg, n, e), router_bias=traits.get("router_bias", False),
+                expert_bias=traits.get("expert_bias", False))
 
-    kv_lora = int(cfg.get("kv_lora_rank") or 0)
+
+def spec_fields(cfg: dict[str, Any]) -> dict[str, Any]:
+    """ModelSpec keyword arguments (all but ``name``) from a flat decoder config dict."""
+    mt = str(cfg.get("model_type") or "unknown")
+    traits = TRAITS.get(mt, {})
+    defaults = traits.get("defaults", {})
+    cfg = {**defaults, **{k: v for k, v in cfg.items() if v is not None or k not in defaults}}
+    n = int(first(cfg, "num_hidden_layers", "n_layer", "num_layers", "n_layers"))
+    h = int(first(cfg, "hidden_size", "n_embd", "d_model", "dim"))
+    heads = int(first(cfg, "num_attention_heads", "n_head", "n_heads", "num_heads"))
+    kv_heads = first(cfg, "num_key_value_heads", "n_head_kv", "num_kv_heads", "multi_query_group_num", default=None)
+    if "multi_query" in cfg and not (mt == "falcon" and cfg.get("new_decoder_architecture")):
+        kv_heads = 1 if cfg.get("multi_query") else heads  # GPT-BigCode, Falcon-7B: the flag decides
+    elif kv_heads is None:
+        kv_heads = heads
+    head_dim = int(cfg.get("head_dim") or h // heads)
+    ffn_keys = ("intermediate_size", "ffn_dim", "ffn_hidden_size", "n_inner")
+    if traits.get("ffn_4h") or (any(k in cfg for k in ffn_keys) and all(cfg.get(k) is None for k in ffn_keys)):
+        inter = 4 * h  # GPT-2 / GPT-J / Falcon: n_inner / ffn_hidden_size None means 4 x hidden
+    else:
+        inter = int(first(cfg, *ffn_keys))
     v_head_dim = int(cfg.get("v_head_dim") or head_dim)
     mla = {}
-    if kv_lora:
+    if cfg.get("kv_lora_rank"):  # DeepSeek MLA
         rope = int(cfg["qk_rope_head_dim"])
         head_dim = int(cfg["qk_nope_head_dim"]) + rope
         kv_heads = heads  # transformers caches K and V per head after the up-projection
-        mla = dict(kv_lora_rank=kv_lora, q_lora_rank=int(cfg.get("q_lora_rank") or 0), qk_rope_head_dim=rope)
+        mla = dict(kv_lora_rank=int(cfg["kv_lora_rank"]), q_lora_rank=int(cfg.get("q_lora_rank") or 0),
+                   qk_rope_head_dim=rope)
     kinds, window = layer_kinds(cfg, traits, n)
     learned_rows = 0
     if "learned_pos" in traits:
         learned_rows = int(first(cfg, "max_position_embeddings", "n_positions")) + traits["learned_pos"]
-    max_pos = int(first(cfg, "max_position_embeddings", "n_positions", "max_sequence_length", "seq_length",
-                        default=4096))
     out = dict(
-        family=mt, num_layers=n, hidden_size=h, intermediate_size=inter, num_heads=heads, num_kv_heads=int(kv_heads),
-        head_dim=head_dim, vocab_size=int(first(cfg, "vocab_size", "padded_vocab_size")),
+        family=mt, num_layers=n, hidden_size=h, num_heads=heads, num_kv_heads=int(kv_heads), head_dim=head_dim,
+        v_head_dim=v_head_dim, vocab_size=int(first(cfg, "vocab_size", "padded_vocab_size")),
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)), gated_mlp=traits.get("gated", True),
-        norm=norm, qkv_bias=bool(qkv_bias), o_bias=bool(o_bias), mlp_bias=bool(mlp_bias),
-        max_position_embeddings=max_pos, learned_pos_embeddings=learned_rows,
-        norm_bias=traits.get("norm_bias", norm == "layer" and not cfg.get("no_bias")), norm_affine=traits.get("norm_affine", True),
-        norms_per_layer=norms, qk_norm=qk_norm, parallel_block=parallel, attention_sinks=traits.get("sinks", False),
-        lm_head_bias=traits.get("lm_head_bias", False), v_head_dim=v_head_dim, layer_types=kinds, sliding_window=window,
-        num_experts=num_experts, experts_per_token=k, expert_intermediate_size=expert_inter,
-        shared_expert_intermediate_size=shared_inter, shared_expert_gate=shared_gate, moe_layers=moe,
-        router_bias=traits.get("router_bias", False), expert_bias=traits.get("expert_bias", False),
+        max_position_embeddings=int(first(cfg, "max_position_embeddings", "n_positions", "max_sequence_length",
+                                          "seq_length", default=4096)),
+        learned_pos_embeddings=learned_rows, attention_sinks=traits.get("sinks", False),
+        lm_head_bias=traits.get("lm_head_bias", False), layer_types=kinds, sliding_window=window,
         extra_layer_params=traits["extra"](h, inter, head_dim) if "extra" in traits else 0,
-        embedding_norm=bool(traits.get("embed_norm")), **mla,
+        embedding_norm=bool(traits.get("embed_norm")),
+        **_bias_fields(cfg, traits, mt), **_block_fields(cfg, traits, mt), **_moe_fields(cfg, traits, mt, n, inter),
+        **mla,
     )
     if mt == "opt":
         proj = cfg.get("word_embed_proj_dim", h)
