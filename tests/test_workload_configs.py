@@ -73,6 +73,20 @@ CASES: dict[str, tuple[str, dict]] = {
     "smollm3": ("smollm3", {}),
     "phi": ("phi", {}),
     "nemotron": ("nemotron", {}),
+    # layouts a model_type trait describes (what the config does not say)
+    "gpt_bigcode": ("gpt_bigcode", {}),
+    "bloom": ("bloom", {}),
+    "mpt": ("mpt", dict(d_model=64, n_heads=4, n_layers=4, no_bias=True)),
+    "gpt_neo": ("gpt_neo", dict(num_layers=4, num_heads=4, attention_types=[[["global", "local"], 2]], window_size=8)),
+    "biogpt": ("biogpt", {}),
+    "glm4": ("glm4", {}),
+    "exaone4": ("exaone4", {}),
+    "llama4_text": ("llama4_text", dict(intermediate_size_mlp=80, moe_layers=[1, 3])),
+    "ernie4_5_moe": ("ernie4_5_moe", {}),
+    "hunyuan_v1_moe": ("hunyuan_v1_moe", {}),
+    "minimax_m2": ("minimax_m2", {}),
+    "cohere2": ("cohere2", dict(sliding_window=8)),
+    "phimoe": ("phimoe", {}),
 }
 
 
