@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import asdict, dataclass
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -260,17 +261,17 @@ class ModelSpec:
         total = sum(values)
         return total // len(values) if total % len(values) == 0 else total / len(values)
 
-    @property
+    @cached_property  # the dataclass is frozen: computed once
     def linear_weight_params_per_layer(self) -> int | float:
         """Mean over layers of :meth:`linear_weight_params` (an int when all layers agree)."""
         return self._mean([self.linear_weight_params(i) for i in range(self.num_layers)])
 
-    @property
+    @cached_property
     def params_per_layer(self) -> int | float:
         """Mean over layers of :meth:`layer_params` (an int when all layers agree)."""
         return self._mean([self.layer_params(i) for i in range(self.num_layers)])
 
-    @property
+    @cached_property
     def layers_params(self) -> int:
         """All decoder layers together."""
         return sum(self.layer_params(i) for i in range(self.num_layers))
@@ -301,11 +302,11 @@ class ModelSpec:
         bias = self.vocab_size if self.lm_head_bias else 0
         return bias + (0 if self.tie_word_embeddings else self.vocab_size * (self.word_embed_proj_dim or self.hidden_size))
 
-    @property
+    @cached_property
     def total_params(self) -> int:
         return self.layers_params + self.embedding_params + self.final_norm_params + self.lm_head_params
 
-    @property
+    @cached_property
     def active_params(self) -> int:
         """Parameters one token uses (embeddings and head included, as model cards count
         "activated" parameters): ``total_params`` less the routed experts it skips."""
