@@ -417,6 +417,16 @@ def test_local_config_json_path_and_model_folder(tmp_path):
         assert spec.num_kv_heads == 8 and spec.family == "mistral"
 
 
+@pytest.mark.parametrize("model_id", ["google/gemma-3-27b-it", "openai/gpt-oss-20b", "Qwen/Qwen3-30B-A3B"])
+def test_new_architectures_from_a_local_folder(tmp_path, model_id):
+    """A config folder of a model outside the catalog plans like the catalog entry."""
+    path = _write_config(tmp_path / "mine", _load(CATALOG_DIR / (model_id.replace("/", "--") + ".json")))
+    spec, reference = resolve_model(path.parent), resolve_model(model_id)
+    assert spec.name == "mine"
+    assert (spec.total_params, spec.active_params, spec.layer_types) == (
+        reference.total_params, reference.active_params, reference.layer_types)
+
+
 def test_local_config_with_another_file_name(tmp_path):
     cfg = _load(CATALOG_DIR / "Qwen--Qwen2.5-7B.json")
     path = tmp_path / "qwen-variant.json"

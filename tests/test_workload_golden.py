@@ -2,8 +2,10 @@
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from flexplan.workload import costs, resolve_model
+from flexplan.workload import catalog_names, costs, resolve_model
 
 
 def test_llama2_7b_by_hand():
@@ -164,3 +166,38 @@ def test_moe_dense_first_layers_average_into_per_layer_values():
     assert (m.layer_params(0), m.layer_params(3)) == (dense, moe) == (583_483_392, 11_507_286_016)
     assert m.params_per_layer == pytest.approx((3 * dense + 58 * moe) / 61)
     assert 61 * costs.d_weights(m, 1) == pytest.approx(m.layers_params)
+
+
+def test_moe_decode_at_batch_1_reads_the_active_layer_weights():
+    """Qwen3-30B-A3B: a single token reads its 8 experts of 128 per layer, not all of them."""
+    m = resolve_model("Qwen/Qwen3-30B-A3B")
+    active_layers = sum(m.active_layer_params(i) for i in range(m.num_layers))
+    assert m.num_layers * costs.d_weights_read_decode(m, 1, 2) == pytest.approx(2 * active_layers, rel=1e-12)
+    assert m.num_layers * costs.d_weights(m, 2) == 2 * m.layers_params
+    assert costs.d_weights_read_decode(m, 1, 2) < costs.d_weights(m, 2) / 8
+
+
+# Properties that hold for every catalog model.
+MODELS = st.sampled_from(catalog_names())
+
+
+@settings(max_examples=60, deadline=None)
+@given(MODELS, st.integers(1, 256), st.integers(1, 256))
+def test_more_tokens_never_read_fewer_weights(name, b1, b2):
+    m = resolve_model(name)
+    lo, hi = sorted((b1, b2))
+    assert costs.d_weights_read_decode(m, lo, 2) <= costs.d_weights_read_decode(m, hi, 2) <= costs.d_weights(m, 2)
+    if m.is_moe:
+        assert m.experts_per_token <= costs.expected_experts_read(m, lo) + 1e-9
+        assert costs.expected_experts_read(m, hi) <= m.num_experts
+
+
+@settings(max_examples=60, deadline=None)
+@given(MODELS, st.integers(1, 200_000), st.integers(1, 4096))
+def test_kv_reads_never_exceed_kv_memory_and_grow_with_context(name, ctx, extra):
+    m = resolve_model(name)
+    read = float(costs.d_kv_cache(m, 2, ctx, 2))
+    assert read <= costs.kv_cache_bytes_per_layer(m, 2, ctx, 2)
+    assert read <= float(costs.d_kv_cache(m, 2, ctx + extra, 2))
+    assert costs.c_decode(m, 2, ctx) <= costs.c_decode(m, 2, ctx + extra)
+    assert costs.c_prefill(m, 1, min(ctx, 8192)) <= costs.c_prefill(m, 1, min(ctx, 8192) + extra)
