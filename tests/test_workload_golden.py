@@ -201,3 +201,23 @@ def test_kv_reads_never_exceed_kv_memory_and_grow_with_context(name, ctx, extra)
     assert read <= float(costs.d_kv_cache(m, 2, ctx + extra, 2))
     assert costs.c_decode(m, 2, ctx) <= costs.c_decode(m, 2, ctx + extra)
     assert costs.c_prefill(m, 1, min(ctx, 8192)) <= costs.c_prefill(m, 1, min(ctx, 8192) + extra)
+
+
+def test_chunked_attention_layers_by_hand():
+    """Llama 4 style: 3 of 4 layers attend within chunks of 8 tokens, 1 over everything."""
+    from flexplan.workload.model import ModelSpec
+
+    m = ModelSpec.from_config(dict(
+        model_type="llama4_text", hidden_size=64, intermediate_size=96, intermediate_size_mlp=80, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, num_hidden_layers=4, vocab_size=128, attention_chunk_size=8,
+        layer_types=["chunked_attention"] * 3 + ["full_attention"], num_local_experts=4, num_experts_per_tok=1))
+    assert [m.layer_chunk(i) for i in range(4)] == [8, 8, 8, None]
+    per_pair = 4 * 4 * 16
+    # 20 tokens: chunks of 8, 8 and 4 -> 36 + 36 + 10 pairs; a full layer 20*21/2 = 210.
+    pairs = (3 * (36 + 36 + 10) + 210) / 4
+    gemm = 2 * 20 * m.linear_weight_params_per_layer
+    assert costs.c_prefill(m, 1, 20) == pytest.approx(gemm + per_pair * pairs, rel=1e-12)
+    # Decode at context 20 (the new token is 20th): a chunked layer sees keys 17..20, 4 of them.
+    keys = (3 * 4 + 20) / 4
+    assert costs.d_kv_cache(m, 1, 20, 2) == pytest.approx(2 * 2 * 16 * 2 * keys, rel=1e-12)
+    assert costs.kv_cache_bytes_per_layer(m, 1, 20, 2) == 20 * 2 * 2 * 16 * 2

@@ -315,6 +315,7 @@ def spec_fields(cfg: dict[str, Any]) -> dict[str, Any]:
                                           "seq_length", default=4096)),
         learned_pos_embeddings=learned_rows, attention_sinks=traits.get("sinks", False),
         lm_head_bias=traits.get("lm_head_bias", False), layer_types=kinds, sliding_window=window,
+        attention_chunk_size=int(cfg["attention_chunk_size"]) if "chunked_attention" in kinds else None,
         extra_layer_params=traits["extra"](h, inter, head_dim) if "extra" in traits else 0,
         embedding_norm=bool(traits.get("embed_norm")),
         **_bias_fields(cfg, traits, mt), **_block_fields(cfg, traits, mt), **_moe_fields(cfg, traits, mt, n, inter),

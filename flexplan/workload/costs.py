@@ -13,7 +13,8 @@ Conventions (stated once, used everywhere):
   activations and softmax are ignored in C (a fraction of a percent at these sizes).
 - Attention FLOPs are QK^T plus AV: 2 * heads * (head_dim + v_head_dim) per (query, key)
   pair (4 * heads * head_dim when K and V heads are equal). Prefill is causal: query i sees
-  i + 1 keys, s(s+1)/2 pairs per sequence; in a sliding-window layer it sees min(i + 1, W).
+  i + 1 keys, s(s+1)/2 pairs per sequence; in a sliding-window layer it sees min(i + 1, W);
+  in a chunked layer (Llama 4) the (i mod C) + 1 keys of its own chunk.
 - MoE layers: FLOPs count what one token runs (router, shared expert, k routed experts).
   Weight bytes READ in decode at batch b count the expected number of distinct experts the
   b tokens pick, E * (1 - (1 - k/E)^b) under uniform routing; prefill reads all experts;
@@ -45,22 +46,35 @@ def attention_pairs_prefill(input_len: int, window: int | None = None) -> float:
     return window * (window + 1) / 2 + (s - window) * window
 
 
-def _window_shares(m: ModelSpec) -> list[tuple[int | None, float]]:
-    """(window or None, share of the layers) for each distinct attention span."""
-    counts = Counter(m.layer_window(i) for i in range(m.num_layers))
-    return [(w, n / m.num_layers) for w, n in counts.items()]
+def attention_pairs_prefill_chunked(input_len: int, chunk: int) -> float:
+    """(query, key) pairs of one sequence when queries see only their own chunk of C tokens:
+    C(C+1)/2 per full chunk plus r(r+1)/2 for the last r tokens."""
+    full, rest = divmod(input_len, chunk)
+    return full * chunk * (chunk + 1) / 2 + rest * (rest + 1) / 2
+
+
+def _span_shares(m: ModelSpec) -> list[tuple[int | None, int | None, float]]:
+    """(window, chunk, share of the layers) for each distinct attention span."""
+    counts = Counter((m.layer_window(i), m.layer_chunk(i)) for i in range(m.num_layers))
+    return [(w, c, n / m.num_layers) for (w, c), n in counts.items()]
 
 
 def mean_prefill_pairs(m: ModelSpec, input_len: int) -> float:
     """Causal (query, key) pairs of one sequence, averaged over the layers."""
-    return sum(share * attention_pairs_prefill(input_len, w) for w, share in _window_shares(m))
+    return sum(share * (attention_pairs_prefill_chunked(input_len, c) if c else attention_pairs_prefill(input_len, w))
+               for w, c, share in _span_shares(m))
 
 
 def mean_keys_read(m: ModelSpec, context_len: ArrayLike) -> ArrayLike:
     """Keys one query attends over at ``context_len``, averaged over the layers (windowed
-    layers stop at their window)."""
+    layers stop at their window; a chunked layer reads its chunk so far, (ctx - 1) mod C + 1)."""
     ctx = np.asarray(context_len, dtype=float)
-    return sum(share * (ctx if w is None else np.minimum(ctx, w)) for w, share in _window_shares(m))
+
+    def keys(w, c):
+        if c:
+            return np.mod(ctx - 1, c) + 1
+        return ctx if w is None else np.minimum(ctx, w)
+    return sum(share * keys(w, c) for w, c, share in _span_shares(m))
 
 
 def attention_flops_per_pair(m: ModelSpec) -> int:

@@ -61,6 +61,7 @@ class ModelSpec:
     v_head_dim: int = 0  # value head width; 0: head_dim
     layer_types: tuple[str, ...] = ()  # per layer; (): all "full_attention"
     sliding_window: int | None = None  # keys a "sliding_attention" layer sees
+    attention_chunk_size: int | None = None  # Llama 4 "chunked_attention": queries see their chunk only
     num_experts: int = 0  # routed experts per MoE layer (0: dense model)
     experts_per_token: int = 0  # k: routed experts each token runs
     expert_intermediate_size: int = 0
@@ -168,6 +169,10 @@ class ModelSpec:
     def layer_window(self, i: int) -> int | None:
         """Keys layer ``i`` attends over at most (None: the whole context)."""
         return self.sliding_window if self.layer_types[i] == "sliding_attention" else None
+
+    def layer_chunk(self, i: int) -> int | None:
+        """Chunk length of a "chunked_attention" layer (queries see keys of their chunk only)."""
+        return self.attention_chunk_size if self.layer_types[i] == "chunked_attention" else None
 
     # ---- parameter counts by operator group (exact, as the HF modules hold them) -----
     @property
