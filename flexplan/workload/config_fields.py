@@ -130,7 +130,7 @@ def reject_non_layerwise(cfg: dict[str, Any], name: str) -> None:
     """UnsupportedModelError for a config that is not a decoder-only stack of attention layers."""
     mt = cfg.get("model_type")
     archs = [a for a in (cfg.get("architectures") or []) if isinstance(a, str)]
-    if cfg.get("is_encoder_decoder"):
+    if cfg.get("is_encoder_decoder") or "decoder_layers" in cfg or "num_decoder_layers" in cfg:
         raise UnsupportedModelError(
             f"{name} ({mt}) is an encoder-decoder model: flexplan plans and runs decoder-only causal LMs only")
     if mt in NOT_LAYERWISE:
