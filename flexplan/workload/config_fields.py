@@ -40,6 +40,7 @@ TRAITS: dict[str, dict[str, Any]] = {
     "gpt_neox": dict(gated=False, norm="layer", mlp_bias=True,
                      defaults=dict(attention_bias=True, use_parallel_residual=True)),
     "gpt_neox_japanese": dict(gated=False, norm="layer"),
+    "kolibri1": dict(norms=4, qk_norm="head"),
     "falcon": dict(gated=False, norm="layer", defaults=dict(bias=False, parallel_attn=True, multi_query=True,
                                                            tie_word_embeddings=True)),
     "phi": dict(gated=False, norm="layer", norms=1, parallel=True, bias=True, lm_head_bias=True),
@@ -64,6 +65,12 @@ TRAITS: dict[str, dict[str, Any]] = {
                                       rms_norm_eps=1e-6)),
     "gpt_oss": dict(sinks=True, qkv_bias=True, o_bias=True, router_bias=True, expert_bias=True),
     "nemotron": dict(gated=False, norm="layer"),
+    "openai-gpt": dict(gated=False, norm="layer", bias=True, ffn_4h=True, learned_pos=0, final_norm=False,
+                       defaults=dict(tie_word_embeddings=True)),
+    "ctrl": dict(gated=False, norm="layer", bias=True, lm_head_bias=True, defaults=dict(tie_word_embeddings=True)),
+    "xglm": dict(gated=False, norm="layer", bias=True, defaults=dict(tie_word_embeddings=True)),
+    "gpt_neox_japanese": dict(gated=False, norm="layer"),
+    "kolibri1": dict(norms=4, qk_norm="head"),
     "bloom": dict(gated=False, norm="layer", bias=True, ffn_4h=True, embed_norm=True,
                   defaults=dict(tie_word_embeddings=True)),
     "mpt": dict(gated=False, norm="layer", ffn_4h=True, qkv_bias=False, o_bias=False, mlp_bias=False,
@@ -283,16 +290,20 @@ def spec_fields(cfg: dict[str, Any]) -> dict[str, Any]:
     cfg = {**defaults, **{k: v for k, v in cfg.items() if v is not None or k not in defaults}}
     n = int(first(cfg, "num_hidden_layers", "n_layer", "num_layers", "n_layers"))
     h = int(first(cfg, "hidden_size", "n_embd", "d_model", "dim"))
-    heads = int(first(cfg, "num_attention_heads", "n_head", "n_heads", "num_heads"))
+    heads = int(first(cfg, "num_attention_heads", "n_head", "n_heads", "num_heads", "attention_heads"))
     kv_heads = first(cfg, "num_key_value_heads", "n_head_kv", "num_kv_heads", "multi_query_group_num", default=None)
     if "multi_query" in cfg and not (mt == "falcon" and cfg.get("new_decoder_architecture")):
         kv_heads = 1 if cfg.get("multi_query") else heads  # GPT-BigCode, Falcon-7B: the flag decides
     elif kv_heads is None:
         kv_heads = heads
     head_dim = int(cfg.get("head_dim") or h // heads)
-    ffn_keys = ("intermediate_size", "ffn_dim", "ffn_hidden_size", "n_inner")
+    ffn_keys = ("intermediate_size", "ffn_dim", "ffn_hidden_size", "n_inner", "dff")
     if traits.get("ffn_4h") or (any(k in cfg for k in ffn_keys) and all(cfg.get(k) is None for k in ffn_keys)):
         inter = 4 * h  # GPT-2 / GPT-J / Falcon: n_inner / ffn_hidden_size None means 4 x hidden
+    elif cfg.get("intermediate_multiple_size"):  # GPT-NeoX-Japanese
+        inter = h * int(cfg["intermediate_multiple_size"])
+    elif not any(k in cfg for k in ffn_keys) and cfg.get("moe_intermediate_size"):
+        inter = int(cfg["moe_intermediate_size"])  # every layer MoE: no dense width given
     else:
         inter = int(first(cfg, *ffn_keys))
     v_head_dim = int(cfg.get("v_head_dim") or head_dim)
@@ -317,7 +328,7 @@ def spec_fields(cfg: dict[str, Any]) -> dict[str, Any]:
         lm_head_bias=traits.get("lm_head_bias", False), layer_types=kinds, sliding_window=window,
         attention_chunk_size=int(cfg["attention_chunk_size"]) if "chunked_attention" in kinds else None,
         extra_layer_params=traits["extra"](h, inter, head_dim) if "extra" in traits else 0,
-        embedding_norm=bool(traits.get("embed_norm")),
+        embedding_norm=bool(traits.get("embed_norm")), final_norm=traits.get("final_norm", True),
         **_bias_fields(cfg, traits, mt), **_block_fields(cfg, traits, mt), **_moe_fields(cfg, traits, mt, n, inter),
         **mla,
     )
