@@ -291,6 +291,8 @@ def spec_fields(cfg: dict[str, Any]) -> dict[str, Any]:
     n = int(first(cfg, "num_hidden_layers", "n_layer", "num_layers", "n_layers"))
     h = int(first(cfg, "hidden_size", "n_embd", "d_model", "dim"))
     heads = int(first(cfg, "num_attention_heads", "n_head", "n_heads", "num_heads", "attention_heads"))
+    if heads <= 0:
+        raise ValueError(f"num_attention_heads must be positive, got {heads}")
     kv_heads = first(cfg, "num_key_value_heads", "n_head_kv", "num_kv_heads", "multi_query_group_num", default=None)
     if "multi_query" in cfg and not (mt == "falcon" and cfg.get("new_decoder_architecture")):
         kv_heads = 1 if cfg.get("multi_query") else heads  # GPT-BigCode, Falcon-7B: the flag decides
@@ -338,10 +340,3 @@ def spec_fields(cfg: dict[str, Any]) -> dict[str, Any]:
                    norm_affine=bool(cfg.get("layer_norm_elementwise_affine", True)),
                    final_norm=bool(cfg.get("do_layer_norm_before", True)) and not cfg.get("_remove_final_layer_norm", False))
     return out
-
-
-def check_positive(fields: dict[str, Any], name: str) -> None:
-    for key in ("num_layers", "hidden_size", "intermediate_size", "num_heads", "num_kv_heads", "head_dim",
-                "vocab_size"):
-        if fields[key] <= 0:
-            raise MalformedDataError(f"model config {name!r}: {key} must be positive, got {fields[key]}")

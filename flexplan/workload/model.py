@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from flexplan.errors import MalformedDataError
-from flexplan.workload.config_fields import check_positive, reject_non_layerwise, spec_fields, text_config
+from flexplan.workload.config_fields import reject_non_layerwise, spec_fields, text_config
 
 @dataclass(frozen=True)
 class ModelSpec:
@@ -120,9 +120,8 @@ class ModelSpec:
             fields = spec_fields(cfg)
         except KeyError as e:
             raise MalformedDataError(f"model config {name!r} lacks field {e.args[0]!r}") from None
-        except (TypeError, ValueError) as e:
+        except (TypeError, ValueError, ZeroDivisionError) as e:
             raise MalformedDataError(f"model config {name!r} has a bad value: {e}") from None
-        check_positive(fields, name)
         out = cls(name=name, **fields)
         out._validate()
         return out
