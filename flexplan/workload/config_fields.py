@@ -71,6 +71,7 @@ TRAITS: dict[str, dict[str, Any]] = {
     "xglm": dict(gated=False, norm="layer", bias=True, defaults=dict(tie_word_embeddings=True)),
     "gpt_neox_japanese": dict(gated=False, norm="layer"),
     "kolibri1": dict(norms=4, qk_norm="head"),
+    "dbrx": dict(norm="layer", norm_bias=False),
     "bloom": dict(gated=False, norm="layer", bias=True, ffn_4h=True, embed_norm=True,
                   defaults=dict(tie_word_embeddings=True)),
     "mpt": dict(gated=False, norm="layer", ffn_4h=True, qkv_bias=False, o_bias=False, mlp_bias=False,
@@ -261,7 +262,7 @@ def _block_fields(cfg: dict[str, Any], traits: dict[str, Any], mt: str) -> dict[
 def _moe_fields(cfg: dict[str, Any], traits: dict[str, Any], mt: str, n: int, inter: int) -> dict[str, Any]:
     """Routed experts, experts per token, expert and shared-expert widths, MoE layers."""
     top_k = int(first(cfg, "num_experts_per_tok", "experts_per_token", "moe_topk", "top_k", "num_experts_per_token",
-                      "moe_k", default=0) or 0)
+                      "moe_k", "moe_top_k", default=0) or 0)
     e = int(first(cfg, "num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts", default=0) or 0)
     if not (e and top_k):
         return dict(intermediate_size=inter, moe_layers=(False,) * n)
@@ -288,12 +289,16 @@ def spec_fields(cfg: dict[str, Any]) -> dict[str, Any]:
     traits = TRAITS.get(mt, {})
     defaults = traits.get("defaults", {})
     cfg = {**defaults, **{k: v for k, v in cfg.items() if v is not None or k not in defaults}}
+    for sub in ("attn_config", "ffn_config"):  # DBRX nests attention and MoE fields
+        if isinstance(cfg.get(sub), dict):
+            cfg = {**cfg[sub], **cfg}
     n = int(first(cfg, "num_hidden_layers", "n_layer", "num_layers", "n_layers"))
     h = int(first(cfg, "hidden_size", "n_embd", "d_model", "dim"))
     heads = int(first(cfg, "num_attention_heads", "n_head", "n_heads", "num_heads", "attention_heads"))
     if heads <= 0:
         raise ValueError(f"num_attention_heads must be positive, got {heads}")
-    kv_heads = first(cfg, "num_key_value_heads", "n_head_kv", "num_kv_heads", "multi_query_group_num", default=None)
+    kv_heads = first(cfg, "num_key_value_heads", "n_head_kv", "num_kv_heads", "multi_query_group_num",
+                     "kv_n_heads", default=None)
     if "multi_query" in cfg and not (mt == "falcon" and cfg.get("new_decoder_architecture")):
         kv_heads = 1 if cfg.get("multi_query") else heads  # GPT-BigCode, Falcon-7B: the flag decides
     elif kv_heads is None:
