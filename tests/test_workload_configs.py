@@ -87,7 +87,7 @@ CASES: dict[str, tuple[str, dict]] = {
     "minimax_m2": ("minimax_m2", {}),
     "cohere2": ("cohere2", dict(sliding_window=8)),
     "phimoe": ("phimoe", {}),
-    "dbrx-nested-configs": ("dbrx", dict(d_model=64, n_heads=4, n_layers=3, attn_config=dict(kv_n_heads=2),
+    "dbrx-nested-configs": ("dbrx", dict(d_model=64, n_heads=4, n_layers=3, attn_config=dict(kv_n_heads=2, rope_theta=1e4),
                                          ffn_config=dict(ffn_hidden_size=96, moe_num_experts=4, moe_top_k=2))),
 }
 
