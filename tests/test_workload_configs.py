@@ -129,12 +129,26 @@ def test_params_equal_the_transformers_model(case):
     layers = _decoder_layers(model, spec.num_layers)
     for i, layer in enumerate(layers):
         assert spec.layer_params(i) == sum(p.numel() for p in layer.parameters()), f"layer {i}"
+        assert sum(spec.layer_group_params(i).values()) == spec.layer_params(i)
     hf_kinds = getattr(cfg, "layer_types", None)
     if hf_kinds:
         assert list(spec.layer_types) == list(hf_kinds)
     assert 0 < spec.active_params <= spec.total_params
     assert (spec.active_params < spec.total_params) == spec.is_moe
     assert costs.c_prefill(spec, 2, 16) > 0 and costs.d_decode(spec, 2, 2, 2) > 0
+
+
+def test_operator_groups_match_the_modules():
+    """Qwen2-MoE layer 1: attention, router (mlp.gate), experts, shared expert + its gate."""
+    cfg = _tiny_config(*CASES["qwen2_moe"])
+    layer = _decoder_layers(_build(cfg), 4)[1]
+    groups = ModelSpec.from_config(cfg).layer_group_params(1)
+    count = lambda module: sum(p.numel() for p in module.parameters())  # noqa: E731
+    assert groups["attention"] == count(layer.self_attn)
+    assert groups["router"] == count(layer.mlp.gate)
+    assert groups["experts"] == count(layer.mlp.experts)
+    assert groups["shared_experts"] == count(layer.mlp.shared_expert) + count(layer.mlp.shared_expert_gate)
+    assert groups["mlp"] == 0
 
 
 def test_moe_layers_follow_the_config():

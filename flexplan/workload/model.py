@@ -231,6 +231,21 @@ class ModelSpec:
             return self.router_params + self.num_experts * self.expert_params + self.shared_expert_params
         return self.dense_mlp_params
 
+    def layer_group_params(self, i: int) -> dict[str, int]:
+        """Parameters of layer ``i`` by operator group, as a placement moves them: "attention"
+        (projections, QK-norms, sinks), "mlp" (a dense layer's MLP), "router", "experts" (all
+        routed experts), "shared_experts", "norms" (the layer's norms and any other parameters).
+        The values sum to :meth:`layer_params`."""
+        moe = self.moe_layers[i]
+        return {
+            "attention": self.attention_params,
+            "mlp": 0 if moe else self.dense_mlp_params,
+            "router": self.router_params if moe else 0,
+            "experts": self.num_experts * self.expert_params if moe else 0,
+            "shared_experts": self.shared_expert_params if moe else 0,
+            "norms": self.layer_norm_params + self.extra_layer_params,
+        }
+
     def layer_params(self, i: int) -> int:
         """Every parameter of decoder layer ``i``."""
         return self.attention_params + self.mlp_params(i) + self.layer_norm_params + self.extra_layer_params
