@@ -22,10 +22,10 @@ import pytest
 import torch
 
 import flexplan.workload as workload_pkg
-from flexplan.errors import FlexplanError, MalformedDataError, UnknownModelError
+from flexplan.errors import FlexplanError, MalformedDataError, UnknownModelError, UnsupportedModelError
 from flexplan.workload import catalog as catalog_mod
 from flexplan.workload import catalog_names, resolve_model
-from flexplan.workload.model import SUPPORTED_MODEL_TYPES, ModelSpec
+from flexplan.workload.model import ModelSpec
 
 transformers = pytest.importorskip("transformers")
 from transformers import AutoConfig, AutoModelForCausalLM  # noqa: E402
@@ -42,12 +42,22 @@ def _load(path: Path) -> dict:
     return json.loads(path.read_text())
 
 
+def _text_cfg(cfg: dict) -> dict:
+    """The language model's config: a nested ``text_config`` (Gemma 3) or the config itself."""
+    if "text_config" in cfg and "num_hidden_layers" not in cfg:
+        return dict(cfg["text_config"])
+    return cfg
+
+
 def _hf_param_count(cfg: dict) -> int:
-    """Parameters of the HF causal-LM built from ``cfg`` on the meta device.
+    """Parameters of the HF causal-LM built from ``cfg`` (its text model) on the meta device.
 
     ``Module.parameters()`` yields each Parameter once, so a tied LM head (SmolLM2, OPT)
     is counted once, as it is stored once.
     """
+    # Count parameters, not quantized storage: gpt-oss (MXFP4) and DeepSeek-V3 (FP8) publish a
+    # quantization_config that would make transformers ask for their kernels.
+    cfg = {k: v for k, v in _text_cfg(cfg).items() if k not in ("quantization_config", "auto_map")}
     hf_cfg = AutoConfig.for_model(**cfg)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -105,6 +115,38 @@ PUBLISHED_PARAMS: dict[str, tuple[float, float, str]] = {
     "Qwen/Qwen2-7B": (7.61e9, 0.01, "same shapes as Qwen2.5-7B (card: 7.61B); Qwen2 report: nominal 7B"),
     # SmolLM2 model card / paper (arXiv:2502.02737): 135M (134,515,008 exact).
     "HuggingFaceTB/SmolLM2-135M-Instruct": (134.5e6, 0.01, "SmolLM2 model card: 135M (134.5M)"),
+    # Qwen3 model cards (huggingface.co/Qwen/<name>): "Number of Parameters: ...".
+    "Qwen/Qwen3-8B": (8.2e9, 0.01, "Qwen/Qwen3-8B model card: 8.2B (6.95B non-embedding)"),
+    "Qwen/Qwen3-32B": (32.8e9, 0.01, "Qwen/Qwen3-32B model card: 32.8B (31.2B non-embedding)"),
+    "Qwen/Qwen3-30B-A3B": (30.5e9, 0.01, "Qwen/Qwen3-30B-A3B model card: 30.5B total, 3.3B activated"),
+    "Qwen/Qwen3-235B-A22B": (235e9, 0.01, "Qwen/Qwen3-235B-A22B model card: 235B total, 22B activated"),
+    # gpt-oss model card (OpenAI, arXiv:2508.10925) Table 1: total 116.83B / 20.91B parameters.
+    # The hub stores the experts MXFP4-quantized: these are parameter counts, not bytes.
+    "openai/gpt-oss-120b": (116.83e9, 0.01, "gpt-oss model card Table 1: 116.83B total, 5.13B active"),
+    "openai/gpt-oss-20b": (20.91e9, 0.01, "gpt-oss model card Table 1: 20.91B total, 3.61B active"),
+    # Gemma 3 technical report (arXiv:2503.19786) Table 1, 27B: 1,416M embedding + 25,600M
+    # non-embedding parameters (the 417M vision encoder is not part of the text model we plan).
+    "google/gemma-3-27b-it": (27.016e9, 0.01, "Gemma 3 report Table 1: 1,416M embedding + 25,600M non-embedding"),
+    "meta-llama/Llama-3.3-70B-Instruct": (70.6e9, 0.01, "HF Hub meta-llama/Llama-3.3-70B-Instruct: 70.6B"),
+    # Mistral AI, "Mixtral of experts" (mistral.ai/news/mixtral-of-experts): "46.7B total
+    # parameters but only uses 12.9B parameters per token".
+    "mistralai/Mixtral-8x7B-v0.1": (46.7e9, 0.01, "Mixtral announcement: 46.7B total, 12.9B per token"),
+    # DeepSeek-V3 technical report (arXiv:2412.19437): "671B total parameters with 37B activated
+    # for each token" (the hub's 685B adds the 14B multi-token-prediction module, which
+    # transformers does not build).
+    "deepseek-ai/DeepSeek-V3": (671e9, 0.01, "DeepSeek-V3 report: 671B total, 37B activated"),
+}
+
+# Published active (per-token) parameters of the MoE entries: (figure, relative tolerance,
+# counts the input embedding table?, source). Qwen, Mistral and DeepSeek count the embedding
+# in "activated" parameters; the gpt-oss card counts the unembedding but not the embedding.
+PUBLISHED_ACTIVE: dict[str, tuple[float, float, bool, str]] = {
+    "Qwen/Qwen3-30B-A3B": (3.3e9, 0.03, True, "model card: 3.3B activated"),
+    "Qwen/Qwen3-235B-A22B": (22e9, 0.03, True, "model card: 22B activated"),
+    "openai/gpt-oss-120b": (5.13e9, 0.01, False, "model card Table 1: 5.13B active"),
+    "openai/gpt-oss-20b": (3.61e9, 0.01, False, "model card Table 1: 3.61B active"),
+    "mistralai/Mixtral-8x7B-v0.1": (12.9e9, 0.01, True, "announcement: 12.9B per token"),
+    "deepseek-ai/DeepSeek-V3": (37e9, 0.03, True, "report: 37B activated"),
 }
 
 
@@ -131,10 +173,13 @@ def test_every_catalog_model_has_a_published_size():
 def test_catalog_file_looks_like_a_published_config(path):
     cfg = _load(path)
     # Published config.json files carry these; a hand-written stub usually does not.
-    for key in ("architectures", "model_type", "torch_dtype", "transformers_version", "vocab_size"):
+    for key in ("architectures", "model_type", "transformers_version"):
         assert key in cfg, f"{path.name} lacks {key!r}"
-    assert cfg["model_type"] in SUPPORTED_MODEL_TYPES
-    assert len(cfg["architectures"]) == 1 and cfg["architectures"][0].endswith("ForCausalLM")
+    # gpt-oss publishes no torch_dtype: its experts are MXFP4 (quantization_config)
+    assert "torch_dtype" in cfg or "quantization_config" in cfg, f"{path.name} lacks 'torch_dtype'"
+    assert "vocab_size" in cfg or "text_config" in cfg, f"{path.name} lacks 'vocab_size'"
+    assert len(cfg["architectures"]) == 1
+    assert cfg["architectures"][0].endswith(("ForCausalLM", "ForConditionalGeneration"))
     if "_name_or_path" in cfg:
         assert cfg["_name_or_path"] == _model_id(path)
 
@@ -143,14 +188,17 @@ def test_catalog_file_looks_like_a_published_config(path):
 def test_spec_matches_hf_config_shapes(path):
     cfg = _load(path)
     spec = ModelSpec.from_config(cfg, name=_model_id(path))
-    hf = AutoConfig.for_model(**cfg)
+    hf = AutoConfig.for_model(**_text_cfg(cfg))
     heads = hf.num_attention_heads
-    assert spec.family == hf.model_type == cfg["model_type"]
+    assert spec.family == hf.model_type == _text_cfg(cfg)["model_type"]
     assert spec.num_layers == hf.num_hidden_layers
     assert spec.hidden_size == hf.hidden_size
     assert spec.num_heads == heads
     assert spec.num_kv_heads == (getattr(hf, "num_key_value_heads", None) or heads)
-    assert spec.head_dim == (getattr(hf, "head_dim", None) or hf.hidden_size // heads)
+    if getattr(hf, "kv_lora_rank", None):  # MLA: q/k heads are nope + rope wide, v heads v_head_dim
+        assert (spec.head_dim, spec.v_head_dim) == (hf.qk_nope_head_dim + hf.qk_rope_head_dim, hf.v_head_dim)
+    else:
+        assert spec.head_dim == (getattr(hf, "head_dim", None) or hf.hidden_size // heads)
     assert spec.vocab_size == hf.vocab_size
     assert spec.tie_word_embeddings == bool(hf.tie_word_embeddings)
     assert spec.max_position_embeddings == hf.max_position_embeddings
@@ -161,7 +209,11 @@ def test_spec_matches_hf_config_shapes(path):
     else:
         assert spec.intermediate_size == hf.intermediate_size
         assert spec.gated_mlp and spec.norm == "rms"
-    assert spec.qkv_bias == (hf.model_type in ("qwen2", "opt"))
+    assert spec.qkv_bias == (hf.model_type in ("qwen2", "opt", "gpt_oss"))
+    # transformers' own per-layer kinds; Mistral-style configs window every layer when
+    # sliding_window is set and list no layer_types.
+    every = "sliding_attention" if getattr(hf, "sliding_window", None) else "full_attention"
+    assert list(spec.layer_types) == list(getattr(hf, "layer_types", None) or [every] * spec.num_layers)
 
 
 @pytest.mark.parametrize("path", CATALOG_FILES, ids=_model_id)
@@ -182,6 +234,22 @@ def test_total_params_within_one_percent_of_published(path):
     )
 
 
+@pytest.mark.parametrize("model_id", sorted(PUBLISHED_ACTIVE))
+def test_moe_active_params_match_published(model_id):
+    published, rel_tol, with_embedding, source = PUBLISHED_ACTIVE[model_id]
+    spec = resolve_model(model_id)
+    got = spec.active_params - (0 if with_embedding else spec.embedding_params)
+    assert spec.is_moe and spec.active_params < spec.total_params
+    assert abs(got - published) / published <= rel_tol, f"{model_id}: {got:,} active vs {published:,.0f} ({source})"
+
+
+def test_dense_models_are_all_active():
+    for model_id in catalog_names():
+        spec = resolve_model(model_id)
+        if not spec.is_moe:
+            assert spec.active_params == spec.total_params
+
+
 # Exact counts (from the HF meta-device models), pinned so an accidental edit to a
 # catalog file or to the counting shows up as a readable number.
 EXACT_PARAMS = {
@@ -195,6 +263,13 @@ EXACT_PARAMS = {
     "Qwen/Qwen2.5-7B": 7_615_616_512,
     "Qwen/Qwen2.5-72B": 72_706_203_648,
     "HuggingFaceTB/SmolLM2-135M-Instruct": 134_515_008,
+    "Qwen/Qwen3-8B": 8_190_735_360,
+    "Qwen/Qwen3-30B-A3B": 30_532_122_624,
+    "openai/gpt-oss-20b": 20_914_757_184,
+    "openai/gpt-oss-120b": 116_829_156_672,
+    "google/gemma-3-27b-it": 27_009_346_304,
+    "mistralai/Mixtral-8x7B-v0.1": 46_702_792_704,
+    "deepseek-ai/DeepSeek-V3": 671_026_404_352,
 }
 
 
@@ -342,6 +417,16 @@ def test_local_config_json_path_and_model_folder(tmp_path):
         assert spec.num_kv_heads == 8 and spec.family == "mistral"
 
 
+@pytest.mark.parametrize("model_id", ["google/gemma-3-27b-it", "openai/gpt-oss-20b", "Qwen/Qwen3-30B-A3B"])
+def test_new_architectures_from_a_local_folder(tmp_path, model_id):
+    """A config folder of a model outside the catalog plans like the catalog entry."""
+    path = _write_config(tmp_path / "mine", _load(CATALOG_DIR / (model_id.replace("/", "--") + ".json")))
+    spec, reference = resolve_model(path.parent), resolve_model(model_id)
+    assert spec.name == "mine"
+    assert (spec.total_params, spec.active_params, spec.layer_types) == (
+        reference.total_params, reference.active_params, reference.layer_types)
+
+
 def test_local_config_with_another_file_name(tmp_path):
     cfg = _load(CATALOG_DIR / "Qwen--Qwen2.5-7B.json")
     path = tmp_path / "qwen-variant.json"
@@ -411,15 +496,13 @@ BERT_BASE = {
 }
 
 
-def test_unsupported_model_type_names_the_supported_ones(tmp_path):
+def test_encoder_only_model_is_refused_in_one_line(tmp_path):
     path = _write_config(tmp_path / "bert-base-uncased", BERT_BASE)
     for target in (BERT_BASE, path, path.parent):
-        with pytest.raises(MalformedDataError) as info:
+        with pytest.raises(UnsupportedModelError) as info:
             resolve_model(target) if not isinstance(target, dict) else ModelSpec.from_config(target)
         msg = str(info.value)
-        assert "bert" in msg
-        for supported in SUPPORTED_MODEL_TYPES:
-            assert supported in msg
+        assert "bert" in msg and "encoder-only" in msg and "\n" not in msg
 
 
 def test_missing_field_raises_malformed_data_error():

@@ -1,41 +1,45 @@
-"""Architecture of a decoder-only model, normalised from a HuggingFace config.
+"""Architecture of a decoder-only causal LM, normalised from a HuggingFace config.
 
-One :class:`ModelSpec` covers the families flexplan plans for: Llama 2/3/3.1, Mistral,
-Qwen2/2.5, SmolLM2 (Llama architecture) and OPT. It knows GQA/MQA (``num_kv_heads``),
-gated (SwiGLU) and plain MLPs, tied embeddings, ``head_dim`` overrides and biases, and it
-counts parameters exactly as the HuggingFace modules hold them.
+One :class:`ModelSpec` describes any decoder-only causal LM of transformers 5 whose layers
+keep a KV cache: GQA/MQA and MLA attention, explicit ``head_dim`` and separate value-head
+widths, QK-norm, biases, Gemma-style post-norms, parallel attention+MLP blocks, attention
+sinks, tied embeddings, sliding-window and mixed local/global layers, and mixtures of
+experts (routed and shared experts, dense first layers). It counts parameters exactly as
+the transformers modules hold them (tests compare with the modules on the meta device).
+The config fields are read in :mod:`flexplan.workload.config_fields`.
 """
 
 from __future__ import annotations
 
 import json
 from dataclasses import asdict, dataclass
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
 from flexplan.errors import MalformedDataError
-
-# model_type -> family traits. "gated": SwiGLU MLP (gate, up, down); "norm": rms (weight)
-# or layer (weight + bias); "qkv_bias", "o_bias", "mlp_bias": linear biases.
-FAMILIES: dict[str, dict[str, Any]] = {
-    "llama": dict(gated=True, norm="rms", qkv_bias=None, o_bias=None, mlp_bias=None, learned_pos=False),
-    "mistral": dict(gated=True, norm="rms", qkv_bias=False, o_bias=False, mlp_bias=False, learned_pos=False),
-    "qwen2": dict(gated=True, norm="rms", qkv_bias=True, o_bias=False, mlp_bias=False, learned_pos=False),
-    "opt": dict(gated=False, norm="layer", qkv_bias=None, o_bias=None, mlp_bias=None, learned_pos=True),
-}
-SUPPORTED_MODEL_TYPES = tuple(FAMILIES)
-
+from flexplan.workload.config_fields import reject_non_layerwise, spec_fields, text_config
 
 @dataclass(frozen=True)
 class ModelSpec:
+    """Shapes of a decoder-only causal LM, as its transformers modules hold them.
+
+    Layers may differ: ``layer_types[i]`` says whether layer i attends over the whole
+    context ("full_attention") or over the last ``sliding_window`` tokens
+    ("sliding_attention"); ``moe_layers[i]`` whether its MLP is a mixture of experts.
+    Per-layer figures that the estimator multiplies by a layer count
+    (``params_per_layer``, ``linear_weight_params_per_layer``) are means over the layers;
+    :meth:`layer_params` gives one layer's exact count.
+    """
+
     name: str
     family: str  # HF model_type
     num_layers: int
     hidden_size: int
-    intermediate_size: int
+    intermediate_size: int  # dense MLP width (MoE models without dense layers: the expert width)
     num_heads: int
     num_kv_heads: int
-    head_dim: int
+    head_dim: int  # query/key head width (MLA: qk_nope_head_dim + qk_rope_head_dim)
     vocab_size: int
     tie_word_embeddings: bool
     gated_mlp: bool
@@ -48,11 +52,48 @@ class ModelSpec:
     word_embed_proj_dim: int | None = None  # OPT-350m style projection, None when equal to hidden
     norm_affine: bool = True  # OPT's layer_norm_elementwise_affine=False: norms hold no parameters
     final_norm: bool = True  # OPT builds decoder.final_layer_norm only with do_layer_norm_before
+    norm_bias: bool | None = None  # a LayerNorm with a bias (Cohere's has none); None: norm == "layer"
+    norms_per_layer: int = 2  # 1 for GPT-J / Phi / Cohere parallel blocks, 4 for Gemma 2/3
+    qk_norm: str = ""  # "" | "head": q, k norms of head_dim weights | "full": of q_dim, kv_dim | "head_ln": LayerNorms of head_dim
+    parallel_block: bool = False  # attention and MLP read the same input (GPT-J, GPT-NeoX, Falcon, Cohere)
+    attention_sinks: bool = False  # gpt-oss: one learned sink logit per head
+    lm_head_bias: bool = False  # GPT-J, Phi
+    v_head_dim: int = 0  # value head width; 0: head_dim
+    layer_types: tuple[str, ...] = ()  # per layer; (): all "full_attention"
+    sliding_window: int | None = None  # keys a "sliding_attention" layer sees
+    attention_chunk_size: int | None = None  # Llama 4 "chunked_attention": queries see their chunk only
+    num_experts: int = 0  # routed experts per MoE layer (0: dense model)
+    experts_per_token: int = 0  # k: routed experts each token runs
+    expert_intermediate_size: int = 0
+    shared_expert_intermediate_size: int = 0  # one always-on MLP of this width (DeepSeek: n_shared x width)
+    shared_expert_gate: bool = False  # Qwen2-MoE: a (hidden -> 1) gate on the shared expert
+    moe_layers: tuple[bool, ...] = ()  # per layer; (): none
+    router_bias: bool = False
+    expert_bias: bool = False  # gpt-oss: biases on the expert projections
+    embedding_norm: bool = False  # BLOOM's word_embeddings_layernorm
+    extra_layer_params: int = 0  # per-layer parameters outside the usual groups (BitNet's sub-norms)
+    kv_lora_rank: int = 0  # DeepSeek MLA (0: standard attention)
+    q_lora_rank: int = 0
+    qk_rope_head_dim: int = 0
+
+    def __post_init__(self) -> None:
+        fix = lambda k, v: object.__setattr__(self, k, v)  # noqa: E731  (frozen dataclass defaults)
+        if self.norm_bias is None:
+            fix("norm_bias", self.norm == "layer")
+        if not self.v_head_dim:
+            fix("v_head_dim", self.head_dim)
+        if not self.layer_types:
+            fix("layer_types", ("full_attention",) * self.num_layers)
+        if not self.moe_layers:
+            fix("moe_layers", (False,) * self.num_layers)
+        fix("layer_types", tuple(self.layer_types))
+        fix("moe_layers", tuple(bool(x) for x in self.moe_layers))
 
     # ---- construction -------------------------------------------------------------
     @classmethod
     def from_config(cls, config: Any, name: str | None = None) -> "ModelSpec":
-        """From a ``PretrainedConfig``, a config dict, a ``config.json`` path or a model folder."""
+        """From a ``PretrainedConfig``, a config dict, a ``config.json`` path or a model folder
+        (a nested ``text_config``, as in Gemma 3, is read)."""
         if isinstance(config, (str, Path)):
             path = Path(config)
             if path.is_dir():
@@ -69,57 +110,19 @@ class ModelSpec:
             name = name or getattr(config, "_name_or_path", None) or None
         else:
             raise MalformedDataError(f"expected a HuggingFace config, dict or path, got {type(config).__name__}")
-        name = name or cfg.get("_name_or_path") or cfg.get("model_type", "model")
+        if not isinstance(cfg, dict):
+            raise MalformedDataError(f"model config {name!r} is not a JSON object")
+        name = str(name or cfg.get("_name_or_path") or cfg.get("model_type", "model"))
+        reject_non_layerwise(cfg, name)
+        cfg = text_config(cfg)
+        reject_non_layerwise(cfg, name)
         try:
-            return cls._from_dict(cfg, str(name))
+            fields = spec_fields(cfg)
         except KeyError as e:
             raise MalformedDataError(f"model config {name!r} lacks field {e.args[0]!r}") from None
-        except (TypeError, ValueError) as e:
+        except (TypeError, ValueError, ZeroDivisionError) as e:
             raise MalformedDataError(f"model config {name!r} has a bad value: {e}") from None
-
-    @classmethod
-    def _from_dict(cls, cfg: dict[str, Any], name: str) -> "ModelSpec":
-        model_type = cfg.get("model_type")
-        if model_type not in FAMILIES:
-            raise MalformedDataError(
-                f"model {name!r} has model_type {model_type!r}; supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
-            )
-        fam = FAMILIES[model_type]
-        if model_type == "opt":
-            hidden = int(cfg["hidden_size"])
-            heads = int(cfg["num_attention_heads"])
-            bias = bool(cfg.get("enable_bias", True))
-            proj = cfg.get("word_embed_proj_dim", hidden)
-            spec = dict(
-                num_layers=int(cfg["num_hidden_layers"]), hidden_size=hidden,
-                intermediate_size=int(cfg["ffn_dim"]), num_heads=heads, num_kv_heads=heads,
-                head_dim=hidden // heads, vocab_size=int(cfg["vocab_size"]),
-                tie_word_embeddings=bool(cfg.get("tie_word_embeddings", True)),
-                qkv_bias=bias, o_bias=bias, mlp_bias=bias,
-                max_position_embeddings=int(cfg["max_position_embeddings"]),
-                learned_pos_embeddings=int(cfg["max_position_embeddings"]) + 2,
-                word_embed_proj_dim=None if proj in (None, hidden) else int(proj),
-                norm_affine=bool(cfg.get("layer_norm_elementwise_affine", True)),
-                final_norm=bool(cfg.get("do_layer_norm_before", True)) and not cfg.get("_remove_final_layer_norm", False),
-            )
-        else:
-            hidden = int(cfg["hidden_size"])
-            heads = int(cfg["num_attention_heads"])
-            attn_bias = bool(cfg.get("attention_bias", False))
-            mlp_bias = bool(cfg.get("mlp_bias", False))
-            spec = dict(
-                num_layers=int(cfg["num_hidden_layers"]), hidden_size=hidden,
-                intermediate_size=int(cfg["intermediate_size"]), num_heads=heads,
-                num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
-                head_dim=int(cfg.get("head_dim") or hidden // heads),
-                vocab_size=int(cfg["vocab_size"]),
-                tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-                qkv_bias=attn_bias if fam["qkv_bias"] is None else fam["qkv_bias"],
-                o_bias=attn_bias if fam["o_bias"] is None else fam["o_bias"],
-                mlp_bias=mlp_bias if fam["mlp_bias"] is None else fam["mlp_bias"],
-                max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
-            )
-        out = cls(name=name, family=model_type, gated_mlp=fam["gated"], norm=fam["norm"], **spec)
+        out = cls(name=name, **fields)
         out._validate()
         return out
 
@@ -132,6 +135,13 @@ class ModelSpec:
                 f"model config {self.name!r}: num_attention_heads {self.num_heads} is not a multiple of "
                 f"num_key_value_heads {self.num_kv_heads}"
             )
+        for field in ("layer_types", "moe_layers"):
+            if len(getattr(self, field)) != self.num_layers:
+                raise MalformedDataError(f"model config {self.name!r}: {field} has {len(getattr(self, field))} "
+                                         f"entries for {self.num_layers} layers")
+        if any(self.moe_layers) and not (0 < self.experts_per_token <= self.num_experts):
+            raise MalformedDataError(f"model config {self.name!r}: {self.experts_per_token} experts per token "
+                                     f"of {self.num_experts}")
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -143,44 +153,163 @@ class ModelSpec:
 
     @property
     def kv_dim(self) -> int:
+        """Width of one token's keys in one layer (values: ``num_kv_heads * v_head_dim``)."""
         return self.num_kv_heads * self.head_dim
 
-    # ---- parameter counts (exact, as the HF modules hold them) -------------------------
     @property
-    def linear_weight_params_per_layer(self) -> int:
-        """Weights of the GEMMs in one decoder layer (what FLOPs are counted over)."""
-        h, i = self.hidden_size, self.intermediate_size
-        attn = h * self.q_dim + 2 * h * self.kv_dim + self.q_dim * h
-        mlp = (3 if self.gated_mlp else 2) * h * i
-        return attn + mlp
+    def kv_elems_per_token(self) -> int:
+        """K and V elements one layer caches per token."""
+        return self.num_kv_heads * (self.head_dim + self.v_head_dim)
 
     @property
-    def params_per_layer(self) -> int:
-        h, i = self.hidden_size, self.intermediate_size
-        bias = 0
+    def is_moe(self) -> bool:
+        return any(self.moe_layers)
+
+    def layer_window(self, i: int) -> int | None:
+        """Keys layer ``i`` attends over at most (None: the whole context)."""
+        return self.sliding_window if self.layer_types[i] == "sliding_attention" else None
+
+    def layer_chunk(self, i: int) -> int | None:
+        """Chunk length of a "chunked_attention" layer (queries see keys of their chunk only)."""
+        return self.attention_chunk_size if self.layer_types[i] == "chunked_attention" else None
+
+    # ---- parameter counts by operator group (exact, as the HF modules hold them) -----
+    @property
+    def attention_params(self) -> int:
+        """q, k, v, o projections with their biases, QK-norms and sinks of one layer (MLA:
+        its low-rank projections and their norms)."""
+        h, hd, vd, heads, kvh = self.hidden_size, self.head_dim, self.v_head_dim, self.num_heads, self.num_kv_heads
+        o = heads * vd * h + (h if self.o_bias else 0)
+        if self.kv_lora_rank:
+            r, qr, rope = self.kv_lora_rank, self.q_lora_rank, self.qk_rope_head_dim
+            b = 1 if self.qkv_bias else 0
+            q = (h * qr + b * qr + qr + qr * heads * hd) if qr else h * heads * hd
+            kv = h * (r + rope) + b * (r + rope) + r + r * heads * (hd - rope + vd)
+            return q + kv + o
+        qkv = h * (heads * hd + kvh * hd + kvh * vd)
         if self.qkv_bias:
-            bias += self.q_dim + 2 * self.kv_dim
-        if self.o_bias:
-            bias += h
-        if self.mlp_bias:
-            bias += (2 * i if self.gated_mlp else i) + h
-        norms = 2 * self._norm_params
-        return self.linear_weight_params_per_layer + bias + norms
+            qkv += heads * hd + kvh * hd + kvh * vd
+        qk_norm = {"": 0, "head": 2 * hd, "full": (heads + kvh) * hd, "head_ln": 4 * hd}[self.qk_norm]
+        sinks = heads if self.attention_sinks else 0
+        return qkv + o + qk_norm + sinks
+
+    def _mlp_params(self, width: int, bias: bool) -> int:
+        h = self.hidden_size
+        n = (3 if self.gated_mlp else 2) * h * width
+        return n + ((2 * width if self.gated_mlp else width) + h if bias else 0)
+
+    @property
+    def dense_mlp_params(self) -> int:
+        """The MLP of a dense layer."""
+        return self._mlp_params(self.intermediate_size, self.mlp_bias)
+
+    @property
+    def expert_params(self) -> int:
+        """One routed expert."""
+        return self._mlp_params(self.expert_intermediate_size, self.expert_bias) if self.num_experts else 0
+
+    @property
+    def router_params(self) -> int:
+        return self.num_experts * (self.hidden_size + (1 if self.router_bias else 0))
+
+    @property
+    def shared_expert_params(self) -> int:
+        """The always-on shared expert(s) of an MoE layer, with Qwen2-MoE's gate."""
+        if not self.shared_expert_intermediate_size:
+            return 0
+        gate = self.hidden_size if self.shared_expert_gate else 0
+        return self._mlp_params(self.shared_expert_intermediate_size, self.mlp_bias) + gate
+
+    @property
+    def layer_norm_params(self) -> int:
+        """The norms of one layer (input / post-attention / Gemma's pre- and post-feedforward)."""
+        return self.norms_per_layer * self._norm_params
+
+    def mlp_params(self, i: int) -> int:
+        """MLP (or router + experts + shared expert) of layer ``i``."""
+        if self.moe_layers[i]:
+            return self.router_params + self.num_experts * self.expert_params + self.shared_expert_params
+        return self.dense_mlp_params
+
+    def layer_group_params(self, i: int) -> dict[str, int]:
+        """Parameters of layer ``i`` by operator group, as a placement moves them: "attention"
+        (projections, QK-norms, sinks), "mlp" (a dense layer's MLP), "router", "experts" (all
+        routed experts), "shared_experts", "norms" (the layer's norms and any other parameters).
+        The values sum to :meth:`layer_params`."""
+        moe = self.moe_layers[i]
+        return {
+            "attention": self.attention_params,
+            "mlp": 0 if moe else self.dense_mlp_params,
+            "router": self.router_params if moe else 0,
+            "experts": self.num_experts * self.expert_params if moe else 0,
+            "shared_experts": self.shared_expert_params if moe else 0,
+            "norms": self.layer_norm_params + self.extra_layer_params,
+        }
+
+    def layer_params(self, i: int) -> int:
+        """Every parameter of decoder layer ``i``."""
+        return self.attention_params + self.mlp_params(i) + self.layer_norm_params + self.extra_layer_params
+
+    def active_layer_params(self, i: int) -> int:
+        """Parameters of layer ``i`` one token uses: all but the routed experts it skips."""
+        skipped = (self.num_experts - self.experts_per_token) * self.expert_params if self.moe_layers[i] else 0
+        return self.layer_params(i) - skipped
+
+    @property
+    def _attention_linear_params(self) -> int:
+        h, hd, vd, heads, kvh = self.hidden_size, self.head_dim, self.v_head_dim, self.num_heads, self.num_kv_heads
+        if self.kv_lora_rank:
+            r, qr, rope = self.kv_lora_rank, self.q_lora_rank, self.qk_rope_head_dim
+            q = h * qr + qr * heads * hd if qr else h * heads * hd
+            return q + h * (r + rope) + r * heads * (hd - rope + vd) + heads * vd * h
+        return h * (heads * hd + kvh * hd + kvh * vd) + heads * vd * h
+
+    def linear_weight_params(self, i: int) -> int:
+        """GEMM weights one token multiplies in layer ``i`` (what FLOPs are counted over): the
+        attention projections and the dense MLP, or the router, the shared expert and k experts."""
+        w = (3 if self.gated_mlp else 2) * self.hidden_size
+        if self.moe_layers[i]:
+            mlp = (self.num_experts * self.hidden_size + w * self.experts_per_token * self.expert_intermediate_size
+                   + w * self.shared_expert_intermediate_size + (self.hidden_size if self.shared_expert_gate else 0))
+        else:
+            mlp = w * self.intermediate_size
+        return self._attention_linear_params + mlp
+
+    @staticmethod
+    def _mean(values: list[int]) -> int | float:
+        total = sum(values)
+        return total // len(values) if total % len(values) == 0 else total / len(values)
+
+    @cached_property  # the dataclass is frozen: computed once
+    def linear_weight_params_per_layer(self) -> int | float:
+        """Mean over layers of :meth:`linear_weight_params` (an int when all layers agree)."""
+        return self._mean([self.linear_weight_params(i) for i in range(self.num_layers)])
+
+    @cached_property
+    def params_per_layer(self) -> int | float:
+        """Mean over layers of :meth:`layer_params` (an int when all layers agree)."""
+        return self._mean([self.layer_params(i) for i in range(self.num_layers)])
+
+    @cached_property
+    def layers_params(self) -> int:
+        """All decoder layers together."""
+        return sum(self.layer_params(i) for i in range(self.num_layers))
 
     @property
     def embedding_params(self) -> int:
-        """Token (and learned position) embedding tables, plus OPT's projections if any."""
+        """Token (and learned position) embedding tables, plus OPT's projections and BLOOM's
+        embedding LayerNorm if any."""
         emb_dim = self.word_embed_proj_dim or self.hidden_size
         n = self.vocab_size * emb_dim + self.learned_pos_embeddings * self.hidden_size
         if self.word_embed_proj_dim:
             n += 2 * emb_dim * self.hidden_size
-        return n
+        return n + (self._norm_params if self.embedding_norm else 0)
 
     @property
     def _norm_params(self) -> int:
         if not self.norm_affine:
             return 0
-        return self.hidden_size * (2 if self.norm == "layer" else 1)
+        return self.hidden_size * (2 if self.norm == "layer" and self.norm_bias else 1)
 
     @property
     def final_norm_params(self) -> int:
@@ -188,9 +317,16 @@ class ModelSpec:
 
     @property
     def lm_head_params(self) -> int:
-        """Untied LM head weights; 0 when tied to the embedding (stored once)."""
-        return 0 if self.tie_word_embeddings else self.vocab_size * (self.word_embed_proj_dim or self.hidden_size)
+        """Untied LM head weights (and bias); 0 when tied to the embedding (stored once)."""
+        bias = self.vocab_size if self.lm_head_bias else 0
+        return bias + (0 if self.tie_word_embeddings else self.vocab_size * (self.word_embed_proj_dim or self.hidden_size))
 
-    @property
+    @cached_property
     def total_params(self) -> int:
-        return self.num_layers * self.params_per_layer + self.embedding_params + self.final_norm_params + self.lm_head_params
+        return self.layers_params + self.embedding_params + self.final_norm_params + self.lm_head_params
+
+    @cached_property
+    def active_params(self) -> int:
+        """Parameters one token uses (embeddings and head included, as model cards count
+        "activated" parameters): ``total_params`` less the routed experts it skips."""
+        return self.total_params - sum(self.layer_params(i) - self.active_layer_params(i) for i in range(self.num_layers))
