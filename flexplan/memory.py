@@ -31,7 +31,7 @@ from typing import Mapping
 import numpy as np
 
 from flexplan.hardware.spec import DTYPE_BYTES, cpu_weight_dtype
-from flexplan.placement import ACCELERATOR, HOST, ON_ACCELERATOR, ON_CPU, PINNED, Placement
+from flexplan.placement import ACCELERATOR, HOST, ON_ACCELERATOR, ON_CPU, PINNED, PhasePlacement, Placement
 
 ALIGN_BYTES = 64  # executor.weights.FlatLayout: each tensor's offset in a flat buffer
 CPU_MEMORY_USABLE_FRACTION = 0.90  # leave 10% of host memory to the OS and the Python process
@@ -65,6 +65,7 @@ class Inventory:
     head_dim: int
     activation_elems_per_row: int  # hidden, residual, q/k/v/attention output, MLP intermediates
     vocab_size: int
+    v_head_dim: int = 0  # value head width when it differs from the key's (0: head_dim)
     _cache: dict = field(default_factory=dict, compare=False, hash=False, repr=False)
 
     @cached_property
@@ -73,9 +74,15 @@ class Inventory:
 
     @classmethod
     def from_spec(cls, spec) -> "Inventory":
-        """What the executor would hold for ``spec`` (workload.ModelSpec), unit by unit."""
-        h, i, q, kv = spec.hidden_size, spec.intermediate_size, spec.q_dim, spec.kv_dim
+        """What the executor would hold for ``spec`` (workload.ModelSpec), unit by unit: each
+        layer's projections as the linears transformers builds (packed on the host), routed experts
+        as the fused 3-D tensors transformers 5 holds them in (never packed), and what else a layer
+        holds (norms, QK-norms, sinks, biases) as one plain tensor per group of the size the spec
+        counts. Layers differ where the spec says they do (dense and MoE layers)."""
+        h, q, kvd = spec.hidden_size, spec.q_dim, spec.num_kv_heads * (spec.v_head_dim or spec.head_dim)
+        kd = spec.num_kv_heads * spec.head_dim
         emb = spec.word_embed_proj_dim or h
+        vo = spec.num_heads * (spec.v_head_dim or spec.head_dim)
 
         def norm(name, width=h):
             if not spec.norm_affine:
@@ -85,27 +92,60 @@ class Inventory:
         def linear(name, out, inp, bias):
             return [Tensor(f"{name}.weight", (out, inp), LINEAR)] + ([Tensor(f"{name}.bias", (out,))] if bias else [])
 
-        layer = norm("attn_norm")
-        layer += linear("q", q, h, spec.qkv_bias) + linear("k", kv, h, spec.qkv_bias) + linear("v", kv, h, spec.qkv_bias)
-        layer += linear("o", h, q, spec.o_bias) + norm("mlp_norm")
-        if spec.gated_mlp:
-            layer += linear("gate", i, h, spec.mlp_bias) + linear("up", i, h, spec.mlp_bias) + linear("down", h, i, spec.mlp_bias)
+        def rest(name, tensors, params):
+            """A plain tensor for what a group holds beyond ``tensors`` (spec.layer_group_params)."""
+            left = params - sum(math.prod(t.shape) for t in tensors)
+            return tensors + ([Tensor(name, (left,))] if left > 0 else [])
+
+        def mlp(name, width, bias):
+            if spec.gated_mlp:
+                return linear(f"{name}.gate", width, h, bias) + linear(f"{name}.up", width, h, bias) + \
+                    linear(f"{name}.down", h, width, bias)
+            return linear(f"{name}.fc1", width, h, bias) + linear(f"{name}.fc2", h, width, bias)
+
+        if spec.kv_lora_rank:  # DeepSeek MLA: low-rank projections
+            r, qr, rope, hd = spec.kv_lora_rank, spec.q_lora_rank, spec.qk_rope_head_dim, spec.head_dim
+            attn = (linear("q_a", qr, h, spec.qkv_bias) + linear("q_b", q, qr, False)) if qr else linear("q", q, h, False)
+            attn += linear("kv_a", r + rope, h, spec.qkv_bias) + linear("kv_b", spec.num_heads * (hd - rope) + vo, r, False)
         else:
-            layer += linear("fc1", i, h, spec.mlp_bias) + linear("fc2", h, i, spec.mlp_bias)
+            attn = linear("q", q, h, spec.qkv_bias) + linear("k", kd, h, spec.qkv_bias) + linear("v", kvd, h, spec.qkv_bias)
+        attn += linear("o", h, vo, spec.o_bias)
+        layers = []
+        for i in range(spec.num_layers):
+            g = spec.layer_group_params(i)
+            layer = rest("attention.rest", list(attn), g["attention"]) + rest("norms", norm("attn_norm") + norm("mlp_norm"),
+                                                                              g["norms"])
+            if g["mlp"]:
+                layer += rest("mlp.rest", mlp("mlp", spec.intermediate_size, spec.mlp_bias), g["mlp"])
+            if g["router"]:
+                layer.append(Tensor("router.weight", (g["router"],)))
+            if g["experts"]:  # transformers 5 fuses the experts into 3-D parameters: held as they are
+                layer.append(Tensor("experts", (g["experts"],)))
+            if g["shared_experts"]:
+                layer += rest("shared.rest", mlp("shared", spec.shared_expert_intermediate_size, spec.mlp_bias),
+                              g["shared_experts"])
+            layers.append(tuple(layer))
         tied = spec.tie_word_embeddings
         embedding = [Tensor("embed_tokens.weight", (spec.vocab_size, emb), TIED_EMBEDDING if tied else PLAIN)]
         if spec.learned_pos_embeddings:
             embedding.append(Tensor("embed_positions.weight", (spec.learned_pos_embeddings, h)))
         if spec.word_embed_proj_dim:
             embedding.append(Tensor("project_in.weight", (h, emb)))  # the embedding unit packs nothing
+        # spec.embedding_params counts OPT's project_out too; it sits in the head
+        embedding = rest("embedding.rest", embedding, spec.embedding_params - (emb * h if spec.word_embed_proj_dim else 0))
         head = norm("final_norm") if spec.final_norm else []
         if spec.word_embed_proj_dim:
             head.append(Tensor("project_out.weight", (emb, h), LINEAR))
+        head = rest("head.rest", head, spec.final_norm_params + (emb * h if spec.word_embed_proj_dim else 0))
         head.append(Tensor("lm_head.weight", (spec.vocab_size, emb), ALIAS if tied else LINEAR))
-        per_row = 4 * h + q + 2 * kv + 3 * i
-        layer_t = tuple(layer)
-        return cls(tuple(embedding), (layer_t,) * spec.num_layers, tuple(head), spec.num_kv_heads, spec.head_dim,
-                   per_row, spec.vocab_size)
+        if getattr(spec, "lm_head_bias", False):
+            head.append(Tensor("lm_head.bias", (spec.vocab_size,)))
+        width = spec.intermediate_size if not spec.is_moe else max(
+            spec.intermediate_size if not all(spec.moe_layers) else 0,
+            spec.experts_per_token * spec.expert_intermediate_size + spec.shared_expert_intermediate_size)
+        per_row = 4 * h + q + kd + kvd + 3 * width
+        return cls(tuple(embedding), tuple(layers), tuple(head), spec.num_kv_heads, spec.head_dim, per_row,
+                   spec.vocab_size, v_head_dim=spec.v_head_dim or spec.head_dim)
 
 
 def _padded(nbytes: int) -> int:
@@ -146,8 +186,8 @@ def unit_bytes(tensors: tuple[Tensor, ...], place: str, dtype: str, cpu_dtype: s
 
 
 def kv_bytes(inv: Inventory, batch: int, capacity: int, dtype: str) -> int:
-    """K and V of one layer: 2 x batch x tokens x kv_heads x head_dim elements (kv_cache.kv_bytes)."""
-    return 2 * batch * capacity * inv.kv_heads * inv.head_dim * DTYPE_BYTES[dtype]
+    """K and V of one layer: batch x tokens x kv_heads x (head_dim + v_head_dim) elements (kv_cache.kv_bytes)."""
+    return batch * capacity * inv.kv_heads * (inv.head_dim + (inv.v_head_dim or inv.head_dim)) * DTYPE_BYTES[dtype]
 
 
 def activation_bytes(inv: Inventory, rows: int, dtype: str, batch: int) -> int:
@@ -215,6 +255,9 @@ def footprint(inv: Inventory, placement: Placement, batch: int | None = None, in
     counted when the placement uses the accelerator. A placement of one phase whose run lengths
     are arrays gives arrays."""
     dt, cdt = placement.dtype, placement.cpu_dtype
+    vec = any(isinstance(c, np.ndarray) for pp in placement.phases.values() for _, c in pp.runs)
+    if vec and not inv.homogeneous:  # layers differ (dense and MoE): one concrete placement per candidate
+        return _per_candidate(inv, placement, batch, input_len, capacity, kernel, reserved_bytes)
     u = _units(inv, dt, cdt, kernel)
     kv = {p: (kv_bytes(inv, batch, capacity, placement.place_dtype(p)) if batch else 0) for p in (HOST, PINNED, ACCELERATOR)}
     acc = {"resident weights": 0, "head": 0, "weight double buffers": 0, "KV cache": 0, "KV double buffers": 0,
@@ -235,7 +278,6 @@ def footprint(inv: Inventory, placement: Placement, batch: int | None = None, in
                 where = pinned if ACCELERATOR in places else host
                 where["KV cache"] = where["KV cache"] + n * kv[place]
 
-    vec = any(isinstance(c, np.ndarray) for pp in placement.phases.values() for _, c in pp.runs)
     where = np.where if vec else (lambda c, x, y: x if c else y)
     maximum = np.maximum if vec else max
     any_streamed = False
@@ -280,3 +322,20 @@ def footprint(inv: Inventory, placement: Placement, batch: int | None = None, in
         return {k: np.broadcast_to(np.asarray(v, dtype=float), shape) for k, v in d.items()}
 
     return MemoryNeed(fix(acc), fix(pinned), fix(host))
+
+
+def _per_candidate(inv: Inventory, placement: Placement, batch, input_len, capacity, kernel, reserved_bytes) -> MemoryNeed:
+    """:func:`footprint` of a vectorised placement over layers that differ, one candidate at a time."""
+    shape = np.broadcast_shapes(*(np.shape(c) for pp in placement.phases.values() for _, c in pp.runs))
+    needs = []
+    for k in np.ndindex(shape):
+        phases = {ph: PhasePlacement(tuple((m, int(np.broadcast_to(c, shape)[k])) for m, c in pp.runs), pp.head)
+                  for ph, pp in placement.phases.items()}
+        one = Placement.of(phases, placement.dtype, placement.cpu_dtype, placement.policies)
+        needs.append(footprint(inv, one, batch, input_len, capacity, kernel, reserved_bytes))
+
+    def stack(where):
+        return {key: np.array([getattr(n, where)[key] for n in needs], dtype=float).reshape(shape)
+                for key in getattr(needs[0], where)}
+
+    return MemoryNeed(stack("accelerator"), stack("pinned"), stack("host"))
