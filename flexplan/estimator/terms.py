@@ -135,7 +135,7 @@ def phase_work(shape: Shape, phase: str) -> PhaseWork:
         flops = costs.c_prefill(m, b, s)
         d_cpu, d_gpu = costs.d_prefill(m, b, s, cwb, cb), costs.d_prefill(m, b, s, wb, wb)
         kv_read_cpu = kv_read = 0.0  # nothing cached yet; the prompt's K, V are produced by the layer
-        kv_write, kv_write_cpu = float(costs.d_kv_cache(m, b, s, wb)), float(costs.d_kv_cache(m, b, s, cb))
+        kv_write, kv_write_cpu = costs.d_kv_write(m, b, s, wb), costs.d_kv_write(m, b, s, cb)
     else:
         ctx = shape.decode_context_lens
         tokens_per_seq, rows = 1, b
@@ -143,7 +143,7 @@ def phase_work(shape: Shape, phase: str) -> PhaseWork:
         d_cpu, d_gpu = costs.d_decode(m, b, cwb, cb), costs.d_decode(m, b, wb, wb)
         kv_read_cpu = costs.d_kv_cache(m, b, ctx, cb)
         kv_read = costs.d_kv_cache(m, b, ctx - 1, wb)  # cached part, before this token
-        kv_write, kv_write_cpu = float(costs.d_kv_cache(m, b, 1, wb)), float(costs.d_kv_cache(m, b, 1, cb))
+        kv_write, kv_write_cpu = costs.d_kv_write(m, b, 1, wb), costs.d_kv_write(m, b, 1, cb)
     return PhaseWork(
         phase=phase, tokens_per_seq=tokens_per_seq, rows=rows, context_len=ctx, flops=flops, d_cpu=d_cpu,
         d_gpu=d_gpu, kv_read_cpu=kv_read_cpu, kv_write_cpu=kv_write_cpu, kv_read=kv_read, kv_write=kv_write,
