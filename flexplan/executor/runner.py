@@ -24,8 +24,8 @@ from torch import nn
 
 from flexplan.executor import cpu_decode, cpu_linear
 from flexplan.executor.cpu_backend import configure
-from flexplan.executor.families import decoder_parts
-from flexplan.executor.kv_cache import FlexCache, FlexKVLayer, KVPool, kv_bytes
+from flexplan.executor.families import decoder_parts, layer_windows, text_config
+from flexplan.executor.kv_cache import FlexCache, FlexKVLayer, KVPool, kv_bytes, kv_geometry
 from flexplan.executor.link import ACCELERATOR, HOST_MEMORY, PINNED, Link
 from flexplan.executor.placement import (
     CPU, RESIDENT, STREAMED, MemoryNeed, Placement, check_fits, memory_need)
@@ -68,7 +68,7 @@ class Executor:
         tied_packed = (frozenset({tied}) if tied and pack == cpu_linear.KERNEL_BLOCKED
                        and self.parts.lm_head.weight.shape[0] % cpu_linear.BLOCK == 0 else frozenset())
         self.embed = GroupWeights("embedding", None, _params(self.parts.embedding), packed_embeddings=tied_packed)
-        prefix = f"{self.parts.stack_prefix}.layers"
+        prefix = self.parts.layers_prefix
         self.layers = [GroupWeights(f"layer {i}", i, _params({f"{prefix}.{i}": layer}), pack_kernel=pack)
                        for i, layer in enumerate(self.parts.layers)]
         self.head = GroupWeights("head", None, _params(self.parts.head),
@@ -81,12 +81,22 @@ class Executor:
         self._packed_embeddings = [self.embed.params[n][0] for n in tied_packed]
         for m in self._packed_embeddings:
             cpu_linear.install_embedding(m)
-        self._fused = (cpu_decode.install(self.parts.layers, list(self.parts.head.values()))
-                       if cpu_decode.fusable_family(self.parts.family) and self.backend.ipex is None else [])
-        self._stack = cpu_decode.install_stack(self.parts.stack, self.parts.layers) if self._fused else None
+        # per decoder layer: its attention window (None: full) and what one token stores in its KV cache
+        self.windows = layer_windows(model.config)
+        geometry = kv_geometry(text_config(model.config), self.spec)
+        self.kv_geometry = [geometry] * self.num_layers
+        # the native CPU decode ops, per layer where they cover it (cpu_decode.covered_layer)
+        self._fused, self.fused_layers = (
+            cpu_decode.install(self.parts.layers, list(self.parts.head.values()), self.windows)
+            if self.backend.ipex is None else ([], []))
+        self._stack = (cpu_decode.install_stack(self.parts.stack, self.parts.layers, self.windows)
+                       if len(self.fused_layers) == self.num_layers else None)
+        fused_ids = {id(m) for m in self._fused}
+        self.native_attention = frozenset(i for i, layer in enumerate(self.parts.layers)
+                                          if any(id(m) in fused_ids for m in (layer, *layer.children())))
         if self._stack is not None:
             self._fused.append(self.parts.stack)
-        self.cpu_decode_ops = (cpu_decode.describe() if self._fused else
+        self.cpu_decode_ops = (cpu_decode.describe(len(self.fused_layers), self.num_layers) if self._fused else
                                f"transformers' ops ({'IPEX' if self.backend.ipex is not None else self.parts.family})")
         covered = {n for g in (self.embed, *self.layers, self.head) for n in g.params}
         missing = [n for n, _ in model.named_parameters() if n not in covered]
@@ -94,7 +104,8 @@ class Executor:
             from flexplan.errors import UnsupportedModelError
             raise UnsupportedModelError(f"parameters outside the embedding, decoder layers and head: {missing[:5]}")
         self.slots: StreamSlots | None = None
-        self.kv_pool = KVPool(link, self.spec.num_kv_heads, self.spec.head_dim)
+        self.kv_pool = KVPool(link)
+        self._cache: FlexCache | None = None  # the last request's cache (its layers learnt the real KV geometry)
         self.plan: Plan | None = None
         self.placement: Placement | None = None
         self.pack_batch: int | None = None  # batch hint of the packed CPU weights (cpu_linear)
@@ -127,7 +138,7 @@ class Executor:
     def memory_need(self, placement: Placement, batch: int | None = None, capacity: int | None = None) -> MemoryNeed:
         d = functools.partial(self._dtype, placement=placement)
         wd = torch_dtype(placement.cpu_weight_dtype)
-        kv = (lambda place: kv_bytes(batch, capacity, self.spec.num_kv_heads, self.spec.head_dim, d(place))) if batch else None
+        kv = (lambda place: max(kv_bytes(batch, capacity, g, d(place)) for g in self.kv_geometry)) if batch else None
         return memory_need(placement, lambda i, place: self.layers[i].nbytes(place, d(place), wd),
                            lambda place: self.head.nbytes(place, d(place), wd),
                            self.embed.nbytes(HOST_MEMORY, d(HOST_MEMORY), wd), kv)
@@ -182,24 +193,28 @@ class Executor:
         tokens, its buffers taken from the pool (allocated only when no earlier request was as
         large); refused before any allocation when it does not fit."""
         pl, batch, capacity = self.placement, batch_size, max_tokens
+        if self._cache is not None:  # geometries a previous request's first update corrected
+            self.kv_geometry = [kv.geometry for kv in self._cache.layers]
         self.check(pl, batch, capacity)
-        kvh, hd = self.spec.num_kv_heads, self.spec.head_dim
+        geo = self.kv_geometry
         needs = {}
         for i in range(self.num_layers):
             for place in pl.layer_places(i):
                 where = PINNED if place == HOST_MEMORY and pl.kv_host_pinned(i) else place
-                needs[(i, place)] = (where, kv_bytes(batch, capacity, kvh, hd, self._dtype(place)))
+                needs[(i, place)] = (where, kv_bytes(batch, capacity, geo[i], self._dtype(place)))
+        acc = self._dtype(ACCELERATOR)
         if pl.streamed_layers:
             for s in (0, 1):
-                needs[("slot", s)] = (ACCELERATOR, kv_bytes(batch, capacity, kvh, hd, self._dtype(ACCELERATOR)))
+                needs[("slot", s)] = (ACCELERATOR, max(kv_bytes(batch, capacity, geo[i], acc) for i in pl.streamed_layers))
         self.kv_pool.ensure(needs)
         layers = []
         for i in range(self.num_layers):
-            stores = {p: self.kv_pool.views((i, p), batch, capacity, self._dtype(p)) for p in pl.layer_places(i)}
-            layers.append(FlexKVLayer(i, stores, pl.layer_place(i, PREFILL), self.link))
+            raws = {p: (self.kv_pool.raw((i, p)), self._dtype(p)) for p in pl.layer_places(i)}
+            layers.append(FlexKVLayer(i, raws, geo[i], batch, capacity, pl.layer_place(i, PREFILL), self.link,
+                                      window=self.windows[i]))
         cache = FlexCache(layers)
-        cache.slots = ([self.kv_pool.views(("slot", s), batch, capacity, self._dtype(ACCELERATOR)) for s in (0, 1)]
-                       if pl.streamed_layers else [])
+        cache.slots = [(self.kv_pool.raw(("slot", s)), acc) for s in (0, 1)] if pl.streamed_layers else []
+        self._cache = cache
         return cache
 
     # ---- hooks ------------------------------------------------------------------------------
@@ -355,9 +370,10 @@ class Executor:
         hidden = st.hidden_to(self.link, hidden, on_acc, dtype, i)
         kwargs = {k: (v if k == "past_key_values" else st.aux_to(self.link, v, on_acc, dtype)) for k, v in kwargs.items()}
         if (not on_acc and st.query_len == 1 and kwargs.get("attention_mask", 0) is None
-                and not (self._fused and dtype == torch.float32)  # fp32: the fused ops attend unmasked
-                and getattr(self.model.config, "_attn_implementation", None) == "sdpa"):
-            kwargs["attention_mask"] = st.cpu_decode_mask()
+                and not (i in self.native_attention and dtype == torch.float32)  # fp32: the fused ops attend unmasked
+                and getattr(self.model.config, "_attn_implementation", None) == "sdpa"
+                and hasattr(cache, "get_mask_sizes")):
+            kwargs["attention_mask"] = st.cpu_decode_mask(cache.get_mask_sizes(st.query_len, i)[0])
         if not args:
             kwargs["hidden_states"] = hidden
             return rest, kwargs

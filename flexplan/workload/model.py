@@ -66,6 +66,12 @@ class ModelSpec:
             cfg = dict(config)
         elif hasattr(config, "to_dict"):
             cfg = config.to_dict()
+            # TEMP(wt-exec): replaced by wt-workload. A config's attribute_map aliases (Falcon's num_kv_heads...)
+            text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+            for key in ("num_hidden_layers", "hidden_size", "num_attention_heads", "num_key_value_heads",
+                        "intermediate_size", "vocab_size", "head_dim", "max_position_embeddings"):
+                if cfg.get(key) is None and getattr(text, key, None) is not None:
+                    cfg[key] = getattr(text, key)
             name = name or getattr(config, "_name_or_path", None) or None
         else:
             raise MalformedDataError(f"expected a HuggingFace config, dict or path, got {type(config).__name__}")
@@ -81,10 +87,16 @@ class ModelSpec:
     def _from_dict(cls, cfg: dict[str, Any], name: str) -> "ModelSpec":
         model_type = cfg.get("model_type")
         if model_type not in FAMILIES:
-            raise MalformedDataError(
-                f"model {name!r} has model_type {model_type!r}; supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
-            )
-        fam = FAMILIES[model_type]
+            if "num_hidden_layers" not in cfg or "hidden_size" not in cfg:  # TEMP(wt-exec): replaced by wt-workload
+                raise MalformedDataError(
+                    f"model {name!r} has model_type {model_type!r}; supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
+                )
+            cfg = dict(cfg)  # TEMP(wt-exec): any other decoder described as Llama-like (approximate sizes)
+            cfg["intermediate_size"] = (cfg.get("intermediate_size") or cfg.get("ffn_hidden_size")
+                                        or 4 * int(cfg["hidden_size"]))
+            fam = FAMILIES["llama"]
+        else:
+            fam = FAMILIES[model_type]
         if model_type == "opt":
             hidden = int(cfg["hidden_size"])
             heads = int(cfg["num_attention_heads"])
