@@ -210,7 +210,7 @@ def test_without_native_ops_layers_keep_transformers_forward(monkeypatch):
         ops, why = native.decode_status()
         assert ops is None and "FLEXPLAN_NATIVE=0" in why
         model = _wide_model("llama")
-        assert cpu_decode.install(model.model.layers, [model.model.norm]) == []
+        assert cpu_decode.install(model.model.layers, [model.model.norm]) == ([], [], [])
         assert "forward" not in model.model.layers[0].__dict__
         assert cpu_decode.describe().startswith("transformers' ops")
     finally:

@@ -388,15 +388,16 @@ def install_stack(stack: nn.Module, layers: nn.ModuleList, windows=()) -> FusedS
     return stack.forward
 
 
-def install(layers: nn.ModuleList, norms: list[nn.Module], windows=()) -> tuple[list[nn.Module], list[int]]:
+def install(layers: nn.ModuleList, norms: list[nn.Module], windows=()) -> tuple[list[nn.Module], list[int], list[int]]:
     """Give each covered decoder layer (:func:`covered_layer`) the fused layer forward, each
     covered attention block and RMSNorm in ``layers`` and ``norms`` (final norms) the fused
-    forward; (the modules changed, for :func:`uninstall`; the indices of the fused layers).
+    forward; (the modules changed, for :func:`uninstall`; the indices of the fused layers; the
+    indices of the layers whose attention the native ops compute).
     ``windows``: each layer's attention window (None: full). Nothing when the native ops are
     unavailable."""
     ops = native.decode_status()[0]
     if ops is None:
-        return [], []
+        return [], [], []
     windows = list(windows) or [None] * len(layers)
     changed, fused = [], []
     for i, layer in enumerate(layers):
@@ -404,16 +405,18 @@ def install(layers: nn.ModuleList, norms: list[nn.Module], windows=()) -> tuple[
             layer.forward = FusedLayer(layer, ops)
             changed.append(layer)
             fused.append(i)
-    attention = [a for i, layer in enumerate(layers) for a in layer.children()
-                 if not isinstance(a, nn.ModuleList) and covered_attention(a, windows[i])]
-    for module in attention:
-        module.forward = functools.partial(_attention_forward, module, ops)
-        changed.append(module)
+    native_attention = set(fused)
+    for i, layer in enumerate(layers):
+        for a in layer.children():
+            if not isinstance(a, nn.ModuleList) and covered_attention(a, windows[i]):
+                a.forward = functools.partial(_attention_forward, a, ops)
+                changed.append(a)
+                native_attention.add(i)
     for module in [m for layer in layers for m in layer.modules()] + list(norms):
         if covered_norm(module):
             module.forward = functools.partial(_rmsnorm_forward, module, ops)
             changed.append(module)
-    return changed, fused
+    return changed, fused, sorted(native_attention)
 
 
 def uninstall(modules: list[nn.Module]) -> None:

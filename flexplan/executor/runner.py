@@ -21,6 +21,7 @@ import time
 
 import torch
 from torch import nn
+from transformers.cache_utils import Cache
 
 from flexplan.executor import cpu_decode, cpu_linear
 from flexplan.executor.cpu_backend import configure
@@ -46,6 +47,15 @@ def _params(modules: dict[str, nn.Module]) -> dict[str, tuple[nn.Module, str]]:
                 if p is not None:
                     out[f"{mname}.{leaf}"] = (m, leaf)
     return out
+
+
+def _cache_of(kwargs: dict):
+    """The cache a stack or layer call was given: ``past_key_values``, or whatever a model names
+    it (GPT-NeoX and Falcon layers take ``layer_past``)."""
+    cache = kwargs.get("past_key_values")
+    if cache is None:
+        cache = next((v for v in kwargs.values() if isinstance(v, Cache)), None)
+    return cache
 
 
 class Executor:
@@ -86,14 +96,12 @@ class Executor:
         geometry = kv_geometry(text_config(model.config), self.spec)
         self.kv_geometry = [geometry] * self.num_layers
         # the native CPU decode ops, per layer where they cover it (cpu_decode.covered_layer)
-        self._fused, self.fused_layers = (
+        self._fused, self.fused_layers, native_attention = (
             cpu_decode.install(self.parts.layers, list(self.parts.head.values()), self.windows)
-            if self.backend.ipex is None else ([], []))
+            if self.backend.ipex is None else ([], [], []))
+        self.native_attention = frozenset(native_attention)  # layers whose decode attention is native
         self._stack = (cpu_decode.install_stack(self.parts.stack, self.parts.layers, self.windows)
                        if len(self.fused_layers) == self.num_layers else None)
-        fused_ids = {id(m) for m in self._fused}
-        self.native_attention = frozenset(i for i, layer in enumerate(self.parts.layers)
-                                          if any(id(m) in fused_ids for m in (layer, *layer.children())))
         if self._stack is not None:
             self._fused.append(self.parts.stack)
         self.cpu_decode_ops = (cpu_decode.describe(len(self.fused_layers), self.num_layers) if self._fused else
@@ -165,7 +173,7 @@ class Executor:
         def fill(group: GroupWeights, places) -> None:
             src = source
             if src is None and not group.storages:  # first placement of a loaded model: its own tensors
-                src = lambda name, g=group: cpu_linear.dense(g.param_tensor(name).detach())  # noqa: E731
+                src = lambda name, g=group: g.dense(name, g.param_tensor(name).detach())  # noqa: E731
             group.ensure({p: self._dtype(p) for p in places}, self.link, src, pack_batch,
                          torch_dtype(placement.cpu_weight_dtype))
 
@@ -248,7 +256,7 @@ class Executor:
         self._t_top = None
 
     def _before_stack(self, module, args, kwargs):
-        cache = kwargs.get("past_key_values")
+        cache = _cache_of(kwargs)
         x = kwargs.get("input_ids")
         x = x if x is not None else kwargs.get("inputs_embeds")
         x = x if x is not None else args[0]
@@ -346,7 +354,7 @@ class Executor:
         on_acc = mode != CPU
         dtype = self._dtype(ACCELERATOR if on_acc else HOST_MEMORY)
         g = self.layers[i]
-        cache = kwargs.get("past_key_values")
+        cache = _cache_of(kwargs)
         kv = cache.layers[i] if isinstance(cache, FlexCache) else None
         if mode == STREAMED:
             slot = st.slot_of[i]
@@ -368,7 +376,7 @@ class Executor:
         else:
             hidden, rest = kwargs.pop("hidden_states"), ()
         hidden = st.hidden_to(self.link, hidden, on_acc, dtype, i)
-        kwargs = {k: (v if k == "past_key_values" else st.aux_to(self.link, v, on_acc, dtype)) for k, v in kwargs.items()}
+        kwargs = {k: (v if v is cache else st.aux_to(self.link, v, on_acc, dtype)) for k, v in kwargs.items()}
         if (not on_acc and st.query_len == 1 and kwargs.get("attention_mask", 0) is None
                 and not (i in self.native_attention and dtype == torch.float32)  # fp32: the fused ops attend unmasked
                 and getattr(self.model.config, "_attn_implementation", None) == "sdpa"
@@ -384,7 +392,7 @@ class Executor:
         if st is None:
             return None
         mode = self.placement.modes[st.phase][i]
-        cache = kwargs.get("past_key_values")
+        cache = _cache_of(kwargs)
         kv = cache.layers[i] if isinstance(cache, FlexCache) else None
         if mode == STREAMED:
             slot = st.slot_of[i]
