@@ -15,7 +15,8 @@ FAMILIES = ("llama", "mistral", "qwen2", "opt", "opt350")
 # more decoder-only families of transformers 5, each tiny (hidden 64, 2-3 layers); a window of 4
 # tokens is shorter than the tests' sequences (up to 9 + 6), so sliding layers really slide
 MORE_FAMILIES = ("llama3", "mistral_sw", "qwen3", "phi3", "gemma2", "gemma3", "olmo2", "gpt_neox", "falcon",
-                 "mixtral", "qwen2_moe", "qwen3_moe", "gpt_oss", "deepseek_v3", "granite")
+                 "mixtral", "qwen2_moe", "qwen3_moe", "gpt_oss", "deepseek_v3", "granite", "gpt2", "bloom", "gptj",
+                 "phi", "starcoder2", "cohere2", "llama4", "bert")
 WINDOW = 4
 
 
@@ -86,6 +87,26 @@ def _config(family: str):
     if family == "granite":  # Llama's layout with embedding/residual/attention multipliers
         return transformers.GraniteConfig(**small, embedding_multiplier=2.0, residual_multiplier=0.5,
                                           attention_multiplier=0.2, logits_scaling=2.0)
+    if family == "gpt2":  # Conv1D projections, learned positions, "transformer.h"
+        return transformers.GPT2Config(n_embd=64, n_layer=2, n_head=4, n_positions=256, **common)
+    if family == "bloom":  # ALiBi, an embedding LayerNorm before the layers
+        return transformers.BloomConfig(hidden_size=64, n_layer=2, n_head=4, **common)
+    if family == "gptj":  # parallel block, interleaved partial rotary
+        return transformers.GPTJConfig(n_embd=64, n_layer=2, n_head=4, rotary_dim=8, n_positions=256, **common)
+    if family == "phi":  # parallel block, partial rotary, biases, "final_layernorm"
+        return transformers.PhiConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                      num_attention_heads=4, max_position_embeddings=256, **common)
+    if family == "starcoder2":  # sliding window, biases, LayerNorm
+        return transformers.Starcoder2Config(**small, sliding_window=WINDOW)
+    if family == "cohere2":  # interleaved rotary, parallel block, 3 local : 1 global (here 1:1)
+        return transformers.Cohere2Config(**small, sliding_window=WINDOW,
+                                          layer_types=["sliding_attention", "full_attention"])
+    if family == "llama4":  # chunked attention (chunks of 4), MoE, no-rope layers
+        return transformers.Llama4TextConfig(**{**small, "intermediate_size": 64}, intermediate_size_mlp=128, head_dim=16,
+                                             num_local_experts=2, attention_chunk_size=WINDOW)
+    if family == "bert":  # BERT as a decoder: layers nested in encoder.layer, a prediction transform head
+        return transformers.BertConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128,
+                                       is_decoder=True, max_position_embeddings=256, **common)
     raise ValueError(family)
 
 

@@ -20,9 +20,10 @@ through :func:`flexplan.executor.native.decode_status`):
 
 Covered, per module and structurally (not by model_type): a decoder layer whose forward is Llama's
 (the same bytecode: pre-norm residual blocks), with an attention block that has exactly q/k/v/o
-projections, no parameters of its own (attention sinks), no sliding window, no QK-norm or logit
-soft-capping (its forward names nothing Llama's does not, besides a sliding window that is None),
-Llama's rotary embedding (``rotate_half``); a SwiGLU MLP (Llama's forward, SiLU); RMSNorms whose
+projections, no parameters of its own (attention sinks), no QK-norm or logit soft-capping (its
+forward names nothing Llama's does not, besides the sliding window it passes on), Llama's rotary
+embedding (``rotate_half``); a sliding window is fine in decode, where the cache hands attention
+only the window's keys and transformers' mask for them; a SwiGLU MLP (Llama's forward, SiLU); RMSNorms whose
 forward is Llama's (Gemma's ``1 + weight`` is not). A layer whose attention is covered but whose
 MLP is not (a mixture of experts) keeps the fused attention and norms; the rest of it, and every
 layer not covered, runs transformers' own forward. Float32 tensors on the CPU (linear weights
@@ -86,11 +87,13 @@ def covered_norm(m: nn.Module) -> bool:
             and _same_code(type(m).forward, _llama().LlamaRMSNorm.forward))
 
 
-def covered_attention(a: nn.Module, window: int | None = None) -> bool:
-    """Llama's attention block: q/k/v/o projections only, full attention, rotate-half rotary."""
+def covered_attention(a: nn.Module) -> bool:
+    """Llama's attention block: q/k/v/o projections only, rotate-half rotary. A sliding window is
+    covered in decode: the cache hands over only the window's keys (as transformers' sliding
+    cache layers do) and the mask, if any, is the one transformers built for them."""
     kids = _children(a)
-    if (set(kids) != _ATTENTION_CHILDREN or not all(type(c) is nn.Linear for c in kids.values()) or window
-            or getattr(a, "sliding_window", None) is not None or a._parameters or a._buffers
+    if (set(kids) != _ATTENTION_CHILDREN or not all(type(c) is nn.Linear for c in kids.values())
+            or a._parameters or a._buffers
             or not all(hasattr(a, x) for x in ("head_dim", "scaling", "layer_idx"))
             or getattr(getattr(a, "config", None), "attn_logit_softcapping", None)
             or _extra_names(type(a).forward, _llama().LlamaAttention.forward) - _ATTENTION_EXTRA_NAMES):
@@ -108,11 +111,11 @@ def covered_mlp(m: nn.Module) -> bool:
             and type(kids["act_fn"]).__name__ in _SILU and _same_code(type(m).forward, _llama().LlamaMLP.forward))
 
 
-def covered_layer(layer: nn.Module, window: int | None = None) -> bool:
+def covered_layer(layer: nn.Module) -> bool:
     """A whole decoder layer the native layer calls compute (:class:`FusedLayer`)."""
     kids = _children(layer)
     return (set(kids) == _LAYER_CHILDREN and _same_code(type(layer).forward, _llama().LlamaDecoderLayer.forward)
-            and covered_attention(kids["self_attn"], window) and covered_mlp(kids["mlp"])
+            and covered_attention(kids["self_attn"]) and covered_mlp(kids["mlp"])
             and covered_norm(kids["input_layernorm"]) and covered_norm(kids["post_attention_layernorm"]))
 
 
@@ -343,6 +346,7 @@ class FusedStack:
         if (given.dim() != (2 if embeds is None else 3) or given.shape[1] != 1 or any(buf is None for buf in buffers)
                 or any(kv.length != pos for kv in cache.layers) or pos + 1 > cache.layers[0].capacity
                 or any(buf[0].shape[1] != b for buf in buffers) or (self.window and pos + 1 > self.window)
+                or any(getattr(kv, "window", None) and pos + 1 > kv.window for kv in cache.layers)
                 or not all(f._fill() for f in self.layers) or len({f.dims() for f in self.layers}) != 1):
             return None  # checked before the embedding lookup: a declined step does not pay for it twice
         x = self.stack.embed_tokens(ids) if embeds is None else embeds
@@ -375,12 +379,12 @@ class FusedStack:
         return out if out is not None else type(self.stack).forward(self.stack, *args, **kwargs)
 
 
-def install_stack(stack: nn.Module, layers: nn.ModuleList, windows=()) -> FusedStack | None:
+def install_stack(stack: nn.Module, layers: nn.ModuleList) -> FusedStack | None:
     """Give the decoder stack the native whole-stack decode step (:class:`FusedStack`) when
-    every decoder layer has a :class:`FusedLayer` (installed by :func:`install`), no layer has
-    an attention window and the stack is Llama's, else None. :func:`uninstall` ([stack]) removes it."""
+    every decoder layer has a :class:`FusedLayer` (installed by :func:`install`) and the stack
+    is Llama's, else None. :func:`uninstall` ([stack]) removes it."""
     fused = [layer.__dict__.get("forward") for layer in layers]
-    if (not layers or not all(isinstance(f, FusedLayer) for f in fused) or any(windows)
+    if (not layers or not all(isinstance(f, FusedLayer) for f in fused)
             or not all(hasattr(stack, a) for a in ("embed_tokens", "rotary_emb", "norm", "config"))
             or not covered_stack(stack)):
         return None
@@ -388,27 +392,25 @@ def install_stack(stack: nn.Module, layers: nn.ModuleList, windows=()) -> FusedS
     return stack.forward
 
 
-def install(layers: nn.ModuleList, norms: list[nn.Module], windows=()) -> tuple[list[nn.Module], list[int], list[int]]:
+def install(layers: nn.ModuleList, norms: list[nn.Module]) -> tuple[list[nn.Module], list[int], list[int]]:
     """Give each covered decoder layer (:func:`covered_layer`) the fused layer forward, each
     covered attention block and RMSNorm in ``layers`` and ``norms`` (final norms) the fused
     forward; (the modules changed, for :func:`uninstall`; the indices of the fused layers; the
-    indices of the layers whose attention the native ops compute).
-    ``windows``: each layer's attention window (None: full). Nothing when the native ops are
-    unavailable."""
+    indices of the layers whose attention the native ops compute). Nothing when the native ops
+    are unavailable."""
     ops = native.decode_status()[0]
     if ops is None:
         return [], [], []
-    windows = list(windows) or [None] * len(layers)
     changed, fused = [], []
     for i, layer in enumerate(layers):
-        if covered_layer(layer, windows[i]):
+        if covered_layer(layer):
             layer.forward = FusedLayer(layer, ops)
             changed.append(layer)
             fused.append(i)
     native_attention = set(fused)
     for i, layer in enumerate(layers):
         for a in layer.children():
-            if not isinstance(a, nn.ModuleList) and covered_attention(a, windows[i]):
+            if not isinstance(a, nn.ModuleList) and covered_attention(a):
                 a.forward = functools.partial(_attention_forward, a, ops)
                 changed.append(a)
                 native_attention.add(i)

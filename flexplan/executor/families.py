@@ -109,11 +109,31 @@ def _qualified(model: nn.Module, module: nn.Module) -> str | None:
 
 
 def _layer_list(stack: nn.Module, num_layers: int | None) -> tuple[str, nn.ModuleList] | None:
-    lists = [(n, m) for n, m in stack.named_children() if isinstance(m, nn.ModuleList) and len(m)]
+    """The decoder layers: the shallowest ModuleList under ``stack`` of ``num_layers`` modules
+    (``layers``, ``h``, ``blocks``, or nested as BERT's ``encoder.layer``); its dotted path."""
+    lists = [(n, m) for n, m in stack.named_modules() if n and isinstance(m, nn.ModuleList) and len(m)]
     if num_layers is not None:
         lists = [(n, m) for n, m in lists if len(m) == num_layers] or lists
-    named = sorted(lists, key=lambda nm: _LAYER_LIST_NAMES.index(nm[0]) if nm[0] in _LAYER_LIST_NAMES else 99)
-    return named[0] if named else None
+
+    def rank(nm):
+        leaf = nm[0].rsplit(".", 1)[-1]
+        return nm[0].count("."), _LAYER_LIST_NAMES.index(leaf) if leaf in _LAYER_LIST_NAMES else 99
+
+    return min(lists, key=rank) if lists else None
+
+
+def _find_stack(model: nn.Module, num_layers: int | None) -> nn.Module | None:
+    """``get_decoder()``, or (where it answers the model itself, as Llama 4's does) the
+    shallowest submodule that holds the decoder layers directly."""
+    get_decoder = getattr(model, "get_decoder", None)
+    stack = get_decoder() if callable(get_decoder) else None
+    if stack is not None and stack is not model:
+        return stack
+    for name, m in model.named_modules():
+        found = _layer_list(m, num_layers) if name else None
+        if found is not None and "." not in found[0]:
+            return m
+    return None
 
 
 def _has_params(m: nn.Module) -> bool:
@@ -125,37 +145,51 @@ def decoder_parts(model: nn.Module) -> DecoderParts:
     config = getattr(model, "config", None)
     family = check_supported(config)
     name = type(model).__name__
-    get_decoder = getattr(model, "get_decoder", None)
-    stack = get_decoder() if callable(get_decoder) else None
+    num_layers = getattr(text_config(config), "num_hidden_layers", None)
+    stack = _find_stack(model, num_layers)
     lm_head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     embed = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
-    if stack is None or stack is model or lm_head is None or embed is None:
+    if stack is None or lm_head is None or embed is None:
         raise UnsupportedModelError(
             f"{name} is not a causal LM with a decoder stack, input embeddings and an LM head; load it with "
             "AutoModelForCausalLM")
     stack_prefix = _qualified(model, stack)
-    found = _layer_list(stack, getattr(text_config(config), "num_hidden_layers", None))
+    found = _layer_list(stack, num_layers)
     if stack_prefix is None or found is None:
         raise UnsupportedModelError(f"{name}: its decoder {type(stack).__name__} has no list of decoder layers")
-    list_name, layers = found
+    list_path, layers = found
     embedding: dict[str, nn.Module] = {}
     head: dict[str, nn.Module] = {}
-    before = True  # registration order: children registered before the layer list run before it
-    for child_name, child in stack.named_children():
-        if child is layers:
-            before = False
-            continue
-        if not _has_params(child):
-            continue
-        q = f"{stack_prefix}.{child_name}" if stack_prefix else child_name
-        if child is embed or _EMBEDDING_NAME.search(child_name):
-            embedding[q] = child
-        elif _HEAD_NAME.search(child_name) or not before:
-            head[q] = child
-        else:
-            embedding[q] = child
-    if not any(m is embed for m in embedding.values()):  # an embedding held outside the stack
+    # the children of the stack and of each module between it and the layer list (BERT's encoder)
+    path = list_path.split(".")
+    parents = [(stack_prefix, stack)]
+    for part in path[:-1]:
+        parents.append((f"{parents[-1][0]}.{part}" if parents[-1][0] else part, getattr(parents[-1][1], part)))
+    on_path = {id(m) for _, m in parents} | {id(layers)}
+    for parent_prefix, parent in parents:
+        before = True  # registration order: children registered before the layer list run before it
+        for child_name, child in parent.named_children():
+            if id(child) in on_path:
+                before = False
+                continue
+            if not _has_params(child):
+                continue
+            q = f"{parent_prefix}.{child_name}" if parent_prefix else child_name
+            if child is embed or _EMBEDDING_NAME.search(child_name):
+                embedding[q] = child
+            elif _HEAD_NAME.search(child_name) or not before:
+                head[q] = child
+            else:
+                embedding[q] = child
+    if not any(sub is embed for m in embedding.values() for sub in m.modules()):  # held outside the stack
         embedding[_qualified(model, embed)] = embed
+    # parameters outside the stack besides the LM head (BERT's prediction transform): they run after
+    # the stack, so they belong to the head
+    claimed = {id(p) for m in (stack, *embedding.values(), lm_head) for p in m.parameters()}
+    for q, m in model.named_modules():
+        if any(id(p) not in claimed for p in m._parameters.values() if p is not None):
+            head[q] = m
+            claimed |= {id(p) for p in m.parameters()}
     head[_qualified(model, lm_head)] = lm_head
-    layers_prefix = f"{stack_prefix}.{list_name}" if stack_prefix else list_name
+    layers_prefix = f"{stack_prefix}.{list_path}" if stack_prefix else list_path
     return DecoderParts(family, stack, stack_prefix, layers, layers_prefix, embedding, head, lm_head)

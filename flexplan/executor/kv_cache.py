@@ -225,8 +225,9 @@ class FlexKVLayer(CacheLayerMixin):
 
     def cpu_f32_buffers(self) -> KV | None:
         """The active (capacity, batch, heads, dim) buffers when they are contiguous float32 host
-        tensors of a full-attention layer, which a native decode step writes into directly; else None."""
-        if self.active is None or self.window:
+        tensors, which a native decode step writes into directly (and reads from position 0: the
+        caller checks that a sliding layer's window still holds every key); else None."""
+        if self.active is None:
             return None
         k, v = self.active
         ok = all(t.device.type == "cpu" and t.dtype == torch.float32 and t.is_contiguous() for t in (k, v))

@@ -49,12 +49,12 @@ def _params(modules: dict[str, nn.Module]) -> dict[str, tuple[nn.Module, str]]:
     return out
 
 
-def _cache_of(kwargs: dict):
+def _cache_of(kwargs: dict, args: tuple = ()):
     """The cache a stack or layer call was given: ``past_key_values``, or whatever a model names
-    it (GPT-NeoX and Falcon layers take ``layer_past``)."""
+    it (GPT-NeoX and Falcon layers take ``layer_past``; GPT-2 passes it positionally)."""
     cache = kwargs.get("past_key_values")
     if cache is None:
-        cache = next((v for v in kwargs.values() if isinstance(v, Cache)), None)
+        cache = next((v for v in (*kwargs.values(), *args) if isinstance(v, Cache)), None)
     return cache
 
 
@@ -97,20 +97,24 @@ class Executor:
         self.kv_geometry = [geometry] * self.num_layers
         # the native CPU decode ops, per layer where they cover it (cpu_decode.covered_layer)
         self._fused, self.fused_layers, native_attention = (
-            cpu_decode.install(self.parts.layers, list(self.parts.head.values()), self.windows)
+            cpu_decode.install(self.parts.layers, list(self.parts.head.values()))
             if self.backend.ipex is None else ([], [], []))
         self.native_attention = frozenset(native_attention)  # layers whose decode attention is native
-        self._stack = (cpu_decode.install_stack(self.parts.stack, self.parts.layers, self.windows)
+        self._stack = (cpu_decode.install_stack(self.parts.stack, self.parts.layers)
                        if len(self.fused_layers) == self.num_layers else None)
         if self._stack is not None:
             self._fused.append(self.parts.stack)
         self.cpu_decode_ops = (cpu_decode.describe(len(self.fused_layers), self.num_layers) if self._fused else
                                f"transformers' ops ({'IPEX' if self.backend.ipex is not None else self.parts.family})")
-        covered = {n for g in (self.embed, *self.layers, self.head) for n in g.params}
-        missing = [n for n, _ in model.named_parameters() if n not in covered]
+        covered = {id(m._parameters[leaf]) for g in (self.embed, *self.layers, self.head) for m, leaf in g.params.values()}
+        missing = [n for n, p in model.named_parameters() if id(p) not in covered]
         if missing:
             from flexplan.errors import UnsupportedModelError
             raise UnsupportedModelError(f"parameters outside the embedding, decoder layers and head: {missing[:5]}")
+        # buffers inside decoder layers (a per-layer rotary table, a causal-mask buffer): a copy per
+        # device, rebound to where the layer computes (module, name) -> {device: tensor}
+        self._layer_buffers = [{(m, n): {b.device: b} for m in layer.modules() for n, b in m._buffers.items()
+                                if b is not None} for layer in self.parts.layers]
         self.slots: StreamSlots | None = None
         self.kv_pool = KVPool(link)
         self._cache: FlexCache | None = None  # the last request's cache (its layers learnt the real KV geometry)
@@ -128,9 +132,10 @@ class Executor:
     def _tied_embedding(self) -> str | None:
         """The embedding weight's name when the LM head shares it."""
         lm = self.parts.lm_head
-        for name, m in self.parts.embedding.items():
-            if getattr(m, "weight", None) is not None and m.weight is lm.weight:
-                return f"{name}.weight"
+        for prefix, module in self.parts.embedding.items():
+            for name, m in module.named_modules(prefix=prefix):
+                if isinstance(getattr(m, "weight", None), torch.Tensor) and m.weight is lm.weight:
+                    return f"{name}.weight"
         return None
 
     def _untie_head(self) -> None:
@@ -256,7 +261,7 @@ class Executor:
         self._t_top = None
 
     def _before_stack(self, module, args, kwargs):
-        cache = _cache_of(kwargs)
+        cache = _cache_of(kwargs, args)
         x = kwargs.get("input_ids")
         x = x if x is not None else kwargs.get("inputs_embeds")
         x = x if x is not None else args[0]
@@ -354,7 +359,7 @@ class Executor:
         on_acc = mode != CPU
         dtype = self._dtype(ACCELERATOR if on_acc else HOST_MEMORY)
         g = self.layers[i]
-        cache = _cache_of(kwargs)
+        cache = _cache_of(kwargs, args)
         kv = cache.layers[i] if isinstance(cache, FlexCache) else None
         if mode == STREAMED:
             slot = st.slot_of[i]
@@ -368,11 +373,16 @@ class Executor:
             g.bind(place)
             if kv is not None:
                 self._kv_to(kv, place, on_acc)
+        device = self.link.device if on_acc else torch.device("cpu")
         if kv is None and cache is not None:
-            generic_kv_to(cache, i, self.link.device if on_acc else torch.device("cpu"), dtype)
+            generic_kv_to(cache, i, device, dtype)
+        for (m, name), copies in self._layer_buffers[i].items():
+            if device not in copies:
+                copies[device] = next(iter(copies.values())).to(device)
+            m._buffers[name] = copies[device]
         self.link.note("compute", i)
         if args:
-            hidden, rest = args[0], tuple(args[1:])
+            hidden, rest = args[0], tuple(v if v is cache else st.aux_to(self.link, v, on_acc, dtype) for v in args[1:])
         else:
             hidden, rest = kwargs.pop("hidden_states"), ()
         hidden = st.hidden_to(self.link, hidden, on_acc, dtype, i)
@@ -392,7 +402,7 @@ class Executor:
         if st is None:
             return None
         mode = self.placement.modes[st.phase][i]
-        cache = _cache_of(kwargs)
+        cache = _cache_of(kwargs, args)
         kv = cache.layers[i] if isinstance(cache, FlexCache) else None
         if mode == STREAMED:
             slot = st.slot_of[i]
