@@ -101,6 +101,27 @@ def test_sliding_layers_hand_attention_the_window(fresh):
     assert max(prefetched) == (WINDOW - 1) * per_token
 
 
+@pytest.mark.parametrize("guess", [(1, 8, 1, 8), (4, 32, 4, 32)])
+@pytest.mark.parametrize("prefill,decode", [("gpu-offload", "gpu-offload-partial"), ("splitgen", "gpu")])
+def test_kv_geometry_the_config_got_wrong_is_corrected_at_the_first_update(fresh, monkeypatch, guess, prefill,
+                                                                          decode):
+    """A cache layout the config does not describe (too small: buffers reallocated, slots too;
+    too large: viewed with the real shapes) still gives transformers' tokens, and the next
+    request is sized from what the model really stored."""
+    import flexplan.executor.runner as runner
+    from flexplan.executor.kv_cache import KVGeometry
+
+    monkeypatch.setattr(runner, "kv_geometry", lambda config, spec=None: KVGeometry(*guess))
+    model, ref = fresh("llama3")
+    ids, mask = left_padded_batch()
+    expected = ref.generate(input_ids=ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False)
+    lm = load_fixed(model, prefill, decode, gpu_layers=1)
+    for _ in range(2):
+        assert torch.equal(lm.generate(input_ids=ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False),
+                           expected)
+    assert [tuple(g) for g in lm.executor.kv_geometry] == [(2, 16, 2, 16)] * 2
+
+
 @pytest.mark.parametrize("family,what", [("mamba", "linear_attention"), ("t5", "encoder-decoder"),
                                          ("qwen3_next", "linear_attention"), ("rwkv", "RWKV")])
 def test_non_layerwise_models_refused_in_one_line(family, what):

@@ -161,6 +161,9 @@ class FlexKVLayer(CacheLayerMixin):
         self.pending = None  # event: the last copy into `home` (offload / switch) finished
         self._offload_from = 0
         self.is_initialized = True
+        # (index, geometry) -> (new raws, the accelerator slots): set by the executor, called when the
+        # first update shows more bytes per token than the config said
+        self.regrow = None
 
     def _view_stores(self) -> None:
         self.stores = {p: kv_views(raw, self.batch, self.capacity, self.geometry, dt) for p, (raw, dt) in self.raws.items()}
@@ -185,12 +188,17 @@ class FlexKVLayer(CacheLayerMixin):
         if got == self.geometry:
             return
         raws = list(self.raws.values()) + ([self._slot_raw] if self._slot_raw is not None else [])
-        if self.length or any(kv_bytes(self.batch, self.capacity, got, dt) > raw.numel() for raw, dt in raws):
+        fits = all(kv_bytes(self.batch, self.capacity, got, dt) <= raw.numel() for raw, dt in raws)
+        if self.length or (not fits and self.regrow is None):
             raise UnsupportedModelError(
                 f"layer {self.index} caches K {tuple(key_states.shape[1::2])} and V {tuple(value_states.shape[1::2])} "
                 f"(heads, dim) per token but its config says {tuple(self.geometry)}: this model's cache layout is not "
                 "one flexplan.executor.kv_cache.kv_geometry knows")
         self.geometry = got
+        if not fits:  # larger than the config said: the executor reallocates this layer's buffers (and the slots)
+            self.raws, slots = self.regrow(self.index, got)
+            if isinstance(self.active_place, tuple):
+                self._slot_raw = slots[self.active_place[1]]
         self._view_stores()
         if self.active_place is not None:
             self.active = self._slot_views(self._slot_raw) if self.active_place not in self.stores \

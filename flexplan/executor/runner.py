@@ -227,8 +227,32 @@ class Executor:
                                       window=self.windows[i]))
         cache = FlexCache(layers)
         cache.slots = [(self.kv_pool.raw(("slot", s)), acc) for s in (0, 1)] if pl.streamed_layers else []
+        for kv in layers:
+            kv.regrow = functools.partial(self._regrow_kv, cache)
         self._cache = cache
         return cache
+
+    def _regrow_kv(self, cache: FlexCache, i: int, geometry) -> tuple[dict, list]:
+        """Layer i's first update stored more per token than its config said (a model-specific cache
+        layout): check the request still fits, then reallocate that layer's KV buffers (and the
+        streaming slots if they are now too small). Later requests are sized right from the start."""
+        self.kv_geometry[i] = geometry
+        pl, kv = self.placement, cache.layers[i]
+        batch, capacity = kv.batch, kv.capacity
+        self.check(pl, batch, capacity)
+        self.link.synchronize()
+        needs = {k: (b.where, b.nbytes) for k, b in self.kv_pool.buffers.items()}
+        for place in pl.layer_places(i):
+            where = PINNED if place == HOST_MEMORY and pl.kv_host_pinned(i) else place
+            needs[(i, place)] = (where, kv_bytes(batch, capacity, geometry, self._dtype(place)))
+        acc = self._dtype(ACCELERATOR)
+        if cache.slots:
+            for s in (0, 1):
+                needs[("slot", s)] = (ACCELERATOR, max(needs[("slot", s)][1], kv_bytes(batch, capacity, geometry, acc)))
+        self.kv_pool.ensure(needs)
+        if cache.slots:
+            cache.slots = [(self.kv_pool.raw(("slot", s)), acc) for s in (0, 1)]
+        return {p: (self.kv_pool.raw((i, p)), self._dtype(p)) for p in pl.layer_places(i)}, cache.slots
 
     # ---- hooks ------------------------------------------------------------------------------
     def _install_hooks(self) -> list:
