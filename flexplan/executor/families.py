@@ -94,7 +94,8 @@ def check_supported(config) -> str:
         raise UnsupportedModelError(f"model_type {mt!r}: cannot tell its decoder layers' cache types ({e})") from None
     odd = sorted({t for t in types if t not in KV_LAYER_TYPES})
     if odd:
-        what = "state-space / hybrid recurrent" if any("linear" in t or t in ("conv", "hybrid") for t in odd) else "non-KV"
+        what = ("state-space / hybrid recurrent" if any("linear" in t or t == "conv" or t.startswith("hybrid") for t in odd)
+                else "attention with state beside its KV cache")
         raise UnsupportedModelError(
             f"model_type {mt!r} has {', '.join(odd)} layers ({what}): they keep state other than a per-layer KV "
             "cache, so the executor cannot run it layer by layer")

@@ -110,7 +110,9 @@ class Executor:
         missing = [n for n, p in model.named_parameters() if id(p) not in covered]
         if missing:
             from flexplan.errors import UnsupportedModelError
-            raise UnsupportedModelError(f"parameters outside the embedding, decoder layers and head: {missing[:5]}")
+            raise UnsupportedModelError(
+                f"model_type {self.parts.family!r} has parameters outside its embedding, decoder layers and head "
+                f"({', '.join(missing[:5])}): the executor cannot place them, so it cannot run it layer by layer")
         # buffers inside decoder layers (a per-layer rotary table, a causal-mask buffer): a copy per
         # device, rebound to where the layer computes (module, name) -> {device: tensor}
         self._layer_buffers = [{(m, n): {b.device: b} for m in layer.modules() for n, b in m._buffers.items()
