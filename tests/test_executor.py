@@ -136,6 +136,31 @@ def test_non_layerwise_models_refused_in_one_line(family, what):
     assert what in str(e.value) and "\n" not in str(e.value) and repr(family) in str(e.value)
 
 
+def test_model_without_kv_cache_refused_and_odd_get_decoder_found(fresh):
+    """GPT-1 keeps no KV cache: refused in one line. ModernBERT-decoder's get_decoder() answers
+    its LM head: the stack is found by its layer list instead, and runs."""
+    import transformers
+
+    from flexplan.errors import UnsupportedModelError
+
+    gpt1 = transformers.OpenAIGPTLMHeadModel(transformers.OpenAIGPTConfig(
+        n_embd=32, n_layer=2, n_head=2, vocab_size=160, n_positions=64)).eval()
+    with pytest.raises(UnsupportedModelError, match="'openai-gpt' keeps no KV cache"):
+        api.load(gpt1, plan={"prefill": "cpu", "decode": "cpu"}, accelerator="cpu", gpu_memory_bytes=GIB)
+    config = transformers.ModernBertDecoderConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                                  num_attention_heads=4, vocab_size=160, pad_token_id=0,
+                                                  local_attention=4, global_attn_every_n_layers=2)
+    torch.manual_seed(0)
+    ref = transformers.AutoModelForCausalLM.from_config(config).eval()
+    ids, mask = left_padded_batch()
+    expected = ref.generate(input_ids=ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False)
+    import copy
+
+    lm = load_fixed(copy.deepcopy(ref), "gpu-offload", "splitgen", gpu_layers=1)
+    assert lm.executor.parts.layers_prefix == "model.layers"
+    assert torch.equal(lm.generate(input_ids=ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False), expected)
+
+
 def test_tiny_mamba_refused_at_load_before_allocation():
     import transformers
 

@@ -18,6 +18,7 @@ decoder stack and a list of layers.
 
 from __future__ import annotations
 
+import inspect
 import re
 from dataclasses import dataclass
 
@@ -128,8 +129,8 @@ def _find_stack(model: nn.Module, num_layers: int | None) -> nn.Module | None:
     shallowest submodule that holds the decoder layers directly."""
     get_decoder = getattr(model, "get_decoder", None)
     stack = get_decoder() if callable(get_decoder) else None
-    if stack is not None and stack is not model:
-        return stack
+    if isinstance(stack, nn.Module) and stack is not model and _layer_list(stack, num_layers) is not None:
+        return stack  # (ModernBERT-decoder's get_decoder() answers its LM head: not a stack)
     for name, m in model.named_modules():
         found = _layer_list(m, num_layers) if name else None
         if found is not None and "." not in found[0]:
@@ -158,6 +159,11 @@ def decoder_parts(model: nn.Module) -> DecoderParts:
     found = _layer_list(stack, num_layers)
     if stack_prefix is None or found is None:
         raise UnsupportedModelError(f"{name}: its decoder {type(stack).__name__} has no list of decoder layers")
+    takes = inspect.signature(type(stack).forward).parameters
+    if "past_key_values" not in takes:
+        raise UnsupportedModelError(
+            f"model_type {family!r} keeps no KV cache (its {type(stack).__name__} takes no past_key_values): every "
+            "step would recompute the whole sequence, so the executor does not run it")
     list_path, layers = found
     embedding: dict[str, nn.Module] = {}
     head: dict[str, nn.Module] = {}
