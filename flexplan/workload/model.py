@@ -77,17 +77,18 @@ class ModelSpec:
             raise MalformedDataError(f"expected a HuggingFace config, dict or path, got {type(config).__name__}")
         name = name or cfg.get("_name_or_path") or cfg.get("model_type", "model")
         try:
-            return cls._from_dict(cfg, str(name))
+            return cls._from_dict(cfg, str(name), any_type=hasattr(config, "to_dict"))  # TEMP(wt-exec)
         except KeyError as e:
             raise MalformedDataError(f"model config {name!r} lacks field {e.args[0]!r}") from None
         except (TypeError, ValueError) as e:
             raise MalformedDataError(f"model config {name!r} has a bad value: {e}") from None
 
     @classmethod
-    def _from_dict(cls, cfg: dict[str, Any], name: str) -> "ModelSpec":
+    def _from_dict(cls, cfg: dict[str, Any], name: str, any_type: bool = False) -> "ModelSpec":
         model_type = cfg.get("model_type")
         if model_type not in FAMILIES:
-            if "num_hidden_layers" not in cfg or "hidden_size" not in cfg:  # TEMP(wt-exec): replaced by wt-workload
+            # TEMP(wt-exec): replaced by wt-workload. A loaded model's config (the executor's) of any type
+            if not any_type or "num_hidden_layers" not in cfg or "hidden_size" not in cfg:
                 raise MalformedDataError(
                     f"model {name!r} has model_type {model_type!r}; supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
                 )
