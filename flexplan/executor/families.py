@@ -4,16 +4,19 @@ The executor places three kinds of unit: the embedding (looked up on the host), 
 layer, and the head (final norm(s), OPT's ``project_out``, the LM head) that sits with the last
 layer. They are found through transformers' own accessors, for any decoder-only causal LM:
 ``get_decoder()`` (the stack), ``get_input_embeddings()``, ``get_output_embeddings()`` (the LM
-head) and the stack's ``ModuleList`` of decoder layers (``layers``, ``h``, ``blocks``...). The
-stack's other children are classified generically: those that run before the layers (position
+head) and the stack's ``ModuleList`` of decoder layers (``layers``, ``h``, ``blocks``, BERT's
+``encoder.layer``; where ``get_decoder()`` answers no such stack, the shallowest module holding
+one). The stack's other children are classified generically: those that run before the layers (position
 embeddings, input projections, embedding norms) are "embedding", those after (final norms,
 output projections) are "head"; modules without parameters (rotary embeddings hold buffers only)
 belong to neither. Names decide where they are unambiguous, registration order otherwise.
+Parameters outside the stack besides the LM head (BERT's prediction transform) join the head.
 
 A model that cannot run layer by layer is refused here, before any allocation, with one line
 that says what it is and why: an encoder-decoder, a model whose layers keep recurrent or
-linear-attention state instead of a per-layer KV cache (``layer_types``), or one without a
-decoder stack and a list of layers.
+linear-attention state instead of a per-layer KV cache (``layer_types``; a small table for
+recurrent families whose config does not say), one whose decoder takes no KV cache at all, or
+one without a decoder stack and a list of layers.
 """
 
 from __future__ import annotations
