@@ -230,7 +230,7 @@ def load(model_or_path, plan: Any = "auto", accelerator: str | None = None, hard
          dtype: str | None = None, gpu_memory_bytes: int | None = None,
          pinned_memory_budget_bytes: int | None = None, cpu_linear_kernel: str | None = None,
          cpu_threads: int | None = None) -> FlexModel:
-    """Load (or take over) a llama / mistral / qwen2 / opt causal LM and run it under a plan.
+    """Load (or take over) a decoder-only transformers causal LM and run it under a plan.
 
     ``model_or_path``: a folder with config.json + *.safetensors (streamed tensor by tensor into
     place), or a loaded ``*ForCausalLM`` (its weights are re-placed in place; keep a copy if you

@@ -66,6 +66,7 @@ class Inventory:
     activation_elems_per_row: int  # hidden, residual, q/k/v/attention output, MLP intermediates
     vocab_size: int
     v_head_dim: int = 0  # value head width when it differs from the key's (0: head_dim)
+    kv_elems_per_token: int = 0  # K + V elements a token stores per layer (0: kv_heads x (head_dim + v_head_dim))
     _cache: dict = field(default_factory=dict, compare=False, hash=False, repr=False)
 
     @cached_property
@@ -145,7 +146,8 @@ class Inventory:
             spec.experts_per_token * spec.expert_intermediate_size + spec.shared_expert_intermediate_size)
         per_row = 4 * h + q + kd + kvd + 3 * width
         return cls(tuple(embedding), tuple(layers), tuple(head), spec.num_kv_heads, spec.head_dim, per_row,
-                   spec.vocab_size, v_head_dim=spec.v_head_dim or spec.head_dim)
+                   spec.vocab_size, v_head_dim=spec.v_head_dim or spec.head_dim,
+                   kv_elems_per_token=spec.kv_elems_per_token)
 
 
 def _padded(nbytes: int) -> int:
@@ -186,8 +188,9 @@ def unit_bytes(tensors: tuple[Tensor, ...], place: str, dtype: str, cpu_dtype: s
 
 
 def kv_bytes(inv: Inventory, batch: int, capacity: int, dtype: str) -> int:
-    """K and V of one layer: batch x tokens x kv_heads x (head_dim + v_head_dim) elements (kv_cache.kv_bytes)."""
-    return batch * capacity * inv.kv_heads * (inv.head_dim + (inv.v_head_dim or inv.head_dim)) * DTYPE_BYTES[dtype]
+    """K and V of one layer: batch x tokens x K + V elements per token (kv_cache.kv_bytes)."""
+    elems = inv.kv_elems_per_token or inv.kv_heads * (inv.head_dim + (inv.v_head_dim or inv.head_dim))
+    return batch * capacity * elems * DTYPE_BYTES[dtype]
 
 
 def activation_bytes(inv: Inventory, rows: int, dtype: str, batch: int) -> int:

@@ -9,10 +9,11 @@ import torch
 from transformers import TextStreamer
 
 import flexplan.api as api
+from flexplan.executor.link import H2D
 from flexplan.executor.plans import fixed_plan
 from flexplan.plan_types import POLICIES
 
-from conftest import FAMILIES, left_padded_batch
+from conftest import FAMILIES, MORE_FAMILIES, WINDOW, left_padded_batch
 
 GIB = 1 << 30
 NEW = 6
@@ -35,6 +36,140 @@ def test_greedy_tokens_identical(fresh, family, prefill, decode):
     assert torch.equal(out, expected)
     assert lm.last_stats.new_tokens == NEW
     assert lm.plan.prefill.policy == prefill and lm.plan.decode.policy == decode
+
+
+# every policy once as prefill and once as decode, each pair mixing places (5 of the 25 pairs)
+ROTATED_PAIRS = [(p, POLICIES[(i + 2) % len(POLICIES)]) for i, p in enumerate(POLICIES)]
+# families whose whole matrix runs: Llama-like (fused decode), sliding everywhere, mixed local/global, MoE
+FULL_MATRIX = ("llama3", "mistral_sw", "gemma3", "gpt_oss")
+
+
+def _more_cases():
+    for family in MORE_FAMILIES:
+        pairs = list(itertools.product(POLICIES, POLICIES)) if family in FULL_MATRIX else ROTATED_PAIRS
+        for prefill, decode in pairs:
+            yield pytest.param(family, prefill, decode, id=f"{family}-{prefill}-{decode}")
+
+
+@pytest.mark.parametrize("family,prefill,decode", list(_more_cases()))
+def test_greedy_tokens_identical_any_family(fresh, family, prefill, decode):
+    """Any decoder-only causal LM of transformers, found through its own accessors: the same
+    tokens as transformers' generate, batched and left-padded, with windows (4 tokens) shorter
+    than the sequence (9 + 6)."""
+    model, ref = fresh(family)
+    ids, mask = left_padded_batch()
+    expected = ref.generate(input_ids=ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False)
+    lm = load_fixed(model, prefill, decode, gpu_layers=1)
+    out = lm.generate(input_ids=ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False)
+    assert torch.equal(out, expected)
+    assert lm.plan.prefill.policy == prefill and lm.plan.decode.policy == decode
+
+
+def test_parts_windows_and_fused_layers_found_per_family(fresh):
+    """What the executor found: OPT's and Falcon's stacks, sliding layers, the fused path only
+    on layers it covers (Llama-like), the latent KV cache of DeepSeek V3's MLA."""
+    found = {}
+    for family in ("opt350", "falcon", "gemma3", "llama3", "qwen3_moe", "mixtral", "granite", "deepseek_v3"):
+        model, _ = fresh(family)
+        ex = load_fixed(model, "cpu", "cpu").executor
+        found[family] = ex
+    opt, falcon = found["opt350"].parts, found["falcon"].parts
+    assert set(opt.embedding) == {"model.decoder.embed_tokens", "model.decoder.embed_positions", "model.decoder.project_in"}
+    assert list(opt.head) == ["model.decoder.project_out", "lm_head"]
+    assert falcon.layers_prefix == "transformer.h" and list(falcon.head) == ["transformer.ln_f", "lm_head"]
+    assert found["gemma3"].windows == [WINDOW, WINDOW, None]
+    assert found["llama3"].fused_layers == [0, 1] and found["llama3"].native_stack_steps == 0
+    assert found["mixtral"].fused_layers == [] and found["mixtral"].native_attention == {0, 1}  # MoE: attention only
+    assert found["qwen3_moe"].native_attention == frozenset()  # QK-norm: transformers' attention
+    assert found["granite"].fused_layers == []  # its layers scale the residual: not Llama's forward
+    assert tuple(found["deepseek_v3"].kv_geometry[0]) == (1, 16, 1, 8)
+
+
+def test_sliding_layers_hand_attention_the_window(fresh):
+    """A sliding layer keeps the whole context but returns, and reports mask sizes for, only
+    what DynamicSlidingWindowLayer would; its prefetch copies stop at the window."""
+    model, ref = fresh("mistral_sw")
+    ids, mask = left_padded_batch()
+    lm = load_fixed(model, "gpu-offload", "gpu-offload")
+    out = lm.generate(input_ids=ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False)
+    assert torch.equal(out, ref.generate(input_ids=ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False))
+    kv = lm.executor._cache.layers[0]
+    assert kv.is_sliding and kv.get_max_length() == WINDOW and kv.length == 9 + NEW - 1
+    assert kv.get_mask_sizes(1) == (WINDOW, kv.length - WINDOW + 1)
+    per_token = 3 * 2 * 16 * 4  # one of K, V: batch 3 x 2 KV heads x 16 dims x fp32
+    prefetched = [t.nbytes for t in lm.executor.link.transfers if t.kind == "kv" and t.direction == H2D and t.layer == 0]
+    assert max(prefetched) == (WINDOW - 1) * per_token
+
+
+@pytest.mark.parametrize("guess", [(1, 8, 1, 8), (4, 32, 4, 32)])
+@pytest.mark.parametrize("prefill,decode", [("gpu-offload", "gpu-offload-partial"), ("splitgen", "gpu")])
+def test_kv_geometry_the_config_got_wrong_is_corrected_at_the_first_update(fresh, monkeypatch, guess, prefill,
+                                                                          decode):
+    """A cache layout the config does not describe (too small: buffers reallocated, slots too;
+    too large: viewed with the real shapes) still gives transformers' tokens, and the next
+    request is sized from what the model really stored."""
+    import flexplan.executor.runner as runner
+    from flexplan.executor.kv_cache import KVGeometry
+
+    monkeypatch.setattr(runner, "kv_geometry", lambda config, spec=None: KVGeometry(*guess))
+    model, ref = fresh("llama3")
+    ids, mask = left_padded_batch()
+    expected = ref.generate(input_ids=ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False)
+    lm = load_fixed(model, prefill, decode, gpu_layers=1)
+    for _ in range(2):
+        assert torch.equal(lm.generate(input_ids=ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False),
+                           expected)
+    assert [tuple(g) for g in lm.executor.kv_geometry] == [(2, 16, 2, 16)] * 2
+
+
+@pytest.mark.parametrize("family,what", [("mamba", "linear_attention"), ("t5", "encoder-decoder"),
+                                         ("qwen3_next", "linear_attention"), ("rwkv", "RWKV")])
+def test_non_layerwise_models_refused_in_one_line(family, what):
+    import transformers
+
+    from flexplan.errors import UnsupportedModelError
+    from flexplan.executor.families import check_supported
+
+    config = transformers.AutoConfig.for_model(family)
+    with pytest.raises(UnsupportedModelError) as e:
+        check_supported(config)
+    assert what in str(e.value) and "\n" not in str(e.value) and repr(family) in str(e.value)
+
+
+def test_model_without_kv_cache_refused_and_odd_get_decoder_found(fresh):
+    """GPT-1 keeps no KV cache: refused in one line. ModernBERT-decoder's get_decoder() answers
+    its LM head: the stack is found by its layer list instead, and runs."""
+    import transformers
+
+    from flexplan.errors import UnsupportedModelError
+
+    gpt1 = transformers.OpenAIGPTLMHeadModel(transformers.OpenAIGPTConfig(
+        n_embd=32, n_layer=2, n_head=2, vocab_size=160, n_positions=64)).eval()
+    with pytest.raises(UnsupportedModelError, match="'openai-gpt' keeps no KV cache"):
+        api.load(gpt1, plan={"prefill": "cpu", "decode": "cpu"}, accelerator="cpu", gpu_memory_bytes=GIB)
+    config = transformers.ModernBertDecoderConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                                  num_attention_heads=4, vocab_size=160, pad_token_id=0,
+                                                  local_attention=4, global_attn_every_n_layers=2)
+    torch.manual_seed(0)
+    ref = transformers.AutoModelForCausalLM.from_config(config).eval()
+    ids, mask = left_padded_batch()
+    expected = ref.generate(input_ids=ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False)
+    import copy
+
+    lm = load_fixed(copy.deepcopy(ref), "gpu-offload", "splitgen", gpu_layers=1)
+    assert lm.executor.parts.layers_prefix == "model.layers"
+    assert torch.equal(lm.generate(input_ids=ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False), expected)
+
+
+def test_tiny_mamba_refused_at_load_before_allocation():
+    import transformers
+
+    from flexplan.errors import UnsupportedModelError
+
+    model = transformers.MambaForCausalLM(transformers.MambaConfig(
+        vocab_size=160, hidden_size=32, state_size=4, num_hidden_layers=2)).eval()
+    with pytest.raises(UnsupportedModelError, match="'mamba' has linear_attention layers"):
+        api.load(model, plan={"prefill": "cpu", "decode": "cpu"}, accelerator="cpu", gpu_memory_bytes=GIB)
 
 
 @pytest.mark.parametrize("prefill,decode", [("gpu-offload", "splitgen"), ("cpu", "gpu"), ("gpu", "cpu")])
@@ -152,3 +287,21 @@ def test_bf16_accelerator_fp32_cpu_every_pair(fresh, prefill, decode):
     out = api.load(model, plan=plan, accelerator="cpu", gpu_memory_bytes=GIB).generate(**kw)
     for a, b in zip(out.logits, expected.logits):
         torch.testing.assert_close(a, b, atol=0.1, rtol=0.05)
+
+
+@pytest.mark.parametrize("family,prefill,decode", [("gemma3", "gpu", "splitgen"), ("mixtral", "gpu-offload", "cpu"),
+                                                   ("deepseek_v3", "cpu", "gpu-offload-partial"),
+                                                   ("gpt2", "gpu-offload", "splitgen")])
+def test_bf16_accelerator_fp32_cpu_any_family(fresh, family, prefill, decode):
+    """Sliding layers, 3-D expert weights, MLA's latent cache and Conv1D projections converted
+    between the accelerator's bf16 and the CPU's fp32 (weights, KV at the switch and in streaming)."""
+    model, ref = fresh(family)
+    ids, mask = left_padded_batch()
+    kw = dict(input_ids=ids, attention_mask=mask, max_new_tokens=3, do_sample=False, return_dict_in_generate=True,
+              output_logits=True)
+    expected = ref.generate(**kw)
+    plan = fixed_plan(model.config, prefill, decode, 1, dtype="bfloat16", cpu_dtype="float32", batch_size=3,
+                      input_len=9, output_len=3)
+    out = api.load(model, plan=plan, accelerator="cpu", gpu_memory_bytes=GIB).generate(**kw)
+    for a, b in zip(out.logits, expected.logits):
+        torch.testing.assert_close(a, b, atol=0.1 * float(b.abs().max()), rtol=0.05)

@@ -16,11 +16,12 @@ GIB = 1 << 30
 
 
 @pytest.fixture
-def saved(reference_models, tmp_path_factory, one_thread):
+def saved(reference_models, more_models, tmp_path_factory, one_thread):
     def save(family, shard="100KB"):
         path = tmp_path_factory.mktemp(family)
-        reference_models[family].save_pretrained(path, max_shard_size=shard)
-        return path, reference_models[family]
+        ref = reference_models[family] if family in reference_models else more_models[family]
+        ref.save_pretrained(path, max_shard_size=shard)
+        return path, ref
     return save
 
 
@@ -28,6 +29,9 @@ def saved(reference_models, tmp_path_factory, one_thread):
     ("llama", "gpu-offload", "splitgen"),  # tied embeddings, several shards
     ("opt350", "cpu", "gpu-offload-partial"),
     ("qwen2", "gpu", "cpu"),
+    ("gemma2", "gpu-offload", "splitgen"),  # tied, scaled embedding, sliding layers: streamed tensor by tensor
+    ("falcon", "splitgen", "gpu-offload-partial"),  # "transformer.h" layers
+    ("mixtral", "gpu-offload", "splitgen"),  # per-expert checkpoint tensors: transformers converts them on load
 ])
 def test_load_from_folder_matches_transformers(saved, family, prefill, decode):
     path, ref = saved(family)

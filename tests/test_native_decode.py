@@ -210,15 +210,27 @@ def test_without_native_ops_layers_keep_transformers_forward(monkeypatch):
         ops, why = native.decode_status()
         assert ops is None and "FLEXPLAN_NATIVE=0" in why
         model = _wide_model("llama")
-        assert cpu_decode.install(model.model.layers, [model.model.norm]) == []
+        assert cpu_decode.install(model.model.layers, [model.model.norm]) == ([], [], [])
         assert "forward" not in model.model.layers[0].__dict__
         assert cpu_decode.describe().startswith("transformers' ops")
     finally:
         native.decode_status.cache_clear()
 
 
+def _bf16_packing() -> bool:
+    """Whether oneDNN can pack a bf16 linear weight on this CPU (it needs AVX-512 BF16 support
+    or AVX-NE-CONVERT; an AVX2-only CPU refuses)."""
+    try:
+        torch.ops.mkldnn._reorder_linear_weight(torch.zeros(64, 64, dtype=torch.bfloat16), 1)
+        return True
+    except RuntimeError:
+        return False
+
+
 @needs_decode
-@pytest.mark.parametrize("cpu_dtype,masked", [("bfloat16", True), ("float32", False)])
+@pytest.mark.parametrize("cpu_dtype,masked", [
+    pytest.param("bfloat16", True, marks=pytest.mark.skipif(not _bf16_packing(), reason="no bf16 oneDNN packing on this CPU")),
+    ("float32", False)])
 def test_unmasked_decode_gets_the_all_true_mask_only_where_transformers_attends(cpu_dtype, masked, one_thread):
     """The fused ops attend without a mask in fp32; a bf16 CPU layer still runs transformers' SDPA,
     whose unmasked grouped-query CPU path is ~10x slower, so it keeps getting the all-true mask."""

@@ -18,9 +18,17 @@ through :func:`flexplan.executor.native.decode_status`):
   update (the cache's own ``update``), one-query grouped-head attention reading the cache's
   view through its strides, the output projection.
 
-Covered: float32 tensors on the CPU (linear weights float32 or, blocked, 16-bit: computed in
-float32), the families in :data:`FUSED_FAMILIES` (same attention
-block), no attention weights requested, a boolean padding mask or none. Anything else (another
+Covered, per module and structurally (not by model_type): a decoder layer whose forward is Llama's
+(the same bytecode: pre-norm residual blocks), with an attention block that has exactly q/k/v/o
+projections, no parameters of its own (attention sinks), no QK-norm or logit soft-capping (its
+forward names nothing Llama's does not, besides the sliding window it passes on), Llama's rotary
+embedding (``rotate_half``); a sliding window is fine in decode, where the cache hands attention
+only the window's keys and transformers' mask for them; a SwiGLU MLP (Llama's forward, SiLU); RMSNorms whose
+forward is Llama's (Gemma's ``1 + weight`` is not). A layer whose attention is covered but whose
+MLP is not (a mixture of experts) keeps the fused attention and norms; the rest of it, and every
+layer not covered, runs transformers' own forward. Float32 tensors on the CPU (linear weights
+float32 or, blocked, 16-bit: computed in float32), no attention weights requested, a boolean
+padding mask or none. Anything else (another
 device or dtype: a layer on the accelerator; prefill; a float mask; ``FLEXPLAN_NATIVE=0``) runs
 transformers' own forward, so the instance-level forward never changes what is computed, only
 how. The class and other instances are untouched; :func:`uninstall` removes it.
@@ -30,6 +38,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import inspect
 
 import torch
 from torch import nn
@@ -37,7 +46,84 @@ from transformers.modeling_outputs import BaseModelOutputWithPast
 
 from flexplan.executor import native
 
-FUSED_FAMILIES = ("llama", "mistral", "qwen2")  # LlamaAttention's structure (Mistral/Qwen2 differ only in the mask)
+# ---- which modules the native ops cover: compared with transformers' Llama, structurally -------------------
+_ATTENTION_CHILDREN = frozenset({"q_proj", "k_proj", "v_proj", "o_proj"})
+_MLP_CHILDREN = frozenset({"gate_proj", "up_proj", "down_proj", "act_fn"})
+_LAYER_CHILDREN = frozenset({"self_attn", "mlp", "input_layernorm", "post_attention_layernorm"})
+# names a covered attention forward may use besides Llama's: Mistral/Qwen2 pass their (None) sliding window
+_ATTENTION_EXTRA_NAMES = frozenset({"getattr", "sliding_window"})
+# names a covered decoder stack forward may use besides Llama's: the sliding-window mask mapping (unused)
+_STACK_EXTRA_NAMES = frozenset({"create_sliding_window_causal_mask", "sliding_window", "dict", "enumerate",
+                                "has_sliding_layers", "isinstance", "layer_types", "MoeModelOutputWithPast"})
+
+
+def _llama():
+    from transformers.models.llama import modeling_llama
+
+    return modeling_llama
+
+
+def _code(f):
+    return getattr(inspect.unwrap(f), "__code__", None)
+
+
+def _same_code(f, g) -> bool:
+    a, b = _code(f), _code(g)
+    return a is not None and b is not None and (a.co_code, a.co_names) == (b.co_code, b.co_names)
+
+
+def _extra_names(f, g) -> set[str]:
+    a, b = _code(f), _code(g)
+    return {"?"} if a is None or b is None else set(a.co_names) - set(b.co_names)
+
+
+def _children(m: nn.Module) -> dict[str, nn.Module]:
+    return {n: c for n, c in m.named_children() if not isinstance(c, nn.Dropout)}
+
+
+def covered_norm(m: nn.Module) -> bool:
+    """An RMSNorm that computes what Llama's does (weight x normalised, one weight)."""
+    return (hasattr(m, "variance_epsilon") and set(n for n, _ in m.named_parameters()) == {"weight"}
+            and _same_code(type(m).forward, _llama().LlamaRMSNorm.forward))
+
+
+def covered_attention(a: nn.Module) -> bool:
+    """Llama's attention block: q/k/v/o projections only, rotate-half rotary. A sliding window is
+    covered in decode: the cache hands over only the window's keys (as transformers' sliding
+    cache layers do) and the mask, if any, is the one transformers built for them."""
+    kids = _children(a)
+    if (set(kids) != _ATTENTION_CHILDREN or not all(type(c) is nn.Linear for c in kids.values())
+            or a._parameters or a._buffers
+            or not all(hasattr(a, x) for x in ("head_dim", "scaling", "layer_idx"))
+            or getattr(getattr(a, "config", None), "attn_logit_softcapping", None)
+            or _extra_names(type(a).forward, _llama().LlamaAttention.forward) - _ATTENTION_EXTRA_NAMES):
+        return False
+    g = inspect.unwrap(type(a).forward).__globals__
+    L = _llama()
+    return (_same_code(g.get("apply_rotary_pos_emb"), L.apply_rotary_pos_emb)
+            and _same_code(g.get("rotate_half"), L.rotate_half))
+
+
+def covered_mlp(m: nn.Module) -> bool:
+    """A SwiGLU MLP: down(silu(gate(x)) * up(x)), as Llama's."""
+    kids = _children(m)
+    return (set(kids) == _MLP_CHILDREN and all(type(kids[n]) is nn.Linear for n in _MLP_CHILDREN - {"act_fn"})
+            and type(kids["act_fn"]).__name__ in _SILU and _same_code(type(m).forward, _llama().LlamaMLP.forward))
+
+
+def covered_layer(layer: nn.Module) -> bool:
+    """A whole decoder layer the native layer calls compute (:class:`FusedLayer`)."""
+    kids = _children(layer)
+    return (set(kids) == _LAYER_CHILDREN and _same_code(type(layer).forward, _llama().LlamaDecoderLayer.forward)
+            and covered_attention(kids["self_attn"]) and covered_mlp(kids["mlp"])
+            and covered_norm(kids["input_layernorm"]) and covered_norm(kids["post_attention_layernorm"]))
+
+
+def covered_stack(stack: nn.Module) -> bool:
+    """A decoder stack the native stack call replaces: plain embedding, rotary, Llama's forward."""
+    return (type(getattr(stack, "embed_tokens", None)) is nn.Embedding and hasattr(stack, "rotary_emb")
+            and covered_norm(getattr(stack, "norm", None) or nn.Module())
+            and not _extra_names(type(stack).forward, _llama().LlamaModel.forward) - _STACK_EXTRA_NAMES)
 
 
 def _cpu_f32(*tensors: torch.Tensor) -> bool:
@@ -260,6 +346,7 @@ class FusedStack:
         if (given.dim() != (2 if embeds is None else 3) or given.shape[1] != 1 or any(buf is None for buf in buffers)
                 or any(kv.length != pos for kv in cache.layers) or pos + 1 > cache.layers[0].capacity
                 or any(buf[0].shape[1] != b for buf in buffers) or (self.window and pos + 1 > self.window)
+                or any(getattr(kv, "window", None) and pos + 1 > kv.window for kv in cache.layers)
                 or not all(f._fill() for f in self.layers) or len({f.dims() for f in self.layers}) != 1):
             return None  # checked before the embedding lookup: a declined step does not pay for it twice
         x = self.stack.embed_tokens(ids) if embeds is None else embeds
@@ -294,42 +381,44 @@ class FusedStack:
 
 def install_stack(stack: nn.Module, layers: nn.ModuleList) -> FusedStack | None:
     """Give the decoder stack the native whole-stack decode step (:class:`FusedStack`) when
-    every decoder layer has a :class:`FusedLayer` (installed by :func:`install`), else None.
-    :func:`uninstall` ([stack]) removes it."""
+    every decoder layer has a :class:`FusedLayer` (installed by :func:`install`) and the stack
+    is Llama's, else None. :func:`uninstall` ([stack]) removes it."""
     fused = [layer.__dict__.get("forward") for layer in layers]
-    if not layers or not all(isinstance(f, FusedLayer) for f in fused) or not all(
-            hasattr(stack, a) for a in ("embed_tokens", "rotary_emb", "norm", "config")):
+    if (not layers or not all(isinstance(f, FusedLayer) for f in fused)
+            or not all(hasattr(stack, a) for a in ("embed_tokens", "rotary_emb", "norm", "config"))
+            or not covered_stack(stack)):
         return None
     stack.forward = FusedStack(stack, fused, fused[0].ops)
     return stack.forward
 
 
-def fusable_family(family: str) -> bool:
-    return family in FUSED_FAMILIES
-
-
-def install(layers: nn.ModuleList, norms: list[nn.Module]) -> list[nn.Module]:
-    """Give each decoder layer's attention block and every RMSNorm in ``layers`` and ``norms`` the
-    fused forward; the modules changed (for :func:`uninstall`). Nothing when the native ops are
-    unavailable."""
+def install(layers: nn.ModuleList, norms: list[nn.Module]) -> tuple[list[nn.Module], list[int], list[int]]:
+    """Give each covered decoder layer (:func:`covered_layer`) the fused layer forward, each
+    covered attention block and RMSNorm in ``layers`` and ``norms`` (final norms) the fused
+    forward; (the modules changed, for :func:`uninstall`; the indices of the fused layers; the
+    indices of the layers whose attention the native ops compute). Nothing when the native ops
+    are unavailable."""
     ops = native.decode_status()[0]
     if ops is None:
-        return []
-    changed = []
-    for layer in layers:
-        if all(hasattr(layer, a) for a in ("self_attn", "mlp", "input_layernorm", "post_attention_layernorm")):
+        return [], [], []
+    changed, fused = [], []
+    for i, layer in enumerate(layers):
+        if covered_layer(layer):
             layer.forward = FusedLayer(layer, ops)
             changed.append(layer)
+            fused.append(i)
+    native_attention = set(fused)
+    for i, layer in enumerate(layers):
+        for a in layer.children():
+            if not isinstance(a, nn.ModuleList) and covered_attention(a):
+                a.forward = functools.partial(_attention_forward, a, ops)
+                changed.append(a)
+                native_attention.add(i)
     for module in [m for layer in layers for m in layer.modules()] + list(norms):
-        if type(module).__name__.endswith("RMSNorm") and hasattr(module, "variance_epsilon"):
+        if covered_norm(module):
             module.forward = functools.partial(_rmsnorm_forward, module, ops)
-        elif all(hasattr(module, a) for a in ("q_proj", "k_proj", "v_proj", "o_proj", "head_dim", "scaling",
-                                               "layer_idx")):
-            module.forward = functools.partial(_attention_forward, module, ops)
-        else:
-            continue
-        changed.append(module)
-    return changed
+            changed.append(module)
+    return changed, fused, sorted(native_attention)
 
 
 def uninstall(modules: list[nn.Module]) -> None:
@@ -337,8 +426,13 @@ def uninstall(modules: list[nn.Module]) -> None:
         m.__dict__.pop("forward", None)
 
 
-def describe() -> str:
+def describe(fused_layers: int | None = None, num_layers: int | None = None) -> str:
     """What the CPU's decoder layers run besides the linears (for run statistics)."""
     ops, why = native.decode_status()
+    if ops is None:
+        return f"transformers' ops ({why})"
+    if fused_layers is not None and fused_layers < (num_layers or 0):
+        return (f"native fused decode for {fused_layers} of {num_layers} layers (the others: transformers' layer "
+                "forward, with native RMSNorm and attention where they cover them)")
     return ("native fused decode (all layers in one call when every layer is on the CPU, else per layer; "
-            "RMSNorm, rotary, attention)" if ops is not None else f"transformers' ops ({why})")
+            "RMSNorm, rotary, attention)")

@@ -1,10 +1,17 @@
 """A transformers ``Cache`` whose per-layer KV lives where the plan says, in preallocated buffers.
 
-Each layer's K and V are stored sequence-major, ``(capacity, batch, kv_heads, head_dim)``, so
-the first L tokens are one contiguous block: prefetching a layer's past (host -> accelerator),
-offloading its new tokens (accelerator -> host) and moving it at the prefill/decode switch are
-each one copy per tensor. Attention sees ``[batch, heads, L, head_dim]`` views of it, as a
-``DynamicLayer`` would hand out.
+Each layer's K and V are stored sequence-major, ``(capacity, batch, heads, dim)``, so the first
+L tokens are one contiguous block: prefetching a layer's past (host -> accelerator), offloading
+its new tokens (accelerator -> host) and moving it at the prefill/decode switch are each one
+copy per tensor. Attention sees ``[batch, heads, L, dim]`` views of it, as a ``DynamicLayer``
+would hand out.
+
+Each layer has its own :class:`KVGeometry` (K and V heads and dims: GQA/MQA, an explicit
+``head_dim``, MLA's differing K and V widths or its latent cache), derived from the config by
+:func:`kv_geometry`. A sliding-window (or chunked) layer stores the whole context but hands
+attention only what transformers' ``DynamicSlidingWindowLayer`` would (the last ``window - 1``
+cached tokens plus the new ones) and reports the same mask sizes, so masks and results are
+identical; the tokens it copies (prefetch, switch) stop at the window too.
 
 The buffers come from a :class:`KVPool` that lives as long as the loaded model: they are
 allocated on the first request of a shape and reused by every later request that fits, so
@@ -16,18 +23,73 @@ into an accelerator slot, ``offload()`` sends the tokens it just produced back h
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from flexplan.errors import InvalidInputError
+from flexplan.errors import InvalidInputError, UnsupportedModelError
 from flexplan.executor.link import ACCELERATOR, D2H, H2D, H2H, Buffer, Link
+from flexplan.workload.config_fields import LATENT_KV_MODEL_TYPES
 
 KV = tuple[torch.Tensor, torch.Tensor]
 
 
-def kv_bytes(batch: int, capacity: int, kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
-    """K and V of one layer: 2 x batch x tokens x kv_heads x head_dim elements."""
-    return 2 * batch * capacity * kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+class KVGeometry(NamedTuple):
+    """What one token of one sequence stores in a layer's cache: K as ``k_heads x k_dim``, V as
+    ``v_heads x v_dim`` elements (the shapes of the states the attention passes to ``update``)."""
+
+    k_heads: int
+    k_dim: int
+    v_heads: int
+    v_dim: int
+
+    @property
+    def elements_per_token(self) -> int:
+        return self.k_heads * self.k_dim + self.v_heads * self.v_dim
+
+
+# attention modules that cache MLA's compressed latent (``kv_nope, k_rot = past_key_values.update(...)``):
+# K is the kv_lora_rank latent, V the shared rotary key, one "head" each
+_LATENT_KV = LATENT_KV_MODEL_TYPES
+# Falcon's KV heads: num_kv_heads with the new decoder architecture, else 1 (multi-query) or all
+_FALCON = frozenset({"falcon"})
+
+
+def kv_geometry(config, spec=None) -> KVGeometry:
+    """K and V heads and dims per token of one layer, from a transformers (text) config; ``spec``
+    (a ModelSpec) is read first where it has the attribute (num_kv_heads, head_dim, v_head_dim)."""
+    c = config
+    mt = getattr(c, "model_type", None)
+    heads = int(getattr(c, "num_attention_heads"))
+    if mt in _LATENT_KV and getattr(c, "kv_lora_rank", None):
+        return KVGeometry(1, int(c.kv_lora_rank), 1, int(c.qk_rope_head_dim))
+    if mt in _FALCON:
+        kv_heads = (int(c.num_kv_heads) if getattr(c, "new_decoder_architecture", False)
+                    else 1 if getattr(c, "multi_query", False) else heads)
+    else:
+        kv_heads = getattr(spec, "num_kv_heads", None) or getattr(c, "num_key_value_heads", None) or heads
+    k_dim = getattr(c, "qk_head_dim", None)
+    if not k_dim and getattr(c, "qk_nope_head_dim", None) is not None and getattr(c, "qk_rope_head_dim", None):
+        k_dim = int(c.qk_nope_head_dim) + int(c.qk_rope_head_dim)
+    if not k_dim:
+        k_dim = getattr(spec, "head_dim", None) or getattr(c, "head_dim", None) or int(c.hidden_size) // heads
+    v_dim = getattr(spec, "v_head_dim", None) or getattr(c, "v_head_dim", None) or k_dim
+    return KVGeometry(int(kv_heads), int(k_dim), int(kv_heads), int(v_dim))
+
+
+def kv_bytes(batch: int, capacity: int, geometry: KVGeometry, dtype: torch.dtype) -> int:
+    """K and V of one layer: batch x tokens x (k_heads x k_dim + v_heads x v_dim) elements."""
+    return batch * capacity * geometry.elements_per_token * torch.empty((), dtype=dtype).element_size()
+
+
+def kv_views(raw: torch.Tensor, batch: int, capacity: int, geometry: KVGeometry, dtype: torch.dtype) -> KV:
+    """K ``(capacity, batch, k_heads, k_dim)`` and V views at the start of the byte buffer ``raw``."""
+    g, elem = geometry, torch.empty((), dtype=dtype).element_size()
+    nk = batch * capacity * g.k_heads * g.k_dim * elem
+    nv = batch * capacity * g.v_heads * g.v_dim * elem
+    return (raw[:nk].view(dtype).view(capacity, batch, g.k_heads, g.k_dim),
+            raw[nk:nk + nv].view(dtype).view(capacity, batch, g.v_heads, g.v_dim))
 
 
 def _direction(src_place: str, dst_place: str) -> str:
@@ -42,10 +104,8 @@ class KVPool:
     """Per-layer KV buffers (one per place a layer's KV uses) and the two accelerator slots of
     streamed layers; grown only when a request needs more than any earlier one."""
 
-    def __init__(self, link: Link, kv_heads: int, head_dim: int):
+    def __init__(self, link: Link):
         self.link = link
-        self.kv_heads = kv_heads
-        self.head_dim = head_dim
         self.buffers: dict[tuple, Buffer] = {}
 
     def ensure(self, needs: dict[tuple, tuple[str, int]]) -> None:
@@ -61,11 +121,11 @@ class KVPool:
                 self.link.free(cur)
             self.buffers[key] = self.link.alloc(max(nbytes, 1), where, f"KV {key}")
 
-    def views(self, key: tuple, batch: int, capacity: int, dtype: torch.dtype) -> KV:
-        shape = (capacity, batch, self.kv_heads, self.head_dim)
-        n = kv_bytes(batch, capacity, self.kv_heads, self.head_dim, dtype) // 2
-        t = self.buffers[key].tensor
-        return t[:n].view(dtype).view(shape), t[n:2 * n].view(dtype).view(shape)
+    def raw(self, key: tuple) -> torch.Tensor:
+        return self.buffers[key].tensor
+
+    def views(self, key: tuple, batch: int, capacity: int, geometry: KVGeometry, dtype: torch.dtype) -> KV:
+        return kv_views(self.buffers[key].tensor, batch, capacity, geometry, dtype)
 
     def free(self) -> None:
         for b in self.buffers.values():
@@ -74,34 +134,81 @@ class KVPool:
 
 
 class FlexKVLayer(CacheLayerMixin):
-    """One decoder layer's KV cache: a buffer per place, ``home`` = where the valid data is."""
+    """One decoder layer's KV cache: a buffer per place, ``home`` = where the valid data is.
+
+    ``window``: the layer's attention window (sliding or chunked layers), None for full attention;
+    then ``update`` and ``get_mask_sizes`` answer as transformers' ``DynamicSlidingWindowLayer``."""
 
     is_compileable = False
-    is_sliding = False
     is_croppable = True
 
-    def __init__(self, index: int, stores: dict[str, KV], home: str, link: Link):
+    def __init__(self, index: int, raws: dict[str, tuple[torch.Tensor, torch.dtype]], geometry: KVGeometry,
+                 batch: int, capacity: int, home: str, link: Link, window: int | None = None):
         super().__init__()
         self.index = index
-        self.stores = stores
+        self.raws = raws  # place -> (byte buffer, dtype)
+        self.geometry = geometry
+        self.batch, self.capacity = int(batch), int(capacity)
+        self.window = int(window) if window else None
+        self.is_sliding = self.window is not None
+        self.stores: dict[str, KV] = {}
+        self._view_stores()
         self.home = home
         self.link = link
-        k = next(iter(stores.values()))[0]
-        self.capacity, self.batch = int(k.shape[0]), int(k.shape[1])
         self.length = 0
         self.active: KV | None = None
         self.active_place: object = None
+        self._slot_raw: tuple[torch.Tensor, torch.dtype] | None = None
         self.pending = None  # event: the last copy into `home` (offload / switch) finished
         self._offload_from = 0
         self.is_initialized = True
+        # (index, geometry) -> (new raws, the accelerator slots): set by the executor, called when the
+        # first update shows more bytes per token than the config said
+        self.regrow = None
+
+    def _view_stores(self) -> None:
+        self.stores = {p: kv_views(raw, self.batch, self.capacity, self.geometry, dt) for p, (raw, dt) in self.raws.items()}
+
+    def _slot_views(self, slot: tuple[torch.Tensor, torch.dtype]) -> KV:
+        return kv_views(slot[0], self.batch, self.capacity, self.geometry, slot[1])
+
+    def visible_start(self, past: int) -> int:
+        """First cached position that attention sees after ``past`` tokens (0 for full layers):
+        a sliding layer keeps the last ``window - 1``, as DynamicSlidingWindowLayer does."""
+        return max(past - self.window + 1, 0) if self.window else 0
 
     # ---- CacheLayerMixin ------------------------------------------------------------------
     def lazy_initialization(self, key_states, value_states) -> None:
         pass
 
+    def _check_geometry(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        """The config's geometry guessed wrong (a model-specific cache layout): at the first update,
+        view the buffers with the real one when it fits in them; refuse otherwise."""
+        got = KVGeometry(int(key_states.shape[1]), int(key_states.shape[-1]), int(value_states.shape[1]),
+                         int(value_states.shape[-1]))
+        if got == self.geometry:
+            return
+        raws = list(self.raws.values()) + ([self._slot_raw] if self._slot_raw is not None else [])
+        fits = all(kv_bytes(self.batch, self.capacity, got, dt) <= raw.numel() for raw, dt in raws)
+        if self.length or (not fits and self.regrow is None):
+            raise UnsupportedModelError(
+                f"layer {self.index} caches K {tuple(key_states.shape[1::2])} and V {tuple(value_states.shape[1::2])} "
+                f"(heads, dim) per token but its config says {tuple(self.geometry)}: this model's cache layout is not "
+                "one flexplan.executor.kv_cache.kv_geometry knows")
+        self.geometry = got
+        if not fits:  # larger than the config said: the executor reallocates this layer's buffers (and the slots)
+            self.raws, slots = self.regrow(self.index, got)
+            if isinstance(self.active_place, tuple):
+                self._slot_raw = slots[self.active_place[1]]
+        self._view_stores()
+        if self.active_place is not None:
+            self.active = self._slot_views(self._slot_raw) if self.active_place not in self.stores \
+                else self.stores[self.active_place]
+
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs) -> KV:
         if self.active is None:
             self.activate(self.home)
+        self._check_geometry(key_states, value_states)
         k_buf, v_buf = self.active
         start, q = self.length, key_states.shape[-2]
         if start + q > self.capacity:
@@ -116,16 +223,19 @@ class FlexKVLayer(CacheLayerMixin):
 
     def advance(self, tokens: int) -> KV:
         """Count ``tokens`` more as written into the active buffers (by :meth:`update`, or by a
-        native decode step that wrote them in place); the [batch, heads, length, d] views."""
+        native decode step that wrote them in place); the [batch, heads, length, d] views that
+        attention reads (a sliding layer: from :meth:`visible_start` of the past on)."""
         k_buf, v_buf = self.active
+        lo = self.visible_start(self.length)
         self.length += tokens
-        self.keys = k_buf[:self.length].permute(1, 2, 0, 3)
-        self.values = v_buf[:self.length].permute(1, 2, 0, 3)
+        self.keys = k_buf[lo:self.length].permute(1, 2, 0, 3)
+        self.values = v_buf[lo:self.length].permute(1, 2, 0, 3)
         return self.keys, self.values
 
     def cpu_f32_buffers(self) -> KV | None:
-        """The active (capacity, batch, kv_heads, head_dim) buffers when they are contiguous
-        float32 host tensors, which a native decode step writes into directly; else None."""
+        """The active (capacity, batch, heads, dim) buffers when they are contiguous float32 host
+        tensors, which a native decode step writes into directly (and reads from position 0: the
+        caller checks that a sliding layer's window still holds every key); else None."""
         if self.active is None:
             return None
         k, v = self.active
@@ -133,13 +243,18 @@ class FlexKVLayer(CacheLayerMixin):
         return (k, v) if ok else None
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self.length + query_length, 0
+        """(kv_length, kv_offset) as DynamicLayer / DynamicSlidingWindowLayer report them."""
+        if not self.window:
+            return self.length + query_length, 0
+        kv_offset = self.visible_start(self.length)
+        kv_length = (self.window - 1 if self.length >= self.window else self.length) + query_length
+        return kv_length, kv_offset
 
     def get_seq_length(self) -> int:
         return self.length
 
     def get_max_length(self) -> int:
-        return -1
+        return self.window or -1
 
     def reset(self) -> None:
         self.length = 0
@@ -171,26 +286,31 @@ class FlexKVLayer(CacheLayerMixin):
         self.active, self.active_place = self.stores[place], place
 
     def migrate(self, place: str) -> None:
-        """Move the valid tokens to ``place`` (the prefill -> decode switch), converting the dtype
-        if needed. The caller chooses the stream; the copy is async on CUDA where it crosses."""
+        """Move the tokens attention will still read to ``place`` (the prefill -> decode switch),
+        converting the dtype if needed. The caller chooses the stream; the copy is async on CUDA
+        where it crosses."""
         if place == self.home:
             return
         src, dst = self.stores[self.home], self.stores[place]
         direction = _direction(self.home, place)
-        if self.length:
+        lo = self.visible_start(self.length)
+        if self.length > lo:
             for s, d in zip(src, dst):
-                self.link.copy(d[:self.length], s[:self.length], direction, "kv-switch", self.index)
+                self.link.copy(d[lo:self.length], s[lo:self.length], direction, "kv-switch", self.index)
         self.home = place
         self.active, self.active_place = None, None
 
-    def prefetch(self, slot: KV, slot_index: int) -> None:
-        """Copy the past tokens from home (pinned host) into an accelerator ``slot`` and compute
-        from there (caller is on the copy stream)."""
+    def prefetch(self, slot: tuple[torch.Tensor, torch.dtype], slot_index: int) -> None:
+        """Copy the past tokens attention will read from home (pinned host) into an accelerator
+        ``slot`` (a byte buffer and its dtype) and compute from there (caller is on the copy stream)."""
         home = self.stores[self.home]
-        if self.length:
-            for s, d in zip(home, slot):
-                self.link.copy(d[:self.length], s[:self.length], H2D, "kv", self.index)
-        self.active, self.active_place = slot, ("slot", slot_index)
+        self._slot_raw = slot
+        views = self._slot_views(slot)
+        lo = self.visible_start(self.length)
+        if self.length > lo:
+            for s, d in zip(home, views):
+                self.link.copy(d[lo:self.length], s[lo:self.length], H2D, "kv", self.index)
+        self.active, self.active_place = views, ("slot", slot_index)
         self._offload_from = self.length
 
     def offload(self) -> None:
@@ -201,6 +321,7 @@ class FlexKVLayer(CacheLayerMixin):
                 self.link.copy(d[lo:hi], s[lo:hi], D2H, "kv", self.index)
         self._offload_from = hi
         self.active, self.active_place = None, None
+        self._slot_raw = None
 
     def wait_home_on_host(self) -> None:
         if self.pending is not None:

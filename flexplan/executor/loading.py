@@ -105,6 +105,15 @@ class SafetensorsSource:
             return self.key_for(self.tied[name])
         raise MalformedDataError(f"{self.folder}: no tensor {name!r} in the safetensors shards")
 
+    def holds_all(self, names) -> bool:
+        """Whether every tensor ``names`` asks for is in the shards under a name we can map."""
+        try:
+            for name in names:
+                self.key_for(name)
+        except MalformedDataError:
+            return False
+        return True
+
     def _entry(self, name: str) -> tuple[str, Path, torch.dtype, list[int], int, int]:
         key = self.key_for(name)
         path, meta, data_start = self._where[key]
@@ -166,12 +175,22 @@ def load_streaming(path, plan: Plan, accelerator: str | Link = "cuda", *, gpu_me
         emb_name = next(n for n, m in model.named_modules() if m is emb)
         tied["lm_head.weight"] = f"{emb_name}.weight"
     source = SafetensorsSource(path, tied, reuse_buffer=True)
+    if not source.holds_all(n for n, _ in model.named_parameters(remove_duplicate=False)):
+        # a checkpoint whose tensors transformers converts on load (per-expert weights stacked into one
+        # tensor, renamed modules): let transformers load it, then place the loaded model (peak host
+        # memory: the whole model once more, until each unit is placed)
+        source.close()
+        source = None
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(str(path), dtype="auto").eval()
     try:
         executor = Executor(model, plan, link, source=source, accelerator_budget_bytes=gpu_memory_bytes,
                             pinned_budget_bytes=pinned_memory_budget_bytes, cpu_cores=cpu_cores,
                             cpu_linear_kernel=cpu_linear_kernel)
     finally:
-        source.close()
+        if source is not None:
+            source.close()
     model.flexplan_executor = executor
     try:
         from transformers import GenerationConfig

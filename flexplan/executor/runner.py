@@ -21,11 +21,12 @@ import time
 
 import torch
 from torch import nn
+from transformers.cache_utils import Cache
 
 from flexplan.executor import cpu_decode, cpu_linear
 from flexplan.executor.cpu_backend import configure
-from flexplan.executor.families import decoder_parts
-from flexplan.executor.kv_cache import FlexCache, FlexKVLayer, KVPool, kv_bytes
+from flexplan.executor.families import decoder_parts, layer_windows, text_config
+from flexplan.executor.kv_cache import FlexCache, FlexKVLayer, KVPool, kv_bytes, kv_geometry
 from flexplan.executor.link import ACCELERATOR, HOST_MEMORY, PINNED, Link
 from flexplan.executor.placement import Placement, check_fits
 from flexplan.memory import ALIAS, LINEAR, PLAIN, TIED_EMBEDDING, Inventory, MemoryNeed, Tensor, footprint
@@ -48,6 +49,15 @@ def _params(modules: dict[str, nn.Module]) -> dict[str, tuple[nn.Module, str]]:
     return out
 
 
+def _cache_of(kwargs: dict, args: tuple = ()):
+    """The cache a stack or layer call was given: ``past_key_values``, or whatever a model names
+    it (GPT-NeoX and Falcon layers take ``layer_past``; GPT-2 passes it positionally)."""
+    cache = kwargs.get("past_key_values")
+    if cache is None:
+        cache = next((v for v in (*kwargs.values(), *args) if isinstance(v, Cache)), None)
+    return cache
+
+
 class Executor:
     """Places a model's weights for a plan and runs its forward passes layer by layer."""
 
@@ -68,7 +78,7 @@ class Executor:
         tied_packed = (frozenset({tied}) if tied and pack == cpu_linear.KERNEL_BLOCKED
                        and self.parts.lm_head.weight.shape[0] % cpu_linear.BLOCK == 0 else frozenset())
         self.embed = GroupWeights("embedding", None, _params(self.parts.embedding), packed_embeddings=tied_packed)
-        prefix = f"{self.parts.stack_prefix}.layers"
+        prefix = self.parts.layers_prefix
         self.layers = [GroupWeights(f"layer {i}", i, _params({f"{prefix}.{i}": layer}), pack_kernel=pack)
                        for i, layer in enumerate(self.parts.layers)]
         self.head = GroupWeights("head", None, _params(self.parts.head),
@@ -81,20 +91,35 @@ class Executor:
         self._packed_embeddings = [self.embed.params[n][0] for n in tied_packed]
         for m in self._packed_embeddings:
             cpu_linear.install_embedding(m)
-        self._fused = (cpu_decode.install(self.parts.layers, list(self.parts.head.values()))
-                       if cpu_decode.fusable_family(self.parts.family) and self.backend.ipex is None else [])
-        self._stack = cpu_decode.install_stack(self.parts.stack, self.parts.layers) if self._fused else None
+        # per decoder layer: its attention window (None: full) and what one token stores in its KV cache
+        self.windows = layer_windows(model.config)
+        geometry = kv_geometry(text_config(model.config), self.spec)
+        self.kv_geometry = [geometry] * self.num_layers
+        # the native CPU decode ops, per layer where they cover it (cpu_decode.covered_layer)
+        self._fused, self.fused_layers, native_attention = (
+            cpu_decode.install(self.parts.layers, list(self.parts.head.values()))
+            if self.backend.ipex is None else ([], [], []))
+        self.native_attention = frozenset(native_attention)  # layers whose decode attention is native
+        self._stack = (cpu_decode.install_stack(self.parts.stack, self.parts.layers)
+                       if len(self.fused_layers) == self.num_layers else None)
         if self._stack is not None:
             self._fused.append(self.parts.stack)
-        self.cpu_decode_ops = (cpu_decode.describe() if self._fused else
+        self.cpu_decode_ops = (cpu_decode.describe(len(self.fused_layers), self.num_layers) if self._fused else
                                f"transformers' ops ({'IPEX' if self.backend.ipex is not None else self.parts.family})")
-        covered = {n for g in (self.embed, *self.layers, self.head) for n in g.params}
-        missing = [n for n, _ in model.named_parameters() if n not in covered]
+        covered = {id(m._parameters[leaf]) for g in (self.embed, *self.layers, self.head) for m, leaf in g.params.values()}
+        missing = [n for n, p in model.named_parameters() if id(p) not in covered]
         if missing:
             from flexplan.errors import UnsupportedModelError
-            raise UnsupportedModelError(f"parameters outside the embedding, decoder layers and head: {missing[:5]}")
+            raise UnsupportedModelError(
+                f"model_type {self.parts.family!r} has parameters outside its embedding, decoder layers and head "
+                f"({', '.join(missing[:5])}): the executor cannot place them, so it cannot run it layer by layer")
+        # buffers inside decoder layers (a per-layer rotary table, a causal-mask buffer): a copy per
+        # device, rebound to where the layer computes (module, name) -> {device: tensor}
+        self._layer_buffers = [{(m, n): {b.device: b} for m in layer.modules() for n, b in m._buffers.items()
+                                if b is not None} for layer in self.parts.layers]
         self.slots: StreamSlots | None = None
-        self.kv_pool = KVPool(link, self.spec.num_kv_heads, self.spec.head_dim)
+        self.kv_pool = KVPool(link)
+        self._cache: FlexCache | None = None  # the last request's cache (its layers learnt the real KV geometry)
         self.plan: Plan | None = None
         self.placement: Placement | None = None
         self.pack_batch: int | None = None  # batch hint of the packed CPU weights (cpu_linear)
@@ -109,9 +134,10 @@ class Executor:
     def _tied_embedding(self) -> str | None:
         """The embedding weight's name when the LM head shares it."""
         lm = self.parts.lm_head
-        for name, m in self.parts.embedding.items():
-            if getattr(m, "weight", None) is not None and m.weight is lm.weight:
-                return f"{name}.weight"
+        for prefix, module in self.parts.embedding.items():
+            for name, m in module.named_modules(prefix=prefix):
+                if isinstance(getattr(m, "weight", None), torch.Tensor) and m.weight is lm.weight:
+                    return f"{name}.weight"
         return None
 
     def _untie_head(self) -> None:
@@ -141,14 +167,22 @@ class Executor:
 
         prefix = f"{self.parts.stack_prefix}.layers"
         s = self.spec
+        planned = Inventory.from_spec(s)  # activation and KV sizes as the planner counts them
         return Inventory(tensors(self.embed), tuple(tensors(g, f"{prefix}.{i}.") for i, g in enumerate(self.layers)),
-                         tensors(self.head), s.num_kv_heads, s.head_dim,
-                         4 * s.hidden_size + s.q_dim + 2 * s.kv_dim + 3 * s.intermediate_size, s.vocab_size)
+                         tensors(self.head), s.num_kv_heads, s.head_dim, planned.activation_elems_per_row,
+                         s.vocab_size, kv_elems_per_token=self._kv_elems_per_token)
+
+    @property
+    def _kv_elems_per_token(self) -> int:
+        """K + V elements one token stores in the largest layer cache (kv_cache.KVGeometry)."""
+        return max(g.elements_per_token for g in self.kv_geometry)
 
     def memory_need(self, placement: Placement, batch: int | None = None, capacity: int | None = None,
                     input_len: int | None = None) -> MemoryNeed:
         """flexplan.memory.footprint of ``placement`` for this model as loaded (None: weights only)."""
         kernel = self.backend.linear_kernel if self.backend.packs_weights else None
+        if self.inventory.kv_elems_per_token != self._kv_elems_per_token:  # a first update corrected the geometry
+            self.__dict__.pop("inventory")
         return footprint(self.inventory, placement, batch, input_len or capacity, capacity, kernel)
 
     def check(self, placement: Placement, batch: int, capacity: int, input_len: int | None = None) -> None:
@@ -173,7 +207,7 @@ class Executor:
         def fill(group: GroupWeights, places) -> None:
             src = source
             if src is None and not group.storages:  # first placement of a loaded model: its own tensors
-                src = lambda name, g=group: cpu_linear.dense(g.param_tensor(name).detach())  # noqa: E731
+                src = lambda name, g=group: g.dense(name, g.param_tensor(name).detach())  # noqa: E731
             group.ensure({p: self._dtype(p) for p in places}, self.link, src, pack_batch,
                          torch_dtype(placement.cpu_weight_dtype))
 
@@ -202,25 +236,53 @@ class Executor:
         large); refused before any allocation when it does not fit (with prefill activations for
         ``input_len`` prompt tokens; None: ``max_tokens``)."""
         pl, batch, capacity = self.placement, batch_size, max_tokens
+        if self._cache is not None:  # geometries a previous request's first update corrected
+            self.kv_geometry = [kv.geometry for kv in self._cache.layers]
         self.check(pl, batch, capacity, input_len)
-        kvh, hd = self.spec.num_kv_heads, self.spec.head_dim
+        geo = self.kv_geometry
         needs = {}
         for i in range(self.num_layers):
             for place in pl.layer_places(i):
                 where = PINNED if place == HOST_MEMORY and pl.kv_host_pinned(i) else place
-                needs[(i, place)] = (where, kv_bytes(batch, capacity, kvh, hd, self._dtype(place)))
+                needs[(i, place)] = (where, kv_bytes(batch, capacity, geo[i], self._dtype(place)))
+        acc = self._dtype(ACCELERATOR)
         if pl.streamed_layers:
             for s in (0, 1):
-                needs[("slot", s)] = (ACCELERATOR, kv_bytes(batch, capacity, kvh, hd, self._dtype(ACCELERATOR)))
+                needs[("slot", s)] = (ACCELERATOR, max(kv_bytes(batch, capacity, geo[i], acc) for i in pl.streamed_layers))
         self.kv_pool.ensure(needs)
         layers = []
         for i in range(self.num_layers):
-            stores = {p: self.kv_pool.views((i, p), batch, capacity, self._dtype(p)) for p in pl.layer_places(i)}
-            layers.append(FlexKVLayer(i, stores, pl.layer_place(i, PREFILL), self.link))
+            raws = {p: (self.kv_pool.raw((i, p)), self._dtype(p)) for p in pl.layer_places(i)}
+            layers.append(FlexKVLayer(i, raws, geo[i], batch, capacity, pl.layer_place(i, PREFILL), self.link,
+                                      window=self.windows[i]))
         cache = FlexCache(layers)
-        cache.slots = ([self.kv_pool.views(("slot", s), batch, capacity, self._dtype(ACCELERATOR)) for s in (0, 1)]
-                       if pl.streamed_layers else [])
+        cache.slots = [(self.kv_pool.raw(("slot", s)), acc) for s in (0, 1)] if pl.streamed_layers else []
+        for kv in layers:
+            kv.regrow = functools.partial(self._regrow_kv, cache)
+        self._cache = cache
         return cache
+
+    def _regrow_kv(self, cache: FlexCache, i: int, geometry) -> tuple[dict, list]:
+        """Layer i's first update stored more per token than its config said (a model-specific cache
+        layout): check the request still fits, then reallocate that layer's KV buffers (and the
+        streaming slots if they are now too small). Later requests are sized right from the start."""
+        self.kv_geometry[i] = geometry
+        pl, kv = self.placement, cache.layers[i]
+        batch, capacity = kv.batch, kv.capacity
+        self.check(pl, batch, capacity)
+        self.link.synchronize()
+        needs = {k: (b.where, b.nbytes) for k, b in self.kv_pool.buffers.items()}
+        for place in pl.layer_places(i):
+            where = PINNED if place == HOST_MEMORY and pl.kv_host_pinned(i) else place
+            needs[(i, place)] = (where, kv_bytes(batch, capacity, geometry, self._dtype(place)))
+        acc = self._dtype(ACCELERATOR)
+        if cache.slots:
+            for s in (0, 1):
+                needs[("slot", s)] = (ACCELERATOR, max(needs[("slot", s)][1], kv_bytes(batch, capacity, geometry, acc)))
+        self.kv_pool.ensure(needs)
+        if cache.slots:
+            cache.slots = [(self.kv_pool.raw(("slot", s)), acc) for s in (0, 1)]
+        return {p: (self.kv_pool.raw((i, p)), self._dtype(p)) for p in pl.layer_places(i)}, cache.slots
 
     # ---- hooks ------------------------------------------------------------------------------
     def _install_hooks(self) -> list:
@@ -253,7 +315,7 @@ class Executor:
         self._t_top = None
 
     def _before_stack(self, module, args, kwargs):
-        cache = kwargs.get("past_key_values")
+        cache = _cache_of(kwargs, args)
         x = kwargs.get("input_ids")
         x = x if x is not None else kwargs.get("inputs_embeds")
         x = x if x is not None else args[0]
@@ -351,7 +413,7 @@ class Executor:
         on_acc = not mode.on_cpu
         dtype = self._dtype(ACCELERATOR if on_acc else HOST_MEMORY)
         g = self.layers[i]
-        cache = kwargs.get("past_key_values")
+        cache = _cache_of(kwargs, args)
         kv = cache.layers[i] if isinstance(cache, FlexCache) else None
         if mode.streamed:
             slot = st.slot_of[i]
@@ -365,19 +427,25 @@ class Executor:
             g.bind(place)
             if kv is not None:
                 self._kv_to(kv, place, on_acc)
+        device = self.link.device if on_acc else torch.device("cpu")
         if kv is None and cache is not None:
-            generic_kv_to(cache, i, self.link.device if on_acc else torch.device("cpu"), dtype)
+            generic_kv_to(cache, i, device, dtype)
+        for (m, name), copies in self._layer_buffers[i].items():
+            if device not in copies:
+                copies[device] = next(iter(copies.values())).to(device)
+            m._buffers[name] = copies[device]
         self.link.note("compute", i)
         if args:
-            hidden, rest = args[0], tuple(args[1:])
+            hidden, rest = args[0], tuple(v if v is cache else st.aux_to(self.link, v, on_acc, dtype) for v in args[1:])
         else:
             hidden, rest = kwargs.pop("hidden_states"), ()
         hidden = st.hidden_to(self.link, hidden, on_acc, dtype, i)
-        kwargs = {k: (v if k == "past_key_values" else st.aux_to(self.link, v, on_acc, dtype)) for k, v in kwargs.items()}
+        kwargs = {k: (v if v is cache else st.aux_to(self.link, v, on_acc, dtype)) for k, v in kwargs.items()}
         if (not on_acc and st.query_len == 1 and kwargs.get("attention_mask", 0) is None
-                and not (self._fused and dtype == torch.float32)  # fp32: the fused ops attend unmasked
-                and getattr(self.model.config, "_attn_implementation", None) == "sdpa"):
-            kwargs["attention_mask"] = st.cpu_decode_mask()
+                and not (i in self.native_attention and dtype == torch.float32)  # fp32: the fused ops attend unmasked
+                and getattr(self.model.config, "_attn_implementation", None) == "sdpa"
+                and hasattr(cache, "get_mask_sizes")):
+            kwargs["attention_mask"] = st.cpu_decode_mask(cache.get_mask_sizes(st.query_len, i)[0])
         if not args:
             kwargs["hidden_states"] = hidden
             return rest, kwargs
@@ -388,7 +456,7 @@ class Executor:
         if st is None:
             return None
         mode = self.placement.modes[st.phase][i]
-        cache = kwargs.get("past_key_values")
+        cache = _cache_of(kwargs, args)
         kv = cache.layers[i] if isinstance(cache, FlexCache) else None
         if mode.streamed:
             slot = st.slot_of[i]

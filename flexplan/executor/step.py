@@ -37,15 +37,15 @@ class Step:
         self.hidden_on_acc = on_acc
         return t
 
-    def cpu_decode_mask(self) -> torch.Tensor:
-        """An all-true [batch, 1, 1, keys] mask for one decode step on the CPU. With no mask,
-        transformers sends grouped-query attention to PyTorch's unmasked CPU SDPA kernel, which
-        reads a bf16 KV cache ~10x slower (1.2 vs 12 GB/s measured) than the masked path; the
-        result is the same attention."""
-        if "cpu_decode_mask" not in self.moved:
-            keys = self.past_len + self.query_len
-            self.moved["cpu_decode_mask"] = torch.ones(self.batch, 1, 1, keys, dtype=torch.bool)
-        return self.moved["cpu_decode_mask"]
+    def cpu_decode_mask(self, keys: int) -> torch.Tensor:
+        """An all-true [batch, 1, 1, keys] mask for one decode step on the CPU over a layer's
+        ``keys`` keys (a sliding layer sees fewer). With no mask, transformers sends grouped-query
+        attention to PyTorch's unmasked CPU SDPA kernel, which reads a bf16 KV cache ~10x slower
+        (1.2 vs 12 GB/s measured) than the masked path; the result is the same attention."""
+        key = ("cpu_decode_mask", keys)
+        if key not in self.moved:
+            self.moved[key] = torch.ones(self.batch, 1, 1, keys, dtype=torch.bool)
+        return self.moved[key]
 
     def aux_to(self, link: Link, v, on_acc: bool, dtype: torch.dtype):
         """Rotary embeddings, masks, position ids (host tensors) where and as a layer needs them."""

@@ -130,6 +130,11 @@ class GroupWeights:
                      for name in self.packed)
         return n
 
+    def dense(self, name: str, t: torch.Tensor) -> torch.Tensor:
+        """``t`` (tensor ``name``) as a dense tensor: a packed linear or embedding weight reordered
+        back; any other tensor as is (a 3-D expert weight is not a blocked one)."""
+        return cpu_linear.dense(t) if isinstance(self.params[name][0], (nn.Linear, nn.Embedding)) else t
+
     def param_tensor(self, name: str) -> torch.Tensor:
         m, leaf = self.params[name]
         return m._parameters[leaf]
@@ -139,7 +144,7 @@ class GroupWeights:
         for place in (PINNED, HOST_MEMORY, ACCELERATOR):
             if place in self.storages:
                 st = self.storages[place]
-                return lambda name, st=st: cpu_linear.dense(st.views[name] if name in st.views else self._alias_view(name))
+                return lambda name, st=st: self.dense(name, st.views[name] if name in st.views else self._alias_view(name))
         return None
 
     def _alias_view(self, name: str) -> torch.Tensor:
@@ -176,7 +181,7 @@ class GroupWeights:
                 for name in self.host_aliases:
                     views[name] = self._alias_view(name)
                 for name in sorted(self.packed):
-                    w = cpu_linear.dense(src(name)).to(self.packed_dtype(name, dtype, weight_dtype))
+                    w = self.dense(name, src(name)).to(self.packed_dtype(name, dtype, weight_dtype))
                     if isinstance(self.params[name][0], nn.Embedding):
                         w = cpu_linear.pack_embedding(w, dtype)
                     else:

@@ -20,6 +20,9 @@ from flexplan.errors import MalformedDataError, UnsupportedModelError
 
 # Attention kinds a decoder layer may have (``layer_types`` entries); all keep a KV cache.
 ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention")
+# MLA models whose transformers attention caches the compressed latent (K: the kv_lora_rank latent,
+# V: the shared rotary key, one "head" each) rather than per-head K and V after the up-projection
+LATENT_KV_MODEL_TYPES = frozenset({"deepseek_v3", "glm4_moe_lite", "youtu", "axk1", "kimi_linear", "bailing_hybrid"})
 
 # model_type -> what the config does not say. Keys:
 #   gated: SwiGLU/GeGLU MLP (gate, up, down) vs plain (up, down)     norm: "rms" | "layer"
@@ -318,9 +321,9 @@ def spec_fields(cfg: dict[str, Any]) -> dict[str, Any]:
     if cfg.get("kv_lora_rank"):  # DeepSeek MLA
         rope = int(cfg["qk_rope_head_dim"])
         head_dim = int(cfg["qk_nope_head_dim"]) + rope
-        kv_heads = heads  # transformers caches K and V per head after the up-projection
+        kv_heads = heads  # K and V per head after the up-projection (unless the latent is cached)
         mla = dict(kv_lora_rank=int(cfg["kv_lora_rank"]), q_lora_rank=int(cfg.get("q_lora_rank") or 0),
-                   qk_rope_head_dim=rope)
+                   qk_rope_head_dim=rope, kv_latent=mt in LATENT_KV_MODEL_TYPES)
     kinds, window = layer_kinds(cfg, traits, n)
     learned_rows = 0
     if "learned_pos" in traits:

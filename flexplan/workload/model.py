@@ -75,6 +75,7 @@ class ModelSpec:
     kv_lora_rank: int = 0  # DeepSeek MLA (0: standard attention)
     q_lora_rank: int = 0
     qk_rope_head_dim: int = 0
+    kv_latent: bool = False  # MLA whose cache holds the latent (kv_lora_rank + rope per token), not per-head K, V
 
     def __post_init__(self) -> None:
         fix = lambda k, v: object.__setattr__(self, k, v)  # noqa: E731  (frozen dataclass defaults)
@@ -158,7 +159,9 @@ class ModelSpec:
 
     @property
     def kv_elems_per_token(self) -> int:
-        """K and V elements one layer caches per token."""
+        """K and V elements one layer caches per token (an MLA latent cache: the latent and the rotary key)."""
+        if self.kv_latent:
+            return self.kv_lora_rank + self.qk_rope_head_dim
         return self.num_kv_heads * (self.head_dim + self.v_head_dim)
 
     @property
