@@ -95,11 +95,17 @@ def _calibration_line(hw) -> str | None:
 def cmd_models(args) -> int:
     from flexplan.workload import catalog_names, resolve_model
 
-    print(f"{'model':<42} {'family':<8} {'layers':>6} {'hidden':>7} {'heads/kv':>9} {'params':>9}")
+    print(f"{'model':<38} {'family':<12} {'layers':>6} {'hidden':>7} {'heads/kv':>9} {'params':>9} "
+          f"{'active':>8}  attention")
     for name in catalog_names():
         m = resolve_model(name)
-        print(f"{name:<42} {m.family:<8} {m.num_layers:>6} {m.hidden_size:>7} "
-              f"{str(m.num_heads) + '/' + str(m.num_kv_heads):>9} {m.total_params / 1e9:>8.2f}B")
+        active = f"{m.active_params / 1e9:>7.2f}B" if m.is_moe else f"{'':>8}"
+        windowed = sum(m.layer_window(i) is not None for i in range(m.num_layers))
+        attn = f"{windowed}/{m.num_layers} layers window {m.sliding_window}" if windowed else "full"
+        if m.is_moe:
+            attn += f"; MoE {m.experts_per_token} of {m.num_experts} experts"
+        print(f"{name:<38} {m.family:<12} {m.num_layers:>6} {m.hidden_size:>7} "
+              f"{str(m.num_heads) + '/' + str(m.num_kv_heads):>9} {m.total_params / 1e9:>8.2f}B {active}  {attn}")
     return 0
 
 

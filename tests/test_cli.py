@@ -54,6 +54,8 @@ def test_gpu_memory_cap_changes_the_plan():
 def test_models_and_hw_list():
     r = flexplan("models")
     assert r.returncode == 0 and "facebook/opt-66b" in r.stdout and "HuggingFaceTB/SmolLM2-135M-Instruct" in r.stdout
+    moe = next(line for line in r.stdout.splitlines() if line.startswith("Qwen/Qwen3-30B-A3B "))
+    assert "3.35B" in moe and "MoE 8 of 128 experts" in moe  # active parameters of an MoE entry
     r = flexplan("hw", "--list")
     assert r.returncode == 0 and "flexinfer-server1" in r.stdout and "flexinfer-server2" in r.stdout
 
