@@ -6,23 +6,29 @@ that the estimator's ADDITIVE per-layer formula (``flexplan/estimator/terms.py``
 
     t = C / (TH x Eff_comp(tokens)) + D / (BW x Eff_mem(tokens)) + KV / (BW x Eff_attn(ctx)) + overhead
 
-reproduces each measured time at the calibrated shape:
+reproduces each measured time at the calibrated shape, as far as physics allows:
 
+- Times first: each one lowered to the fastest time of the same op on at least as much work
+  (:func:`no_faster_with_more_work`): more work is never faster, and noise only adds time.
 - Eff_mem from the GEMV at the fewest tokens (compute there is taken as fully hidden,
-  Eff_comp = 1): ``D / (BW x (t - C / TH))``.
+  Eff_comp = 1): ``D / (BW x (t - C / TH))``; weights stream at that rate at every token count.
 - Eff_comp(tokens) from what is left once the memory term is paid:
-  ``C / (TH x (t - D / (BW x Eff_mem)))``; when nothing is left (compute fully hidden) Eff_comp
-  is 1 and Eff_mem(tokens) absorbs the rest.
+  ``C / (TH x (t - D / (BW x Eff_mem)))``, growing no faster than the tokens do (the compute
+  term never falls as tokens grow); when nothing is left, compute is hidden at that bound.
 - Eff_attn(ctx) from SDPA decode attention, after its compute term at Eff_comp(batch); the mean
-  over the measured batch sizes (the protocol's factor depends on ctx only).
+  over the measured batch sizes (the protocol's factor depends on ctx only), its growth capped
+  so that ctx / Eff_attn(ctx) never falls.
 - Per-op dispatch cost (a tiny matmul / SDPA call) is taken out of each op's time: the
-  estimator charges it once per layer, in the per-layer overhead.
+  estimator charges it once per layer, in the per-layer overhead (non-negative, non-decreasing
+  in tokens).
 
 CPU factors are kept per compute dtype (the planner weighs the CPU's fast dtype against
 float32; PyTorch's bf16 GEMV can be slower than fp32 where bf16 GEMMs are faster).
 
 Between measured points the factors are interpolated linearly in log(tokens), log(ctx) or
-log(bytes) and held constant beyond the ends. All factors are clamped to (0, 1].
+log(bytes) (compute and link: log-log) and held constant beyond the ends; they lie in (0,
+EFF_MAX]. These constraints make every policy's predictions non-decreasing in batch, input length
+and context for any file (tests/test_calibration_properties.py).
 """
 
 from __future__ import annotations
