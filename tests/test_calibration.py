@@ -104,7 +104,9 @@ def test_factors_in_range_interpolated_and_clamped(use_dir):
                 assert np.all(np.diff(v) >= -1e-12) or np.all(np.diff(v) <= 1e-12)
     ctx = np.array([10.0, 100.0, 1e4])
     assert eff.cpu_attention(ctx, "float32").shape == ctx.shape
-    assert eff.cpu_under_copy() == 1.0 and eff.cpu_threads() >= 1 and eff.cpu_layer_overhead_s() > 0
+    # >= 0, not > 0: on a loaded machine the tiny run's GEMVs can be as slow as its whole layer, and the
+    # factors then explain all of it (seen at load 5 on 2 cores, with the fit before issue 14's too)
+    assert eff.cpu_under_copy() == 1.0 and eff.cpu_threads() >= 1 and eff.cpu_layer_overhead_s() >= 0
     assert eff.h2d(1e6) == DefaultEfficiency.for_hardware(hw).h2d(1e6)  # no GPU part: defaults
 
 
