@@ -104,7 +104,9 @@ def test_factors_in_range_interpolated_and_clamped(use_dir):
                 assert np.all(np.diff(v) >= -1e-12) or np.all(np.diff(v) <= 1e-12)
     ctx = np.array([10.0, 100.0, 1e4])
     assert eff.cpu_attention(ctx, "float32").shape == ctx.shape
-    assert eff.cpu_under_copy() == 1.0 and eff.cpu_threads() >= 1 and eff.cpu_layer_overhead_s() > 0
+    # >= 0, not > 0: on a loaded machine the tiny run's GEMVs can be as slow as its whole layer, and the
+    # factors then explain all of it (seen at load 5 on 2 cores, with the fit before issue 14's too)
+    assert eff.cpu_under_copy() == 1.0 and eff.cpu_threads() >= 1 and eff.cpu_layer_overhead_s() >= 0
     assert eff.h2d(1e6) == DefaultEfficiency.for_hardware(hw).h2d(1e6)  # no GPU part: defaults
 
 
@@ -304,7 +306,11 @@ def _gemm_rows(eff_c: dict, eff_m: float, dtype_bytes=4):
 @settings(max_examples=40, deadline=None)
 @given(eff_m=st.floats(0.05, 1.0), effs=st.lists(st.floats(0.02, 1.0), min_size=5, max_size=5))
 def test_derived_factors_reproduce_the_measured_times(eff_m, effs):
-    eff_c = dict(zip([1, 16, 64, 256, 4096], [1.0] + effs[1:]))
+    tokens = [1, 16, 64, 256, 4096]
+    factors = [1.0]
+    for t0, t1, e in zip(tokens, tokens[1:], effs[1:]):  # physical: more tokens never take less compute time
+        factors.append(min(e, factors[-1] * t1 / t0))
+    eff_c = dict(zip(tokens, factors))
     rows = _gemm_rows(eff_c, eff_m)
     comp, mem, _ = derive_gemm(rows, TH, BW)
     for t in eff_c:

@@ -133,7 +133,6 @@ def calibrate(mode: str = "quick", out: str | Path | None = None, threads: int |
               hw=None) -> Result:
     """Run the benchmarks of ``mode`` ("full", "quick", "tiny") and write the calibration file
     (atomically). Raises CalibrationError, writing nothing, when the essential benchmarks fail."""
-    import torch
     from tqdm import tqdm
 
     from flexplan.calibration import microbench as mb
@@ -172,32 +171,12 @@ def calibrate(mode: str = "quick", out: str | Path | None = None, threads: int |
     if missing:
         raise CalibrationError("calibration failed, nothing written: " + "; ".join(f"{n}: {failures[n]}" for n in missing))
 
-    now = dt.datetime.now(dt.timezone.utc)
     from flexplan.executor.cpu_linear import default_kernel
 
     settings = {"cpu_dtypes": cpu_dtypes, "cpu_threads": threads, "gpu_dtype": gpu_dtype,
                 "rotate_bytes": mb.rotate_bytes(mb.MODES[mode]), "cpu_linear_kernel": default_kernel()}
-    doc = {
-        "format": store.FORMAT,
-        "version": store.VERSION,
-        "created_utc": now.isoformat(timespec="seconds").replace("+00:00", "Z"),
-        "mode": mode,
-        "fingerprint": identity.fingerprint,
-        "machine": {**identity.to_dict(), "hardware": hw.name, "cpu_hwdb_id": hw.cpu.hwdb_id,
-                    "cpu_isa": sorted(hw.cpu.isa), "llc_bytes": mb.llc_bytes(),
-                    "gpu_measured": gb_name() if gpu_dtype else None},
-        "torch_version": str(torch.__version__),
-        "software": _software(),
-        "settings": settings,
-        "duration_s": 0.0,
-        "other_processes_cpu_share": None,  # of all cores' time during the run: > 0.1 means noisy figures
-        "failures": failures,
-        "skipped": {"gpu": gpu_skip} if gpu_skip else {},
-        "measurements": measurements,
-        "derived": None,
-        "complete": True,  # last key: a file cut short anywhere lacks it
-    }
-    doc["derived"] = _derived(doc, hw)
+    doc = calibration_doc(mode, measurements, settings, hw, identity, failures=failures,
+                          skipped={"gpu": gpu_skip} if gpu_skip else {}, gpu_measured=gb_name() if gpu_dtype else None)
     doc["duration_s"] = round(time.perf_counter() - t_start, 1)
     doc["other_processes_cpu_share"] = _other_share(busy_start, _cpu_seconds(), doc["duration_s"], hw.cpu.cores)
     try:
@@ -206,6 +185,39 @@ def calibrate(mode: str = "quick", out: str | Path | None = None, threads: int |
         raise CalibrationError(f"could not write {path}: {e.strerror or e}; nothing written "
                                f"(choose another place with --out or ${store.DIR_ENV})") from None
     return Result(path, doc, failures, time.perf_counter() - t_start)
+
+
+def calibration_doc(mode: str, measurements: dict, settings: dict, hw, identity, failures: dict | None = None,
+                    skipped: dict | None = None, gpu_measured: str | None = None) -> dict:
+    """The calibration file's content for ``measurements`` taken on ``hw`` (``identity``) with
+    ``settings``; ``derived`` filled in. Raises CalibrationError when they give no factors."""
+    import torch
+
+    from flexplan.calibration import microbench as mb
+    from flexplan.calibration import store
+
+    now = dt.datetime.now(dt.timezone.utc)
+    doc = {
+        "format": store.FORMAT,
+        "version": store.VERSION,
+        "created_utc": now.isoformat(timespec="seconds").replace("+00:00", "Z"),
+        "mode": mode,
+        "fingerprint": identity.fingerprint,
+        "machine": {**identity.to_dict(), "hardware": hw.name, "cpu_hwdb_id": hw.cpu.hwdb_id,
+                    "cpu_isa": sorted(hw.cpu.isa), "llc_bytes": mb.llc_bytes(), "gpu_measured": gpu_measured},
+        "torch_version": str(torch.__version__),
+        "software": _software(),
+        "settings": settings,
+        "duration_s": 0.0,
+        "other_processes_cpu_share": None,  # of all cores' time during the run: > 0.1 means noisy figures
+        "failures": dict(failures or {}),
+        "skipped": dict(skipped or {}),
+        "measurements": measurements,
+        "derived": None,
+        "complete": True,  # last key: a file cut short anywhere lacks it
+    }
+    doc["derived"] = _derived(doc, hw)
+    return doc
 
 
 def _cpu_seconds() -> tuple[float, float] | None:

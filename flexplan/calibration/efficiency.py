@@ -6,23 +6,29 @@ that the estimator's ADDITIVE per-layer formula (``flexplan/estimator/terms.py``
 
     t = C / (TH x Eff_comp(tokens)) + D / (BW x Eff_mem(tokens)) + KV / (BW x Eff_attn(ctx)) + overhead
 
-reproduces each measured time at the calibrated shape:
+reproduces each measured time at the calibrated shape, as far as physics allows:
 
+- Times first: each one lowered to the fastest time of the same op on at least as much work
+  (:func:`no_faster_with_more_work`): more work is never faster, and noise only adds time.
 - Eff_mem from the GEMV at the fewest tokens (compute there is taken as fully hidden,
-  Eff_comp = 1): ``D / (BW x (t - C / TH))``.
+  Eff_comp = 1): ``D / (BW x (t - C / TH))``; weights stream at that rate at every token count.
 - Eff_comp(tokens) from what is left once the memory term is paid:
-  ``C / (TH x (t - D / (BW x Eff_mem)))``; when nothing is left (compute fully hidden) Eff_comp
-  is 1 and Eff_mem(tokens) absorbs the rest.
+  ``C / (TH x (t - D / (BW x Eff_mem)))``, growing no faster than the tokens do (the compute
+  term never falls as tokens grow); when nothing is left, compute is hidden at that bound.
 - Eff_attn(ctx) from SDPA decode attention, after its compute term at Eff_comp(batch); the mean
-  over the measured batch sizes (the protocol's factor depends on ctx only).
+  over the measured batch sizes (the protocol's factor depends on ctx only), its growth capped
+  so that ctx / Eff_attn(ctx) never falls.
 - Per-op dispatch cost (a tiny matmul / SDPA call) is taken out of each op's time: the
-  estimator charges it once per layer, in the per-layer overhead.
+  estimator charges it once per layer, in the per-layer overhead (non-negative, non-decreasing
+  in tokens).
 
 CPU factors are kept per compute dtype (the planner weighs the CPU's fast dtype against
 float32; PyTorch's bf16 GEMV can be slower than fp32 where bf16 GEMMs are faster).
 
 Between measured points the factors are interpolated linearly in log(tokens), log(ctx) or
-log(bytes) and held constant beyond the ends. All factors are clamped to (0, 1].
+log(bytes) (compute and link: log-log) and held constant beyond the ends; they lie in (0,
+EFF_MAX]. These constraints make every policy's predictions non-decreasing in batch, input length
+and context for any file (tests/test_calibration_properties.py).
 """
 
 from __future__ import annotations
@@ -43,18 +49,23 @@ MAX_DISPATCH_SHARE = 0.25  # dispatch is a correction: never more than this shar
 
 
 class Table:
-    """A factor as a function of one positive quantity, piecewise linear in log(x), clamped."""
+    """A factor as a function of one positive quantity, piecewise linear in log(x) (``log_y``:
+    log(y) linear in log(x), a power law between points), held constant beyond the ends, clamped."""
 
-    def __init__(self, x, y, lo: float | None = None, hi: float | None = None):
+    def __init__(self, x, y, lo: float | None = None, hi: float | None = None, log_y: bool = False):
         order = np.argsort(np.asarray(x, dtype=float))
         self.x = np.asarray(x, dtype=float)[order]
         self.y = np.clip(np.asarray(y, dtype=float)[order], EFF_MIN if lo is None else lo, EFF_MAX if hi is None else hi)
         if self.x.size == 0 or np.any(self.x <= 0) or not np.all(np.isfinite(self.y)):
             raise ValueError("a factor table needs positive x and finite y")
+        if log_y and np.any(self.y <= 0):
+            raise ValueError("a power-law table needs positive y")
         self._logx = np.log(self.x)
+        self.log_y = log_y
 
     def __call__(self, v):
-        out = np.interp(np.log(np.maximum(np.asarray(v, dtype=float), 1e-30)), self._logx, self.y)
+        lv = np.log(np.maximum(np.asarray(v, dtype=float), 1e-30))
+        out = np.exp(np.interp(lv, self._logx, np.log(self.y))) if self.log_y else np.interp(lv, self._logx, self.y)
         return float(out) if np.ndim(out) == 0 else out
 
     def rows(self, key: str) -> list[dict[str, float]]:
@@ -76,9 +87,39 @@ def _stat_s(row: dict) -> float:
     return float(row.get("time_median_s") or row["time_s"])
 
 
-def _less_dispatch(row: dict, dispatch_s: float, capped: list) -> float:
-    """The op's time without its fixed call cost (charged per layer by the estimator)."""
-    t = _stat_s(row)
+def no_faster_with_more_work(rows: list[dict], group, work) -> list[float]:
+    """Each row's time (:func:`_stat_s`), lowered to the fastest time of any row of its ``group``
+    that does at least as much ``work``: the same op on more tokens (a longer KV cache, a larger
+    batch) cannot be faster, so a row slower than a larger one met interference (on a shared
+    2-core VM a 2-thread op can wait a whole scheduler slice). Noise only ever adds time, so the
+    lower figure is the one kept. Without this a single slow point at batch 1 (the fewest-token
+    GEMV, the batch-1 layer) made batch 1 predict slower than batch 4."""
+    times = [_stat_s(r) for r in rows]
+    groups: dict[Any, list[int]] = {}
+    for i, r in enumerate(rows):
+        groups.setdefault(group(r), []).append(i)
+    for idx in groups.values():
+        fastest = float("inf")
+        for i in sorted(idx, key=lambda i: work(rows[i]), reverse=True):
+            fastest = min(fastest, times[i])
+            times[i] = fastest
+    return times
+
+
+def capped_growth(x, y, power_law: bool) -> list[float]:
+    """``y`` (a factor by x, x ascending) with each point at most the previous one times the
+    growth that keeps x / y(x) non-decreasing between the points as the Table interpolates
+    them: x[i]/x[i-1] for a power law, 1 + ln(x[i]/x[i-1]) for linear in log(x). The term
+    work(x) / (rate x y(x)) with work proportional to x then never falls as x grows."""
+    out = [float(v) for v in y]
+    for i in range(1, len(out)):
+        r = float(x[i]) / float(x[i - 1])
+        out[i] = min(out[i], out[i - 1] * (r if power_law else 1.0 + float(np.log(r))))
+    return out
+
+
+def _less_dispatch(t: float, dispatch_s: float, capped: list) -> float:
+    """The op's time ``t`` without its fixed call cost (charged per layer by the estimator)."""
     if dispatch_s > MAX_DISPATCH_SHARE * t:
         capped.append(dispatch_s)
         return (1 - MAX_DISPATCH_SHARE) * t
@@ -95,12 +136,13 @@ def derive_gemm(rows: list[dict], peak_flops_per_s: float, bandwidth_bytes_per_s
     GEMMs of one layer do."""
     by_t: dict[int, list[float]] = {}
     capped: list[float] = []
-    for r in rows:
+    times = no_faster_with_more_work(rows, lambda r: (int(r["k"]), int(r["n"])), lambda r: int(r["tokens"]))
+    for r, time_s in zip(rows, times):
         t, k, n, b = int(r["tokens"]), int(r["k"]), int(r["n"]), float(r["dtype_bytes"])
         s = by_t.setdefault(t, [0.0, 0.0, 0.0])
         s[0] += c_gemm(t, k, n)
         s[1] += d_gemm(t, k, n, b)
-        s[2] += _less_dispatch(r, dispatch_s, capped)
+        s[2] += _less_dispatch(time_s, dispatch_s, capped)
     if not by_t:
         raise ValueError("no GEMM measurements")
     notes = []
@@ -114,23 +156,23 @@ def derive_gemm(rows: list[dict], peak_flops_per_s: float, bandwidth_bytes_per_s
     if eff_m0 > 1.0:
         notes.append(f"weight streaming measured {d0 / left / 1e9:.1f} GB/s, above the hardware's "
                      f"{bandwidth_bytes_per_s / 1e9:.1f} GB/s: memory factor {eff_m0:.3g} (is the bandwidth right?)")
-    eff_c, eff_m = [], []
-    for t in tokens:
+    # Weights stream at one rate whatever the token count (Eff_mem(tokens) constant, so the memory
+    # term grows with the activations); what more tokens cost beyond it is compute. Eff_comp may
+    # grow with tokens only as fast as the tokens do (compute time never falls as tokens grow);
+    # where the measured time leaves no room for compute, it is hidden at that largest factor.
+    eff_c: list[float] = []
+    for i, t in enumerate(tokens):
         c, d, tt = by_t[t]
+        cap = EFF_MAX if i == 0 else min(EFF_MAX, eff_c[-1] * t / tokens[i - 1])
         rest = tt - t_memory_s(d, bandwidth_bytes_per_s, eff_m0)
-        if rest > t_compute_s(c, peak_flops_per_s, EFF_MAX):
-            eff_c.append(t_compute_s(c, peak_flops_per_s, 1.0) / rest)
-            eff_m.append(eff_m0)
-        else:  # compute hidden: memory runs faster than at the fewest tokens (or noise)
-            eff_c.append(EFF_MAX)
-            mem_s = tt - t_compute_s(c, peak_flops_per_s, EFF_MAX)
-            eff_m.append(min(EFF_MAX, t_memory_s(d, bandwidth_bytes_per_s, 1.0) / mem_s) if mem_s > 0 else EFF_MAX)
+        eff_c.append(min(cap, t_compute_s(c, peak_flops_per_s, 1.0) / rest) if rest > 0 else cap)
+    eff_m = [eff_m0] * len(tokens)
     above = [t for t in tokens if by_t[t][0] / by_t[t][2] > peak_flops_per_s * 1.02]
     if above:
         best = max(by_t[t][0] / by_t[t][2] for t in above)
         notes.append(f"GEMM at {', '.join(map(str, above))} tokens measured up to {best / 1e9:.4g} GFLOP/s, above "
                      f"the hardware's peak {peak_flops_per_s / 1e9:.4g}: factors above 1 (is the peak right?)")
-    return Table(tokens, eff_c), Table(tokens, eff_m), notes
+    return Table(tokens, eff_c, log_y=True), Table(tokens, eff_m), notes
 
 
 def derive_attention(rows: list[dict], peak_flops_per_s: float, bandwidth_bytes_per_s: float,
@@ -139,12 +181,15 @@ def derive_attention(rows: list[dict], peak_flops_per_s: float, bandwidth_bytes_
     kv_len, heads, kv_heads, head_dim, dtype_bytes, time_s}: D_KVCache and the attention part of
     C_Decode from workload/costs.py, for a layer of those heads."""
     per_batch: dict[int, dict[int, float]] = {}
-    for r in rows:
+    heads = lambda r: (int(r["heads"]), int(r["kv_heads"]), int(r["head_dim"]))  # noqa: E731
+    by_len = no_faster_with_more_work(rows, lambda r: (heads(r), int(r["batch"])), lambda r: int(r["kv_len"]))
+    by_batch = no_faster_with_more_work(rows, lambda r: (heads(r), int(r["kv_len"])), lambda r: int(r["batch"]))
+    for r, t_len, t_batch in zip(rows, by_len, by_batch):
         b, L = int(r["batch"]), int(r["kv_len"])
-        m = _attention_spec(int(r["heads"]), int(r["kv_heads"]), int(r["head_dim"]))
+        m = _attention_spec(*heads(r))
         kv = float(costs.d_kv_cache(m, b, L, float(r["dtype_bytes"])))
         c = float(costs.c_decode(m, b, L) - costs.c_decode(m, b, 0))  # attention over L keys, without the GEMMs
-        t = _less_dispatch(r, dispatch_s, [])
+        t = _less_dispatch(min(t_len, t_batch), dispatch_s, [])
         mem_s = t - t_compute_s(c, peak_flops_per_s, eff_compute(b))
         per_batch.setdefault(b, {})[L] = (min(EFF_MAX, t_memory_s(kv, bandwidth_bytes_per_s, 1.0) / mem_s)
                                           if mem_s > 0 else EFF_MAX)
@@ -152,7 +197,7 @@ def derive_attention(rows: list[dict], peak_flops_per_s: float, bandwidth_bytes_
         raise ValueError("no attention measurements")
     tables = {b: Table(list(d), list(d.values())) for b, d in sorted(per_batch.items())}
     lens = sorted({L for d in per_batch.values() for L in d})
-    mean = [float(np.mean([tables[b](L) for b in tables])) for L in lens]
+    mean = capped_growth(lens, [float(np.mean([tables[b](L) for b in tables])) for L in lens], power_law=False)
     return Table(lens, mean), tables
 
 
@@ -167,9 +212,13 @@ def _attention_spec(heads: int, kv_heads: int, head_dim: int, hidden: int | None
 
 
 def derive_link(rows: list[dict], bandwidth_bytes_per_s: float) -> Table:
-    """Eff_ICN(bytes) = measured rate / link rate, from rows {bytes, time_s}."""
-    return Table([float(r["bytes"]) for r in rows],
-                 [float(r["bytes"]) / _stat_s(r) / bandwidth_bytes_per_s for r in rows])
+    """Eff_ICN(bytes) = measured rate / link rate, from rows {bytes, time_s}; a larger copy never
+    takes less time than a smaller one."""
+    times = no_faster_with_more_work(rows, lambda r: 0, lambda r: float(r["bytes"]))
+    order = sorted(range(len(rows)), key=lambda i: float(rows[i]["bytes"]))
+    x = [float(rows[i]["bytes"]) for i in order]
+    eff = [x_i / times[i] / bandwidth_bytes_per_s for x_i, i in zip(x, order)]
+    return Table(x, capped_growth(x, eff, power_law=True), log_y=True)
 
 
 def best_threads(sweep: list[dict]) -> int:
@@ -311,7 +360,9 @@ class StepOverhead:
 class LayerOverhead:
     """Seconds a real decoder layer takes beyond what the GEMM, GEMV and attention factors
     explain, by tokens per GEMM and layer size: piecewise linear in log(layer bytes) within a
-    token count, then in log(tokens) between the two nearest token counts; clamped at the ends."""
+    token count, then in log(tokens) between the two nearest token counts; constant below the
+    fewest tokens and, above the most, growing linearly in tokens at the slope of the last two
+    (its per-token part: norms, rotary, activations, softmax). Never falls as tokens grow."""
 
     def __init__(self, by_tokens: dict[int, Table]):
         self.tokens = np.array(sorted(by_tokens), dtype=float)
@@ -322,12 +373,17 @@ class LayerOverhead:
             t = self.tables[i]
             return float(t(layer_bytes)) if layer_bytes else float(np.median(t.y))
 
-        lt = np.log(max(float(tokens), 1e-9))
+        tokens = max(float(tokens), 1e-9)
+        lt = np.log(tokens)
         logs = np.log(self.tokens)
         if lt <= logs[0]:
             return at(0)
         if lt >= logs[-1]:
-            return at(len(logs) - 1)
+            if len(logs) < 2:
+                return at(0)
+            top, below = at(len(logs) - 1), at(len(logs) - 2)
+            slope = max(top - below, 0.0) / (self.tokens[-1] - self.tokens[-2])
+            return top + slope * (tokens - self.tokens[-1])
         j = int(np.searchsorted(logs, lt))
         w = (lt - logs[j - 1]) / (logs[j] - logs[j - 1])
         return (1 - w) * at(j - 1) + w * at(j)
@@ -346,7 +402,11 @@ def derive_layers(rows: list[dict], peak_flops_per_s: float, bandwidth_bytes_per
     from flexplan.estimator.terms import Shape, phase_work
 
     by_tokens: dict[int, dict[float, float]] = {}
-    for r in rows:
+    # within a phase (decode steps and prefills run different code), a layer on more tokens is no faster
+    kind = lambda r: (int(r["query_len"]) == 1,  # noqa: E731
+                      *(int(r[k]) for k in ("hidden", "intermediate", "heads", "kv_heads", "head_dim")))
+    times = no_faster_with_more_work(rows, kind, lambda r: (int(r["batch"]) * int(r["query_len"]), int(r["kv_len"])))
+    for r, time_s in zip(rows, times):
         batch, q_len = int(r["batch"]), int(r["query_len"])
         tokens = batch * q_len
         m = _attention_spec(int(r["heads"]), int(r["kv_heads"]), int(r["head_dim"]), int(r["hidden"]),
@@ -364,10 +424,31 @@ def derive_layers(rows: list[dict], peak_flops_per_s: float, bandwidth_bytes_per
                                  float(eff_c(tokens)), float(eff_m(tokens)), kv_bytes=kv if eff_kv else 0.0,
                                  eff_kv=eff_kv or 1.0)
         layer_bytes = w.weight_bytes_cpu
-        by_tokens.setdefault(tokens, {})[layer_bytes] = max(_stat_s(r) - modelled, 0.0)
+        by_tokens.setdefault(tokens, {})[layer_bytes] = max(time_s - modelled, 0.0)
     if not by_tokens:
         raise ValueError("no usable layer measurements")
+    # a layer's own cost (dispatch, norms, rotary: a fixed part and a per-token part) does not
+    # shrink with more tokens: at each layer size, at least what fewer tokens cost
+    widest: dict[float, float] = {}
+    for t in sorted(by_tokens):
+        for lb, ov in by_tokens[t].items():
+            widest[lb] = by_tokens[t][lb] = max(ov, widest.get(lb, 0.0))
     return LayerOverhead({t: Table(list(d), list(d.values()), lo=0.0, hi=10.0) for t, d in by_tokens.items()})
+
+
+def fit_step_overhead(logits, seconds) -> StepOverhead:
+    """base + per_logit x logits by least squares, both non-negative (a step never costs less for
+    more logits, nor less than nothing): where the free fit has a negative slope the base is the
+    mean; where it has a negative base the line goes through the origin."""
+    x, y = np.asarray(logits, dtype=float), np.asarray(seconds, dtype=float)
+    if len(set(x.tolist())) < 2:
+        return StepOverhead(max(float(np.mean(y)), 0.0), 0.0)
+    slope, base = np.polyfit(x, y, 1)
+    if slope < 0:
+        return StepOverhead(max(float(np.mean(y)), 0.0), 0.0)
+    if base < 0:
+        return StepOverhead(0.0, max(float(x @ y / (x @ x)), 0.0))
+    return StepOverhead(float(base), float(slope))
 
 
 def _part(meas: dict, name: str, kind: type):
@@ -450,11 +531,7 @@ def from_measurements(meas: dict, settings: dict, hw: Hardware, source: str) -> 
     if isinstance(gen, list) and gen:  # the toy model's one layer is in the step time: take it out
         xs = np.array([float(r["batch"]) * float(r["vocab"]) for r in gen])
         ys = np.array([max(_stat_s(r) - int(r.get("layers", 1)) * cpu_overhead, 0.0) for r in gen])
-        if len(set(xs.tolist())) >= 2:
-            slope, base = np.polyfit(xs, ys, 1)
-            step_overhead = StepOverhead(max(float(base), 0.0), max(float(slope), 0.0))
-        else:
-            step_overhead = StepOverhead(float(np.mean(ys)), 0.0)
+        step_overhead = fit_step_overhead(xs, ys)
     else:
         notes.append("generate() step overhead not measured: default")
     sweep = _part(meas, "cpu_threads", dict)

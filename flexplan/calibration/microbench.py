@@ -76,10 +76,13 @@ MODES = {
                   attn_kv_lens=(128, 512, 2048, 8192), attn_batches=(1, 8), repeats=7, budget_s=4.0,
                   sweep_prefill_tokens=1024,
                   layer_shapes=((1, 1), (4, 1), (8, 1), (1, 128), (1, 512), (4, 512), (8, 512))),
-    "quick": Sizes(gemv_tokens=(1, 4, 16), gemm_tokens=(64, 256, 1024), weight_shapes=WEIGHT_SHAPES,
+    # quick: every decode batch `flexplan validate` runs (1, 4, 8) measured as in full, fewer prefill
+    # shapes and less time per shape; the fit's physical constraints (efficiency.py) keep the
+    # points it lacks from bending the curve (calibration/README.md, "What --quick measures")
+    "quick": Sizes(gemv_tokens=(1, 4, 8, 16), gemm_tokens=(64, 256, 1024), weight_shapes=WEIGHT_SHAPES,
                    attn_kv_lens=(128, 512, 2048, 8192), attn_batches=(1, 8), repeats=7, budget_s=1.0,
                    stream_bytes=128 * 2**20, layer_calls=100, transfer_bytes=(2**20, 16 * 2**20, 256 * 2**20),
-                   layer_shapes=((1, 1), (8, 1), (1, 128), (1, 512), (4, 512))),
+                   layer_shapes=((1, 1), (4, 1), (8, 1), (1, 128), (1, 512), (4, 512))),
     # for tests: seconds, not minutes; the numbers mean little
     "tiny": Sizes(gemv_tokens=(1, 4), gemm_tokens=(16, 64), weight_shapes=((256, 512),), attn_kv_lens=(64, 256),
                   attn_batches=(1, 2), attn_heads=(4, 2, 32), repeats=3, budget_s=0.2, rotate_bytes=4 * 2**20,

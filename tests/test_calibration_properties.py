@@ -1,0 +1,156 @@
+"""What every calibration file the code can write must give (issue 14, item 1).
+
+Synthetic measurement rows (``tests/synthetic_machine.py``: random but physical timings, with
+noise) for each mode's shape grid go through the real derivation and writer
+(``calibration.cli.calibration_doc``, ``store.write_atomic``), are read back with the real reader
+(``store.load_calibration``) and turned into factors as ``hardware="local"`` planning does
+(``calibration._derive``). Then, for every policy of the registry, on a made-up machine with a
+GPU and on a CPU-only one:
+
+- predicted TTFT and TPOT never decrease as batch, input length or context (output length) grow;
+- quick and full files of the same machine (quick seeing its subset of the shapes) predict
+  within ``QUICK_VS_FULL`` of each other over the validate grid.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from flexplan.calibration import _derive, store
+from flexplan.calibration.cli import calibration_doc
+from flexplan.estimator.policies import REGISTRY
+from flexplan.estimator.terms import Shape, phase_costs
+from flexplan.workload.catalog import resolve_model
+from flexplan.workload.model import ModelSpec
+from synthetic_machine import HW_CPU, HW_GPU, SyntheticMachine
+
+SMOLLM2 = resolve_model("HuggingFaceTB/SmolLM2-135M-Instruct")
+LLAMA_8B = ModelSpec.from_config(dict(model_type="llama", hidden_size=4096, intermediate_size=14336,
+                                      num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+                                      num_hidden_layers=32, vocab_size=128256))
+IDENTITY = store.MachineIdentity("made-up CPU", 16, ("made-up GPU",), ("gen5x16",))
+
+BATCHES = (1, 2, 4, 8, 32)
+INPUTS = (8, 32, 128, 512, 2048)
+OUTPUTS = (2, 16, 128)
+VALIDATE_GRID = [(b, i, o) for b in (1, 4, 8) for i in (32, 128, 512) for o in (16, 64)]  # validate.DEFAULT_GRID
+
+# Quick lacks, of full's shapes, GEMV at 2 tokens, GEMM at 4096 and the layer at batch 8 x 512:
+# the decode shapes validate runs are all measured in both modes; prefill at 8 x 512 (4096 tokens)
+# is extrapolated from quick's largest, 2048. With up to 10% noise per shape (the same noise where
+# both modes measure a shape: one machine, one moment), the largest gap over 40 random machines
+# was 10%, always that extrapolated TTFT (decode: under 2%). 15% leaves room for it without hiding
+# a regression of the kind issue 14 reported (batch-1 TPOT 4x apart, prefill MAPE 45% against 8%).
+QUICK_VS_FULL = 0.15
+QUICK_VS_FULL_NOISE = 0.10
+
+
+def machines(noise: float = 0.3):
+    return st.builds(
+        SyntheticMachine,
+        bytes_per_s=st.floats(5e9, 200e9),
+        kv_bytes_per_s=st.floats(2e9, 200e9),
+        flops_per_s=st.floats(20e9, 2e12).flatmap(
+            lambda f: st.floats(0.5, 4.0).map(lambda r: {"float32": f, "bfloat16": f * r})),
+        op_s=st.floats(1e-6, 30e-6),
+        layer_s=st.floats(20e-6, 2e-3),
+        step_s=st.floats(1e-4, 5e-3),
+        logit_s=st.floats(0.0, 2e-9),
+        gpu=st.booleans(),
+        noise=st.floats(0.0, noise),
+        seed=st.integers(0, 2**31),
+    )
+
+
+def calibrated(machine: SyntheticMachine, mode: str, hw, tmp_path):
+    """Factors of ``hw`` from the file the code writes for ``machine``'s rows of ``mode``."""
+    dtypes = list(dict.fromkeys([hw.cpu.compute_dtype, "float32"]))
+    meas = machine.measurements(mode, dtypes)
+    settings_ = {"cpu_dtypes": dtypes, "cpu_threads": hw.cpu.cores, "gpu_dtype": "bfloat16" if machine.gpu else None,
+                 "rotate_bytes": 2**27, "cpu_linear_kernel": "synthetic"}
+    doc = calibration_doc(mode, meas, settings_, hw, IDENTITY)
+    path = store.write_atomic(store.plain(doc), tmp_path / f"{mode}-{hw.name}.yaml")
+    cal = store.load_calibration(path)
+    assert cal.doc["mode"] == mode and cal.doc["complete"] is True
+    return _derive(cal, hw)
+
+
+def predict(eff, hw, spec: ModelSpec, policy: str, b: int, i: int, o: int, cpu_dtype: str) -> tuple[float, float]:
+    """(TTFT, TPOT) the policy's estimator gives, M = half the layers where it takes one."""
+    pol = REGISTRY[policy]
+    n = spec.num_layers
+    m = np.array([pol.gpu_layers_for(n, n // 2 if pol.needs_gpu_layers else None)])
+    shape = Shape(spec, b, i, o, "bfloat16", cpu_dtype)
+    ttft = pol.estimate(phase_costs(shape, hw, eff, "prefill"), n, m).time_s[0]
+    tpot = pol.estimate(phase_costs(shape, hw, eff, "decode"), n, m).time_s[0]
+    return float(ttft), float(tpot)
+
+
+def _policies(hw, spec):
+    return [p for p, pol in REGISTRY.items() if hw.gpu is not None or not pol.needs_accelerator(spec.num_layers)]
+
+
+def _non_decreasing(x: np.ndarray, axis: int) -> bool:
+    d = np.diff(x, axis=axis)
+    scale = np.maximum(np.abs(x), 1e-12)
+    return bool(np.all(d >= -1e-9 * np.take(scale, range(1, x.shape[axis]), axis=axis)))
+
+
+@pytest.mark.parametrize("mode", ["full", "quick", "tiny"])
+@settings(max_examples=4, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(machine=machines(), big=st.booleans())
+def test_predictions_never_fall_as_the_work_grows(mode, machine, big, tmp_path):
+    for hw in (HW_GPU, HW_CPU):
+        eff = calibrated(machine, mode, hw, tmp_path)
+        spec = LLAMA_8B if big else SMOLLM2
+        for cd in eff.cpu:
+            for policy in _policies(hw, spec):
+                grid = np.array([[[predict(eff, hw, spec, policy, b, i, o, cd) for o in OUTPUTS] for i in INPUTS]
+                                 for b in BATCHES])  # [batch, input, output, (ttft, tpot)]
+                assert np.all(np.isfinite(grid) & (grid > 0)), (policy, cd)
+                ttft, tpot = grid[..., 0], grid[..., 1]
+                where = f"{mode} file, {hw.name}, {policy}, CPU {cd}, {spec.name}"
+                assert _non_decreasing(ttft, 0) and _non_decreasing(ttft, 1), f"TTFT falls: {where}"
+                assert _non_decreasing(tpot, 0), f"TPOT falls with batch: {where}"
+                assert _non_decreasing(tpot, 1), f"TPOT falls with input length: {where}"
+                assert _non_decreasing(tpot, 2), f"TPOT falls with context (output length): {where}"
+
+
+@settings(max_examples=4, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(machine=machines(noise=QUICK_VS_FULL_NOISE))
+def test_quick_and_full_files_of_one_machine_agree(machine, tmp_path):
+    for hw in (HW_CPU, HW_GPU):
+        quick, full = calibrated(machine, "quick", hw, tmp_path), calibrated(machine, "full", hw, tmp_path)
+        for policy in _policies(hw, SMOLLM2):
+            for b, i, o in VALIDATE_GRID:
+                for cd in full.cpu:
+                    q = predict(quick, hw, SMOLLM2, policy, b, i, o, cd)
+                    f = predict(full, hw, SMOLLM2, policy, b, i, o, cd)
+                    for what, x, y in (("TTFT", q[0], f[0]), ("TPOT", q[1], f[1])):
+                        assert abs(x / y - 1) <= QUICK_VS_FULL, (
+                            f"{what} quick {x * 1e3:.3g} ms vs full {y * 1e3:.3g} ms: {policy} on {hw.name}, "
+                            f"batch {b}, input {i}, output {o}, CPU {cd}")
+
+
+def test_a_slow_batch_1_point_does_not_make_batch_1_slower_than_batch_4(tmp_path):
+    """Issue 14: one noisy batch-1 measurement (the 1-token GEMV and the batch-1 decode layer met a
+    scheduler stall) made quick predict batch-1 TPOT 4x batch 4's."""
+    machine = SyntheticMachine(bytes_per_s=40e9, kv_bytes_per_s=20e9, flops_per_s={"float32": 150e9, "bfloat16": 150e9},
+                               op_s=5e-6, layer_s=200e-6, step_s=1e-3, logit_s=1e-10)
+    meas = machine.measurements("quick", ["bfloat16", "float32"])
+    for r in meas["cpu_gemv"] + meas["cpu_layers"] + meas["cpu_attention"]:
+        if r.get("tokens", r.get("batch")) == 1 and r.get("query_len", 1) == 1:
+            r["time_s"] *= 5
+            r["time_median_s"] *= 5
+    doc = calibration_doc("quick", meas, {"cpu_dtypes": ["bfloat16", "float32"], "cpu_threads": 16}, HW_CPU, IDENTITY)
+    cal = store.load_calibration(store.write_atomic(store.plain(doc), tmp_path / "q.yaml"))
+    eff = _derive(cal, HW_CPU)
+    clean = calibrated(machine, "quick", HW_CPU, tmp_path)
+    for cd in eff.cpu:
+        b1 = predict(eff, HW_CPU, SMOLLM2, "cpu", 1, 128, 64, cd)[1]
+        b4 = predict(eff, HW_CPU, SMOLLM2, "cpu", 4, 128, 64, cd)[1]
+        assert b1 <= b4
+        assert b1 == pytest.approx(predict(clean, HW_CPU, SMOLLM2, "cpu", 1, 128, 64, cd)[1], rel=0.25)
