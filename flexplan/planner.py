@@ -276,11 +276,15 @@ def _plan_one(spec: ModelSpec, hw: Hardware, eff: Efficiency, shape: Shape, gpu_
             return scores[key]
         op, od = opts["prefill"][p], opts["decode"][d]
         m_p, m_d = int(op.gpu_layers[ip]), int(od.gpu_layers[idx_d])
-        need = placement_memory(shape, hw, {"prefill": REGISTRY[p].placement(n, m_p, "prefill"),
-                                            "decode": REGISTRY[d].placement(n, m_d, "decode")})
-        if need.host_total_bytes > cpu_budget or need.accelerator_bytes > gpu_budget:
-            scores[key] = None
-            return None
+        # the pair never needs more than both phases' placements apart: only near a budget is it sized
+        surely_fits = (op.gpu_bytes[ip] + od.gpu_bytes[idx_d] <= gpu_budget
+                       and op.cpu_bytes[ip] + od.cpu_bytes[idx_d] <= cpu_budget)
+        if not surely_fits:
+            need = placement_memory(shape, hw, {"prefill": REGISTRY[p].placement(n, m_p, "prefill"),
+                                                "decode": REGISTRY[d].placement(n, m_d, "decode")})
+            if need.host_total_bytes > cpu_budget or need.accelerator_bytes > gpu_budget:
+                scores[key] = None
+                return None
         ttft = float(op.time_s[ip])
         sw = switch_s(shape, hw, p, m_p, d, m_d, ttft, include_initial_load, eff)
         load = float(op.load_s[ip]) if include_initial_load else 0.0
@@ -309,9 +313,15 @@ def _plan_one(spec: ModelSpec, hw: Hardware, eff: Efficiency, shape: Shape, gpu_
                 for ip in ip_set:
                     for i_d in id_set:
                         s = score(p, ip, d, i_d)
-                        while s is None and i_d > 0:  # both phases' buffers together: fewer decode GPU layers
-                            i_d -= 1
-                            s = score(p, ip, d, i_d) if od.feasible[i_d] else None
+                        if s is None:  # both phases' buffers together: the most decode GPU layers that fit,
+                            lo, hi = 0, i_d - 1  # by bisection (fewer decode layers need less accelerator memory)
+                            while lo <= hi:
+                                mid = (lo + hi) // 2
+                                s_mid = score(p, ip, d, mid) if od.feasible[mid] else None
+                                if s_mid is None:
+                                    hi = mid - 1
+                                else:
+                                    i_d, s, lo = mid, s_mid, mid + 1
                         if s is not None and (best is None or s[0] < best[0]):
                             best = (s[0], s[1], s[2], p, ip, d, i_d)
         return best
