@@ -94,3 +94,26 @@ def test_malformed_hwdb(tmp_path):
     (tmp_path / "gpus.yaml").write_text("gpus: [ {id: x, : }")
     r = flexplan("explain", "facebook/opt-66b", "--hw", "flexinfer-server2", env={"FLEXPLAN_HWDB_DIR": str(tmp_path)})
     assert r.returncode == 2 and "Traceback" not in r.stderr and "gpus.yaml" in r.stderr
+
+
+def test_explain_a_config_folder_not_in_the_catalog(tmp_path):
+    """A model the catalog lacks, given as a folder with its config.json (an MoE of a model type
+    flexplan has no entry for), is planned from its generic fields; every catalog MoE entry plans too."""
+    cfg = {"model_type": "brand_new_moe", "architectures": ["BrandNewMoeForCausalLM"], "hidden_size": 2048,
+           "num_hidden_layers": 24, "num_attention_heads": 16, "num_key_value_heads": 4, "head_dim": 128,
+           "intermediate_size": 6144, "moe_intermediate_size": 768, "num_experts": 64, "num_experts_per_tok": 4,
+           "vocab_size": 32000, "max_position_embeddings": 4096, "tie_word_embeddings": False}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    r = flexplan("explain", str(tmp_path), "--hw", "flexinfer-server2", "--gpu-memory", "8", "-b", "1", "-i", "256",
+                 "-o", "32", "--json")
+    assert r.returncode == 0, r.stderr
+    plan = json.loads(r.stdout)
+    assert plan["num_layers"] == 24 and plan["e2e_s"] > 0
+    dense = dict(cfg, num_experts=0, num_experts_per_tok=0, model_type="brand_new_dense")
+    (tmp_path / "config.json").write_text(json.dumps(dense))
+    r2 = flexplan("explain", str(tmp_path), "--hw", "flexinfer-server2", "--gpu-memory", "8", "-b", "1", "-i", "256",
+                  "-o", "32", "--json")
+    cpu = {json.dumps(d): [c for c in d["candidates"] if c["policy"] == "cpu" and c["phase"] == "decode"][0]["time_s"]
+           for d in (plan, json.loads(r2.stdout))}
+    moe_tpot, dense_tpot = cpu.values()
+    assert moe_tpot < dense_tpot  # the MoE reads 4 of 64 experts per token, the dense model its whole MLP
