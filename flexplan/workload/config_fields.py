@@ -118,8 +118,8 @@ NOT_LAYERWISE: dict[str, str] = {
     **{t: f"a hybrid linear-attention model: {_RECURRENT}" for t in ("qwen3_next", "minimax", "kimi_linear")},
     **{t: f"a recurrent model: {_RECURRENT}" for t in ("recurrent_gemma", "xlstm", "rwkv")},
 }
-# BERT-style encoders: refused unless configured as a decoder with a causal-LM head (is_decoder=True,
-# e.g. BertLMHeadModel), which runs layer by layer like any decoder (planned from the generic fields).
+# BERT-style encoders: refused unless used as a causal LM (is_decoder, a *ForCausalLM / *LMHeadModel
+# architecture, or a bare config), which runs layer by layer like any decoder (planned from the generic fields).
 ENCODER_ONLY = ("bert", "roberta", "xlm-roberta", "distilbert", "albert", "electra", "deberta", "deberta-v2",
                 "modernbert", "camembert", "mpnet", "bert-generation", "big_bird", "data2vec-text", "ernie",
                 "megatron-bert", "roberta-prelayernorm", "roc_bert", "roformer", "xlm-roberta-xl", "xmod", "rembert")
@@ -147,7 +147,9 @@ def reject_non_layerwise(cfg: dict[str, Any], name: str) -> None:
             f"{name} ({mt}) is an encoder-decoder model: flexplan plans and runs decoder-only causal LMs only")
     if mt in NOT_LAYERWISE:
         raise UnsupportedModelError(f"{name} ({mt}) is {NOT_LAYERWISE[mt]}")
-    causal_head = cfg.get("is_decoder") and not (archs and all(a.endswith(_NON_CAUSAL_SUFFIXES) for a in archs))
+    # a BERT-style stack counts as a decoder when it is configured as one, when its architectures name a
+    # causal-LM head, or when no architecture is recorded (a config a causal-LM class was built from)
+    causal_head = (cfg.get("is_decoder") or not archs or any(a.endswith(("ForCausalLM", "LMHeadModel")) for a in archs))
     if (mt in ENCODER_ONLY and not causal_head) or (archs and all(a.endswith(_NON_CAUSAL_SUFFIXES) for a in archs)):
         raise UnsupportedModelError(
             f"{name} ({mt}, {', '.join(archs) or 'no architectures'}) is an encoder-only model, not a causal LM: "
