@@ -43,23 +43,7 @@ class _PolicyNames(Sequence):
         return repr(tuple(self))
 
 
-class _HostLayersOnCPU(Mapping):
-    """policy -> whether its host-resident layers compute on the CPU (derived from each policy's
-    placement rule; kept for callers that ask per policy name)."""
-
-    def __getitem__(self, name: str) -> bool:
-        mode = _registry()[name].host_mode
-        return mode is not None and mode.on_cpu
-
-    def __iter__(self):
-        return iter(tuple(_registry()))
-
-    def __len__(self) -> int:
-        return len(_registry())
-
-
 POLICIES: Sequence[str] = _PolicyNames()
-HOST_LAYERS_ON_CPU: Mapping[str, bool] = _HostLayersOnCPU()
 
 
 def _num(x: float) -> float | None:

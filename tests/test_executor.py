@@ -277,16 +277,21 @@ def test_auto_plans_per_request_shape(fresh):
 def test_bf16_accelerator_fp32_cpu_every_pair(fresh, prefill, decode):
     """Weights and KV converted between the accelerator dtype and the CPU dtype on every path
     (pinned <-> host conversions, the switch): logits stay within bf16 error of fp32."""
-    model, ref = fresh("mistral")
+    for a, b in _bf16_accelerator_logits(fresh, "mistral", prefill, decode, gpu_layers=2):
+        torch.testing.assert_close(a, b, atol=0.1, rtol=0.05)
+
+
+def _bf16_accelerator_logits(fresh, family, prefill, decode, gpu_layers):
+    """(flexplan, transformers) logits of 3 greedy steps, flexplan with a bf16 accelerator and an fp32 CPU."""
+    model, ref = fresh(family)
     ids, mask = left_padded_batch()
     kw = dict(input_ids=ids, attention_mask=mask, max_new_tokens=3, do_sample=False, return_dict_in_generate=True,
               output_logits=True)
     expected = ref.generate(**kw)
-    plan = fixed_plan(model.config, prefill, decode, 2, dtype="bfloat16", cpu_dtype="float32", batch_size=3,
+    plan = fixed_plan(model.config, prefill, decode, gpu_layers, dtype="bfloat16", cpu_dtype="float32", batch_size=3,
                       input_len=9, output_len=3)
     out = api.load(model, plan=plan, accelerator="cpu", gpu_memory_bytes=GIB).generate(**kw)
-    for a, b in zip(out.logits, expected.logits):
-        torch.testing.assert_close(a, b, atol=0.1, rtol=0.05)
+    return zip(out.logits, expected.logits)
 
 
 @pytest.mark.parametrize("family,prefill,decode", [("gemma3", "gpu", "splitgen"), ("mixtral", "gpu-offload", "cpu"),
@@ -295,13 +300,5 @@ def test_bf16_accelerator_fp32_cpu_every_pair(fresh, prefill, decode):
 def test_bf16_accelerator_fp32_cpu_any_family(fresh, family, prefill, decode):
     """Sliding layers, 3-D expert weights, MLA's latent cache and Conv1D projections converted
     between the accelerator's bf16 and the CPU's fp32 (weights, KV at the switch and in streaming)."""
-    model, ref = fresh(family)
-    ids, mask = left_padded_batch()
-    kw = dict(input_ids=ids, attention_mask=mask, max_new_tokens=3, do_sample=False, return_dict_in_generate=True,
-              output_logits=True)
-    expected = ref.generate(**kw)
-    plan = fixed_plan(model.config, prefill, decode, 1, dtype="bfloat16", cpu_dtype="float32", batch_size=3,
-                      input_len=9, output_len=3)
-    out = api.load(model, plan=plan, accelerator="cpu", gpu_memory_bytes=GIB).generate(**kw)
-    for a, b in zip(out.logits, expected.logits):
+    for a, b in _bf16_accelerator_logits(fresh, family, prefill, decode, gpu_layers=1):
         torch.testing.assert_close(a, b, atol=0.1 * float(b.abs().max()), rtol=0.05)

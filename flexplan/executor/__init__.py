@@ -9,11 +9,10 @@ hooks that run each step under the plan), ``loading`` (safetensors straight into
 ``stats`` (measured vs predicted), ``plans`` (placements fixed by hand).
 """
 
-from flexplan.executor.families import SUPPORTED_FAMILIES
 from flexplan.executor.link import Link
 from flexplan.executor.placement import Placement
 
-__all__ = ["SUPPORTED_FAMILIES", "Executor", "Link", "Placement", "fixed_plan", "load_streaming"]
+__all__ = ["Executor", "Link", "Placement", "fixed_plan", "load_streaming"]
 
 
 def __getattr__(name):

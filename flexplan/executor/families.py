@@ -38,7 +38,6 @@ _RECURRENT = {"rwkv": "RWKV (recurrent time-mixing state)", "xlstm": "xLSTM (rec
 _LAYER_LIST_NAMES = ("layers", "h", "blocks", "layer", "block", "decoder_layers")
 _EMBEDDING_NAME = re.compile(r"emb|wte|wpe|(^|_)in(_|$)|project_in")
 _HEAD_NAME = re.compile(r"final|ln_f|norm_f|(^|_)out(_|$)|project_out|^norm$|^ln$")
-SUPPORTED_FAMILIES = ("any decoder-only causal LM of transformers",)
 
 
 @dataclass
