@@ -213,7 +213,7 @@ def _uses_accelerator(policy: str) -> bool:
     from flexplan.estimator.policies import REGISTRY
 
     pol = REGISTRY[policy]
-    return any(pol.placement(2, int(m), "decode").uses_accelerator for m in pol.gpu_layer_options(2))
+    return any(pol.placement(2, int(m), ph).uses_accelerator for m in pol.gpu_layer_options(2) for ph in ("prefill", "decode"))
 
 
 def _planner_available() -> bool:

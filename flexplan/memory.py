@@ -141,13 +141,21 @@ class Inventory:
         head.append(Tensor("lm_head.weight", (spec.vocab_size, emb), ALIAS if tied else LINEAR))
         if getattr(spec, "lm_head_bias", False):
             head.append(Tensor("lm_head.bias", (spec.vocab_size,)))
-        width = spec.intermediate_size if not spec.is_moe else max(
-            spec.intermediate_size if not all(spec.moe_layers) else 0,
-            spec.experts_per_token * spec.expert_intermediate_size + spec.shared_expert_intermediate_size)
-        per_row = 4 * h + q + kd + kvd + 3 * width
-        return cls(tuple(embedding), tuple(layers), tuple(head), spec.num_kv_heads, spec.head_dim, per_row,
+        return cls(tuple(embedding), tuple(layers), tuple(head), spec.num_kv_heads, spec.head_dim,
+                   activation_elems_per_row(spec),
                    spec.vocab_size, v_head_dim=spec.v_head_dim or spec.head_dim,
                    kv_elems_per_token=spec.kv_elems_per_token)
+
+
+def activation_elems_per_row(spec) -> int:
+    """Transient elements of one layer step per token: hidden, residual, q/k/v/attention output and
+    the MLP intermediates (gate, up, product) of the widest MLP a token runs (MoE: k experts + shared)."""
+    h, q = spec.hidden_size, spec.q_dim
+    kd, kvd = spec.num_kv_heads * spec.head_dim, spec.num_kv_heads * (spec.v_head_dim or spec.head_dim)
+    width = spec.intermediate_size if not spec.is_moe else max(
+        spec.intermediate_size if not all(spec.moe_layers) else 0,
+        spec.experts_per_token * spec.expert_intermediate_size + spec.shared_expert_intermediate_size)
+    return 4 * h + q + kd + kvd + 3 * width
 
 
 def _padded(nbytes: int) -> int:

@@ -207,7 +207,7 @@ def test_planner_predicts_what_the_executor_allocates(reference_models, one_thre
 # The other decoder families of the suite, from the generic spec-side inventory (Inventory.from_spec:
 # projections as nn.Linear, experts as transformers 5's fused tensors). Where a family's modules differ
 # from that picture in a way that changes bytes, the tolerance below names it; measured when written
-# (bf16 accelerator, fp32 CPU, 4 policy pairs): every other family within 0.1%.
+# (bf16 accelerator, fp32 CPU, 4 policy pairs): every other family within 1% (worst 0.83%, cohere2).
 LAYOUT_TOLERANCE = {
     # fused q/k/v (and gate/up) linears of widths that are not multiples of the 64-column block in these
     # tiny configs: the fused matrix stays in float32 where separate ones would be blocked in bf16 (real

@@ -29,7 +29,8 @@ from flexplan.executor.families import decoder_parts, layer_windows, text_config
 from flexplan.executor.kv_cache import FlexCache, FlexKVLayer, KVPool, kv_bytes, kv_geometry
 from flexplan.executor.link import ACCELERATOR, HOST_MEMORY, PINNED, Link
 from flexplan.executor.placement import Placement, check_fits
-from flexplan.memory import ALIAS, LINEAR, PLAIN, TIED_EMBEDDING, Inventory, MemoryNeed, Tensor, footprint
+from flexplan.memory import (
+    ALIAS, LINEAR, PLAIN, TIED_EMBEDDING, Inventory, MemoryNeed, Tensor, activation_elems_per_row, footprint)
 from flexplan.executor.stats import PhaseStats, step_flops
 from flexplan.executor.step import Step, generic_kv_to
 from flexplan.executor.weights import GroupWeights, StreamSlots, torch_dtype
@@ -167,9 +168,8 @@ class Executor:
 
         prefix = f"{self.parts.stack_prefix}.layers"
         s = self.spec
-        planned = Inventory.from_spec(s)  # activation and KV sizes as the planner counts them
         return Inventory(tensors(self.embed), tuple(tensors(g, f"{prefix}.{i}.") for i, g in enumerate(self.layers)),
-                         tensors(self.head), s.num_kv_heads, s.head_dim, planned.activation_elems_per_row,
+                         tensors(self.head), s.num_kv_heads, s.head_dim, activation_elems_per_row(s),
                          s.vocab_size, kv_elems_per_token=self._kv_elems_per_token)
 
     @property
