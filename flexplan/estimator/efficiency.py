@@ -132,3 +132,79 @@ class DefaultEfficiency:
 
     def gpu_layer_overhead_s(self):
         return self.gpu_overhead_s
+
+
+# The classes of time terms that a run can tell apart (issue 14: the memory state of now, online
+# correction). Each Efficiency method belongs to one; a scale is a TIME multiplier for its class.
+TERM_CLASSES = ("cpu_memory", "cpu_compute", "overhead", "link", "accelerator")
+
+
+@dataclass(frozen=True)
+class ScaledEfficiency:
+    """``base`` with the time of each term class multiplied by ``scales[class]`` (1 where absent):
+    factors are divided by it, fixed overheads multiplied. One wrapper for every reason to scale
+    a calibration (the machine's memory state now, corrections learned from runs); ``note`` is
+    appended to ``source`` so explain and last_stats say which scaling was used."""
+
+    base: Efficiency
+    scales: dict
+    note: str = ""
+
+    def __post_init__(self):
+        bad = {k: v for k, v in self.scales.items() if k not in TERM_CLASSES or not (np.isfinite(v) and v > 0)}
+        if bad:
+            raise ValueError(f"term scales must be positive and finite, for classes {TERM_CLASSES}; got {bad}")
+
+    @property
+    def source(self) -> str:
+        return "; ".join(x for x in (self.base.source, self.note) if x)
+
+    def scale(self, term_class: str) -> float:
+        return float(self.scales.get(term_class, 1.0))
+
+    def cpu_compute(self, tokens, dtype=None):
+        return self.base.cpu_compute(tokens, dtype) / self.scale("cpu_compute")
+
+    def cpu_head_compute(self, tokens, dtype=None):
+        return self.base.cpu_head_compute(tokens, dtype) / self.scale("cpu_compute")
+
+    def cpu_memory(self, tokens, dtype=None):
+        return self.base.cpu_memory(tokens, dtype) / self.scale("cpu_memory")
+
+    def cpu_attention(self, context_len, dtype=None):
+        return self.base.cpu_attention(context_len, dtype) / self.scale("cpu_memory")
+
+    def cpu_head_memory(self, tokens, dtype=None):
+        return self.base.cpu_head_memory(tokens, dtype) / self.scale("cpu_memory")
+
+    def gpu_compute(self, tokens):
+        return self.base.gpu_compute(tokens) / self.scale("accelerator")
+
+    def gpu_memory(self, tokens):
+        return self.base.gpu_memory(tokens) / self.scale("accelerator")
+
+    def h2d(self, transfer_bytes):
+        return self.base.h2d(transfer_bytes) / self.scale("link")
+
+    def d2h(self, transfer_bytes):
+        return self.base.d2h(transfer_bytes) / self.scale("link")
+
+    def cpu_under_copy(self):
+        return self.base.cpu_under_copy()
+
+    def cpu_threads(self):
+        return self.base.cpu_threads()
+
+    def cpu_layer_overhead_s(self, tokens=1, dtype=None, layer_bytes=None):
+        return self.base.cpu_layer_overhead_s(tokens, dtype, layer_bytes) * self.scale("overhead")
+
+    def cpu_step_overhead_s(self, batch=1, vocab=0):
+        return self.base.cpu_step_overhead_s(batch, vocab) * self.scale("overhead")
+
+    def gpu_layer_overhead_s(self):
+        return self.base.gpu_layer_overhead_s() * self.scale("overhead")
+
+    def __getattr__(self, name):  # describe_factors() and the like of the calibrated base
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return getattr(self.base, name)
