@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from flexplan.calibration import calibrated_cpu_threads
+from flexplan.calibration.memory_state import refresh as refresh_memory_probe
 from flexplan.errors import DeviceUnavailableError, InvalidInputError
 from flexplan.executor.cpu_backend import local_cpu_cores, local_cpu_dtype
 from flexplan.executor.families import check_supported
@@ -283,6 +284,7 @@ def load(model_or_path, plan: Any = "auto", accelerator: str | None = None, hard
 
         hw = _lazy_standin(standin_hardware, gpu_memory_bytes, hardware if isinstance(hardware, Hardware) else None)
     planner_args = dict(accelerator=acc, hardware=hw, dtype=dtype, cpu_dtype=cpu_dtype, gpu_memory_bytes=gpu_memory_bytes)
+    refresh_memory_probe()  # plans made now use the host memory state of now (calibration/memory_state.py)
     p = _make_plan(plan, config, **planner_args, **DEFAULT_SHAPE)
     n = int(getattr(config, "num_hidden_layers"))
     require_accelerator(Placement.from_plan(p, n), acc is not None, torch.version.cuda is not None)
