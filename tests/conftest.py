@@ -6,8 +6,14 @@ Nothing here imports torch until an executor test asks for it, so the planner's 
 from __future__ import annotations
 
 import copy
+import os
 
 import pytest
+
+# Online correction (calibration/correction.py) learns from every generate() on "local" and writes
+# beside the calibration file: tests (and the subprocesses they start) run without it, so a
+# prediction never depends on which test ran before. Its own tests turn it on with monkeypatch.
+os.environ["FLEXPLAN_ONLINE_CORRECTION"] = "0"
 
 VOCAB = 160
 PAD = 0

@@ -87,6 +87,7 @@ class RunStats:
     switch_bytes: int  # KV moved at the prefill -> decode switch
     native_stack_steps: int = 0  # decode steps run by cpu_decode.FusedStack (all layers in one native call)
     buffers_allocated: dict[str, int] = field(default_factory=dict)  # during this run, per memory
+    correction: str = ""  # what online correction learned from this run (and any re-plan it caused)
 
     @property
     def phases(self) -> dict[str, PhaseStats]:
@@ -123,6 +124,8 @@ class RunStats:
                 f"over {p.steps} steps"
                 + (f", {self.native_stack_steps} by the native decode stack" if p.phase == "decode"
                    and self.native_stack_steps else ""))
+        if self.correction:
+            lines.append(self.correction)
         return "\n".join(lines)
 
 
