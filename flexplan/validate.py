@@ -215,7 +215,7 @@ def run_grid(model_dir: Path, grid: dict[str, list[int]], pairs: list[tuple[str,
     shapes = [(b, i, o) for b in grid["b"] for i in grid["i"] for o in grid["o"]]
     for p_pol, d_pol in pairs:
         lm = flexplan.load(str(model_dir), plan={"prefill": p_pol, "decode": d_pol}, accelerator=accelerator,
-                           hardware=hw, gpu_memory_bytes=gpu_memory_bytes)
+                           hardware=hw, gpu_memory_bytes=gpu_memory_bytes, online_correction=False)  # calibration alone
         vocab = lm.config.vocab_size
         gen = torch.Generator().manual_seed(0)
         warm = torch.randint(3, vocab, (1, 16), generator=gen)
