@@ -66,6 +66,7 @@ MIN_TTFT_S = 1e-3  # shorter prefills are not measured reliably
 MIN_DECODE_STEPS = 2
 MIN_SHARE = 0.02  # a run "informs" a class when the class holds at least this share of a phase's time
 HISTORY = 8  # residuals kept for display
+ACCELERATOR_CLASSES = ("link", "accelerator")
 
 
 # ----------------------------------------------------------------------------- the data
@@ -180,11 +181,17 @@ def phase_time_s(obs: Observation, eff: "Efficiency", phase: str) -> float:
 def shares(obs: Observation, eff: "Efficiency", phase: str) -> tuple[float, np.ndarray]:
     """(predicted time T, w) with ``w[i] = d log T / d log s`` of class ``TERM_CLASSES[i]``, by
     scaling that class's time by PERTURB (only the classes the phase's formula reads move it)."""
+    from flexplan.estimator.policies import REGISTRY
+
     t0 = phase_time_s(obs, eff, phase)
     w = np.zeros(len(TERM_CLASSES))
     if not (math.isfinite(t0) and t0 > 0):
         return t0, w
+    policy, m = (obs.prefill, obs.prefill_gpu_layers) if phase == "prefill" else (obs.decode, obs.decode_gpu_layers)
+    on_accelerator = REGISTRY[policy].placement(obs.model.num_layers, int(m), phase).uses_accelerator
     for i, c in enumerate(TERM_CLASSES):
+        if c in ACCELERATOR_CLASSES and not on_accelerator:
+            continue  # a placement that never touches the accelerator reads none of its terms
         t1 = phase_time_s(obs, ScaledEfficiency(eff, {c: PERTURB}), phase)
         if math.isfinite(t1) and t1 > 0:
             w[i] = max(0.0, math.log(t1 / t0) / math.log(PERTURB))

@@ -50,6 +50,7 @@ def enabled() -> bool:
 # calibration file, and those whose file could not be written
 _MEMORY: dict[tuple, Corrections] = {}
 _READ: dict[str, tuple[tuple, dict | None]] = {}  # path -> ((mtime_ns, size), doc or None if unusable)
+_FOLDERS: dict[str, Path] = {}  # calibration folder -> where its corrections are written
 _WARNED: set[tuple] = set()  # (path, (mtime_ns, size), hardware name) whose unusable entry was reported
 
 
@@ -59,16 +60,17 @@ def _key(cal) -> tuple:
 
 def corrections_path(cal) -> Path:
     """``<calibration-stem>.corrections.yaml`` beside the calibration file, or in the user cache
-    folder when that folder is the installed package's or not writable."""
+    folder when that folder is the installed package's or not writable (decided once per folder
+    per process)."""
     from flexplan.calibration import store
 
     name = f"{cal.path.stem}.corrections.yaml"
-    folder = cal.path.parent
-    shipped, checkout = store.shipped_dir(), store.source_checkout_dir()
-    in_package = shipped is not None and folder.resolve() == shipped and shipped != checkout
-    if in_package or not os.access(folder, os.W_OK):
-        return store.user_cache_dir() / name
-    return folder / name
+    folder = str(cal.path.parent)
+    if folder not in _FOLDERS:
+        shipped, checkout = store.shipped_dir(), store.source_checkout_dir()
+        in_package = shipped is not None and Path(folder).resolve() == shipped and shipped != checkout
+        _FOLDERS[folder] = store.user_cache_dir() if in_package or not os.access(folder, os.W_OK) else Path(folder)
+    return _FOLDERS[folder] / name
 
 
 def _read_doc(path: Path) -> dict | None:
@@ -144,7 +146,11 @@ def save(hw: "Hardware", cal, corrections: Corrections) -> Path | None:
     now = dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
     out = {"format": FORMAT, "version": VERSION, "calibration": cal.path.name, "fingerprint": cal.fingerprint,
            "calibration_created_utc": str(cal.doc.get("created_utc")), "updated_utc": now, "hardware": entries}
-    return store.write_atomic(store.plain(out), path)
+    out = store.plain(out)
+    store.write_atomic(out, path)
+    st = path.stat()
+    _READ[str(path)] = ((st.st_mtime_ns, st.st_size), out)  # what was written need not be parsed again
+    return path
 
 
 # ----------------------------------------------------------------------------- the library's calls
@@ -229,15 +235,20 @@ def describe_corrections(hw: "Hardware") -> str:
     c = current(hw, cal)
     if not c.scales:
         return "online correction: none yet (learned from the runs of flexplan.load(...).generate())"
-    per = ", ".join(f"{k} x{v:.3g} ({c.runs.get(k, 0)} runs)" for k, v in c.scales.items())
+    per = ", ".join(f"{k} x{v:.3g} ({_runs(c.runs.get(k, 0))})" for k, v in c.scales.items())
     where = corrections_path(cal) if cal is not None else "this process"
-    return f"online correction: {per}; {c.updates} runs in all, kept in {where}"
+    return f"online correction: {per}; {_runs(c.updates)} in all, kept in {where}"
+
+
+def _runs(n: int) -> str:
+    return f"{n} run{'' if n == 1 else 's'}"
 
 
 def _reset_memory() -> None:
     """Forget this process's in-memory corrections and file cache (tests)."""
     _MEMORY.clear()
     _READ.clear()
+    _FOLDERS.clear()
     _WARNED.clear()
 
 
