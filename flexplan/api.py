@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from flexplan.calibration import calibrated_cpu_threads
+from flexplan.calibration.cli import _cpu_seconds, _other_share  # CPU time other processes took (/proc/stat)
 from flexplan.errors import DeviceUnavailableError, FlexplanError, InvalidInputError
 from flexplan.executor.cpu_backend import local_cpu_cores, local_cpu_dtype
 from flexplan.executor.families import check_supported
@@ -167,6 +168,7 @@ class FlexModel:
         if kwargs.get("past_key_values") is None and use_cache is not False:
             kwargs["past_key_values"] = self.executor.new_cache(eff_batch, input_len + max_new, input_len)
         allocations_before = dict(self.executor.link.allocations)
+        busy_before = _cpu_seconds()
         self.executor.begin_run()
         t0 = time.perf_counter()
         try:
@@ -177,6 +179,8 @@ class FlexModel:
         seqs = out if isinstance(out, torch.Tensor) else out.sequences
         self.last_stats = collect(self.executor, t0, t1, eff_batch, input_len, int(seqs.shape[1]) - input_len,
                                   allocations_before, cpu_threads_source=self.cpu_threads_source)
+        self.last_stats.other_processes_cpu_share = _other_share(busy_before, _cpu_seconds(), t1 - t0,
+                                                                 os.cpu_count() or 1)
         if self.online_correction:
             self._learn()
         return out

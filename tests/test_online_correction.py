@@ -9,6 +9,7 @@ the others alone. The library's use is tested on a tiny random model loaded with
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 import warnings
 
 import numpy as np
@@ -310,13 +311,21 @@ def test_hwdb_hardware_is_never_corrected(cal_folder):
 # ----------------------------------------------------------------------------- generate() feeds it
 
 
+@pytest.fixture
+def quiet(monkeypatch):
+    """Runs count as taken on a quiet machine: the tests do not depend on what else this machine runs."""
+    import flexplan.api
+
+    monkeypatch.setattr(flexplan.api, "_cpu_seconds", lambda: None)
+
+
 def _run(lm, new=12, lengths=(40,)):
     ids, mask = left_padded_batch(lengths)
     lm.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new, do_sample=False)
     return lm.last_stats
 
 
-def test_a_real_run_writes_corrections_and_the_next_plan_moves_toward_it(cal_folder, one_thread):
+def test_a_real_run_writes_corrections_and_the_next_plan_moves_toward_it(cal_folder, one_thread, quiet):
     folder, cal_path = cal_folder
     lm = flexplan.load(make_model("llama"), hardware="local", dtype="float32")
     first = _run(lm)
@@ -351,6 +360,7 @@ def test_opting_out_by_load_flag_or_environment(cal_folder, one_thread, monkeypa
     stats = _run(lm)
     assert stats.correction == "" and path.read_text() == before
     assert "online correction" not in stats.plan.calibration  # planned on the calibration alone
+    assert stats.other_processes_cpu_share is None or 0 <= stats.other_processes_cpu_share <= 1
     monkeypatch.setenv(correction_store.ENV, "0")
     lm = flexplan.load(make_model("llama"), hardware="local", dtype="float32")
     stats = _run(lm)
@@ -360,7 +370,7 @@ def test_opting_out_by_load_flag_or_environment(cal_folder, one_thread, monkeypa
         flexplan.load(make_model("llama"), hardware="local", online_correction="no")
 
 
-def test_a_correction_that_changes_the_best_policy_is_recorded(cal_folder, one_thread):
+def test_a_correction_that_changes_the_best_policy_is_recorded(cal_folder, one_thread, quiet):
     """On the CPU stand-in the planner picks between CPU and "accelerator" placements; corrections
     that make the chosen side slow make the next call re-plan to the other."""
     lm = flexplan.load(make_model("llama"), accelerator="cpu", hardware="local", dtype="float32",
@@ -383,3 +393,11 @@ def test_a_correction_that_changes_the_best_policy_is_recorded(cal_folder, one_t
     assert "re-planned" in second.correction
     # the stand-in learns apart from the machine's own CPU-only plans
     assert correction_store.current(get_hardware("local"), store.find_calibration()) == Corrections()
+
+
+def test_a_run_while_other_processes_held_the_cores_is_not_learned_from():
+    true = ScaledEfficiency(BASE, {"cpu_memory": 1.2})
+    start = update(None, observe(true, 1, 128, 32), BASE)
+    busy = replace(observe(true, 1, 128, 32, factor=5.0), other_cpu_share=0.8)
+    assert update(start, busy, BASE) is start
+    assert update(start, replace(busy, other_cpu_share=0.1), BASE) is not start

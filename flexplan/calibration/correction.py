@@ -34,7 +34,9 @@ Bounds, so one odd run cannot swing the planner: the step of one run is scaled d
 counts as that fraction of an observation (``P`` shrinks by the same fraction); each scale stays
 within ``[1 / TOTAL_MAX, TOTAL_MAX]`` (3). Runs too short to measure give no update for that
 phase: TTFT below ``MIN_TTFT_S`` (1 ms), decode with fewer than ``MIN_DECODE_STEPS`` (2) steps;
-nor do non-finite or non-positive measurements or predictions.
+nor do non-finite or non-positive measurements or predictions, nor runs during which other
+processes took more than ``MAX_OTHER_CPU_SHARE`` (half) of all cores' time (they measured the
+contention, not the machine; ``flexplan calibrate`` warns above 10% for the same reason).
 
 Where corrections are kept, and the two calls the library makes (``corrected`` in
 ``calibration.efficiency_for``, ``learn`` after ``FlexModel.generate``): ``correction_store``.
@@ -64,6 +66,7 @@ NOISE_VAR = 0.1 ** 2  # variance of one phase's log(measured / predicted) beyond
 DRIFT_VAR = 0.03 ** 2  # variance added per run: the machine drifts (memory-bandwidth state, other load)
 MIN_TTFT_S = 1e-3  # shorter prefills are not measured reliably
 MIN_DECODE_STEPS = 2
+MAX_OTHER_CPU_SHARE = 0.5  # runs during which other processes took more of all cores' time are not learned from
 MIN_SHARE = 0.02  # a run "informs" a class when the class holds at least this share of a phase's time
 HISTORY = 8  # residuals kept for display
 ACCELERATOR_CLASSES = ("link", "accelerator")
@@ -89,6 +92,7 @@ class Observation:
     decode_gpu_layers: int
     ttft_s: float
     tpot_s: float  # mean over the decode steps
+    other_cpu_share: float | None = None  # of all cores' time, other processes took during the run
 
     @classmethod
     def from_stats(cls, stats, model: "ModelSpec", hardware: "Hardware") -> "Observation":
@@ -96,10 +100,14 @@ class Observation:
         p = stats.plan
         return cls(model, hardware, int(stats.batch_size), int(stats.input_len), int(stats.new_tokens), p.dtype,
                    p.cpu_dtype, p.prefill.policy, int(p.prefill.gpu_layers), p.decode.policy,
-                   int(p.decode.gpu_layers), float(stats.ttft_s), float(stats.tpot_s))
+                   int(p.decode.gpu_layers), float(stats.ttft_s), float(stats.tpot_s),
+                   getattr(stats, "other_processes_cpu_share", None))
 
     def measured_s(self, phase: str) -> float | None:
-        """The phase's measured time, None when too short or not finite to learn from."""
+        """The phase's measured time, None when too short or not finite to learn from, or when
+        other processes held the cores (the run then measured them, not this machine)."""
+        if self.other_cpu_share is not None and self.other_cpu_share > MAX_OTHER_CPU_SHARE:
+            return None
         if phase == "prefill":
             t, ok = self.ttft_s, True
         else:

@@ -181,7 +181,7 @@ class Learned:
 
     def describe(self) -> str:
         if not self.changed:
-            return f"{self.before.describe()} (this run not used: too short or not finite)"
+            return f"{self.before.describe()} (this run not used: too short, not finite, or other processes busy)"
         res = "; ".join(f"{x['phase']} measured {x['measured_s'] * 1e3:.3g} ms vs {x['predicted_s'] * 1e3:.3g} ms "
                         f"predicted" for x in self.after.last[-2:])
         where = f", kept in {self.path}" if self.path else ", kept in this process"

@@ -88,6 +88,7 @@ class RunStats:
     native_stack_steps: int = 0  # decode steps run by cpu_decode.FusedStack (all layers in one native call)
     buffers_allocated: dict[str, int] = field(default_factory=dict)  # during this run, per memory
     correction: str = ""  # what online correction learned from this run (and any re-plan it caused)
+    other_processes_cpu_share: float | None = None  # of all cores' time during the run (None: unknown)
 
     @property
     def phases(self) -> dict[str, PhaseStats]:
