@@ -398,6 +398,6 @@ def test_a_correction_that_changes_the_best_policy_is_recorded(cal_folder, one_t
 def test_a_run_while_other_processes_held_the_cores_is_not_learned_from():
     true = ScaledEfficiency(BASE, {"cpu_memory": 1.2})
     start = update(None, observe(true, 1, 128, 32), BASE)
-    busy = replace(observe(true, 1, 128, 32, factor=5.0), other_cpu_share=0.8)
+    busy = replace(observe(true, 1, 128, 32, factor=5.0), other_cpu_share=0.6)
     assert update(start, busy, BASE) is start
     assert update(start, replace(busy, other_cpu_share=0.1), BASE) is not start

@@ -35,7 +35,7 @@ counts as that fraction of an observation (``P`` shrinks by the same fraction); 
 within ``[1 / TOTAL_MAX, TOTAL_MAX]`` (3). Runs too short to measure give no update for that
 phase: TTFT below ``MIN_TTFT_S`` (1 ms), decode with fewer than ``MIN_DECODE_STEPS`` (2) steps;
 nor do non-finite or non-positive measurements or predictions, nor runs during which other
-processes took more than ``MAX_OTHER_CPU_SHARE`` (half) of all cores' time (they measured the
+processes took more than ``MAX_OTHER_CPU_SHARE`` (a quarter) of all cores' time (they measured the
 contention, not the machine; ``flexplan calibrate`` warns above 10% for the same reason).
 
 Where corrections are kept, and the two calls the library makes (``corrected`` in
@@ -66,7 +66,7 @@ NOISE_VAR = 0.1 ** 2  # variance of one phase's log(measured / predicted) beyond
 DRIFT_VAR = 0.03 ** 2  # variance added per run: the machine drifts (memory-bandwidth state, other load)
 MIN_TTFT_S = 1e-3  # shorter prefills are not measured reliably
 MIN_DECODE_STEPS = 2
-MAX_OTHER_CPU_SHARE = 0.5  # runs during which other processes took more of all cores' time are not learned from
+MAX_OTHER_CPU_SHARE = 0.25  # runs during which other processes took more of all cores' time are not learned from
 MIN_SHARE = 0.02  # a run "informs" a class when the class holds at least this share of a phase's time
 HISTORY = 8  # residuals kept for display
 ACCELERATOR_CLASSES = ("link", "accelerator")
