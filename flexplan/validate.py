@@ -280,8 +280,9 @@ def _cold_efficiency(path: Path | None, hw):
     """The efficiency of one calibration set now: the file's factors (the one in use when None),
     scaled to the memory state of this moment, without online corrections."""
     from flexplan.calibration import efficiency_for, efficiency_from_file
+    from flexplan.calibration.correction import uncorrected
 
-    return efficiency_for(hw, corrections=False) if path is None else efficiency_from_file(path, hw)
+    return uncorrected(efficiency_for(hw)) if path is None else efficiency_from_file(path, hw)
 
 
 def _predict(lm, hw, eff, b: int, i: int, o: int, p_pol: str, d_pol: str, plan) -> dict[str, float]:
@@ -308,7 +309,7 @@ def run_grid(model_dir: Path, grid: dict[str, list[int]], pairs: list[tuple[str,
     import torch
 
     import flexplan
-    from flexplan.calibration.correction import learn_from_runs
+    from flexplan.calibration.correction import Observation, apply, corrections_after
     from flexplan.estimator import DefaultEfficiency
     from flexplan.hardware import get_hardware
 
@@ -323,7 +324,7 @@ def run_grid(model_dir: Path, grid: dict[str, list[int]], pairs: list[tuple[str,
     shapes = [(b, i, o) for b in grid["b"] for i in grid["i"] for o in grid["o"]]
     for p_pol, d_pol in pairs:
         lm = flexplan.load(str(model_dir), plan={"prefill": p_pol, "decode": d_pol}, accelerator=accelerator,
-                           hardware=hw, gpu_memory_bytes=gpu_memory_bytes, online_correction=False)
+                           hardware=hw, gpu_memory_bytes=gpu_memory_bytes, online_correction=False)  # calibration alone
         vocab = lm.config.vocab_size
         gen = torch.Generator().manual_seed(0)
         _generate(lm, torch.randint(3, vocab, (1, 16), generator=gen), 4)
@@ -333,8 +334,8 @@ def run_grid(model_dir: Path, grid: dict[str, list[int]], pairs: list[tuple[str,
             ids = torch.randint(3, vocab, (b, i), generator=gen)
             _generate(lm, ids, 2)
             observed = _generate(lm, ids, o)
-            learned = {name: learn_from_runs([observed], _cold_efficiency(path, hw), lm.config, hw)
-                       for name, path in sets.items()}
+            obs = Observation.from_stats(observed, lm.executor.spec, hw)
+            learned = {name: corrections_after([obs], _cold_efficiency(path, hw)) for name, path in sets.items()}
         for b, i, o in shapes:
             ids = torch.randint(3, vocab, (b, i), generator=gen)
             # warm this shape (the plan may place weights in another CPU dtype; oneDNN caches kernels)
@@ -348,7 +349,7 @@ def run_grid(model_dir: Path, grid: dict[str, list[int]], pairs: list[tuple[str,
                 cold_eff = _cold_efficiency(path, hw)
                 by_set[name] = {"cold": _predict(lm, hw, cold_eff, b, i, o, p_pol, d_pol, p)}
                 if name in learned:
-                    by_set[name]["warm"] = _predict(lm, hw, learned[name].apply(cold_eff), b, i, o, p_pol, d_pol, p)
+                    by_set[name]["warm"] = _predict(lm, hw, apply(cold_eff, learned[name]), b, i, o, p_pol, d_pol, p)
             rows.append(dict(
                 model=model_dir.name, hardware=hw.name, prefill_policy=p_pol, decode_policy=d_pol,
                 prefill_gpu_layers=p.prefill.gpu_layers, decode_gpu_layers=p.decode.gpu_layers, batch_size=b,

@@ -40,13 +40,14 @@ def calibration_for(hw: "Hardware"):
 
 def efficiency_for(hw: "Hardware") -> "Efficiency":
     """CalibratedEfficiency from this machine's calibration file when ``hw`` is the local
-    machine and one exists; DefaultEfficiency otherwise. ``source`` says which and how old."""
+    machine and one exists; DefaultEfficiency otherwise. ``source`` says which and how old.
+    The runs' online corrections (``correction_store``) are applied last."""
+    from flexplan.calibration.correction_store import corrected
     from flexplan.estimator.efficiency import DefaultEfficiency
 
     cal = calibration_for(hw)
-    if cal is None:
-        return DefaultEfficiency.for_hardware(hw)
-    return _at_state_now(_calibrated(cal, hw), cal)
+    eff = DefaultEfficiency.for_hardware(hw) if cal is None else _at_state_now(_calibrated(cal, hw), cal)
+    return corrected(eff, hw, cal)
 
 
 _DERIVED: dict[tuple[int, str], tuple[object, "Efficiency"]] = {}  # (id(cal), repr(hw)) -> (cal, factors)

@@ -88,6 +88,8 @@ class RunStats:
     memory_state: str = ""  # the host memory state the plan's predictions used ("memory state: ..."), if any
     native_stack_steps: int = 0  # decode steps run by cpu_decode.FusedStack (all layers in one native call)
     buffers_allocated: dict[str, int] = field(default_factory=dict)  # during this run, per memory
+    correction: str = ""  # what online correction learned from this run (and any re-plan it caused)
+    other_processes_cpu_share: float | None = None  # of all cores' time during the run (None: unknown)
 
     @property
     def phases(self) -> dict[str, PhaseStats]:
@@ -126,6 +128,8 @@ class RunStats:
                 f"over {p.steps} steps"
                 + (f", {self.native_stack_steps} by the native decode stack" if p.phase == "decode"
                    and self.native_stack_steps else ""))
+        if self.correction:
+            lines.append(self.correction)
         return "\n".join(lines)
 
 
