@@ -87,6 +87,13 @@ CPU = LayerMode("cpu", HOST, ON_CPU)
 STREAMED = LayerMode("streamed", PINNED, ON_ACCELERATOR)
 RESIDENT = LayerMode("resident", ACCELERATOR, ON_ACCELERATOR)
 MODES = (CPU, STREAMED, RESIDENT)
+# llama.cpp's --n-cpu-moe / KTransformers: the layer resident on the accelerator with its KV cache,
+# its routed experts ("mlp" of an MoE layer) in host memory, computed by the CPU. A layer without
+# routed experts (a dense layer of an MoE model) in this mode is simply resident.
+CPU_EXPERTS = LayerMode("cpu experts", ACCELERATOR, ON_ACCELERATOR, (("mlp", Where(HOST, ON_CPU)),))
+EXPERT_GROUP = "mlp"  # the operator group that holds an MoE layer's routed experts
+# the split modes the memory model and the executor place (others are refused by Placement.from_plan)
+SPLIT_MODES = (CPU_EXPERTS,)
 
 
 @dataclass(frozen=True)
@@ -237,7 +244,7 @@ class Placement:
             phases[ph] = REGISTRY[c.policy].placement(num_layers, int(c.gpu_layers), ph)
             if phases[ph].num_layers != num_layers:
                 raise InvalidInputError(f"policy {c.policy} placed {phases[ph].num_layers} of {num_layers} layers")
-            split = [m.name for m, n in phases[ph].runs if n and not m.uniform]
+            split = [m.name for m, n in phases[ph].runs if n and not m.uniform and m not in SPLIT_MODES]
             if split:
                 raise InvalidInputError(f"policy {c.policy} places operator groups of a layer apart ({split[0]}); "
                                         "the memory model and the executor place whole layers")
@@ -280,6 +287,35 @@ class Placement:
         """Which of those places the layer computes from (streamed: the pinned home) in ``phase``."""
         p = self.phases[phase].modes[i].weights
         return PINNED if p == HOST and p not in self.layer_places(i) else p
+
+    def expert_places(self, i: int) -> frozenset[str]:
+        """Where layer i's routed experts are stored over the request (its ``mlp`` group: the
+        layer's places unless a split mode puts them elsewhere)."""
+        return self._raw_places([Where(pp.modes[i].groups()[EXPERT_GROUP].weights, ON_CPU)
+                                 for pp in self.phases.values()])
+
+    def experts_on_cpu(self, i: int, phase: str) -> bool:
+        """Whether layer i's routed experts compute on the CPU apart from the rest of the layer."""
+        m = self.phases[phase].modes[i]
+        return not m.on_cpu and m.groups()[EXPERT_GROUP].computes == ON_CPU
+
+    def expert_census(self) -> dict[tuple[frozenset, frozenset], object]:
+        """(places of a layer, places of its routed experts) -> how many layers, for the layers
+        whose experts live apart from the rest in some phase (run lengths may be arrays when the
+        placement has one phase)."""
+        out: dict[tuple[frozenset, frozenset], object] = {}
+        if len(self.phases) == 1:
+            for m, c in next(iter(self.phases.values())).runs:
+                e = m.groups()[EXPERT_GROUP].weights
+                if e != m.weights:
+                    key = (frozenset({m.weights}), frozenset({e}))
+                    out[key] = out.get(key, 0) + c
+            return out
+        for i in range(self.num_layers):
+            key = (self.layer_places(i), self.expert_places(i))
+            if key[0] != key[1]:
+                out[key] = out.get(key, 0) + 1
+        return out
 
     def head_places(self) -> frozenset[str]:
         return frozenset(pp.head_mode.weights for pp in self.phases.values())
