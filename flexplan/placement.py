@@ -294,6 +294,17 @@ class Placement:
         return self._raw_places([Where(pp.modes[i].groups()[EXPERT_GROUP].weights, ON_CPU)
                                  for pp in self.phases.values()])
 
+    def expert_place(self, i: int, phase: str) -> str:
+        """Which of :meth:`expert_places` layer i's routed experts compute from in ``phase``."""
+        p = self.phases[phase].modes[i].groups()[EXPERT_GROUP].weights
+        return PINNED if p == HOST and p not in self.expert_places(i) else p
+
+    def unit_parts(self, i: int) -> dict[str, str]:
+        """Place -> which part of layer i's weights it stores: "all", "rest" (all but the routed
+        experts) or "experts" (executor.weights.GroupWeights)."""
+        rest, exp = self.layer_places(i), self.expert_places(i)
+        return {p: "all" if p in rest and p in exp else "rest" if p in rest else "experts" for p in rest | exp}
+
     def experts_on_cpu(self, i: int, phase: str) -> bool:
         """Whether layer i's routed experts compute on the CPU apart from the rest of the layer."""
         m = self.phases[phase].modes[i]

@@ -131,8 +131,129 @@ def test_estimate_terms_follow_the_experts_read():
 
 
 def test_forced_plan_places_split_layers():
-    p = _plan(1, 128, prefill="cpu-experts", decode="cpu-experts", gpu_layers=20)
+    p = _plan(1, 128, prefill="cpu-experts", decode="cpu-experts", gpu_layers=10)
     pl = Placement.from_plan(p, 48)
     assert pl.expert_places(0) == frozenset({HOST}) and pl.layer_places(0) == frozenset({ACCELERATOR})
     assert pl.expert_places(47) == frozenset({ACCELERATOR}) and pl.experts_on_cpu(0, "decode")
     assert not pl.experts_on_cpu(47, "decode")
+
+
+# ---- the executor, on the CPU stand-in ------------------------------------------------------
+import copy  # noqa: E402
+
+import torch  # noqa: E402
+
+import flexplan.api as api  # noqa: E402
+from flexplan.executor.link import D2H, H2D  # noqa: E402
+from flexplan.executor.plans import fixed_plan  # noqa: E402
+from flexplan.plan_types import POLICIES  # noqa: E402
+from flexplan.workload.model import ModelSpec  # noqa: E402
+
+from conftest import left_padded_batch  # noqa: E402
+
+NEW = 6
+PAIRS = [("cpu-experts", p) for p in POLICIES] + [(p, "cpu-experts") for p in POLICIES if p != "cpu-experts"]
+
+
+def _run(fresh, family, prefill, decode, gpu_layers, **kw):
+    model, ref = fresh(family)
+    ids, mask = left_padded_batch()
+    expected = ref.generate(input_ids=ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False)
+    plan = fixed_plan(model.config, prefill, decode, gpu_layers, batch_size=3, input_len=9, output_len=NEW,
+                      gpu_memory_bytes=GIB, **kw)
+    lm = api.load(model, plan=plan, accelerator="cpu", gpu_memory_bytes=GIB)
+    out = lm.generate(input_ids=ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False)
+    return lm, out, expected
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe", "qwen2_moe", "deepseek_v3", "gpt_oss"])
+@pytest.mark.parametrize("prefill,decode", PAIRS)
+def test_cpu_experts_token_identical(fresh, family, prefill, decode):
+    """Every pair with cpu-experts in one phase, batched and left-padded, every MoE layer's experts
+    on the CPU (M = 0; DeepSeek's dense first layer stays resident): transformers' tokens; the CPU
+    expert path ran once per step of each cpu-experts phase in each MoE layer, on that phase's rows;
+    and the memory model, from the config alone, sizes what the executor allocated."""
+    lm, out, expected = _run(fresh, family, prefill, decode, 0)
+    assert torch.equal(out, expected)
+    ex = lm.executor
+    steps = {"prefill": (1, 3 * 9), "decode": (NEW - 1, 3 * (NEW - 1))}
+    calls = [sum(steps[ph][j] for ph, pol in (("prefill", prefill), ("decode", decode)) if pol == "cpu-experts")
+             for j in (0, 1)]
+    moe = [m for m in ex.expert_modules if m is not None]
+    assert len(moe) == sum(ex.spec.moe_layers) > 0
+    assert all((place.calls, place.rows) == tuple(calls) for _, place in moe)
+    spec = ModelSpec.from_config(lm.executor.model.config)
+    n = spec.num_layers
+    phases = {ph: REGISTRY[c.policy].placement(n, c.gpu_layers, ph) for ph, c in lm.plan.phases.items()}
+    need = placement_memory(Shape(spec, 3, 9, NEW, "float32", "float32"), None, phases,
+                            ex.backend.linear_kernel if ex.backend.packs_weights else None)
+    assert all(need.allocated(w) == ex.link.live_bytes(w) for w in ("accelerator", "pinned", "host"))
+
+
+def test_cpu_experts_beside_resident_layers_and_their_traffic(fresh):
+    """M = 1 of Mixtral's 2 layers: layer 0's experts on the CPU, layer 1 resident. A decode step
+    sends layer 0's hidden states (3 x 64 fp32) and routing (3 x 2 ids and weights) to the host and the
+    experts' output back, and nothing of layer 1; the accelerator holds layer 0 without its experts."""
+    lm, out, expected = _run(fresh, "mixtral", "cpu-experts", "cpu-experts", 1)
+    assert torch.equal(out, expected)
+    ex = lm.executor
+    assert [m[1].calls for m in ex.expert_modules] == [NEW, 0]
+    link = ex.link
+    step = max(t.step for t in link.transfers)
+    ins = [t for t in link.transfers if t.kind == "expert inputs" and t.step == step]
+    outs = [t for t in link.transfers if t.kind == "expert outputs" and t.step == step]
+    assert {t.layer for t in ins + outs} == {0}
+    assert sorted(t.nbytes for t in ins) == sorted([3 * 64 * 4, 3 * 2 * 8, 3 * 2 * 4])
+    assert all(t.direction == D2H for t in ins) and [(t.direction, t.nbytes) for t in outs] == [(H2D, 3 * 64 * 4)]
+    g = ex.layers[0]
+    assert set(g.storages) == {"accelerator", "host"}
+    assert g.storages["host"].part == "experts" and g.storages["accelerator"].part == "rest"
+    assert not any(n in g.storages["accelerator"].views for n in g.experts)
+    assert ex.layers[1].storages["accelerator"].part == "all"
+
+
+@pytest.mark.parametrize("prefill,decode", [("gpu-offload", "cpu-experts"), ("cpu-experts", "splitgen")])
+def test_bf16_accelerator_fp32_cpu_experts(fresh, prefill, decode):
+    """bf16 accelerator, fp32 CPU: the CPU's experts are held and computed in float32, the rest in
+    bf16; logits stay within bf16 error of transformers' fp32 ones."""
+    model, ref = fresh("qwen3_moe")
+    ids, mask = left_padded_batch()
+    kw = dict(input_ids=ids, attention_mask=mask, max_new_tokens=3, do_sample=False, return_dict_in_generate=True,
+              output_logits=True)
+    expected = ref.generate(**kw)
+    plan = fixed_plan(model.config, prefill, decode, 1, dtype="bfloat16", cpu_dtype="float32", batch_size=3,
+                      input_len=9, output_len=3)
+    lm = api.load(model, plan=plan, accelerator="cpu", gpu_memory_bytes=GIB)
+    out = lm.generate(**kw)
+    for a, b in zip(out.logits, expected.logits):
+        torch.testing.assert_close(a, b, atol=0.1, rtol=0.05)
+    g = lm.executor.layers[0]
+    host = next(st for st in g.storages.values() if st.part == "experts" or st.place == "host")
+    assert all(host.views[n].dtype == torch.float32 for n in g.experts)
+
+
+def test_routed_experts_forward_is_one_gemm_per_selected_expert(monkeypatch):
+    """The grouped CPU path runs a GEMM only for experts some token picked (never the others) and
+    equals transformers' eager experts bit for bit."""
+    import torch.nn.functional as F
+    import transformers
+
+    from flexplan.executor import cpu_experts
+
+    torch.manual_seed(0)
+    cfg = transformers.MixtralConfig(hidden_size=32, intermediate_size=64, num_local_experts=16, num_experts_per_tok=2,
+                                     num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2, vocab_size=50)
+    experts = transformers.models.mixtral.modeling_mixtral.MixtralExperts(cfg)
+    with torch.no_grad():
+        for p in experts.parameters():
+            p.normal_()
+    x = torch.randn(5, 32)
+    idx = torch.tensor([[3, 7], [7, 3], [12, 3], [3, 12], [7, 12]])
+    w = torch.rand(5, 2)
+    seen = []
+    real = F.linear
+    monkeypatch.setattr(cpu_experts.F, "linear", lambda a, b, bias=None: seen.append(a.shape[0]) or real(a, b, bias))
+    got = cpu_experts.routed_experts_forward(experts, x, idx, w)
+    monkeypatch.setattr(cpu_experts.F, "linear", real)
+    assert seen == [4, 4, 3, 3, 3, 3]  # experts 3 (4 rows), 7 (3 rows), 12 (3 rows): gate_up, then down
+    assert torch.equal(got, type(experts).forward.__wrapped__(experts, x, idx, w))

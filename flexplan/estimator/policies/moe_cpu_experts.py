@@ -36,6 +36,7 @@ def cpu_experts_time_s(pc: PhaseCosts, num_layers: int, gpu_layers: np.ndarray):
 
 class CPUExpertsPolicy(Policy):
     host_mode = CPU_EXPERTS
+    needs_gpu_layers = True  # M is the caller's choice in a forced plan (the planner searches it)
     paper = "llama.cpp --n-cpu-moe / KTransformers: routed experts on the CPU, the rest resident"
 
     def gpu_layer_options(self, num_layers):
