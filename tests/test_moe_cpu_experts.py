@@ -257,3 +257,26 @@ def test_routed_experts_forward_is_one_gemm_per_selected_expert(monkeypatch):
     monkeypatch.setattr(cpu_experts.F, "linear", real)
     assert seen == [4, 4, 3, 3, 3, 3]  # experts 3 (4 rows), 7 (3 rows), 12 (3 rows): gate_up, then down
     assert torch.equal(got, type(experts).forward.__wrapped__(experts, x, idx, w))
+
+
+@pytest.mark.parametrize("family", ["mixtral", "gpt_oss"])
+def test_cpu_experts_run_on_the_native_blocked_gemv(fresh, family, monkeypatch):
+    """Where the native kernel builds, the CPU's float32 copy of the experts (plain and transposed
+    layouts) is blocked in place (the same bytes) and each selected expert's projections are blocked
+    GEMVs, two per (expert, step); the tokens stay transformers'."""
+    from flexplan.executor import cpu_experts, native
+
+    if not native.available():
+        pytest.skip(native.status()[1])
+    rows = []
+    real = cpu_experts.cpu_linear.blocked_linear
+    monkeypatch.setattr(cpu_experts.cpu_linear, "blocked_linear", lambda x, w, b=None: rows.append(x.shape[0]) or real(x, w, b))
+    lm, out, expected = _run(fresh, family, "gpu", "cpu-experts", 0)
+    assert torch.equal(out, expected)
+    g = lm.executor.layers[0]
+    assert set(g.blocked_experts) and all(g.storages["host"].views[n].dim() == 4 for n in g.blocked_experts)
+    lm.executor._bind_layer(0, "decode")
+    assert all(g.param_tensor(n).dim() == 4 for n in g.blocked_experts)  # decode binds the blocked copy
+    assert len(rows) % 2 == 0 and sum(rows) == 2 * 2 * 3 * (NEW - 1) * len([m for m in lm.executor.expert_modules if m])
+    dense = g.dense(next(iter(g.blocked_experts)), g.storages["host"].views[next(iter(g.blocked_experts))])
+    assert dense.dim() == 3  # reordered back exactly for a re-placement

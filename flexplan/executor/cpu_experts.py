@@ -26,6 +26,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from flexplan.executor import cpu_linear, native
+
 
 def find_routed_experts(layer: nn.Module, num_experts: int) -> tuple[str, nn.Module] | None:
     """The submodule of a decoder layer holding its routed experts as 3-D parameters whose first
@@ -50,12 +52,50 @@ def takes_routing(module: nn.Module) -> bool:
     return len(params) >= 4 and has_weights
 
 
+MATRICES = ("gate_up_proj", "up_proj", "down_proj")
+
+
+def blockable_experts(module: nn.Module) -> dict[str, bool]:
+    """Leaf name -> stored transposed, for the expert matrices of a module on transformers' routed
+    interface whose output width is a multiple of the native block (cpu_linear.BLOCK): the CPU's
+    float32 copy of them is held blocked, one [out/64, in, 64] matrix per expert."""
+    if not takes_routing(module) or not native.available():
+        return {}
+    transposed = bool(getattr(module, "is_transposed", False))
+    out = {}
+    for name in MATRICES:
+        p = module._parameters.get(name)
+        if p is not None and p.dim() == 3 and p.shape[2 if transposed else 1] % cpu_linear.BLOCK == 0:
+            out[name] = transposed
+    return out
+
+
+def block_experts_into(dense: torch.Tensor, transposed: bool, view: torch.Tensor) -> torch.Tensor:
+    """Write the experts [E, out, in] (or [E, in, out] when ``transposed``) into ``view``'s bytes
+    as [E, out/64, in, 64] (each expert's W as cpu_linear.block lays it out); the blocked view."""
+    w = dense.transpose(1, 2) if transposed else dense
+    e, o, i = w.shape
+    blocked = view.reshape(-1).view(e, o // cpu_linear.BLOCK, i, cpu_linear.BLOCK)
+    blocked.copy_(w.reshape(e, o // cpu_linear.BLOCK, cpu_linear.BLOCK, i).transpose(2, 3))
+    return blocked
+
+
+def unblock_experts(blocked: torch.Tensor, transposed: bool) -> torch.Tensor:
+    """The dense experts behind :func:`block_experts_into` (a new tensor, in the stored orientation)."""
+    e, nb, i, bl = blocked.shape
+    w = blocked.transpose(2, 3).reshape(e, nb * bl, i)
+    return (w.transpose(1, 2) if transposed else w).contiguous()
+
+
 def _project(module: nn.Module, x: torch.Tensor, name: str, e: int) -> torch.Tensor:
-    """One expert's projection ``name`` (with its bias if any) on the rows routed to it, as
-    transformers' eager loop computes it (``x @ W[e]`` for transposed weights, else F.linear)."""
+    """One expert's projection ``name`` (with its bias if any) on the rows routed to it: the
+    native blocked GEMV on a blocked CPU copy, else as transformers' eager loop computes it
+    (``x @ W[e]`` for transposed weights, else F.linear)."""
     w = getattr(module, name)[e]
     b = getattr(module, f"{name}_bias", None)
     b = b[e] if isinstance(b, torch.Tensor) else None
+    if w.dim() == 3:  # blocked: [out/64, in, 64]
+        return cpu_linear.blocked_linear(x, w, b)
     if getattr(module, "is_transposed", False):
         y = x @ w
         return y + b if b is not None else y
@@ -67,7 +107,7 @@ def routed_experts_forward(module: nn.Module, x: torch.Tensor, top_k_index: torc
     """The routed experts' output for tokens ``x`` [T, H] routed to ``top_k_index`` [T, k] with
     ``top_k_weights`` [T, k]: one GEMM per selected expert (see the module docstring)."""
     tokens, k = top_k_index.shape
-    num_experts = getattr(module, "num_experts", None) or module.down_proj.shape[0]
+    num_experts = module.down_proj.shape[0]
     has_gate = getattr(module, "has_gate", True) and isinstance(getattr(module, "gate_up_proj", None), torch.Tensor)
     # (choice, token) pairs in [k, T] order, stably sorted by expert: each expert's rows in eager's order
     flat = top_k_index.t().reshape(-1)

@@ -82,18 +82,21 @@ class Executor:
         prefix = self.parts.layers_prefix
         # each MoE layer's routed experts module: its parameters may live apart from the layer (cpu-experts)
         self.expert_modules: list[tuple[nn.Module, cpu_experts.ExpertsPlace] | None] = []
-        expert_names = []
+        expert_names, blocked = [], []
         for i, layer in enumerate(self.parts.layers):
             found = cpu_experts.find_routed_experts(layer, self.spec.num_experts)
             if found is None:
                 self.expert_modules.append(None)
                 expert_names.append(frozenset())
+                blocked.append({})
                 continue
+            blocked.append({f"{prefix}.{i}.{found[0]}.{leaf}": t for leaf, t in cpu_experts.blockable_experts(found[1]).items()}
+                           if pack == cpu_linear.KERNEL_BLOCKED else {})
             self.expert_modules.append((found[1], cpu_experts.ExpertsPlace(i)))
             expert_names.append(frozenset(_params({f"{prefix}.{i}.{found[0]}": found[1]})))
             cpu_experts.install(found[1], self.expert_modules[-1][1])
         self.layers = [GroupWeights(f"layer {i}", i, _params({f"{prefix}.{i}": layer}), pack_kernel=pack,
-                                    experts=expert_names[i])
+                                    experts=expert_names[i], blocked_experts=blocked[i])
                        for i, layer in enumerate(self.parts.layers)]
         self.head = GroupWeights("head", None, _params(self.parts.head),
                                  {"lm_head.weight": (self.embed, tied)} if tied else None, pack_kernel=pack)

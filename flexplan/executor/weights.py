@@ -76,6 +76,12 @@ class Storage:
         return (self.buffer, *self.packed)
 
 
+def cpu_experts_block(dense: torch.Tensor, transposed: bool, view: torch.Tensor) -> torch.Tensor:
+    from flexplan.executor.cpu_experts import block_experts_into
+
+    return block_experts_into(dense, transposed, view)
+
+
 def set_param(module: nn.Module, leaf: str, tensor: torch.Tensor) -> None:
     """Point a parameter at ``tensor`` (keeps the Parameter object unless it was on meta)."""
     p = module._parameters[leaf]
@@ -95,9 +101,13 @@ class GroupWeights:
 
     def __init__(self, name: str, layer: int | None, params: dict[str, tuple[nn.Module, str]],
                  host_aliases: dict[str, tuple["GroupWeights", str]] | None = None, pack_kernel: str | None = None,
-                 packed_embeddings: frozenset[str] = frozenset(), experts: frozenset[str] = frozenset()):
+                 packed_embeddings: frozenset[str] = frozenset(), experts: frozenset[str] = frozenset(),
+                 blocked_experts: dict[str, bool] | None = None):
         self.name = name
         self.experts = frozenset(experts)
+        # routed-expert matrices the CPU's float32 experts-only copy holds blocked (name -> stored
+        # transposed, [E, in, out]); cpu_experts.blockable_experts
+        self.blocked_experts = dict(blocked_experts or {})
         self.layer = layer
         self.params = params  # qualified name -> (module, leaf)
         # names whose host (CPU-dtype) copy is another unit's tensor (a tied LM head = embedding)
@@ -142,8 +152,12 @@ class GroupWeights:
         return n
 
     def dense(self, name: str, t: torch.Tensor) -> torch.Tensor:
-        """``t`` (tensor ``name``) as a dense tensor: a packed linear or embedding weight reordered
-        back; any other tensor as is (a 3-D expert weight is not a blocked one)."""
+        """``t`` (tensor ``name``) as a dense tensor: a packed linear or embedding weight, or a
+        blocked routed-expert weight, reordered back; any other tensor as is."""
+        if name in self.blocked_experts and t.dim() == 4:
+            from flexplan.executor.cpu_experts import unblock_experts
+
+            return unblock_experts(t, self.blocked_experts[name])
         return cpu_linear.dense(t) if isinstance(self.params[name][0], (nn.Linear, nn.Embedding)) else t
 
     def param_tensor(self, name: str) -> torch.Tensor:
@@ -187,9 +201,12 @@ class GroupWeights:
             views = layout.views(buf.tensor)
             direction = H2D if place == ACCELERATOR else H2H
             read_into = getattr(src, "read_into", None)  # a file source fills host buffers directly
+            blocked = self.blocked_experts if place == HOST_MEMORY and part == EXPERTS and dtype == torch.float32 else {}
             for name, view in views.items():
                 with torch.no_grad():
-                    if read_into is None or not read_into(name, view):
+                    if name in blocked:  # the CPU's copy of routed experts: blocked for the native GEMV, same bytes
+                        view = views[name] = cpu_experts_block(self.dense(name, src(name)), blocked[name], view)
+                    elif read_into is None or not read_into(name, view):
                         view.copy_(src(name))
                 if place == ACCELERATOR:
                     link.log(direction, "load", self.layer, view.numel() * view.element_size())
