@@ -280,3 +280,25 @@ def test_cpu_experts_run_on_the_native_blocked_gemv(fresh, family, monkeypatch):
     assert len(rows) % 2 == 0 and sum(rows) == 2 * 2 * 3 * (NEW - 1) * len([m for m in lm.executor.expert_modules if m])
     dense = g.dense(next(iter(g.blocked_experts)), g.storages["host"].views[next(iter(g.blocked_experts))])
     assert dense.dim() == 3  # reordered back exactly for a re-placement
+
+
+def test_replacing_moves_experts_between_split_and_whole_layers(fresh):
+    """Re-placing a loaded model between split and whole-layer placements reads each tensor back
+    from wherever it lives (blocked expert copies reordered back exactly): tokens stay transformers'
+    and the memory model still equals what is allocated."""
+    model, ref = fresh("gpt_oss")
+    ids, mask = left_padded_batch()
+    expected = ref.generate(input_ids=ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False)
+
+    def plan(p, d, m):
+        return fixed_plan(model.config, p, d, m, batch_size=3, input_len=9, output_len=NEW, gpu_memory_bytes=GIB)
+
+    lm = api.load(model, plan=plan("cpu-experts", "cpu-experts", 0), accelerator="cpu", gpu_memory_bytes=GIB)
+    for p in (plan("gpu-offload", "cpu", 0), plan("gpu", "cpu-experts", 1), plan("cpu", "cpu", 0),
+              plan("splitgen", "cpu-experts", 0), plan("gpu", "gpu", 2)):
+        lm.executor.place(p)
+        out = lm.generate(input_ids=ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False)
+        assert torch.equal(out, expected), (p.prefill.policy, p.decode.policy)
+        ex = lm.executor
+        need = ex.memory_need(ex.placement, 3, 9 + NEW, 9)
+        assert all(need.allocated(w) == ex.link.live_bytes(w) for w in ("accelerator", "pinned", "host"))
