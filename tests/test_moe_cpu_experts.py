@@ -302,3 +302,19 @@ def test_replacing_moves_experts_between_split_and_whole_layers(fresh):
         ex = lm.executor
         need = ex.memory_need(ex.placement, 3, 9 + NEW, 9)
         assert all(need.allocated(w) == ex.link.live_bytes(w) for w in ("accelerator", "pinned", "host"))
+
+
+def test_validate_cpu_experts_compares_prediction_and_measurement(fresh):
+    """flexplan.validate_experts runs the CPU expert path on the model's expert shape and sets the
+    estimator's term beside it, per batch, with the MAPE; a dense model is refused."""
+    from flexplan.validate_experts import validate_cpu_experts
+
+    model, _ = fresh("qwen3_moe")
+    out = validate_cpu_experts(model.config, batches=(1, 4), repeats=2, hardware="flexinfer-server2")
+    assert [r["batch"] for r in out["rows"]] == [1, 4]
+    assert all(r["predicted_s"] > 0 and r["measured_s"] > 0 for r in out["rows"])
+    assert out["rows"][0]["distinct_experts"] == pytest.approx(2.0)  # k = 2 of 4 at batch 1
+    assert out["rows"][1]["predicted_s"] > out["rows"][0]["predicted_s"]
+    assert out["mape_pct"] == pytest.approx(sum(r["error_pct"] for r in out["rows"]) / 2)
+    with pytest.raises(flexplan.errors.InvalidInputError, match="dense"):
+        validate_cpu_experts("meta-llama/Llama-2-7b-hf", batches=(1,))

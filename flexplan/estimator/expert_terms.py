@@ -65,6 +65,20 @@ def expert_bytes(m: ModelSpec, rows: float, weight_bytes: float, act_bytes: floa
     return costs.expected_experts_read(m, rows) * m.expert_params * weight_bytes + act * act_bytes
 
 
+def t_cpu_experts_s(m: ModelSpec, rows: int, cpu, eff, cpu_dtype: str, weight_bytes: float, act_bytes: float) -> float:
+    """The routed experts of one MoE layer for ``rows`` tokens on the CPU ``cpu`` (a hardware
+    CPUSpec), weights held at ``weight_bytes`` per element: t_cpu_experts of the module docstring."""
+    from flexplan.estimator.terms import t_on_device_s
+
+    distinct = costs.expected_experts_read(m, rows)
+    per_expert = rows * m.experts_per_token / distinct
+    return float(t_on_device_s(expert_flops(m, rows), expert_bytes(m, rows, weight_bytes, act_bytes),
+                               cpu.peak_flops_per_s[cpu_dtype], cpu.memory_bandwidth_bytes_per_s,
+                               eff.cpu_compute(per_expert, cpu_dtype), eff.cpu_memory(per_expert, cpu_dtype),
+                               overhead_s=eff.cpu_layer_overhead_s(per_expert, cpu_dtype,
+                                                                   distinct * m.expert_params * weight_bytes)))
+
+
 def expert_split_costs(shape, hw, eff, phase: str) -> ExpertSplit | None:
     """The :class:`ExpertSplit` of ``phase`` for the request ``shape`` (estimator.terms.Shape) on
     ``hw``; None for a dense model or a machine without an accelerator and link."""
@@ -77,12 +91,10 @@ def expert_split_costs(shape, hw, eff, phase: str) -> ExpertSplit | None:
     distinct = costs.expected_experts_read(m, rows)
     per_expert = rows * m.experts_per_token / distinct
     flops = expert_flops(m, rows)
-    cd = shape.cpu_dtype
-    cpu, gpu = hw.cpu, hw.gpu
-    t_cpu = t_on_device_s(flops, expert_bytes(m, rows, shape.cpu_weight_bytes, shape.cpu_bytes),
-                          cpu.peak_flops_per_s[cd], cpu.memory_bandwidth_bytes_per_s,
-                          eff.cpu_compute(per_expert, cd), eff.cpu_memory(per_expert, cd),
-                          overhead_s=eff.cpu_layer_overhead_s(per_expert, cd, distinct * m.expert_params * shape.cpu_weight_bytes))
+    gpu = hw.gpu
+    # the CPU's copy of routed experts is held in the CPU dtype (memory.py, executor.weights), not
+    # kept 16-bit as the blocked linears are: a float32 CPU reads 4 bytes per expert weight
+    t_cpu = t_cpu_experts_s(m, rows, hw.cpu, eff, shape.cpu_dtype, shape.cpu_bytes, shape.cpu_bytes)
     t_gpu = t_on_device_s(flops, expert_bytes(m, rows, shape.w_bytes, shape.w_bytes),
                           gpu.peak_flops_per_s[shape.dtype], gpu.memory_bandwidth_bytes_per_s,
                           eff.gpu_compute(per_expert), eff.gpu_memory(per_expert))
