@@ -318,7 +318,7 @@ def footprint(inv: Inventory, placement: Placement, batch: int | None = None, in
     if inv.homogeneous:
         for (places, e_places), n in placement.expert_census().items():
             _move_experts(acc, pinned, host, places, e_places, n, u["experts"][0] if u["experts"] else {})
-    else:
+    elif placement.expert_census():
         for i in range(placement.num_layers):
             places, e_places = placement.layer_places(i), placement.expert_places(i)
             if places != e_places:

@@ -172,6 +172,14 @@ class PhasePlacement:
         return ", ".join(f"{v} {k}" for k, v in counts.items())
 
 
+def _experts_weights(m: LayerMode) -> str:
+    """Where a layer in mode ``m`` keeps its routed experts."""
+    for g, w in m.overrides:
+        if g == EXPERT_GROUP:
+            return w.weights
+    return m.weights
+
+
 def segments(a: PhasePlacement, b: PhasePlacement):
     """(mode in a, mode in b, number of layers) along the layers of two placements of one model."""
     ra, rb = [[m, int(c)] for m, c in a.runs if c], [[m, int(c)] for m, c in b.runs if c]
@@ -315,17 +323,21 @@ class Placement:
         whose experts live apart from the rest in some phase (run lengths may be arrays when the
         placement has one phase)."""
         out: dict[tuple[frozenset, frozenset], object] = {}
-        if len(self.phases) == 1:
-            for m, c in next(iter(self.phases.values())).runs:
-                e = m.groups()[EXPERT_GROUP].weights
+        pps = list(self.phases.values())
+        if not any(_experts_weights(m) != m.weights for pp in pps for m, _ in pp.runs):
+            return out  # no split mode: the common case, answered without walking the layers
+        if len(pps) == 1:
+            for m, c in pps[0].runs:
+                e = _experts_weights(m)
                 if e != m.weights:
                     key = (frozenset({m.weights}), frozenset({e}))
                     out[key] = out.get(key, 0) + c
             return out
-        for i in range(self.num_layers):
-            key = (self.layer_places(i), self.expert_places(i))
+        for a, b, n in segments(pps[0], pps[1]):
+            key = (frozenset(self._raw_places((a, b))),
+                   frozenset(self._raw_places([Where(_experts_weights(m), ON_CPU) for m in (a, b)])))
             if key[0] != key[1]:
-                out[key] = out.get(key, 0) + 1
+                out[key] = out.get(key, 0) + n
         return out
 
     def head_places(self) -> frozenset[str]:
