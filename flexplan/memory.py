@@ -320,6 +320,8 @@ def footprint(inv: Inventory, placement: Placement, batch: int | None = None, in
             _move_experts(acc, pinned, host, places, e_places, n, u["experts"][0] if u["experts"] else {})
     elif placement.expert_census():
         for i in range(placement.num_layers):
+            if not u["experts"][i][ACCELERATOR]:
+                continue  # a layer without routed experts (a dense first layer)
             places, e_places = placement.layer_places(i), placement.expert_places(i)
             if places != e_places:
                 _move_experts(acc, pinned, host, places, e_places, 1, u["experts"][i])

@@ -289,7 +289,19 @@ class Placement:
 
     def layer_places(self, i: int) -> frozenset[str]:
         """Where layer i's weights (and KV cache) are stored over the whole request."""
-        return self._raw_places([pp.modes[i] for pp in self.phases.values()])
+        return self._places_of_layers[i][0]
+
+    @cached_property
+    def _places_of_layers(self) -> tuple[tuple[frozenset[str], frozenset[str]], ...]:
+        """(layer places, expert places) of every layer, computed once per distinct mode combination."""
+        memo: dict[tuple, tuple[frozenset[str], frozenset[str]]] = {}
+        out = []
+        for modes in zip(*(pp.modes for pp in self.phases.values())):
+            if modes not in memo:
+                memo[modes] = (self._raw_places(modes),
+                               self._raw_places([Where(_experts_weights(m), ON_CPU) for m in modes]))
+            out.append(memo[modes])
+        return tuple(out)
 
     def layer_place(self, i: int, phase: str) -> str:
         """Which of those places the layer computes from (streamed: the pinned home) in ``phase``."""
@@ -299,8 +311,7 @@ class Placement:
     def expert_places(self, i: int) -> frozenset[str]:
         """Where layer i's routed experts are stored over the request (its ``mlp`` group: the
         layer's places unless a split mode puts them elsewhere)."""
-        return self._raw_places([Where(pp.modes[i].groups()[EXPERT_GROUP].weights, ON_CPU)
-                                 for pp in self.phases.values()])
+        return self._places_of_layers[i][1]
 
     def expert_place(self, i: int, phase: str) -> str:
         """Which of :meth:`expert_places` layer i's routed experts compute from in ``phase``."""
