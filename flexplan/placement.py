@@ -18,6 +18,11 @@ policies use today place all groups of a layer alike:
   buffers before the layer computes there;
 - ``resident``: weights and KV in accelerator memory.
 
+One mode splits a layer: ``cpu experts`` (``CPU_EXPERTS``) is resident except for the routed
+experts of an MoE layer (its ``mlp`` group), which live in host memory and compute on the CPU.
+:meth:`Placement.expert_places` and :meth:`Placement.unit_parts` tell the memory model and the
+executor where that part lives; other split modes are still refused (``SPLIT_MODES``).
+
 The final norm and LM head compute with the last layer unless a phase says otherwise; the
 embedding lookup runs on the host.
 """
@@ -58,7 +63,7 @@ class LayerMode:
     computes: str
     # operator groups placed otherwise than the layer, ((group, Where), ...): the unit the next
     # policies need (decode attention on the CPU, experts on the CPU). The memory model and the
-    # executor place whole layers today and refuse such a mode (see ``uniform``).
+    # executor place whole layers, and the routed experts apart in the modes of ``SPLIT_MODES``.
     overrides: tuple[tuple[str, Where], ...] = ()
 
     @property
