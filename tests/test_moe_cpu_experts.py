@@ -14,7 +14,7 @@ from flexplan.placement import ACCELERATOR, CPU_EXPERTS, HOST, ON_CPU, RESIDENT,
 from flexplan.planner import placement_memory
 from flexplan.workload import resolve_model
 
-GB, GIB = 1e9, 1 << 30
+GIB = 1 << 30
 QWEN = "Qwen/Qwen3-30B-A3B"
 
 
@@ -139,7 +139,6 @@ def test_forced_plan_places_split_layers():
 
 
 # ---- the executor, on the CPU stand-in ------------------------------------------------------
-import copy  # noqa: E402
 
 import torch  # noqa: E402
 
