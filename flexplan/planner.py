@@ -372,6 +372,9 @@ def _reason(cp: Candidate, cd: Candidate, candidates: list[Candidate], baselines
         r = runner_up(c.phase, c.policy)
         if r is None:
             parts.append(f"{c.policy} is the only {c.phase} policy that fits")
+        elif r.time_s < c.time_s * 0.99:  # a faster phase lost on load, switch or the other phase
+            parts.append(f"{c.policy} wins end to end although {r.policy} has a lower {label} "
+                         f"({r.time_s:.3g} s vs {c.time_s:.3g} s)")
         elif r.time_s <= c.time_s * 1.01:
             parts.append(f"{c.policy} ties with {r.policy} on {label} ({c.time_s:.3g} s) and wins end to end")
         else:

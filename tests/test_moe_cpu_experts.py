@@ -317,3 +317,13 @@ def test_validate_cpu_experts_compares_prediction_and_measurement(fresh):
     assert out["mape_pct"] == pytest.approx(sum(r["error_pct"] for r in out["rows"]) / 2)
     with pytest.raises(flexplan.errors.InvalidInputError, match="dense"):
         validate_cpu_experts("meta-llama/Llama-2-7b-hf", batches=(1,))
+
+
+def test_reason_says_when_a_faster_phase_lost_end_to_end():
+    """Batch 1: cpu-experts has the lower TTFT but its prefill must first load ~23 GB onto the GPU;
+    the CPU's prefill overlaps that load, so cpu wins prefill end to end, and the reason says so
+    rather than calling the two a tie."""
+    p = _plan(1, 128)
+    ttft = {c.policy: c.time_s for c in p.candidates if c.phase == "prefill"}
+    assert p.prefill.policy == "cpu" and ttft["cpu-experts"] < 0.99 * ttft["cpu"]
+    assert "cpu wins end to end although cpu-experts has a lower TTFT" in p.reason
