@@ -161,6 +161,10 @@ def switch_s(shape: Shape, hw: Hardware, prefill: str, m_p: int, decode: str, m_
     for a, b, count in segments(pp, dp):
         a_res, b_res = a.weights == ACCELERATOR, b.weights == ACCELERATOR
         first += count
+        if a_res and b_res:  # both resident: routed experts prefill kept on the host go to the GPU for decode
+            lo, n_ = first - count, count
+            h2d_weights += max(0.0, _experts_left_on_host_bytes(m, a, lo, n_, shape.w_bytes)
+                               - _experts_left_on_host_bytes(m, b, lo, n_, shape.w_bytes))
         if a_res == b_res:
             continue  # same memory (host copies in both dtypes are kept)
         if b_res:  # host -> GPU resident

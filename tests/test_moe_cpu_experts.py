@@ -327,3 +327,18 @@ def test_reason_says_when_a_faster_phase_lost_end_to_end():
     ttft = {c.policy: c.time_s for c in p.candidates if c.phase == "prefill"}
     assert p.prefill.policy == "cpu" and ttft["cpu-experts"] < 0.99 * ttft["cpu"]
     assert "cpu wins end to end although cpu-experts has a lower TTFT" in p.reason
+
+
+def test_switch_loads_the_experts_prefill_kept_on_the_host():
+    """Prefill cpu-experts then decode gpu (both resident): the switch loads the CPU layers' routed
+    experts onto the GPU; the reverse pair moves no weights (the host copy is kept)."""
+    from flexplan.planner import switch_s
+
+    spec, hw = resolve_model("mistralai/Mixtral-8x7B-v0.1"), get_hardware("flexinfer-server2")
+    shape = Shape(spec, 1, 16, 8, "bfloat16", "bfloat16")
+    eff = DefaultEfficiency.for_hardware(hw)
+    n = spec.num_layers
+    there = switch_s(shape, hw, "cpu-experts", 0, "gpu", n, 0.0, eff=eff)
+    back = switch_s(shape, hw, "gpu", n, "cpu-experts", 0, 0.0, eff=eff)
+    experts = n * spec.num_experts * spec.expert_params * 2
+    assert there == pytest.approx(experts / (64e9 * 0.8), rel=1e-6) and back == 0.0
