@@ -8,6 +8,7 @@ from flexplan.estimator.policies.base import PhaseTime, Policy
 from flexplan.estimator.policies.cpu import CPUPolicy
 from flexplan.estimator.policies.gpu import GPUPolicy
 from flexplan.estimator.policies.gpu_offload import GPUOffloadPartialPolicy, GPUOffloadPolicy
+from flexplan.estimator.policies.moe_cpu_experts import CPUExpertsPolicy
 from flexplan.estimator.policies.splitgen import SplitGenPolicy
 
 REGISTRY: dict[str, Policy] = {}
@@ -31,5 +32,6 @@ register("gpu", GPUPolicy())
 register("gpu-offload", GPUOffloadPolicy())
 register("gpu-offload-partial", GPUOffloadPartialPolicy())
 register("splitgen", SplitGenPolicy())
+register("cpu-experts", CPUExpertsPolicy())
 
 __all__ = ["REGISTRY", "PhaseTime", "Policy", "register", "unregister"]
