@@ -55,15 +55,18 @@ def scale(c: Corrections, cls: str) -> float:
 @pytest.mark.parametrize("policy", list(REGISTRY))
 def test_shares_of_every_policy_sum_to_one_and_name_only_what_it_uses(policy):
     pol = REGISTRY[policy]
-    opts = pol.gpu_layer_options(LLAMA_8B.num_layers)
+    from flexplan.workload import resolve_model
+
+    model = LLAMA_8B if not pol.not_applicable(LLAMA_8B) else resolve_model("Qwen/Qwen3-30B-A3B")  # MoE-only policies
+    opts = pol.gpu_layer_options(model.num_layers)
     m = int(opts[len(opts) // 2])
     base = DefaultEfficiency.for_hardware(HW_GPU)
-    obs = Observation(LLAMA_8B, HW_GPU, 1, 128, 32, "bfloat16", "bfloat16", policy, m, policy, m, 1.0, 1.0)
+    obs = Observation(model, HW_GPU, 1, 128, 32, "bfloat16", "bfloat16", policy, m, policy, m, 1.0, 1.0)
     for phase in ("prefill", "decode"):
         t, w = shares(obs, base, phase)
         assert t > 0 and np.all(w >= 0)
         assert w.sum() == pytest.approx(1.0, abs=0.01), (phase, dict(zip(TERM_CLASSES, w)))  # every term has a class
-        placement = pol.placement(LLAMA_8B.num_layers, m, phase)
+        placement = pol.placement(model.num_layers, m, phase)
         if not placement.uses_accelerator:
             assert w[TERM_CLASSES.index("accelerator")] == 0 and w[TERM_CLASSES.index("link")] == 0
 
