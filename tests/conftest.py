@@ -6,8 +6,14 @@ Nothing here imports torch until an executor test asks for it, so the planner's 
 from __future__ import annotations
 
 import copy
+import os
 
 import pytest
+
+# No test measures the few-second first-use calibration probe by accident (flexplan/calibration/
+# first_use.py): planning for "local" without a calibration file gives the defaults. The tests of
+# the probe (tests/test_first_use_probe.py) turn it back on with a temporary cache folder.
+os.environ["FLEXPLAN_AUTO_CALIBRATE"] = "0"
 
 VOCAB = 160
 PAD = 0

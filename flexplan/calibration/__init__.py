@@ -27,15 +27,21 @@ def is_local(hw: "Hardware") -> bool:
     return hw.name.startswith("local")
 
 
-def calibration_for(hw: "Hardware"):
+def calibration_for(hw: "Hardware", probe: bool = True):
     """The :class:`~flexplan.calibration.store.Calibration` that applies to ``hw``, or None
-    (hwdb hardware, or no calibration of this machine). Raises CalibrationError for a corrupt
-    or foreign file."""
+    (hwdb hardware, or no calibration of this machine). With none of this machine, ``probe``
+    measures the first-use probe (first_use.py; once per process, unless opted out). Raises
+    CalibrationError for a corrupt or foreign file."""
     if not is_local(hw):
         return None
     from flexplan.calibration.store import find_calibration
 
-    return find_calibration()
+    cal = find_calibration()
+    if cal is None and probe:
+        from flexplan.calibration.first_use import first_use_calibration
+
+        cal = first_use_calibration()
+    return cal
 
 
 def efficiency_for(hw: "Hardware") -> "Efficiency":
@@ -44,6 +50,10 @@ def efficiency_for(hw: "Hardware") -> "Efficiency":
     from flexplan.estimator.efficiency import DefaultEfficiency
 
     cal = calibration_for(hw)
+    if cal is None and is_local(hw):
+        from flexplan.calibration.first_use import uncalibrated_defaults
+
+        return uncalibrated_defaults(hw)
     if cal is None:
         return DefaultEfficiency.for_hardware(hw)
     return _calibrated(cal, hw)
@@ -105,8 +115,13 @@ def describe_calibration(hw: "Hardware") -> str:
     """One line for ``flexplan hw``: the calibration in use and its age, or how to make one."""
     if not is_local(hw):
         return "calibration: none for hwdb hardware (defaults; calibrations describe the local machine)"
-    cal = calibration_for(hw)
+    cal = calibration_for(hw, probe=False)
     if cal is None:
+        from flexplan.calibration.first_use import enabled
+
+        if enabled():
+            return ("calibration: none yet: the first local plan measures a few-second probe "
+                    "(`flexplan calibrate --quick` or `flexplan calibrate` for more)")
         return "calibration: none: run `flexplan calibrate --quick`"
     eff = _calibrated(cal, hw)
     mode = cal.doc.get("mode", "?")

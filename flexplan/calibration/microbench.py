@@ -69,6 +69,14 @@ class Sizes:
     # (hidden, vocab) of LM heads: a tall GEMV that streams differently from a layer's projections
     head_shapes: tuple[tuple[int, int], ...] = ((576, 49152), (2048, 32000))
     head_tokens: tuple[int, ...] = (1, 8)
+    # (vocab, batch) of the toy models whose generate() steps are timed, and the steps per run
+    generate_shapes: tuple[tuple[int, int], ...] = ((128, 1), (65536, 1), (65536, 4))
+    generate_steps: int = 32
+    # the measurements (keys of the file's `measurements`) this mode takes; None: all of them
+    parts: frozenset[str] | None = None
+
+    def measures(self, key: str) -> bool:
+        return self.parts is None or key in self.parts
 
 
 MODES = {
@@ -89,6 +97,21 @@ MODES = {
                   stream_bytes=4 * 2**20, layer_calls=10, sweep_prefill_tokens=16,
                   transfer_bytes=(2**16, 2**20), layer_widths=((64, 128, 4, 2, 16), (128, 256, 4, 2, 32)),
                   layer_shapes=((1, 1), (1, 16)), layer_kv_len=16, head_shapes=((64, 1000),), head_tokens=(1, 2)),
+    # first use (flexplan/calibration/first_use.py): a few seconds. STREAM, op dispatch, on one
+    # 1B-class projection (2048 x 2048) the GEMV at the decode batches validate runs (1, 4, 8)
+    # and prefill GEMMs at 32, 256 and 1024 tokens (one GEMM only left prefill between 8 and
+    # 256 tokens and beyond 256 to interpolation: up to 34% off full files on synthetic
+    # machines, tests/test_calibration_properties.py), one decode-attention point, the per-layer
+    # and per-step overheads; with a GPU, pinned copies each way. What it lacks falls back in
+    # efficiency.py: the real-layer fit to the tiny layer's fixed cost, the LM head to the GEMV
+    # factors, the thread sweep to all cores, the GPU's GEMMs to defaults.
+    "probe": Sizes(gemv_tokens=(1, 4, 8), gemm_tokens=(32, 256, 1024), weight_shapes=((2048, 2048),),
+                   attn_kv_lens=(1024,),
+                   attn_batches=(1,), repeats=3, budget_s=0.25, stream_bytes=64 * 2**20, layer_calls=20,
+                   transfer_bytes=(16 * 2**20, 128 * 2**20), generate_shapes=((65536, 1), (65536, 4)),
+                   generate_steps=8,
+                   parts=frozenset({"cpu_stream", "cpu_op_dispatch", "cpu_gemv", "cpu_gemm", "cpu_attention",
+                                    "cpu_layer_overhead", "cpu_generate_step", "h2d", "d2h"})),
 }
 
 
@@ -394,7 +417,7 @@ def generate_step(sizes: Sizes, dtype: str) -> list[dict]:
     from transformers import LlamaForCausalLM
 
     rows = []
-    for vocab, batch in ((128, 1), (65536, 1), (65536, 4)):
+    for vocab, batch in sizes.generate_shapes:
         model = LlamaForCausalLM(_llama_config(16, 32, 2, 1, 8, vocab=vocab)).to(torch_dtype(dtype)).eval()
         ids = torch.ones(batch, 16, dtype=torch.long)
 
@@ -402,9 +425,9 @@ def generate_step(sizes: Sizes, dtype: str) -> list[dict]:
             return lambda: model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=n,
                                           min_new_tokens=n, do_sample=False, pad_token_id=0)
 
-        steps = 32
-        short = time_call(gen(1), 5, sizes.budget_s)
-        long = time_call(gen(steps + 1), 5, 2 * sizes.budget_s)
+        steps = sizes.generate_steps
+        short = time_call(gen(1), max(3, min(5, sizes.repeats)), sizes.budget_s)
+        long = time_call(gen(steps + 1), max(3, min(5, sizes.repeats)), 2 * sizes.budget_s)
         rows.append({"dtype": dtype, "vocab": vocab, "batch": batch, "layers": 1, "hidden_size": 16, "steps": steps,
                      "time_s": _sig(max(long["time_s"] - short["time_s"], 0.0) / steps),
                      "time_median_s": _sig(max(long["time_median_s"] - short["time_median_s"], 0.0) / steps)})
