@@ -37,7 +37,8 @@ def probe_env(tmp_path, monkeypatch):
     monkeypatch.delenv(store.FILE_ENV, raising=False)
     monkeypatch.setattr(store, "source_checkout_dir", lambda: None)
     monkeypatch.setattr(store, "shipped_dir", lambda: None)
-    monkeypatch.setitem(mb.MODES, "probe", replace(mb.MODES["tiny"], parts=mb.MODES["probe"].parts))
+    monkeypatch.setitem(mb.MODES, "probe", replace(mb.MODES["tiny"], parts=mb.MODES["probe"].parts,
+                                                   generate_shapes=((128, 1), (512, 2)), generate_steps=2))
     first_use.reset()
     yield tmp_path
     first_use.reset()
@@ -48,6 +49,8 @@ def _probe_files(d: Path) -> list[Path]:
 
 
 def test_first_local_plan_measures_once_caches_and_says_so_in_one_line(probe_env, capsys):
+    assert describe_calibration(get_hardware("local")).startswith("calibration: none yet: the first local plan")
+    assert _probe_files(probe_env) == []  # `flexplan hw` does not measure
     p = plan(MODEL, hardware="local", batch_size=1, input_len=32, output_len=8)
     err = capsys.readouterr().err.strip().splitlines()
     files = _probe_files(probe_env)

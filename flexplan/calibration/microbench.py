@@ -99,19 +99,23 @@ MODES = {
                   layer_shapes=((1, 1), (1, 16)), layer_kv_len=16, head_shapes=((64, 1000),), head_tokens=(1, 2)),
     # first use (flexplan/calibration/first_use.py): a few seconds. STREAM, op dispatch, on one
     # 1B-class projection (2048 x 2048) the GEMV at the decode batches validate runs (1, 4, 8)
-    # and prefill GEMMs at 32, 256 and 1024 tokens (one GEMM only left prefill between 8 and
-    # 256 tokens and beyond 256 to interpolation: up to 34% off full files on synthetic
-    # machines, tests/test_calibration_properties.py), one decode-attention point, the per-layer
-    # and per-step overheads; with a GPU, pinned copies each way. What it lacks falls back in
-    # efficiency.py: the real-layer fit to the tiny layer's fixed cost, the LM head to the GEMV
+    # and prefill GEMMs at 32, 128 and 512 tokens (one GEMM at 256 alone left prefill at 32 and
+    # 4096 tokens to interpolation: up to 34% off full files of synthetic machines), one
+    # decode-attention point, one real SmolLM2-sized layer in decode (batch 1, 8) and prefill (128
+    # tokens, where a GEMM is measured, so the layer's residual is overhead, not a factor's
+    # interpolation error) shape: the per-layer overhead grows with prefill tokens (the earlier
+    # VM's full file: 0.36 ms at 1 token, 1.9 at 128, 6.7 at 512, what the linear extrapolation
+    # from 8 and 128 gives; the tiny layer's fixed cost alone left SmolLM2's TTFT 20-28% short),
+    # the per-step overhead; with a GPU, pinned copies each way. What it lacks falls back in
+    # efficiency.py: the overhead of other layer sizes to this one's, the LM head to the GEMV
     # factors, the thread sweep to all cores, the GPU's GEMMs to defaults.
-    "probe": Sizes(gemv_tokens=(1, 4, 8), gemm_tokens=(32, 256, 1024), weight_shapes=((2048, 2048),),
+    "probe": Sizes(gemv_tokens=(1, 4, 8), gemm_tokens=(32, 128, 512), weight_shapes=((2048, 2048),),
                    attn_kv_lens=(1024,),
                    attn_batches=(1,), repeats=3, budget_s=0.25, stream_bytes=64 * 2**20, layer_calls=20,
                    transfer_bytes=(16 * 2**20, 128 * 2**20), generate_shapes=((65536, 1), (65536, 4)),
-                   generate_steps=8,
+                   generate_steps=8, layer_widths=((576, 1536, 9, 3, 64),), layer_shapes=((1, 1), (8, 1), (1, 128)),
                    parts=frozenset({"cpu_stream", "cpu_op_dispatch", "cpu_gemv", "cpu_gemm", "cpu_attention",
-                                    "cpu_layer_overhead", "cpu_generate_step", "h2d", "d2h"})),
+                                    "cpu_layers", "cpu_layer_overhead", "cpu_generate_step", "h2d", "d2h"})),
 }
 
 
