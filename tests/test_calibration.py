@@ -387,7 +387,8 @@ def test_isa_class_is_part_of_the_identity():
     assert isa_class({"avx2", "avx512f"}) == "avx512"
     assert isa_class({"avx2"}) == "avx2"
     assert isa_class(set()) == "other"
-    avx2, avx512 = store.MachineIdentity("AMD EPYC", 2, isa="avx2"), store.MachineIdentity("AMD EPYC", 2, isa="avx512_bf16")
+    avx2 = store.MachineIdentity("AMD EPYC", 2, isa="avx2")
+    avx512 = store.MachineIdentity("AMD EPYC", 2, isa="avx512_bf16")
     assert avx2.fingerprint != avx512.fingerprint and store.file_name(avx2) != store.file_name(avx512)
     assert "avx512_bf16" in avx512.describe() and avx512.to_dict()["isa"] == "avx512_bf16"
     assert store.local_identity().isa == isa_class(get_hardware("local").cpu.isa)

@@ -114,6 +114,7 @@ def test_a_failing_probe_gives_the_defaults_with_the_reason_once(probe_env, monk
     assert "first-use probe failed (ImportError: No module named 'torch')" in eff.source
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "probe failed" in err[0] and "default factors" in err[0]
+    assert describe_calibration(get_hardware("local")).startswith("calibration: none: the first-use probe failed")
     p = plan(MODEL, hardware="local")  # no second attempt in this process
     assert len(calls) == 1 and "probe failed" in p.calibration and capsys.readouterr().err == ""
     assert _probe_files(probe_env) == []

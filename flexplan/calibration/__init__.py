@@ -117,12 +117,9 @@ def describe_calibration(hw: "Hardware") -> str:
         return "calibration: none for hwdb hardware (defaults; calibrations describe the local machine)"
     cal = calibration_for(hw, probe=False)
     if cal is None:
-        from flexplan.calibration.first_use import enabled
+        from flexplan.calibration.first_use import describe_none
 
-        if enabled():
-            return ("calibration: none yet: the first local plan measures a few-second probe "
-                    "(`flexplan calibrate --quick` or `flexplan calibrate` for more)")
-        return "calibration: none: run `flexplan calibrate --quick`"
+        return describe_none()
     eff = _calibrated(cal, hw)
     mode = cal.doc.get("mode", "?")
     return f"calibration in use: {cal.describe()} ({mode} run, CPU threads {eff.cpu_threads()})"

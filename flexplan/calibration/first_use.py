@@ -106,6 +106,16 @@ def why_uncalibrated() -> str:
     return f"no calibration of this machine: {HOW_TO}"
 
 
+def describe_none() -> str:
+    """``flexplan hw``'s line when this machine has no calibration file (it never measures)."""
+    if enabled() and not _state["tried"]:
+        return ("calibration: none yet: the first local plan measures a few-second probe "
+                "(`flexplan calibrate --quick` or `flexplan calibrate` for more)")
+    if enabled() and _state["why_not"]:
+        return f"calibration: none: {_state['why_not']}; run `flexplan calibrate --quick`"
+    return "calibration: none: run `flexplan calibrate --quick`"
+
+
 def uncalibrated_defaults(hw: "Hardware") -> "DefaultEfficiency":
     """DefaultEfficiency of ``hw`` whose ``source`` says why no calibration is used."""
     from dataclasses import replace
