@@ -47,7 +47,7 @@ class Result:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quick", action="store_true", help="fewer shapes and repeats (about a minute)")
     p.add_argument("--probe", action="store_true",
-                   help="the first-use probe: a few seconds, factors within ~25%% (what the first local plan "
+                   help="the first-use probe: seconds, not minutes (what the first local plan "
                         "measures when no calibration exists)")
     p.add_argument("--tiny", action="store_true", help=argparse.SUPPRESS)  # tests: seconds, meaningless numbers
     p.add_argument("--out", default=None, metavar="PATH",

@@ -109,7 +109,7 @@ def why_uncalibrated() -> str:
 def describe_none() -> str:
     """``flexplan hw``'s line when this machine has no calibration file (it never measures)."""
     if enabled() and not _state["tried"]:
-        return ("calibration: none yet: the first local plan measures a few-second probe "
+        return ("calibration: none yet: the first local plan measures a short probe "
                 "(`flexplan calibrate --quick` or `flexplan calibrate` for more)")
     if enabled() and _state["why_not"]:
         return f"calibration: none: {_state['why_not']}; run `flexplan calibrate --quick`"
