@@ -129,7 +129,7 @@ class SyntheticMachine:
             {"dtype": dt0, "vocab": v, "batch": b, "layers": 1, "hidden_size": 16, "steps": 32,
              **{k: x for k, x in t(self.step_s + self.logit_s * b * v + self.layer_time_s(dt0, toy, b, 1, 16)
                                    + self.gemm_s(dt0, b, 16, v), "step", v, b).items() if k != "runs"}}
-            for v, b in ((128, 1), (65536, 1), (65536, 4))]
+            for v, b in s.generate_shapes]
         k, n = s.weight_shapes[-1]
         sweep = [{"threads": th, "prefill_time_s": self.gemm_s(dt0, s.sweep_prefill_tokens, k, n) * (1 + 1 / th),
                   "decode_time_s": self.gemm_s(dt0, 1, k, n) * (1 + 0.5 / th)} for th in thread_counts(2)]
@@ -147,7 +147,7 @@ class SyntheticMachine:
                 m[d] = [{"bytes": b, **t(10e-6 + b / link, d, b), "bytes_per_s": b / (10e-6 + b / link)}
                         for b in s.transfer_bytes]
             m["cpu_under_copy"] = {"factor": 1.1, "gemv_factor": 1.2}
-        return m
+        return {key: rows for key, rows in m.items() if s.measures(key)}  # a mode's parts only (the probe's)
 
 
 CPU = CPUSpec(name="made-up 16-core", sockets=1, cores=16, peak_flops_per_s={"float32": 1.0e12, "bfloat16": 2.0e12},

@@ -379,3 +379,45 @@ def test_file_names():
     amd = store.MachineIdentity("AMD EPYC 7763 64-Core Processor", 8)
     assert store.file_name(amd).startswith("epyc-7763-8c-nogpu-")
     assert store.MachineIdentity("AMD EPYC", 2).fingerprint != store.MachineIdentity("AMD EPYC", 4).fingerprint
+
+
+def test_isa_class_is_part_of_the_identity():
+    """Issue 14: a file of an AVX-512 VM of the same model name ("AMD EPYC", 2 cores) matched an AVX2
+    VM and mispredicted: the ISA class that decides the CPU kernels is part of the fingerprint."""
+    from flexplan.hardware.introspect import isa_class
+
+    assert isa_class({"avx2", "avx512f", "avx512_bf16", "amx_bf16"}) == "amx"
+    assert isa_class({"avx2", "avx512f", "avx512_bf16"}) == "avx512_bf16"
+    assert isa_class({"avx2", "avx512f"}) == "avx512"
+    assert isa_class({"avx2"}) == "avx2"
+    assert isa_class(set()) == "other"
+    avx2 = store.MachineIdentity("AMD EPYC", 2, isa="avx2")
+    avx512 = store.MachineIdentity("AMD EPYC", 2, isa="avx512_bf16")
+    assert avx2.fingerprint != avx512.fingerprint and store.file_name(avx2) != store.file_name(avx512)
+    assert "avx512_bf16" in avx512.describe() and avx512.to_dict()["isa"] == "avx512_bf16"
+    assert store.local_identity().isa == isa_class(get_hardware("local").cpu.isa)
+    # a file written before the ISA was recorded: its class comes from its cpu_isa flags
+    old = store.MachineIdentity.from_machine_dict({"cpu_model": "AMD EPYC", "cores": 2, "cpu_isa": ["avx2", "avx512f"]})
+    assert old.isa == "avx512"
+
+
+def test_a_file_of_another_isa_is_refused_naming_the_isa(use_dir, tmp_path, monkeypatch):
+    doc = _valid_doc(use_dir)
+    here = store.local_identity()
+    other_isa = "avx512_bf16" if here.isa != "avx512_bf16" else "avx2"
+    theirs = store.MachineIdentity(here.cpu_model, here.cores, here.gpus, here.pcie, other_isa)
+    doc["fingerprint"] = theirs.fingerprint
+    doc["machine"]["isa"] = other_isa
+    monkeypatch.setenv(store.FILE_ENV, str(_write(tmp_path / "other-isa.yaml", doc)))
+    with pytest.raises(CalibrationError, match=f"differs in ISA {other_isa} vs {here.isa}"):
+        efficiency_for(get_hardware("local"))
+
+
+def test_shipped_file_records_the_isa_it_was_measured_on():
+    """The shipped file of the earlier 2-core EPYC VM (AVX-512 BF16) carries that ISA in its identity:
+    its fingerprint is the one its machine section gives, and its name carries that fingerprint."""
+    for path in (REPO / "calibration").glob("*.yaml"):
+        cal = store.load_calibration(path)
+        ident = store.MachineIdentity.from_machine_dict(cal.doc["machine"])
+        assert cal.doc["machine"]["isa"] == ident.isa != "?"
+        assert ident.fingerprint == cal.fingerprint and path.name == store.file_name(ident)

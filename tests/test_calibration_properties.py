@@ -46,6 +46,13 @@ VALIDATE_GRID = [(b, i, o) for b in (1, 4, 8) for i in (32, 128, 512) for o in (
 # a regression of the kind issue 14 reported (batch-1 TPOT 4x apart, prefill MAPE 45% against 8%).
 QUICK_VS_FULL = 0.15
 QUICK_VS_FULL_NOISE = 0.10
+# The first-use probe (MODES["probe"]) measures one weight shape at 1, 4, 8 tokens (GEMV) and 32,
+# 128, 512 (GEMM), one attention point and one real layer width; the other widths, the LM head and
+# the thread sweep fall back. Issue 14's target for it is 25% against real runs. Against full files
+# of the same synthetic machine (10% noise per shape) the worst gap over 21 machines was 24.1%
+# (TTFT at 32 tokens); 30% leaves room for that and still fails where a missing part falls back
+# badly (without the GEMM at 32 tokens, 34%; without the decode layer at batch 8, 70-80%).
+PROBE_VS_FULL = 0.30
 
 
 def machines(noise: float = 0.3):
@@ -99,7 +106,7 @@ def _non_decreasing(x: np.ndarray, axis: int) -> bool:
     return bool(np.all(d >= -1e-9 * np.take(scale, range(1, x.shape[axis]), axis=axis)))
 
 
-@pytest.mark.parametrize("mode", ["full", "quick", "tiny"])
+@pytest.mark.parametrize("mode", ["full", "quick", "probe", "tiny"])
 @settings(max_examples=4, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(machine=machines(), big=st.booleans())
 def test_predictions_never_fall_as_the_work_grows(mode, machine, big, tmp_path):
@@ -132,6 +139,23 @@ def test_quick_and_full_files_of_one_machine_agree(machine, tmp_path):
                     for what, x, y in (("TTFT", q[0], f[0]), ("TPOT", q[1], f[1])):
                         assert abs(x / y - 1) <= QUICK_VS_FULL, (
                             f"{what} quick {x * 1e3:.3g} ms vs full {y * 1e3:.3g} ms: {policy} on {hw.name}, "
+                            f"batch {b}, input {i}, output {o}, CPU {cd}")
+
+
+@settings(max_examples=4, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(machine=machines(noise=QUICK_VS_FULL_NOISE))
+def test_probe_and_full_files_of_one_machine_agree_within_the_probe_target(machine, tmp_path):
+    for hw in (HW_CPU, HW_GPU):
+        probe, full = calibrated(machine, "probe", hw, tmp_path), calibrated(machine, "full", hw, tmp_path)
+        assert probe.cpu_threads() is None and set(probe.cpu) == set(full.cpu)  # no sweep: all cores
+        for policy in _policies(hw, SMOLLM2):
+            for b, i, o in VALIDATE_GRID:
+                for cd in full.cpu:
+                    p = predict(probe, hw, SMOLLM2, policy, b, i, o, cd)
+                    f = predict(full, hw, SMOLLM2, policy, b, i, o, cd)
+                    for what, x, y in (("TTFT", p[0], f[0]), ("TPOT", p[1], f[1])):
+                        assert abs(x / y - 1) <= PROBE_VS_FULL, (
+                            f"{what} probe {x * 1e3:.3g} ms vs full {y * 1e3:.3g} ms: {policy} on {hw.name}, "
                             f"batch {b}, input {i}, output {o}, CPU {cd}")
 
 

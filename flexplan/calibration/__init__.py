@@ -27,15 +27,21 @@ def is_local(hw: "Hardware") -> bool:
     return hw.name.startswith("local")
 
 
-def calibration_for(hw: "Hardware"):
+def calibration_for(hw: "Hardware", probe: bool = True):
     """The :class:`~flexplan.calibration.store.Calibration` that applies to ``hw``, or None
-    (hwdb hardware, or no calibration of this machine). Raises CalibrationError for a corrupt
-    or foreign file."""
+    (hwdb hardware, or no calibration of this machine). With none of this machine, ``probe``
+    measures the first-use probe (first_use.py; once per process, unless opted out). Raises
+    CalibrationError for a corrupt or foreign file."""
     if not is_local(hw):
         return None
     from flexplan.calibration.store import find_calibration
 
-    return find_calibration()
+    cal = find_calibration()
+    if cal is None and probe:
+        from flexplan.calibration.first_use import first_use_calibration
+
+        cal = first_use_calibration()
+    return cal
 
 
 def efficiency_for(hw: "Hardware") -> "Efficiency":
@@ -46,7 +52,14 @@ def efficiency_for(hw: "Hardware") -> "Efficiency":
     from flexplan.estimator.efficiency import DefaultEfficiency
 
     cal = calibration_for(hw)
-    eff = DefaultEfficiency.for_hardware(hw) if cal is None else _at_state_now(_calibrated(cal, hw), cal)
+    if cal is None and is_local(hw):
+        from flexplan.calibration.first_use import uncalibrated_defaults
+
+        eff = uncalibrated_defaults(hw)
+    elif cal is None:
+        eff = DefaultEfficiency.for_hardware(hw)
+    else:
+        eff = _at_state_now(_calibrated(cal, hw), cal)
     return corrected(eff, hw, cal)
 
 
@@ -113,9 +126,11 @@ def describe_calibration(hw: "Hardware") -> str:
     """One line for ``flexplan hw``: the calibration in use and its age, or how to make one."""
     if not is_local(hw):
         return "calibration: none for hwdb hardware (defaults; calibrations describe the local machine)"
-    cal = calibration_for(hw)
+    cal = calibration_for(hw, probe=False)
     if cal is None:
-        return "calibration: none: run `flexplan calibrate --quick`"
+        from flexplan.calibration.first_use import describe_none
+
+        return describe_none()
     eff = _calibrated(cal, hw)
     mode = cal.doc.get("mode", "?")
     from flexplan.calibration.memory_state import describe

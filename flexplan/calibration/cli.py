@@ -46,6 +46,9 @@ class Result:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quick", action="store_true", help="fewer shapes and repeats (about a minute)")
+    p.add_argument("--probe", action="store_true",
+                   help="the first-use probe: seconds, not minutes (what the first local plan "
+                        "measures when no calibration exists)")
     p.add_argument("--tiny", action="store_true", help=argparse.SUPPRESS)  # tests: seconds, meaningless numbers
     p.add_argument("--out", default=None, metavar="PATH",
                    help="file or folder to write (default: the calibration folder, a name from this machine's "
@@ -55,7 +58,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args) -> int:
-    mode = "tiny" if args.tiny else "quick" if args.quick else "full"
+    mode = "tiny" if args.tiny else "probe" if args.probe else "quick" if args.quick else "full"
     res = calibrate(mode=mode, out=args.out, threads=args.threads, progress=not args.no_progress)
     for name, err in res.failures.items():
         print(f"flexplan calibrate: benchmark {name} failed: {err}", file=sys.stderr)
@@ -106,7 +109,7 @@ def _steps(mode: str, hw, threads: int, cpu_dtypes: list[str], gpu_dtype: str | 
             Step("d2h", len(s.transfer_bytes), lambda tick: gb.link(s, "d2h", tick=tick)),
             Step("cpu_under_copy", 1, lambda tick: gb.cpu_under_copy(s, cpu_dtypes[0])),
         ]
-    return steps
+    return [step for step in steps if s.measures(step.key)]
 
 
 def _store(measurements: dict, step: Step, result) -> None:
@@ -131,7 +134,7 @@ def _gpu_dtype(hw) -> tuple[str | None, str | None]:
 
 def calibrate(mode: str = "quick", out: str | Path | None = None, threads: int | None = None, progress: bool = True,
               hw=None) -> Result:
-    """Run the benchmarks of ``mode`` ("full", "quick", "tiny") and write the calibration file
+    """Run the benchmarks of ``mode`` ("full", "quick", "probe", "tiny") and write the calibration file
     (atomically). Raises CalibrationError, writing nothing, when the essential benchmarks fail."""
     from tqdm import tqdm
 

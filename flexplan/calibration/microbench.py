@@ -46,7 +46,8 @@ WEIGHT_SHAPES = ((2048, 2048), (2048, 5632))
 @dataclass(frozen=True)
 class Sizes:
     """How much to measure. ``rotate_bytes``: distinct weights/KV cycled per benchmark (0: auto,
-    4 x the last-level cache and at least 128 MB)."""
+    ``rotate_llc_multiple`` x the last-level cache and at least 32 MB times that multiple: cycled
+    in order through more than the cache holds, every call streams from DRAM)."""
 
     gemv_tokens: tuple[int, ...]
     gemm_tokens: tuple[int, ...]
@@ -57,6 +58,7 @@ class Sizes:
     repeats: int = 5
     budget_s: float = 2.0  # per shape: stop repeating once this much time was spent (>= 3 runs)
     rotate_bytes: int = 0
+    rotate_llc_multiple: float = 4.0
     stream_bytes: int = 256 * 2**20
     layer_calls: int = 200
     sweep_prefill_tokens: int = 256
@@ -66,9 +68,18 @@ class Sizes:
         (576, 1536, 9, 3, 64), (1024, 2816, 16, 4, 64), (2048, 5632, 32, 8, 64))
     layer_shapes: tuple[tuple[int, int], ...] = ((1, 1), (8, 1), (1, 128), (1, 512))
     layer_kv_len: int = 128
+    layer_copies: int = 64  # at most this many copies of a real layer (each one built and packed)
     # (hidden, vocab) of LM heads: a tall GEMV that streams differently from a layer's projections
     head_shapes: tuple[tuple[int, int], ...] = ((576, 49152), (2048, 32000))
     head_tokens: tuple[int, ...] = (1, 8)
+    # (vocab, batch) of the toy models whose generate() steps are timed, and the steps per run
+    generate_shapes: tuple[tuple[int, int], ...] = ((128, 1), (65536, 1), (65536, 4))
+    generate_steps: int = 32
+    # the measurements (keys of the file's `measurements`) this mode takes; None: all of them
+    parts: frozenset[str] | None = None
+
+    def measures(self, key: str) -> bool:
+        return self.parts is None or key in self.parts
 
 
 MODES = {
@@ -89,6 +100,28 @@ MODES = {
                   stream_bytes=4 * 2**20, layer_calls=10, sweep_prefill_tokens=16,
                   transfer_bytes=(2**16, 2**20), layer_widths=((64, 128, 4, 2, 16), (128, 256, 4, 2, 32)),
                   layer_shapes=((1, 1), (1, 16)), layer_kv_len=16, head_shapes=((64, 1000),), head_tokens=(1, 2)),
+    # first use (flexplan/calibration/first_use.py): seconds (target: a few). STREAM, op dispatch, on one
+    # 1B-class projection (2048 x 2048) the GEMV at the decode batches validate runs (1, 4, 8)
+    # and prefill GEMMs at 32, 128 and 512 tokens (one GEMM at 256 alone left prefill at 32 and
+    # 4096 tokens to interpolation: up to 34% off full files of synthetic machines), one
+    # decode-attention point, one real SmolLM2-sized layer in decode (batch 1, 8) and prefill (128
+    # tokens, where a GEMM is measured, so the layer's residual is overhead, not a factor's
+    # interpolation error) shape: the per-layer overhead grows with prefill tokens (the earlier
+    # VM's full file: 0.36 ms at 1 token, 1.9 at 128, 6.7 at 512, what the linear extrapolation
+    # from 8 and 128 gives; the tiny layer's fixed cost alone left SmolLM2's TTFT 20-28% short),
+    # the per-step overhead; with a GPU, pinned copies each way. What it lacks falls back in
+    # efficiency.py: the overhead of other layer sizes to this one's, the LM head to the GEMV
+    # factors, the thread sweep to all cores, the GPU's GEMMs to defaults. Weights cycle through
+    # 2x the last-level cache (not 4x) and 4 layer copies: in order, each call still misses (a
+    # cache that holds 4 SmolLM2-sized layers, ~60 MB, would make the decode overhead come out low).
+    "probe": Sizes(gemv_tokens=(1, 4, 8), gemm_tokens=(32, 128, 512), weight_shapes=((2048, 2048),),
+                   attn_kv_lens=(1024,),
+                   attn_batches=(1,), repeats=3, budget_s=0.25, stream_bytes=64 * 2**20, layer_calls=20,
+                   transfer_bytes=(16 * 2**20, 128 * 2**20), generate_shapes=((65536, 1), (65536, 4)),
+                   generate_steps=8, layer_widths=((576, 1536, 9, 3, 64),), layer_shapes=((1, 1), (8, 1), (1, 128)),
+                   layer_kv_len=32, rotate_llc_multiple=2.0, layer_copies=4,
+                   parts=frozenset({"cpu_stream", "cpu_op_dispatch", "cpu_gemv", "cpu_gemm", "cpu_attention",
+                                    "cpu_layers", "cpu_layer_overhead", "cpu_generate_step", "h2d", "d2h"})),
 }
 
 
@@ -111,7 +144,8 @@ def llc_bytes() -> int:
 
 
 def rotate_bytes(sizes: Sizes) -> int:
-    return sizes.rotate_bytes or max(4 * llc_bytes(), 128 * 2**20)
+    m = sizes.rotate_llc_multiple
+    return sizes.rotate_bytes or int(max(m * llc_bytes(), m * 32 * 2**20))
 
 
 def torch_dtype(name: str):
@@ -343,7 +377,7 @@ def layers(sizes: Sizes, dtype: str, tick: Callable[[], None] | None = None) -> 
         cfg = _llama_config(hidden, inter, heads, kv_heads, head_dim)
         one = LlamaDecoderLayer(cfg, 0).to(dt)
         params = sum(p.numel() for p in one.parameters())
-        n_copies = copies_for(params * dtype_bytes(dtype), rotate_bytes(sizes), cap=64)
+        n_copies = copies_for(params * dtype_bytes(dtype), rotate_bytes(sizes), cap=sizes.layer_copies)
         copies = [one] + [LlamaDecoderLayer(cfg, 0).to(dt) for _ in range(n_copies - 1)]
         for layer in copies:
             layer.eval()
@@ -394,7 +428,7 @@ def generate_step(sizes: Sizes, dtype: str) -> list[dict]:
     from transformers import LlamaForCausalLM
 
     rows = []
-    for vocab, batch in ((128, 1), (65536, 1), (65536, 4)):
+    for vocab, batch in sizes.generate_shapes:
         model = LlamaForCausalLM(_llama_config(16, 32, 2, 1, 8, vocab=vocab)).to(torch_dtype(dtype)).eval()
         ids = torch.ones(batch, 16, dtype=torch.long)
 
@@ -402,9 +436,9 @@ def generate_step(sizes: Sizes, dtype: str) -> list[dict]:
             return lambda: model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=n,
                                           min_new_tokens=n, do_sample=False, pad_token_id=0)
 
-        steps = 32
-        short = time_call(gen(1), 5, sizes.budget_s)
-        long = time_call(gen(steps + 1), 5, 2 * sizes.budget_s)
+        steps = sizes.generate_steps
+        short = time_call(gen(1), max(3, min(5, sizes.repeats)), sizes.budget_s)
+        long = time_call(gen(steps + 1), max(3, min(5, sizes.repeats)), 2 * sizes.budget_s)
         rows.append({"dtype": dtype, "vocab": vocab, "batch": batch, "layers": 1, "hidden_size": 16, "steps": steps,
                      "time_s": _sig(max(long["time_s"] - short["time_s"], 0.0) / steps),
                      "time_median_s": _sig(max(long["time_median_s"] - short["time_median_s"], 0.0) / steps)})

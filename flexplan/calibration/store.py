@@ -61,40 +61,63 @@ REQUIRED = {
 
 @dataclass(frozen=True)
 class MachineIdentity:
-    """What makes calibration numbers transferable: same CPU model and usable cores, same GPUs
-    on the same PCIe links."""
+    """What makes calibration numbers transferable: same CPU model, ISA class and usable cores,
+    same GPUs on the same PCIe links. The ISA class matters on its own: VMs of one model name
+    ("AMD EPYC") may or may not expose AVX-512, and the CPU kernels (and their speed) differ."""
 
     cpu_model: str
     cores: int
     gpus: tuple[str, ...] = ()
     pcie: tuple[str, ...] = ()  # "gen4x16" per GPU, "unknown" when NVML does not say
+    isa: str = "other"  # flexplan.hardware.introspect.isa_class of the CPU's flags
 
     @property
     def fingerprint(self) -> str:
         """16 hex digits of sha256 over the canonical JSON of the identity."""
         canon = json.dumps({"cpu_model": " ".join(self.cpu_model.split()).lower(), "cores": int(self.cores),
-                            "gpus": [" ".join(g.split()).lower() for g in self.gpus], "pcie": list(self.pcie)},
-                           sort_keys=True)
+                            "isa": self.isa, "gpus": [" ".join(g.split()).lower() for g in self.gpus],
+                            "pcie": list(self.pcie)}, sort_keys=True)
         return hashlib.sha256(canon.encode()).hexdigest()[:16]
 
     def to_dict(self) -> dict[str, Any]:
-        return {"cpu_model": self.cpu_model, "cores": self.cores, "gpus": list(self.gpus), "pcie": list(self.pcie)}
+        return {"cpu_model": self.cpu_model, "isa": self.isa, "cores": self.cores, "gpus": list(self.gpus),
+                "pcie": list(self.pcie)}
 
     def describe(self) -> str:
         gpus = ", ".join(f"{g} ({p})" for g, p in zip(self.gpus, self.pcie)) or "no GPU"
-        return f"{self.cpu_model}, {self.cores} cores, {gpus}"
+        return f"{self.cpu_model} ({self.isa}), {self.cores} cores, {gpus}"
+
+    @classmethod
+    def from_machine_dict(cls, m: dict) -> "MachineIdentity":
+        """The identity a file's ``machine`` section records (files written before the ISA class
+        was part of it: derived from their ``cpu_isa`` flags, "?" when they have none)."""
+        from flexplan.hardware.introspect import isa_class
+
+        isa = m.get("isa") or (isa_class(m["cpu_isa"]) if isinstance(m.get("cpu_isa"), list) else "?")
+        return cls(str(m.get("cpu_model", "?")), int(m.get("cores", 0) or 0), tuple(m.get("gpus") or ()),
+                   tuple(m.get("pcie") or ()), str(isa))
+
+    def differences(self, other: "MachineIdentity") -> list[str]:
+        """What tells ``self`` from ``other``: 'ISA avx512_bf16 vs avx2', 'cores 4 vs 2', ..."""
+        out = []
+        for what, a, b in (("CPU model", self.cpu_model, other.cpu_model), ("ISA", self.isa, other.isa),
+                           ("cores", self.cores, other.cores), ("GPUs", list(self.gpus), list(other.gpus)),
+                           ("PCIe", list(self.pcie), list(other.pcie))):
+            if a != b:
+                out.append(f"{what} {a or 'none'} vs {b or 'none'}")
+        return out
 
 
 @lru_cache(maxsize=1)
 def local_identity() -> MachineIdentity:
     """This machine's identity from :func:`flexplan.hardware.introspect.introspect` (cached)."""
-    from flexplan.hardware.introspect import introspect
+    from flexplan.hardware.introspect import introspect, isa_class
 
     m = introspect()
     pcie = tuple(f"gen{g.pcie_max_generation}x{g.pcie_max_width}" if g.pcie_max_generation and g.pcie_max_width
                  else "unknown" for g in m.gpus)
     return MachineIdentity(cpu_model=m.cpu.model_name, cores=int(m.cpu.usable_physical_cores),
-                           gpus=tuple(g.name for g in m.gpus), pcie=pcie)
+                           gpus=tuple(g.name for g in m.gpus), pcie=pcie, isa=isa_class(m.cpu.isa))
 
 
 _DROP_WORDS = {"intel", "amd", "cpu", "processor", "nvidia", "geforce", "tesla", "with", "radeon", "graphics",
@@ -326,12 +349,13 @@ def check_belongs_here(cal: Calibration, identity: MachineIdentity | None = None
     identity = identity or local_identity()
     if cal.fingerprint != identity.fingerprint:
         m = cal.doc.get("machine", {})
-        theirs = MachineIdentity(str(m.get("cpu_model", "?")), int(m.get("cores", 0) or 0),
-                                 tuple(m.get("gpus") or ()), tuple(m.get("pcie") or ()))
+        theirs = MachineIdentity.from_machine_dict(m if isinstance(m, dict) else {})
+        diff = theirs.differences(identity)
+        why = f" (differs in {'; '.join(diff)})" if diff else ""
         raise CalibrationError(
             f"calibration file {display_path(cal.path)} was measured on another machine ({theirs.describe()}; "
-            f"fingerprint {cal.fingerprint}), this one is {identity.describe()} (fingerprint {identity.fingerprint}); "
-            f"{RERUN} on this machine")
+            f"fingerprint {cal.fingerprint}), this one is {identity.describe()} (fingerprint {identity.fingerprint})"
+            f"{why}; {RERUN} on this machine")
 
 
 def find_calibration(identity: MachineIdentity | None = None) -> Calibration | None:

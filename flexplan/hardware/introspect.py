@@ -120,6 +120,20 @@ def isa_flags(flags) -> frozenset[str]:
     return frozenset(f for f in flags if f in hwdb.ISA_FLAGS)
 
 
+# The instruction-set classes that decide which CPU kernels run (oneDNN's AMX, AVX-512 BF16,
+# AVX-512 and AVX2 paths), most capable first: the first whose flags a CPU shows is its class.
+ISA_CLASSES = (("amx", ("amx_bf16",)), ("avx512_bf16", ("avx512_bf16",)), ("avx512", ("avx512f",)),
+               ("avx2", ("avx2",)))
+
+
+def isa_class(isa) -> str:
+    """One token for the CPU kernels this ISA gets: "amx", "avx512_bf16", "avx512", "avx2" or
+    "other". Two machines of one model name with different classes (a VM whose hypervisor hides
+    AVX-512) run different kernels at different speeds."""
+    isa = set(isa)
+    return next((name for name, needs in ISA_CLASSES if isa.issuperset(needs)), "other")
+
+
 def parse_cpulist(text: str) -> set[int]:
     """'0-3,8,10-11' -> {0, 1, 2, 3, 8, 10, 11}."""
     out: set[int] = set()
