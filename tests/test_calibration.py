@@ -13,6 +13,8 @@ import numpy as np
 
 from flexplan.calibration.efficiency import EFF_MAX
 import pytest
+
+from flexplan.estimator.efficiency import unwrapped
 import yaml
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -89,7 +91,7 @@ def test_tiny_run_writes_a_valid_file(use_dir):
 
 def test_factors_in_range_interpolated_and_clamped(use_dir):
     hw = get_hardware("local")
-    eff = efficiency_for(hw).base  # without the memory-state scaling (calibration/memory_state.py)
+    eff = unwrapped(efficiency_for(hw))  # without the memory-state scaling (calibration/memory_state.py)
     assert isinstance(eff, CalibratedEfficiency)
     assert store.file_name(store.local_identity()) in eff.source and "old" in eff.source
     for dt, f in eff.cpu.items():
@@ -238,7 +240,7 @@ def test_foreign_file_is_refused(use_dir, tmp_path, monkeypatch):
         efficiency_for(get_hardware("local"))
     with pytest.raises(CalibrationError, match="another machine"):
         efficiency_from_file(path, get_hardware("local"))
-    assert isinstance(efficiency_from_file(use_dir[1].path, get_hardware("local")).base, CalibratedEfficiency)
+    assert isinstance(unwrapped(efficiency_from_file(use_dir[1].path, get_hardware("local"))), CalibratedEfficiency)
     # a foreign or corrupt file carrying this machine's name is not skipped silently either
     monkeypatch.delenv(store.FILE_ENV)
     monkeypatch.setattr(store, "calibration_dirs", lambda: [tmp_path / "auto"])

@@ -28,6 +28,7 @@ from flexplan.workload.model import ModelSpec
 from synthetic_machine import HW_CPU, HW_GPU, SyntheticMachine
 
 SMOLLM2 = resolve_model("HuggingFaceTB/SmolLM2-135M-Instruct")
+QWEN3_MOE = resolve_model("Qwen/Qwen3-30B-A3B")
 LLAMA_8B = ModelSpec.from_config(dict(model_type="llama", hidden_size=4096, intermediate_size=14336,
                                       num_attention_heads=32, num_key_value_heads=8, head_dim=128,
                                       num_hidden_layers=32, vocab_size=128256))
@@ -97,7 +98,8 @@ def predict(eff, hw, spec: ModelSpec, policy: str, b: int, i: int, o: int, cpu_d
 
 
 def _policies(hw, spec):
-    return [p for p, pol in REGISTRY.items() if hw.gpu is not None or not pol.needs_accelerator(spec.num_layers)]
+    return [p for p, pol in REGISTRY.items() if (hw.gpu is not None or not pol.needs_accelerator(spec.num_layers))
+            and not pol.not_applicable(spec)]
 
 
 def _non_decreasing(x: np.ndarray, axis: int) -> bool:
@@ -108,11 +110,11 @@ def _non_decreasing(x: np.ndarray, axis: int) -> bool:
 
 @pytest.mark.parametrize("mode", ["full", "quick", "probe", "tiny"])
 @settings(max_examples=4, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(machine=machines(), big=st.booleans())
-def test_predictions_never_fall_as_the_work_grows(mode, machine, big, tmp_path):
+@given(machine=machines(), model=st.sampled_from(["smollm2", "llama-8b", "qwen3-moe"]))
+def test_predictions_never_fall_as_the_work_grows(mode, machine, model, tmp_path):
     for hw in (HW_GPU, HW_CPU):
         eff = calibrated(machine, mode, hw, tmp_path)
-        spec = LLAMA_8B if big else SMOLLM2
+        spec = {"smollm2": SMOLLM2, "llama-8b": LLAMA_8B, "qwen3-moe": QWEN3_MOE}[model]  # MoE: cpu-experts too
         for cd in eff.cpu:
             for policy in _policies(hw, spec):
                 grid = np.array([[[predict(eff, hw, spec, policy, b, i, o, cd) for o in OUTPUTS] for i in INPUTS]

@@ -208,3 +208,10 @@ class ScaledEfficiency:
         if name.startswith("__"):
             raise AttributeError(name)
         return getattr(self.base, name)
+
+
+def unwrapped(eff: Efficiency) -> Efficiency:
+    """The factors under every :class:`ScaledEfficiency` (memory state, corrections) of ``eff``."""
+    while isinstance(eff, ScaledEfficiency):
+        eff = eff.base
+    return eff
