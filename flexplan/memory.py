@@ -306,7 +306,10 @@ def footprint(inv: Inventory, placement: Placement, batch: int | None = None, in
         any_streamed = bool(streamed)
         slot = max((u["layers"][i][PINNED] for i in streamed), default=0)
     acc["weight double buffers"] = where(any_streamed, 2 * slot, 0)
-    acc["KV double buffers"] = where(any_streamed, 2 * kv[ACCELERATOR], 0)
+    kv_streamed = False  # KV slots only where a streamed layer's attention reads its KV on the accelerator
+    for pp in placement.phases.values():
+        kv_streamed = kv_streamed | (pp.count(lambda m: m.streams_kv) > 0)
+    acc["KV double buffers"] = where(kv_streamed, 2 * kv[ACCELERATOR], 0)
 
     head_acc, head_cpu, uses_acc = False, False, False
     act_acc, act_host = 0, 0
@@ -315,7 +318,7 @@ def footprint(inv: Inventory, placement: Placement, batch: int | None = None, in
         head_acc = head_acc | on_acc
         head_cpu = head_cpu | (on_acc ^ True)
         phase_acc = (pp.count(lambda m: m.computes == ON_ACCELERATOR) > 0) | on_acc
-        phase_cpu = (pp.count(lambda m: m.computes == ON_CPU) > 0) | (on_acc ^ True)
+        phase_cpu = (pp.count(lambda m: m.computes == ON_CPU or m.attention_on_cpu) > 0) | (on_acc ^ True)
         uses_acc = uses_acc | phase_acc
         if batch:
             rows = batch * (input_len if ph == "prefill" else 1)

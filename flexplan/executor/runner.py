@@ -246,9 +246,9 @@ class Executor:
                 where = PINNED if place == HOST_MEMORY and pl.kv_host_pinned(i) else place
                 needs[(i, place)] = (where, kv_bytes(batch, capacity, geo[i], self._dtype(place)))
         acc = self._dtype(ACCELERATOR)
-        if pl.streamed_layers:
+        if pl.kv_streamed_layers:
             for s in (0, 1):
-                needs[("slot", s)] = (ACCELERATOR, max(kv_bytes(batch, capacity, geo[i], acc) for i in pl.streamed_layers))
+                needs[("slot", s)] = (ACCELERATOR, max(kv_bytes(batch, capacity, geo[i], acc) for i in pl.kv_streamed_layers))
         self.kv_pool.ensure(needs)
         layers = []
         for i in range(self.num_layers):
@@ -256,7 +256,7 @@ class Executor:
             layers.append(FlexKVLayer(i, raws, geo[i], batch, capacity, pl.layer_place(i, PREFILL), self.link,
                                       window=self.windows[i]))
         cache = FlexCache(layers)
-        cache.slots = [(self.kv_pool.raw(("slot", s)), acc) for s in (0, 1)] if pl.streamed_layers else []
+        cache.slots = [(self.kv_pool.raw(("slot", s)), acc) for s in (0, 1)] if pl.kv_streamed_layers else []
         for kv in layers:
             kv.regrow = functools.partial(self._regrow_kv, cache)
         self._cache = cache

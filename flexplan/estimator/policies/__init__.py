@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from flexplan.estimator.policies.base import PhaseTime, Policy
 from flexplan.estimator.policies.cpu import CPUPolicy
+from flexplan.estimator.policies.cpu_attention import CPUAttentionPartialPolicy, CPUAttentionPolicy
 from flexplan.estimator.policies.gpu import GPUPolicy
 from flexplan.estimator.policies.gpu_offload import GPUOffloadPartialPolicy, GPUOffloadPolicy
 from flexplan.estimator.policies.splitgen import SplitGenPolicy
@@ -31,5 +32,7 @@ register("gpu", GPUPolicy())
 register("gpu-offload", GPUOffloadPolicy())
 register("gpu-offload-partial", GPUOffloadPartialPolicy())
 register("splitgen", SplitGenPolicy())
+register("cpu-attention", CPUAttentionPolicy())
+register("cpu-attention-partial", CPUAttentionPartialPolicy())
 
 __all__ = ["REGISTRY", "PhaseTime", "Policy", "register", "unregister"]
