@@ -16,6 +16,7 @@ come back to the host, where ``generate()`` samples.
 
 from __future__ import annotations
 
+import collections
 import functools
 import time
 
@@ -23,7 +24,7 @@ import torch
 from torch import nn
 from transformers.cache_utils import Cache
 
-from flexplan.executor import cpu_decode, cpu_linear
+from flexplan.executor import cpu_attention, cpu_decode, cpu_linear, native
 from flexplan.executor.cpu_backend import configure
 from flexplan.executor.families import decoder_parts, layer_windows, text_config
 from flexplan.executor.kv_cache import FlexCache, FlexKVLayer, KVPool, kv_bytes, kv_geometry
@@ -119,6 +120,8 @@ class Executor:
         self._layer_buffers = [{(m, n): {b.device: b} for m in layer.modules() for n, b in m._buffers.items()
                                 if b is not None} for layer in self.parts.layers]
         self.slots: StreamSlots | None = None
+        self._cpu_attention_modules: list[nn.Module] = []  # attention modules routed to attend_beside_kv
+        self.cpu_attention_calls: collections.Counter[str] = collections.Counter()  # by kernel: native / transformers
         self.kv_pool = KVPool(link)
         self._cache: FlexCache | None = None  # the last request's cache (its layers learnt the real KV geometry)
         self.plan: Plan | None = None
@@ -225,6 +228,10 @@ class Executor:
         self.head.bind(placement.head_place(PREFILL))
         if streamed and self.slots is None:
             self.slots = StreamSlots(self.link, slot_bytes)
+        beside = sorted({i for ph in placement.phases for i in placement.attention_on_cpu(ph)})
+        if beside and not self._cpu_attention_modules:
+            self._cpu_attention_modules = cpu_attention.install(
+                {i: self.parts.layers[i] for i in range(self.num_layers)}, self.attend_beside_kv, self._attends_beside_kv)
         if self.backend.ipex is not None:
             for i in range(self.num_layers):
                 if all(placement.modes[ph][i].on_cpu for ph in (PREFILL, DECODE)):
@@ -306,6 +313,8 @@ class Executor:
             cpu_linear.uninstall(m)
         cpu_decode.uninstall(self._fused)
         self._fused, self._stack = [], None
+        cpu_attention.uninstall(self._cpu_attention_modules)
+        self._cpu_attention_modules = []
 
     def _before_model(self, module, args, kwargs):
         self._t_top = time.perf_counter()
@@ -373,7 +382,7 @@ class Executor:
         st.next_slot ^= 1
         st.slot_of[j] = slot
         self.link.note("prefetch", j)
-        kv = st.cache.layers[j] if st.cache is not None else None
+        kv = st.cache.layers[j] if st.cache is not None and self.placement.modes[st.phase][j].streams_kv else None
         if kv is not None and kv.home != PINNED:  # a CPU-dtype host copy: convert on the host first
             kv.wait_home_on_host()
             kv.migrate(PINNED)
@@ -422,6 +431,9 @@ class Executor:
             nxt = next((j for j in self.placement.streamed(st.phase) if j > i), None)
             if nxt is not None:
                 self._prefetch(nxt, st)
+            if mode.attention_on_cpu and kv is not None:  # the KV cache stays home, in host memory
+                self._kv_to(kv, self.placement.layer_place(i, st.phase), False)
+                kv.new_tokens_cross = True
         else:
             place = self.placement.layer_place(i, st.phase)
             g.bind(place)
@@ -462,7 +474,9 @@ class Executor:
             slot = st.slot_of[i]
             self.link.record(self.slots.free[slot])
             self.slots.used[slot] = True
-            if kv is not None:
+            if kv is not None and mode.attention_on_cpu:
+                kv.new_tokens_cross = False
+            elif kv is not None:
                 with self.link.on_copy_stream():
                     self.link.wait(self.slots.free[slot], on_copy_stream=True)
                     kv.offload()
@@ -482,6 +496,51 @@ class Executor:
         st.hidden_on_acc = not mode.on_cpu
         self.link.note("computed", i)
         return None
+
+    def attend_beside_kv(self, i: int, module, inner, query, key, value, attention_mask, **kwargs):
+        """Layer i's attention call (cpu_attention routes it here): in a phase that places its
+        attention on the CPU, q crosses to the host, the CPU attends over the host KV cache the
+        cache's ``update`` just appended to (the native kernel where it covers the layer,
+        transformers' own function otherwise) and the output crosses back; else ``inner`` as is."""
+        st = self._step
+        if not self._attends_beside_kv(i):
+            return inner(module, query, key, value, attention_mask, **kwargs)
+        dtype = key.dtype if key.device.type == "cpu" else query.dtype
+        q = self.link.move(query, False, dtype, "q", i)
+        if key.device.type != "cpu":  # a cache that is not flexplan's kept the keys on the accelerator
+            key, value = (self.link.move(t, False, dtype, "kv", i) for t in (key, value))
+        mask = attention_mask
+        if isinstance(mask, torch.Tensor) and mask.device.type != "cpu":
+            k = ("mask to host", id(mask))
+            if k not in st.moved:
+                st.moved[k] = (mask, self.link.move(mask, False, None, "aux"))
+            mask = st.moved[k][1]
+        out = self._native_attention(i, module, q, key, value, mask, kwargs)
+        weights = None
+        self.cpu_attention_calls["native" if out is not None else "transformers"] += 1
+        if out is None:
+            out, weights = inner(module, q, key, value, mask, **kwargs)
+        return self.link.move(out, True, query.dtype, "attention output", i), weights
+
+    def _attends_beside_kv(self, i: int) -> bool:
+        st = self._step
+        return st is not None and self.placement.modes[st.phase][i].attention_on_cpu
+
+    def _native_attention(self, i: int, module, q, keys, values, mask, kwargs):
+        """flexplan's native decode attention for one query per sequence, [b, 1, heads, d], where it
+        covers the layer (cpu_decode.covered_attention) and reads this cache and mask; else None."""
+        ops = native.decode_status()[0] if i in self.native_attention else None
+        if ops is None or q.shape[2] != 1 or q.dtype != torch.float32 or kwargs.get("dropout") or \
+                kwargs.get("output_attentions"):
+            return None
+        b, hq, _, d = q.shape
+        readable, m = cpu_decode._native_readable(keys, values, mask, b)
+        if not readable:
+            return None
+        scale = kwargs.get("scaling")
+        out = ops.decode_attention(q.reshape(b, hq, d).contiguous(), keys, values, m,
+                                   float(module.scaling if scale is None else scale))
+        return out.view(b, 1, hq, d)
 
     def _before_head(self, module, args):
         st = self._step
