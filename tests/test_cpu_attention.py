@@ -115,3 +115,95 @@ def test_needs_an_accelerator():
     p = flexplan.plan("meta-llama/Llama-2-7b-hf", cpu_only, batch_size=4, input_len=512, output_len=16)
     c = _decode(p, "cpu-attention")
     assert not c.feasible and "no GPU" in c.reason
+
+
+# ---- the executor, on the CPU stand-in -------------------------------------------------------
+NEW = 6
+
+
+def _run(fresh, family, prefill, decode, gpu_layers=1):
+    import torch
+
+    from conftest import left_padded_batch
+    from test_executor import load_fixed
+
+    model, ref = fresh(family)
+    ids, mask = left_padded_batch()
+    expected = ref.generate(input_ids=ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False)
+    lm = load_fixed(model, prefill, decode, gpu_layers=gpu_layers)
+    out = lm.generate(input_ids=ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False)
+    assert torch.equal(out, expected)
+    return lm
+
+
+@pytest.mark.parametrize("family,kernel", [("llama", "native"), ("mistral", "native"), ("mistral_sw", "native"),
+                                           ("gemma2", "transformers"), ("qwen3", "transformers")])
+def test_decode_moves_attention_io_not_the_kv_cache(fresh, family, kernel):
+    """Batched, left-padded, token-identical; in decode each streamed layer sends q and the new K, V
+    to the host and gets the attention output back, and no KV cache crosses the link. The native
+    kernel attends where it covers the layer (Llama-like, GQA, sliding window), transformers'
+    function otherwise (soft-capping, QK-norm)."""
+    from flexplan.executor.link import D2H, H2D
+
+    lm = _run(fresh, family, "gpu-offload", "cpu-attention")
+    ex, link = lm.executor, lm.executor.link
+    n, spec = ex.num_layers, ex.spec
+    steps = NEW - 1
+    assert link.bytes_moved(H2D, "decode", "kv") == 0 and link.bytes_moved(D2H, "decode", "kv") == 0
+    b, f32 = 3, 4
+    q = b * spec.num_heads * spec.head_dim * f32  # one query position per sequence
+    assert link.bytes_moved(D2H, "decode", "q") == steps * n * q
+    assert link.bytes_moved(H2D, "decode", "attention output") == steps * n * b * spec.num_heads * spec.v_head_dim * f32
+    assert link.bytes_moved(D2H, "decode", "new kv") == steps * n * b * spec.kv_elems_per_token * f32
+    assert link.bytes_moved(H2D, "decode", "weights") > 0  # the weights still stream
+    assert set(ex.cpu_attention_calls) == {kernel} and sum(ex.cpu_attention_calls.values()) == steps * n
+
+
+@pytest.mark.parametrize("prefill", ["cpu-attention", "splitgen", "gpu", "cpu-attention-partial"])
+def test_partial_and_mixed_pairs(fresh, prefill):
+    """The partial variant (last M layers resident with their KV) and prefills that leave the KV
+    elsewhere (on the CPU, on the accelerator): the KV reaches its host home before decode."""
+    from flexplan.executor.link import H2D
+
+    lm = _run(fresh, "llama3", prefill, "cpu-attention-partial", gpu_layers=1)
+    ex = lm.executor
+    assert sum(ex.cpu_attention_calls.values()) == (NEW - 1) * 1  # one streamed layer of two
+    assert ex.link.bytes_moved(H2D, "decode", "kv") == 0
+
+
+def test_attention_outside_the_interface_is_refused(fresh):
+    """A layer whose attention does not call transformers' attention interface cannot be split:
+    refused in one line naming the layer."""
+    from flexplan.errors import UnsupportedModelError
+    from flexplan.executor import cpu_attention
+    from torch import nn
+
+    class Plain(nn.Module):
+        def forward(self, x):
+            return x
+
+    with pytest.raises(UnsupportedModelError) as e:
+        cpu_attention.install({0: Plain()}, None, None)
+    assert "layer 0" in str(e.value) and "gpu-offload" in str(e.value) and "\n" not in str(e.value)
+
+
+def test_uninstall_restores_the_model(fresh):
+    import torch
+
+    lm = _run(fresh, "llama", "cpu-attention", "cpu-attention")
+    attn = lm.executor.parts.layers[0].self_attn
+    assert attn.config._attn_implementation == "flexplan_cpu_attention"
+    lm.executor.remove_hooks()
+    assert attn.config is lm.executor.model.config and "_flexplan_cpu_attention" not in attn.__dict__
+
+
+@pytest.mark.parametrize("family", ["falcon", "bloom"])
+def test_layers_outside_the_interface_stream_their_kv(fresh, family):
+    """Falcon's and BLOOM's attention compute in their own forward: those layers run as gpu-offload
+    streams them (KV prefetched), token-identical, and the run says so."""
+    from flexplan.executor.link import H2D
+
+    lm = _run(fresh, family, "gpu-offload", "cpu-attention")
+    ex = lm.executor
+    assert ex.link.bytes_moved(H2D, "decode", "kv") > 0 and not ex.cpu_attention_calls
+    assert "streamed with their KV cache" in ex.cpu_decode_ops

@@ -196,7 +196,7 @@ class Executor:
     def place(self, plan: Plan, source=None) -> None:
         """Put every unit's weights where ``plan`` needs them (refusing before any allocation
         when it does not fit). A no-op when the placement is unchanged."""
-        placement = Placement.from_plan(plan, self.num_layers)
+        placement = self._splittable(Placement.from_plan(plan, self.num_layers))
         self.check(placement, plan.batch_size, plan.input_len + plan.output_len, plan.input_len)
         pack_batch = cpu_linear.pack_batch_hint(plan.batch_size) if self.backend.packs_weights else None
         if placement == self.placement and pack_batch == self.pack_batch and source is None:
@@ -229,13 +229,35 @@ class Executor:
         if streamed and self.slots is None:
             self.slots = StreamSlots(self.link, slot_bytes)
         beside = sorted({i for ph in placement.phases for i in placement.attention_on_cpu(ph)})
-        if beside and not self._cpu_attention_modules:
-            self._cpu_attention_modules = cpu_attention.install(
-                {i: self.parts.layers[i] for i in range(self.num_layers)}, self.attend_beside_kv, self._attends_beside_kv)
+        cpu_attention.uninstall(self._cpu_attention_modules)
+        self._cpu_attention_modules = cpu_attention.install(
+            {i: self.parts.layers[i] for i in beside}, self.attend_beside_kv, self._attends_beside_kv) if beside else []
         if self.backend.ipex is not None:
             for i in range(self.num_layers):
                 if all(placement.modes[ph][i].on_cpu for ph in (PREFILL, DECODE)):
                     self.backend.optimize(self.parts.layers[i], self._dtype(HOST_MEMORY))
+
+    def _splittable(self, placement: Placement) -> Placement:
+        """``placement`` with each layer whose attention cannot be routed to the CPU (it does not
+        call transformers' attention interface: cpu_attention.attention_modules) streamed whole,
+        its KV cache with it, as gpu-offload streams it; said in ``cpu_decode_ops``."""
+        from flexplan.placement import STREAMED, PhasePlacement
+
+        phases, kept = {}, []
+        for ph, pp in placement.phases.items():
+            modes = list(pp.modes)
+            for i, m in enumerate(modes):
+                if m.attention_on_cpu and not cpu_attention.attention_modules(self.parts.layers[i]):
+                    modes[i] = STREAMED
+                    kept.append(i)
+            phases[ph] = PhasePlacement.from_modes(modes, pp.head) if modes != list(pp.modes) else pp
+        if not kept:
+            return placement
+        note = (f"; layers {', '.join(map(str, sorted(set(kept))))} streamed with their KV cache (their attention "
+                "does not go through transformers' attention interface, so it cannot run beside the host KV cache)")
+        if note not in self.cpu_decode_ops:
+            self.cpu_decode_ops += note
+        return Placement.of(phases, placement.dtype, placement.cpu_dtype, placement.policies)
 
     def new_cache(self, batch_size: int, max_tokens: int, input_len: int | None = None) -> FlexCache:
         """A cache for one request of ``batch_size`` sequences x ``max_tokens`` (prompt + new)
