@@ -207,3 +207,20 @@ def test_layers_outside_the_interface_stream_their_kv(fresh, family):
     ex = lm.executor
     assert ex.link.bytes_moved(H2D, "decode", "kv") > 0 and not ex.cpu_attention_calls
     assert "streamed with their KV cache" in ex.cpu_decode_ops
+
+
+def test_cpu_attention_check_compares_the_term_with_the_kernel():
+    """`flexplan validate --cpu-attention`'s check: one row per (layout, batch, context), the
+    prediction is the estimator's term (longer contexts, more KV heads: more time) and the error
+    is computed from both. Accuracy is a benchmark's business, not this test's."""
+    from flexplan import validate_cpu_attention as vca
+
+    s = vca.run_check(layouts=((4, 4, 16), (4, 1, 16)), batches=(1, 2), contexts=(32, 256))
+    assert len(s["rows"]) == 8 and set(s["mape_by_layout"]) == {"4:4:16", "4:1:16"}
+    for r in s["rows"]:
+        assert r["measured_s"] > 0 and r["predicted_s"] > 0
+        assert r["error_pct"] == pytest.approx(abs(r["predicted_s"] - r["measured_s"]) / r["measured_s"] * 100)
+    pred = {(r["kv_heads"], r["batch"], r["context"]): r["predicted_s"] for r in s["rows"]}
+    assert pred[(4, 1, 256)] > pred[(4, 1, 32)] and pred[(4, 2, 256)] > pred[(1, 2, 256)]
+    assert s["mape"] == pytest.approx(np.mean([r["error_pct"] for r in s["rows"]]))
+    assert "MAPE by head layout" in vca.format_check(s)
