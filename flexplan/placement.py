@@ -107,7 +107,7 @@ RESIDENT = LayerMode("resident", ACCELERATOR, ON_ACCELERATOR)
 # Streamed weights, but the KV cache stays in pinned host memory and decode attention computes on
 # the CPU beside it (FlexGen's cpu_cache_compute, NEO's attention offload): the link carries the
 # weights and, per step, q/k/v of the new token and the attention output instead of the KV cache.
-STREAMED_CPU_ATTENTION = LayerMode("streamed, attention on CPU", PINNED, ON_ACCELERATOR,
+STREAMED_CPU_ATTENTION = LayerMode("streamed (attention on CPU)", PINNED, ON_ACCELERATOR,
                                    (("attention", Where(PINNED, ON_CPU)),))
 MODES = (CPU, STREAMED, RESIDENT)
 

@@ -224,3 +224,21 @@ def test_cpu_attention_check_compares_the_term_with_the_kernel():
     assert pred[(4, 1, 256)] > pred[(4, 1, 32)] and pred[(4, 2, 256)] > pred[(1, 2, 256)]
     assert s["mape"] == pytest.approx(np.mean([r["error_pct"] for r in s["rows"]]))
     assert "MAPE by head layout" in vca.format_check(s)
+
+
+def test_cpu_attention_term_golden():
+    """Mistral-7B (32 layers, 32 query heads, 8 KV heads of 128; sliding window 4096), batch 2,
+    bf16 KV, a context of 5000 keys: the window caps the keys read at 4096.
+    KV read 2 x 4096 x (2 x 8 x 128) x 2 B = 33.55 MB; new K, V 2 x 2048 x 2 B = 8.2 kB;
+    FLOPs 2 x (2 x 32 x 256) x 4096 = 134.2 MFLOP; at default factors (one memory and one compute
+    factor of the CPU)."""
+    from flexplan.estimator.terms import t_cpu_attention_s
+
+    spec, hw = resolve_model("mistralai/Mistral-7B-v0.1"), get_hardware(SERVER)
+    assert spec.layer_window(0) == 4096
+    eff = DefaultEfficiency.for_hardware(hw)
+    shape = Shape(spec, 2, 4999, 2, "bfloat16", "bfloat16")
+    bw, th = hw.cpu.memory_bandwidth_bytes_per_s, hw.cpu.peak_flops_per_s["bfloat16"]
+    kv_read, kv_write, flops = 2 * 4096 * 2048 * 2, 2 * 2048 * 2, 2 * 2 * 32 * 256 * 4096
+    want = (kv_read + kv_write) / (bw * eff.cpu_memory_eff) + flops / (th * eff.cpu_compute_eff)
+    assert t_cpu_attention_s(shape, hw, eff, np.array([5000.0]))[0] == pytest.approx(want, rel=1e-12)
