@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from flexplan.estimator.efficiency import Efficiency
+from flexplan.estimator.efficiency import Efficiency, cpu_attention_for_layout
 from flexplan.hardware.spec import DTYPE_BYTES, Hardware, cpu_weight_dtype
 from flexplan.workload import costs
 from flexplan.workload.model import ModelSpec
@@ -241,7 +241,9 @@ def t_cpu_attention_s(shape: Shape, hw: Hardware, eff: Efficiency, context_len) 
     bw, th = hw.cpu.memory_bandwidth_bytes_per_s, hw.cpu.peak_flops_per_s[cd]
     kv_read = costs.d_kv_cache(m, b, context_len, shape.w_bytes)
     kv_write = costs.d_kv_write(m, b, 1, shape.w_bytes)
-    return (t_memory_s(kv_read, bw, eff.cpu_attention(context_len, cd)) + t_memory_s(kv_write, bw, eff.cpu_memory(b, cd))
+    layout = (m.num_heads, m.num_kv_heads, m.head_dim)
+    eff_attn = cpu_attention_for_layout(eff, context_len, cd, layout)
+    return (t_memory_s(kv_read, bw, eff_attn) + t_memory_s(kv_write, bw, eff.cpu_memory(b, cd))
             + t_compute_s(costs.c_decode_attention(m, b, context_len), th, eff.cpu_compute(b, cd)))
 
 
