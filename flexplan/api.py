@@ -13,13 +13,17 @@ from __future__ import annotations
 
 import os
 import time
+import warnings
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
 from flexplan.calibration import calibrated_cpu_threads
-from flexplan.errors import DeviceUnavailableError, InvalidInputError
+from flexplan.calibration.cli import _cpu_seconds, _other_share  # CPU time other processes took (/proc/stat)
+from flexplan.calibration.memory_state import refresh as refresh_memory_probe
+from flexplan.errors import DeviceUnavailableError, FlexplanError, InvalidInputError
 from flexplan.executor.cpu_backend import local_cpu_cores, local_cpu_dtype
 from flexplan.executor.families import check_supported
 from flexplan.executor.link import Link
@@ -33,6 +37,23 @@ from flexplan.inputs import check_generate_arguments, check_kv_fits_host, check_
 from flexplan.plan_types import Plan
 
 DEFAULT_SHAPE = {"batch_size": 1, "input_len": 128, "output_len": 32}
+
+
+@dataclass(frozen=True)
+class Replanned:
+    """A request shape whose best plan changed once online corrections changed the predictions."""
+
+    shape: tuple[int, int, int]  # (batch, input length, new tokens)
+    before: str  # "prefill cpu (M=0), decode cpu (M=0)"
+    after: str
+    calibration: str  # the new plan's efficiency source: which corrections it used
+
+    def describe(self) -> str:
+        return f"re-planned batch {self.shape[0]}, {self.shape[1]}+{self.shape[2]} tokens: {self.before} -> {self.after}"
+
+
+def _choice(plan: Plan) -> str:
+    return ", ".join(f"{ph} {c.policy} (M={c.gpu_layers})" for ph, c in plan.phases.items())
 
 
 def _host_memory_bytes(field: str = "MemAvailable") -> int:
@@ -66,7 +87,8 @@ class FlexModel:
     """A loaded model, its executor and its plan; ``generate()`` as in transformers."""
 
     def __init__(self, model, executor: Executor, *, tokenizer=None, plan_spec: Any = None,
-                 planner_args: dict[str, Any] | None = None, cpu_threads_source: str = ""):
+                 planner_args: dict[str, Any] | None = None, cpu_threads_source: str = "",
+                 online_correction: bool = True):
         self.model = model
         self.executor = executor
         self.tokenizer = tokenizer
@@ -77,6 +99,12 @@ class FlexModel:
         self._plan_spec = {k: v for k, v in plan_spec.items() if k not in DEFAULT_SHAPE} if isinstance(plan_spec, dict) else plan_spec
         self._planner_args = planner_args or {}
         self._plans: dict[tuple[int, int, int], Plan] = {}
+        # learn from each run's measurements (calibration/correction.py); plans made before the
+        # corrections last changed are kept to tell whether re-planning changed the choice
+        self.online_correction = online_correction
+        self._stale_plans: dict[tuple[int, int, int], Plan] = {}
+        self._replan_note = ""
+        self.replanned: list[Replanned] = []  # shapes whose plan changed after a correction
 
     @property
     def config(self):
@@ -101,8 +129,12 @@ class FlexModel:
         """The plan for one request shape (planned once per shape)."""
         key = (int(batch_size), int(input_len), int(output_len))
         if key not in self._plans:
-            self._plans[key] = _make_plan(self._plan_spec, self.model.config, batch_size=key[0], input_len=key[1],
-                                          output_len=key[2], **self._planner_args)
+            new = self._plans[key] = _make_plan(self._plan_spec, self.model.config, batch_size=key[0],
+                                                input_len=key[1], output_len=key[2], **self._planner_args)
+            old = self._stale_plans.pop(key, None)
+            if old is not None and _choice(old) != _choice(new):
+                self.replanned.append(Replanned(key, _choice(old), _choice(new), new.calibration))
+                self._replan_note = self.replanned[-1].describe()
         return self._plans[key]
 
     def _request_shape(self, inputs, generation_config, kwargs) -> tuple[int, int, int, int]:
@@ -137,6 +169,7 @@ class FlexModel:
         if kwargs.get("past_key_values") is None and use_cache is not False:
             kwargs["past_key_values"] = self.executor.new_cache(eff_batch, input_len + max_new, input_len)
         allocations_before = dict(self.executor.link.allocations)
+        busy_before = _cpu_seconds()
         self.executor.begin_run()
         t0 = time.perf_counter()
         try:
@@ -147,13 +180,37 @@ class FlexModel:
         seqs = out if isinstance(out, torch.Tensor) else out.sequences
         self.last_stats = collect(self.executor, t0, t1, eff_batch, input_len, int(seqs.shape[1]) - input_len,
                                   allocations_before, cpu_threads_source=self.cpu_threads_source)
+        self.last_stats.other_processes_cpu_share = _other_share(busy_before, _cpu_seconds(), t1 - t0,
+                                                                 os.cpu_count() or 1)
+        if self.online_correction:
+            self._learn()
         return out
+
+    def _learn(self) -> None:
+        """Feed ``last_stats`` to the online correction (local hardware only); when the
+        corrections change, plans are made again at their next use."""
+        from flexplan.calibration.correction_store import learn
+
+        stats, note, self._replan_note = self.last_stats, self._replan_note, ""
+        try:
+            learned = learn(stats, self.executor.spec, self._planner_args.get("hardware"))
+        except (FlexplanError, OSError, ValueError, KeyError) as e:
+            warnings.warn(f"online correction skipped for this run ({type(e).__name__}: {e})", stacklevel=3)
+            return
+        if learned is None:
+            return
+        if learned.changed:
+            self._stale_plans.update(self._plans)
+            self._plans.clear()
+        stats.correction = "; ".join(x for x in (learned.describe(), note) if x)
 
 
 def _make_plan(plan: Any, config, *, accelerator: str | None, hardware: Any, dtype: str, cpu_dtype: str,
-               gpu_memory_bytes: int | None, batch_size: int, input_len: int, output_len: int) -> Plan:
+               gpu_memory_bytes: int | None, batch_size: int, input_len: int, output_len: int,
+               online_correction: bool = True) -> Plan:
     """A Plan from "auto", a Plan or a dict of overrides, for what exists. Policies forced with
-    per-phase M, or while the planner has no hardware model, give a fixed plan (no estimate)."""
+    per-phase M, or while the planner has no hardware model, give a fixed plan (no estimate).
+    ``online_correction=False``: planned on the calibration alone, without the runs' corrections."""
     if isinstance(plan, Plan):
         return plan
     shape = dict(batch_size=batch_size, input_len=input_len, output_len=output_len)
@@ -188,10 +245,21 @@ def _make_plan(plan: Any, config, *, accelerator: str | None, hardware: Any, dty
         raise InvalidInputError("prefill_gpu_layers / decode_gpu_layers need both 'prefill' and 'decode' policies")
     from flexplan.planner import plan as plan_fn
 
-    return plan_fn(config, hardware=hardware if hardware is not None else "local", dtype=dtype,
+    hardware = hardware if hardware is not None else "local"
+    return plan_fn(config, hardware=hardware, dtype=dtype,
                    gpu_memory_bytes=gpu_memory_bytes if accelerator else None, prefill=overrides.get("prefill"),
                    decode=overrides.get("decode"), gpu_layers=overrides.get("gpu_layers"),
-                   cpu_dtype=forced_cpu_dtype, **shape)
+                   cpu_dtype=forced_cpu_dtype, efficiency=None if online_correction else _uncorrected(hardware),
+                   **shape)
+
+
+def _uncorrected(hardware: Any):
+    """The efficiency ``hardware`` plans with, without the online corrections."""
+    from flexplan.calibration import efficiency_for
+    from flexplan.calibration.correction import uncorrected
+    from flexplan.hardware import get_hardware
+
+    return uncorrected(efficiency_for(hardware if isinstance(hardware, Hardware) else get_hardware(str(hardware))))
 
 
 def _checkpoint_dtype(model_or_path, config) -> str | None:
@@ -229,7 +297,7 @@ def _planner_available() -> bool:
 def load(model_or_path, plan: Any = "auto", accelerator: str | None = None, hardware: Any = "local",
          dtype: str | None = None, gpu_memory_bytes: int | None = None,
          pinned_memory_budget_bytes: int | None = None, cpu_linear_kernel: str | None = None,
-         cpu_threads: int | None = None) -> FlexModel:
+         cpu_threads: int | None = None, online_correction: bool = True) -> FlexModel:
     """Load (or take over) a decoder-only transformers causal LM and run it under a plan.
 
     ``model_or_path``: a folder with config.json + *.safetensors (streamed tensor by tensor into
@@ -246,9 +314,14 @@ def load(model_or_path, plan: Any = "auto", accelerator: str | None = None, hard
     fp32 too). Packed kernels read decode weights near memory bandwidth (cpu_linear).
     ``cpu_threads``: intra-op threads of the CPU side (default: the count ``flexplan calibrate``
     found fastest on this machine, else all usable cores); ``last_stats`` says which.
+    ``online_correction``: learn from each run's measured TTFT/TPOT and re-plan with the corrected
+    predictions (local hardware only; ``calibration/correction.py``); False: neither learn nor
+    plan with corrections. ``FLEXPLAN_ONLINE_CORRECTION=0`` turns it off for every model.
     """
     check_load_arguments(model_or_path, accelerator, dtype, gpu_memory_bytes, pinned_memory_budget_bytes, cpu_threads,
                          hardware)
+    if not isinstance(online_correction, bool):
+        raise InvalidInputError(f"online_correction must be True or False, got {online_correction!r}")
     acc = _resolve_accelerator(accelerator)
     from_path = isinstance(model_or_path, (str, os.PathLike))
     if from_path:
@@ -282,7 +355,9 @@ def load(model_or_path, plan: Any = "auto", accelerator: str | None = None, hard
         from flexplan.hardware.standin import standin_hardware
 
         hw = _lazy_standin(standin_hardware, gpu_memory_bytes, hardware if isinstance(hardware, Hardware) else None)
-    planner_args = dict(accelerator=acc, hardware=hw, dtype=dtype, cpu_dtype=cpu_dtype, gpu_memory_bytes=gpu_memory_bytes)
+    planner_args = dict(accelerator=acc, hardware=hw, dtype=dtype, cpu_dtype=cpu_dtype, gpu_memory_bytes=gpu_memory_bytes,
+                        online_correction=online_correction)
+    refresh_memory_probe()  # plans made now use the host memory state of now (calibration/memory_state.py)
     p = _make_plan(plan, config, **planner_args, **DEFAULT_SHAPE)
     n = int(getattr(config, "num_hidden_layers"))
     require_accelerator(Placement.from_plan(p, n), acc is not None, torch.version.cuda is not None)
@@ -306,7 +381,7 @@ def load(model_or_path, plan: Any = "auto", accelerator: str | None = None, hard
         model.flexplan_executor = executor
         tokenizer = None
     return FlexModel(model, executor, tokenizer=tokenizer, plan_spec=plan, planner_args=planner_args,
-                     cpu_threads_source=threads_source)
+                     cpu_threads_source=threads_source, online_correction=online_correction)
 
 
 def _cpu_threads(requested: int | None) -> tuple[int | None, str]:
@@ -338,4 +413,4 @@ def _tokenizer(path):
         return None
 
 
-__all__ = ["FlexModel", "load"]
+__all__ = ["FlexModel", "Replanned", "load"]

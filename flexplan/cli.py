@@ -87,9 +87,10 @@ def cmd_hw(args) -> int:
 def _calibration_line(hw) -> str | None:
     try:
         from flexplan.calibration import describe_calibration
+        from flexplan.calibration.correction_store import describe_corrections
     except ImportError:
         return None
-    return describe_calibration(hw)
+    return f"{describe_calibration(hw)}\n{describe_corrections(hw)}"
 
 
 def cmd_models(args) -> int:

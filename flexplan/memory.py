@@ -31,7 +31,8 @@ from typing import Mapping
 import numpy as np
 
 from flexplan.hardware.spec import DTYPE_BYTES, cpu_weight_dtype
-from flexplan.placement import ACCELERATOR, HOST, ON_ACCELERATOR, ON_CPU, PINNED, PhasePlacement, Placement
+from flexplan.placement import (
+    ACCELERATOR, EXPERT_GROUP, HOST, ON_ACCELERATOR, ON_CPU, PINNED, PhasePlacement, Placement)
 
 ALIGN_BYTES = 64  # executor.weights.FlatLayout: each tensor's offset in a flat buffer
 CPU_MEMORY_USABLE_FRACTION = 0.90  # leave 10% of host memory to the OS and the Python process
@@ -44,6 +45,7 @@ PLAIN = "plain"  # in the unit's flat buffer everywhere
 LINEAR = "linear"  # a plain nn.Linear weight: packed on the host when the CPU kernel packs
 TIED_EMBEDDING = "tied embedding"  # an embedding the LM head shares: blocked on the host when it can be
 ALIAS = "alias"  # the LM head's host copy is the tied embedding's (no host bytes of its own)
+EXPERTS = "routed experts"  # an MoE layer's routed expert weights: a split mode may keep them apart from the layer
 TRANSIENT = ("activations", "runtime reserve")  # parts not allocated through the executor's link
 
 
@@ -121,7 +123,7 @@ class Inventory:
             if g["router"]:
                 layer.append(Tensor("router.weight", (g["router"],)))
             if g["experts"]:  # transformers 5 fuses the experts into 3-D parameters: held as they are
-                layer.append(Tensor("experts", (g["experts"],)))
+                layer.append(Tensor("experts", (g["experts"],), EXPERTS))
             if g["shared_experts"]:
                 layer += rest("shared.rest", mlp("shared", spec.shared_expert_intermediate_size, spec.mlp_bias),
                               g["shared_experts"])
@@ -251,9 +253,16 @@ def _units(inv: Inventory, dtype: str, cpu_dtype: str, kernel: str | None) -> di
         inv._cache[key] = dict(
             layers=[{p: unit_bytes(ts, p, dtype, cpu_dtype, kernel) for p in places} for ts in layers],
             head={p: unit_bytes(inv.head, p, dtype, cpu_dtype, kernel) for p in places},
+            experts=[{p: _expert_bytes(ts, p, dtype, cpu_dtype) for p in places} for ts in layers],
             embedding=unit_bytes(inv.embedding, HOST, dtype, cpu_dtype, kernel),
         )
     return inv._cache[key]
+
+
+def _expert_bytes(tensors: tuple[Tensor, ...], place: str, dtype: str, cpu_dtype: str) -> int:
+    """Bytes of a layer's routed-expert tensors in ``place`` (0 for a layer without them)."""
+    dt = cpu_dtype if place == HOST else dtype
+    return sum(_padded(math.prod(t.shape) * DTYPE_BYTES[dt]) for t in tensors if t.kind == EXPERTS)
 
 
 def footprint(inv: Inventory, placement: Placement, batch: int | None = None, input_len: int | None = None,
@@ -305,6 +314,17 @@ def footprint(inv: Inventory, placement: Placement, batch: int | None = None, in
         streamed = placement.streamed_layers
         any_streamed = bool(streamed)
         slot = max((u["layers"][i][PINNED] for i in streamed), default=0)
+    # split layers (routed experts apart from the rest, e.g. on the CPU): move their experts' bytes
+    if inv.homogeneous:
+        for (places, e_places), n in placement.expert_census().items():
+            _move_experts(acc, pinned, host, places, e_places, n, u["experts"][0] if u["experts"] else {})
+    elif placement.expert_census():
+        for i in range(placement.num_layers):
+            if not u["experts"][i][ACCELERATOR]:
+                continue  # a layer without routed experts (a dense first layer)
+            places, e_places = placement.layer_places(i), placement.expert_places(i)
+            if places != e_places:
+                _move_experts(acc, pinned, host, places, e_places, 1, u["experts"][i])
     acc["weight double buffers"] = where(any_streamed, 2 * slot, 0)
     kv_streamed = False  # KV slots only where a streamed layer's attention reads its KV on the accelerator
     for pp in placement.phases.values():
@@ -318,7 +338,9 @@ def footprint(inv: Inventory, placement: Placement, batch: int | None = None, in
         head_acc = head_acc | on_acc
         head_cpu = head_cpu | (on_acc ^ True)
         phase_acc = (pp.count(lambda m: m.computes == ON_ACCELERATOR) > 0) | on_acc
-        phase_cpu = (pp.count(lambda m: m.computes == ON_CPU or m.attention_on_cpu) > 0) | (on_acc ^ True)
+        phase_cpu = ((pp.count(lambda m: m.computes == ON_CPU or m.attention_on_cpu
+                                       or m.groups()[EXPERT_GROUP].computes == ON_CPU) > 0)
+                     | (on_acc ^ True))
         uses_acc = uses_acc | phase_acc
         if batch:
             rows = batch * (input_len if ph == "prefill" else 1)
@@ -336,6 +358,18 @@ def footprint(inv: Inventory, placement: Placement, batch: int | None = None, in
         return {k: np.broadcast_to(np.asarray(v, dtype=float), shape) for k, v in d.items()}
 
     return MemoryNeed(fix(acc), fix(pinned), fix(host))
+
+
+def _move_experts(acc: dict, pinned: dict, host: dict, places, e_places, n, w: Mapping[str, int]) -> None:
+    """Layers whose routed experts live in ``e_places`` rather than in the rest's ``places``: their
+    experts' bytes leave the places only the rest uses and join those only the experts use."""
+    parts = {ACCELERATOR: (acc, "resident weights"), PINNED: (pinned, "streamed weights"), HOST: (host, "CPU weights")}
+    for p in places - e_places:
+        d, k = parts[p]
+        d[k] = d[k] - n * w.get(p, 0)
+    for p in e_places - places:
+        d, k = parts[p]
+        d[k] = d[k] + n * w.get(p, 0)
 
 
 def _per_candidate(inv: Inventory, placement: Placement, batch, input_len, capacity, kernel, reserved_bytes) -> MemoryNeed:

@@ -18,6 +18,11 @@ policies use today place all groups of a layer alike:
   buffers before the layer computes there;
 - ``resident``: weights and KV in accelerator memory.
 
+One mode splits a layer: ``cpu experts`` (``CPU_EXPERTS``) is resident except for the routed
+experts of an MoE layer (its ``mlp`` group), which live in host memory and compute on the CPU.
+:meth:`Placement.expert_places` and :meth:`Placement.unit_parts` tell the memory model and the
+executor where that part lives; other split modes are still refused (``SPLIT_MODES``).
+
 The final norm and LM head compute with the last layer unless a phase says otherwise; the
 embedding lookup runs on the host.
 """
@@ -58,7 +63,7 @@ class LayerMode:
     computes: str
     # operator groups placed otherwise than the layer, ((group, Where), ...): the unit the next
     # policies need (decode attention on the CPU, experts on the CPU). The memory model and the
-    # executor place whole layers today and refuse such a mode (see ``uniform``).
+    # executor place whole layers, and the routed experts apart in the modes of ``SPLIT_MODES``.
     overrides: tuple[tuple[str, Where], ...] = ()
 
     @property
@@ -110,6 +115,13 @@ RESIDENT = LayerMode("resident", ACCELERATOR, ON_ACCELERATOR)
 STREAMED_CPU_ATTENTION = LayerMode("streamed (attention on CPU)", PINNED, ON_ACCELERATOR,
                                    (("attention", Where(PINNED, ON_CPU)),))
 MODES = (CPU, STREAMED, RESIDENT)
+# llama.cpp's --n-cpu-moe / KTransformers: the layer resident on the accelerator with its KV cache,
+# its routed experts ("mlp" of an MoE layer) in host memory, computed by the CPU. A layer without
+# routed experts (a dense layer of an MoE model) in this mode is simply resident.
+CPU_EXPERTS = LayerMode("cpu experts", ACCELERATOR, ON_ACCELERATOR, (("mlp", Where(HOST, ON_CPU)),))
+EXPERT_GROUP = "mlp"  # the operator group that holds an MoE layer's routed experts
+# the split modes the memory model and the executor place (others are refused by Placement.from_plan)
+SPLIT_MODES = (CPU_EXPERTS,)
 
 
 @dataclass(frozen=True)
@@ -188,6 +200,14 @@ class PhasePlacement:
         return ", ".join(f"{v} {k}" for k, v in counts.items())
 
 
+def _experts_weights(m: LayerMode) -> str:
+    """Where a layer in mode ``m`` keeps its routed experts."""
+    for g, w in m.overrides:
+        if g == EXPERT_GROUP:
+            return w.weights
+    return m.weights
+
+
 def segments(a: PhasePlacement, b: PhasePlacement):
     """(mode in a, mode in b, number of layers) along the layers of two placements of one model."""
     ra, rb = [[m, int(c)] for m, c in a.runs if c], [[m, int(c)] for m, c in b.runs if c]
@@ -260,7 +280,7 @@ class Placement:
             phases[ph] = REGISTRY[c.policy].placement(num_layers, int(c.gpu_layers), ph)
             if phases[ph].num_layers != num_layers:
                 raise InvalidInputError(f"policy {c.policy} placed {phases[ph].num_layers} of {num_layers} layers")
-            split = [m.name for m, n in phases[ph].runs if n and not m.runnable]
+            split = [m.name for m, n in phases[ph].runs if n and not m.runnable and m not in SPLIT_MODES]
             if split:
                 raise InvalidInputError(f"policy {c.policy} places operator groups of a layer apart ({split[0]}); "
                                         "the memory model and the executor place whole layers, or streamed layers "
@@ -298,12 +318,67 @@ class Placement:
 
     def layer_places(self, i: int) -> frozenset[str]:
         """Where layer i's weights (and KV cache) are stored over the whole request."""
-        return self._raw_places([pp.modes[i] for pp in self.phases.values()])
+        return self._places_of_layers[i][0]
+
+    @cached_property
+    def _places_of_layers(self) -> tuple[tuple[frozenset[str], frozenset[str]], ...]:
+        """(layer places, expert places) of every layer, computed once per distinct mode combination."""
+        memo: dict[tuple, tuple[frozenset[str], frozenset[str]]] = {}
+        out = []
+        for modes in zip(*(pp.modes for pp in self.phases.values())):
+            if modes not in memo:
+                memo[modes] = (self._raw_places(modes),
+                               self._raw_places([Where(_experts_weights(m), ON_CPU) for m in modes]))
+            out.append(memo[modes])
+        return tuple(out)
 
     def layer_place(self, i: int, phase: str) -> str:
         """Which of those places the layer computes from (streamed: the pinned home) in ``phase``."""
         p = self.phases[phase].modes[i].weights
         return PINNED if p == HOST and p not in self.layer_places(i) else p
+
+    def expert_places(self, i: int) -> frozenset[str]:
+        """Where layer i's routed experts are stored over the request (its ``mlp`` group: the
+        layer's places unless a split mode puts them elsewhere)."""
+        return self._places_of_layers[i][1]
+
+    def expert_place(self, i: int, phase: str) -> str:
+        """Which of :meth:`expert_places` layer i's routed experts compute from in ``phase``."""
+        p = self.phases[phase].modes[i].groups()[EXPERT_GROUP].weights
+        return PINNED if p == HOST and p not in self.expert_places(i) else p
+
+    def unit_parts(self, i: int) -> dict[str, str]:
+        """Place -> which part of layer i's weights it stores: "all", "rest" (all but the routed
+        experts) or "experts" (executor.weights.GroupWeights)."""
+        rest, exp = self.layer_places(i), self.expert_places(i)
+        return {p: "all" if p in rest and p in exp else "rest" if p in rest else "experts" for p in rest | exp}
+
+    def experts_on_cpu(self, i: int, phase: str) -> bool:
+        """Whether layer i's routed experts compute on the CPU apart from the rest of the layer."""
+        m = self.phases[phase].modes[i]
+        return not m.on_cpu and m.groups()[EXPERT_GROUP].computes == ON_CPU
+
+    def expert_census(self) -> dict[tuple[frozenset, frozenset], object]:
+        """(places of a layer, places of its routed experts) -> how many layers, for the layers
+        whose experts live apart from the rest in some phase (run lengths may be arrays when the
+        placement has one phase)."""
+        out: dict[tuple[frozenset, frozenset], object] = {}
+        pps = list(self.phases.values())
+        if not any(_experts_weights(m) != m.weights for pp in pps for m, _ in pp.runs):
+            return out  # no split mode: the common case, answered without walking the layers
+        if len(pps) == 1:
+            for m, c in pps[0].runs:
+                e = _experts_weights(m)
+                if e != m.weights:
+                    key = (frozenset({m.weights}), frozenset({e}))
+                    out[key] = out.get(key, 0) + c
+            return out
+        for a, b, n in segments(pps[0], pps[1]):
+            key = (frozenset(self._raw_places((a, b))),
+                   frozenset(self._raw_places([Where(_experts_weights(m), ON_CPU) for m in (a, b)])))
+            if key[0] != key[1]:
+                out[key] = out.get(key, 0) + n
+        return out
 
     def head_places(self) -> frozenset[str]:
         return frozenset(pp.head_mode.weights for pp in self.phases.values())

@@ -22,7 +22,7 @@ from flexplan import memory
 from flexplan.estimator import REGISTRY, DefaultEfficiency, Efficiency, Shape, phase_costs
 from flexplan.estimator.terms import PhaseCosts, t_link_s
 from flexplan.hardware.spec import Hardware, canonical_dtype
-from flexplan.placement import ACCELERATOR, CPU, Placement, PhasePlacement, segments
+from flexplan.placement import ACCELERATOR, CPU, EXPERT_GROUP, Placement, PhasePlacement, segments
 from flexplan.plan_types import PHASES, POLICIES, Candidate, PhaseChoice, Plan
 from flexplan.workload import costs, resolve_model
 from flexplan.workload.model import ModelSpec
@@ -117,9 +117,10 @@ def _phase_options(phase: str, policy: str, pc: PhaseCosts, pc_prefill: PhaseCos
     ms = pol.gpu_layer_options(n)
     if force_m is not None and pol.needs_gpu_layers:
         ms = ms[ms == force_m]
-    if not hw.has_gpu and pol.needs_accelerator(n):
+    why = "no GPU" if not hw.has_gpu and pol.needs_accelerator(n) else pol.not_applicable(shape.model)
+    if why:
         inf = np.full(ms.shape, np.inf)
-        return _Options(policy, ms, inf, inf, inf, inf, np.zeros(ms.shape, bool), {}, inf, "no GPU")
+        return _Options(policy, ms, inf, inf, inf, inf, np.zeros(ms.shape, bool), {}, inf, why)
     est = pol.estimate(pc, n, ms)
     gpu_b, cpu_b = _phase_memory(shape, hw, policy, ms, phase)
     feasible = (gpu_b <= gpu_budget) & (cpu_b <= cpu_budget) & np.isfinite(est.time_s)
@@ -156,13 +157,19 @@ def switch_s(shape: Shape, hw: Hardware, prefill: str, m_p: int, decode: str, m_
     kv_prompt = float(costs.kv_cache_bytes_per_layer(m, shape.batch, shape.input_len, shape.w_bytes))
     pp, dp = REGISTRY[prefill].placement(n, m_p, "prefill"), REGISTRY[decode].placement(n, m_d, "decode")
     h2d = d2h = h2d_weights = 0.0
+    first = 0
     for a, b, count in segments(pp, dp):
         a_res, b_res = a.weights == ACCELERATOR, b.weights == ACCELERATOR
+        first += count
+        if a_res and b_res:  # both resident: routed experts prefill kept on the host go to the GPU for decode
+            lo, n_ = first - count, count
+            h2d_weights += max(0.0, _experts_left_on_host_bytes(m, a, lo, n_, shape.w_bytes)
+                               - _experts_left_on_host_bytes(m, b, lo, n_, shape.w_bytes))
         if a_res == b_res:
             continue  # same memory (host copies in both dtypes are kept)
         if b_res:  # host -> GPU resident
             if not a.streamed:
-                h2d_weights += count * w_layer
+                h2d_weights += count * w_layer - _experts_left_on_host_bytes(m, b, first - count, count, shape.w_bytes)
             h2d += count * kv_prompt
         else:  # GPU resident -> host
             d2h += count * kv_prompt
@@ -176,6 +183,13 @@ def switch_s(shape: Shape, hw: Hardware, prefill: str, m_p: int, decode: str, m_
     t_h2d = t_link_s(h2d, bw_h2d, eff.h2d(h2d)) if h2d else 0.0
     t_d2h = t_link_s(d2h, bw_d2h, eff.d2h(d2h)) if d2h else 0.0
     return max(t_weights + t_h2d, t_d2h)
+
+
+def _experts_left_on_host_bytes(m: ModelSpec, mode, first: int, count: int, w_bytes: int) -> float:
+    """Routed-expert bytes of layers first..first+count-1 that ``mode`` keeps off the accelerator."""
+    if mode.groups()[EXPERT_GROUP].weights == ACCELERATOR:
+        return 0.0
+    return float(sum(m.layer_group_params(i)["experts"] for i in range(first, first + count)) * w_bytes)
 
 
 def plan(model: Any, hardware: Any = "local", batch_size: int = 1, input_len: int = 128, output_len: int = 32,
@@ -362,6 +376,9 @@ def _reason(cp: Candidate, cd: Candidate, candidates: list[Candidate], baselines
         r = runner_up(c.phase, c.policy)
         if r is None:
             parts.append(f"{c.policy} is the only {c.phase} policy that fits")
+        elif r.time_s < c.time_s * 0.99:  # a faster phase lost on load, switch or the other phase
+            parts.append(f"{c.policy} wins end to end although {r.policy} has a lower {label} "
+                         f"({r.time_s:.3g} s vs {c.time_s:.3g} s)")
         elif r.time_s <= c.time_s * 1.01:
             parts.append(f"{c.policy} ties with {r.policy} on {label} ({c.time_s:.3g} s) and wins end to end")
         else:

@@ -2,14 +2,24 @@
 
 For every (batch, input, output) point and every prefill/decode policy pair of the grid it runs
 one greedy generation of exactly ``output`` tokens (after a warm-up), reads the measured TTFT and
-TPOT (TPOT = (E2E - TTFT) / (output - 1)), and records the plan's predictions under the
-calibration in use and under the default efficiency factors, side by side. It writes
+TPOT (TPOT = (E2E - TTFT) / (output - 1)), and records predictions beside them:
+
+- the plan's own (the calibration in use, scaled to the memory state at that moment) and the
+  default efficiency factors (hwdb peaks x guessed factors);
+- for each *calibration set* (the one in use, or the files named with ``--calibrations
+  full=a.yaml,quick=b.yaml``): **cold**, the calibration alone (memory state of now applied), and
+  **warm**, after online correction learned from ONE call (``CORRECTING_CALL``, a shape outside
+  the default grid, run before the grid). The measurements are shared: several calibrations are
+  judged against the same runs.
+
+The run itself plans with online correction off (so the grid's own runs teach nothing). It
+writes, to ``--out`` or to a folder in the user's cache (never into the current directory):
 
 - ``validation.csv``: one row per run;
 - ``validation.png``: predicted vs measured, one panel per phase;
-- ``summary.json``: MAPE and p90 absolute percentage error per phase and policy (calibrated and
-  default factors), and the planner's regret: measured E2E of the pair the planner picks among the
-  grid's pairs over the best measured E2E at that point (mean and max over points).
+- ``summary.json``: MAPE and p90 absolute percentage error per phase and policy (calibrated,
+  default factors, and cold/warm per calibration set), and the planner's regret: measured E2E of
+  the pair the planner picks among the grid's pairs over the best measured E2E at that point.
 """
 
 from __future__ import annotations
@@ -109,6 +119,44 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
     out["regret"] = sum(regrets) / len(regrets) if regrets else math.nan
     out["regret_max"] = max(regrets) if regrets else math.nan
     out["pairs_per_point"] = max((len(v) for v in points.values()), default=0)
+    out["sets"] = _summarize_sets(rows)
+    return out
+
+
+def _summarize_sets(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """{set: {"cold"|"warm": {"mape"|"p90": {phase: {policy: %}}}}} over the rows' ``sets``."""
+    out: dict[str, Any] = {}
+    for name in dict.fromkeys(n for r in rows for n in r.get("sets", {})):
+        for kind in ("cold", "warm"):
+            sel = [r for r in rows if kind in r.get("sets", {}).get(name, {})]
+            if not sel:
+                continue
+            d = out.setdefault(name, {}).setdefault(kind, {"mape": {}, "p90": {}})
+            for phase, key in (("prefill", "ttft"), ("decode", "tpot")):
+                for pol in sorted({r[f"{phase}_policy"] for r in sel}):
+                    mine = [r for r in sel if r[f"{phase}_policy"] == pol]
+                    errs = _pct_errors([r["sets"][name][kind][f"{key}_s"] for r in mine],
+                                       [r[f"measured_{key}_s"] for r in mine])
+                    d["mape"].setdefault(phase, {})[pol] = sum(errs) / len(errs) if errs else math.nan
+                    d["p90"].setdefault(phase, {})[pol] = _p90(errs)
+    return out
+
+
+def set_columns(rows: list[dict[str, Any]]) -> list[str]:
+    """CSV columns of the calibration sets' predictions: '<set>:<cold|warm>_<ttft|tpot|e2e>_s'."""
+    cols = []
+    for r in rows:
+        for name, kinds in r.get("sets", {}).items():
+            for kind, pred in kinds.items():
+                cols += [f"{name}:{kind}_{k}" for k in pred]
+    return list(dict.fromkeys(cols))
+
+
+def _flat(r: dict[str, Any]) -> dict[str, Any]:
+    out = {k: v for k, v in r.items() if k != "sets"}
+    for name, kinds in r.get("sets", {}).items():
+        for kind, pred in kinds.items():
+            out.update({f"{name}:{kind}_{k}": v for k, v in pred.items()})
     return out
 
 
@@ -117,6 +165,8 @@ def _clean(x):
         return None
     if isinstance(x, dict):
         return {k: _clean(v) for k, v in x.items()}
+    if isinstance(x, list):
+        return [_clean(v) for v in x]
     return x
 
 
@@ -127,10 +177,12 @@ def write_outputs(rows: list[dict[str, Any]], summary: dict[str, Any], out_dir: 
     paths = {"csv": out_dir / "validation.csv", "summary": out_dir / "summary.json"}
     tmp = paths["csv"].with_suffix(".csv.tmp")
     with open(tmp, "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=CSV_COLUMNS)
+        columns = CSV_COLUMNS + set_columns(rows)
+        w = csv.DictWriter(f, fieldnames=columns)
         w.writeheader()
         for r in rows:
-            w.writerow({k: r.get(k) for k in CSV_COLUMNS})
+            flat = _flat(r)
+            w.writerow({k: flat.get(k) for k in columns})
     os.replace(tmp, paths["csv"])
     tmp = paths["summary"].with_suffix(".json.tmp")
     tmp.write_text(json.dumps(_clean({**meta, **summary}), indent=2) + "\n")
@@ -175,6 +227,12 @@ def format_summary(s: dict[str, Any]) -> str:
         for pol, mape in s["mape"].get(phase, {}).items():
             lines.append(f"{phase:<8} {pol:<21} {mape:>6.1f}% {s['p90'][phase][pol]:>6.1f}%   "
                          f"{s['mape_default'][phase][pol]:>14.1f}% {s['p90_default'][phase][pol]:>13.1f}%")
+    for name, kinds in s.get("sets", {}).items():
+        for kind, d in kinds.items():
+            for phase in ("prefill", "decode"):
+                for pol, mape in d["mape"].get(phase, {}).items():
+                    lines.append(f"{phase:<8} {pol:<21} {mape:>6.1f}% {d['p90'][phase][pol]:>6.1f}%   "
+                                 f"calibration {name!r}, {kind}")
     lines.append(f"planner regret (measured E2E of chosen pair / best measured): mean {s['regret']:.3f}, "
                  f"max {s['regret_max']:.3f} over points with {s['pairs_per_point']} pair(s) each")
     return "\n".join(lines)
@@ -196,12 +254,62 @@ def resolve_model_dir(name: str) -> Path:
     return path
 
 
+CORRECTING_CALL = (2, 64, 24)  # (batch, input, output) of the one call that warm predictions learn from
+
+
+def calibration_sets(spec: str | None) -> dict[str, Path | None]:
+    """``--calibrations``: 'full=a.yaml,quick=b.yaml' -> {name: path}; None/empty: the calibration
+    in use, {'in use': None}."""
+    if not spec:
+        return {"in use": None}
+    sets: dict[str, Path | None] = {}
+    for item in spec.split(","):
+        name, sep, path = item.strip().partition("=")
+        if not sep or not name or not path:
+            raise InvalidInputError(f"bad --calibrations item {item!r}; write name=path, e.g. full=cal-full.yaml,quick=cal-quick.yaml")
+        if name in sets:
+            raise InvalidInputError(f"--calibrations names {name!r} twice")
+        p = Path(path).expanduser()
+        if not p.is_file():
+            raise InvalidInputError(f"--calibrations {name}: no file {p}")
+        sets[name] = p
+    return sets
+
+
+def _cold_efficiency(path: Path | None, hw):
+    """The efficiency of one calibration set now: the file's factors (the one in use when None),
+    scaled to the memory state of this moment, without online corrections."""
+    from flexplan.calibration import efficiency_for, efficiency_from_file
+    from flexplan.calibration.correction import uncorrected
+
+    return uncorrected(efficiency_for(hw)) if path is None else efficiency_from_file(path, hw)
+
+
+def _predict(lm, hw, eff, b: int, i: int, o: int, p_pol: str, d_pol: str, plan) -> dict[str, float]:
+    import flexplan
+
+    q = flexplan.plan(lm.config, hw, batch_size=b, input_len=i, output_len=o, dtype=plan.dtype, prefill=p_pol,
+                      decode=d_pol, gpu_layers=plan.decode.gpu_layers or None,
+                      gpu_memory_bytes=lm._planner_args.get("gpu_memory_bytes"), efficiency=eff,
+                      cpu_dtype=plan.cpu_dtype)
+    return {"ttft_s": q.ttft_s, "tpot_s": q.tpot_s, "e2e_s": q.ttft_s + q.switch_s + (o - 1) * q.tpot_s}
+
+
+def _generate(lm, ids, new_tokens: int):
+    import torch
+
+    lm.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
+                min_new_tokens=new_tokens, do_sample=False)
+    return lm.last_stats
+
+
 def run_grid(model_dir: Path, grid: dict[str, list[int]], pairs: list[tuple[str, str]], hardware: str = "local",
              accelerator: str | None = None, gpu_memory_bytes: float | None = None, repeats: int = 1,
-             progress=None) -> list[dict[str, Any]]:
+             progress=None, sets: dict[str, Path | None] | None = None, warm: bool = True) -> list[dict[str, Any]]:
     import torch
 
     import flexplan
+    from flexplan.calibration.correction import Observation, apply, corrections_after
     from flexplan.estimator import DefaultEfficiency
     from flexplan.hardware import get_hardware
 
@@ -210,33 +318,38 @@ def run_grid(model_dir: Path, grid: dict[str, list[int]], pairs: list[tuple[str,
         from flexplan.hardware.standin import standin_hardware
 
         hw = standin_hardware(int(gpu_memory_bytes or 4 << 30), base=hw)
+    sets = sets or {"in use": None}
     default_eff = DefaultEfficiency.for_hardware(hw)
     rows = []
     shapes = [(b, i, o) for b in grid["b"] for i in grid["i"] for o in grid["o"]]
     for p_pol, d_pol in pairs:
         lm = flexplan.load(str(model_dir), plan={"prefill": p_pol, "decode": d_pol}, accelerator=accelerator,
-                           hardware=hw, gpu_memory_bytes=gpu_memory_bytes)
+                           hardware=hw, gpu_memory_bytes=gpu_memory_bytes, online_correction=False)  # calibration alone
         vocab = lm.config.vocab_size
         gen = torch.Generator().manual_seed(0)
-        warm = torch.randint(3, vocab, (1, 16), generator=gen)
-        lm.generate(input_ids=warm, attention_mask=torch.ones_like(warm), max_new_tokens=4, min_new_tokens=4,
-                    do_sample=False)
+        _generate(lm, torch.randint(3, vocab, (1, 16), generator=gen), 4)
+        learned: dict[str, Any] = {}
+        if warm:  # the one call the warm predictions learn from, measured after a warm-up of its shape
+            b, i, o = CORRECTING_CALL
+            ids = torch.randint(3, vocab, (b, i), generator=gen)
+            _generate(lm, ids, 2)
+            observed = _generate(lm, ids, o)
+            obs = Observation.from_stats(observed, lm.executor.spec, hw)
+            learned = {name: corrections_after([obs], _cold_efficiency(path, hw)) for name, path in sets.items()}
         for b, i, o in shapes:
             ids = torch.randint(3, vocab, (b, i), generator=gen)
             # warm this shape (the plan may place weights in another CPU dtype; oneDNN caches kernels)
-            lm.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=2, min_new_tokens=2,
-                        do_sample=False)
-            runs = []
-            for _ in range(repeats):
-                lm.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=o, min_new_tokens=o,
-                            do_sample=False)
-                runs.append(lm.last_stats)
-            runs.sort(key=lambda s: s.e2e_s)
+            _generate(lm, ids, 2)
+            runs = sorted((_generate(lm, ids, o) for _ in range(repeats)), key=lambda s: s.e2e_s)
             st = runs[len(runs) // 2]
             p = st.plan
-            dp = flexplan.plan(lm.config, hw, batch_size=b, input_len=i, output_len=o, dtype=p.dtype,
-                               prefill=p_pol, decode=d_pol, gpu_layers=p.decode.gpu_layers or None,
-                               gpu_memory_bytes=gpu_memory_bytes, efficiency=default_eff, cpu_dtype=p.cpu_dtype)
+            dp = _predict(lm, hw, default_eff, b, i, o, p_pol, d_pol, p)
+            by_set = {}
+            for name, path in sets.items():
+                cold_eff = _cold_efficiency(path, hw)
+                by_set[name] = {"cold": _predict(lm, hw, cold_eff, b, i, o, p_pol, d_pol, p)}
+                if name in learned:
+                    by_set[name]["warm"] = _predict(lm, hw, apply(cold_eff, learned[name]), b, i, o, p_pol, d_pol, p)
             rows.append(dict(
                 model=model_dir.name, hardware=hw.name, prefill_policy=p_pol, decode_policy=d_pol,
                 prefill_gpu_layers=p.prefill.gpu_layers, decode_gpu_layers=p.decode.gpu_layers, batch_size=b,
@@ -244,12 +357,29 @@ def run_grid(model_dir: Path, grid: dict[str, list[int]], pairs: list[tuple[str,
                 measured_ttft_s=st.ttft_s, measured_tpot_s=st.tpot_s, measured_e2e_s=st.e2e_s,
                 predicted_ttft_s=p.ttft_s, predicted_tpot_s=p.tpot_s,
                 predicted_e2e_s=p.ttft_s + p.switch_s + (o - 1) * p.tpot_s,
-                default_predicted_ttft_s=dp.ttft_s, default_predicted_tpot_s=dp.tpot_s,
-                default_predicted_e2e_s=dp.ttft_s + dp.switch_s + (o - 1) * dp.tpot_s, calibration=p.calibration))
+                default_predicted_ttft_s=dp["ttft_s"], default_predicted_tpot_s=dp["tpot_s"],
+                default_predicted_e2e_s=dp["e2e_s"], calibration=p.calibration, sets=by_set))
             if progress:
                 progress(rows[-1])
         del lm
     return rows
+
+
+def default_out_dir(model_name: str, stamp: str) -> Path:
+    """``$XDG_CACHE_HOME/flexplan/validate/<model>-<stamp>`` (default ``~/.cache/...``): never the
+    directory the user happens to be in."""
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "flexplan" / "validate" / f"{model_name}-{stamp}"
+
+
+def memory_state_gbs() -> float | None:
+    """STREAM triad now (GB/s, 128 MB arrays, best of 3): the memory state a validation ran in."""
+    try:
+        from flexplan.calibration.stream import stream_triad_bytes_per_s
+
+        return round(stream_triad_bytes_per_s(128 * 2**20, repeats=3) / 1e9, 2)
+    except Exception:  # noqa: BLE001 - a record, not a result: never fail the validation over it
+        return None
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -260,7 +390,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--accelerator", choices=["cuda", "cpu", "none"], default=None)
     p.add_argument("--gpu-memory", type=float, default=None, metavar="GiB", help="cap the GPU budget")
     p.add_argument("--repeats", type=int, default=1, help="runs per point; the median E2E run is kept")
-    p.add_argument("--out", default=None, help="output folder (default benchmarks/results/validate-<model>-<date>)")
+    p.add_argument("--calibrations", default=None, metavar="NAME=FILE,...",
+                   help="judge these calibration files (cold and warm) against the same runs, e.g. "
+                        "full=a.yaml,quick=b.yaml (default: the calibration in use)")
+    p.add_argument("--no-warm", action="store_true", help="skip the correcting call and the warm predictions")
+    p.add_argument("--out", default=None, help="output folder (default: <cache>/flexplan/validate/<model>-<date>)")
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
     p.add_argument("--no-plot", action="store_true")
     p.add_argument("--cpu-attention", action="store_true",
@@ -300,7 +434,8 @@ def run(args) -> int:
     acc = None if args.accelerator in (None, "none") else args.accelerator
     gpu_mem = args.gpu_memory * (1 << 30) if args.gpu_memory else None
     stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ")
-    out_dir = Path(args.out) if args.out else Path("benchmarks/results") / f"validate-{model_dir.name}-{stamp}"
+    out_dir = Path(args.out).expanduser() if args.out else default_out_dir(model_dir.name, stamp)
+    sets = calibration_sets(args.calibrations)
     total = len(pairs) * len(grid["b"]) * len(grid["i"]) * len(grid["o"])
     t0 = time.perf_counter()
 
@@ -311,21 +446,26 @@ def run(args) -> int:
               f"TPOT {r['measured_tpot_s'] * 1e3:.1f} ms (pred {r['predicted_tpot_s'] * 1e3:.1f})",
               file=sys.stderr if args.json else sys.stdout, flush=True)
 
+    triad_before = memory_state_gbs()
     rows = run_grid(model_dir, grid, pairs, hardware=args.hw, accelerator=acc, gpu_memory_bytes=gpu_mem,
-                    repeats=args.repeats, progress=progress)
+                    repeats=args.repeats, progress=progress, sets=sets, warm=not args.no_warm)
+    triad_after = memory_state_gbs()
     from flexplan.hardware.introspect import introspect
 
     m = introspect()
     meta = {"model": model_dir.name, "grid": args.grid, "policies": args.policies, "hardware": args.hw,
             "machine": {"cpu": m.cpu.model_name, "usable_cores": m.cpu.usable_physical_cores, "gpus": [g.name for g in m.gpus]},
             "calibration": rows[0]["calibration"] if rows else None, "wall_s": time.perf_counter() - t0,
-            "date_utc": stamp}
+            "date_utc": stamp, "calibration_sets": {k: str(v) if v else "in use" for k, v in sets.items()},
+            "correcting_call": None if args.no_warm else dict(zip(("batch", "input", "output"), CORRECTING_CALL)),
+            "stream_triad_gbs": {"before": triad_before, "after": triad_after}}
     summary = summarize(rows)
     paths = write_outputs(rows, summary, out_dir, meta, plot=not args.no_plot)
     if args.json:
         print(json.dumps(_clean({"mape": summary["mape"], "p90": summary["p90"], "regret": summary["regret"],
                                  "mape_default": summary["mape_default"], "p90_default": summary["p90_default"],
-                                 "regret_max": summary["regret_max"], "out": str(out_dir)}), indent=2))
+                                 "regret_max": summary["regret_max"], "sets": summary["sets"],
+                                 "stream_triad_gbs": meta["stream_triad_gbs"], "out": str(out_dir)}), indent=2))
     else:
         print(format_summary(summary))
         print("wrote " + ", ".join(str(p) for p in paths.values()))

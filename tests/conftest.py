@@ -6,8 +6,19 @@ Nothing here imports torch until an executor test asks for it, so the planner's 
 from __future__ import annotations
 
 import copy
+import os
 
 import pytest
+
+# Planning for hardware "local" probes the host memory state and scales the memory-bound factors
+# to it (flexplan/calibration/memory_state.py): predictions would follow the machine's state from
+# one call to the next. Off for every test (and the subprocesses they start); the tests of the
+# probe (tests/test_memory_state.py) turn it on.
+os.environ["FLEXPLAN_MEMORY_PROBE"] = "0"
+# Online correction (calibration/correction.py) learns from every generate() on "local" and writes
+# beside the calibration file: tests (and the subprocesses they start) run without it, so a
+# prediction never depends on which test ran before. Its own tests turn it on with monkeypatch.
+os.environ["FLEXPLAN_ONLINE_CORRECTION"] = "0"
 
 VOCAB = 160
 PAD = 0

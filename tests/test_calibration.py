@@ -79,13 +79,17 @@ def test_tiny_run_writes_a_valid_file(use_dir):
                 "cpu_threads"):
         assert meas[key], key
     assert all(r["time_s"] > 0 and r["flops_per_s"] > 0 for r in meas["cpu_gemm"])
+    state = meas["memory_state"]  # a probe sample before each step and one at the end (memory_state.py)
+    assert state["at_step"][0] == "cpu_stream" and state["at_step"][-1] == "end"
+    assert len(state["probe_bytes_per_s"]) == len(state["at_step"]) > 5
+    assert all(x > 0 for x in state["probe_bytes_per_s"])
     assert set(doc["settings"]["cpu_dtypes"]) >= {"float32"}
     assert [p.name for p in d.iterdir()] == [res.path.name]  # no temp files left
 
 
 def test_factors_in_range_interpolated_and_clamped(use_dir):
     hw = get_hardware("local")
-    eff = efficiency_for(hw)
+    eff = efficiency_for(hw).base  # without the memory-state scaling (calibration/memory_state.py)
     assert isinstance(eff, CalibratedEfficiency)
     assert store.file_name(store.local_identity()) in eff.source and "old" in eff.source
     for dt, f in eff.cpu.items():
@@ -234,7 +238,7 @@ def test_foreign_file_is_refused(use_dir, tmp_path, monkeypatch):
         efficiency_for(get_hardware("local"))
     with pytest.raises(CalibrationError, match="another machine"):
         efficiency_from_file(path, get_hardware("local"))
-    assert isinstance(efficiency_from_file(use_dir[1].path, get_hardware("local")), CalibratedEfficiency)
+    assert isinstance(efficiency_from_file(use_dir[1].path, get_hardware("local")).base, CalibratedEfficiency)
     # a foreign or corrupt file carrying this machine's name is not skipped silently either
     monkeypatch.delenv(store.FILE_ENV)
     monkeypatch.setattr(store, "calibration_dirs", lambda: [tmp_path / "auto"])

@@ -7,6 +7,8 @@ import sys
 
 import pytest
 
+from flexplan.plan_types import POLICIES
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -40,8 +42,6 @@ def test_explain_json_is_plan_to_dict():
     assert r.returncode == 0, r.stderr
     d = json.loads(r.stdout)
     assert d["prefill"]["policy"] and d["decode"]["policy"] and d["e2e_s"] > 0
-    from flexplan.plan_types import POLICIES
-
     assert len(d["candidates"]) == 2 * len(POLICIES) and "gpu-offload" in d["baselines"]
 
 

@@ -61,3 +61,21 @@ def test_cuda_repeated_calls_pin_once(fresh):
     assert dict(lm.executor.link.allocations) == allocations
     assert torch.cuda.memory_allocated() <= mem + (1 << 20)
     print(lm.last_stats.summary())
+
+
+@pytest.mark.parametrize("prefill,decode", [("cpu-experts", "cpu-experts"), ("gpu-offload", "cpu-experts"),
+                                            ("cpu-experts", "gpu"), ("cpu", "cpu-experts")])
+def test_cuda_cpu_experts_matches_cpu_reference(fresh, prefill, decode):
+    """MoE routed experts on the host beside CUDA layers: hidden states and routing cross the link."""
+    model, ref = fresh("qwen3_moe")
+    ids, mask = left_padded_batch()
+    kw = dict(input_ids=ids, attention_mask=mask, max_new_tokens=6, do_sample=False,
+              return_dict_in_generate=True, output_logits=True)
+    expected = ref.generate(**kw)
+    plan = fixed_plan(model.config, prefill, decode, 1, batch_size=3, input_len=9, output_len=6)
+    lm = api.load(model, plan=plan, accelerator="cuda", gpu_memory_bytes=GIB)
+    out = lm.generate(**kw)
+    assert torch.equal(out.sequences, expected.sequences)
+    for a, b in zip(out.logits, expected.logits):
+        torch.testing.assert_close(a.cpu(), b, atol=1e-3, rtol=1e-3)
+    assert lm.executor.expert_modules[0][1].calls > 0

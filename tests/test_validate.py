@@ -49,3 +49,45 @@ def test_outputs_written(tmp_path):
     assert d["model"] == "m" and math.isclose(d["mape"]["decode"]["cpu"], 10.0)
     assert paths["csv"].read_text().count("\n") == 3
     assert not list(tmp_path.glob("*.tmp*"))
+
+
+def test_calibration_sets_cold_and_warm_are_summarised_per_set(tmp_path):
+    from flexplan.validate import set_columns
+
+    rows = []
+    for b, meas_tpot in ((1, 0.10), (4, 0.20)):
+        r = row("cpu", "cpu", b, 32, 16, 1.0, 1.0, meas_tpot, meas_tpot)
+        r["sets"] = {"full": {"cold": {"ttft_s": 1.1, "tpot_s": meas_tpot * 1.2, "e2e_s": 3.0},
+                              "warm": {"ttft_s": 1.0, "tpot_s": meas_tpot * 1.02, "e2e_s": 3.0}},
+                     "probe": {"cold": {"ttft_s": 2.0, "tpot_s": meas_tpot * 0.5, "e2e_s": 3.0}}}
+        rows.append(r)
+    s = summarize(rows)["sets"]
+    assert s["full"]["cold"]["mape"]["decode"]["cpu"] == pytest.approx(20.0)
+    assert s["full"]["warm"]["mape"]["decode"]["cpu"] == pytest.approx(2.0)
+    assert s["full"]["cold"]["mape"]["prefill"]["cpu"] == pytest.approx(10.0)
+    assert s["probe"]["cold"]["mape"]["prefill"]["cpu"] == pytest.approx(100.0)
+    assert "warm" not in s["probe"]
+    assert "full:warm_tpot_s" in set_columns(rows) and "probe:warm_tpot_s" not in set_columns(rows)
+    paths = write_outputs(rows, summarize(rows), tmp_path, {"model": "m"}, plot=False)
+    header = paths["csv"].read_text().splitlines()[0].split(",")
+    assert "full:cold_ttft_s" in header and "sets" not in header
+
+
+def test_calibration_sets_parse_and_refuse(tmp_path):
+    from flexplan.validate import calibration_sets
+
+    assert calibration_sets(None) == {"in use": None}
+    f = tmp_path / "a.yaml"
+    f.write_text("x")
+    assert calibration_sets(f"full={f}") == {"full": f}
+    for bad, match in ((f"full{f}", "name=path"), (f"full={tmp_path / 'none.yaml'}", "no file"),
+                       (f"a={f},a={f}", "twice")):
+        with pytest.raises(InvalidInputError, match=match):
+            calibration_sets(bad)
+
+
+def test_default_output_folder_is_in_the_cache_not_the_cwd(tmp_path, monkeypatch):
+    from flexplan.validate import default_out_dir
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    assert default_out_dir("m", "20260101T000000Z") == tmp_path / "flexplan" / "validate" / "m-20260101T000000Z"

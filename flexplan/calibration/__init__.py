@@ -40,13 +40,14 @@ def calibration_for(hw: "Hardware"):
 
 def efficiency_for(hw: "Hardware") -> "Efficiency":
     """CalibratedEfficiency from this machine's calibration file when ``hw`` is the local
-    machine and one exists; DefaultEfficiency otherwise. ``source`` says which and how old."""
+    machine and one exists; DefaultEfficiency otherwise. ``source`` says which and how old.
+    The runs' online corrections (``correction_store``) are applied last."""
+    from flexplan.calibration.correction_store import corrected
     from flexplan.estimator.efficiency import DefaultEfficiency
 
     cal = calibration_for(hw)
-    if cal is None:
-        return DefaultEfficiency.for_hardware(hw)
-    return _calibrated(cal, hw)
+    eff = DefaultEfficiency.for_hardware(hw) if cal is None else _at_state_now(_calibrated(cal, hw), cal)
+    return corrected(eff, hw, cal)
 
 
 _DERIVED: dict[tuple[int, str], tuple[object, "Efficiency"]] = {}  # (id(cal), repr(hw)) -> (cal, factors)
@@ -81,7 +82,14 @@ def efficiency_from_file(path, hw: "Hardware") -> "Efficiency":
 
     cal = load_calibration(path)
     check_belongs_here(cal)
-    return _calibrated(cal, hw)
+    return _at_state_now(_calibrated(cal, hw), cal)
+
+
+def _at_state_now(eff: "Efficiency", cal) -> "Efficiency":
+    """``eff`` scaled to the host memory state of now (a short probe; memory_state.py)."""
+    from flexplan.calibration.memory_state import at_state_now
+
+    return at_state_now(eff, cal.measurements)
 
 
 def _derive(cal, hw: "Hardware") -> "Efficiency":
@@ -110,7 +118,10 @@ def describe_calibration(hw: "Hardware") -> str:
         return "calibration: none: run `flexplan calibrate --quick`"
     eff = _calibrated(cal, hw)
     mode = cal.doc.get("mode", "?")
-    return f"calibration in use: {cal.describe()} ({mode} run, CPU threads {eff.cpu_threads()})"
+    from flexplan.calibration.memory_state import describe
+
+    return (f"calibration in use: {cal.describe()} ({mode} run, CPU threads {eff.cpu_threads()})\n"
+            f"  {describe(cal.measurements)}")
 
 
 def calibrated_cpu_threads() -> tuple[int | None, str]:

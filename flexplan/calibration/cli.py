@@ -135,6 +135,7 @@ def calibrate(mode: str = "quick", out: str | Path | None = None, threads: int |
     (atomically). Raises CalibrationError, writing nothing, when the essential benchmarks fail."""
     from tqdm import tqdm
 
+    from flexplan.calibration import memory_state
     from flexplan.calibration import microbench as mb
     from flexplan.calibration import store
 
@@ -150,10 +151,12 @@ def calibrate(mode: str = "quick", out: str | Path | None = None, threads: int |
     steps = _steps(mode, hw, threads, cpu_dtypes, gpu_dtype)
     measurements: dict[str, object] = {}
     failures: dict[str, str] = {}
+    memory = memory_state.new_record()  # the host memory state before each step (memory_state.py)
     with mb.torch_threads(threads), tqdm(total=sum(s.units for s in steps), disable=not progress, unit="shape",
                                          desc="calibrate", leave=False) as bar:
         for step in steps:
             bar.set_postfix_str(step.label)
+            memory_state.record_sample(memory, step.label)
             done = [0]
 
             def tick(bar=bar, done=done):
@@ -167,6 +170,8 @@ def calibrate(mode: str = "quick", out: str | Path | None = None, threads: int |
             except Exception as e:  # noqa: BLE001 - any benchmark failure is reported, the run goes on
                 failures[step.label] = f"{type(e).__name__}: {e}"
             bar.update(step.units - done[0])
+        memory_state.record_sample(memory, memory_state.END)
+        measurements["memory_state"] = memory
     missing = [f"{n}[{cpu_dtypes[0]}]" for n in ESSENTIAL if f"{n}[{cpu_dtypes[0]}]" in failures]
     if missing:
         raise CalibrationError("calibration failed, nothing written: " + "; ".join(f"{n}: {failures[n]}" for n in missing))
@@ -316,6 +321,12 @@ def format_summary(res: Result) -> str:
     if "cpu_stream" in m:
         lines.append(f"  STREAM triad {m['cpu_stream']['triad_bytes_per_s'] / 1e9:.1f} GB/s, "
                      f"copy {m['cpu_stream']['copy_bytes_per_s'] / 1e9:.1f} GB/s")
+    if (m.get("memory_state") or {}).get("probe_bytes_per_s"):
+        import statistics
+
+        xs = m["memory_state"]["probe_bytes_per_s"]
+        lines.append(f"  memory probe before each step {min(xs) / 1e9:.1f}..{max(xs) / 1e9:.1f} GB/s, median "
+                     f"{statistics.median(xs) / 1e9:.1f} (memory-bound times normalised to the median)")
     for dt in st["cpu_dtypes"]:
         gemv = [r for r in m.get("cpu_gemv", []) if r["dtype"] == dt]
         gemm = [r for r in m.get("cpu_gemm", []) if r["dtype"] == dt]

@@ -38,6 +38,7 @@ from typing import Any
 
 import numpy as np
 
+from flexplan.calibration.memory_state import normalised
 from flexplan.estimator.efficiency import DefaultEfficiency
 from flexplan.estimator.terms import c_gemm, d_gemm, t_compute_s, t_memory_s, t_on_device_s
 from flexplan.hardware.spec import DTYPE_BYTES, Hardware
@@ -532,6 +533,7 @@ def cpu_factors(meas: dict, dtype: str, hw: Hardware, notes: list[str]) -> CPUFa
 def from_measurements(meas: dict, settings: dict, hw: Hardware, source: str) -> CalibratedEfficiency:
     """Factors of ``hw`` that reproduce the measurements ``meas`` (a calibration file's
     ``measurements`` section). Raises ValueError/KeyError/TypeError on malformed content."""
+    meas = normalised(meas)  # memory-bound times at one memory state (memory_state.py; older files: as is)
     defaults = DefaultEfficiency.for_hardware(hw)
     notes: list[str] = []
     cpu = {}

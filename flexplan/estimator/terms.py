@@ -176,6 +176,7 @@ class PhaseCosts:
     head_bytes_gpu: float
     cpu_under_copy: float  # slowdown of CPU compute while H2D copies run (Park & Egger 4.1)
     cpu_attention: "CPUAttentionCosts | None" = None  # decode attention beside a host KV cache (decode only)
+    experts: object = None  # expert_terms.ExpertSplit: an MoE layer's routed experts on the CPU (None: dense / no GPU)
 
 
 def phase_costs(shape: Shape, hw: Hardware, eff: Efficiency, phase: str) -> PhaseCosts:
@@ -213,9 +214,15 @@ def phase_costs(shape: Shape, hw: Hardware, eff: Efficiency, phase: str) -> Phas
         t_load_head_s=t_link_s(w.head_bytes_gpu, h2d, eff.h2d(w.head_bytes_gpu)),
         weight_bytes_gpu=w.weight_bytes_gpu, kv_read_bytes=kv_read, kv_write_bytes=w.kv_write,
         hidden_bytes=w.hidden_bytes, logits_bytes=w.logits_bytes, head_bytes_gpu=w.head_bytes_gpu,
-        cpu_under_copy=eff.cpu_under_copy(),
+        cpu_under_copy=eff.cpu_under_copy(), experts=_expert_split(shape, hw, eff, phase),
         cpu_attention=cpu_attention_costs(shape, hw, eff) if phase == "decode" else None,
     )
+
+
+def _expert_split(shape: Shape, hw: Hardware, eff: Efficiency, phase: str):
+    from flexplan.estimator.expert_terms import expert_split_costs  # it uses this module's t_* functions
+
+    return expert_split_costs(shape, hw, eff, phase)
 
 
 @dataclass(frozen=True)

@@ -24,14 +24,14 @@ import torch
 from torch import nn
 from transformers.cache_utils import Cache
 
-from flexplan.executor import cpu_attention, cpu_decode, cpu_linear, native
+from flexplan.executor import cpu_attention, cpu_decode, cpu_experts, cpu_linear, native
 from flexplan.executor.cpu_backend import configure
 from flexplan.executor.families import decoder_parts, layer_windows, text_config
 from flexplan.executor.kv_cache import FlexCache, FlexKVLayer, KVPool, kv_bytes, kv_geometry
 from flexplan.executor.link import ACCELERATOR, HOST_MEMORY, PINNED, Link
 from flexplan.executor.placement import Placement, check_fits
 from flexplan.memory import (
-    ALIAS, LINEAR, PLAIN, TIED_EMBEDDING, Inventory, MemoryNeed, Tensor, activation_elems_per_row, footprint)
+    ALIAS, EXPERTS, LINEAR, PLAIN, TIED_EMBEDDING, Inventory, MemoryNeed, Tensor, activation_elems_per_row, footprint)
 from flexplan.executor.stats import PhaseStats, step_flops
 from flexplan.executor.step import Step, generic_kv_to
 from flexplan.executor.weights import GroupWeights, StreamSlots, torch_dtype
@@ -81,7 +81,23 @@ class Executor:
                        and self.parts.lm_head.weight.shape[0] % cpu_linear.BLOCK == 0 else frozenset())
         self.embed = GroupWeights("embedding", None, _params(self.parts.embedding), packed_embeddings=tied_packed)
         prefix = self.parts.layers_prefix
-        self.layers = [GroupWeights(f"layer {i}", i, _params({f"{prefix}.{i}": layer}), pack_kernel=pack)
+        # each MoE layer's routed experts module: its parameters may live apart from the layer (cpu-experts)
+        self.expert_modules: list[tuple[nn.Module, cpu_experts.ExpertsPlace] | None] = []
+        expert_names, blocked = [], []
+        for i, layer in enumerate(self.parts.layers):
+            found = cpu_experts.find_routed_experts(layer, self.spec.num_experts)
+            if found is None:
+                self.expert_modules.append(None)
+                expert_names.append(frozenset())
+                blocked.append({})
+                continue
+            blocked.append({f"{prefix}.{i}.{found[0]}.{leaf}": t for leaf, t in cpu_experts.blockable_experts(found[1]).items()}
+                           if pack == cpu_linear.KERNEL_BLOCKED else {})
+            self.expert_modules.append((found[1], cpu_experts.ExpertsPlace(i)))
+            expert_names.append(frozenset(_params({f"{prefix}.{i}.{found[0]}": found[1]})))
+            cpu_experts.install(found[1], self.expert_modules[-1][1])
+        self.layers = [GroupWeights(f"layer {i}", i, _params({f"{prefix}.{i}": layer}), pack_kernel=pack,
+                                    experts=expert_names[i], blocked_experts=blocked[i])
                        for i, layer in enumerate(self.parts.layers)]
         self.head = GroupWeights("head", None, _params(self.parts.head),
                                  {"lm_head.weight": (self.embed, tied)} if tied else None, pack_kernel=pack)
@@ -162,6 +178,8 @@ class Executor:
             for name, shape in g.shapes:
                 if name in g.host_aliases:
                     kind = ALIAS
+                elif name in g.experts:
+                    kind = EXPERTS
                 elif name in g.packed:
                     kind = TIED_EMBEDDING if isinstance(g.params[name][0], nn.Embedding) else LINEAR
                 else:
@@ -207,12 +225,12 @@ class Executor:
         for p in self.model.parameters():
             p.requires_grad_(False)
 
-        def fill(group: GroupWeights, places) -> None:
+        def fill(group: GroupWeights, places, parts=None) -> None:
             src = source
             if src is None and not group.storages:  # first placement of a loaded model: its own tensors
                 src = lambda name, g=group: g.dense(name, g.param_tensor(name).detach())  # noqa: E731
             group.ensure({p: self._dtype(p) for p in places}, self.link, src, pack_batch,
-                         torch_dtype(placement.cpu_weight_dtype))
+                         torch_dtype(placement.cpu_weight_dtype), parts)
 
         streamed = placement.streamed_layers
         slot_bytes = max((self.layers[i].nbytes(PINNED, self._dtype(PINNED)) for i in streamed), default=0)
@@ -222,8 +240,9 @@ class Executor:
         fill(self.embed, [HOST_MEMORY])
         self.embed.bind(HOST_MEMORY)
         for i, g in enumerate(self.layers):  # unit by unit: a loaded model's tensors are freed as we go
-            fill(g, placement.layer_places(i))
-            g.bind(placement.layer_place(i, PREFILL))
+            parts = placement.unit_parts(i) if g.experts else None
+            fill(g, list(parts) if parts else placement.layer_places(i), parts)
+            self._bind_layer(i, PREFILL)
         fill(self.head, placement.head_places())
         self.head.bind(placement.head_place(PREFILL))
         if streamed and self.slots is None:
@@ -258,6 +277,16 @@ class Executor:
         if note not in self.cpu_decode_ops:
             self.cpu_decode_ops += note
         return Placement.of(phases, placement.dtype, placement.cpu_dtype, placement.policies)
+
+    def _bind_layer(self, i: int, phase: str) -> None:
+        """Layer i's parameters where it computes from in ``phase`` (its routed experts where they
+        compute from: the host copy when the policy keeps them on the CPU), and its experts module
+        told whether it computes on the CPU."""
+        pl, g = self.placement, self.layers[i]
+        g.bind(pl.layer_place(i, phase), pl.expert_place(i, phase) if g.experts else None)
+        if self.expert_modules[i] is not None:
+            place = self.expert_modules[i][1]
+            place.on_cpu, place.link = pl.experts_on_cpu(i, phase), self.link
 
     def new_cache(self, batch_size: int, max_tokens: int, input_len: int | None = None) -> FlexCache:
         """A cache for one request of ``batch_size`` sequences x ``max_tokens`` (prompt + new)
@@ -334,6 +363,9 @@ class Executor:
         for m in (*self._packed_linears, *self._packed_embeddings):
             cpu_linear.uninstall(m)
         cpu_decode.uninstall(self._fused)
+        for found in self.expert_modules:
+            if found is not None:
+                cpu_experts.uninstall(found[0])
         self._fused, self._stack = [], None
         cpu_attention.uninstall(self._cpu_attention_modules)
         self._cpu_attention_modules = []
@@ -373,7 +405,7 @@ class Executor:
             return False
         for i, g in enumerate(self.layers):
             place = self.placement.layer_place(i, DECODE)
-            g.bind(place)
+            self._bind_layer(i, DECODE)
             self._kv_to(st.cache.layers[i], place, False)
         return True
 
@@ -450,6 +482,8 @@ class Executor:
             slot = st.slot_of[i]
             self.link.wait(self.slots.ready[slot])
             g.bind_views(self.slots.views(g, slot), tag=("slot", slot))
+            if self.expert_modules[i] is not None:
+                self.expert_modules[i][1].on_cpu = False
             nxt = next((j for j in self.placement.streamed(st.phase) if j > i), None)
             if nxt is not None:
                 self._prefetch(nxt, st)
@@ -458,7 +492,7 @@ class Executor:
                 kv.new_tokens_cross = True
         else:
             place = self.placement.layer_place(i, st.phase)
-            g.bind(place)
+            self._bind_layer(i, st.phase)
             if kv is not None:
                 self._kv_to(kv, place, on_acc)
         device = self.link.device if on_acc else torch.device("cpu")
@@ -600,5 +634,5 @@ class Executor:
         """Wait for every copy, and point idle streamed layers back at their pinned home."""
         self.link.synchronize()
         self._step = None
-        for i, g in enumerate(self.layers):
-            g.bind(self.placement.layer_place(i, PREFILL))
+        for i in range(self.num_layers):
+            self._bind_layer(i, PREFILL)

@@ -85,8 +85,11 @@ class RunStats:
     h2d_bytes: int  # whole run, switch included
     d2h_bytes: int
     switch_bytes: int  # KV moved at the prefill -> decode switch
+    memory_state: str = ""  # the host memory state the plan's predictions used ("memory state: ..."), if any
     native_stack_steps: int = 0  # decode steps run by cpu_decode.FusedStack (all layers in one native call)
     buffers_allocated: dict[str, int] = field(default_factory=dict)  # during this run, per memory
+    correction: str = ""  # what online correction learned from this run (and any re-plan it caused)
+    other_processes_cpu_share: float | None = None  # of all cores' time during the run (None: unknown)
 
     @property
     def phases(self) -> dict[str, PhaseStats]:
@@ -113,6 +116,8 @@ class RunStats:
             f"TPOT {self.tpot_s * 1e3:.2f} ms (predicted {pred(self.predicted_tpot_s)}), "
             f"E2E {self.e2e_s:.3f} s for {self.new_tokens} new tokens x batch {self.batch_size}",
         ]
+        if self.memory_state:
+            lines.append(f"predictions for the host {self.memory_state}")
         for p, choice in ((self.prefill, self.plan.prefill), (self.decode, self.plan.decode)):
             per_step = p.link_bytes / max(p.steps, 1) if p.phase == "decode" else p.link_bytes
             lines.append(
@@ -123,6 +128,8 @@ class RunStats:
                 f"over {p.steps} steps"
                 + (f", {self.native_stack_steps} by the native decode stack" if p.phase == "decode"
                    and self.native_stack_steps else ""))
+        if self.correction:
+            lines.append(self.correction)
         return "\n".join(lines)
 
 
@@ -153,4 +160,13 @@ def collect(executor, t_start_s: float, t_end_s: float, batch: int, input_len: i
         input_len=input_len, new_tokens=new_tokens, ttft_s=ttft, tpot_s=tpot, e2e_s=e2e,
         predicted_ttft_s=plan.ttft_s, predicted_tpot_s=plan.tpot_s, prefill=phases["prefill"],
         decode=phases["decode"], h2d_bytes=link.bytes_moved(H2D), d2h_bytes=link.bytes_moved(D2H),
-        switch_bytes=switch, buffers_allocated=allocated, native_stack_steps=executor.native_stack_steps)
+        switch_bytes=switch, buffers_allocated=allocated, native_stack_steps=executor.native_stack_steps,
+        memory_state=memory_state_of(plan))
+
+
+def memory_state_of(plan: Plan) -> str:
+    """The "memory state: ..." part of the plan's efficiency source (calibration/memory_state.py
+    writes it when planning on a calibrated local machine); "" when the plan has none."""
+    from flexplan.calibration.memory_state import NOTE_PREFIX
+
+    return next((part for part in str(plan.calibration).split("; ") if part.startswith(NOTE_PREFIX)), "")

@@ -70,9 +70,16 @@ class Storage:
     packed: tuple[Buffer, ...] = ()  # packed linear weights (host only, cpu_linear), outside the flat buffer
     pack_batch: int | None = None  # the batch hint they were packed for
     weight_dtype: torch.dtype | None = None  # the dtype they were asked for in (host only)
+    part: str = "all"  # which tensors it holds: "all", "rest" (all but the routed experts), "experts"
 
     def buffers(self) -> tuple[Buffer, ...]:
         return (self.buffer, *self.packed)
+
+
+def cpu_experts_block(dense: torch.Tensor, transposed: bool, view: torch.Tensor) -> torch.Tensor:
+    from flexplan.executor.cpu_experts import block_experts_into
+
+    return block_experts_into(dense, transposed, view)
 
 
 def set_param(module: nn.Module, leaf: str, tensor: torch.Tensor) -> None:
@@ -84,13 +91,23 @@ def set_param(module: nn.Module, leaf: str, tensor: torch.Tensor) -> None:
         p.data = tensor
 
 
+ALL, REST, EXPERTS = "all", "rest", "experts"  # the parts of a unit a storage may hold
+
+
 class GroupWeights:
-    """The parameters of one placement unit and the flat buffers that hold them."""
+    """The parameters of one placement unit and the flat buffers that hold them. A decoder layer
+    whose routed experts (``experts``: their parameter names) live apart from the rest of it (the
+    ``cpu-experts`` policy) keeps a storage per place holding the part that lives there."""
 
     def __init__(self, name: str, layer: int | None, params: dict[str, tuple[nn.Module, str]],
                  host_aliases: dict[str, tuple["GroupWeights", str]] | None = None, pack_kernel: str | None = None,
-                 packed_embeddings: frozenset[str] = frozenset()):
+                 packed_embeddings: frozenset[str] = frozenset(), experts: frozenset[str] = frozenset(),
+                 blocked_experts: dict[str, bool] | None = None):
         self.name = name
+        self.experts = frozenset(experts)
+        # routed-expert matrices the CPU's float32 experts-only copy holds blocked (name -> stored
+        # transposed, [E, in, out]); cpu_experts.blockable_experts
+        self.blocked_experts = dict(blocked_experts or {})
         self.layer = layer
         self.params = params  # qualified name -> (module, leaf)
         # names whose host (CPU-dtype) copy is another unit's tensor (a tied LM head = embedding)
@@ -108,11 +125,15 @@ class GroupWeights:
         self.bound: object = None
         self._layouts: dict[tuple, FlatLayout] = {}
 
-    def layout(self, place: str, dtype: torch.dtype) -> FlatLayout:
-        key = (place == HOST_MEMORY, dtype)
+    def names(self, part: str = ALL) -> list[str]:
+        return [n for n, _ in self.shapes if part == ALL or (n in self.experts) == (part == EXPERTS)]
+
+    def layout(self, place: str, dtype: torch.dtype, part: str = ALL) -> FlatLayout:
+        key = (place == HOST_MEMORY, dtype, part)
         if key not in self._layouts:
             skip = set(self.host_aliases) | self.packed if place == HOST_MEMORY else set()
-            self._layouts[key] = FlatLayout.of([s for s in self.shapes if s[0] not in skip], dtype)
+            keep = set(self.names(part))
+            self._layouts[key] = FlatLayout.of([s for s in self.shapes if s[0] not in skip and s[0] in keep], dtype)
         return self._layouts[key]
 
     def packed_dtype(self, name: str, dtype: torch.dtype, weight_dtype: torch.dtype | None) -> torch.dtype:
@@ -121,18 +142,22 @@ class GroupWeights:
         kernel = cpu_linear.KERNEL_BLOCKED if isinstance(self.params[name][0], nn.Embedding) else self.pack_kernel
         return cpu_linear.stored_dtype(self.shape_of[name], weight_dtype or dtype, dtype, kernel)
 
-    def nbytes(self, place: str, dtype: torch.dtype, weight_dtype: torch.dtype | None = None) -> int:
-        """Bytes this unit's weights take in ``place`` (flat buffer plus packed weights, these
-        asked for in ``weight_dtype``)."""
-        n = self.layout(place, dtype).nbytes
+    def nbytes(self, place: str, dtype: torch.dtype, weight_dtype: torch.dtype | None = None, part: str = ALL) -> int:
+        """Bytes this unit's weights (``part`` of them) take in ``place`` (flat buffer plus packed
+        weights, these asked for in ``weight_dtype``)."""
+        n = self.layout(place, dtype, part).nbytes
         if place == HOST_MEMORY:
             n += sum(math.prod(self.shape_of[name]) * self.packed_dtype(name, dtype, weight_dtype).itemsize
-                     for name in self.packed)
+                     for name in self.packed if name in self.names(part))
         return n
 
     def dense(self, name: str, t: torch.Tensor) -> torch.Tensor:
-        """``t`` (tensor ``name``) as a dense tensor: a packed linear or embedding weight reordered
-        back; any other tensor as is (a 3-D expert weight is not a blocked one)."""
+        """``t`` (tensor ``name``) as a dense tensor: a packed linear or embedding weight, or a
+        blocked routed-expert weight, reordered back; any other tensor as is."""
+        if name in self.blocked_experts and t.dim() == 4:
+            from flexplan.executor.cpu_experts import unblock_experts
+
+            return unblock_experts(t, self.blocked_experts[name])
         return cpu_linear.dense(t) if isinstance(self.params[name][0], (nn.Linear, nn.Embedding)) else t
 
     def param_tensor(self, name: str) -> torch.Tensor:
@@ -141,46 +166,56 @@ class GroupWeights:
 
     def source_from_storages(self) -> Callable[[str], torch.Tensor] | None:
         """Reads each tensor from an existing storage (for re-placement), preferring the host."""
-        for place in (PINNED, HOST_MEMORY, ACCELERATOR):
-            if place in self.storages:
-                st = self.storages[place]
-                return lambda name, st=st: self.dense(name, st.views[name] if name in st.views else self._alias_view(name))
-        return None
+        order = [self.storages[p] for p in (PINNED, HOST_MEMORY, ACCELERATOR) if p in self.storages]
+        if not order:
+            return None
+
+        def read(name):
+            st = next((st for st in order if name in st.views), None)
+            return self.dense(name, st.views[name] if st is not None else self._alias_view(name))
+        return read
 
     def _alias_view(self, name: str) -> torch.Tensor:
         other, other_name = self.host_aliases[name]
         return other.storages[HOST_MEMORY if HOST_MEMORY in other.storages else PINNED].views[other_name]
 
     def ensure(self, places: dict[str, torch.dtype], link: Link, source: Callable[[str], torch.Tensor] | None,
-               pack_batch: int | None = None, weight_dtype: torch.dtype | None = None) -> None:
+               pack_batch: int | None = None, weight_dtype: torch.dtype | None = None,
+               parts: dict[str, str] | None = None) -> None:
         """Allocate and fill the storages in ``places`` that are missing (or of another dtype, or
         holding oneDNN-packed weights for another batch hint; blocked weights do not depend on
         it), then free the ones no longer needed. ``source(name)`` gives each tensor's data. The
         packed host weights are asked for in ``weight_dtype`` (None: the host dtype; see
-        :meth:`packed_dtype`)."""
+        :meth:`packed_dtype`). ``parts``: the part of the unit each place holds (default all)."""
         src = source if source is not None else self.source_from_storages()
+        parts = parts or {}
         for place, dtype in places.items():
+            part = parts.get(place, ALL)
             cur = self.storages.get(place)
-            if (cur is not None and cur.layout.dtype == dtype
+            if (cur is not None and cur.layout.dtype == dtype and cur.part == part
                     and (place != HOST_MEMORY or cur.weight_dtype == weight_dtype)
                     and not (cur.pack_batch != pack_batch and any(b.tensor.is_mkldnn for b in cur.packed))):
                 continue
-            layout = self.layout(place, dtype)
+            layout = self.layout(place, dtype, part)
             buf = link.alloc(max(layout.nbytes, 1), place, f"{self.name} weights ({place}, {str(dtype)[6:]})")
             views = layout.views(buf.tensor)
             direction = H2D if place == ACCELERATOR else H2H
             read_into = getattr(src, "read_into", None)  # a file source fills host buffers directly
+            blocked = self.blocked_experts if place == HOST_MEMORY and part == EXPERTS and dtype == torch.float32 else {}
             for name, view in views.items():
                 with torch.no_grad():
-                    if read_into is None or not read_into(name, view):
+                    if name in blocked:  # the CPU's copy of routed experts: blocked for the native GEMV, same bytes
+                        view = views[name] = cpu_experts_block(self.dense(name, src(name)), blocked[name], view)
+                    elif read_into is None or not read_into(name, view):
                         view.copy_(src(name))
                 if place == ACCELERATOR:
                     link.log(direction, "load", self.layer, view.numel() * view.element_size())
             packed = []
             if place == HOST_MEMORY:
                 for name in self.host_aliases:
-                    views[name] = self._alias_view(name)
-                for name in sorted(self.packed):
+                    if part != EXPERTS:
+                        views[name] = self._alias_view(name)
+                for name in sorted(self.packed & set(self.names(part))):
                     w = self.dense(name, src(name)).to(self.packed_dtype(name, dtype, weight_dtype))
                     if isinstance(self.params[name][0], nn.Embedding):
                         w = cpu_linear.pack_embedding(w, dtype)
@@ -190,7 +225,7 @@ class GroupWeights:
                     views[name] = w
             old = self.storages.get(place)
             self.storages[place] = Storage(place, buf, layout, views, tuple(packed), pack_batch,
-                                           weight_dtype if place == HOST_MEMORY else None)
+                                           weight_dtype if place == HOST_MEMORY else None, part)
             if old is not None:
                 self._free(old, link)
                 if self.bound == place:
@@ -200,12 +235,17 @@ class GroupWeights:
         if self.bound not in self.storages:
             self.bound = None
 
-    def bind(self, place: str) -> None:
-        """Point the module's parameters at the storage in ``place``."""
-        if self.bound == place:
+    def bind(self, place: str, experts_place: str | None = None) -> None:
+        """Point the module's parameters at the storage in ``place`` (the routed experts' at the one
+        in ``experts_place`` when they live apart)."""
+        key = place if experts_place in (None, place) else (place, experts_place)
+        if self.bound == key:
             return
-        self.bind_views(self.storages[place].views)
-        self.bound = place
+        views = self.storages[place].views
+        if key != place:
+            views = {**views, **{n: self.storages[experts_place].views[n] for n in self.experts}}
+        self.bind_views(views)
+        self.bound = key
 
     def bind_views(self, views: dict[str, torch.Tensor], tag: object = None) -> None:
         for name, (module, leaf) in self.params.items():

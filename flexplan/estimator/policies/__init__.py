@@ -9,6 +9,7 @@ from flexplan.estimator.policies.cpu import CPUPolicy
 from flexplan.estimator.policies.cpu_attention import CPUAttentionPartialPolicy, CPUAttentionPolicy
 from flexplan.estimator.policies.gpu import GPUPolicy
 from flexplan.estimator.policies.gpu_offload import GPUOffloadPartialPolicy, GPUOffloadPolicy
+from flexplan.estimator.policies.moe_cpu_experts import CPUExpertsPolicy
 from flexplan.estimator.policies.splitgen import SplitGenPolicy
 
 REGISTRY: dict[str, Policy] = {}
@@ -32,6 +33,7 @@ register("gpu", GPUPolicy())
 register("gpu-offload", GPUOffloadPolicy())
 register("gpu-offload-partial", GPUOffloadPartialPolicy())
 register("splitgen", SplitGenPolicy())
+register("cpu-experts", CPUExpertsPolicy())
 register("cpu-attention", CPUAttentionPolicy())
 register("cpu-attention-partial", CPUAttentionPartialPolicy())
 

@@ -73,6 +73,10 @@ class Policy:
         return any(self.placement(num_layers, int(m), ph).uses_accelerator
                    for m in {*opts[:1], *opts[-1:]} for ph in ("prefill", "decode"))
 
+    def not_applicable(self, model) -> str:
+        """Why this policy cannot run ``model`` (a workload.ModelSpec) at all; "" when it can."""
+        return ""
+
     def estimate(self, pc: PhaseCosts, num_layers: int, gpu_layers: np.ndarray) -> PhaseTime:
         raise NotImplementedError
 

@@ -1,0 +1,146 @@
+"""Calibrate + validate, three times: do the predictions hold in every mode and memory state?
+
+Each cycle, on this machine (issue 14's benchmark):
+
+1. ``flexplan calibrate`` (full), ``--quick`` and ``--probe`` (the first-use probe), each into
+   its own file in a temporary folder (the user's calibrations are untouched);
+2. ``flexplan validate`` on SmolLM2-135M-Instruct and on the 2 GB random Llama (cpu policy,
+   the default grid), judging the three files against the same runs, cold (calibration alone,
+   scaled to the memory state of the moment) and warm (after online correction learned from
+   one call);
+3. a STREAM triad sample before every step, so each figure has its memory state beside it.
+
+The per-cycle summaries and the median over cycles go to
+``benchmarks/results/calibration_cycles.json``; the targets of issue 14 are printed beside them.
+
+    python benchmarks/bench_calibration_cycles.py --cycles 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from common import REPO_ROOT, write_result  # noqa: E402
+
+MODES = {"full": [], "quick": ["--quick"], "probe": ["--probe"]}
+MODELS = {"smollm2": "SmolLM2-135M-Instruct", "random-llama": "random Llama 2 GB fp32"}
+# issue 14, "Done when": MAPE per phase (p90 only for full)
+TARGETS = {"full": 5.0, "quick": 10.0, "probe": 25.0, "warm": 5.0}
+TARGET_P90_FULL = 10.0
+
+
+def triad_gbs() -> float:
+    from flexplan.calibration.stream import stream_triad_bytes_per_s
+
+    return round(stream_triad_bytes_per_s(128 * 2**20, repeats=3) / 1e9, 2)
+
+
+def flexplan_cmd(*args: str, env: dict) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "flexplan", *args]
+    r = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=REPO_ROOT)
+    if r.returncode != 0:
+        raise SystemExit(f"{' '.join(cmd[2:])} failed ({r.returncode}):\n{r.stderr[-3000:]}")
+    return r
+
+
+def one_cycle(k: int, folder: Path, env: dict, grid: str | None) -> dict:
+    cycle: dict = {"cycle": k, "calibrations": {}, "validations": {}}
+    files = {}
+    for mode, flags in MODES.items():
+        path = folder / f"cycle{k}-{mode}.yaml"
+        before = triad_gbs()
+        t0 = time.perf_counter()
+        flexplan_cmd("calibrate", *flags, "--out", str(path), "--no-progress", env=env)
+        cycle["calibrations"][mode] = {"wall_s": round(time.perf_counter() - t0, 1), "triad_gbs_before": before,
+                                       "file": path.name}
+        files[mode] = path
+        print(f"cycle {k}: calibrate {mode}: {cycle['calibrations'][mode]['wall_s']} s (triad {before} GB/s)",
+              flush=True)
+    sets = ",".join(f"{m}={p}" for m, p in files.items())
+    for model in MODELS:
+        out = folder / f"cycle{k}-validate-{model}"
+        args = ["validate", "--model", model, "--calibrations", sets, "--out", str(out), "--json", "--no-plot"]
+        if grid:
+            args += ["--grid", grid]
+        t0 = time.perf_counter()
+        r = flexplan_cmd(*args, env=env)
+        summary = json.loads(r.stdout)
+        cycle["validations"][model] = {"wall_s": round(time.perf_counter() - t0, 1), "sets": summary["sets"],
+                                       "stream_triad_gbs": summary["stream_triad_gbs"]}
+        print(f"cycle {k}: validate {model}: {cycle['validations'][model]['wall_s']} s, "
+              f"triad {summary['stream_triad_gbs']}", flush=True)
+        for mode in MODES:
+            s = summary["sets"][mode]
+            print("   " + "  ".join(f"{mode}/{kind} prefill {s[kind]['mape']['prefill']['cpu']:.1f}% "
+                                    f"decode {s[kind]['mape']['decode']['cpu']:.1f}%" for kind in s), flush=True)
+    return cycle
+
+
+def medians(cycles: list[dict]) -> dict:
+    """{model: {mode: {cold|warm: {mape|p90: {phase: median over cycles}}}}} (the cpu policy)."""
+    out: dict = {}
+    for model in MODELS:
+        for mode in MODES:
+            for kind in ("cold", "warm"):
+                for stat in ("mape", "p90"):
+                    for phase in ("prefill", "decode"):
+                        vals = [c["validations"][model]["sets"][mode][kind][stat][phase]["cpu"] for c in cycles
+                                if kind in c["validations"][model]["sets"][mode]]
+                        vals = [v for v in vals if v is not None]
+                        if vals:
+                            (out.setdefault(model, {}).setdefault(mode, {}).setdefault(kind, {})
+                             .setdefault(stat, {}))[phase] = round(statistics.median(vals), 2)
+    return out
+
+
+def verdicts(med: dict) -> list[str]:
+    lines = []
+    for model, modes in med.items():
+        for mode, kinds in modes.items():
+            for kind, d in kinds.items():
+                target = TARGETS["warm"] if kind == "warm" else TARGETS[mode]
+                for phase in ("prefill", "decode"):
+                    mape = d["mape"][phase]
+                    p90 = d["p90"][phase]
+                    ok = mape <= target and (mode != "full" or kind != "cold" or p90 <= TARGET_P90_FULL)
+                    lines.append(f"{model:<13} {mode:<6} {kind:<5} {phase:<8} MAPE {mape:6.1f}% p90 {p90:6.1f}%  "
+                                 f"target {target:.0f}%{' p90 10%' if mode == 'full' and kind == 'cold' else ''}: "
+                                 f"{'met' if ok else 'MISSED'}")
+    return lines
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--cycles", type=int, default=3)
+    ap.add_argument("--grid", default=None, help="validate grid (default: validate's)")
+    ap.add_argument("--name", default="calibration_cycles")
+    args = ap.parse_args()
+    cycles = []
+    with tempfile.TemporaryDirectory(prefix="flexplan-cycles-") as tmp:
+        folder = Path(tmp)
+        # a calibration folder of its own: the files written here are found by nothing else
+        env = dict(os.environ, FLEXPLAN_CALIBRATION_DIR=str(folder / "lookup"), FLEXPLAN_AUTO_CALIBRATE="0",
+                   FLEXPLAN_ONLINE_CORRECTION="0", PYTHONPATH=str(REPO_ROOT))
+        for k in range(1, args.cycles + 1):
+            cycles.append(one_cycle(k, folder, env, args.grid))
+    med = medians(cycles)
+    lines = verdicts(med)
+    print("\n".join(lines))
+    path = write_result(args.name, {"command": "python benchmarks/bench_calibration_cycles.py "
+                                               + " ".join(sys.argv[1:]), "policy": "cpu", "models": MODELS,
+                                    "targets_mape_pct": TARGETS, "target_p90_full_pct": TARGET_P90_FULL,
+                                    "median_over_cycles": med, "verdicts": lines, "cycles": cycles})
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,100 @@
+"""The CPU expert path of ``cpu-experts`` (flexplan/executor/cpu_experts.py): decode bandwidth as a
+share of the STREAM triad, next to the dense blocked GEMV's share (bench_cpu_linear.py's measure).
+
+Qwen3-30B-A3B-shaped experts (hidden 2048, expert width 768, 8 of E experts per token; E = 32 per
+layer here, not 128, so that 4 layers of fp32 experts, 2.4 GB, fit a small machine: a step's bytes
+and the GEMV shapes are those of the real model), routed uniformly at random. Each round times, for
+each decode batch b, one step through the 4 layers' routed experts (routed_experts_forward on
+blocked float32 copies, as the executor holds them), then the same bytes as one dense blocked GEMV
+pass, and a STREAM triad sample. Reported per batch: GB/s of expert weights read (the distinct
+experts the step's tokens picked x 3 x 2048 x 768 x 4 bytes), their median share of the triad,
+and the dense GEMV's share. A shared or busy machine moves every figure; compare shares, not rates.
+
+    python benchmarks/bench_cpu_experts.py            # writes results/bench_cpu_experts.json
+
+The committed result was taken with ``OMP_NUM_THREADS=1 ... --threads 1 --rounds 3`` on the 2-core
+development VM while other jobs ran (load ~5): with 2 threads there, OpenMP barriers stall behind the
+other jobs and every small GEMV (dense or expert) drops to a few GB/s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+from common import median, write_result  # noqa: E402  (also puts the repo on sys.path)
+
+HIDDEN, WIDTH, EXPERTS, TOP_K, LAYERS = 2048, 768, 32, 8, 4
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--batches", default="1,4,16")
+    ap.add_argument("--threads", type=int, default=None)
+    args = ap.parse_args(argv)
+    import torch
+    import transformers
+
+    from flexplan.calibration.stream import stream_triad_bytes_per_s
+    from flexplan.executor import cpu_experts, cpu_linear, native
+
+    if not native.available():
+        print(f"native kernel unavailable: {native.status()[1]}")
+        return 2
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    cfg = transformers.Qwen3MoeConfig(hidden_size=HIDDEN, moe_intermediate_size=WIDTH, num_experts=EXPERTS,
+                                      num_experts_per_tok=TOP_K, num_hidden_layers=1, num_attention_heads=4,
+                                      num_key_value_heads=2, vocab_size=64)
+    layers = []
+    g = torch.Generator().manual_seed(0)
+    for _ in range(LAYERS):
+        m = transformers.models.qwen3_moe.modeling_qwen3_moe.Qwen3MoeExperts(cfg)
+        with torch.no_grad():
+            for name, transposed in cpu_experts.blockable_experts(m).items():
+                dense = torch.randn(m._parameters[name].shape, generator=g) * 0.02
+                m._parameters[name] = torch.nn.Parameter(
+                    cpu_experts.block_experts_into(dense, transposed, torch.empty(dense.numel())), requires_grad=False)
+        layers.append(m)
+    expert_bytes = 3 * HIDDEN * WIDTH * 4
+    dense_w = [cpu_linear.block(torch.randn(2 * WIDTH * 8, HIDDEN, generator=g)) for _ in range(LAYERS)]
+    dense_bytes = sum(w.numel() * 4 for w in dense_w)
+    out = []
+    for b in (int(x) for x in args.batches.split(",")):
+        rates, shares, dense_shares, distinct = [], [], [], []
+        for _ in range(args.rounds):
+            triad = stream_triad_bytes_per_s()
+            x = torch.randn(b, HIDDEN, generator=g)
+            idx = torch.stack([torch.randperm(EXPERTS, generator=g)[:TOP_K] for _ in range(b)])
+            w = torch.rand(b, TOP_K, generator=g)
+            picked = int(torch.unique(idx).numel())
+            t0 = time.perf_counter()
+            with torch.no_grad():
+                for m in layers:
+                    cpu_experts.routed_experts_forward(m, x, idx, w)
+            dt = time.perf_counter() - t0
+            t0 = time.perf_counter()
+            for wd in dense_w:
+                cpu_linear.blocked_linear(x, wd)
+            dt_dense = time.perf_counter() - t0
+            rate = LAYERS * picked * expert_bytes / dt
+            rates.append(rate)
+            shares.append(rate / triad)
+            dense_shares.append(dense_bytes / dt_dense / triad)
+            distinct.append(picked)
+        row = {"batch": b, "distinct_experts": median(distinct), "expert_gb_per_s": median(rates) / 1e9,
+               "expert_share_of_triad": median(shares), "dense_gemv_share_of_triad": median(dense_shares)}
+        out.append(row)
+        print(f"batch {b:3d}: {row['distinct_experts']:.0f} experts/layer, {row['expert_gb_per_s']:.1f} GB/s, "
+              f"{100 * row['expert_share_of_triad']:.0f}% of triad (dense blocked GEMV "
+              f"{100 * row['dense_gemv_share_of_triad']:.0f}%)")
+    path = write_result("bench_cpu_experts", {"shape": dict(hidden=HIDDEN, width=WIDTH, experts=EXPERTS, top_k=TOP_K,
+                                                             layers=LAYERS), "rounds": args.rounds,
+                                                  "torch_threads": torch.get_num_threads(), "rows": out})
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

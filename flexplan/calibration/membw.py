@@ -1,0 +1,98 @@
+"""A host-memory bandwidth probe of tens of milliseconds: what state the memory is in now.
+
+On some machines (the 2-core development VM among them) the memory bandwidth flips between
+states, STREAM triad ~38 against ~66 GB/s, from minute to minute. A calibration records whichever
+state it met; this probe tells the states apart, cheaply enough to run before each calibration
+step and again whenever the planner plans for ``hardware="local"``.
+
+What it measures: a single-threaded numpy copy ``a[:] = b`` over two float64 buffers of
+:func:`probe_buffer_bytes` each (twice the last-level cache, so the copy streams from DRAM),
+counted as ``2 x n_bytes`` moved (read b, write a; write-allocate not counted, as in STREAM),
+best of :data:`PROBE_REPEATS` runs. The buffers stay allocated in this module between probes
+(the first probe touches every page untimed; later ones time no page faults). This is not the
+STREAM figure of ``stream.py`` (one thread, no torch: ``flexplan.plan()`` stays torch-free and
+fast); only RATIOS of probe figures (now against calibration time) are used.
+
+``FLEXPLAN_MEMORY_PROBE=0`` turns the plan-time probe off (tests and benchmarks that want fixed
+factors); ``flexplan calibrate`` records its samples whatever it says.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import numpy as np
+
+PROBE_ENV = "FLEXPLAN_MEMORY_PROBE"
+PROBE_TTL_S = 5.0  # a probe this recent is reused: a loop of plan() calls does not re-probe each time
+PROBE_REPEATS = 3
+MIN_BUFFER_BYTES = 16 * 2**20
+MAX_BUFFER_BYTES = 128 * 2**20  # two of them stay allocated: at most 256 MB held
+
+_BUFFERS: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # n_bytes -> (a, b), pages already touched
+_LAST: tuple[float, float | None, str] | None = None  # (time.monotonic(), bytes/s or None, why it failed)
+
+
+def probe_enabled() -> bool:
+    """False when ``$FLEXPLAN_MEMORY_PROBE`` is 0, false, no or off."""
+    return os.environ.get(PROBE_ENV, "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+def probe_buffer_bytes() -> int:
+    """Each of the probe's two buffers: twice the last-level cache, within [16 MB, 128 MB]."""
+    from flexplan.calibration.microbench import llc_bytes
+
+    return int(min(max(2 * llc_bytes(), MIN_BUFFER_BYTES), MAX_BUFFER_BYTES))
+
+
+def describe_probe() -> str:
+    """What the probe measures, for the calibration file and for humans."""
+    return f"numpy copy of {probe_buffer_bytes() / 2**20:.0f} MB, 1 thread, best of {PROBE_REPEATS}, 2 x bytes counted"
+
+
+def _buffers(n_bytes: int) -> tuple[np.ndarray, np.ndarray]:
+    bufs = _BUFFERS.get(n_bytes)
+    if bufs is None:
+        n = max(1, n_bytes // 8)
+        bufs = (np.zeros(n), np.ones(n))  # zeros() maps lazily: the untimed first copy touches its pages
+        np.copyto(bufs[0], bufs[1])
+        _BUFFERS.clear()  # one size at a time
+        _BUFFERS[n_bytes] = bufs
+    return bufs
+
+
+def measure_copy_bytes_per_s(n_bytes: int | None = None, repeats: int = PROBE_REPEATS) -> float:
+    """One probe, uncached: bytes/s of the best of ``repeats`` copies of ``n_bytes``
+    (default :func:`probe_buffer_bytes`), counting ``2 x n_bytes`` per copy."""
+    a, b = _buffers(int(n_bytes or probe_buffer_bytes()))
+    best_s = float("inf")
+    for _ in range(max(1, int(repeats))):
+        t0 = time.perf_counter()
+        np.copyto(a, b)
+        best_s = min(best_s, time.perf_counter() - t0)
+    return 2.0 * a.nbytes / best_s
+
+
+def probe_bytes_per_s(max_age_s: float = PROBE_TTL_S) -> float:
+    """The probe's figure now: one at most ``max_age_s`` old is reused (0: probe afresh).
+    Raises RuntimeError (with the reason) when the probe failed; a failure is remembered for
+    as long as a figure would be."""
+    global _LAST
+    now = time.monotonic()
+    if _LAST is None or now - _LAST[0] > max_age_s:
+        try:
+            rate = measure_copy_bytes_per_s()
+            _LAST = (time.monotonic(), rate, "") if rate > 0 and np.isfinite(rate) else \
+                (time.monotonic(), None, f"measured {rate!r} bytes/s")
+        except (MemoryError, OSError, ValueError, ZeroDivisionError) as e:
+            _LAST = (time.monotonic(), None, f"{type(e).__name__}: {e}")
+    if _LAST[1] is None:
+        raise RuntimeError(_LAST[2])
+    return _LAST[1]
+
+
+def forget_probe() -> None:
+    """Drop the remembered figure (the next :func:`probe_bytes_per_s` probes afresh)."""
+    global _LAST
+    _LAST = None

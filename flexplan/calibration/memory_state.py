@@ -1,0 +1,258 @@
+"""The memory state of now, not of calibration day (issue 14, item 2).
+
+Where the host's memory bandwidth flips between states (the development VM: STREAM triad ~38
+against ~66 GB/s, minute to minute), a calibration records whichever state each benchmark met.
+Three steps keep the predictions of memory-bound work (CPU decode) on the state of now:
+
+1. ``flexplan calibrate`` runs the probe of :mod:`~flexplan.calibration.membw` before each
+   benchmark step and once at the end (:func:`new_record`, :func:`record_sample`) and stores the
+   samples as a distribution, ``measurements.memory_state``:
+   ``{probe, probe_bytes_per_s: [...], at_step: [step label or "end", ...]}``.
+2. Deriving the factors (:func:`normalised`, called by ``efficiency.from_measurements``), the
+   memory-bound share of each measured time is brought to ONE reference state, the median of the
+   samples (:func:`reference_bytes_per_s`), using the sample taken just before its step: a flip
+   in the middle of the calibration does not bend the fit. The share is what the row's bytes
+   take at the best streaming rate the calibration saw (a GEMV, a decode attention: all of it;
+   a decode layer: all but its fixed cost; a large GEMM or a prefill layer: little).
+3. Planning for the local machine (:func:`at_state_now`), the probe runs again and the CPU
+   memory term class is scaled by ``reference / now`` (clamped to :data:`SCALE_RANGE`) with the
+   estimator's :class:`~flexplan.estimator.efficiency.ScaledEfficiency`; its note says which
+   state was used ("memory state: ..."), and ``explain`` and ``last_stats`` print it.
+
+Files without ``memory_state`` (written before it existed, or by hand) load as before: no
+normalisation, no scaling, and the note says so.
+"""
+
+from __future__ import annotations
+
+import statistics
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from flexplan.calibration import membw
+
+if TYPE_CHECKING:  # pragma: no cover
+    from flexplan.estimator.efficiency import Efficiency
+
+NOTE_PREFIX = "memory state:"  # the note's first words: stats.py finds the line by them
+SCALE_RANGE = (1 / 3, 3.0)  # memory time is scaled by at most this much either way (a probe gone wrong)
+END = "end"  # the label of the sample taken after the last step
+ROW_PARTS = ("cpu_gemv", "cpu_gemm", "cpu_head_gemv", "cpu_attention", "cpu_layers")  # rows normalised
+
+
+# ----------------------------------------------------------------------------- recording (calibrate)
+
+
+def new_record() -> dict[str, Any]:
+    """An empty ``measurements.memory_state`` for ``flexplan calibrate`` to fill."""
+    return {"probe": membw.describe_probe(), "probe_bytes_per_s": [], "at_step": []}
+
+
+def record_sample(record: dict[str, Any], label: str) -> None:
+    """Probe now (uncached) and append the figure under ``label`` (the step about to run, or
+    :data:`END`). A failed probe is noted in the record; the calibration goes on."""
+    try:
+        rate = membw.measure_copy_bytes_per_s()
+    except (MemoryError, OSError, ValueError, ZeroDivisionError) as e:
+        record.setdefault("failures", {})[label] = f"{type(e).__name__}: {e}"
+        return
+    record["probe_bytes_per_s"].append(float(f"{rate:.4g}"))
+    record["at_step"].append(str(label))
+
+
+# ----------------------------------------------------------------------------- reading the record
+
+
+def samples(meas: dict) -> list[tuple[str, float]] | None:
+    """(step label, probe bytes/s) of the calibration, in order; None when the file has none
+    (older or hand-written files). ValueError when the record is malformed."""
+    rec = meas.get("memory_state")
+    if rec is None:
+        return None
+    rates = rec.get("probe_bytes_per_s") if isinstance(rec, dict) else None
+    labels = rec.get("at_step") if isinstance(rec, dict) else None
+    if not isinstance(rates, list) or not isinstance(labels, list) or len(rates) != len(labels):
+        raise ValueError("`measurements.memory_state` should hold lists `probe_bytes_per_s` and `at_step` "
+                         "of the same length")
+    bad = [x for x in rates if isinstance(x, bool) or not isinstance(x, (int, float)) or not (np.isfinite(x) and x > 0)]
+    if bad:
+        raise ValueError(f"`measurements.memory_state.probe_bytes_per_s` holds {bad[0]!r}: positive numbers expected")
+    return [(str(lab), float(x)) for lab, x in zip(labels, rates)] or None
+
+
+def reference_bytes_per_s(meas: dict) -> float | None:
+    """The reference state the factors describe: the median probe figure of the calibration
+    (None: no samples)."""
+    s = samples(meas)
+    return float(statistics.median(x for _, x in s)) if s else None
+
+
+def _clamped(ratio: float) -> float:
+    return float(min(max(ratio, SCALE_RANGE[0]), SCALE_RANGE[1]))
+
+
+# ----------------------------------------------------------------------------- normalising (derive)
+
+
+def work(part: str, row: dict) -> tuple[float, float]:
+    """(FLOPs, bytes streamed from memory) of one row of ``measurements[part]``, as
+    ``efficiency.py`` sizes it: a GEMV/GEMM its weights and activations, decode attention its KV
+    cache, a real layer its weights, activations and KV (read and written)."""
+    from flexplan.calibration.efficiency import _attention_spec
+    from flexplan.estimator.terms import Shape, c_gemm, d_gemm, phase_work
+    from flexplan.workload import costs
+
+    if part == "cpu_attention":
+        m = _attention_spec(int(row["heads"]), int(row["kv_heads"]), int(row["head_dim"]))
+        b, L = int(row["batch"]), int(row["kv_len"])
+        return (float(costs.c_decode(m, b, L) - costs.c_decode(m, b, 0)),
+                float(costs.d_kv_cache(m, b, L, float(row["dtype_bytes"]))))
+    if part == "cpu_layers":
+        m = _attention_spec(int(row["heads"]), int(row["kv_heads"]), int(row["head_dim"]), int(row["hidden"]),
+                            int(row["intermediate"]))
+        batch, q_len, dtype = int(row["batch"]), int(row["query_len"]), row["dtype"]
+        if q_len == 1:  # one decode step over kv_len keys
+            w = phase_work(Shape(m, batch, int(row["kv_len"]) - 1, 2, dtype, dtype), "decode")
+            return float(w.flops[0]), float(w.d_cpu + w.kv_write_cpu + w.kv_read_cpu[0])
+        w = phase_work(Shape(m, batch, q_len, 1, dtype, dtype), "prefill")
+        return float(w.flops), float(w.d_cpu + w.kv_write_cpu)
+    t, k, n = int(row["tokens"]), int(row["k"]), int(row["n"])
+    return float(c_gemm(t, k, n)), float(d_gemm(t, k, n, float(row["dtype_bytes"])))
+
+
+def _stream(part: str) -> str:
+    """Which streaming rate a part's bytes move at: KV reads their own, the rest the weights'."""
+    return "kv" if part == "cpu_attention" else "weights"
+
+
+def normalised(meas: dict) -> dict:
+    """``meas`` with the memory-bound share of each row of :data:`ROW_PARTS` brought to the
+    reference state (:func:`reference_bytes_per_s`), by the probe sample taken just before the
+    row's step (``<part>[<dtype>]``, else ``<part>``): with ``r = sample / reference`` (clamped to
+    :data:`SCALE_RANGE`), the row's times become ``t x (1 - w + w x r)``.
+
+    ``w``, the memory-bound share of the row's time: ``min(1, bytes / (B x r) / t)``, with ``B``
+    the best streaming rate any row of that dtype reached (weights: GEMV/GEMM rows; KV: attention
+    rows), itself brought to the reference state. A GEMV or decode attention is all memory
+    (w ~ 1), a large GEMM or a prefill layer hardly any, a real decode layer all but its fixed
+    per-layer cost. Achieved rates, not the Hardware's nominal peaks (assumptions on a VM).
+
+    Unchanged when the file holds no samples (older files: not normalised) and for rows whose
+    step has none; a row too malformed to size is left for ``check_rows`` to report."""
+    s = samples(meas)
+    if not s:
+        return meas
+    ref = float(statistics.median(x for _, x in s))
+    before: dict[str, float] = {}
+    for label, x in s:
+        before.setdefault(label, x)
+
+    sized: dict[str, list] = {}  # part -> [(row, ratio or None, bytes, time_s) or (row, None, None, None)]
+    best: dict[tuple[str, str], float] = {}  # (stream, dtype) -> bytes/s at the reference state
+    for part in ROW_PARTS:
+        rows = meas.get(part)
+        if not isinstance(rows, list):
+            continue
+        out = sized.setdefault(part, [])
+        for r in rows:
+            try:
+                rate = before.get(f"{part}[{r['dtype']}]", before.get(part))
+                _, n_bytes = work(part, r)
+                t = float(r["time_s"])
+                ratio = _clamped(rate / ref) if rate is not None else None
+                if not (t > 0 and n_bytes > 0):
+                    raise ValueError
+            except (KeyError, TypeError, ValueError, IndexError, ZeroDivisionError):
+                out.append((r, None, None, None))
+                continue
+            out.append((r, ratio, n_bytes, t))
+            if part != "cpu_layers":  # layers carry their fixed cost: not a streaming rate
+                key = (_stream(part), r["dtype"])
+                best[key] = max(best.get(key, 0.0), n_bytes / t / (ratio or 1.0))
+    result = dict(meas)
+    for part, rows in sized.items():
+        new = []
+        for r, ratio, n_bytes, t in rows:
+            rate_ref = best.get((_stream(part), r["dtype"])) if ratio is not None else None
+            if not rate_ref:
+                new.append(r)
+                continue
+            w = min(1.0, n_bytes / (rate_ref * ratio) / t)
+            k = 1.0 - w + w * ratio
+            new.append({**r, **{key: float(r[key]) * k for key in ("time_s", "time_median_s") if key in r}})
+        result[part] = new
+    return result
+
+
+# ----------------------------------------------------------------------------- the state of now (plan)
+
+
+def _gb(x: float) -> str:
+    return f"{x / 1e9:.1f} GB/s"
+
+
+def at_state_now(eff: "Efficiency", meas: dict) -> "Efficiency":
+    """``eff`` (the factors of a calibration whose ``measurements`` are ``meas``) with the time of
+    the CPU memory class scaled to the memory state of now: ``reference / probe now``, clamped
+    to :data:`SCALE_RANGE`. No scaling, with the reason in the note, when the file recorded no
+    samples, the probe is off (``$FLEXPLAN_MEMORY_PROBE=0``) or failed."""
+    from flexplan.estimator.efficiency import ScaledEfficiency
+
+    try:
+        ref = reference_bytes_per_s(meas)
+    except ValueError as e:
+        return ScaledEfficiency(eff, {}, f"{NOTE_PREFIX} unreadable record in the calibration ({e}): not scaled")
+    if ref is None:
+        return ScaledEfficiency(eff, {}, f"{NOTE_PREFIX} not recorded by this calibration (made before "
+                                         "memory states were kept): factors as measured, not scaled")
+    at_cal = f"{_gb(ref)} median at calibration"
+    if not membw.probe_enabled():
+        return ScaledEfficiency(eff, {}, f"{NOTE_PREFIX} probe off (${membw.PROBE_ENV}=0): factors at the "
+                                         f"calibration's median state (probe {at_cal})")
+    try:
+        now = membw.probe_bytes_per_s()
+    except RuntimeError as e:
+        return ScaledEfficiency(eff, {}, f"{NOTE_PREFIX} probe failed ({e}): factors at the calibration's "
+                                         f"median state (probe {at_cal})")
+    raw = ref / now
+    scale = _clamped(raw)
+    clamp = f", clamped from x{raw:.2f}" if scale != raw else ""
+    return ScaledEfficiency(eff, {"cpu_memory": scale},
+                            f"{NOTE_PREFIX} probe {_gb(now)} now vs {at_cal} (x{scale:.2f} memory time{clamp})")
+
+
+def refresh() -> None:
+    """Probe afresh now (``flexplan.load``: the plans it makes use the state at load time, not
+    one up to :data:`~flexplan.calibration.membw.PROBE_TTL_S` old). Nothing when the probe is off;
+    a failure is remembered and reported by the plan's note."""
+    if membw.probe_enabled():
+        try:
+            membw.probe_bytes_per_s(max_age_s=0.0)
+        except RuntimeError:
+            pass
+
+
+def describe(meas: dict) -> str:
+    """For ``flexplan hw``: the calibration's recorded distribution (probe min / median / max,
+    the STREAM triad it stored) and the probe now."""
+    stream = meas.get("cpu_stream") or {}
+    triad = stream.get("triad_bytes_per_s") if isinstance(stream, dict) else None
+    triad_s = f"; STREAM triad {_gb(float(triad))} (once, at its start)" if isinstance(triad, (int, float)) else ""
+    try:
+        s = samples(meas)
+    except ValueError as e:
+        return f"{NOTE_PREFIX} unreadable record ({e}){triad_s}"
+    if not s:
+        recorded = f"none recorded by this calibration{triad_s}"
+    else:
+        xs = [x for _, x in s]
+        recorded = (f"calibration probe min {_gb(min(xs))} / median {_gb(statistics.median(xs))} / max "
+                    f"{_gb(max(xs))} over {len(xs)} samples{triad_s}")
+    if not membw.probe_enabled():
+        return f"{NOTE_PREFIX} {recorded}; probe now: off (${membw.PROBE_ENV}=0)"
+    try:
+        now = f"probe now {_gb(membw.probe_bytes_per_s())}"
+    except RuntimeError as e:
+        now = f"probe now failed ({e})"
+    return f"{NOTE_PREFIX} {recorded}; {now}"

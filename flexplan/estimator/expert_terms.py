@@ -1,0 +1,108 @@
+"""The time terms of an MoE layer whose routed experts compute on the CPU (llama.cpp's
+``--n-cpu-moe``, KTransformers): the layer is split in two, attention, router and shared experts
+on the accelerator beside the KV cache, the routed experts in host memory on the CPU.
+
+Per MoE layer and step, with b the rows of the step (batch in decode, batch x prompt in
+prefill), k experts per token, E routed experts, I the expert width, w = 3 (gated) or 2 GEMMs:
+
+    distinct experts read  e(b) = E (1 - (1 - k/E)^b)            (uniform routing, costs.py)
+    C_experts = 2 b k w h I                                      (FLOPs: each token runs k experts)
+    D_experts = e(b) x expert_params x bytes + b k act_elems x bytes (weights read + activations)
+    t_cpu_experts  = C / (TH_CPU Eff_CPU,Comp(b k / e)) + D / (BW_CPU Eff_CPU,Mem(b k / e)) + overhead
+                     (the calibrated CPU layer overhead stands for the dispatch of the e(b) GEMMs)
+    t_gpu_experts  = the same at the accelerator's rates (what the split removes from its layer)
+    t_hidden_link  = b h bytes over H2D + the same back over D2H (+ the router's k ids and weights)
+
+Each expert GEMM sees b k / e(b) rows on average: the efficiency factors are asked at that
+row count (a decode step at batch 1 is k GEMVs, a large prefill batch large GEMMs).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from flexplan.workload import costs
+from flexplan.workload.model import ModelSpec
+
+ROUTER_BYTES_PER_CHOICE = 8 + 4  # an int64 expert id and a float32 routing weight per (token, choice)
+
+
+@dataclass(frozen=True)
+class ExpertSplit:
+    """One MoE layer's routed experts, for one step of a phase (decode: arrays over steps where the
+    quantity varies, scalars otherwise), and which layers are MoE layers."""
+
+    t_cpu_experts_s: float  # the routed experts of one MoE layer on the CPU
+    t_gpu_experts_s: float  # ... on the accelerator (part of t_gpu_layer_s)
+    t_hidden_link_s: float  # hidden states to the host and the experts' output back, one MoE layer
+    expert_weight_bytes_gpu: float  # all routed experts of one MoE layer, accelerator dtype
+    link_bytes: float  # what t_hidden_link_s moves
+    distinct_experts: float  # e(b): expected experts one step reads per MoE layer
+    rows_per_expert: float  # b k / e(b)
+    moe_layers_before: np.ndarray  # [j] = MoE layers among the first j layers, j = 0..N
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.moe_layers_before) - 1
+
+    def cpu_moe_layers(self, cpu_expert_layers):
+        """MoE layers among the first ``cpu_expert_layers`` layers (array in, array out)."""
+        return self.moe_layers_before[np.asarray(cpu_expert_layers, dtype=int)]
+
+
+def expert_flops(m: ModelSpec, rows: float) -> float:
+    """C of the routed experts of one MoE layer for ``rows`` tokens: 2 rows k w h I."""
+    w = 3 if m.gated_mlp else 2
+    return 2.0 * rows * m.experts_per_token * w * m.hidden_size * m.expert_intermediate_size
+
+
+def expert_bytes(m: ModelSpec, rows: float, weight_bytes: float, act_bytes: float) -> float:
+    """D of the routed experts of one MoE layer: the weights of the e(rows) experts read, plus the
+    activations of the k experts each token runs."""
+    act = rows * m.experts_per_token * costs._mlp_activation_elems(m, m.expert_intermediate_size)
+    return costs.expected_experts_read(m, rows) * m.expert_params * weight_bytes + act * act_bytes
+
+
+def t_cpu_experts_s(m: ModelSpec, rows: int, cpu, eff, cpu_dtype: str, weight_bytes: float, act_bytes: float) -> float:
+    """The routed experts of one MoE layer for ``rows`` tokens on the CPU ``cpu`` (a hardware
+    CPUSpec), weights held at ``weight_bytes`` per element: t_cpu_experts of the module docstring."""
+    from flexplan.estimator.terms import t_on_device_s
+
+    distinct = costs.expected_experts_read(m, rows)
+    per_expert = rows * m.experts_per_token / distinct
+    return float(t_on_device_s(expert_flops(m, rows), expert_bytes(m, rows, weight_bytes, act_bytes),
+                               cpu.peak_flops_per_s[cpu_dtype], cpu.memory_bandwidth_bytes_per_s,
+                               eff.cpu_compute(per_expert, cpu_dtype), eff.cpu_memory(per_expert, cpu_dtype),
+                               overhead_s=eff.cpu_layer_overhead_s(per_expert, cpu_dtype,
+                                                                   distinct * m.expert_params * weight_bytes)))
+
+
+def expert_split_costs(shape, hw, eff, phase: str) -> ExpertSplit | None:
+    """The :class:`ExpertSplit` of ``phase`` for the request ``shape`` (estimator.terms.Shape) on
+    ``hw``; None for a dense model or a machine without an accelerator and link."""
+    from flexplan.estimator.terms import t_link_s, t_on_device_s
+
+    m = shape.model
+    if not m.is_moe or hw.gpu is None or hw.link is None:
+        return None
+    rows = shape.batch * (shape.input_len if phase == "prefill" else 1)
+    distinct = costs.expected_experts_read(m, rows)
+    per_expert = rows * m.experts_per_token / distinct
+    flops = expert_flops(m, rows)
+    gpu = hw.gpu
+    # the CPU's copy of routed experts is held in the CPU dtype (memory.py, executor.weights), not
+    # kept 16-bit as the blocked linears are: a float32 CPU reads 4 bytes per expert weight
+    t_cpu = t_cpu_experts_s(m, rows, hw.cpu, eff, shape.cpu_dtype, shape.cpu_bytes, shape.cpu_bytes)
+    t_gpu = t_on_device_s(flops, expert_bytes(m, rows, shape.w_bytes, shape.w_bytes),
+                          gpu.peak_flops_per_s[shape.dtype], gpu.memory_bandwidth_bytes_per_s,
+                          eff.gpu_compute(per_expert), eff.gpu_memory(per_expert))
+    hidden = costs.d_output(m, shape.batch, rows // shape.batch, shape.w_bytes)
+    router = rows * m.experts_per_token * ROUTER_BYTES_PER_CHOICE
+    h2d, d2h = hw.link.h2d_bandwidth_bytes_per_s, hw.link.d2h_bandwidth_bytes_per_s
+    t_link = (t_link_s(hidden + router, h2d, eff.h2d(hidden + router))
+              + t_link_s(hidden, d2h, eff.d2h(hidden)))
+    before = np.concatenate([[0], np.cumsum(np.array(m.moe_layers, dtype=int))])
+    return ExpertSplit(float(t_cpu), float(t_gpu), float(t_link), float(m.num_experts * m.expert_params * shape.w_bytes),
+                       float(2 * hidden + router), float(distinct), float(per_expert), before)

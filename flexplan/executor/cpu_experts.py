@@ -1,0 +1,181 @@
+"""Routed experts computed on the CPU beside a layer that runs on the accelerator (the
+``cpu-experts`` policy; llama.cpp's ``--n-cpu-moe``, KTransformers).
+
+transformers 5 holds an MoE layer's routed experts as one module of fused 3-D parameters
+(``gate_up_proj`` [E, 2I, H] or transposed, ``down_proj``, optional biases; ``experts`` in Mixtral,
+Qwen-MoE, DeepSeek, gpt-oss) called with the router's output, ``experts(hidden, top_k_index,
+top_k_weights)``. :func:`install` gives such a module an instance-level forward that, while its
+layer's experts are placed on the CPU, sends the hidden states and the routing to the host,
+runs :func:`routed_experts_forward` there on the host copy of the expert weights, and sends the
+result back; otherwise it is transformers' own forward. Router, shared experts and attention stay
+on the accelerator.
+
+:func:`routed_experts_forward` groups the (token, choice) pairs by expert with one stable sort and
+runs one GEMM (a GEMV at batch 1) per expert that some token picked, no pass over the experts no
+token picked; the pairs of each expert in the order transformers' eager loop takes them, so the
+result is the eager one bit for bit on the same weights. An experts module of another interface
+(Llama 4's, which runs every expert on every routed row) runs its own forward on the host.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from flexplan.executor import cpu_linear, native
+
+
+def find_routed_experts(layer: nn.Module, num_experts: int) -> tuple[str, nn.Module] | None:
+    """The submodule of a decoder layer holding its routed experts as 3-D parameters whose first
+    dimension is ``num_experts`` (qualified name relative to the layer, module); None if none."""
+    if not num_experts:
+        return None
+    for name, m in layer.named_modules():
+        ps = [p for p in m._parameters.values() if p is not None]
+        if name and ps and any(p.dim() == 3 and p.shape[0] == num_experts for p in ps):
+            return name, m
+    return None
+
+
+def takes_routing(module: nn.Module) -> bool:
+    """transformers' fused-experts interface: forward(hidden_states, top_k_index, top_k_weights)."""
+    try:
+        params = list(inspect.signature(type(module).forward).parameters)
+    except (TypeError, ValueError):
+        return False
+    has_weights = isinstance(getattr(module, "down_proj", None), torch.Tensor) and (
+        isinstance(getattr(module, "gate_up_proj", None), torch.Tensor) or isinstance(getattr(module, "up_proj", None), torch.Tensor))
+    return len(params) >= 4 and has_weights
+
+
+MATRICES = ("gate_up_proj", "up_proj", "down_proj")
+
+
+def blockable_experts(module: nn.Module) -> dict[str, bool]:
+    """Leaf name -> stored transposed, for the expert matrices of a module on transformers' routed
+    interface whose output width is a multiple of the native block (cpu_linear.BLOCK): the CPU's
+    float32 copy of them is held blocked, one [out/64, in, 64] matrix per expert."""
+    if not takes_routing(module) or not native.available():
+        return {}
+    transposed = bool(getattr(module, "is_transposed", False))
+    out = {}
+    for name in MATRICES:
+        p = module._parameters.get(name)
+        if p is not None and p.dim() == 3 and p.shape[2 if transposed else 1] % cpu_linear.BLOCK == 0:
+            out[name] = transposed
+    return out
+
+
+def block_experts_into(dense: torch.Tensor, transposed: bool, view: torch.Tensor) -> torch.Tensor:
+    """Write the experts [E, out, in] (or [E, in, out] when ``transposed``) into ``view``'s bytes
+    as [E, out/64, in, 64] (each expert's W as cpu_linear.block lays it out); the blocked view."""
+    w = dense.transpose(1, 2) if transposed else dense
+    e, o, i = w.shape
+    blocked = view.reshape(-1).view(e, o // cpu_linear.BLOCK, i, cpu_linear.BLOCK)
+    blocked.copy_(w.reshape(e, o // cpu_linear.BLOCK, cpu_linear.BLOCK, i).transpose(2, 3))
+    return blocked
+
+
+def unblock_experts(blocked: torch.Tensor, transposed: bool) -> torch.Tensor:
+    """The dense experts behind :func:`block_experts_into` (a new tensor, in the stored orientation)."""
+    e, nb, i, bl = blocked.shape
+    w = blocked.transpose(2, 3).reshape(e, nb * bl, i)
+    return (w.transpose(1, 2) if transposed else w).contiguous()
+
+
+def _project(module: nn.Module, x: torch.Tensor, name: str, e: int) -> torch.Tensor:
+    """One expert's projection ``name`` (with its bias if any) on the rows routed to it: the
+    native blocked GEMV on a blocked CPU copy, else as transformers' eager loop computes it
+    (``x @ W[e]`` for transposed weights, else F.linear)."""
+    w = getattr(module, name)[e]
+    b = getattr(module, f"{name}_bias", None)
+    b = b[e] if isinstance(b, torch.Tensor) else None
+    if w.dim() == 3:  # blocked: [out/64, in, 64]
+        return cpu_linear.blocked_linear(x, w, b)
+    if getattr(module, "is_transposed", False):
+        y = x @ w
+        return y + b if b is not None else y
+    return F.linear(x, w, b)
+
+
+def routed_experts_forward(module: nn.Module, x: torch.Tensor, top_k_index: torch.Tensor,
+                           top_k_weights: torch.Tensor) -> torch.Tensor:
+    """The routed experts' output for tokens ``x`` [T, H] routed to ``top_k_index`` [T, k] with
+    ``top_k_weights`` [T, k]: one GEMM per selected expert (see the module docstring)."""
+    tokens, k = top_k_index.shape
+    num_experts = module.down_proj.shape[0]
+    has_gate = getattr(module, "has_gate", True) and isinstance(getattr(module, "gate_up_proj", None), torch.Tensor)
+    # (choice, token) pairs in [k, T] order, stably sorted by expert: each expert's rows in eager's order
+    flat = top_k_index.t().reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    experts, counts = torch.unique_consecutive(flat[order], return_counts=True)
+    out = torch.zeros_like(x)
+    start = 0
+    for e, n in zip(experts.tolist(), counts.tolist()):
+        pairs = order[start:start + n]
+        start += n
+        if not 0 <= e < num_experts:  # a sentinel (expert parallelism, padding): no expert runs
+            continue
+        tok, pos = pairs % tokens, torch.div(pairs, tokens, rounding_mode="floor")
+        h = x[tok]
+        if has_gate:
+            h = module._apply_gate(_project(module, h, "gate_up_proj", e))
+        else:
+            h = module.act_fn(_project(module, h, "up_proj", e))
+        h = _project(module, h, "down_proj", e)
+        if getattr(module, "has_post_expert_norm", False):
+            h = module.post_expert_norm(h)
+        h = h * top_k_weights[tok, pos, None]
+        out.index_add_(0, tok, h.to(out.dtype))
+    return out
+
+
+class ExpertsPlace:
+    """Per experts module: whether the current step computes it on the CPU, and the link that
+    moves its inputs and output (set by the executor before the layer runs)."""
+
+    def __init__(self, layer: int):
+        self.layer = layer
+        self.on_cpu = False
+        self.link = None
+        self.calls = 0  # CPU expert calls (tests check the path ran)
+        self.rows = 0  # tokens those calls computed
+
+
+def _forward(module: nn.Module, place: ExpertsPlace, *args, **kwargs):
+    own = type(module).forward
+    if not place.on_cpu:
+        return own(module, *args, **kwargs)
+    link, layer = place.link, place.layer
+    first = next(a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor))
+    back_dtype = first.dtype
+    w = next(p for p in module._parameters.values() if p is not None)
+
+    def to_host(t):
+        if not isinstance(t, torch.Tensor):
+            return t
+        cast = w.dtype if t.is_floating_point() and t.dtype != w.dtype else None
+        return link.move(t, False, cast, "expert inputs", layer)
+
+    args = tuple(to_host(a) for a in args)
+    kwargs = {k: to_host(v) for k, v in kwargs.items()}
+    place.calls += 1
+    place.rows += int(args[0].shape[0]) if args else 0
+    if takes_routing(module):
+        out = routed_experts_forward(module, *args, **kwargs)
+    else:
+        out = own(module, *args, **kwargs)
+    return link.move(out, True, back_dtype, "expert outputs", layer)
+
+
+def install(module: nn.Module, place: ExpertsPlace) -> None:
+    """Give ``module`` a forward that computes on the host while ``place.on_cpu``."""
+    module.forward = functools.partial(_forward, module, place)
+
+
+def uninstall(module: nn.Module) -> None:
+    module.__dict__.pop("forward", None)

@@ -1,0 +1,283 @@
+"""The memory state of now, not of calibration day (issue 14, item 2).
+
+Calibration files of THIS machine (its fingerprint) are written from synthetic rows
+(``tests/synthetic_machine.py``) with the real writer, so that ``hardware="local"`` planning reads
+them; the probe of now is monkeypatched to a chosen figure. conftest.py turns the probe off for
+every other test; these turn it on.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+import flexplan
+from flexplan.calibration import _derive, describe_calibration, efficiency_for, membw, memory_state, store
+from flexplan.errors import CalibrationError
+from flexplan.explain import format_plan
+from flexplan.executor.stats import memory_state_of
+from flexplan.hardware import get_hardware
+from synthetic_machine import SyntheticMachine
+
+MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
+REF = 10e9  # the probe's median figure at calibration in these files
+FAST = SyntheticMachine(bytes_per_s=20e9, kv_bytes_per_s=15e9, flops_per_s={"float32": 300e9, "bfloat16": 300e9},
+                        op_s=5e-6, layer_s=100e-6, step_s=1e-3, logit_s=1e-10)
+SLOW = SyntheticMachine(bytes_per_s=10e9, kv_bytes_per_s=7.5e9, flops_per_s=FAST.flops_per_s, op_s=FAST.op_s,
+                        layer_s=FAST.layer_s, step_s=FAST.step_s, logit_s=FAST.logit_s)
+
+
+@pytest.fixture(scope="module")
+def local():
+    return get_hardware("local")
+
+
+def _dtypes(hw) -> list[str]:
+    return list(dict.fromkeys([hw.cpu.compute_dtype, "float32"]))
+
+
+def _record(hw, slow_steps=(), slow_rate=REF / 2) -> dict:
+    """A memory_state record as ``flexplan calibrate`` writes it: one sample before each step and
+    one at the end, all at REF but those of ``slow_steps``."""
+    labels = ["cpu_stream"] + [f"{p}[{dt}]" for dt in _dtypes(hw) for p in memory_state.ROW_PARTS] + [memory_state.END]
+    return {"probe": "test", "probe_bytes_per_s": [slow_rate if lab in slow_steps else REF for lab in labels],
+            "at_step": labels}
+
+
+def _write(tmp_path, hw, meas: dict, name: str):
+    from flexplan.calibration.cli import calibration_doc
+
+    settings = {"cpu_dtypes": _dtypes(hw), "cpu_threads": hw.cpu.cores, "gpu_dtype": None, "rotate_bytes": 2**27,
+                "cpu_linear_kernel": "synthetic"}
+    doc = calibration_doc("quick", meas, settings, hw, store.local_identity())
+    return store.write_atomic(store.plain(doc), tmp_path / name)
+
+
+@pytest.fixture
+def probe(monkeypatch, tmp_path):
+    """Turns the probe on, with ``set(now)`` choosing what it measures; counts its calls."""
+    monkeypatch.setenv(membw.PROBE_ENV, "1")
+    monkeypatch.setenv(store.DIR_ENV, str(tmp_path / "none"))
+    state = {"now": REF, "calls": 0}
+
+    def measure(*a, **k):
+        state["calls"] += 1
+        if isinstance(state["now"], Exception):
+            raise state["now"]
+        return state["now"]
+
+    monkeypatch.setattr(membw, "measure_copy_bytes_per_s", measure)
+    membw.forget_probe()
+
+    def set_now(now):
+        state["now"] = now
+        membw.forget_probe()
+    set_now.state = state
+    yield set_now
+    membw.forget_probe()
+
+
+def _use(monkeypatch, path):
+    monkeypatch.setenv(store.FILE_ENV, str(path))
+
+
+def _cpu_plan(**kw):
+    return flexplan.plan(MODEL, hardware="local", batch_size=kw.pop("batch_size", 1), input_len=128, output_len=32,
+                         prefill="cpu", decode="cpu", **kw)
+
+
+# ----------------------------------------------------------------------------- the probe
+
+
+def test_the_probe_returns_a_positive_rate_quickly_and_is_reused_for_a_while(monkeypatch):
+    membw.forget_probe()
+    first = membw.probe_bytes_per_s()  # allocates and touches its buffers once per process
+    t0 = time.perf_counter()
+    rate = membw.probe_bytes_per_s(max_age_s=0)
+    took_s = time.perf_counter() - t0
+    assert 1e8 < first and 1e8 < rate < 1e13
+    assert took_s < 0.5, f"probe took {took_s * 1e3:.0f} ms"  # ~35 ms on the 2-core VM; generous for a busy one
+
+    def broken(*a, **k):
+        raise OSError("no memory to probe")
+
+    monkeypatch.setattr(membw, "measure_copy_bytes_per_s", broken)
+    assert membw.probe_bytes_per_s() == rate  # within PROBE_TTL_S: the same figure, no new probe
+    membw.forget_probe()
+    with pytest.raises(RuntimeError, match="no memory to probe"):
+        membw.probe_bytes_per_s()
+    membw.forget_probe()
+
+
+def test_plan_does_not_import_torch_to_probe():
+    import subprocess
+    import sys
+
+    code = ("import sys; from flexplan.calibration import membw; membw.probe_bytes_per_s(); "
+            "assert 'torch' not in sys.modules, 'torch imported'")
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+# ----------------------------------------------------------------------------- scaling to the state of now
+
+
+def test_half_the_bandwidth_now_doubles_the_memory_part_of_cpu_decode(local, probe, tmp_path, monkeypatch):
+    meas = FAST.measurements("quick", _dtypes(local))
+    meas["memory_state"] = _record(local)
+    _use(monkeypatch, _write(tmp_path, local, meas, "cal.yaml"))
+    tpot = {}
+    for ratio in (0.5, 1.0, 2.0):  # time scale = reference / now
+        probe(REF / ratio)
+        p = _cpu_plan()
+        tpot[ratio] = p.tpot_s
+        assert f"(x{ratio:.2f} memory time)" in p.calibration
+    assert "memory state: probe 5.0 GB/s now vs 10.0 GB/s median at calibration (x2.00 memory time)" in p.calibration
+    memory_part = tpot[1.0] - tpot[0.5]  # half of it is gone at scale 0.5 ...
+    assert tpot[2.0] - tpot[1.0] == pytest.approx(2 * memory_part, rel=1e-6)  # ... and doubled at scale 2
+    assert 2 * memory_part > 0.5 * tpot[1.0]  # CPU decode is mostly memory time: the scaling matters
+    monkeypatch.setenv(membw.PROBE_ENV, "0")  # opt-out: the factors of the calibration's median state
+    assert _cpu_plan().tpot_s == pytest.approx(tpot[1.0], rel=1e-12)
+
+
+def test_the_scale_is_clamped_and_a_failed_probe_scales_nothing(local, probe, tmp_path, monkeypatch):
+    meas = FAST.measurements("quick", _dtypes(local))
+    meas["memory_state"] = _record(local)
+    _use(monkeypatch, _write(tmp_path, local, meas, "cal.yaml"))
+    base = _cpu_plan().tpot_s
+    probe(REF / 10)
+    p = _cpu_plan()
+    assert "x3.00 memory time, clamped from x10.00" in p.calibration
+    probe(OSError("cannot map buffers"))
+    p = _cpu_plan()
+    assert "memory state: probe failed (OSError: cannot map buffers)" in p.calibration
+    assert p.tpot_s == pytest.approx(base, rel=1e-12)
+
+
+def test_the_opt_out_runs_no_probe_and_says_so(local, probe, tmp_path, monkeypatch):
+    meas = FAST.measurements("quick", _dtypes(local))
+    meas["memory_state"] = _record(local)
+    _use(monkeypatch, _write(tmp_path, local, meas, "cal.yaml"))
+    probe(REF / 2)
+    monkeypatch.setenv(membw.PROBE_ENV, "0")
+    eff = efficiency_for(local)
+    assert probe.state["calls"] == 0
+    assert "memory state: probe off ($FLEXPLAN_MEMORY_PROBE=0)" in eff.source and eff.scale("cpu_memory") == 1.0
+    assert "probe now: off" in describe_calibration(local)
+    assert probe.state["calls"] == 0
+
+
+def test_a_file_without_memory_state_loads_unscaled(local, probe, tmp_path, monkeypatch):
+    meas = FAST.measurements("quick", _dtypes(local))
+    path = _write(tmp_path, local, meas, "old.yaml")
+    assert "memory_state" not in store.load_calibration(path).measurements
+    _use(monkeypatch, path)
+    probe(REF / 2)
+    eff = efficiency_for(local)
+    assert eff.scale("cpu_memory") == 1.0 and probe.state["calls"] == 0
+    assert "memory state: not recorded by this calibration" in eff.source
+    p = _cpu_plan()
+    assert p.tpot_s > 0 and "not recorded" in p.calibration
+    assert "none recorded by this calibration" in describe_calibration(local)
+
+
+def test_a_malformed_record_is_refused_with_the_file_named(local, probe, tmp_path, monkeypatch):
+    meas = FAST.measurements("quick", _dtypes(local))
+    good = _write(tmp_path, local, meas, "good.yaml")
+    import yaml
+
+    doc = yaml.safe_load(good.read_text())
+    doc["measurements"]["memory_state"] = {"probe_bytes_per_s": [1e10, -3], "at_step": ["cpu_stream", "end"]}
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(yaml.safe_dump(doc, sort_keys=False))
+    _use(monkeypatch, bad)
+    with pytest.raises(CalibrationError, match="bad.yaml.*memory_state.*positive numbers"):
+        efficiency_for(local)
+
+
+# ----------------------------------------------------------------------------- normalising the calibration
+
+
+def test_a_step_measured_in_a_slow_state_is_normalised_to_the_median_state(local, tmp_path):
+    dts = _dtypes(local)
+    fast = FAST.measurements("quick", dts)
+    slow_rows = SLOW.measurements("quick", dts)
+    # the GEMV and decode-attention steps met the slow state (the probe before them said so)
+    mixed = {**fast, "cpu_gemv": slow_rows["cpu_gemv"], "cpu_attention": slow_rows["cpu_attention"]}
+    slow_steps = {f"{p}[{dt}]" for dt in dts for p in ("cpu_gemv", "cpu_attention")}
+
+    def factors(meas, name):
+        return _derive(store.load_calibration(_write(tmp_path, local, meas, name)), local)
+
+    a = factors({**fast, "memory_state": _record(local)}, "fast.yaml")
+    b = factors({**mixed, "memory_state": _record(local, slow_steps)}, "mixed.yaml")
+    c = factors(mixed, "mixed-unrecorded.yaml")  # the same rows, no record: the slow state bends the fit
+
+    def predict(eff, batch):
+        p = _cpu_plan(batch_size=batch, efficiency=eff)
+        return p.ttft_s, p.tpot_s
+
+    for batch in (1, 8):
+        (ta, pa), (tb, pb), (tc, pc) = predict(a, batch), predict(b, batch), predict(c, batch)
+        assert pb == pytest.approx(pa, rel=0.01), batch  # measured: 0.25%
+        assert tb == pytest.approx(ta, rel=0.01), batch
+        assert abs(pc / pa - 1) > 0.15, batch  # without the record the prediction is off
+
+
+def test_normalising_leaves_compute_bound_rows_and_unrecorded_steps_alone(local):
+    meas = FAST.measurements("quick", _dtypes(local))
+    row_steps = [lab for lab in _record(local)["at_step"] if lab.split("[")[0] in memory_state.ROW_PARTS]
+    # every sample at one state: that state is the reference, nothing changes
+    same = {"probe_bytes_per_s": [REF / 2] * (len(row_steps) + 1), "at_step": row_steps + [memory_state.END]}
+    assert memory_state.normalised({**meas, "memory_state": same})["cpu_gemv"] == meas["cpu_gemv"]
+    # every row step at half the median (more samples at REF, taken before the other steps)
+    others = ["cpu_stream", "cpu_threads", "cpu_generate_step"] * len(row_steps)
+    slow = {"probe_bytes_per_s": [REF / 2] * len(row_steps) + [REF] * len(others), "at_step": row_steps + others}
+    assert memory_state.reference_bytes_per_s({"memory_state": slow}) == REF
+    out = memory_state.normalised({**meas, "memory_state": slow})
+    gemv_ratio = [o["time_s"] / r["time_s"] for o, r in zip(out["cpu_gemv"], meas["cpu_gemv"])]
+    gemm_ratio = [o["time_s"] / r["time_s"] for o, r in zip(out["cpu_gemm"], meas["cpu_gemm"])]
+    assert all(0.5 <= x < 0.56 for x in gemv_ratio), gemv_ratio  # memory-bound: nearly halved
+    assert all(x > 0.85 for x in gemm_ratio[-2:]), gemm_ratio  # the largest GEMMs: compute-bound
+    assert all(0.5 <= o["time_s"] / r["time_s"] <= 1 for part in memory_state.ROW_PARTS
+               for o, r in zip(out[part], meas[part]))
+    assert out["cpu_layer_overhead"] == meas["cpu_layer_overhead"]  # not a streaming measurement
+    # a step with no sample of its own is left as measured
+    no_gemv = {k: [x for x, lab in zip(v, slow["at_step"]) if not lab.startswith("cpu_gemv")]
+               for k, v in slow.items()}
+    assert memory_state.normalised({**meas, "memory_state": no_gemv})["cpu_gemv"] == meas["cpu_gemv"]
+    assert memory_state.normalised(meas) is meas  # no record: as measured
+
+
+# ----------------------------------------------------------------------------- what users see
+
+
+def test_explain_and_hw_say_which_state_was_used(local, probe, tmp_path, monkeypatch):
+    meas = FAST.measurements("quick", _dtypes(local))
+    meas["memory_state"] = _record(local, slow_steps={"cpu_stream"}, slow_rate=4e9)
+    _use(monkeypatch, _write(tmp_path, local, meas, "cal.yaml"))
+    probe(8e9)
+    p = _cpu_plan()
+    text = format_plan(p)
+    assert "memory state: probe 8.0 GB/s now vs 10.0 GB/s median at calibration (x1.25 memory time)" in text
+    assert memory_state_of(p).startswith("memory state: probe 8.0 GB/s now")
+    hw_text = describe_calibration(local)
+    assert "calibration probe min 4.0 GB/s / median 10.0 GB/s / max 10.0 GB/s" in hw_text
+    assert "STREAM triad" in hw_text and "probe now 8.0 GB/s" in hw_text
+
+
+def test_last_stats_carry_the_memory_state_of_the_plan_they_ran(local, probe, tmp_path, monkeypatch, one_thread):
+    from conftest import make_model
+
+    meas = FAST.measurements("quick", _dtypes(local))
+    meas["memory_state"] = _record(local)
+    _use(monkeypatch, _write(tmp_path, local, meas, "cal.yaml"))
+    probe(REF / 2)
+    lm = flexplan.load(make_model("llama"), accelerator=None)
+    assert probe.state["calls"] >= 1  # load probed afresh
+    import torch
+
+    lm.generate(torch.tensor([[5, 6, 7, 8]]), max_new_tokens=3, do_sample=False)
+    st = lm.last_stats
+    assert st.memory_state.startswith("memory state: probe 5.0 GB/s now vs 10.0 GB/s") and "x2.00" in st.memory_state
+    assert st.memory_state in st.summary() and st.to_dict()["memory_state"] == st.memory_state
