@@ -326,7 +326,10 @@ def footprint(inv: Inventory, placement: Placement, batch: int | None = None, in
             if places != e_places:
                 _move_experts(acc, pinned, host, places, e_places, 1, u["experts"][i])
     acc["weight double buffers"] = where(any_streamed, 2 * slot, 0)
-    acc["KV double buffers"] = where(any_streamed, 2 * kv[ACCELERATOR], 0)
+    kv_streamed = False  # KV slots only where a streamed layer's attention reads its KV on the accelerator
+    for pp in placement.phases.values():
+        kv_streamed = kv_streamed | (pp.count(lambda m: m.streams_kv) > 0)
+    acc["KV double buffers"] = where(kv_streamed, 2 * kv[ACCELERATOR], 0)
 
     head_acc, head_cpu, uses_acc = False, False, False
     act_acc, act_host = 0, 0
@@ -335,7 +338,8 @@ def footprint(inv: Inventory, placement: Placement, batch: int | None = None, in
         head_acc = head_acc | on_acc
         head_cpu = head_cpu | (on_acc ^ True)
         phase_acc = (pp.count(lambda m: m.computes == ON_ACCELERATOR) > 0) | on_acc
-        phase_cpu = ((pp.count(lambda m: m.computes == ON_CPU or m.groups()[EXPERT_GROUP].computes == ON_CPU) > 0)
+        phase_cpu = ((pp.count(lambda m: m.computes == ON_CPU or m.attention_on_cpu
+                                       or m.groups()[EXPERT_GROUP].computes == ON_CPU) > 0)
                      | (on_acc ^ True))
         uses_acc = uses_acc | phase_acc
         if batch:

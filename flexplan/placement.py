@@ -80,6 +80,24 @@ class LayerMode:
         """Weights live off the accelerator but compute on it: copied in before each use."""
         return self.computes == ON_ACCELERATOR and self.weights != ACCELERATOR
 
+    @property
+    def attention_on_cpu(self) -> bool:
+        """A layer computing on the accelerator whose decode attention runs on the CPU beside a
+        KV cache kept in host memory (:data:`STREAMED_CPU_ATTENTION`)."""
+        a = dict(self.overrides).get("attention")
+        return self.computes == ON_ACCELERATOR and a is not None and a.computes == ON_CPU and a.weights != ACCELERATOR
+
+    @property
+    def streams_kv(self) -> bool:
+        """Its KV cache is copied into an accelerator slot before the layer computes."""
+        return self.streamed and not self.attention_on_cpu
+
+    @property
+    def runnable(self) -> bool:
+        """The memory model and the executor place this mode: whole layers, or a streamed layer
+        whose attention alone computes on the CPU beside its host KV cache."""
+        return self.uniform or (self.streamed and self.attention_on_cpu and len(self.overrides) == 1)
+
     def groups(self) -> Mapping[str, Where]:
         w = Where(self.weights, self.computes)
         return MappingProxyType({**{g: w for g in GROUPS}, **dict(self.overrides)})
@@ -91,6 +109,11 @@ class LayerMode:
 CPU = LayerMode("cpu", HOST, ON_CPU)
 STREAMED = LayerMode("streamed", PINNED, ON_ACCELERATOR)
 RESIDENT = LayerMode("resident", ACCELERATOR, ON_ACCELERATOR)
+# Streamed weights, but the KV cache stays in pinned host memory and decode attention computes on
+# the CPU beside it (FlexGen's cpu_cache_compute, NEO's attention offload): the link carries the
+# weights and, per step, q/k/v of the new token and the attention output instead of the KV cache.
+STREAMED_CPU_ATTENTION = LayerMode("streamed (attention on CPU)", PINNED, ON_ACCELERATOR,
+                                   (("attention", Where(PINNED, ON_CPU)),))
 MODES = (CPU, STREAMED, RESIDENT)
 # llama.cpp's --n-cpu-moe / KTransformers: the layer resident on the accelerator with its KV cache,
 # its routed experts ("mlp" of an MoE layer) in host memory, computed by the CPU. A layer without
@@ -257,10 +280,11 @@ class Placement:
             phases[ph] = REGISTRY[c.policy].placement(num_layers, int(c.gpu_layers), ph)
             if phases[ph].num_layers != num_layers:
                 raise InvalidInputError(f"policy {c.policy} placed {phases[ph].num_layers} of {num_layers} layers")
-            split = [m.name for m, n in phases[ph].runs if n and not m.uniform and m not in SPLIT_MODES]
+            split = [m.name for m, n in phases[ph].runs if n and not m.runnable and m not in SPLIT_MODES]
             if split:
                 raise InvalidInputError(f"policy {c.policy} places operator groups of a layer apart ({split[0]}); "
-                                        "the memory model and the executor place whole layers")
+                                        "the memory model and the executor place whole layers, or streamed layers "
+                                        "with their attention on the CPU")
         return cls.of(phases, plan.dtype, plan.cpu_dtype, {ph: c.policy for ph, c in plan.phases.items()})
 
     @property
@@ -375,6 +399,15 @@ class Placement:
     def kv_host_pinned(self, i: int) -> bool:
         """A host KV copy in the CPU dtype is pinned when it crosses the link at the switch."""
         return ACCELERATOR in self.layer_places(i)
+
+    def attention_on_cpu(self, phase: str) -> list[int]:
+        """Layers of ``phase`` whose attention computes on the CPU beside their host KV cache."""
+        return [i for i, m in enumerate(self.phases[phase].modes) if m.attention_on_cpu]
+
+    @property
+    def kv_streamed_layers(self) -> list[int]:
+        """Layers whose KV cache is streamed into an accelerator slot in at least one phase."""
+        return sorted({i for pp in self.phases.values() for i, m in enumerate(pp.modes) if m.streams_kv})
 
     @property
     def streamed_layers(self) -> list[int]:

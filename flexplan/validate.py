@@ -397,9 +397,35 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", default=None, help="output folder (default: <cache>/flexplan/validate/<model>-<date>)")
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
     p.add_argument("--no-plot", action="store_true")
+    p.add_argument("--cpu-attention", action="store_true",
+                   help="instead of the grid: the cpu-attention policies' CPU attention term, predicted vs measured "
+                        "over head layouts, batches and contexts (no accelerator needed)")
+
+
+def run_cpu_attention(args) -> int:
+    """``--cpu-attention``: flexplan.validate_cpu_attention's check, printed and written to
+    ``cpu_attention.json`` (temp name, renamed)."""
+    from flexplan import validate_cpu_attention as vca
+
+    stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+    out_dir = Path(args.out) if args.out else Path("benchmarks/results") / f"validate-cpu-attention-{stamp}"
+    s = vca.run_check(args.hw)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / "cpu_attention.json"
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(_clean({"hardware": args.hw, "date_utc": stamp, **s}), indent=2) + "\n")
+    os.replace(tmp, path)
+    if args.json:
+        print(json.dumps({"mape": s["mape"], "mape_by_layout": s["mape_by_layout"], "out": str(path)}, indent=2))
+    else:
+        print(vca.format_check(s))
+        print(f"wrote {path}")
+    return 0
 
 
 def run(args) -> int:
+    if getattr(args, "cpu_attention", False):
+        return run_cpu_attention(args)
     grid = parse_grid(args.grid)
     pairs = parse_pairs(args.policies)
     if args.repeats < 1:

@@ -423,3 +423,37 @@ def test_shipped_file_records_the_isa_it_was_measured_on():
         ident = store.MachineIdentity.from_machine_dict(cal.doc["machine"])
         assert cal.doc["machine"]["isa"] == ident.isa != "?"
         assert ident.fingerprint == cal.fingerprint and path.name == store.file_name(ident)
+
+
+def test_attention_factor_per_head_layout():
+    """Two layouts read their KV at different rates: each gets its own Eff_attn(ctx), and the
+    estimator's CPU attention term (cpu-attention policies) uses the one of the model's layout."""
+    from flexplan.calibration.efficiency import derive_attention_by_layout
+
+    eff = Table([1, 8], [1.0, 1.0])
+    rows = []
+    for layout, e in (((32, 8, 128), 0.5), ((32, 32, 128), 0.25)):
+        h, kvh, d = layout
+        for b in (1, 8):
+            for L in (128, 8192):
+                kv, c = 2.0 * b * L * kvh * d * 4, 4.0 * b * h * d * L
+                rows.append({"batch": b, "kv_len": L, "heads": h, "kv_heads": kvh, "head_dim": d, "dtype_bytes": 4,
+                             "time_s": c / TH + kv / (BW * e)})
+    tables = derive_attention_by_layout(rows, TH, BW, eff)
+    assert tables[(32, 8, 128)](1000) == pytest.approx(0.5) and tables[(32, 32, 128)](1000) == pytest.approx(0.25)
+
+
+def test_calibrated_attention_per_layout_reaches_the_estimator(use_dir):
+    """The tiny run measures two head layouts; the calibrated Efficiency answers per layout (the
+    mean's layout for one it did not measure), and a scaled Efficiency scales it."""
+    from flexplan.estimator.efficiency import ScaledEfficiency
+
+    eff = efficiency_for(get_hardware("local"))
+    f = eff.cpu["float32"]
+    assert set(f.attention_by_layout) == {(4, 2, 32), (4, 1, 32)}
+    for layout, table in f.attention_by_layout.items():
+        assert eff.cpu_attention_for_layout(100.0, "float32", layout) == pytest.approx(table(100.0))
+    assert eff.cpu_attention_for_layout(100.0, "float32", (64, 8, 128)) == pytest.approx(eff.cpu_attention(100.0, "float32"))
+    scaled = ScaledEfficiency(eff, {"cpu_memory": 2.0})
+    assert scaled.cpu_attention_for_layout(100.0, "float32", (4, 1, 32)) == pytest.approx(
+        f.attention_by_layout[(4, 1, 32)](100.0) / 2)

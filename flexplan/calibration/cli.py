@@ -83,7 +83,7 @@ def _steps(mode: str, hw, threads: int, cpu_dtypes: list[str], gpu_dtype: str | 
             Step("cpu_op_dispatch", 1, lambda tick, dt=dt: mb.op_dispatch(s, dt), dt),
             Step("cpu_gemv", len(s.gemv_tokens) * per_shape, lambda tick, dt=dt: mb.gemm(s.gemv_tokens, s, dt, tick=tick), dt),
             Step("cpu_gemm", len(s.gemm_tokens) * per_shape, lambda tick, dt=dt: mb.gemm(s.gemm_tokens, s, dt, tick=tick), dt),
-            Step("cpu_attention", len(s.attn_kv_lens) * len(s.attn_batches),
+            Step("cpu_attention", len(s.attn_kv_lens) * len(s.attn_batches) * len({s.attn_heads, *s.attn_layouts}),
                  lambda tick, dt=dt: mb.attention(s, dt, tick=tick), dt),
         ]
     for dt in cpu_dtypes:
@@ -339,9 +339,11 @@ def format_summary(res: Result) -> str:
                 f"{r['tokens']}:{r['weight_bytes_per_s'] / 1e9:.1f}" for r in gemv if (r["k"], r["n"]) == (k, n))
                 + "; GEMM GFLOP/s " + ", ".join(
                 f"{r['tokens']}:{r['flops_per_s'] / 1e9:.0f}" for r in gemm if (r["k"], r["n"]) == (k, n)))
-        if attn:
-            lines.append(f"  {dt}: decode attention KV GB/s by (batch, kv_len) " + ", ".join(
-                f"({r['batch']},{r['kv_len']}):{r['kv_bytes_per_s'] / 1e9:.1f}" for r in attn))
+        for layout in dict.fromkeys((r["heads"], r["kv_heads"], r["head_dim"]) for r in attn):
+            lines.append(f"  {dt}: decode attention ({layout[0]} heads, {layout[1]} KV heads of {layout[2]}) KV GB/s "
+                         "by (batch, kv_len) " + ", ".join(
+                             f"({r['batch']},{r['kv_len']}):{r['kv_bytes_per_s'] / 1e9:.1f}" for r in attn
+                             if (r["heads"], r["kv_heads"], r["head_dim"]) == layout))
     if m.get("cpu_layer_overhead"):
         lines.append(f"  per-layer overhead {m['cpu_layer_overhead']['time_s'] * 1e6:.0f} us")
     if m.get("cpu_threads"):

@@ -202,6 +202,17 @@ def derive_attention(rows: list[dict], peak_flops_per_s: float, bandwidth_bytes_
     return Table(lens, mean), tables
 
 
+def derive_attention_by_layout(rows: list[dict], peak_flops_per_s: float, bandwidth_bytes_per_s: float,
+                               eff_compute: Table, dispatch_s: float = 0.0) -> dict[tuple[int, int, int], Table]:
+    """Eff_attn(ctx) of each (query heads, KV heads, head dim) layout measured: :func:`derive_attention`
+    over that layout's rows (GQA groups and head widths read the KV cache at different rates)."""
+    layouts: dict[tuple[int, int, int], list[dict]] = {}
+    for r in rows:
+        layouts.setdefault((int(r["heads"]), int(r["kv_heads"]), int(r["head_dim"])), []).append(r)
+    return {k: derive_attention(v, peak_flops_per_s, bandwidth_bytes_per_s, eff_compute, dispatch_s)[0]
+            for k, v in layouts.items()}
+
+
 def _attention_spec(heads: int, kv_heads: int, head_dim: int, hidden: int | None = None,
                     intermediate: int = 1) -> ModelSpec:
     """A one-layer Llama-layout ModelSpec with these attention heads (and, for real layers, this
@@ -244,6 +255,7 @@ class CPUFactors:
     overhead: "LayerOverhead | None" = None  # seconds per real layer beyond the factors (tokens, layer size)
     head_compute: Table | None = None  # the LM head's tall GEMV (hidden x vocab)
     head_memory: Table | None = None
+    attention_by_layout: dict | None = None  # (heads, kv_heads, head_dim) -> Eff_attn(ctx), where measured
 
 
 @dataclass(frozen=True)
@@ -293,6 +305,13 @@ class CalibratedEfficiency:
             eff = f.memory(1)
             return eff if np.ndim(context_len) == 0 else np.full(np.shape(context_len), eff)
         return f.attention(context_len)
+
+    def cpu_attention_for_layout(self, context_len, dtype=None, layout=None):
+        """Eff_attn(ctx) measured at this (query heads, KV heads, head dim) layout, else
+        :meth:`cpu_attention` (the mean over the layouts measured)."""
+        f = self._cpu(dtype)
+        table = (f.attention_by_layout or {}).get(tuple(int(x) for x in layout)) if f and layout else None
+        return table(context_len) if table is not None else self.cpu_attention(context_len, dtype)
 
     def gpu_compute(self, tokens):
         return self.gpu_compute_table(tokens) if self.gpu_compute_table else self.defaults.gpu_compute(tokens)
@@ -493,7 +512,10 @@ def cpu_factors(meas: dict, dtype: str, hw: Hardware, notes: list[str]) -> CPUFa
     eff_c, eff_m, n = derive_gemm(gemm_rows, th, bw, float(disp.get("linear_call_s", 0.0)))
     notes += [f"CPU {dtype}: {x}" for x in n]
     attn_rows = _of_dtype(check_rows(meas.get("cpu_attention"), ATTENTION_KEYS, "measurements.cpu_attention"), dtype)
-    eff_a = derive_attention(attn_rows, th, bw, eff_c, float(disp.get("sdpa_call_s", 0.0)))[0] if attn_rows else None
+    first = [r for r in attn_rows if (r["heads"], r["kv_heads"], r["head_dim"])
+             == (attn_rows[0]["heads"], attn_rows[0]["kv_heads"], attn_rows[0]["head_dim"])] if attn_rows else []
+    eff_a = derive_attention(first, th, bw, eff_c, float(disp.get("sdpa_call_s", 0.0)))[0] if first else None
+    by_layout = derive_attention_by_layout(attn_rows, th, bw, eff_c, float(disp.get("sdpa_call_s", 0.0)))
     if eff_a is None:
         notes.append(f"CPU {dtype} attention not measured: KV reads use the weight-streaming factor")
     head_rows = _of_dtype(check_rows(meas.get("cpu_head_gemv"), GEMM_KEYS, "measurements.cpu_head_gemv"), dtype)
@@ -505,7 +527,7 @@ def cpu_factors(meas: dict, dtype: str, hw: Hardware, notes: list[str]) -> CPUFa
     overhead = None
     if layer_rows:
         overhead = derive_layers(layer_rows, th, bw, eff_c, eff_m, eff_a, float(DTYPE_BYTES[dtype]))
-    return CPUFactors(eff_c, eff_m, eff_a, overhead, head_c, head_m)
+    return CPUFactors(eff_c, eff_m, eff_a, overhead, head_c, head_m, by_layout or None)
 
 
 def from_measurements(meas: dict, settings: dict, hw: Hardware, source: str) -> CalibratedEfficiency:

@@ -55,6 +55,7 @@ class Sizes:
     attn_kv_lens: tuple[int, ...]
     attn_batches: tuple[int, ...]
     attn_heads: tuple[int, int, int] = (ATTN_HEADS, ATTN_KV_HEADS, ATTN_HEAD_DIM)
+    attn_layouts: tuple[tuple[int, int, int], ...] = ()  # more (heads, kv_heads, head_dim) layouts to measure
     repeats: int = 5
     budget_s: float = 2.0  # per shape: stop repeating once this much time was spent (>= 3 runs)
     rotate_bytes: int = 0
@@ -85,7 +86,7 @@ class Sizes:
 MODES = {
     "full": Sizes(gemv_tokens=(1, 2, 4, 8, 16), gemm_tokens=(64, 256, 1024, 4096), weight_shapes=WEIGHT_SHAPES,
                   attn_kv_lens=(128, 512, 2048, 8192), attn_batches=(1, 8), repeats=7, budget_s=4.0,
-                  sweep_prefill_tokens=1024,
+                  attn_layouts=((32, 32, 128), (16, 1, 64)), sweep_prefill_tokens=1024,
                   layer_shapes=((1, 1), (4, 1), (8, 1), (1, 128), (1, 512), (4, 512), (8, 512))),
     # quick: every decode batch `flexplan validate` runs (1, 4, 8) measured as in full, fewer prefill
     # shapes and less time per shape; the fit's physical constraints (efficiency.py) keep the
@@ -96,7 +97,7 @@ MODES = {
                    layer_shapes=((1, 1), (4, 1), (8, 1), (1, 128), (1, 512), (4, 512))),
     # for tests: seconds, not minutes; the numbers mean little
     "tiny": Sizes(gemv_tokens=(1, 4), gemm_tokens=(16, 64), weight_shapes=((256, 512),), attn_kv_lens=(64, 256),
-                  attn_batches=(1, 2), attn_heads=(4, 2, 32), repeats=3, budget_s=0.2, rotate_bytes=4 * 2**20,
+                  attn_batches=(1, 2), attn_heads=(4, 2, 32), attn_layouts=((4, 1, 32),), repeats=3, budget_s=0.2, rotate_bytes=4 * 2**20,
                   stream_bytes=4 * 2**20, layer_calls=10, sweep_prefill_tokens=16,
                   transfer_bytes=(2**16, 2**20), layer_widths=((64, 128, 4, 2, 16), (128, 256, 4, 2, 32)),
                   layer_shapes=((1, 1), (1, 16)), layer_kv_len=16, head_shapes=((64, 1000),), head_tokens=(1, 2)),
@@ -285,10 +286,10 @@ def attention(sizes: Sizes, dtype: str, device: str = "cpu", sync=None,
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     dt, nbytes = torch_dtype(dtype), dtype_bytes(dtype)
-    heads, kv_heads, hd = sizes.attn_heads
     rows = []
     with torch.inference_mode():
-        for b in sizes.attn_batches:
+        for (heads, kv_heads, hd), b in ((layout, b) for layout in dict.fromkeys((sizes.attn_heads, *sizes.attn_layouts))
+                                         for b in sizes.attn_batches):
             q = torch.full((b, heads, 1, hd), 0.1, dtype=dt, device=device)
             for L in sizes.attn_kv_lens:
                 one = 2 * b * kv_heads * L * hd * nbytes

@@ -24,6 +24,8 @@ class Efficiency(Protocol):
     def cpu_compute(self, tokens: float, dtype: str) -> float: ...  # Eff_CPU,Comp for a GEMM with `tokens` rows
     def cpu_memory(self, tokens: float, dtype: str) -> float: ...  # Eff_CPU,Mem while streaming weights
     def cpu_attention(self, context_len, dtype: str): ...  # KV read rate factor
+    def cpu_attention_for_layout(self, context_len, dtype: str, layout: tuple[int, int, int]): ...  # ... for a
+    # (query heads, KV heads, head dim) layout, where calibration measured it (else cpu_attention)
     def cpu_head_compute(self, tokens: float, dtype: str) -> float: ...  # the LM head (hidden x vocab GEMV)
     def cpu_head_memory(self, tokens: float, dtype: str) -> float: ...
     def gpu_compute(self, tokens: float) -> float: ...
@@ -100,6 +102,9 @@ class DefaultEfficiency:
     def cpu_attention(self, context_len, dtype=None):
         return self.cpu_memory_eff
 
+    def cpu_attention_for_layout(self, context_len, dtype=None, layout=None):
+        return self.cpu_attention(context_len, dtype)
+
     def cpu_head_compute(self, tokens, dtype=None):
         return self.cpu_compute_eff
 
@@ -174,6 +179,9 @@ class ScaledEfficiency:
     def cpu_attention(self, context_len, dtype=None):
         return self.base.cpu_attention(context_len, dtype) / self.scale("cpu_memory")
 
+    def cpu_attention_for_layout(self, context_len, dtype=None, layout=None):
+        return cpu_attention_for_layout(self.base, context_len, dtype, layout) / self.scale("cpu_memory")
+
     def cpu_head_memory(self, tokens, dtype=None):
         return self.base.cpu_head_memory(tokens, dtype) / self.scale("cpu_memory")
 
@@ -215,3 +223,11 @@ def unwrapped(eff: Efficiency) -> Efficiency:
     while isinstance(eff, ScaledEfficiency):
         eff = eff.base
     return eff
+
+
+def cpu_attention_for_layout(eff: Efficiency, context_len, dtype: str | None, layout: tuple[int, int, int] | None):
+    """Eff_attn of ``eff`` for a head layout, from an Efficiency that may not know layouts."""
+    per_layout = getattr(type(eff), "cpu_attention_for_layout", None)
+    if per_layout is None or layout is None:
+        return eff.cpu_attention(context_len, dtype)
+    return eff.cpu_attention_for_layout(context_len, dtype, layout)

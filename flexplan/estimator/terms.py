@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from flexplan.estimator.efficiency import Efficiency
+from flexplan.estimator.efficiency import Efficiency, cpu_attention_for_layout
 from flexplan.hardware.spec import DTYPE_BYTES, Hardware, cpu_weight_dtype
 from flexplan.workload import costs
 from flexplan.workload.model import ModelSpec
@@ -175,6 +175,7 @@ class PhaseCosts:
     logits_bytes: float
     head_bytes_gpu: float
     cpu_under_copy: float  # slowdown of CPU compute while H2D copies run (Park & Egger 4.1)
+    cpu_attention: "CPUAttentionCosts | None" = None  # decode attention beside a host KV cache (decode only)
     experts: object = None  # expert_terms.ExpertSplit: an MoE layer's routed experts on the CPU (None: dense / no GPU)
 
 
@@ -214,6 +215,7 @@ def phase_costs(shape: Shape, hw: Hardware, eff: Efficiency, phase: str) -> Phas
         weight_bytes_gpu=w.weight_bytes_gpu, kv_read_bytes=kv_read, kv_write_bytes=w.kv_write,
         hidden_bytes=w.hidden_bytes, logits_bytes=w.logits_bytes, head_bytes_gpu=w.head_bytes_gpu,
         cpu_under_copy=eff.cpu_under_copy(), experts=_expert_split(shape, hw, eff, phase),
+        cpu_attention=cpu_attention_costs(shape, hw, eff) if phase == "decode" else None,
     )
 
 
@@ -221,3 +223,51 @@ def _expert_split(shape: Shape, hw: Hardware, eff: Efficiency, phase: str):
     from flexplan.estimator.expert_terms import expert_split_costs  # it uses this module's t_* functions
 
     return expert_split_costs(shape, hw, eff, phase)
+
+
+@dataclass(frozen=True)
+class CPUAttentionCosts:
+    """One streamed decode layer whose attention computes on the CPU beside its host KV cache
+    (FlexGen's ``cpu_cache_compute``, NEO section 3): per decode step (arrays over the steps)."""
+
+    t_gpu_linear_s: object  # the layer on the accelerator without its attention (projections, MLP)
+    t_cpu_attention_s: object  # scores, softmax and weighted values over the host KV + appending the new K, V
+    t_qkv_d2h_s: float  # q, k, v of the new token, accelerator -> host
+    t_out_h2d_s: float  # the attention output, host -> accelerator
+    qkv_bytes: float
+    out_bytes: float
+    kv_read_bytes: object  # what the CPU attention reads from host memory (instead of the link)
+
+
+def t_cpu_attention_s(shape: Shape, hw: Hardware, eff: Efficiency, context_len) -> np.ndarray:
+    """Decode attention of one layer on the CPU over a host KV cache in the accelerator's dtype:
+    D_KVCache / (BW_CPU x Eff_attn(ctx)) + C_attn / (TH_CPU x Eff_CPU,Comp) + the new K, V written,
+    with Eff_attn the calibrated CPU attention factor (``eff.cpu_attention``) and windows, GQA and
+    latent KV as ``costs.d_kv_cache`` / ``costs.c_decode_attention`` count them."""
+    m, b, cd = shape.model, shape.batch, shape.cpu_dtype
+    bw, th = hw.cpu.memory_bandwidth_bytes_per_s, hw.cpu.peak_flops_per_s[cd]
+    kv_read = costs.d_kv_cache(m, b, context_len, shape.w_bytes)
+    kv_write = costs.d_kv_write(m, b, 1, shape.w_bytes)
+    layout = (m.num_heads, m.num_kv_heads, m.head_dim)
+    eff_attn = cpu_attention_for_layout(eff, context_len, cd, layout)
+    return (t_memory_s(kv_read, bw, eff_attn) + t_memory_s(kv_write, bw, eff.cpu_memory(b, cd))
+            + t_compute_s(costs.c_decode_attention(m, b, context_len), th, eff.cpu_compute(b, cd)))
+
+
+def cpu_attention_costs(shape: Shape, hw: Hardware, eff: Efficiency) -> CPUAttentionCosts | None:
+    """The decode terms of attention beside a host KV cache (None without an accelerator)."""
+    if hw.gpu is None or hw.link is None:
+        return None
+    m, b = shape.model, shape.batch
+    ctx = shape.decode_context_lens
+    gpu, link = hw.gpu, hw.link
+    d_linear = costs.d_decode(m, b, shape.w_bytes, shape.w_bytes)
+    t_lin = t_on_device_s(costs.c_decode_linear(m, b), d_linear, gpu.peak_flops_per_s[shape.dtype],
+                          gpu.memory_bandwidth_bytes_per_s, eff.gpu_compute(b), eff.gpu_memory(b),
+                          overhead_s=eff.gpu_layer_overhead_s())
+    qkv, out = costs.d_attention_io(m, b, shape.w_bytes)
+    return CPUAttentionCosts(
+        t_gpu_linear_s=np.full(ctx.shape, t_lin), t_cpu_attention_s=t_cpu_attention_s(shape, hw, eff, ctx),
+        t_qkv_d2h_s=t_link_s(qkv, link.d2h_bandwidth_bytes_per_s, eff.d2h(qkv)),
+        t_out_h2d_s=t_link_s(out, link.h2d_bandwidth_bytes_per_s, eff.h2d(out)),
+        qkv_bytes=qkv, out_bytes=out, kv_read_bytes=costs.d_kv_cache(m, b, ctx, shape.w_bytes))

@@ -44,7 +44,7 @@ import torch
 from torch import nn
 from transformers.modeling_outputs import BaseModelOutputWithPast
 
-from flexplan.executor import native
+from flexplan.executor import cpu_attention, native
 
 # ---- which modules the native ops cover: compared with transformers' Llama, structurally -------------------
 _ATTENTION_CHILDREN = frozenset({"q_proj", "k_proj", "v_proj", "o_proj"})
@@ -173,7 +173,7 @@ def _native_readable(keys: torch.Tensor, values: torch.Tensor, mask: torch.Tenso
 
 def _attention_forward(module: nn.Module, ops: native.NativeDecode, *args, **kwargs):
     call = _decode_call(args, kwargs, module.head_dim, module.training)
-    if call is None:
+    if call is None or cpu_attention.routed_now(module):  # the executor attends beside the KV cache
         return type(module).forward(module, *args, **kwargs)
     hidden, (cos, sin), mask, cache = call
     b, d = hidden.shape[0], module.head_dim

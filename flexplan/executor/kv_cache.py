@@ -165,6 +165,9 @@ class FlexKVLayer(CacheLayerMixin):
         # (index, geometry) -> (new raws, the accelerator slots): set by the executor, called when the
         # first update shows more bytes per token than the config said
         self.regrow = None
+        # the layer computes on the accelerator but attends on the CPU beside this (host) cache: the
+        # new K, V that ``update`` appends cross the link (set by the executor for that layer's call)
+        self.new_tokens_cross = False
 
     def _view_stores(self) -> None:
         self.stores = {p: kv_views(raw, self.batch, self.capacity, self.geometry, dt) for p, (raw, dt) in self.raws.items()}
@@ -219,6 +222,8 @@ class FlexKVLayer(CacheLayerMixin):
             raise InvalidInputError(f"the KV cache was sized for batch {self.batch}, got {key_states.shape[0]}")
         k_buf[start:start + q].copy_(key_states.permute(2, 0, 1, 3))
         v_buf[start:start + q].copy_(value_states.permute(2, 0, 1, 3))
+        if self.new_tokens_cross:
+            self.link.log(D2H, "new kv", self.index, sum(t.numel() * t.element_size() for t in (key_states, value_states)))
         return self.advance(q)
 
     def advance(self, tokens: int) -> KV:

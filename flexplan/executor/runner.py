@@ -16,6 +16,7 @@ come back to the host, where ``generate()`` samples.
 
 from __future__ import annotations
 
+import collections
 import functools
 import time
 
@@ -23,7 +24,7 @@ import torch
 from torch import nn
 from transformers.cache_utils import Cache
 
-from flexplan.executor import cpu_decode, cpu_experts, cpu_linear
+from flexplan.executor import cpu_attention, cpu_decode, cpu_experts, cpu_linear, native
 from flexplan.executor.cpu_backend import configure
 from flexplan.executor.families import decoder_parts, layer_windows, text_config
 from flexplan.executor.kv_cache import FlexCache, FlexKVLayer, KVPool, kv_bytes, kv_geometry
@@ -135,6 +136,8 @@ class Executor:
         self._layer_buffers = [{(m, n): {b.device: b} for m in layer.modules() for n, b in m._buffers.items()
                                 if b is not None} for layer in self.parts.layers]
         self.slots: StreamSlots | None = None
+        self._cpu_attention_modules: list[nn.Module] = []  # attention modules routed to attend_beside_kv
+        self.cpu_attention_calls: collections.Counter[str] = collections.Counter()  # by kernel: native / transformers
         self.kv_pool = KVPool(link)
         self._cache: FlexCache | None = None  # the last request's cache (its layers learnt the real KV geometry)
         self.plan: Plan | None = None
@@ -211,7 +214,7 @@ class Executor:
     def place(self, plan: Plan, source=None) -> None:
         """Put every unit's weights where ``plan`` needs them (refusing before any allocation
         when it does not fit). A no-op when the placement is unchanged."""
-        placement = Placement.from_plan(plan, self.num_layers)
+        placement = self._splittable(Placement.from_plan(plan, self.num_layers))
         self.check(placement, plan.batch_size, plan.input_len + plan.output_len, plan.input_len)
         pack_batch = cpu_linear.pack_batch_hint(plan.batch_size) if self.backend.packs_weights else None
         if placement == self.placement and pack_batch == self.pack_batch and source is None:
@@ -244,10 +247,36 @@ class Executor:
         self.head.bind(placement.head_place(PREFILL))
         if streamed and self.slots is None:
             self.slots = StreamSlots(self.link, slot_bytes)
+        beside = sorted({i for ph in placement.phases for i in placement.attention_on_cpu(ph)})
+        cpu_attention.uninstall(self._cpu_attention_modules)
+        self._cpu_attention_modules = cpu_attention.install(
+            {i: self.parts.layers[i] for i in beside}, self.attend_beside_kv, self._attends_beside_kv) if beside else []
         if self.backend.ipex is not None:
             for i in range(self.num_layers):
                 if all(placement.modes[ph][i].on_cpu for ph in (PREFILL, DECODE)):
                     self.backend.optimize(self.parts.layers[i], self._dtype(HOST_MEMORY))
+
+    def _splittable(self, placement: Placement) -> Placement:
+        """``placement`` with each layer whose attention cannot be routed to the CPU (it does not
+        call transformers' attention interface: cpu_attention.attention_modules) streamed whole,
+        its KV cache with it, as gpu-offload streams it; said in ``cpu_decode_ops``."""
+        from flexplan.placement import STREAMED, PhasePlacement
+
+        phases, kept = {}, []
+        for ph, pp in placement.phases.items():
+            modes = list(pp.modes)
+            for i, m in enumerate(modes):
+                if m.attention_on_cpu and not cpu_attention.attention_modules(self.parts.layers[i]):
+                    modes[i] = STREAMED
+                    kept.append(i)
+            phases[ph] = PhasePlacement.from_modes(modes, pp.head) if modes != list(pp.modes) else pp
+        if not kept:
+            return placement
+        note = (f"; layers {', '.join(map(str, sorted(set(kept))))} streamed with their KV cache (their attention "
+                "does not go through transformers' attention interface, so it cannot run beside the host KV cache)")
+        if note not in self.cpu_decode_ops:
+            self.cpu_decode_ops += note
+        return Placement.of(phases, placement.dtype, placement.cpu_dtype, placement.policies)
 
     def _bind_layer(self, i: int, phase: str) -> None:
         """Layer i's parameters where it computes from in ``phase`` (its routed experts where they
@@ -275,9 +304,9 @@ class Executor:
                 where = PINNED if place == HOST_MEMORY and pl.kv_host_pinned(i) else place
                 needs[(i, place)] = (where, kv_bytes(batch, capacity, geo[i], self._dtype(place)))
         acc = self._dtype(ACCELERATOR)
-        if pl.streamed_layers:
+        if pl.kv_streamed_layers:
             for s in (0, 1):
-                needs[("slot", s)] = (ACCELERATOR, max(kv_bytes(batch, capacity, geo[i], acc) for i in pl.streamed_layers))
+                needs[("slot", s)] = (ACCELERATOR, max(kv_bytes(batch, capacity, geo[i], acc) for i in pl.kv_streamed_layers))
         self.kv_pool.ensure(needs)
         layers = []
         for i in range(self.num_layers):
@@ -285,7 +314,7 @@ class Executor:
             layers.append(FlexKVLayer(i, raws, geo[i], batch, capacity, pl.layer_place(i, PREFILL), self.link,
                                       window=self.windows[i]))
         cache = FlexCache(layers)
-        cache.slots = [(self.kv_pool.raw(("slot", s)), acc) for s in (0, 1)] if pl.streamed_layers else []
+        cache.slots = [(self.kv_pool.raw(("slot", s)), acc) for s in (0, 1)] if pl.kv_streamed_layers else []
         for kv in layers:
             kv.regrow = functools.partial(self._regrow_kv, cache)
         self._cache = cache
@@ -338,6 +367,8 @@ class Executor:
             if found is not None:
                 cpu_experts.uninstall(found[0])
         self._fused, self._stack = [], None
+        cpu_attention.uninstall(self._cpu_attention_modules)
+        self._cpu_attention_modules = []
 
     def _before_model(self, module, args, kwargs):
         self._t_top = time.perf_counter()
@@ -405,7 +436,7 @@ class Executor:
         st.next_slot ^= 1
         st.slot_of[j] = slot
         self.link.note("prefetch", j)
-        kv = st.cache.layers[j] if st.cache is not None else None
+        kv = st.cache.layers[j] if st.cache is not None and self.placement.modes[st.phase][j].streams_kv else None
         if kv is not None and kv.home != PINNED:  # a CPU-dtype host copy: convert on the host first
             kv.wait_home_on_host()
             kv.migrate(PINNED)
@@ -456,6 +487,9 @@ class Executor:
             nxt = next((j for j in self.placement.streamed(st.phase) if j > i), None)
             if nxt is not None:
                 self._prefetch(nxt, st)
+            if mode.attention_on_cpu and kv is not None:  # the KV cache stays home, in host memory
+                self._kv_to(kv, self.placement.layer_place(i, st.phase), False)
+                kv.new_tokens_cross = True
         else:
             place = self.placement.layer_place(i, st.phase)
             self._bind_layer(i, st.phase)
@@ -496,7 +530,9 @@ class Executor:
             slot = st.slot_of[i]
             self.link.record(self.slots.free[slot])
             self.slots.used[slot] = True
-            if kv is not None:
+            if kv is not None and mode.attention_on_cpu:
+                kv.new_tokens_cross = False
+            elif kv is not None:
                 with self.link.on_copy_stream():
                     self.link.wait(self.slots.free[slot], on_copy_stream=True)
                     kv.offload()
@@ -516,6 +552,51 @@ class Executor:
         st.hidden_on_acc = not mode.on_cpu
         self.link.note("computed", i)
         return None
+
+    def attend_beside_kv(self, i: int, module, inner, query, key, value, attention_mask, **kwargs):
+        """Layer i's attention call (cpu_attention routes it here): in a phase that places its
+        attention on the CPU, q crosses to the host, the CPU attends over the host KV cache the
+        cache's ``update`` just appended to (the native kernel where it covers the layer,
+        transformers' own function otherwise) and the output crosses back; else ``inner`` as is."""
+        st = self._step
+        if not self._attends_beside_kv(i):
+            return inner(module, query, key, value, attention_mask, **kwargs)
+        dtype = key.dtype if key.device.type == "cpu" else query.dtype
+        q = self.link.move(query, False, dtype, "q", i)
+        if key.device.type != "cpu":  # a cache that is not flexplan's kept the keys on the accelerator
+            key, value = (self.link.move(t, False, dtype, "kv", i) for t in (key, value))
+        mask = attention_mask
+        if isinstance(mask, torch.Tensor) and mask.device.type != "cpu":
+            k = ("mask to host", id(mask))
+            if k not in st.moved:
+                st.moved[k] = (mask, self.link.move(mask, False, None, "aux"))
+            mask = st.moved[k][1]
+        out = self._native_attention(i, module, q, key, value, mask, kwargs)
+        weights = None
+        self.cpu_attention_calls["native" if out is not None else "transformers"] += 1
+        if out is None:
+            out, weights = inner(module, q, key, value, mask, **kwargs)
+        return self.link.move(out, True, query.dtype, "attention output", i), weights
+
+    def _attends_beside_kv(self, i: int) -> bool:
+        st = self._step
+        return st is not None and self.placement.modes[st.phase][i].attention_on_cpu
+
+    def _native_attention(self, i: int, module, q, keys, values, mask, kwargs):
+        """flexplan's native decode attention for one query per sequence, [b, 1, heads, d], where it
+        covers the layer (cpu_decode.covered_attention) and reads this cache and mask; else None."""
+        ops = native.decode_status()[0] if i in self.native_attention else None
+        if ops is None or q.shape[2] != 1 or q.dtype != torch.float32 or kwargs.get("dropout") or \
+                kwargs.get("output_attentions"):
+            return None
+        b, hq, _, d = q.shape
+        readable, m = cpu_decode._native_readable(keys, values, mask, b)
+        if not readable:
+            return None
+        scale = kwargs.get("scaling")
+        out = ops.decode_attention(q.reshape(b, hq, d).contiguous(), keys, values, m,
+                                   float(module.scaling if scale is None else scale))
+        return out.view(b, 1, hq, d)
 
     def _before_head(self, module, args):
         st = self._step

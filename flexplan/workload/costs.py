@@ -198,3 +198,25 @@ def kv_cache_bytes_per_layer(m: ModelSpec, batch: int, total_len: int, kv_bytes:
     """Memory one layer's KV cache occupies for ``total_len`` tokens per sequence: full
     length in every layer, windowed or not (the executor keeps the whole context)."""
     return d_kv_write(m, batch, total_len, kv_bytes)
+
+
+# ---- decode attention split from the layer (attention beside a host KV cache) ------------
+def c_decode_linear(m: ModelSpec, batch: int) -> float:
+    """The GEMM part of C_Decode: 2 b x (linear weights of one layer)."""
+    return 2.0 * batch * m.linear_weight_params_per_layer
+
+
+def c_decode_attention(m: ModelSpec, batch: int, context_len: ArrayLike) -> ArrayLike:
+    """The attention part of C_Decode: QK^T and AV of one new token per sequence over the keys it
+    reads (windows and chunks via :func:`mean_keys_read`); ``c_decode = c_decode_linear + this``."""
+    return float(batch * attention_flops_per_pair(m)) * mean_keys_read(m, context_len)
+
+
+def d_attention_io(m: ModelSpec, batch: int, act_bytes: int) -> tuple[float, float]:
+    """What one layer's decode attention takes in and gives back per step when it computes apart
+    from the layer's projections (NEO section 3, FlexGen's ``cpu_cache_compute``): (q of the new
+    token plus its K and V as the cache stores them (GQA: KV heads only; MLA: the latent),
+    the attention output before the output projection), in bytes."""
+    qkv = batch * (m.q_dim + m.kv_elems_per_token) * act_bytes
+    out = batch * m.num_heads * m.v_head_dim * act_bytes
+    return float(qkv), float(out)

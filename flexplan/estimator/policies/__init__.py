@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from flexplan.estimator.policies.base import PhaseTime, Policy
 from flexplan.estimator.policies.cpu import CPUPolicy
+from flexplan.estimator.policies.cpu_attention import CPUAttentionPartialPolicy, CPUAttentionPolicy
 from flexplan.estimator.policies.gpu import GPUPolicy
 from flexplan.estimator.policies.gpu_offload import GPUOffloadPartialPolicy, GPUOffloadPolicy
 from flexplan.estimator.policies.moe_cpu_experts import CPUExpertsPolicy
@@ -33,5 +34,7 @@ register("gpu-offload", GPUOffloadPolicy())
 register("gpu-offload-partial", GPUOffloadPartialPolicy())
 register("splitgen", SplitGenPolicy())
 register("cpu-experts", CPUExpertsPolicy())
+register("cpu-attention", CPUAttentionPolicy())
+register("cpu-attention-partial", CPUAttentionPartialPolicy())
 
 __all__ = ["REGISTRY", "PhaseTime", "Policy", "register", "unregister"]
