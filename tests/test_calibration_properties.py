@@ -52,8 +52,10 @@ QUICK_VS_FULL_NOISE = 0.10
 # the thread sweep fall back. Issue 14's target for it is 25% against real runs. Against full files
 # of the same synthetic machine (10% noise per shape) the worst gap over 21 machines was 24.1%
 # (TTFT at 32 tokens); 30% leaves room for that and still fails where a missing part falls back
-# badly (without the GEMM at 32 tokens, 34%; without the decode layer at batch 8, 70-80%).
-PROBE_VS_FULL = 0.30
+# badly (without the GEMM at 32 tokens, 34%; without the decode layer at batch 8, 70-80%). Since the
+# cpu-attention policies read a per-head-layout attention table that full files measure at several
+# layouts and the probe at one, a gap of 30.1% was seen (cpu-attention TPOT, bf16, batch 4): 32%.
+PROBE_VS_FULL = 0.32
 
 
 def machines(noise: float = 0.3):
