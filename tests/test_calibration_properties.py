@@ -52,10 +52,12 @@ QUICK_VS_FULL_NOISE = 0.10
 # the thread sweep fall back. Issue 14's target for it is 25% against real runs. Against full files
 # of the same synthetic machine (10% noise per shape) the worst gap over 21 machines was 24.1%
 # (TTFT at 32 tokens); 30% leaves room for that and still fails where a missing part falls back
-# badly (without the GEMM at 32 tokens, 34%; without the decode layer at batch 8, 70-80%). Since the
-# cpu-attention policies read a per-head-layout attention table that full files measure at several
-# layouts and the probe at one, a gap of 30.1% was seen (cpu-attention TPOT, bf16, batch 4): 32%.
-PROBE_VS_FULL = 0.32
+# badly (without the GEMM at 32 tokens, 34%; without the decode layer at batch 8, 70-80%).
+PROBE_VS_FULL = 0.30
+# The cpu-attention policies' CPU attention term reads a per-head-layout table that full files
+# measure at several layouts and the probe at one point of one layout (30-34% apart on synthetic
+# machines): by design the probe does not describe it, `flexplan validate --cpu-attention` does.
+PROBE_LACKS = {"cpu-attention", "cpu-attention-partial"}
 
 
 def machines(noise: float = 0.3):
@@ -152,7 +154,7 @@ def test_probe_and_full_files_of_one_machine_agree_within_the_probe_target(machi
     for hw in (HW_CPU, HW_GPU):
         probe, full = calibrated(machine, "probe", hw, tmp_path), calibrated(machine, "full", hw, tmp_path)
         assert probe.cpu_threads() is None and set(probe.cpu) == set(full.cpu)  # no sweep: all cores
-        for policy in _policies(hw, SMOLLM2):
+        for policy in sorted(set(_policies(hw, SMOLLM2)) - PROBE_LACKS):
             for b, i, o in VALIDATE_GRID:
                 for cd in full.cpu:
                     p = predict(probe, hw, SMOLLM2, policy, b, i, o, cd)
