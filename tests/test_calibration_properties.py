@@ -135,20 +135,26 @@ def test_predictions_never_fall_as_the_work_grows(mode, machine, model, tmp_path
                 assert _non_decreasing(tpot, 2), f"TPOT falls with context (output length): {where}"
 
 
+def _agree(mode: str, eff, full, hw, policies, tolerance: float) -> None:
+    """Every prediction of ``eff`` (a ``mode`` file) within ``tolerance`` of the full file's, over
+    the validate grid, for ``policies`` on ``hw``."""
+    for policy in policies:
+        for b, i, o in VALIDATE_GRID:
+            for cd in full.cpu:
+                x2 = predict(eff, hw, SMOLLM2, policy, b, i, o, cd)
+                f = predict(full, hw, SMOLLM2, policy, b, i, o, cd)
+                for what, x, y in (("TTFT", x2[0], f[0]), ("TPOT", x2[1], f[1])):
+                    assert abs(x / y - 1) <= tolerance, (
+                        f"{what} {mode} {x * 1e3:.3g} ms vs full {y * 1e3:.3g} ms: {policy} on {hw.name}, "
+                        f"batch {b}, input {i}, output {o}, CPU {cd}")
+
+
 @settings(max_examples=4, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(machine=machines(noise=QUICK_VS_FULL_NOISE))
 def test_quick_and_full_files_of_one_machine_agree(machine, tmp_path):
     for hw in (HW_CPU, HW_GPU):
         quick, full = calibrated(machine, "quick", hw, tmp_path), calibrated(machine, "full", hw, tmp_path)
-        for policy in _policies(hw, SMOLLM2):
-            for b, i, o in VALIDATE_GRID:
-                for cd in full.cpu:
-                    q = predict(quick, hw, SMOLLM2, policy, b, i, o, cd)
-                    f = predict(full, hw, SMOLLM2, policy, b, i, o, cd)
-                    for what, x, y in (("TTFT", q[0], f[0]), ("TPOT", q[1], f[1])):
-                        assert abs(x / y - 1) <= QUICK_VS_FULL, (
-                            f"{what} quick {x * 1e3:.3g} ms vs full {y * 1e3:.3g} ms: {policy} on {hw.name}, "
-                            f"batch {b}, input {i}, output {o}, CPU {cd}")
+        _agree("quick", quick, full, hw, _policies(hw, SMOLLM2), QUICK_VS_FULL)
 
 
 @settings(max_examples=4, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture],
@@ -157,18 +163,10 @@ def test_quick_and_full_files_of_one_machine_agree(machine, tmp_path):
 def test_probe_and_full_files_of_one_machine_agree_within_the_probe_target(machine, tmp_path):
     # the CPU only: on a GPU machine the probe measures the link but not GPU GEMMs (their factors stay
     # the defaults, up to 47% from a full file's on synthetic machines): GPU policies need `calibrate`
-    for hw in (HW_CPU,):
-        probe, full = calibrated(machine, "probe", hw, tmp_path), calibrated(machine, "full", hw, tmp_path)
-        assert probe.cpu_threads() is None and set(probe.cpu) == set(full.cpu)  # no sweep: all cores
-        for policy in sorted(set(_policies(hw, SMOLLM2)) - PROBE_LACKS):
-            for b, i, o in VALIDATE_GRID:
-                for cd in full.cpu:
-                    p = predict(probe, hw, SMOLLM2, policy, b, i, o, cd)
-                    f = predict(full, hw, SMOLLM2, policy, b, i, o, cd)
-                    for what, x, y in (("TTFT", p[0], f[0]), ("TPOT", p[1], f[1])):
-                        assert abs(x / y - 1) <= PROBE_VS_FULL, (
-                            f"{what} probe {x * 1e3:.3g} ms vs full {y * 1e3:.3g} ms: {policy} on {hw.name}, "
-                            f"batch {b}, input {i}, output {o}, CPU {cd}")
+    hw = HW_CPU
+    probe, full = calibrated(machine, "probe", hw, tmp_path), calibrated(machine, "full", hw, tmp_path)
+    assert probe.cpu_threads() is None and set(probe.cpu) == set(full.cpu)  # no sweep: all cores
+    _agree("probe", probe, full, hw, sorted(set(_policies(hw, SMOLLM2)) - PROBE_LACKS), PROBE_VS_FULL)
 
 
 def test_a_slow_batch_1_point_does_not_make_batch_1_slower_than_batch_4(tmp_path):
