@@ -22,6 +22,7 @@ from synthetic_machine import SyntheticMachine
 
 MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
 REF = 10e9  # the probe's median figure at calibration in these files
+REF_FLOPS = 100e9  # the compute probe's, where a record has one
 FAST = SyntheticMachine(bytes_per_s=20e9, kv_bytes_per_s=15e9, flops_per_s={"float32": 300e9, "bfloat16": 300e9},
                         op_s=5e-6, layer_s=100e-6, step_s=1e-3, logit_s=1e-10)
 SLOW = SyntheticMachine(bytes_per_s=10e9, kv_bytes_per_s=7.5e9, flops_per_s=FAST.flops_per_s, op_s=FAST.op_s,
@@ -45,6 +46,13 @@ def _record(hw, slow_steps=(), slow_rate=REF / 2) -> dict:
             "at_step": labels}
 
 
+def _with_compute(record: dict, slow_steps=(), slow_rate=REF_FLOPS / 2) -> dict:
+    """``record`` with compute samples beside its memory samples, all at REF_FLOPS but ``slow_steps``."""
+    labels = record["at_step"]
+    return {**record, "compute_probe": "test", "compute_at_step": list(labels),
+            "probe_flops_per_s": [slow_rate if lab in slow_steps else REF_FLOPS for lab in labels]}
+
+
 def _write(tmp_path, hw, meas: dict, name: str):
     from flexplan.calibration.cli import calibration_doc
 
@@ -59,7 +67,7 @@ def probe(monkeypatch, tmp_path):
     """Turns the probe on, with ``set(now)`` choosing what it measures; counts its calls."""
     monkeypatch.setenv(membw.PROBE_ENV, "1")
     monkeypatch.setenv(store.DIR_ENV, str(tmp_path / "none"))
-    state = {"now": REF, "calls": 0}
+    state = {"now": REF, "calls": 0, "flops_now": REF_FLOPS}
 
     def measure(*a, **k):
         state["calls"] += 1
@@ -68,6 +76,7 @@ def probe(monkeypatch, tmp_path):
         return state["now"]
 
     monkeypatch.setattr(membw, "measure_copy_bytes_per_s", measure)
+    monkeypatch.setattr(membw, "measure_matmul_flops_per_s", lambda *a, **k: state["flops_now"])
     membw.forget_probe()
 
     def set_now(now):
@@ -131,8 +140,8 @@ def test_half_the_bandwidth_now_doubles_the_memory_part_of_cpu_decode(local, pro
         probe(REF / ratio)
         p = _cpu_plan()
         tpot[ratio] = p.tpot_s
-        assert f"(x{ratio:.2f} memory time)" in p.calibration
-    assert "memory state: probe 5.0 GB/s now vs 10.0 GB/s median at calibration (x2.00 memory time)" in p.calibration
+        assert (f"(x{ratio:.2f} memory time)" if ratio != 1.0 else "(the same state: x1.00)") in p.calibration
+    assert "memory state: memory probe 5.0 GB/s now vs 10.0 GB/s median at calibration (x2.00 memory time)" in p.calibration
     memory_part = tpot[1.0] - tpot[0.5]  # half of it is gone at scale 0.5 ...
     assert tpot[2.0] - tpot[1.0] == pytest.approx(2 * memory_part, rel=1e-6)  # ... and doubled at scale 2
     assert 2 * memory_part > 0.5 * tpot[1.0]  # CPU decode is mostly memory time: the scaling matters
@@ -150,7 +159,7 @@ def test_the_scale_is_clamped_and_a_failed_probe_scales_nothing(local, probe, tm
     assert "x3.00 memory time, clamped from x10.00" in p.calibration
     probe(OSError("cannot map buffers"))
     p = _cpu_plan()
-    assert "memory state: probe failed (OSError: cannot map buffers)" in p.calibration
+    assert "memory state: memory probe failed (OSError: cannot map buffers)" in p.calibration
     assert p.tpot_s == pytest.approx(base, rel=1e-12)
 
 
@@ -163,7 +172,7 @@ def test_the_opt_out_runs_no_probe_and_says_so(local, probe, tmp_path, monkeypat
     eff = efficiency_for(local)
     assert probe.state["calls"] == 0
     assert "memory state: probe off ($FLEXPLAN_MEMORY_PROBE=0)" in eff.source and eff.scale("cpu_memory") == 1.0
-    assert "probe now: off" in describe_calibration(local)
+    assert "now: off" in describe_calibration(local)
     assert probe.state["calls"] == 0
 
 
@@ -249,6 +258,37 @@ def test_normalising_leaves_compute_bound_rows_and_unrecorded_steps_alone(local)
     assert memory_state.normalised(meas) is meas  # no record: as measured
 
 
+def test_a_slower_compute_state_now_scales_compute_and_overhead_not_memory(local, probe, tmp_path, monkeypatch):
+    meas = FAST.measurements("quick", _dtypes(local))
+    meas["memory_state"] = _with_compute(_record(local))
+    _use(monkeypatch, _write(tmp_path, local, meas, "cal.yaml"))
+    same = _cpu_plan(batch_size=8)
+    assert "compute probe 100 GFLOP/s now vs 100 GFLOP/s median at calibration (the same state: x1.00)" in same.calibration
+    probe.state["flops_now"] = REF_FLOPS / 2
+    membw.forget_probe()
+    eff = efficiency_for(local)
+    assert (eff.scale("cpu_compute"), eff.scale("overhead"), eff.scale("cpu_memory")) == (2.0, 2.0, 1.0)
+    slow = _cpu_plan(batch_size=8)
+    assert "(x2.00 compute time)" in slow.calibration
+    assert slow.ttft_s > 1.3 * same.ttft_s  # prefill is mostly compute: it slows nearly in step
+    assert slow.tpot_s < 1.5 * same.tpot_s  # decode is mostly memory
+    probe.state["flops_now"] = REF_FLOPS * 1.05  # within the probe's own spread: the same state
+    membw.forget_probe()
+    assert efficiency_for(local).scale("cpu_compute") == 1.0
+
+
+def test_a_step_measured_in_a_slow_compute_state_is_normalised_in_its_compute_share(local):
+    meas = FAST.measurements("quick", _dtypes(local))
+    record = _record(local)
+    slow_steps = {lab for lab in record["at_step"] if lab.startswith("cpu_gemm")}
+    out = memory_state.normalised({**meas, "memory_state": _with_compute(record, slow_steps)})
+    gemm_ratio = [o["time_s"] / r["time_s"] for o, r in zip(out["cpu_gemm"], meas["cpu_gemm"])]
+    assert all(0.5 <= x < 0.6 for x in gemm_ratio[-2:]), gemm_ratio  # compute-bound: nearly halved
+    assert out["cpu_gemv"] == meas["cpu_gemv"]  # its step met the reference compute state
+    # a file from before the compute probe: memory only, as before
+    assert memory_state.normalised({**meas, "memory_state": record})["cpu_gemm"] == meas["cpu_gemm"]
+
+
 # ----------------------------------------------------------------------------- what users see
 
 
@@ -259,11 +299,11 @@ def test_explain_and_hw_say_which_state_was_used(local, probe, tmp_path, monkeyp
     probe(8e9)
     p = _cpu_plan()
     text = format_plan(p)
-    assert "memory state: probe 8.0 GB/s now vs 10.0 GB/s median at calibration (x1.25 memory time)" in text
-    assert memory_state_of(p).startswith("memory state: probe 8.0 GB/s now")
+    assert "memory state: memory probe 8.0 GB/s now vs 10.0 GB/s median at calibration (x1.25 memory time)" in text
+    assert memory_state_of(p).startswith("memory state: memory probe 8.0 GB/s now")
     hw_text = describe_calibration(local)
-    assert "calibration probe min 4.0 GB/s / median 10.0 GB/s / max 10.0 GB/s" in hw_text
-    assert "STREAM triad" in hw_text and "probe now 8.0 GB/s" in hw_text
+    assert "memory probe min 4.0 GB/s / median 10.0 GB/s / max 10.0 GB/s" in hw_text
+    assert "STREAM triad" in hw_text and "now 8.0 GB/s" in hw_text
 
 
 def test_last_stats_carry_the_memory_state_of_the_plan_they_ran(local, probe, tmp_path, monkeypatch, one_thread):
@@ -279,5 +319,5 @@ def test_last_stats_carry_the_memory_state_of_the_plan_they_ran(local, probe, tm
 
     lm.generate(torch.tensor([[5, 6, 7, 8]]), max_new_tokens=3, do_sample=False)
     st = lm.last_stats
-    assert st.memory_state.startswith("memory state: probe 5.0 GB/s now vs 10.0 GB/s") and "x2.00" in st.memory_state
+    assert st.memory_state.startswith("memory state: memory probe 5.0 GB/s now vs 10.0 GB/s") and "x2.00" in st.memory_state
     assert st.memory_state in st.summary() and st.to_dict()["memory_state"] == st.memory_state

@@ -18,6 +18,8 @@ reproduces each measured time at the calibrated shape, as far as physics allows:
 - Eff_attn(ctx) from SDPA decode attention, after its compute term at Eff_comp(batch); the mean
   over the measured batch sizes (the protocol's factor depends on ctx only), its growth capped
   so that ctx / Eff_attn(ctx) never falls.
+- Real decoder layers (``layer_fit.py``): the per-layer overhead of a decode step, and the
+  compute factor over the tokens the calibrated prefill layers span (replacing the GEMM's there).
 - Per-op dispatch cost (a tiny matmul / SDPA call) is taken out of each op's time: the
   estimator charges it once per layer, in the per-layer overhead (non-negative, non-decreasing
   in tokens).
@@ -38,6 +40,7 @@ from typing import Any
 
 import numpy as np
 
+from flexplan.calibration.layer_fit import LayerOverhead, derive_layers
 from flexplan.calibration.memory_state import normalised
 from flexplan.estimator.efficiency import DefaultEfficiency
 from flexplan.estimator.terms import c_gemm, d_gemm, t_compute_s, t_memory_s, t_on_device_s
@@ -377,85 +380,6 @@ class StepOverhead:
         return self.base_s + self.per_logit_s * float(batch) * float(vocab)
 
 
-class LayerOverhead:
-    """Seconds a real decoder layer takes beyond what the GEMM, GEMV and attention factors
-    explain, by tokens per GEMM and layer size: piecewise linear in log(layer bytes) within a
-    token count, then in log(tokens) between the two nearest token counts; constant below the
-    fewest tokens and, above the most, growing linearly in tokens at the slope of the last two
-    (its per-token part: norms, rotary, activations, softmax). Never falls as tokens grow."""
-
-    def __init__(self, by_tokens: dict[int, Table]):
-        self.tokens = np.array(sorted(by_tokens), dtype=float)
-        self.tables = [by_tokens[int(t)] for t in self.tokens]
-
-    def __call__(self, tokens: float, layer_bytes: float | None) -> float:
-        def at(i: int) -> float:
-            t = self.tables[i]
-            return float(t(layer_bytes)) if layer_bytes else float(np.median(t.y))
-
-        tokens = max(float(tokens), 1e-9)
-        lt = np.log(tokens)
-        logs = np.log(self.tokens)
-        if lt <= logs[0]:
-            return at(0)
-        if lt >= logs[-1]:
-            if len(logs) < 2:
-                return at(0)
-            top, below = at(len(logs) - 1), at(len(logs) - 2)
-            slope = max(top - below, 0.0) / (self.tokens[-1] - self.tokens[-2])
-            return top + slope * (tokens - self.tokens[-1])
-        j = int(np.searchsorted(logs, lt))
-        w = (lt - logs[j - 1]) / (logs[j] - logs[j - 1])
-        return (1 - w) * at(j - 1) + w * at(j)
-
-    def rows(self) -> list[dict[str, float]]:
-        return [{"tokens": _num(t), "layer_bytes": _num(x), "overhead_s": _num(y)}
-                for t, tab in zip(self.tokens, self.tables) for x, y in zip(tab.x, tab.y)]
-
-
-def derive_layers(rows: list[dict], peak_flops_per_s: float, bandwidth_bytes_per_s: float, eff_c: Table,
-                  eff_m: Table, eff_a: Table | None, dtype_bytes: float) -> LayerOverhead:
-    """Per-layer overhead from real decoder layers: measured time minus the estimator's own CPU
-    layer term (flexplan/estimator/terms.py, ``t_on_device_s`` over ``phase_work``: C/(TH Eff_c) +
-    D/(BW Eff_m) [+ KV/(BW Eff_attn) in decode]), with the factors of the micro-benchmarks, so the
-    estimator reproduces each calibrated layer."""
-    from flexplan.estimator.terms import Shape, phase_work
-
-    by_tokens: dict[int, dict[float, float]] = {}
-    # within a phase (decode steps and prefills run different code), a layer on more tokens is no faster
-    kind = lambda r: (int(r["query_len"]) == 1,  # noqa: E731
-                      *(int(r[k]) for k in ("hidden", "intermediate", "heads", "kv_heads", "head_dim")))
-    times = no_faster_with_more_work(rows, kind, lambda r: (int(r["batch"]) * int(r["query_len"]), int(r["kv_len"])))
-    for r, time_s in zip(rows, times):
-        batch, q_len = int(r["batch"]), int(r["query_len"])
-        tokens = batch * q_len
-        m = _attention_spec(int(r["heads"]), int(r["kv_heads"]), int(r["head_dim"]), int(r["hidden"]),
-                            int(r["intermediate"]))
-        dtype = r["dtype"] if r.get("dtype") in DTYPE_BYTES else next(k for k, v in DTYPE_BYTES.items()
-                                                                      if v == int(dtype_bytes))
-        if q_len == 1:  # one decode step over kv_len keys (kv_len - 1 cached before it)
-            w = phase_work(Shape(m, batch, int(r["kv_len"]) - 1, 2, dtype, dtype), "decode")
-            flops, kv = float(w.flops[0]), float(w.kv_read_cpu[0])
-            eff_kv = float(eff_a(int(r["kv_len"]))) if eff_a is not None else None
-        else:
-            w = phase_work(Shape(m, batch, q_len, 1, dtype, dtype), "prefill")
-            flops, kv, eff_kv = float(w.flops), 0.0, None
-        modelled = t_on_device_s(flops, w.d_cpu + w.kv_write_cpu, peak_flops_per_s, bandwidth_bytes_per_s,
-                                 float(eff_c(tokens)), float(eff_m(tokens)), kv_bytes=kv if eff_kv else 0.0,
-                                 eff_kv=eff_kv or 1.0)
-        layer_bytes = w.weight_bytes_cpu
-        by_tokens.setdefault(tokens, {})[layer_bytes] = max(time_s - modelled, 0.0)
-    if not by_tokens:
-        raise ValueError("no usable layer measurements")
-    # a layer's own cost (dispatch, norms, rotary: a fixed part and a per-token part) does not
-    # shrink with more tokens: at each layer size, at least what fewer tokens cost
-    widest: dict[float, float] = {}
-    for t in sorted(by_tokens):
-        for lb, ov in by_tokens[t].items():
-            widest[lb] = by_tokens[t][lb] = max(ov, widest.get(lb, 0.0))
-    return LayerOverhead({t: Table(list(d), list(d.values()), lo=0.0, hi=10.0) for t, d in by_tokens.items()})
-
-
 def fit_step_overhead(logits, seconds) -> StepOverhead:
     """base + per_logit x logits by least squares, both non-negative (a step never costs less for
     more logits, nor less than nothing): where the free fit has a negative slope the base is the
@@ -525,8 +449,9 @@ def cpu_factors(meas: dict, dtype: str, hw: Hardware, notes: list[str]) -> CPUFa
         notes += [f"CPU {dtype} LM head: {x}" for x in n]
     layer_rows = _of_dtype(check_rows(meas.get("cpu_layers"), LAYER_KEYS, "measurements.cpu_layers"), dtype)
     overhead = None
-    if layer_rows:
-        overhead = derive_layers(layer_rows, th, bw, eff_c, eff_m, eff_a, float(DTYPE_BYTES[dtype]))
+    if layer_rows:  # real layers: the decode overhead, and the compute factor of prefill layers (layer_fit.py)
+        overhead, eff_layers = derive_layers(layer_rows, th, bw, eff_c, eff_m, eff_a, float(DTYPE_BYTES[dtype]))
+        eff_c = eff_layers or eff_c
     return CPUFactors(eff_c, eff_m, eff_a, overhead, head_c, head_m, by_layout or None)
 
 

@@ -1,4 +1,4 @@
-"""A host-memory bandwidth probe of tens of milliseconds: what state the memory is in now.
+"""Probes of tens of milliseconds: what state the host memory (and, below, the CPU's compute) is in now.
 
 On some machines (the 2-core development VM among them) the memory bandwidth flips between
 states, STREAM triad ~38 against ~66 GB/s, from minute to minute. A calibration records whichever
@@ -31,7 +31,7 @@ MIN_BUFFER_BYTES = 16 * 2**20
 MAX_BUFFER_BYTES = 128 * 2**20  # two of them stay allocated: at most 256 MB held
 
 _BUFFERS: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # n_bytes -> (a, b), pages already touched
-_LAST: tuple[float, float | None, str] | None = None  # (time.monotonic(), bytes/s or None, why it failed)
+_LAST: dict[str, tuple[float, float | None, str]] = {}  # probe -> (time.monotonic(), figure or None, why it failed)
 
 
 def probe_enabled() -> bool:
@@ -74,25 +74,68 @@ def measure_copy_bytes_per_s(n_bytes: int | None = None, repeats: int = PROBE_RE
     return 2.0 * a.nbytes / best_s
 
 
-def probe_bytes_per_s(max_age_s: float = PROBE_TTL_S) -> float:
-    """The probe's figure now: one at most ``max_age_s`` old is reused (0: probe afresh).
-    Raises RuntimeError (with the reason) when the probe failed; a failure is remembered for
-    as long as a figure would be."""
-    global _LAST
+def _cached(kind: str, measure, unit: str, max_age_s: float) -> float:
+    """The figure of probe ``kind`` now: one at most ``max_age_s`` old is reused (0: probe afresh).
+    Raises RuntimeError (with the reason) when the probe failed; a failure is remembered for as
+    long as a figure would be."""
     now = time.monotonic()
-    if _LAST is None or now - _LAST[0] > max_age_s:
+    last = _LAST.get(kind)
+    if last is None or now - last[0] > max_age_s:
         try:
-            rate = measure_copy_bytes_per_s()
-            _LAST = (time.monotonic(), rate, "") if rate > 0 and np.isfinite(rate) else \
-                (time.monotonic(), None, f"measured {rate!r} bytes/s")
+            rate = measure()
+            last = (time.monotonic(), rate, "") if rate > 0 and np.isfinite(rate) else \
+                (time.monotonic(), None, f"measured {rate!r} {unit}")
         except (MemoryError, OSError, ValueError, ZeroDivisionError) as e:
-            _LAST = (time.monotonic(), None, f"{type(e).__name__}: {e}")
-    if _LAST[1] is None:
-        raise RuntimeError(_LAST[2])
-    return _LAST[1]
+            last = (time.monotonic(), None, f"{type(e).__name__}: {e}")
+        _LAST[kind] = last
+    if last[1] is None:
+        raise RuntimeError(last[2])
+    return last[1]
+
+
+def probe_bytes_per_s(max_age_s: float = PROBE_TTL_S) -> float:
+    """The memory probe's figure now (cached for ``max_age_s``; RuntimeError when it failed)."""
+    return _cached("memory", lambda: measure_copy_bytes_per_s(), "bytes/s", max_age_s)
 
 
 def forget_probe() -> None:
-    """Drop the remembered figure (the next :func:`probe_bytes_per_s` probes afresh)."""
-    global _LAST
-    _LAST = None
+    """Drop the remembered figures (the next probes measure afresh)."""
+    _LAST.clear()
+
+
+# ---- the compute probe: the CPU's arithmetic speed of now --------------------------------------
+# The same VM's compute speed moves too, apart from its memory bandwidth: two full calibrations an
+# hour apart measured the same 256 x 2048 x 2048 GEMM at 88 and 127 GFLOP/s (and a real layer's
+# prefill 35-40% apart) while their memory probes agreed (medians 12.0 and 11.9 GB/s). A short
+# float32 matrix product tells the compute states apart as the copy tells the memory states.
+COMPUTE_PROBE_N = 512  # an n x n by n x n float32 product: 268 MFLOP, ~2 ms at 140 GFLOP/s
+COMPUTE_PROBE_REPEATS = 5
+_COMPUTE_BUFFERS: tuple[np.ndarray, np.ndarray] | None = None
+
+
+def describe_compute_probe() -> str:
+    n = COMPUTE_PROBE_N
+    return f"numpy float32 matmul {n} x {n} x {n}, all threads, best of {COMPUTE_PROBE_REPEATS}"
+
+
+def measure_matmul_flops_per_s(repeats: int = COMPUTE_PROBE_REPEATS) -> float:
+    """One compute probe, uncached: FLOP/s of the best of ``repeats`` float32 products (one untimed first)."""
+    global _COMPUTE_BUFFERS
+    n = COMPUTE_PROBE_N
+    if _COMPUTE_BUFFERS is None:
+        rng = np.random.default_rng(0)
+        _COMPUTE_BUFFERS = (rng.random((n, n), dtype=np.float32), rng.random((n, n), dtype=np.float32))
+    a, b = _COMPUTE_BUFFERS
+    out = np.empty((n, n), dtype=np.float32)
+    np.matmul(a, b, out=out)
+    best_s = float("inf")
+    for _ in range(max(1, int(repeats))):
+        t0 = time.perf_counter()
+        np.matmul(a, b, out=out)
+        best_s = min(best_s, time.perf_counter() - t0)
+    return 2.0 * n ** 3 / best_s
+
+
+def probe_flops_per_s(max_age_s: float = PROBE_TTL_S) -> float:
+    """The compute probe's figure now (cached for ``max_age_s``; RuntimeError when it failed)."""
+    return _cached("compute", lambda: measure_matmul_flops_per_s(), "FLOP/s", max_age_s)

@@ -37,6 +37,10 @@ if TYPE_CHECKING:  # pragma: no cover
 
 NOTE_PREFIX = "memory state:"  # the note's first words: stats.py finds the line by them
 SCALE_RANGE = (1 / 3, 3.0)  # memory time is scaled by at most this much either way (a probe gone wrong)
+# a probe within this fraction of the calibration's median is the same state: on the quiet
+# development VM the copy probe spread +-8% and the matmul probe +-4% over minutes, while the
+# runs they would scale held within 3%; scaling by that noise made predictions worse
+SAME_STATE = 0.06
 END = "end"  # the label of the sample taken after the last step
 ROW_PARTS = ("cpu_gemv", "cpu_gemm", "cpu_head_gemv", "cpu_attention", "cpu_layers")  # rows normalised
 
@@ -46,7 +50,8 @@ ROW_PARTS = ("cpu_gemv", "cpu_gemm", "cpu_head_gemv", "cpu_attention", "cpu_laye
 
 def new_record() -> dict[str, Any]:
     """An empty ``measurements.memory_state`` for ``flexplan calibrate`` to fill."""
-    return {"probe": membw.describe_probe(), "probe_bytes_per_s": [], "at_step": []}
+    return {"probe": membw.describe_probe(), "probe_bytes_per_s": [], "at_step": [],
+            "compute_probe": membw.describe_compute_probe(), "probe_flops_per_s": [], "compute_at_step": []}
 
 
 def record_sample(record: dict[str, Any], label: str) -> None:
@@ -59,32 +64,46 @@ def record_sample(record: dict[str, Any], label: str) -> None:
         return
     record["probe_bytes_per_s"].append(float(f"{rate:.4g}"))
     record["at_step"].append(str(label))
+    if "probe_flops_per_s" in record:
+        try:
+            flops = membw.measure_matmul_flops_per_s()
+        except (MemoryError, OSError, ValueError, ZeroDivisionError) as e:
+            record.setdefault("failures", {})[f"compute {label}"] = f"{type(e).__name__}: {e}"
+            return
+        record["probe_flops_per_s"].append(float(f"{flops:.4g}"))
+        record["compute_at_step"].append(str(label))
 
 
 # ----------------------------------------------------------------------------- reading the record
 
 
-def samples(meas: dict) -> list[tuple[str, float]] | None:
-    """(step label, probe bytes/s) of the calibration, in order; None when the file has none
-    (older or hand-written files). ValueError when the record is malformed."""
+PROBES = {"memory": ("probe_bytes_per_s", "at_step"), "compute": ("probe_flops_per_s", "compute_at_step")}
+
+
+def samples(meas: dict, probe: str = "memory") -> list[tuple[str, float]] | None:
+    """(step label, probe figure) of the calibration's ``probe`` ("memory": bytes/s, "compute":
+    FLOP/s), in order; None when the file has none (older or hand-written files; files from
+    before the compute probe have memory samples only). ValueError when the record is malformed."""
     rec = meas.get("memory_state")
     if rec is None:
         return None
-    rates = rec.get("probe_bytes_per_s") if isinstance(rec, dict) else None
-    labels = rec.get("at_step") if isinstance(rec, dict) else None
+    key, at = PROBES[probe]
+    if probe != "memory" and isinstance(rec, dict) and key not in rec:
+        return None
+    rates = rec.get(key) if isinstance(rec, dict) else None
+    labels = rec.get(at) if isinstance(rec, dict) else None
     if not isinstance(rates, list) or not isinstance(labels, list) or len(rates) != len(labels):
-        raise ValueError("`measurements.memory_state` should hold lists `probe_bytes_per_s` and `at_step` "
-                         "of the same length")
+        raise ValueError(f"`measurements.memory_state` should hold lists `{key}` and `{at}` of the same length")
     bad = [x for x in rates if isinstance(x, bool) or not isinstance(x, (int, float)) or not (np.isfinite(x) and x > 0)]
     if bad:
-        raise ValueError(f"`measurements.memory_state.probe_bytes_per_s` holds {bad[0]!r}: positive numbers expected")
+        raise ValueError(f"`measurements.memory_state.{key}` holds {bad[0]!r}: positive numbers expected")
     return [(str(lab), float(x)) for lab, x in zip(labels, rates)] or None
 
 
-def reference_bytes_per_s(meas: dict) -> float | None:
-    """The reference state the factors describe: the median probe figure of the calibration
+def reference_bytes_per_s(meas: dict, probe: str = "memory") -> float | None:
+    """The reference state the factors describe: the median ``probe`` figure of the calibration
     (None: no samples)."""
-    s = samples(meas)
+    s = samples(meas, probe)
     return float(statistics.median(x for _, x in s)) if s else None
 
 
@@ -138,6 +157,10 @@ def normalised(meas: dict) -> dict:
     (w ~ 1), a large GEMM or a prefill layer hardly any, a real decode layer all but its fixed
     per-layer cost. Achieved rates, not the Hardware's nominal peaks (assumptions on a VM).
 
+    The rest of the time, ``1 - w`` (compute, and the fixed costs that run at the CPU's speed),
+    is brought to the reference compute state the same way, by the compute probe's sample before
+    the step, where the file has one: ``t x ((1 - w) x r_compute + w x r)``.
+
     Unchanged when the file holds no samples (older files: not normalised) and for rows whose
     step has none; a row too malformed to size is left for ``check_rows`` to report."""
     s = samples(meas)
@@ -147,6 +170,15 @@ def normalised(meas: dict) -> dict:
     before: dict[str, float] = {}
     for label, x in s:
         before.setdefault(label, x)
+    sc = samples(meas, "compute") or []
+    ref_c = float(statistics.median(x for _, x in sc)) if sc else None
+    before_c: dict[str, float] = {}
+    for label, x in sc:
+        before_c.setdefault(label, x)
+
+    def compute_ratio(part: str, dtype) -> float:
+        rate_c = before_c.get(f"{part}[{dtype}]", before_c.get(part))
+        return _clamped(rate_c / ref_c) if rate_c is not None and ref_c else 1.0
 
     sized: dict[str, list] = {}  # part -> [(row, ratio or None, bytes, time_s) or (row, None, None, None)]
     best: dict[tuple[str, str], float] = {}  # (stream, dtype) -> bytes/s at the reference state
@@ -179,7 +211,7 @@ def normalised(meas: dict) -> dict:
                 new.append(r)
                 continue
             w = min(1.0, n_bytes / (rate_ref * ratio) / t)
-            k = 1.0 - w + w * ratio
+            k = (1.0 - w) * compute_ratio(part, r["dtype"]) + w * ratio
             new.append({**r, **{key: float(r[key]) * k for key in ("time_s", "time_median_s") if key in r}})
         result[part] = new
     return result
@@ -192,34 +224,51 @@ def _gb(x: float) -> str:
     return f"{x / 1e9:.1f} GB/s"
 
 
+def _scale_now(meas: dict, probe: str, measure_now, fmt) -> tuple[float, str]:
+    """(time scale of the class ``probe`` describes, what the note says) for one probe."""
+    ref = reference_bytes_per_s(meas, probe)
+    if ref is None:
+        return 1.0, ""
+    at_cal = f"{fmt(ref)} median at calibration"
+    try:
+        now = measure_now()
+    except RuntimeError as e:
+        return 1.0, f"{probe} probe failed ({e}): factors at the calibration's median state ({at_cal})"
+    raw = ref / now
+    if abs(raw - 1.0) <= SAME_STATE:
+        return 1.0, f"{probe} probe {fmt(now)} now vs {at_cal} (the same state: x1.00)"
+    scale = _clamped(raw)
+    clamp = f", clamped from x{raw:.2f}" if scale != raw else ""
+    return scale, f"{probe} probe {fmt(now)} now vs {at_cal} (x{scale:.2f} {probe} time{clamp})"
+
+
 def at_state_now(eff: "Efficiency", meas: dict) -> "Efficiency":
     """``eff`` (the factors of a calibration whose ``measurements`` are ``meas``) with the time of
-    the CPU memory class scaled to the memory state of now: ``reference / probe now``, clamped
-    to :data:`SCALE_RANGE`. No scaling, with the reason in the note, when the file recorded no
-    samples, the probe is off (``$FLEXPLAN_MEMORY_PROBE=0``) or failed."""
+    the CPU memory class scaled to the memory state of now, ``reference / probe now``, and, where
+    the calibration recorded the compute probe, the CPU compute and overhead classes to the
+    compute state of now the same way; each clamped to :data:`SCALE_RANGE`, and 1 within
+    :data:`SAME_STATE` (a probe's own spread on a quiet machine is not a state). No scaling, with
+    the reason in the note, when the file recorded no samples, the probe is off
+    (``$FLEXPLAN_MEMORY_PROBE=0``) or failed."""
     from flexplan.estimator.efficiency import ScaledEfficiency
 
     try:
         ref = reference_bytes_per_s(meas)
+        reference_bytes_per_s(meas, "compute")
     except ValueError as e:
         return ScaledEfficiency(eff, {}, f"{NOTE_PREFIX} unreadable record in the calibration ({e}): not scaled")
     if ref is None:
         return ScaledEfficiency(eff, {}, f"{NOTE_PREFIX} not recorded by this calibration (made before "
                                          "memory states were kept): factors as measured, not scaled")
-    at_cal = f"{_gb(ref)} median at calibration"
     if not membw.probe_enabled():
         return ScaledEfficiency(eff, {}, f"{NOTE_PREFIX} probe off (${membw.PROBE_ENV}=0): factors at the "
-                                         f"calibration's median state (probe {at_cal})")
-    try:
-        now = membw.probe_bytes_per_s()
-    except RuntimeError as e:
-        return ScaledEfficiency(eff, {}, f"{NOTE_PREFIX} probe failed ({e}): factors at the calibration's "
-                                         f"median state (probe {at_cal})")
-    raw = ref / now
-    scale = _clamped(raw)
-    clamp = f", clamped from x{raw:.2f}" if scale != raw else ""
-    return ScaledEfficiency(eff, {"cpu_memory": scale},
-                            f"{NOTE_PREFIX} probe {_gb(now)} now vs {at_cal} (x{scale:.2f} memory time{clamp})")
+                                         f"calibration's median state (probe {_gb(ref)} median at calibration)")
+    mem, mem_note = _scale_now(meas, "memory", membw.probe_bytes_per_s, _gb)
+    comp, comp_note = _scale_now(meas, "compute", membw.probe_flops_per_s, lambda x: f"{x / 1e9:.0f} GFLOP/s")
+    scales = {"cpu_memory": mem} if mem != 1.0 else {}
+    if comp != 1.0:
+        scales.update(cpu_compute=comp, overhead=comp)
+    return ScaledEfficiency(eff, scales, f"{NOTE_PREFIX} " + "; ".join(x for x in (mem_note, comp_note) if x))
 
 
 def refresh() -> None:
@@ -227,32 +276,39 @@ def refresh() -> None:
     one up to :data:`~flexplan.calibration.membw.PROBE_TTL_S` old). Nothing when the probe is off;
     a failure is remembered and reported by the plan's note."""
     if membw.probe_enabled():
-        try:
-            membw.probe_bytes_per_s(max_age_s=0.0)
-        except RuntimeError:
-            pass
+        for probe in (membw.probe_bytes_per_s, membw.probe_flops_per_s):
+            try:
+                probe(max_age_s=0.0)
+            except RuntimeError:
+                pass
 
 
 def describe(meas: dict) -> str:
-    """For ``flexplan hw``: the calibration's recorded distribution (probe min / median / max,
-    the STREAM triad it stored) and the probe now."""
+    """For ``flexplan hw``: the calibration's recorded distributions (probe min / median / max,
+    the STREAM triad it stored) and the probes now."""
     stream = meas.get("cpu_stream") or {}
     triad = stream.get("triad_bytes_per_s") if isinstance(stream, dict) else None
     triad_s = f"; STREAM triad {_gb(float(triad))} (once, at its start)" if isinstance(triad, (int, float)) else ""
-    try:
-        s = samples(meas)
-    except ValueError as e:
-        return f"{NOTE_PREFIX} unreadable record ({e}){triad_s}"
-    if not s:
-        recorded = f"none recorded by this calibration{triad_s}"
-    else:
+    gf = lambda x: f"{x / 1e9:.0f} GFLOP/s"  # noqa: E731
+    parts = []
+    for probe, fmt, now_fn in (("memory", _gb, membw.probe_bytes_per_s), ("compute", gf, membw.probe_flops_per_s)):
+        try:
+            s = samples(meas, probe)
+        except ValueError as e:
+            return f"{NOTE_PREFIX} unreadable record ({e}){triad_s}"
+        if not s:
+            if probe == "memory":
+                parts.append("none recorded by this calibration")
+            continue
         xs = [x for _, x in s]
-        recorded = (f"calibration probe min {_gb(min(xs))} / median {_gb(statistics.median(xs))} / max "
-                    f"{_gb(max(xs))} over {len(xs)} samples{triad_s}")
-    if not membw.probe_enabled():
-        return f"{NOTE_PREFIX} {recorded}; probe now: off (${membw.PROBE_ENV}=0)"
-    try:
-        now = f"probe now {_gb(membw.probe_bytes_per_s())}"
-    except RuntimeError as e:
-        now = f"probe now failed ({e})"
-    return f"{NOTE_PREFIX} {recorded}; {now}"
+        text = f"{probe} probe min {fmt(min(xs))} / median {fmt(statistics.median(xs))} / max {fmt(max(xs))} " \
+               f"over {len(xs)} samples"
+        if not membw.probe_enabled():
+            text += f", now: off (${membw.PROBE_ENV}=0)"
+        else:
+            try:
+                text += f", now {fmt(now_fn())}"
+            except RuntimeError as e:
+                text += f", now failed ({e})"
+        parts.append(text)
+    return f"{NOTE_PREFIX} " + "; ".join(parts) + triad_s

@@ -1,0 +1,143 @@
+"""What real decoder layers add to the micro-benchmark factors: the per-layer overhead of a decode
+step, and the compute factor of a prefill layer.
+
+The GEMM, GEMV and attention micro-benchmarks (``efficiency.py``) measure one op on one weight
+shape. A real layer runs seven GEMMs of other shapes plus norms, rotary embedding, activations
+and attention, so ``flexplan calibrate`` also times whole transformers decoder layers of a few
+widths, in decode (one query per sequence, a short KV cache) and in prefill (``cpu_layers``).
+Their times are fitted here so that the estimator's per-layer term
+
+    t = C / (TH x Eff_comp(tokens)) + D / (BW x Eff_mem(tokens)) + KV / (BW x Eff_attn(ctx)) + overhead(tokens, layer bytes)
+
+reproduces each calibrated layer:
+
+- **Decode rows** (a few tokens, memory-bound): what the factors leave unexplained is overhead,
+  seconds per layer (dispatch, norms, rotary, the cache update), by tokens and layer size, never
+  falling as tokens grow (:class:`LayerOverhead`). Above the most decode tokens it is held.
+- **Prefill rows** (hundreds of tokens, compute-bound): the layer's own compute factor,
+  ``C / (TH x (t - D / (BW x Eff_mem) - overhead))`` with the decode overhead held, the median
+  over the measured widths at each token count (:func:`layer_compute_table`). It replaces the
+  GEMM micro-benchmark's factor over the tokens the layers span: a real layer can be faster than
+  the isolated GEMM of another weight shape (the development VM's SmolLM2-sized layers ran
+  their prefill GEMMs ~10-20% faster than the 2048 x 2048 GEMM, and an overhead that could only
+  add time made every prefill 20-35% slow), or slower (attention and elementwise work per token).
+  Eff_comp keeps its one constraint: it grows no faster than the tokens do, so the compute term
+  never falls as tokens grow.
+
+Files written before decode and prefill rows were told apart read the same way: they hold both.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from flexplan.hardware.spec import DTYPE_BYTES
+from flexplan.estimator.terms import Shape, phase_work, t_compute_s, t_memory_s, t_on_device_s
+
+
+def _num(x: float) -> float:
+    return float(f"{float(x):.4g}")
+
+
+class LayerOverhead:
+    """Seconds a real decoder layer takes beyond what the factors explain, by tokens per GEMM and
+    layer size: piecewise linear in log(layer bytes) within a token count, then in log(tokens)
+    between the two nearest token counts; held constant below the fewest and above the most
+    tokens. Never falls as tokens grow."""
+
+    def __init__(self, by_tokens: dict[int, "Table"]):
+        self.tokens = np.array(sorted(by_tokens), dtype=float)
+        self.tables = [by_tokens[int(t)] for t in self.tokens]
+
+    def __call__(self, tokens: float, layer_bytes: float | None) -> float:
+        def at(i: int) -> float:
+            t = self.tables[i]
+            return float(t(layer_bytes)) if layer_bytes else float(np.median(t.y))
+
+        lt = np.log(max(float(tokens), 1e-9))
+        logs = np.log(self.tokens)
+        if lt <= logs[0]:
+            return at(0)
+        if lt >= logs[-1]:
+            return at(len(logs) - 1)
+        j = int(np.searchsorted(logs, lt))
+        w = (lt - logs[j - 1]) / (logs[j] - logs[j - 1])
+        return (1 - w) * at(j - 1) + w * at(j)
+
+    def rows(self) -> list[dict[str, float]]:
+        return [{"tokens": _num(t), "layer_bytes": _num(x), "overhead_s": _num(y)}
+                for t, tab in zip(self.tokens, self.tables) for x, y in zip(tab.x, tab.y)]
+
+
+def _row_work(r: dict, dtype_bytes: float):
+    """(phase work of one calibrated layer row, its attention factor's kv_len or None, tokens)."""
+    from flexplan.calibration.efficiency import _attention_spec
+
+    batch, q_len = int(r["batch"]), int(r["query_len"])
+    m = _attention_spec(int(r["heads"]), int(r["kv_heads"]), int(r["head_dim"]), int(r["hidden"]),
+                        int(r["intermediate"]))
+    dtype = r["dtype"] if r.get("dtype") in DTYPE_BYTES else next(k for k, v in DTYPE_BYTES.items()
+                                                                  if v == int(dtype_bytes))
+    if q_len == 1:  # one decode step over kv_len keys (kv_len - 1 cached before it)
+        return phase_work(Shape(m, batch, int(r["kv_len"]) - 1, 2, dtype, dtype), "decode"), int(r["kv_len"]), batch
+    return phase_work(Shape(m, batch, q_len, 1, dtype, dtype), "prefill"), None, batch * q_len
+
+
+def derive_layers(rows: list[dict], peak_flops_per_s: float, bandwidth_bytes_per_s: float, eff_c, eff_m,
+                  eff_a, dtype_bytes: float) -> tuple[LayerOverhead, "Table | None"]:
+    """(per-layer overhead from the decode rows, the prefill layers' compute factor or None) from
+    real decoder layers (see the module docstring); ``eff_c`` / ``eff_m`` / ``eff_a`` are the
+    micro-benchmarks' tables."""
+    from flexplan.calibration.efficiency import Table, no_faster_with_more_work
+
+    # within a phase (decode steps and prefills run different code), a layer on more tokens is no faster
+    kind = lambda r: (int(r["query_len"]) == 1,  # noqa: E731
+                      *(int(r[k]) for k in ("hidden", "intermediate", "heads", "kv_heads", "head_dim")))
+    times = no_faster_with_more_work(rows, kind, lambda r: (int(r["batch"]) * int(r["query_len"]), int(r["kv_len"])))
+    decode: dict[int, dict[float, float]] = {}
+    prefill = []
+    for r, time_s in zip(rows, times):
+        w, kv_len, tokens = _row_work(r, dtype_bytes)
+        if kv_len is None:
+            prefill.append((tokens, w, time_s))
+            continue
+        eff_kv = float(eff_a(kv_len)) if eff_a is not None else None
+        modelled = t_on_device_s(float(w.flops[0]), w.d_cpu + w.kv_write_cpu, peak_flops_per_s, bandwidth_bytes_per_s,
+                                 float(eff_c(tokens)), float(eff_m(tokens)),
+                                 kv_bytes=float(w.kv_read_cpu[0]) if eff_kv else 0.0, eff_kv=eff_kv or 1.0)
+        decode.setdefault(tokens, {})[w.weight_bytes_cpu] = max(time_s - modelled, 0.0)
+    if not decode and not prefill:
+        raise ValueError("no usable layer measurements")
+    if not decode:  # prefill rows only: no fixed part measured apart
+        decode = {1: {w.weight_bytes_cpu: 0.0 for _, w, _ in prefill}}
+    # a layer's own cost (dispatch, norms, rotary) does not shrink with more tokens: at each layer
+    # size, at least what fewer tokens cost
+    widest: dict[float, float] = {}
+    for t in sorted(decode):
+        for lb, ov in decode[t].items():
+            widest[lb] = decode[t][lb] = max(ov, widest.get(lb, 0.0))
+    overhead = LayerOverhead({t: Table(list(d), list(d.values()), lo=0.0, hi=10.0) for t, d in decode.items()})
+    return overhead, layer_compute_table(prefill, peak_flops_per_s, bandwidth_bytes_per_s, eff_c, eff_m, overhead)
+
+
+def layer_compute_table(prefill: list, peak_flops_per_s: float, bandwidth_bytes_per_s: float, eff_c, eff_m,
+                        overhead: LayerOverhead):
+    """Eff_comp(tokens) over the tokens the prefill layers span, the GEMM factor's points outside
+    them; None without prefill rows. Each layer's factor: its compute time is what is left of its
+    time after the memory term and the decode overhead (held); the median over the widths at one
+    token count; the whole table capped so that it grows no faster than the tokens do."""
+    from flexplan.calibration.efficiency import EFF_MAX, Table, capped_growth
+
+    by_t: dict[int, list[float]] = {}
+    for tokens, w, time_s in prefill:
+        rest = (time_s - t_memory_s(w.d_cpu + w.kv_write_cpu, bandwidth_bytes_per_s, float(eff_m(tokens)))
+                - overhead(tokens, w.weight_bytes_cpu))
+        if rest > 0:
+            by_t.setdefault(tokens, []).append(min(EFF_MAX, t_compute_s(float(w.flops), peak_flops_per_s, 1.0) / rest))
+    if not by_t:
+        return None
+    lo, hi = min(by_t), max(by_t)
+    points = {float(x): float(y) for x, y in zip(eff_c.x, eff_c.y) if x < lo or x > hi}
+    points.update({float(t): float(np.median(v)) for t, v in by_t.items()})
+    x = sorted(points)
+    return Table(x, capped_growth(x, [points[t] for t in x], power_law=True), log_y=True)
