@@ -112,13 +112,12 @@ class SyntheticMachine:
         for dt in cpu_dtypes:
             for hidden, inter, h, kvh, d in s.layer_widths:
                 spec = _attention_spec(h, kvh, d, hidden, inter)
-                for batch, q in s.layer_shapes:
-                    past = s.layer_kv_len if q == 1 else 0
+                for batch, q, past in s.layer_points():
                     m["cpu_layers"].append({"dtype": dt, "kernel": "synthetic", "hidden": hidden, "intermediate": inter,
                                             "heads": h, "kv_heads": kvh, "head_dim": d, "batch": batch, "query_len": q,
                                             "kv_len": past + q, "params": spec.params_per_layer, "copies": 8,
                                             **t(self.layer_time_s(dt, spec, batch, q, past), "layer", dt, hidden,
-                                                batch, q)})
+                                                batch, q, past)})
             m["cpu_head_gemv"] += gemm_rows(dt, s.head_tokens, s.head_shapes)
         dt0 = cpu_dtypes[0]
         tiny = _attention_spec(4, 2, 16, 64, 128)

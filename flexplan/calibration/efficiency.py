@@ -450,8 +450,9 @@ def cpu_factors(meas: dict, dtype: str, hw: Hardware, notes: list[str]) -> CPUFa
     layer_rows = _of_dtype(check_rows(meas.get("cpu_layers"), LAYER_KEYS, "measurements.cpu_layers"), dtype)
     overhead = None
     if layer_rows:  # real layers: the decode overhead, and the compute factor of prefill layers (layer_fit.py)
-        overhead, eff_layers = derive_layers(layer_rows, th, bw, eff_c, eff_m, eff_a, float(DTYPE_BYTES[dtype]))
-        eff_c = eff_layers or eff_c
+        overhead, eff_layers, attn_layers = derive_layers(layer_rows, th, bw, eff_c, eff_m, eff_a,
+                                                          float(DTYPE_BYTES[dtype]))
+        eff_c, eff_a = eff_layers or eff_c, attn_layers or eff_a
     return CPUFactors(eff_c, eff_m, eff_a, overhead, head_c, head_m, by_layout or None)
 
 

@@ -12,8 +12,12 @@ Their times are fitted here so that the estimator's per-layer term
 reproduces each calibrated layer:
 
 - **Decode rows** (a few tokens, memory-bound): what the factors leave unexplained is overhead,
-  seconds per layer (dispatch, norms, rotary, the cache update), by tokens and layer size, never
-  falling as tokens grow (:class:`LayerOverhead`). Above the most decode tokens it is held.
+  seconds per layer (dispatch, norms, rotary, the cache update), by tokens and layer size
+  (:class:`LayerOverhead`), fitted non-decreasing in tokens. Above the most decode tokens it is held.
+- **Decode rows over a longer KV cache** (the same shapes, ``layer_long_kv_len``): what the extra
+  keys cost a real layer, the attention factor of decode (:func:`layer_attention_table`). The
+  development VM's SmolLM2 decode slowed 5 ms per step from 128 to 512 keys where the SDPA
+  micro-benchmark's factor gave under 2.
 - **Prefill rows** (hundreds of tokens, compute-bound): the layer's own compute factor,
   ``C / (TH x (t - D / (BW x Eff_mem) - overhead))`` with the decode overhead held, the median
   over the measured widths at each token count (:func:`layer_compute_table`). It replaces the
@@ -37,6 +41,17 @@ from flexplan.estimator.terms import Shape, phase_work, t_compute_s, t_memory_s,
 
 def _num(x: float) -> float:
     return float(f"{float(x):.4g}")
+
+
+def non_decreasing_fit(y: list[float]) -> list[float]:
+    """The non-decreasing sequence closest to ``y`` in least squares (pool adjacent violators)."""
+    blocks: list[list[float]] = []  # [mean, count]
+    for v in y:
+        blocks.append([float(v), 1.0])
+        while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
+            (m2, n2), (m1, n1) = blocks.pop(), blocks.pop()
+            blocks.append([(m1 * n1 + m2 * n2) / (n1 + n2), n1 + n2])
+    return [m for m, n in blocks for _ in range(int(n))]
 
 
 class LayerOverhead:
@@ -69,6 +84,21 @@ class LayerOverhead:
                 for t, tab in zip(self.tokens, self.tables) for x, y in zip(tab.x, tab.y)]
 
 
+def no_faster_with_more_work(rows: list[dict]) -> list[float]:
+    """Each layer row's time (its median run), lowered to the fastest row of the same phase and
+    width that does at least as much work in BOTH respects, tokens and KV length (noise only adds
+    time). Work is a partial order here: batch 8 over 129 keys is not more work than batch 4 over
+    1025, so neither may lower the other."""
+    from flexplan.calibration.efficiency import _stat_s
+
+    kind = lambda r: (int(r["query_len"]) == 1,  # noqa: E731
+                      *(int(r[k]) for k in ("hidden", "intermediate", "heads", "kv_heads", "head_dim")))
+    work = [(kind(r), int(r["batch"]) * int(r["query_len"]), int(r["kv_len"])) for r in rows]
+    times = [_stat_s(r) for r in rows]
+    return [min(t for (k2, n2, l2), t in zip(work, times) if k2 == k and n2 >= n and l2 >= kv)
+            for (k, n, kv) in work]
+
+
 def _row_work(r: dict, dtype_bytes: float):
     """(phase work of one calibrated layer row, its attention factor's kv_len or None, tokens)."""
     from flexplan.calibration.efficiency import _attention_spec
@@ -84,40 +114,72 @@ def _row_work(r: dict, dtype_bytes: float):
 
 
 def derive_layers(rows: list[dict], peak_flops_per_s: float, bandwidth_bytes_per_s: float, eff_c, eff_m,
-                  eff_a, dtype_bytes: float) -> tuple[LayerOverhead, "Table | None"]:
-    """(per-layer overhead from the decode rows, the prefill layers' compute factor or None) from
-    real decoder layers (see the module docstring); ``eff_c`` / ``eff_m`` / ``eff_a`` are the
-    micro-benchmarks' tables."""
-    from flexplan.calibration.efficiency import Table, no_faster_with_more_work
+                  eff_a, dtype_bytes: float) -> tuple[LayerOverhead, "Table | None", "Table | None"]:
+    """(per-layer overhead from the decode rows, the prefill layers' compute factor or None, the
+    decode layers' attention factor or None) from real decoder layers (see the module docstring);
+    ``eff_c`` / ``eff_m`` / ``eff_a`` are the micro-benchmarks' tables."""
+    from flexplan.calibration.efficiency import Table
 
-    # within a phase (decode steps and prefills run different code), a layer on more tokens is no faster
-    kind = lambda r: (int(r["query_len"]) == 1,  # noqa: E731
-                      *(int(r[k]) for k in ("hidden", "intermediate", "heads", "kv_heads", "head_dim")))
-    times = no_faster_with_more_work(rows, kind, lambda r: (int(r["batch"]) * int(r["query_len"]), int(r["kv_len"])))
-    decode: dict[int, dict[float, float]] = {}
+    times = no_faster_with_more_work(rows)
+    decode: dict[tuple[int, float], list] = {}  # (tokens, layer bytes) -> [(kv_len, work, time)] by kv_len
     prefill = []
     for r, time_s in zip(rows, times):
         w, kv_len, tokens = _row_work(r, dtype_bytes)
         if kv_len is None:
             prefill.append((tokens, w, time_s))
-            continue
+        else:
+            decode.setdefault((tokens, w.weight_bytes_cpu), []).append((kv_len, w, time_s))
+    if not decode and not prefill:
+        raise ValueError("no usable layer measurements")
+    eff_a = layer_attention_table(decode, peak_flops_per_s, bandwidth_bytes_per_s, eff_c, eff_a) or eff_a
+    residuals: dict[int, dict[float, float]] = {}
+    for (tokens, layer_bytes), runs in decode.items():
+        kv_len, w, time_s = min(runs, key=lambda x: x[0])  # the shortest cache: the fixed part, not the context's
         eff_kv = float(eff_a(kv_len)) if eff_a is not None else None
         modelled = t_on_device_s(float(w.flops[0]), w.d_cpu + w.kv_write_cpu, peak_flops_per_s, bandwidth_bytes_per_s,
                                  float(eff_c(tokens)), float(eff_m(tokens)),
                                  kv_bytes=float(w.kv_read_cpu[0]) if eff_kv else 0.0, eff_kv=eff_kv or 1.0)
-        decode.setdefault(tokens, {})[w.weight_bytes_cpu] = max(time_s - modelled, 0.0)
-    if not decode and not prefill:
-        raise ValueError("no usable layer measurements")
-    if not decode:  # prefill rows only: no fixed part measured apart
-        decode = {1: {w.weight_bytes_cpu: 0.0 for _, w, _ in prefill}}
+        residuals.setdefault(tokens, {})[layer_bytes] = max(time_s - modelled, 0.0)
+    if not residuals:  # prefill rows only: no fixed part measured apart
+        residuals = {1: {w.weight_bytes_cpu: 0.0 for _, w, _ in prefill}}
     # a layer's own cost (dispatch, norms, rotary) does not shrink with more tokens: at each layer
-    # size, at least what fewer tokens cost
-    widest: dict[float, float] = {}
-    for t in sorted(decode):
-        for lb, ov in decode[t].items():
-            widest[lb] = decode[t][lb] = max(ov, widest.get(lb, 0.0))
-    overhead = LayerOverhead({t: Table(list(d), list(d.values()), lo=0.0, hi=10.0) for t, d in decode.items()})
-    return overhead, layer_compute_table(prefill, peak_flops_per_s, bandwidth_bytes_per_s, eff_c, eff_m, overhead)
+    # size, the least-squares non-decreasing fit over tokens (pooling adjacent violators). The
+    # running maximum used before let one slow batch-4 row add 0.6 ms to every batch-8 layer,
+    # whose factors already explained its time; pooling splits the difference.
+    for lb in {lb for d in residuals.values() for lb in d}:
+        ts = sorted(t for t in residuals if lb in residuals[t])
+        for t, v in zip(ts, non_decreasing_fit([residuals[t][lb] for t in ts])):
+            residuals[t][lb] = v
+    overhead = LayerOverhead({t: Table(list(d), list(d.values()), lo=0.0, hi=10.0) for t, d in residuals.items()})
+    compute = layer_compute_table(prefill, peak_flops_per_s, bandwidth_bytes_per_s, eff_c, eff_m, overhead)
+    return overhead, compute, (eff_a if any(len(v) > 1 for v in decode.values()) else None)
+
+
+def layer_attention_table(decode: dict, peak_flops_per_s: float, bandwidth_bytes_per_s: float, eff_c, eff_a):
+    """Eff_attn(ctx) of real decode layers, from the same layer timed over a short and a long KV
+    cache: the extra keys' bytes over the extra time (less their attention FLOPs at the compute
+    factor), the median over widths and batches; the SDPA micro-benchmark's ctx curve scaled to
+    it where there is one (its shape kept, so ctx / Eff_attn(ctx) still never falls), else
+    constant. None without such pairs."""
+    from flexplan.calibration.efficiency import EFF_MAX, Table
+
+    effs, ctxs = [], []
+    for (tokens, _), runs in decode.items():
+        if len(runs) < 2:
+            continue
+        (l0, w0, t0), (l1, w1, t1) = min(runs, key=lambda x: x[0]), max(runs, key=lambda x: x[0])
+        kv = float(w1.kv_read_cpu[0] - w0.kv_read_cpu[0])
+        dt = (t1 - t0) - t_compute_s(float(w1.flops[0] - w0.flops[0]), peak_flops_per_s, float(eff_c(tokens)))
+        if kv > 0 and dt > 0:
+            effs.append(min(EFF_MAX, kv / (bandwidth_bytes_per_s * dt)))
+            ctxs.append(float(np.sqrt(l0 * l1)))
+    if not effs:
+        return None
+    if eff_a is None:
+        lo, hi = min(ctxs), max(ctxs)
+        return Table([lo, hi * 1.0001], [float(np.median(effs))] * 2)
+    k = float(np.median([e / float(eff_a(c)) for e, c in zip(effs, ctxs)]))
+    return Table(eff_a.x, eff_a.y * k)
 
 
 def layer_compute_table(prefill: list, peak_flops_per_s: float, bandwidth_bytes_per_s: float, eff_c, eff_m,

@@ -69,6 +69,9 @@ class Sizes:
         (576, 1536, 9, 3, 64), (1024, 2816, 16, 4, 64), (2048, 5632, 32, 8, 64))
     layer_shapes: tuple[tuple[int, int], ...] = ((1, 1), (8, 1), (1, 128), (1, 512))
     layer_kv_len: int = 128
+    # decode shapes are measured again over this longer KV cache (None: not): the context cost of
+    # a real layer's decode attention (layer_fit.py), which the SDPA micro-benchmark misses
+    layer_long_kv_len: int | None = None
     layer_copies: int = 64  # at most this many copies of a real layer (each one built and packed)
     # (hidden, vocab) of LM heads: a tall GEMV that streams differently from a layer's projections
     head_shapes: tuple[tuple[int, int], ...] = ((576, 49152), (2048, 32000))
@@ -79,6 +82,13 @@ class Sizes:
     # the measurements (keys of the file's `measurements`) this mode takes; None: all of them
     parts: frozenset[str] | None = None
 
+    def layer_points(self) -> list[tuple[int, int, int]]:
+        """(batch, query_len, cached keys before it) of every real-layer measurement."""
+        out = [(b, q, self.layer_kv_len if q == 1 else 0) for b, q in self.layer_shapes]
+        if self.layer_long_kv_len:
+            out += [(b, q, self.layer_long_kv_len) for b, q in self.layer_shapes if q == 1]
+        return out
+
     def measures(self, key: str) -> bool:
         return self.parts is None or key in self.parts
 
@@ -87,20 +97,20 @@ MODES = {
     "full": Sizes(gemv_tokens=(1, 2, 4, 8, 16), gemm_tokens=(64, 256, 1024, 4096), weight_shapes=WEIGHT_SHAPES,
                   attn_kv_lens=(128, 512, 2048, 8192), attn_batches=(1, 8), repeats=7, budget_s=4.0,
                   attn_layouts=((32, 32, 128), (16, 1, 64)), sweep_prefill_tokens=1024,
-                  layer_shapes=((1, 1), (4, 1), (8, 1), (1, 128), (1, 512), (4, 512), (8, 512))),
+                  layer_shapes=((1, 1), (4, 1), (8, 1), (1, 128), (1, 512), (4, 512), (8, 512)), layer_long_kv_len=1024),
     # quick: every decode batch `flexplan validate` runs (1, 4, 8) measured as in full, fewer prefill
     # shapes and less time per shape; the fit's physical constraints (efficiency.py) keep the
     # points it lacks from bending the curve (calibration/README.md, "What --quick measures")
     "quick": Sizes(gemv_tokens=(1, 4, 8, 16), gemm_tokens=(64, 256, 1024), weight_shapes=WEIGHT_SHAPES,
                    attn_kv_lens=(128, 512, 2048, 8192), attn_batches=(1, 8), repeats=7, budget_s=1.0,
                    stream_bytes=128 * 2**20, layer_calls=100, transfer_bytes=(2**20, 16 * 2**20, 256 * 2**20),
-                   layer_shapes=((1, 1), (4, 1), (8, 1), (1, 128), (1, 512), (4, 512))),
+                   layer_shapes=((1, 1), (4, 1), (8, 1), (1, 128), (1, 512), (4, 512)), layer_long_kv_len=1024),
     # for tests: seconds, not minutes; the numbers mean little
     "tiny": Sizes(gemv_tokens=(1, 4), gemm_tokens=(16, 64), weight_shapes=((256, 512),), attn_kv_lens=(64, 256),
                   attn_batches=(1, 2), attn_heads=(4, 2, 32), attn_layouts=((4, 1, 32),), repeats=3, budget_s=0.2, rotate_bytes=4 * 2**20,
                   stream_bytes=4 * 2**20, layer_calls=10, sweep_prefill_tokens=16,
                   transfer_bytes=(2**16, 2**20), layer_widths=((64, 128, 4, 2, 16), (128, 256, 4, 2, 32)),
-                  layer_shapes=((1, 1), (1, 16)), layer_kv_len=16, head_shapes=((64, 1000),), head_tokens=(1, 2)),
+                  layer_shapes=((1, 1), (1, 16)), layer_kv_len=16, layer_long_kv_len=64, head_shapes=((64, 1000),), head_tokens=(1, 2)),
     # first use (flexplan/calibration/first_use.py): seconds (target: a few). STREAM, op dispatch, on one
     # 1B-class projection (2048 x 2048) the GEMV at the decode batches validate runs (1, 4, 8)
     # and prefill GEMMs at 32, 128 and 512 tokens (one GEMM at 256 alone left prefill at 32 and
@@ -120,7 +130,7 @@ MODES = {
                    attn_batches=(1,), repeats=3, budget_s=0.25, stream_bytes=64 * 2**20, layer_calls=20,
                    transfer_bytes=(16 * 2**20, 128 * 2**20), generate_shapes=((65536, 1), (65536, 4)),
                    generate_steps=8, layer_widths=((576, 1536, 9, 3, 64),), layer_shapes=((1, 1), (8, 1), (1, 128)),
-                   layer_kv_len=32, rotate_llc_multiple=2.0, layer_copies=4,
+                   layer_kv_len=32, layer_long_kv_len=512, rotate_llc_multiple=2.0, layer_copies=4,
                    parts=frozenset({"cpu_stream", "cpu_op_dispatch", "cpu_gemv", "cpu_gemm", "cpu_attention",
                                     "cpu_layers", "cpu_layer_overhead", "cpu_generate_step", "h2d", "d2h"})),
 }
@@ -383,8 +393,7 @@ def layers(sizes: Sizes, dtype: str, tick: Callable[[], None] | None = None) -> 
         for layer in copies:
             layer.eval()
         rotary = LlamaRotaryEmbedding(cfg)
-        for batch, q_len in sizes.layer_shapes:
-            past = sizes.layer_kv_len if q_len == 1 else 0
+        for batch, q_len, past in sizes.layer_points():
             if kernel.packed:  # weights as the executor holds them for a plan of this batch
                 for layer in copies:
                     pack_module(layer, pack_batch_hint(batch), kernel.name)
