@@ -54,7 +54,7 @@ def flexplan_cmd(*args: str, env: dict) -> subprocess.CompletedProcess:
     return r
 
 
-def one_cycle(k: int, folder: Path, env: dict, grid: str | None) -> dict:
+def one_cycle(k: int, folder: Path, env: dict, grid: str | None, models=tuple(MODELS), repeats: int = 1) -> dict:
     cycle: dict = {"cycle": k, "calibrations": {}, "validations": {}}
     files = {}
     for mode, flags in MODES.items():
@@ -68,9 +68,10 @@ def one_cycle(k: int, folder: Path, env: dict, grid: str | None) -> dict:
         print(f"cycle {k}: calibrate {mode}: {cycle['calibrations'][mode]['wall_s']} s (triad {before} GB/s)",
               flush=True)
     sets = ",".join(f"{m}={p}" for m, p in files.items())
-    for model in MODELS:
+    for model in models:
         out = folder / f"cycle{k}-validate-{model}"
-        args = ["validate", "--model", model, "--calibrations", sets, "--out", str(out), "--json", "--no-plot"]
+        args = ["validate", "--model", model, "--calibrations", sets, "--out", str(out), "--json", "--no-plot",
+                "--repeats", str(repeats)]
         if grid or GRIDS[model]:
             args += ["--grid", grid or GRIDS[model]]
         t0 = time.perf_counter()
@@ -96,7 +97,7 @@ def medians(cycles: list[dict]) -> dict:
                 for stat in ("mape", "p90"):
                     for phase in ("prefill", "decode"):
                         vals = [c["validations"][model]["sets"][mode][kind][stat][phase]["cpu"] for c in cycles
-                                if kind in c["validations"][model]["sets"][mode]]
+                                if model in c["validations"] and kind in c["validations"][model]["sets"][mode]]
                         vals = [v for v in vals if v is not None]
                         if vals:
                             (out.setdefault(model, {}).setdefault(mode, {}).setdefault(kind, {})
@@ -125,7 +126,13 @@ def main() -> int:
     ap.add_argument("--cycles", type=int, default=3)
     ap.add_argument("--grid", default=None, help="validate grid (default: validate's)")
     ap.add_argument("--name", default="calibration_cycles")
+    ap.add_argument("--models", default=",".join(MODELS), help=f"comma-separated, of {', '.join(MODELS)}")
+    ap.add_argument("--repeats", type=int, default=1, help="validate runs per grid point (the median is kept)")
     args = ap.parse_args()
+    models = [m for m in args.models.split(",") if m]
+    unknown = [m for m in models if m not in MODELS]
+    if unknown or not models:
+        raise SystemExit(f"--models: unknown {unknown or 'none given'}; use some of {', '.join(MODELS)}")
     cycles = []
     with tempfile.TemporaryDirectory(prefix="flexplan-cycles-") as tmp:
         folder = Path(tmp)
@@ -133,12 +140,13 @@ def main() -> int:
         env = dict(os.environ, FLEXPLAN_CALIBRATION_DIR=str(folder / "lookup"), FLEXPLAN_AUTO_CALIBRATE="0",
                    FLEXPLAN_ONLINE_CORRECTION="0", PYTHONPATH=str(REPO_ROOT))
         for k in range(1, args.cycles + 1):
-            cycles.append(one_cycle(k, folder, env, args.grid))
+            cycles.append(one_cycle(k, folder, env, args.grid, models, args.repeats))
             med = medians(cycles)  # written after every cycle: an interrupted run keeps what it measured
             lines = verdicts(med)
             path = write_result(args.name, {
                 "command": "python benchmarks/bench_calibration_cycles.py " + " ".join(sys.argv[1:]), "policy": "cpu",
-                "models": MODELS, "grids": {m: g or "validate's default" for m, g in GRIDS.items()},
+                "models": {m: MODELS[m] for m in models}, "repeats": args.repeats,
+                "grids": {m: args.grid or GRIDS[m] or "validate's default" for m in models},
                 "cycles_done": len(cycles), "targets_mape_pct": TARGETS, "target_p90_full_pct": TARGET_P90_FULL,
                 "median_over_cycles": med, "verdicts": lines, "cycles": cycles})
     print("\n".join(lines))

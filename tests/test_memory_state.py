@@ -321,3 +321,16 @@ def test_last_stats_carry_the_memory_state_of_the_plan_they_ran(local, probe, tm
     st = lm.last_stats
     assert st.memory_state.startswith("memory state: memory probe 5.0 GB/s now vs 10.0 GB/s") and "x2.00" in st.memory_state
     assert st.memory_state in st.summary() and st.to_dict()["memory_state"] == st.memory_state
+
+
+def test_one_slow_probe_reading_is_confirmed_before_it_scales_anything(local, probe, tmp_path, monkeypatch):
+    meas = FAST.measurements("quick", _dtypes(local))
+    meas["memory_state"] = _record(local)
+    _use(monkeypatch, _write(tmp_path, local, meas, "cal.yaml"))
+    readings = iter([REF / 3, REF])  # a neighbour's burst, then the state as it is
+    monkeypatch.setattr(membw, "measure_copy_bytes_per_s", lambda *a, **k: next(readings))
+    membw.forget_probe()
+    assert efficiency_for(local).scale("cpu_memory") == 1.0
+    readings = iter([REF / 2, REF / 2])  # a state that lasts: scaled
+    membw.forget_probe()
+    assert efficiency_for(local).scale("cpu_memory") == pytest.approx(2.0)

@@ -263,8 +263,10 @@ def at_state_now(eff: "Efficiency", meas: dict) -> "Efficiency":
     if not membw.probe_enabled():
         return ScaledEfficiency(eff, {}, f"{NOTE_PREFIX} probe off (${membw.PROBE_ENV}=0): factors at the "
                                          f"calibration's median state (probe {_gb(ref)} median at calibration)")
-    mem, mem_note = _scale_now(meas, "memory", membw.probe_bytes_per_s, _gb)
-    comp, comp_note = _scale_now(meas, "compute", membw.probe_flops_per_s, lambda x: f"{x / 1e9:.0f} GFLOP/s")
+    mem, mem_note = _scale_now(meas, "memory", lambda: membw.probe_bytes_per_s(reference=ref), _gb)
+    comp, comp_note = _scale_now(meas, "compute",
+                                 lambda: membw.probe_flops_per_s(reference=reference_bytes_per_s(meas, "compute")),
+                                 lambda x: f"{x / 1e9:.0f} GFLOP/s")
     scales = {"cpu_memory": mem} if mem != 1.0 else {}
     if comp != 1.0:
         scales.update(cpu_compute=comp, overhead=comp)
