@@ -42,6 +42,10 @@ class ExpertSplit:
     distinct_experts: float  # e(b): expected experts one step reads per MoE layer
     rows_per_expert: float  # b k / e(b)
     moe_layers_before: np.ndarray  # [j] = MoE layers among the first j layers, j = 0..N
+    # priced from a routing profile (estimator.expert_cache.with_profile): [j] = the CPU part and the
+    # link part of the first j layers' routed experts, nothing cached; None: uniform routing
+    profile_cpu_before: np.ndarray | None = None
+    profile_link_before: np.ndarray | None = None
 
     @property
     def num_layers(self) -> int:

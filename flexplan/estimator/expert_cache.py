@@ -1,0 +1,114 @@
+"""The routed experts of a CPU-experts layer priced from a routing profile, with the K most-used
+of them cached on the accelerator (issue 15, item 3; ``flexplan.routing_profile``).
+
+Per MoE layer, q_e is the fraction of profiled tokens whose router picked expert e (sum_e q_e = k).
+Assumptions: the b rows of a step (batch in decode, batch x prompt in prefill) route independently
+of each other, each row picking expert e with probability q_e (its marginal in the profile; the
+expected distinct experts are then exact at b = 1, and equal ``costs.expected_experts_read``'s
+E (1 - (1 - k/E)^b) at q_e = k/E); for P(any miss) a row's k picks are taken as independent draws
+from the profile's pick distribution q_e / k. With C the cached experts (the K with the largest q_e)
+and h = sum_{e in C} q_e / k the hit rate:
+
+    P(e read in a step)    = 1 - (1 - q_e)^b
+    hits  (distinct)       = sum_{e in C}     1 - (1 - q_e)^b      accelerator reads their weights
+    misses (distinct)      = sum_{e not in C} 1 - (1 - q_e)^b      the CPU reads their weights
+    hit pairs              = b k h                                 (token, choice) pairs computed on
+    miss pairs             = b k (1 - h)                           the accelerator / on the CPU
+    P(any miss)            = 1 - h^(b k)                           the step goes to the host at all
+
+    t_experts(K) = t_acc(hit pairs, hits) + t_cpu(miss pairs, misses) + P(any miss) (t_hidden_link + overhead)
+
+with t_acc and t_cpu the ``expert_terms`` formulas (C / (TH Eff_Comp) + D / (BW Eff_Mem), FLOPs from the
+pairs, bytes from the distinct experts' weights plus the pairs' activations). The accelerator's
+hits and the CPU's misses run one after the other, as the ``cpu-experts`` policy runs its parts
+(an upper bound where they would overlap). The efficiency factors are asked once per phase at
+the uniform-routing rows per expert (``ExpertSplit.rows_per_expert``), not per K: a simplification
+where a skewed profile gives the hot experts more rows than the cold ones.
+
+Without a profile nothing here is used: the ``cpu-experts`` policy prices uniform routing
+(``expert_terms``) and no cache is planned.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import numpy as np
+
+from flexplan.workload import costs
+
+
+@dataclass(frozen=True)
+class LayerCacheCurve:
+    """One MoE layer in one phase: its experts by descending q_e, and per K = 0..E cached
+    (arrays of E + 1), the expected step time of its routed experts and what it is made of."""
+
+    layer: int
+    order: np.ndarray  # expert ids, most used first: the cache of size K is order[:K]
+    q_sorted: np.ndarray  # q_e in that order
+    time_s: np.ndarray  # t_experts(K)
+    acc_s: np.ndarray  # t_acc of the hits
+    cpu_s: np.ndarray  # t_cpu of the misses (its overhead counted at P(any miss))
+    link_s: np.ndarray  # P(any miss) x t_hidden_link
+    hits: np.ndarray  # distinct cached experts read per step
+    misses: np.ndarray  # distinct uncached experts read per step
+    p_any_miss: np.ndarray
+    hit_rate: np.ndarray
+
+
+def expected_reads(q: np.ndarray, rows: float) -> np.ndarray:
+    """P(e read in a step of ``rows`` rows) = 1 - (1 - q_e)^rows, per expert."""
+    return 1.0 - np.power(1.0 - np.clip(q, 0.0, 1.0), rows)
+
+
+def layer_cache_curve(shape, hw, eff, phase: str, q: np.ndarray, layer: int, split) -> LayerCacheCurve:
+    """:class:`LayerCacheCurve` of an MoE layer whose routers pick expert e with probability q[e],
+    for ``phase`` of the request ``shape`` on ``hw`` (``split``: that phase's ExpertSplit)."""
+    m = shape.model
+    rows = shape.batch * (shape.input_len if phase == "prefill" else 1)
+    order = np.argsort(-q, kind="stable")
+    qs = np.asarray(q, float)[order]
+    reads = expected_reads(qs, rows)
+    zero = np.zeros(1)
+    hit_pairs = rows * np.concatenate([zero, np.cumsum(qs)])
+    miss_pairs = rows * qs.sum() - hit_pairs
+    hits = np.concatenate([zero, np.cumsum(reads)])
+    misses = np.maximum(reads.sum() - hits, 0.0)
+    k = max(m.experts_per_token, 1)
+    hit_rate = np.minimum(hit_pairs / rows / k, 1.0)
+    p_any_miss = 1.0 - np.power(hit_rate, rows * k)
+    p_any_miss[-1] = 0.0  # every expert cached: nothing goes to the host
+    w = 3 if m.gated_mlp else 2
+    pair_flops = 2.0 * w * m.hidden_size * m.expert_intermediate_size
+    act = costs._mlp_activation_elems(m, m.expert_intermediate_size)
+    per_expert, cd = split.rows_per_expert, shape.cpu_dtype
+    cpu, gpu = hw.cpu, hw.gpu
+    cpu_s = (miss_pairs * pair_flops / (cpu.peak_flops_per_s[cd] * eff.cpu_compute(per_expert, cd))
+             + (misses * m.expert_params + miss_pairs * act) * shape.cpu_bytes
+             / (cpu.memory_bandwidth_bytes_per_s * eff.cpu_memory(per_expert, cd))
+             + p_any_miss * eff.cpu_layer_overhead_s(per_expert, cd, misses[0] * m.expert_params * shape.cpu_bytes))
+    acc_s = (hit_pairs * pair_flops / (gpu.peak_flops_per_s[shape.dtype] * eff.gpu_compute(per_expert))
+             + (hits * m.expert_params + hit_pairs * act) * shape.w_bytes
+             / (gpu.memory_bandwidth_bytes_per_s * eff.gpu_memory(per_expert)))
+    link_s = p_any_miss * split.t_hidden_link_s
+    return LayerCacheCurve(layer, order, qs, acc_s + cpu_s + link_s, acc_s, cpu_s, link_s, hits, misses, p_any_miss,
+                           hit_rate)
+
+
+def profile_curves(shape, hw, eff, phase: str, profile, split) -> dict[int, LayerCacheCurve]:
+    """MoE layer -> its :class:`LayerCacheCurve` in ``phase`` from the routing ``profile``."""
+    return {i: layer_cache_curve(shape, hw, eff, phase, profile.selection_probability(i), i, split)
+            for i in profile.counts}
+
+
+def with_profile(split, curves: dict[int, LayerCacheCurve]):
+    """``split`` (an ExpertSplit) whose CPU layers are priced from the profile with nothing cached:
+    ``profile_cpu_before[j]`` / ``profile_link_before[j]`` sum the first j layers' CPU and link parts
+    (the ``cpu-experts`` policy reads them instead of C x the uniform per-layer term)."""
+    n = split.num_layers
+    cpu = np.zeros(n + 1)
+    link = np.zeros(n + 1)
+    for i, c in curves.items():
+        cpu[i + 1] += c.cpu_s[0]
+        link[i + 1] += c.link_s[0]
+    return replace(split, profile_cpu_before=np.cumsum(cpu), profile_link_before=np.cumsum(link))
