@@ -1,0 +1,214 @@
+"""Routing profile, the estimator's pricing of a cached expert, the planner's cache choice (issue 15
+item 3). The executor's side is in test_expert_cache_executor.py."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+import flexplan
+from flexplan import routing_profile as rp
+from flexplan.errors import InvalidInputError, MalformedDataError
+from flexplan.estimator import REGISTRY, DefaultEfficiency, Shape, phase_costs
+from flexplan.estimator.expert_cache import layer_cache_curve, profile_curves
+from flexplan.estimator.expert_terms import t_cpu_experts_s
+from flexplan.hardware import get_hardware
+from flexplan.plan_expert_cache import expert_slot_bytes
+from flexplan.plan_types import Plan
+from flexplan.planner import placement_memory
+from flexplan.workload import resolve_model
+
+GIB = 1 << 30
+QWEN = "Qwen/Qwen3-30B-A3B"
+
+
+def _profile(spec, q_of_layer, tokens=1000):
+    """A profile whose layer i picked expert e in round(q[e] * tokens) of ``tokens`` tokens."""
+    moe = [i for i, x in enumerate(spec.moe_layers) if x]
+    counts = {i: tuple(int(round(x * tokens)) for x in q_of_layer(i)) for i in moe}
+    return rp.RoutingProfile(spec.name, spec.num_layers, spec.num_experts, spec.experts_per_token, counts,
+                             dict.fromkeys(moe, tokens), 3)
+
+
+def _hot(spec, hot=(0.9, 0.9)):
+    """q: the first len(hot) experts picked with these probabilities, the rest of the k picks spread evenly."""
+    e, k = spec.num_experts, spec.experts_per_token
+    rest = (k - sum(hot)) / (e - len(hot))
+    return lambda i: [*hot, *([rest] * (e - len(hot)))]
+
+
+# ---- the profile file ----------------------------------------------------------------------------
+
+def test_profile_round_trip_and_atomic_write(tmp_path, monkeypatch):
+    spec = resolve_model(QWEN)
+    p = _profile(spec, _hot(spec))
+    path = rp.save(p, tmp_path / "prof.json")
+    assert rp.load(path, spec) == p
+    assert list(tmp_path.iterdir()) == [path]  # no temp file left behind
+    np.testing.assert_allclose(p.selection_probability(0)[:2], [0.9, 0.9])
+    # a write that fails half way leaves the old file whole
+    before = path.read_text()
+
+    def boom(obj, f):
+        f.write("{\"format\": ")
+        raise OSError("disk full")
+
+    monkeypatch.setattr(rp.json, "dump", boom)
+    with pytest.raises(OSError):
+        rp.save(p, path)
+    assert path.read_text() == before and list(tmp_path.iterdir()) == [path]
+
+
+def test_corrupt_or_mismatched_profile_is_refused(tmp_path):
+    spec = resolve_model(QWEN)
+    good = _profile(spec, _hot(spec)).to_dict()
+    path = tmp_path / "p.json"
+    cases = {
+        "not valid JSON": "{\"format\": \"flexplan-routing-profile\", ",
+        "not a flexplan routing profile": json.dumps({"counts": {}}),
+        "version 99": json.dumps({**good, "version": 99}),
+        "expert counts, expected 128": json.dumps({**good, "counts": {**good["counts"], "0": [1, 2, 3]}}),
+        "malformed": json.dumps({k: v for k, v in good.items() if k != "tokens"}),
+        "do not fit": json.dumps({**good, "counts": {**good["counts"], "0": [2000] * 128}}),
+    }
+    for message, text in cases.items():
+        path.write_text(text)
+        with pytest.raises(MalformedDataError, match=message):
+            rp.load(path)
+    with pytest.raises(InvalidInputError, match="cannot read"):
+        rp.load(tmp_path / "missing.json")
+    path.write_text(json.dumps(good))
+    other = resolve_model("Qwen/Qwen1.5-MoE-A2.7B") if "Qwen/Qwen1.5-MoE-A2.7B" in flexplan.workload.catalog_names() \
+        else resolve_model("mistralai/Mixtral-8x7B-v0.1")
+    with pytest.raises(InvalidInputError, match="profile-experts"):
+        rp.load(path, other)
+    with pytest.raises(InvalidInputError, match="profile-experts"):  # the planner checks it too
+        flexplan.plan(other, "flexinfer-server2", routing_profile=path)
+
+
+def test_take_counts_the_routers_choices(more_models):
+    """On a tiny Qwen3-MoE: every MoE layer counted, each token picking k experts."""
+    import torch
+
+    model = more_models["qwen3_moe"]
+    p = rp.take(model, [torch.arange(3, 12), [5, 6, 7]])
+    assert p.prompts == 2 and set(p.tokens.values()) == {12}
+    assert all(sum(c) == 12 * p.experts_per_token for c in p.counts.values())
+    with pytest.raises(InvalidInputError, match="dense"):
+        rp.take(more_models["llama3"], [[1, 2]])
+
+
+# ---- the estimator ---------------------------------------------------------------------------------
+
+def _setup(batch=4, input_len=128, output_len=64):
+    hw = get_hardware("flexinfer-server2")
+    eff = DefaultEfficiency.for_hardware(hw)
+    spec = resolve_model(QWEN)
+    shape = Shape(spec, batch, input_len, output_len, "bfloat16", "bfloat16")
+    return hw, eff, spec, shape
+
+
+def test_expected_hits_from_a_skewed_profile_by_hand():
+    """Two hot experts (q = 0.9 each), the other 6.2 picks of k = 8 spread over 126 experts; decode
+    at batch 4 with the two hot ones cached. By hand: each hot expert is read with probability
+    1 - 0.1^4 = 0.9999; a cold one (q = 6.2/126) with 1 - (1 - q)^4; hit rate 1.8 / 8 = 0.225;
+    P(any miss) = 1 - 0.225^32; the CPU reads the misses' weights, the accelerator the hits'."""
+    hw, eff, spec, shape = _setup()
+    q = np.array(_hot(spec)(0))
+    split = phase_costs(shape, hw, eff, "decode").experts
+    c = layer_cache_curve(shape, hw, eff, "decode", q, 0, split)
+    cold = 6.2 / 126
+    assert list(c.order[:2]) == [0, 1]
+    assert c.hits[2] == pytest.approx(2 * (1 - 0.1 ** 4))
+    assert c.misses[2] == pytest.approx(126 * (1 - (1 - cold) ** 4))
+    assert c.misses[0] == pytest.approx(c.hits[2] + c.misses[2])
+    assert c.hit_rate[2] == pytest.approx(0.225) and c.hit_rate[0] == 0 and c.hit_rate[-1] == pytest.approx(1)
+    assert c.p_any_miss[2] == pytest.approx(1 - 0.225 ** 32) and c.p_any_miss[0] == 1 and c.p_any_miss[-1] == 0
+    # the CPU part of K = 2 by hand, at the default factors: misses' weights + activations, FLOPs of the miss pairs
+    cpu = hw.cpu
+    per_expert = split.rows_per_expert
+    miss_pairs = 4 * 8 * (1 - 0.225)
+    act = 2 * (2048 + 768) + (768 + 2048) + 2 * 768
+    cpu_s = (miss_pairs * 2 * 3 * 2048 * 768 / (cpu.peak_flops_per_s["bfloat16"] * eff.cpu_compute(per_expert, "bfloat16"))
+             + (c.misses[2] * spec.expert_params + miss_pairs * act) * 2
+             / (cpu.memory_bandwidth_bytes_per_s * eff.cpu_memory(per_expert, "bfloat16"))
+             + c.p_any_miss[2] * eff.cpu_layer_overhead_s())
+    assert c.cpu_s[2] == pytest.approx(cpu_s)
+    assert c.link_s[2] == pytest.approx(c.p_any_miss[2] * split.t_hidden_link_s)
+    assert c.time_s[2] == pytest.approx(c.acc_s[2] + c.cpu_s[2] + c.link_s[2])
+    assert np.all(np.diff(c.time_s) < 0)  # each expert cached is faster on the accelerator
+
+
+def test_uniform_profile_prices_as_the_uniform_formula():
+    """q_e = k/E: with nothing cached the profile's price is the uniform one of expert_terms."""
+    hw, eff, spec, shape = _setup(batch=3)
+    for phase, rows in (("decode", 3), ("prefill", 3 * 128)):
+        split = phase_costs(shape, hw, eff, phase).experts
+        q = np.full(spec.num_experts, spec.experts_per_token / spec.num_experts)
+        c = layer_cache_curve(shape, hw, eff, phase, q, 0, split)
+        assert c.cpu_s[0] == pytest.approx(t_cpu_experts_s(spec, rows, hw.cpu, eff, "bfloat16", 2, 2))
+        assert c.link_s[0] == pytest.approx(split.t_hidden_link_s) and c.acc_s[0] == 0
+
+
+# ---- the planner -----------------------------------------------------------------------------------
+
+def _forced(shape, hw, eff, m, budget, profile, **kw):
+    return flexplan.plan(shape.model, hw, batch_size=shape.batch, input_len=shape.input_len,
+                         output_len=shape.output_len, dtype="bfloat16", cpu_dtype="bfloat16", gpu_memory_bytes=budget,
+                         prefill="cpu-experts", decode="cpu-experts", gpu_layers=m, efficiency=eff,
+                         routing_profile=profile, **kw)
+
+
+def test_planner_caches_what_the_budget_holds_by_hand():
+    """cpu-experts in both phases with M = 40 of 48 layers: 8 CPU layers, each with two hot experts.
+    A budget that leaves room for 3 experts beyond the placement: the cache holds 3, the most used
+    first (layer 0's two hot ones, then layer 1's first); TPOT falls by exactly those layers' decode
+    price difference, and the plan round-trips through JSON. No room: no cache."""
+    hw, eff, spec, shape = _setup(batch=1)
+    n, m = spec.num_layers, 40
+    profile = _profile(spec, _hot(spec))
+    phases = {ph: REGISTRY["cpu-experts"].placement(n, m, ph) for ph in ("prefill", "decode")}
+    need = placement_memory(shape, hw, phases).accelerator_bytes
+    slot = expert_slot_bytes(spec, 2)
+    assert slot == 3 * 2048 * 768 * 2
+    p = _forced(shape, hw, eff, m, need + 3 * slot + slot // 2, profile, include_initial_load=False)
+    cache = p.expert_cache
+    assert cache is not None and dict(cache.experts) == {0: (0, 1), 1: (0,)}
+    assert cache.accelerator_bytes == 3 * slot and cache.num_experts == 3
+    assert cache.hit_rate[0] == pytest.approx(1.8 / 8) and cache.hit_rate[1] == pytest.approx(0.9 / 8)
+    curves = profile_curves(shape, hw, eff, "decode", profile, phase_costs(shape, hw, eff, "decode").experts)
+    base = _forced(shape, hw, eff, m, need, profile, include_initial_load=False)
+    assert base.expert_cache is None
+    drop = (curves[0].time_s[0] - curves[0].time_s[2]) + (curves[1].time_s[0] - curves[1].time_s[1])
+    assert base.tpot_s - p.tpot_s == pytest.approx(drop)
+    assert p.e2e_s < base.e2e_s and p.decode.gpu_memory_bytes == base.decode.gpu_memory_bytes + 3 * slot
+    assert Plan.from_dict(json.loads(p.to_json())) == p
+    # without a profile: no cache, and the uniform pricing
+    assert _forced(shape, hw, eff, m, need + 3 * slot, None, include_initial_load=False).expert_cache is None
+
+
+def test_a_cache_that_does_not_pay_for_its_load_is_not_kept():
+    """The initial load counted, memory for every CPU expert. One output token of an 8-token prompt
+    at batch 1: loading a hot expert (3 x 2048 x 768 bf16 = 9.4 MB over PCIe 5 at 64 GB/s x 0.8: ~184 us)
+    costs more than its one prefill read saves (9.4 MB from host memory at 407.8 GB/s x 0.4, ~58 us,
+    against ~7 us from HBM): no cache. 16 output tokens: a hot expert saves ~50 us in each of the 15
+    decode steps (750 us > 184 us), a cold one (read with q = 6.2/126 = 0.049 per step) ~2.5 us per
+    step (38 us < 184 us), and caching all 126 cold ones to spare the host trip (150 us overhead +
+    ~20 us link per step) costs 23 ms of loading for 2.6 ms: a cache of the hot experts only, its
+    reported saving the E2E difference."""
+    hw, eff, spec, _ = _setup()
+    profile = _profile(spec, _hot(spec))
+    n, m = spec.num_layers, 40
+    for out_len, expect in ((1, None), (16, {i: (0, 1) for i in range(8)})):
+        shape = Shape(spec, 1, 8, out_len, "bfloat16", "bfloat16")
+        phases = {ph: REGISTRY["cpu-experts"].placement(n, m, ph) for ph in ("prefill", "decode")}
+        need = placement_memory(shape, hw, phases).accelerator_bytes
+        p = _forced(shape, hw, eff, m, need + 20 * GIB, profile)
+        base = _forced(shape, hw, eff, m, need, profile)
+        got = dict(p.expert_cache.experts) if p.expert_cache is not None else None
+        assert got == expect
+        if expect is not None:
+            assert p.e2e_s == pytest.approx(base.e2e_s - p.expert_cache.saved_s) and p.expert_cache.saved_s > 0
+            assert p.load_s > base.load_s
