@@ -206,8 +206,12 @@ class Executor:
             self.__dict__.pop("inventory")
         return footprint(self.inventory, placement, batch, input_len or capacity, capacity, kernel)
 
-    def check(self, placement: Placement, batch: int, capacity: int, input_len: int | None = None) -> None:
+    def check(self, placement: Placement, batch: int, capacity: int, input_len: int | None = None,
+              plan: Plan | None = None) -> None:
         need = self.memory_need(placement, batch, capacity, input_len)
+        cache = getattr(plan or self.plan, "expert_cache", None)
+        if cache is not None:  # the routed experts the plan caches on the accelerator (executor.expert_cache)
+            need = MemoryNeed({**need.accelerator, "expert cache": cache.accelerator_bytes}, need.pinned, need.host)
         check_fits(need, placement, self.accelerator_budget_bytes, self.pinned_budget_bytes,
                    f"batch {batch} x {capacity} tokens")
 
@@ -215,9 +219,11 @@ class Executor:
         """Put every unit's weights where ``plan`` needs them (refusing before any allocation
         when it does not fit). A no-op when the placement is unchanged."""
         placement = self._splittable(Placement.from_plan(plan, self.num_layers))
-        self.check(placement, plan.batch_size, plan.input_len + plan.output_len, plan.input_len)
+        self.check(placement, plan.batch_size, plan.input_len + plan.output_len, plan.input_len, plan)
         pack_batch = cpu_linear.pack_batch_hint(plan.batch_size) if self.backend.packs_weights else None
         if placement == self.placement and pack_batch == self.pack_batch and source is None:
+            if getattr(plan, "expert_cache", None) != getattr(self.plan, "expert_cache", None):
+                self._place_expert_cache(plan)
             self.plan = plan
             return
         self.placement, self.plan, self.pack_batch = placement, plan, pack_batch
@@ -245,6 +251,7 @@ class Executor:
             self._bind_layer(i, PREFILL)
         fill(self.head, placement.head_places())
         self.head.bind(placement.head_place(PREFILL))
+        self._place_expert_cache(plan)
         if streamed and self.slots is None:
             self.slots = StreamSlots(self.link, slot_bytes)
         beside = sorted({i for ph in placement.phases for i in placement.attention_on_cpu(ph)})
@@ -255,6 +262,31 @@ class Executor:
             for i in range(self.num_layers):
                 if all(placement.modes[ph][i].on_cpu for ph in (PREFILL, DECODE)):
                     self.backend.optimize(self.parts.layers[i], self._dtype(HOST_MEMORY))
+
+    def _place_expert_cache(self, plan: Plan) -> None:
+        """Copy the routed experts ``plan.expert_cache`` names into accelerator memory, beside their
+        layer's host copy (executor.expert_cache); the previous plan's cache is freed first."""
+        from flexplan.errors import InvalidInputError
+        from flexplan.executor.expert_cache import CachedExperts
+
+        for found in self.expert_modules:
+            if found is not None and found[1].cached is not None:
+                found[1].cached.release(self.link)
+                found[1].cached = None
+        cache = getattr(plan, "expert_cache", None)
+        if cache is None:
+            return
+        for i, ids in cache.experts.items():
+            if not (0 <= i < self.num_layers and self.expert_modules[i] is not None
+                    and ACCELERATOR not in self.placement.expert_places(i)):
+                raise InvalidInputError(f"the plan's expert cache names layer {i}, which has no routed experts kept off "
+                                        "the accelerator under this plan; plan again with the routing profile")
+            module, place = self.expert_modules[i]
+            g = self.layers[i]
+            st = next(st for p, st in g.storages.items() if p != ACCELERATOR and st.part != "rest")
+            prefix = next(n for n in g.experts).rsplit(".", 1)[0]
+            place.cached = CachedExperts(module, ids, lambda leaf: g.dense(f"{prefix}.{leaf}", st.views[f"{prefix}.{leaf}"]),
+                                         self.link, self._dtype(ACCELERATOR), i)
 
     def _splittable(self, placement: Placement) -> Placement:
         """``placement`` with each layer whose attention cannot be routed to the CPU (it does not

@@ -1,0 +1,78 @@
+"""The executor's expert cache on the CPU stand-in (issue 15 item 3): cached experts of a CPU-experts
+layer compute on the accelerator, the others on the CPU, and the tokens are transformers'."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+
+import pytest
+import torch
+
+import flexplan.api as api
+from flexplan.estimator import REGISTRY, Shape
+from flexplan.executor.plans import fixed_plan
+from flexplan.plan_types import ExpertCache, Plan
+from flexplan.planner import placement_memory
+from flexplan.workload.model import ModelSpec
+
+from conftest import left_padded_batch
+
+GIB = 1 << 30
+NEW = 6
+
+
+def _cache(spec: ModelSpec):
+    """The first MoE layer caches all its experts (it never goes to the host), the others two of four."""
+    moe = [i for i, x in enumerate(spec.moe_layers) if x]
+    experts = {i: tuple(range(spec.num_experts)) if j == 0 else (1, 3) for j, i in enumerate(moe)}
+    nbytes = sum(len(v) for v in experts.values()) * spec.expert_params * 4
+    return ExpertCache(experts, dict.fromkeys(experts, 0.5), nbytes, 0.0, "test")
+
+
+def _run(fresh, family, prefill, decode, lengths=(7, 4, 9)):
+    model, ref = fresh(family)
+    ids, mask = left_padded_batch(lengths)
+    expected = ref.generate(input_ids=ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False)
+    spec = ModelSpec.from_config(model.config)
+    plan = fixed_plan(model.config, prefill, decode, 0, batch_size=len(lengths), input_len=max(lengths),
+                      output_len=NEW, gpu_memory_bytes=GIB)
+    plan = replace(plan, expert_cache=_cache(spec))
+    lm = api.load(model, plan=plan, accelerator="cpu", gpu_memory_bytes=GIB)
+    out = lm.generate(input_ids=ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False)
+    return lm, out, expected, spec
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral", "deepseek_v3", "gpt_oss", "qwen2_moe"])
+@pytest.mark.parametrize("prefill,decode", [("cpu-experts", "cpu-experts"), ("gpu-offload", "cpu-experts"),
+                                            ("cpu-experts", "splitgen")])
+def test_cached_experts_token_identical(fresh, family, prefill, decode):
+    """Batched and left-padded: transformers' tokens; the fully cached layer never went to the host,
+    the half-cached ones did, and their cache computed some pairs; the accelerator holds exactly the
+    memory model's bytes plus the cache's."""
+    lm, out, expected, spec = _run(fresh, family, prefill, decode)
+    assert torch.equal(out, expected)
+    ex = lm.executor
+    moe = [m for m in ex.expert_modules if m is not None]
+    first, rest = moe[0][1], [p for _, p in moe[1:]]
+    assert first.calls == 0 and first.cache_pairs > 0
+    assert all(p.calls > 0 and p.cache_pairs > 0 for p in rest)
+    phases = {ph: REGISTRY[c.policy].placement(spec.num_layers, c.gpu_layers, ph) for ph, c in lm.plan.phases.items()}
+    need = placement_memory(Shape(spec, 3, 9, NEW, "float32", "float32"), None, phases,
+                            ex.backend.linear_kernel if ex.backend.packs_weights else None)
+    assert ex.link.live_bytes("accelerator") == need.allocated("accelerator") + lm.plan.expert_cache.accelerator_bytes
+    cached = [b for b in ex.link.live_buffers("accelerator") if b.tag.startswith("expert cache")]
+    assert sum(b.nbytes for b in cached) == lm.plan.expert_cache.accelerator_bytes and len(cached) == len(moe)
+
+
+def test_plan_round_trip_keeps_the_cache_and_a_bad_layer_is_refused(fresh):
+    model, _ = fresh("mixtral")
+    spec = ModelSpec.from_config(model.config)
+    plan = replace(fixed_plan(model.config, "cpu-experts", "cpu-experts", 1, gpu_memory_bytes=GIB),
+                   expert_cache=_cache(spec))
+    assert Plan.from_dict(json.loads(plan.to_json())).expert_cache == plan.expert_cache
+    from flexplan.errors import InvalidInputError
+
+    # M = 1: layer 1's experts are resident, the cache names it
+    with pytest.raises(InvalidInputError, match="expert cache names layer 1"):
+        api.load(model, plan=plan, accelerator="cpu", gpu_memory_bytes=GIB)
