@@ -29,6 +29,7 @@ from flexplan.placement import ACCELERATOR, Placement
 from flexplan.plan_types import PHASES, ExpertCache, Plan
 
 CPU_EXPERTS_POLICY = "cpu-experts"
+NO_CACHE = "expert cache: none: "  # the note a plan with a profile but no cache carries (explain prints it)
 
 
 def resolve_profile(profile, spec):
@@ -91,7 +92,10 @@ def add_expert_cache(p: Plan, shape, hw, eff, curves_by_phase: dict, need_accele
     q_any = _any_curves(curves_by_phase)
     slots = min(room, sum(len(q_any[i].q_sorted) for i in layers))
     if not layers or slots <= 0:
-        return p
+        why = ("no CPU layer's experts are off the accelerator in every phase" if not layers else
+               f"the plan leaves {max(0.0, p.gpu_memory_bytes - need_accelerator_bytes) / (1 << 20):.0f} MiB of the "
+               f"accelerator budget, less than one expert ({slot_bytes / (1 << 20):.1f} MiB)")
+        return replace(p, notes=p.notes + (f"{NO_CACHE}{why}",))
     k = cache_sizes(q_any, layers, slots)
     delta = {}
     for ph in PHASES:
@@ -110,7 +114,8 @@ def add_expert_cache(p: Plan, shape, hw, eff, curves_by_phase: dict, need_accele
     gain = load + delta["prefill"] + steps * delta["decode"]
     s = int(np.argmin(gain))
     if s == 0 or gain[s] >= 0:
-        return p
+        return replace(p, notes=p.notes + (f"{NO_CACHE}no cached expert saves more than loading it costs "
+                                           f"(room for {slots})",))
     experts = {i: tuple(int(e) for e in q_any[i].order[:k[s, j]]) for j, i in enumerate(layers) if k[s, j]}
     hit = {i: float(q_any[i].hit_rate[k[s, j]]) for j, i in enumerate(layers) if k[s, j]}
     cache = ExpertCache(experts, hit, int(cache_bytes[s]), float(-gain[s]), profile_name)
@@ -122,8 +127,10 @@ def add_expert_cache(p: Plan, shape, hw, eff, curves_by_phase: dict, need_accele
     note = (f"expert cache: {cache.num_experts} routed experts of {len(experts)} CPU layers kept on the accelerator "
             f"({cache.accelerator_bytes / (1 << 30):.2f} GiB), predicted hit rate {100 * mean_hit:.0f}% in those layers, "
             f"E2E {cache.saved_s:.3g} s lower")
+    e2e = p.e2e_s + float(gain[s])
+    reason = f"{p.reason} The expert cache takes E2E from {p.e2e_s:.3g} s to {e2e:.3g} s."
     return replace(p, prefill=pre, decode=dec, ttft_s=pre.time_s, tpot_s=dec.time_s, load_s=p.load_s + float(load[s]),
-                   e2e_s=p.e2e_s + float(gain[s]), expert_cache=cache, notes=p.notes + (note,))
+                   e2e_s=e2e, expert_cache=cache, notes=p.notes + (note,), reason=reason)
 
 
 def _any_curves(curves_by_phase: dict) -> dict:

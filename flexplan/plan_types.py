@@ -111,7 +111,10 @@ class ExpertCache:
     def to_dict(self) -> dict[str, Any]:
         return {"experts": {str(k): list(v) for k, v in self.experts.items()},
                 "hit_rate": {str(k): v for k, v in self.hit_rate.items()},
-                "accelerator_bytes": self.accelerator_bytes, "saved_s": self.saved_s, "profile": self.profile}
+                "accelerator_bytes": self.accelerator_bytes, "saved_s": self.saved_s, "profile": self.profile,
+                # derived, for readers of `flexplan explain --json` (ignored by from_dict)
+                "cached_per_layer": {str(k): len(v) for k, v in self.experts.items()},
+                "mean_hit_rate": sum(self.hit_rate.values()) / len(self.hit_rate) if self.hit_rate else 0.0}
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "ExpertCache":

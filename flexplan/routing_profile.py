@@ -143,10 +143,12 @@ def load(path, spec=None) -> RoutingProfile:
     return profile
 
 
-def take(model, prompts, tokenizer=None, max_new_tokens: int = 0) -> RoutingProfile:
+def take(model, prompts, tokenizer=None, max_new_tokens: int = 0, run=None) -> RoutingProfile:
     """Run ``model`` (a transformers causal LM) on each prompt (text with ``tokenizer``, or a 1-D
     tensor / list of token ids) and count its routers' choices per MoE layer; with
-    ``max_new_tokens`` > 0 the greedy continuation's decode steps are counted too."""
+    ``max_new_tokens`` > 0 the greedy continuation's decode steps are counted too. ``run(ids)``:
+    how to run one prompt instead (e.g. a flexplan-loaded model's generate: the hooks sit on
+    ``model``'s modules, whoever calls them)."""
     import torch
 
     from flexplan.executor.cpu_experts import find_routed_experts
@@ -186,7 +188,9 @@ def take(model, prompts, tokenizer=None, max_new_tokens: int = 0) -> RoutingProf
             if ids.numel() == 0:
                 continue
             with torch.no_grad():
-                if max_new_tokens > 0:
+                if run is not None:
+                    run(ids)
+                elif max_new_tokens > 0:
                     model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
                                    do_sample=False)
                 else:

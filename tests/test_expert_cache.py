@@ -212,3 +212,51 @@ def test_a_cache_that_does_not_pay_for_its_load_is_not_kept():
         if expect is not None:
             assert p.e2e_s == pytest.approx(base.e2e_s - p.expert_cache.saved_s) and p.expert_cache.saved_s > 0
             assert p.load_s > base.load_s
+
+
+# ---- the command line ------------------------------------------------------------------------------
+
+def _tiny_moe_folder(path, model):
+    """A saved tiny MoE model with a word-level tokenizer (built offline) beside it."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"[UNK]": 0, **{f"w{i}": i for i in range(1, model.config.vocab_size)}}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]", pad_token="[UNK]").save_pretrained(path)
+    model.save_pretrained(path)
+    return path
+
+
+def test_profile_experts_cli_then_explain_with_it(tmp_path, more_models, capsys):
+    """`flexplan profile-experts` on a saved tiny Qwen3-MoE writes a profile that `flexplan explain
+    --routing-profile` reads (a forced cpu-experts plan with memory to spare shows its cache, text
+    and JSON); bad input is one line, exit code 2."""
+    from flexplan.cli import main
+
+    folder = _tiny_moe_folder(tmp_path / "moe", more_models["qwen3_moe"])
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("w1 w5 w9 w12 w3\n\nw40 w41 w7\n")
+    out = tmp_path / "prof.json"
+    assert main(["profile-experts", str(folder), "--prompts", str(prompts), "--out", str(out), "--new-tokens", "3",
+                 "--accelerator", "cpu"]) == 0
+    p = rp.load(out)
+    assert p.prompts == 2 and p.model == "moe" and set(p.tokens.values()) == {5 + 2 + 3 + 2}
+    assert "2 prompts" in capsys.readouterr().out
+    args = ["explain", str(folder / "config.json"), "--hw", "flexinfer-server2", "--prefill", "cpu-experts",
+            "--decode", "cpu-experts", "--gpu-layers", "0", "-o", "512", "--routing-profile", str(out)]
+    assert main(args) == 0
+    text = capsys.readouterr().out
+    assert "expert cache: 8 routed experts of 2 CPU layers on the accelerator" in text, text
+    assert main(args + ["--json"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert d["expert_cache"]["cached_per_layer"] == {"0": 4, "1": 4}
+    assert Plan.from_dict(d).expert_cache.experts == {0: (0, 1, 2, 3), 1: (0, 1, 2, 3)}
+    empty = tmp_path / "empty.txt"
+    empty.write_text("\n")
+    assert main(["profile-experts", str(folder), "--prompts", str(empty), "--out", str(out)]) == 2
+    assert "holds no prompt" in capsys.readouterr().err
+    out.write_text("{")
+    assert main(args) == 2
+    assert "not valid JSON" in capsys.readouterr().err
