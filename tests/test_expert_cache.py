@@ -260,3 +260,61 @@ def test_profile_experts_cli_then_explain_with_it(tmp_path, more_models, capsys)
     out.write_text("{")
     assert main(args) == 2
     assert "not valid JSON" in capsys.readouterr().err
+
+
+# ---- calibration: the CPU expert path at the rows per expert routing produces (issue 15 item 4) ----
+
+def _expert_spec(hidden=1024, inter=512, experts=64, k=4):
+    import transformers
+
+    from flexplan.workload.model import ModelSpec
+
+    return ModelSpec.from_config(transformers.Qwen3MoeConfig(
+        hidden_size=hidden, moe_intermediate_size=inter, num_experts=experts, num_experts_per_tok=k,
+        num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=4, head_dim=128, vocab_size=1000))
+
+
+def test_expert_microbench_rows_and_modes():
+    """The tiny mode times the executor's expert path at each rows-per-expert; quick and full take
+    it, the first-use probe does not (it stays a few seconds)."""
+    from flexplan.calibration import cli as cal_cli
+    from flexplan.calibration import microbench as mb
+
+    rows = mb.expert_gemv(mb.MODES["tiny"], "float32")
+    assert [r["tokens_per_expert"] for r in rows] == list(mb.MODES["tiny"].expert_tokens)
+    assert all(r["time_s"] > 0 and r["experts"] == 2 and r["hidden"] == 128 for r in rows)
+    hw = get_hardware("local")
+    keys = {m: {s.key for s in cal_cli._steps(m, hw, 1, ["float32"], None)} for m in ("quick", "full", "probe")}
+    assert "cpu_experts" in keys["quick"] and "cpu_experts" in keys["full"] and "cpu_experts" not in keys["probe"]
+
+
+def test_calibrated_expert_path_reproduces_its_measurement():
+    """Synthetic cpu_experts rows (4 experts of 1024 x 512, weights at 5 GB/s effective plus 40 us
+    per call): the derived expert factors make t_cpu_experts_s of a model with that expert shape,
+    at batch 1 (1 row per expert, k = 4 experts read), come out at the measured time; without the
+    rows (an older calibration file) the GEMV factors and the layer overhead price it as before."""
+    from flexplan.calibration.efficiency import derive_gemm, expert_gemm_row
+    from flexplan.estimator.expert_terms import cpu_expert_rates
+
+    hw = get_hardware("local")
+    th, bw = hw.cpu.peak_flops_per_s["float32"], hw.cpu.memory_bandwidth_bytes_per_s
+    h, inter, k = 1024, 512, 4
+    rows = [{"dtype": "float32", "tokens_per_expert": t, "experts": k, "hidden": h, "intermediate": inter,
+             "dtype_bytes": 4, "time_s": 40e-6 + k * 3 * h * inter * 4 / 5e9 + 2 * t * k * 3 * h * inter / (th * 0.2)}
+            for t in (1, 2, 4, 8)]
+    eff_c, eff_m, _ = derive_gemm([expert_gemm_row(r) for r in rows], th, bw)
+
+    class Calibrated(DefaultEfficiency):
+        def cpu_expert_factors(self, tokens, dtype=None):
+            return eff_c(tokens), eff_m(tokens)
+
+    base = DefaultEfficiency.for_hardware(hw)
+    cal = Calibrated(**{f: getattr(base, f) for f in base.__dataclass_fields__})
+    spec = _expert_spec()
+    t = t_cpu_experts_s(spec, 1, hw.cpu, cal, "float32", 4, 4)
+    assert t == pytest.approx(rows[0]["time_s"], rel=0.02)
+    assert cpu_expert_rates(cal, 1, "float32", 1.0)[2] == 0  # the fixed costs are in the factors
+    old = t_cpu_experts_s(spec, 1, hw.cpu, base, "float32", 4, 4)
+    assert cpu_expert_rates(base, 1, "float32", 1.0) == (base.cpu_compute(1), base.cpu_memory(1),
+                                                         base.cpu_layer_overhead_s())
+    assert old != pytest.approx(t)

@@ -91,6 +91,7 @@ def _steps(mode: str, hw, threads: int, cpu_dtypes: list[str], gpu_dtype: str | 
                           lambda tick, dt=dt: mb.layers(s, dt, tick=tick), dt))
         steps.append(Step("cpu_head_gemv", len(s.head_shapes) * len(s.head_tokens),
                           lambda tick, dt=dt: mb.head_gemv(s, dt, tick=tick), dt))
+        steps.append(Step("cpu_experts", len(s.expert_tokens), lambda tick, dt=dt: mb.expert_gemv(s, dt, tick=tick), dt))
     steps += [
         Step("cpu_layer_overhead", 1, lambda tick: mb.layer_overhead(s, cpu_dtypes[0])),
         Step("cpu_generate_step", 1, lambda tick: mb.generate_step(s, cpu_dtypes[0])),

@@ -18,7 +18,8 @@ and h = sum_{e in C} q_e / k the hit rate:
 
     t_experts(K) = t_acc(hit pairs, hits) + t_cpu(miss pairs, misses) + P(any miss) (t_hidden_link + overhead)
 
-with t_acc and t_cpu the ``expert_terms`` formulas (C / (TH Eff_Comp) + D / (BW Eff_Mem), FLOPs from the
+with t_acc and t_cpu the ``expert_terms`` formulas (t_cpu at the calibrated expert-path factors where
+``flexplan calibrate`` measured them, ``expert_terms.cpu_expert_rates``) (C / (TH Eff_Comp) + D / (BW Eff_Mem), FLOPs from the
 pairs, bytes from the distinct experts' weights plus the pairs' activations). The accelerator's
 hits and the CPU's misses run one after the other, as the ``cpu-experts`` policy runs its parts
 (an upper bound where they would overlap). The efficiency factors are asked once per phase at
@@ -35,6 +36,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
+from flexplan.estimator.expert_terms import cpu_expert_rates
 from flexplan.workload import costs
 
 
@@ -83,10 +85,10 @@ def layer_cache_curve(shape, hw, eff, phase: str, q: np.ndarray, layer: int, spl
     act = costs._mlp_activation_elems(m, m.expert_intermediate_size)
     per_expert, cd = split.rows_per_expert, shape.cpu_dtype
     cpu, gpu = hw.cpu, hw.gpu
-    cpu_s = (miss_pairs * pair_flops / (cpu.peak_flops_per_s[cd] * eff.cpu_compute(per_expert, cd))
-             + (misses * m.expert_params + miss_pairs * act) * shape.cpu_bytes
-             / (cpu.memory_bandwidth_bytes_per_s * eff.cpu_memory(per_expert, cd))
-             + p_any_miss * eff.cpu_layer_overhead_s(per_expert, cd, misses[0] * m.expert_params * shape.cpu_bytes))
+    eff_c, eff_m, overhead_s = cpu_expert_rates(eff, per_expert, cd, misses[0] * m.expert_params * shape.cpu_bytes)
+    cpu_s = (miss_pairs * pair_flops / (cpu.peak_flops_per_s[cd] * eff_c)
+             + (misses * m.expert_params + miss_pairs * act) * shape.cpu_bytes / (cpu.memory_bandwidth_bytes_per_s * eff_m)
+             + p_any_miss * overhead_s)
     acc_s = (hit_pairs * pair_flops / (gpu.peak_flops_per_s[shape.dtype] * eff.gpu_compute(per_expert))
              + (hits * m.expert_params + hit_pairs * act) * shape.w_bytes
              / (gpu.memory_bandwidth_bytes_per_s * eff.gpu_memory(per_expert)))
