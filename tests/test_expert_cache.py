@@ -318,3 +318,25 @@ def test_calibrated_expert_path_reproduces_its_measurement():
     assert cpu_expert_rates(base, 1, "float32", 1.0) == (base.cpu_compute(1), base.cpu_memory(1),
                                                          base.cpu_layer_overhead_s())
     assert old != pytest.approx(t)
+
+
+def test_validate_cpu_experts_cli_writes_rows_and_mape(tmp_path, capsys, monkeypatch):
+    """`flexplan validate --cpu-experts MODEL` runs flexplan.validate_experts through the same CPU-term
+    mechanism as --cpu-attention: a JSON file with the rows and MAPE, the table printed."""
+    import flexplan.validate_experts as ve
+    from flexplan.cli import main
+
+    real = ve.validate_cpu_experts
+    monkeypatch.setattr(ve, "validate_cpu_experts", lambda *a, **k: real(*a, **{**k, "batches": (1, 2), "repeats": 2}))
+    spec_dir = tmp_path / "moe"
+    spec_dir.mkdir()
+    import transformers
+
+    transformers.Qwen3MoeConfig(hidden_size=128, moe_intermediate_size=64, num_experts=64, num_experts_per_tok=2,
+                                num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                                vocab_size=1000).save_pretrained(spec_dir)
+    assert main(["validate", "--cpu-experts", str(spec_dir / "config.json"), "--out", str(tmp_path / "o")]) == 0
+    text = capsys.readouterr().out
+    assert "32 experts held" in text and "MAPE" in text
+    d = json.loads((tmp_path / "o" / "cpu_experts.json").read_text())
+    assert [r["batch"] for r in d["rows"]] == [1, 2] and d["mape_pct"] > 0 and d["num_experts"] == 32
