@@ -76,3 +76,50 @@ def test_plan_round_trip_keeps_the_cache_and_a_bad_layer_is_refused(fresh):
     # M = 1: layer 1's experts are resident, the cache names it
     with pytest.raises(InvalidInputError, match="expert cache names layer 1"):
         api.load(model, plan=plan, accelerator="cpu", gpu_memory_bytes=GIB)
+
+
+def test_load_with_a_routing_profile_plans_and_runs_the_cache(fresh):
+    """flexplan.load(..., routing_profile=) on the stand-in: the planner sizes a cache from the profile
+    (the tiny model's every expert fits), the executor runs it, tokens are transformers'."""
+    from flexplan import routing_profile as rp
+
+    model, ref = fresh("qwen3_moe")
+    profile = rp.take(ref, [torch.arange(3, 40)], max_new_tokens=4)
+    lm = api.load(model, accelerator="cpu", routing_profile=profile,
+                  plan={"prefill": "cpu-experts", "decode": "cpu-experts", "gpu_layers": 0})
+    ids, mask = left_padded_batch()
+    out = lm.generate(input_ids=ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False)
+    assert torch.equal(out, ref.generate(input_ids=ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False))
+    cache = lm.plan.expert_cache
+    assert cache is not None and cache.num_experts > 0
+    cached = {i for i in cache.experts}
+    assert all(p.cache_pairs > 0 for m, p in (x for x in lm.executor.expert_modules if x) if p.layer in cached)
+
+
+def test_bf16_accelerator_cache_and_a_cache_over_budget(fresh):
+    """A bf16 accelerator beside a float32 CPU: the cache is held in bf16 and the logits stay within
+    bf16 error of transformers' fp32 ones. A cache the accelerator budget cannot hold is refused
+    before anything is allocated, its bytes named."""
+    from flexplan.errors import DoesNotFitError
+
+    model, ref = fresh("mixtral")
+    spec = ModelSpec.from_config(model.config)
+    ids, mask = left_padded_batch()
+    kw = dict(input_ids=ids, attention_mask=mask, max_new_tokens=3, do_sample=False, return_dict_in_generate=True,
+              output_logits=True)
+    expected = ref.generate(**kw)
+    plan = replace(fixed_plan(model.config, "cpu-experts", "cpu-experts", 0, dtype="bfloat16", cpu_dtype="float32",
+                              batch_size=3, input_len=9, output_len=3), expert_cache=_cache(spec))
+    lm = api.load(model, plan=plan, accelerator="cpu", gpu_memory_bytes=GIB)
+    out = lm.generate(**kw)
+    for a, b in zip(out.logits, expected.logits):
+        torch.testing.assert_close(a, b, atol=0.1, rtol=0.05)
+    place = next(p for m, p in (x for x in lm.executor.expert_modules if x) if p.cached is not None)
+    assert place.cached.module.down_proj.dtype == torch.bfloat16
+    ex = lm.executor
+    need = ex.memory_need(ex.placement, 3, 12, 9).accelerator_bytes
+    cache_bytes = sum(b.nbytes for b in ex.link.live_buffers("accelerator") if b.tag.startswith("expert cache"))
+    assert cache_bytes == 6 * spec.expert_params * 2  # 4 + 2 experts in bf16
+    model2, _ = fresh("mixtral")
+    with pytest.raises(DoesNotFitError, match="expert cache"):
+        api.load(model2, plan=plan, accelerator="cpu", gpu_memory_bytes=need + cache_bytes - 1)

@@ -211,7 +211,9 @@ class Executor:
         need = self.memory_need(placement, batch, capacity, input_len)
         cache = getattr(plan or self.plan, "expert_cache", None)
         if cache is not None:  # the routed experts the plan caches on the accelerator (executor.expert_cache)
-            need = MemoryNeed({**need.accelerator, "expert cache": cache.accelerator_bytes}, need.pinned, need.host)
+            elem = torch.empty(0, dtype=self._dtype(ACCELERATOR, placement)).element_size()
+            nbytes = cache.num_experts * self.spec.expert_params * elem
+            need = MemoryNeed({**need.accelerator, "expert cache": nbytes}, need.pinned, need.host)
         check_fits(need, placement, self.accelerator_budget_bytes, self.pinned_budget_bytes,
                    f"batch {batch} x {capacity} tokens")
 
