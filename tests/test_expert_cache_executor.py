@@ -57,6 +57,7 @@ def test_cached_experts_token_identical(fresh, family, prefill, decode):
     first, rest = moe[0][1], [p for _, p in moe[1:]]
     assert first.calls == 0 and first.cache_pairs > 0
     assert all(p.calls > 0 and p.cache_pairs > 0 for p in rest)
+    assert first.cache_hit_rate == 1.0 and all(0 < p.cache_hit_rate < 1 for p in rest)
     phases = {ph: REGISTRY[c.policy].placement(spec.num_layers, c.gpu_layers, ph) for ph, c in lm.plan.phases.items()}
     need = placement_memory(Shape(spec, 3, 9, NEW, "float32", "float32"), None, phases,
                             ex.backend.linear_kernel if ex.backend.packs_weights else None)
@@ -92,8 +93,10 @@ def test_load_with_a_routing_profile_plans_and_runs_the_cache(fresh):
     assert torch.equal(out, ref.generate(input_ids=ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False))
     cache = lm.plan.expert_cache
     assert cache is not None and cache.num_experts > 0
-    cached = {i for i in cache.experts}
-    assert all(p.cache_pairs > 0 for m, p in (x for x in lm.executor.expert_modules if x) if p.layer in cached)
+    measured = lm.executor.expert_cache_hit_rates()
+    assert set(measured) == set(cache.experts)
+    for i, rate in measured.items():  # every expert cached: hit rate 1 predicted and measured
+        assert (rate == 1.0) == (len(cache.experts[i]) == 4) and (cache.hit_rate[i] == 1.0) == (rate == 1.0)
 
 
 def test_bf16_accelerator_cache_and_a_cache_over_budget(fresh):

@@ -146,6 +146,12 @@ class ExpertsPlace:
         self.rows = 0  # tokens those calls computed
         self.cached = None  # executor.expert_cache.CachedExperts: some experts kept on the accelerator
         self.cache_pairs = 0  # (token, choice) pairs the cache computed
+        self.routed_pairs = 0  # (token, choice) pairs routed while the cache was there
+
+    @property
+    def cache_hit_rate(self) -> float | None:
+        """Measured share of the routed pairs the accelerator's cache served (None: no cache ran)."""
+        return self.cache_pairs / self.routed_pairs if self.routed_pairs else None
 
 
 def _routing_args(module: nn.Module, args: tuple, kwargs: dict):

@@ -75,9 +75,11 @@ def split_forward(cached: CachedExperts, x: torch.Tensor, top_k_index: torch.Ten
 
     slot = cached.slot_of[top_k_index]
     hit = slot >= 0
-    place.cache_pairs += int(hit.sum())
+    hits = int(hit.sum())  # one synchronisation: the count says both how many and whether all hit
+    place.cache_pairs += hits
+    place.routed_pairs += int(top_k_index.numel())
     out = routed_experts_forward(cached.module, x.to(cached.dtype), slot, top_k_weights).to(x.dtype)
-    if bool(hit.all()):
+    if hits == top_k_index.numel():
         return out
     miss = torch.where(hit, torch.full_like(top_k_index, cached.num_experts), top_k_index)
     return out + host_forward(x, miss, top_k_weights)

@@ -290,6 +290,12 @@ class Executor:
             place.cached = CachedExperts(module, ids, lambda leaf: g.dense(f"{prefix}.{leaf}", st.views[f"{prefix}.{leaf}"]),
                                          self.link, self._dtype(ACCELERATOR), i)
 
+    def expert_cache_hit_rates(self) -> dict[int, float]:
+        """Layer -> measured share of its routed (token, choice) pairs the expert cache served, over
+        the calls since the cache was placed (the plan's ExpertCache.hit_rate is the prediction)."""
+        return {p.layer: p.cache_hit_rate for m in self.expert_modules if m is not None
+                for p in (m[1],) if p.cache_hit_rate is not None}
+
     def _splittable(self, placement: Placement) -> Placement:
         """``placement`` with each layer whose attention cannot be routed to the CPU (it does not
         call transformers' attention interface: cpu_attention.attention_modules) streamed whole,
