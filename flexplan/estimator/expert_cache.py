@@ -66,26 +66,39 @@ def expected_reads(q: np.ndarray, rows: float) -> np.ndarray:
 def layer_cache_curve(shape, hw, eff, phase: str, q: np.ndarray, layer: int, split) -> LayerCacheCurve:
     """:class:`LayerCacheCurve` of an MoE layer whose routers pick expert e with probability q[e],
     for ``phase`` of the request ``shape`` on ``hw`` (``split``: that phase's ExpertSplit)."""
+    return _curves(shape, hw, eff, phase, np.asarray(q, float)[None, :], [layer], split)[layer]
+
+
+def profile_curves(shape, hw, eff, phase: str, profile, split) -> dict[int, LayerCacheCurve]:
+    """MoE layer -> its :class:`LayerCacheCurve` in ``phase`` from the routing ``profile``."""
+    layers = list(profile.counts)
+    return _curves(shape, hw, eff, phase, np.stack([profile.selection_probability(i) for i in layers]), layers, split)
+
+
+def _curves(shape, hw, eff, phase: str, q: np.ndarray, layers: list[int], split) -> dict[int, LayerCacheCurve]:
+    """The module docstring's formulas for every layer at once: ``q`` [layers, E], results [layers, E + 1]."""
     m = shape.model
     rows = shape.batch * (shape.input_len if phase == "prefill" else 1)
-    order = np.argsort(-q, kind="stable")
-    qs = np.asarray(q, float)[order]
+    order = np.argsort(-q, axis=1, kind="stable")
+    qs = np.take_along_axis(q, order, axis=1)
     reads = expected_reads(qs, rows)
-    zero = np.zeros(1)
-    hit_pairs = rows * np.concatenate([zero, np.cumsum(qs)])
-    miss_pairs = rows * qs.sum() - hit_pairs
-    hits = np.concatenate([zero, np.cumsum(reads)])
-    misses = np.maximum(reads.sum() - hits, 0.0)
+    zero = np.zeros((len(layers), 1))
+    hit_pairs = rows * np.concatenate([zero, np.cumsum(qs, axis=1)], axis=1)
+    miss_pairs = rows * qs.sum(axis=1, keepdims=True) - hit_pairs
+    hits = np.concatenate([zero, np.cumsum(reads, axis=1)], axis=1)
+    misses = np.maximum(reads.sum(axis=1, keepdims=True) - hits, 0.0)
     k = max(m.experts_per_token, 1)
     hit_rate = np.minimum(hit_pairs / rows / k, 1.0)
     p_any_miss = 1.0 - np.power(hit_rate, rows * k)
-    p_any_miss[-1] = 0.0  # every expert cached: nothing goes to the host
+    p_any_miss[:, -1] = 0.0  # every expert cached: nothing goes to the host
     w = 3 if m.gated_mlp else 2
     pair_flops = 2.0 * w * m.hidden_size * m.expert_intermediate_size
     act = costs._mlp_activation_elems(m, m.expert_intermediate_size)
     per_expert, cd = split.rows_per_expert, shape.cpu_dtype
     cpu, gpu = hw.cpu, hw.gpu
-    eff_c, eff_m, overhead_s = cpu_expert_rates(eff, per_expert, cd, misses[0] * m.expert_params * shape.cpu_bytes)
+    # the factors at the uniform rows per expert and bytes read (module docstring), once for all layers
+    eff_c, eff_m, overhead_s = cpu_expert_rates(eff, per_expert, cd,
+                                                split.distinct_experts * m.expert_params * shape.cpu_bytes)
     cpu_s = (miss_pairs * pair_flops / (cpu.peak_flops_per_s[cd] * eff_c)
              + (misses * m.expert_params + miss_pairs * act) * shape.cpu_bytes / (cpu.memory_bandwidth_bytes_per_s * eff_m)
              + p_any_miss * overhead_s)
@@ -93,14 +106,9 @@ def layer_cache_curve(shape, hw, eff, phase: str, q: np.ndarray, layer: int, spl
              + (hits * m.expert_params + hit_pairs * act) * shape.w_bytes
              / (gpu.memory_bandwidth_bytes_per_s * eff.gpu_memory(per_expert)))
     link_s = p_any_miss * split.t_hidden_link_s
-    return LayerCacheCurve(layer, order, qs, acc_s + cpu_s + link_s, acc_s, cpu_s, link_s, hits, misses, p_any_miss,
-                           hit_rate)
-
-
-def profile_curves(shape, hw, eff, phase: str, profile, split) -> dict[int, LayerCacheCurve]:
-    """MoE layer -> its :class:`LayerCacheCurve` in ``phase`` from the routing ``profile``."""
-    return {i: layer_cache_curve(shape, hw, eff, phase, profile.selection_probability(i), i, split)
-            for i in profile.counts}
+    total = acc_s + cpu_s + link_s
+    return {i: LayerCacheCurve(i, order[j], qs[j], total[j], acc_s[j], cpu_s[j], link_s[j], hits[j], misses[j],
+                               p_any_miss[j], hit_rate[j]) for j, i in enumerate(layers)}
 
 
 def with_profile(split, curves: dict[int, LayerCacheCurve]):
