@@ -83,3 +83,29 @@ def split_forward(cached: CachedExperts, x: torch.Tensor, top_k_index: torch.Ten
         return out
     miss = torch.where(hit, torch.full_like(top_k_index, cached.num_experts), top_k_index)
     return out + host_forward(x, miss, top_k_weights)
+
+
+def place_caches(expert_modules: list, layers: list, placement, cache, link, dtype: torch.dtype) -> None:
+    """Give each layer ``cache`` (a Plan's ExpertCache; None: none) names a :class:`CachedExperts`
+    built from its host copy (``layers[i]``: its GroupWeights); the previous caches are freed first.
+    ``expert_modules[i]``: (experts module, cpu_experts.ExpertsPlace) or None."""
+    from flexplan.errors import InvalidInputError
+    from flexplan.executor.link import ACCELERATOR
+
+    for found in expert_modules:
+        if found is not None and found[1].cached is not None:
+            found[1].cached.release(link)
+            found[1].cached = None
+    if cache is None:
+        return
+    for i, ids in cache.experts.items():
+        if not (0 <= i < len(expert_modules) and expert_modules[i] is not None
+                and ACCELERATOR not in placement.expert_places(i)):
+            raise InvalidInputError(f"the plan's expert cache names layer {i}, which has no routed experts kept off "
+                                    "the accelerator under this plan; plan again with the routing profile")
+        module, place = expert_modules[i]
+        g = layers[i]
+        st = next(st for p, st in g.storages.items() if p != ACCELERATOR and st.part != "rest")
+        prefix = next(iter(g.experts)).rsplit(".", 1)[0]
+        place.cached = CachedExperts(module, ids, lambda leaf, g=g, st=st, prefix=prefix: g.dense(
+            f"{prefix}.{leaf}", st.views[f"{prefix}.{leaf}"]), link, dtype, i)

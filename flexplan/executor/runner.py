@@ -266,29 +266,11 @@ class Executor:
                     self.backend.optimize(self.parts.layers[i], self._dtype(HOST_MEMORY))
 
     def _place_expert_cache(self, plan: Plan) -> None:
-        """Copy the routed experts ``plan.expert_cache`` names into accelerator memory, beside their
-        layer's host copy (executor.expert_cache); the previous plan's cache is freed first."""
-        from flexplan.errors import InvalidInputError
-        from flexplan.executor.expert_cache import CachedExperts
+        """The routed experts ``plan.expert_cache`` names, copied onto the accelerator (executor.expert_cache)."""
+        from flexplan.executor.expert_cache import place_caches
 
-        for found in self.expert_modules:
-            if found is not None and found[1].cached is not None:
-                found[1].cached.release(self.link)
-                found[1].cached = None
-        cache = getattr(plan, "expert_cache", None)
-        if cache is None:
-            return
-        for i, ids in cache.experts.items():
-            if not (0 <= i < self.num_layers and self.expert_modules[i] is not None
-                    and ACCELERATOR not in self.placement.expert_places(i)):
-                raise InvalidInputError(f"the plan's expert cache names layer {i}, which has no routed experts kept off "
-                                        "the accelerator under this plan; plan again with the routing profile")
-            module, place = self.expert_modules[i]
-            g = self.layers[i]
-            st = next(st for p, st in g.storages.items() if p != ACCELERATOR and st.part != "rest")
-            prefix = next(n for n in g.experts).rsplit(".", 1)[0]
-            place.cached = CachedExperts(module, ids, lambda leaf: g.dense(f"{prefix}.{leaf}", st.views[f"{prefix}.{leaf}"]),
-                                         self.link, self._dtype(ACCELERATOR), i)
+        place_caches(self.expert_modules, self.layers, self.placement, getattr(plan, "expert_cache", None), self.link,
+                     self._dtype(ACCELERATOR))
 
     def expert_cache_hit_rates(self) -> dict[int, float]:
         """Layer -> measured share of its routed (token, choice) pairs the expert cache served, over
