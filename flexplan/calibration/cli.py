@@ -345,6 +345,12 @@ def format_summary(res: Result) -> str:
                          "by (batch, kv_len) " + ", ".join(
                              f"({r['batch']},{r['kv_len']}):{r['kv_bytes_per_s'] / 1e9:.1f}" for r in attn
                              if (r["heads"], r["kv_heads"], r["head_dim"]) == layout))
+        experts = [r for r in m.get("cpu_experts", []) if r["dtype"] == dt]
+        if experts:
+            r0 = experts[0]
+            lines.append(f"  {dt}: routed experts ({r0['experts']} of {r0['hidden']}x{r0['intermediate']}, executor's path) "
+                         "weight GB/s by rows per expert " + ", ".join(
+                             f"{r['tokens_per_expert']}:{r['weight_bytes_per_s'] / 1e9:.1f}" for r in experts))
     if m.get("cpu_layer_overhead"):
         lines.append(f"  per-layer overhead {m['cpu_layer_overhead']['time_s'] * 1e6:.0f} us")
     if m.get("cpu_threads"):
