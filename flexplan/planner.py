@@ -364,29 +364,44 @@ def _plan_one(spec: ModelSpec, hw: Hardware, eff: Efficiency, shape: Shape, gpu_
         baselines[pol] = b[0] if b else math.inf
     if chosen is None:
         raise DoesNotFitError(_no_fit_message(shape, hw, gpu_budget, cpu_budget, prefill, decode, gpu_layers, candidates))
-    e2e, load_s, sw, p, ip, d, i_d = chosen
-    op, od = opts["prefill"][p], opts["decode"][d]
-    cp = Candidate("prefill", p, int(op.gpu_layers[ip]), float(op.time_s[ip]), int(op.gpu_bytes[ip]),
-                   int(op.cpu_bytes[ip]), float(op.pcie_bytes[ip]), True)
-    cd = Candidate("decode", d, int(od.gpu_layers[i_d]), float(od.time_s[i_d]), int(od.gpu_bytes[i_d]),
-                   int(od.cpu_bytes[i_d]), float(od.pcie_bytes[i_d]), True)
-    notes = tuple(hw.notes)
-    out = Plan(
-        model=spec.name, hardware=hw.name, batch_size=batch_size, input_len=input_len, output_len=output_len,
-        dtype=dtype, cpu_dtype=cpu_dtype, num_layers=spec.num_layers, gpu_memory_bytes=int(gpu_budget),
-        cpu_memory_bytes=int(cpu_budget), prefill=PhaseChoice.of(cp), decode=PhaseChoice.of(cd),
-        ttft_s=cp.time_s, tpot_s=cd.time_s, load_s=load_s, switch_s=sw, e2e_s=e2e,
-        reason=_reason(cp, cd, candidates, baselines, e2e),
-        candidates=tuple(candidates), baselines=baselines, calibration=eff.source, notes=notes,
-    )
-    if curves:
-        from flexplan.plan_expert_cache import add_expert_cache
 
-        need = placement_memory(shape, hw, {"prefill": REGISTRY[p].placement(n, cp.gpu_layers, "prefill"),
-                                            "decode": REGISTRY[d].placement(n, cd.gpu_layers, "decode")})
-        out = add_expert_cache(out, shape, hw, eff, curves, need.accelerator_bytes, include_initial_load,
-                               f"{profile.model}, {profile.prompts} prompts")
-    return out
+    def build(pair) -> Plan:
+        e2e, load_s, sw, p, ip, d, i_d = pair
+        op, od = opts["prefill"][p], opts["decode"][d]
+        cp = Candidate("prefill", p, int(op.gpu_layers[ip]), float(op.time_s[ip]), int(op.gpu_bytes[ip]),
+                       int(op.cpu_bytes[ip]), float(op.pcie_bytes[ip]), True)
+        cd = Candidate("decode", d, int(od.gpu_layers[i_d]), float(od.time_s[i_d]), int(od.gpu_bytes[i_d]),
+                       int(od.cpu_bytes[i_d]), float(od.pcie_bytes[i_d]), True)
+        out = Plan(
+            model=spec.name, hardware=hw.name, batch_size=batch_size, input_len=input_len, output_len=output_len,
+            dtype=dtype, cpu_dtype=cpu_dtype, num_layers=spec.num_layers, gpu_memory_bytes=int(gpu_budget),
+            cpu_memory_bytes=int(cpu_budget), prefill=PhaseChoice.of(cp), decode=PhaseChoice.of(cd),
+            ttft_s=cp.time_s, tpot_s=cd.time_s, load_s=load_s, switch_s=sw, e2e_s=e2e,
+            reason=_reason(cp, cd, candidates, baselines, e2e),
+            candidates=tuple(candidates), baselines=baselines, calibration=eff.source, notes=tuple(hw.notes),
+        )
+        if curves:
+            from flexplan.plan_expert_cache import add_expert_cache
+
+            need = placement_memory(shape, hw, {"prefill": REGISTRY[p].placement(n, cp.gpu_layers, "prefill"),
+                                                "decode": REGISTRY[d].placement(n, cd.gpu_layers, "decode")})
+            out = add_expert_cache(out, shape, hw, eff, curves, need.accelerator_bytes, include_initial_load,
+                                   f"{profile.model}, {profile.prompts} prompts")
+        return out
+
+    best = build(chosen)
+    if curves:  # a cache can make a cpu-experts pair the better one: the best pair with it in either phase
+        from flexplan.plan_expert_cache import CPU_EXPERTS_POLICY as X
+
+        alts = ([best_pair(p_pols, [X])] if X in d_pols else []) + ([best_pair([X], d_pols)] if X in p_pols else [])
+        for alt in alts:
+            if alt is not None and alt[3:] != chosen[3:]:
+                cand = build(alt)
+                if cand.e2e_s < best.e2e_s:
+                    best = replace(cand, notes=cand.notes + (
+                        f"with its expert cache this pair beats {chosen[3]}:{chosen[5]} ({chosen[0]:.3g} s E2E without "
+                        "a cache)",))
+    return best
 
 
 def _reason(cp: Candidate, cd: Candidate, candidates: list[Candidate], baselines: dict, e2e: float) -> str:

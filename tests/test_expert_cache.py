@@ -340,3 +340,20 @@ def test_validate_cpu_experts_cli_writes_rows_and_mape(tmp_path, capsys, monkeyp
     assert "32 experts held" in text and "MAPE" in text
     d = json.loads((tmp_path / "o" / "cpu_experts.json").read_text())
     assert [r["batch"] for r in d["rows"]] == [1, 2] and d["mape_pct"] > 0 and d["num_experts"] == 32
+
+
+def test_a_cache_can_change_the_chosen_pair():
+    """Six experts per layer picked by every token, two by half (k = 8 of 128), 24 GiB, batch 4 x 1024:
+    without a cache the planner prefills with gpu-offload; the cache makes cpu-experts' prefill the
+    better pair end to end, so the plan takes it (and says so), lower than that pair forced with its
+    own cache."""
+    hw, eff, spec, _ = _setup()
+    profile = _profile(spec, _hot(spec, hot=(1.0,) * 6 + (0.5, 0.5)))
+    kw = dict(batch_size=4, input_len=1024, output_len=128, gpu_memory_bytes=24 * GIB, efficiency=eff)
+    before = flexplan.plan(spec, hw, **kw)
+    after = flexplan.plan(spec, hw, routing_profile=profile, **kw)
+    old_pair = flexplan.plan(spec, hw, routing_profile=profile, prefill=before.prefill.policy,
+                             decode=before.decode.policy, **kw)
+    assert (before.prefill.policy, after.prefill.policy) == ("gpu-offload", "cpu-experts")
+    assert after.expert_cache is not None and any("beats" in n for n in after.notes)
+    assert after.e2e_s < old_pair.e2e_s
