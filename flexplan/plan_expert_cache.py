@@ -15,8 +15,10 @@ S itself is chosen by predicted E2E over every S from 0 to the room:
              + (output_len - 1) sum_{CPU layers in decode} [t_d,l(K_l(S)) - t_d,l(0)]
 
 with load(S) the S experts' weights over the link before prefill (when the plan counts the
-initial load), so a short request may keep no cache. M (the CPU layers) is not searched again
-with the cache in view: the pair the planner chose stays, only faster.
+initial load), so a short request may keep no cache. The planner sizes a cache this way for the
+pair it chose and for the best pairs with ``cpu-experts`` in either phase, and keeps the lowest
+E2E of them (``planner._plan_one``); M (the CPU layers) of each pair is the one chosen without a
+cache, not searched again with the cache in view.
 """
 
 from __future__ import annotations
