@@ -27,7 +27,7 @@ QWEN = "Qwen/Qwen3-30B-A3B"
 def _profile(spec, q_of_layer, tokens=1000):
     """A profile whose layer i picked expert e in round(q[e] * tokens) of ``tokens`` tokens."""
     moe = [i for i, x in enumerate(spec.moe_layers) if x]
-    counts = {i: tuple(int(round(x * tokens)) for x in q_of_layer(i)) for i in moe}
+    counts = {i: tuple(int(x * tokens + 1e-9) for x in q_of_layer(i)) for i in moe}
     return rp.RoutingProfile(spec.name, spec.num_layers, spec.num_experts, spec.experts_per_token, counts,
                              dict.fromkeys(moe, tokens), 3)
 
@@ -357,3 +357,35 @@ def test_a_cache_can_change_the_chosen_pair():
     assert (before.prefill.policy, after.prefill.policy) == ("gpu-offload", "cpu-experts")
     assert after.expert_cache is not None and any("beats" in n for n in after.notes)
     assert after.e2e_s < old_pair.e2e_s
+
+
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+
+@settings(max_examples=25, deadline=None)
+@given(gib=st.integers(8, 64), batch=st.sampled_from([1, 2, 8, 32]), input_len=st.sampled_from([16, 256, 2048]),
+       output_len=st.sampled_from([2, 64, 512]), skew=st.floats(0.0, 1.0))
+def test_a_plan_with_a_cache_never_exceeds_its_accelerator_budget(gib, batch, input_len, output_len, skew):
+    """Whatever the budget, shape and profile skew: the pair's placements plus the cache fit the
+    budget, the cache's E2E saving is what the plan gained, and its layers are CPU-expert layers."""
+    hw, eff, spec, _ = _setup()
+    e, k = spec.num_experts, spec.experts_per_token
+    hot = min(1.0, k / e + skew)
+    profile = _profile(spec, _hot(spec, hot=(hot,) * 4))
+    kw = dict(batch_size=batch, input_len=input_len, output_len=output_len, gpu_memory_bytes=gib * GIB,
+              efficiency=eff)
+    try:
+        p = flexplan.plan(spec, hw, routing_profile=profile, **kw)
+    except flexplan.errors.DoesNotFitError:
+        return
+    c = p.expert_cache
+    if c is None:
+        return
+    n = spec.num_layers
+    phases = {ph: REGISTRY[ch.policy].placement(n, ch.gpu_layers, ph) for ph, ch in p.phases.items()}
+    shape = Shape(spec, batch, input_len, output_len, p.dtype, p.cpu_dtype)
+    assert placement_memory(shape, hw, phases).accelerator_bytes + c.accelerator_bytes <= gib * GIB
+    assert c.accelerator_bytes == c.num_experts * expert_slot_bytes(spec, 2) and c.saved_s > 0
+    assert all(p.prefill.policy == "cpu-experts" and i < n - p.prefill.gpu_layers
+               or p.decode.policy == "cpu-experts" and i < n - p.decode.gpu_layers for i in c.experts)
