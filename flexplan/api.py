@@ -207,7 +207,7 @@ class FlexModel:
 
 def _make_plan(plan: Any, config, *, accelerator: str | None, hardware: Any, dtype: str, cpu_dtype: str,
                gpu_memory_bytes: int | None, batch_size: int, input_len: int, output_len: int,
-               online_correction: bool = True) -> Plan:
+               online_correction: bool = True, routing_profile: Any = None) -> Plan:
     """A Plan from "auto", a Plan or a dict of overrides, for what exists. Policies forced with
     per-phase M, or while the planner has no hardware model, give a fixed plan (no estimate).
     ``online_correction=False``: planned on the calibration alone, without the runs' corrections."""
@@ -250,7 +250,7 @@ def _make_plan(plan: Any, config, *, accelerator: str | None, hardware: Any, dty
                    gpu_memory_bytes=gpu_memory_bytes if accelerator else None, prefill=overrides.get("prefill"),
                    decode=overrides.get("decode"), gpu_layers=overrides.get("gpu_layers"),
                    cpu_dtype=forced_cpu_dtype, efficiency=None if online_correction else _uncorrected(hardware),
-                   **shape)
+                   routing_profile=routing_profile, **shape)
 
 
 def _uncorrected(hardware: Any):
@@ -297,7 +297,7 @@ def _planner_available() -> bool:
 def load(model_or_path, plan: Any = "auto", accelerator: str | None = None, hardware: Any = "local",
          dtype: str | None = None, gpu_memory_bytes: int | None = None,
          pinned_memory_budget_bytes: int | None = None, cpu_linear_kernel: str | None = None,
-         cpu_threads: int | None = None, online_correction: bool = True) -> FlexModel:
+         cpu_threads: int | None = None, online_correction: bool = True, routing_profile: Any = None) -> FlexModel:
     """Load (or take over) a decoder-only transformers causal LM and run it under a plan.
 
     ``model_or_path``: a folder with config.json + *.safetensors (streamed tensor by tensor into
@@ -317,6 +317,8 @@ def load(model_or_path, plan: Any = "auto", accelerator: str | None = None, hard
     ``online_correction``: learn from each run's measured TTFT/TPOT and re-plan with the corrected
     predictions (local hardware only; ``calibration/correction.py``); False: neither learn nor
     plan with corrections. ``FLEXPLAN_ONLINE_CORRECTION=0`` turns it off for every model.
+    ``routing_profile``: a RoutingProfile or its file (``flexplan profile-experts``): plans of a MoE
+    model price cpu-experts from it and keep the most-used CPU experts on the accelerator (plan_expert_cache).
     """
     check_load_arguments(model_or_path, accelerator, dtype, gpu_memory_bytes, pinned_memory_budget_bytes, cpu_threads,
                          hardware)
@@ -357,6 +359,11 @@ def load(model_or_path, plan: Any = "auto", accelerator: str | None = None, hard
         hw = _lazy_standin(standin_hardware, gpu_memory_bytes, hardware if isinstance(hardware, Hardware) else None)
     planner_args = dict(accelerator=acc, hardware=hw, dtype=dtype, cpu_dtype=cpu_dtype, gpu_memory_bytes=gpu_memory_bytes,
                         online_correction=online_correction)
+    if routing_profile is not None:  # read and checked once, not at every re-plan
+        from flexplan.plan_expert_cache import resolve_profile
+        from flexplan.workload.model import ModelSpec
+
+        planner_args["routing_profile"] = resolve_profile(routing_profile, ModelSpec.from_config(config))
     refresh_memory_probe()  # plans made now use the host memory state of now (calibration/memory_state.py)
     p = _make_plan(plan, config, **planner_args, **DEFAULT_SHAPE)
     n = int(getattr(config, "num_hidden_layers"))

@@ -1,4 +1,4 @@
-"""`flexplan` command line: explain, hw, models, run, calibrate, validate.
+"""`flexplan` command line: explain, hw, models, run, calibrate, validate, profile-experts.
 
 Every error flexplan raises on purpose is printed as one line on stderr with exit code 2.
 """
@@ -53,7 +53,8 @@ def cmd_explain(args) -> int:
             for o in args.output_len:
                 plans.append(plan(args.model, hardware=args.hw, batch_size=b, input_len=i, output_len=o,
                                   dtype=args.dtype, gpu_memory_bytes=args.gpu_memory, cpu_memory_bytes=args.cpu_memory,
-                                  prefill=args.prefill, decode=args.decode, gpu_layers=args.gpu_layers))
+                                  prefill=args.prefill, decode=args.decode, gpu_layers=args.gpu_layers,
+                                  routing_profile=args.routing_profile))
     if args.json:
         out = plans[0].to_dict() if len(plans) == 1 else [p.to_dict() for p in plans]
         print(json.dumps(out, indent=2))
@@ -129,6 +130,9 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     ex.add_argument("--prefill", choices=POLICIES, default=None, help="force the prefill policy")
     ex.add_argument("--decode", choices=POLICIES, default=None, help="force the decode policy")
     ex.add_argument("--gpu-layers", type=int, default=None, help="force M, the GPU-resident layers")
+    ex.add_argument("--routing-profile", default=None, metavar="FILE",
+                    help="routing profile (`flexplan profile-experts`): price cpu-experts from it and cache the "
+                         "most-used CPU experts on the accelerator in the memory left")
     ex.add_argument("--json", action="store_true", help="print plan.to_dict() as JSON")
     ex.set_defaults(func=cmd_explain)
 
@@ -150,6 +154,7 @@ LAZY_COMMANDS = {
     "run": ("flexplan.run_cmd", "run a model under a plan (default: the embedded SmolLM2)"),
     "calibrate": ("flexplan.calibration.cli", "measure this machine's efficiency factors"),
     "validate": ("flexplan.validate", "predicted vs measured TTFT/TPOT over a grid"),
+    "profile-experts": ("flexplan.profile_cmd", "count a MoE model's router choices on a few prompts (for --routing-profile)"),
 }
 
 

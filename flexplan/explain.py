@@ -35,6 +35,28 @@ def _placement(p: Plan) -> str:
         return f"unknown ({e})"
 
 
+def _expert_cache_lines(p: Plan) -> list[str]:
+    """For a plan with routed experts on the CPU: its expert cache (plan_expert_cache), or why none."""
+    c = p.expert_cache
+    if c is None:
+        if "cpu-experts" not in (p.prefill.policy, p.decode.policy):
+            return []
+        from flexplan.plan_expert_cache import NO_CACHE
+
+        why = next((n[len(NO_CACHE):] for n in p.notes if n.startswith(NO_CACHE)),
+                   "plan with a routing profile (`flexplan profile-experts`, then --routing-profile) to cache the "
+                   "most-used experts of the CPU layers on the accelerator")
+        return [f"  expert cache: none ({why})"]
+    k = [len(v) for v in c.experts.values()]
+    hits = list(c.hit_rate.values())
+    return [f"  expert cache: {c.num_experts} routed experts of {len(k)} CPU layers on the accelerator "
+            f"({c.accelerator_bytes / GiB:.2f} GiB), {min(k)}-{max(k)} per layer, predicted hit rate "
+            f"{100 * min(hits):.0f}-{100 * max(hits):.0f}% (mean {100 * sum(hits) / len(hits):.0f}%), "
+            f"E2E {_t(c.saved_s)} lower; profile: {c.profile}",
+            "    layer:experts(hit rate) " + " ".join(f"{i}:{len(v)}({100 * c.hit_rate[i]:.0f}%)"
+                                                     for i, v in c.experts.items())]
+
+
 def _reference_baseline() -> tuple[str, str] | None:
     """(policy, the published system it reproduces) that sweeps compare against."""
     return next(((name, pol.reproduces) for name, pol in REGISTRY.items() if pol.reproduces), None)
@@ -65,6 +87,7 @@ def format_plan(p: Plan) -> str:
         f"  TTFT {_t(p.ttft_s)}, TPOT {_t(p.tpot_s)}, initial load {_t(p.load_s)}, phase switch {_t(p.switch_s)}, "
         f"E2E {_t(p.e2e_s)}",
         f"  placement: {_placement(p)}",
+        *_expert_cache_lines(p),
         f"why: {p.reason}",
         "",
         "E2E against homogeneous baselines (same policy for both phases):",

@@ -86,6 +86,42 @@ class PhaseChoice:
         return cls(c.policy, c.gpu_layers, c.time_s, c.gpu_memory_bytes, c.cpu_memory_bytes, c.pcie_bytes)
 
 
+# ---- issue 15 item 3: the expert cache of a cpu-experts plan (flexplan.plan_expert_cache) --------
+@dataclass(frozen=True)
+class ExpertCache:
+    """The most-used routed experts of the layers whose experts compute on the CPU, kept on the
+    accelerator as a cache: chosen from a routing profile (flexplan.routing_profile) and the memory
+    the plan leaves in the accelerator budget; priced by flexplan.estimator.expert_cache."""
+
+    experts: Mapping[int, tuple[int, ...]]  # MoE layer -> expert ids resident on the accelerator (ascending)
+    hit_rate: Mapping[int, float]  # MoE layer -> predicted share of its (token, choice) pairs the cache serves
+    accelerator_bytes: int  # what the cached experts occupy (accelerator dtype)
+    saved_s: float  # predicted E2E below the same plan without the cache
+    profile: str = ""  # the profile it was planned from (its model and prompts)
+
+    def __post_init__(self):
+        object.__setattr__(self, "experts", MappingProxyType(
+            {int(k): tuple(sorted(int(e) for e in v)) for k, v in sorted(self.experts.items())}))
+        object.__setattr__(self, "hit_rate", MappingProxyType({int(k): float(v) for k, v in sorted(self.hit_rate.items())}))
+
+    @property
+    def num_experts(self) -> int:
+        return sum(len(v) for v in self.experts.values())
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"experts": {str(k): list(v) for k, v in self.experts.items()},
+                "hit_rate": {str(k): v for k, v in self.hit_rate.items()},
+                "accelerator_bytes": self.accelerator_bytes, "saved_s": self.saved_s, "profile": self.profile,
+                # derived, for readers of `flexplan explain --json` (ignored by from_dict)
+                "cached_per_layer": {str(k): len(v) for k, v in self.experts.items()},
+                "mean_hit_rate": sum(self.hit_rate.values()) / len(self.hit_rate) if self.hit_rate else 0.0}
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "ExpertCache":
+        return cls({int(k): tuple(v) for k, v in d["experts"].items()}, {int(k): v for k, v in d["hit_rate"].items()},
+                   int(d["accelerator_bytes"]), float(d["saved_s"]), str(d.get("profile", "")))
+
+
 @dataclass(frozen=True)
 class Plan:
     model: str
@@ -110,6 +146,7 @@ class Plan:
     baselines: Mapping[str, float | None] = field(default_factory=dict)
     calibration: str = "defaults"
     notes: tuple[str, ...] = ()
+    expert_cache: ExpertCache | None = None  # issue 15 item 3; None: no routed expert cached
 
     def __post_init__(self):
         object.__setattr__(self, "baselines", MappingProxyType(dict(self.baselines)))
@@ -125,6 +162,7 @@ class Plan:
         d["candidates"] = [c.to_dict() for c in self.candidates]
         d["baselines"] = {k: _num(v) for k, v in self.baselines.items()}
         d["notes"] = list(self.notes)
+        d["expert_cache"] = self.expert_cache.to_dict() if self.expert_cache is not None else None
         return d
 
     def to_json(self, **kw) -> str:
@@ -140,4 +178,6 @@ class Plan:
         )
         d["notes"] = tuple(d.get("notes", ()))
         d["baselines"] = {k: (math.inf if v is None else v) for k, v in d.get("baselines", {}).items()}
+        if d.get("expert_cache") is not None:
+            d["expert_cache"] = ExpertCache.from_dict(d["expert_cache"])
         return cls(**d)

@@ -195,7 +195,8 @@ def _experts_left_on_host_bytes(m: ModelSpec, mode, first: int, count: int, w_by
 def plan(model: Any, hardware: Any = "local", batch_size: int = 1, input_len: int = 128, output_len: int = 32,
          dtype: str = "bfloat16", gpu_memory_bytes: float | None = None, cpu_memory_bytes: float | None = None,
          prefill: str | None = None, decode: str | None = None, gpu_layers: int | None = None,
-         efficiency: Efficiency | None = None, include_initial_load: bool = True, cpu_dtype: str | None = None) -> Plan:
+         efficiency: Efficiency | None = None, include_initial_load: bool = True, cpu_dtype: str | None = None,
+         routing_profile: Any = None) -> Plan:
     """Choose the prefill and decode policies with the lowest predicted end-to-end latency.
 
     ``model``: catalog id, config path/folder, PretrainedConfig, HF model or ModelSpec.
@@ -204,7 +205,10 @@ def plan(model: Any, hardware: Any = "local", batch_size: int = 1, input_len: in
     loading of GPU-resident weights in E2E, as the paper does (footnote 5); a long-running process
     that already holds its weights plans with False. ``cpu_dtype``: what the CPU computes in; by
     default the planner tries the CPU's native fast dtype and float32 and keeps the lower E2E
-    (on some CPUs bf16 GEMMs are faster but bf16 GEMV slower than fp32). Raises :class:`DoesNotFitError`
+    (on some CPUs bf16 GEMMs are faster but bf16 GEMV slower than fp32). ``routing_profile``: a
+    RoutingProfile or the path of one (``flexplan profile-experts``): the ``cpu-experts`` policy is
+    priced from it and a cpu-experts plan keeps its most-used CPU experts on the accelerator as a
+    cache in the memory it leaves (``plan_expert_cache``). Raises :class:`DoesNotFitError`
     when no placement fits, :class:`InvalidInputError` for bad arguments.
     """
     _check_positive(batch_size=batch_size, input_len=input_len, output_len=output_len)
@@ -219,6 +223,9 @@ def plan(model: Any, hardware: Any = "local", batch_size: int = 1, input_len: in
     if hw.gpu is not None and dtype not in hw.gpu.peak_flops_per_s:
         raise InvalidInputError(f"{hw.gpu.name} has no {dtype} figure in hwdb; use one of {', '.join(hw.gpu.peak_flops_per_s)}")
     eff = _efficiency(hw, efficiency)
+    from flexplan.plan_expert_cache import resolve_profile
+
+    profile = resolve_profile(routing_profile, spec)
     if cpu_dtype is not None:
         cpu_dtypes = [canonical_dtype(cpu_dtype)]
         if hw.cpu.peak_flops_per_s.get(cpu_dtypes[0], 0) <= 0:
@@ -231,7 +238,7 @@ def plan(model: Any, hardware: Any = "local", batch_size: int = 1, input_len: in
     for cd in cpu_dtypes:
         try:
             p = _plan_one(spec, hw, eff, Shape(spec, batch_size, input_len, output_len, dtype, cd), gpu_memory_bytes,
-                          cpu_memory_bytes, prefill, decode, gpu_layers, include_initial_load)
+                          cpu_memory_bytes, prefill, decode, gpu_layers, include_initial_load, profile)
         except DoesNotFitError as e:
             error = error or e
             continue
@@ -246,7 +253,7 @@ def plan(model: Any, hardware: Any = "local", batch_size: int = 1, input_len: in
 
 
 def _plan_one(spec: ModelSpec, hw: Hardware, eff: Efficiency, shape: Shape, gpu_memory_bytes, cpu_memory_bytes,
-              prefill, decode, gpu_layers, include_initial_load) -> Plan:
+              prefill, decode, gpu_layers, include_initial_load, profile=None) -> Plan:
     batch_size, input_len, output_len, dtype, cpu_dtype = (shape.batch, shape.input_len, shape.output_len,
                                                            shape.dtype, shape.cpu_dtype)
 
@@ -257,6 +264,14 @@ def _plan_one(spec: ModelSpec, hw: Hardware, eff: Efficiency, shape: Shape, gpu_
         raise InvalidInputError("memory budgets must be positive")
 
     pcs = {ph: phase_costs(shape, hw, eff, ph) for ph in PHASES}
+    curves = {}  # phase -> MoE layer -> estimator.expert_cache.LayerCacheCurve, from the routing profile
+    if profile is not None:
+        from flexplan.estimator.expert_cache import profile_curves, with_profile
+
+        for ph in PHASES:
+            if pcs[ph].experts is not None:
+                curves[ph] = profile_curves(shape, hw, eff, ph, profile, pcs[ph].experts)
+                pcs[ph] = replace(pcs[ph], experts=with_profile(pcs[ph].experts, curves[ph]))
     forced = {"prefill": prefill, "decode": decode}
     opts: dict[str, dict[str, _Options]] = {ph: {} for ph in PHASES}
     candidates: list[Candidate] = []
@@ -349,21 +364,44 @@ def _plan_one(spec: ModelSpec, hw: Hardware, eff: Efficiency, shape: Shape, gpu_
         baselines[pol] = b[0] if b else math.inf
     if chosen is None:
         raise DoesNotFitError(_no_fit_message(shape, hw, gpu_budget, cpu_budget, prefill, decode, gpu_layers, candidates))
-    e2e, load_s, sw, p, ip, d, i_d = chosen
-    op, od = opts["prefill"][p], opts["decode"][d]
-    cp = Candidate("prefill", p, int(op.gpu_layers[ip]), float(op.time_s[ip]), int(op.gpu_bytes[ip]),
-                   int(op.cpu_bytes[ip]), float(op.pcie_bytes[ip]), True)
-    cd = Candidate("decode", d, int(od.gpu_layers[i_d]), float(od.time_s[i_d]), int(od.gpu_bytes[i_d]),
-                   int(od.cpu_bytes[i_d]), float(od.pcie_bytes[i_d]), True)
-    notes = tuple(hw.notes)
-    return Plan(
-        model=spec.name, hardware=hw.name, batch_size=batch_size, input_len=input_len, output_len=output_len,
-        dtype=dtype, cpu_dtype=cpu_dtype, num_layers=spec.num_layers, gpu_memory_bytes=int(gpu_budget),
-        cpu_memory_bytes=int(cpu_budget), prefill=PhaseChoice.of(cp), decode=PhaseChoice.of(cd),
-        ttft_s=cp.time_s, tpot_s=cd.time_s, load_s=load_s, switch_s=sw, e2e_s=e2e,
-        reason=_reason(cp, cd, candidates, baselines, e2e),
-        candidates=tuple(candidates), baselines=baselines, calibration=eff.source, notes=notes,
-    )
+
+    def build(pair) -> Plan:
+        e2e, load_s, sw, p, ip, d, i_d = pair
+        op, od = opts["prefill"][p], opts["decode"][d]
+        cp = Candidate("prefill", p, int(op.gpu_layers[ip]), float(op.time_s[ip]), int(op.gpu_bytes[ip]),
+                       int(op.cpu_bytes[ip]), float(op.pcie_bytes[ip]), True)
+        cd = Candidate("decode", d, int(od.gpu_layers[i_d]), float(od.time_s[i_d]), int(od.gpu_bytes[i_d]),
+                       int(od.cpu_bytes[i_d]), float(od.pcie_bytes[i_d]), True)
+        out = Plan(
+            model=spec.name, hardware=hw.name, batch_size=batch_size, input_len=input_len, output_len=output_len,
+            dtype=dtype, cpu_dtype=cpu_dtype, num_layers=spec.num_layers, gpu_memory_bytes=int(gpu_budget),
+            cpu_memory_bytes=int(cpu_budget), prefill=PhaseChoice.of(cp), decode=PhaseChoice.of(cd),
+            ttft_s=cp.time_s, tpot_s=cd.time_s, load_s=load_s, switch_s=sw, e2e_s=e2e,
+            reason=_reason(cp, cd, candidates, baselines, e2e),
+            candidates=tuple(candidates), baselines=baselines, calibration=eff.source, notes=tuple(hw.notes),
+        )
+        if curves:
+            from flexplan.plan_expert_cache import add_expert_cache
+
+            need = placement_memory(shape, hw, {"prefill": REGISTRY[p].placement(n, cp.gpu_layers, "prefill"),
+                                                "decode": REGISTRY[d].placement(n, cd.gpu_layers, "decode")})
+            out = add_expert_cache(out, shape, hw, eff, curves, need.accelerator_bytes, include_initial_load,
+                                   f"{profile.model}, {profile.prompts} prompts")
+        return out
+
+    best = build(chosen)
+    if curves:  # a cache can make a cpu-experts pair the better one: the best pair with it in either phase
+        from flexplan.plan_expert_cache import CPU_EXPERTS_POLICY as X
+
+        alts = ([best_pair(p_pols, [X])] if X in d_pols else []) + ([best_pair([X], d_pols)] if X in p_pols else [])
+        for alt in alts:
+            if alt is not None and alt[3:] != chosen[3:]:
+                cand = build(alt)
+                if cand.e2e_s < best.e2e_s:
+                    best = replace(cand, notes=cand.notes + (
+                        f"with its expert cache this pair beats {chosen[3]}:{chosen[5]} ({chosen[0]:.3g} s E2E without "
+                        "a cache)",))
+    return best
 
 
 def _reason(cp: Candidate, cd: Candidate, candidates: list[Candidate], baselines: dict, e2e: float) -> str:

@@ -46,6 +46,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "policies on the CPU, for testing) or none (default: cuda if available)")
     parser.add_argument("--hw", default="local", help="hardware to plan for: 'local' (default), hwdb server or CPU+GPU+LINK")
     parser.add_argument("--temperature", type=float, default=0.0, help="sampling temperature; 0 = greedy (default)")
+    parser.add_argument("--routing-profile", default=None, metavar="FILE",
+                        help="routing profile (`flexplan profile-experts`): cache the most-used CPU experts of a "
+                             "cpu-experts plan on the accelerator")
     parser.add_argument("--json", action="store_true", help="print one JSON record (plan, text, measured, predicted) instead")
     parser.add_argument("--no-warmup", action="store_true",
                         help="measure the process's first generate() (by default a 2-token run of the same prompt "
@@ -160,7 +163,7 @@ def _run(args: argparse.Namespace) -> int:
                      input_len=input_len, output_len=args.max_new_tokens,
                      dtype="bfloat16" if accelerator == "cuda" else "float32", gpu_memory_bytes=gpu_memory_bytes,
                      prefill="cpu" if cpu_only else args.prefill, decode="cpu" if cpu_only else args.decode,
-                     gpu_layers=args.gpu_layers)
+                     gpu_layers=args.gpu_layers, routing_profile=getattr(args, "routing_profile", None))
     if not args.json:
         print(format_run_plan(plan, folder.name), flush=True)
     lm = load(folder, plan=plan, accelerator=accelerator, dtype=plan.dtype, gpu_memory_bytes=gpu_memory_bytes)

@@ -400,32 +400,52 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cpu-attention", action="store_true",
                    help="instead of the grid: the cpu-attention policies' CPU attention term, predicted vs measured "
                         "over head layouts, batches and contexts (no accelerator needed)")
+    p.add_argument("--cpu-experts", nargs="?", const="Qwen/Qwen3-30B-A3B", default=None, metavar="MODEL",
+                   help="instead of the grid: the cpu-experts policy's CPU expert term, predicted vs measured at "
+                        "decode batches 1-16 on MODEL's expert shape (default Qwen/Qwen3-30B-A3B; no accelerator needed)")
+
+
+def run_cpu_term(args, name: str, result: dict, text: str) -> int:
+    """One CPU term's check (``--cpu-attention``, ``--cpu-experts``): ``result`` (rows and a MAPE)
+    written to ``<name>.json`` in the output folder (temp name, renamed), ``text`` printed (or the
+    MAPE as JSON with --json)."""
+    stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+    out_dir = Path(args.out) if args.out else Path("benchmarks/results") / f"validate-{name.replace('_', '-')}-{stamp}"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / f"{name}.json"
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(_clean({"hardware": args.hw, "date_utc": stamp, **result}), indent=2) + "\n")
+    os.replace(tmp, path)
+    if args.json:
+        print(json.dumps({k: v for k, v in result.items() if k.startswith("mape")} | {"out": str(path)}, indent=2))
+    else:
+        print(text)
+        print(f"wrote {path}")
+    return 0
 
 
 def run_cpu_attention(args) -> int:
-    """``--cpu-attention``: flexplan.validate_cpu_attention's check, printed and written to
-    ``cpu_attention.json`` (temp name, renamed)."""
+    """``--cpu-attention``: flexplan.validate_cpu_attention's check of the cpu-attention policies' CPU term."""
     from flexplan import validate_cpu_attention as vca
 
-    stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ")
-    out_dir = Path(args.out) if args.out else Path("benchmarks/results") / f"validate-cpu-attention-{stamp}"
     s = vca.run_check(args.hw)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    path = out_dir / "cpu_attention.json"
-    tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(_clean({"hardware": args.hw, "date_utc": stamp, **s}), indent=2) + "\n")
-    os.replace(tmp, path)
-    if args.json:
-        print(json.dumps({"mape": s["mape"], "mape_by_layout": s["mape_by_layout"], "out": str(path)}, indent=2))
-    else:
-        print(vca.format_check(s))
-        print(f"wrote {path}")
-    return 0
+    return run_cpu_term(args, "cpu_attention", s, vca.format_check(s))
+
+
+def run_cpu_experts(args) -> int:
+    """``--cpu-experts [MODEL]``: flexplan.validate_experts' check of the cpu-experts policy's CPU
+    term on MODEL's expert shape (at most 32 experts held, so that the float32 copy fits a small machine)."""
+    from flexplan import validate_experts as ve
+
+    s = ve.validate_cpu_experts(args.cpu_experts, hardware=args.hw, max_experts=32)
+    return run_cpu_term(args, "cpu_experts", s, ve.format_check(s))
 
 
 def run(args) -> int:
     if getattr(args, "cpu_attention", False):
         return run_cpu_attention(args)
+    if getattr(args, "cpu_experts", None):
+        return run_cpu_experts(args)
     grid = parse_grid(args.grid)
     pairs = parse_pairs(args.policies)
     if args.repeats < 1:

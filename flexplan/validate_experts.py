@@ -39,10 +39,10 @@ def _experts_module(m, seed: int):
 
 
 def validate_cpu_experts(model: Any, batches=(1, 2, 4, 8, 16), hardware: Any = "local", efficiency=None,
-                         repeats: int = 5, seed: int = 0) -> dict[str, Any]:
+                         repeats: int = 5, seed: int = 0, max_experts: int | None = None) -> dict[str, Any]:
     """Rows (batch, distinct experts, predicted_s, measured_s, error %) and the MAPE, for the
     routed experts of one MoE layer of ``model`` (a catalog id, config or ModelSpec) computed in
-    float32 on this CPU."""
+    float32 on this CPU; ``max_experts`` caps the experts held (the expert shape stays)."""
     import torch
 
     from flexplan.errors import InvalidInputError
@@ -53,6 +53,10 @@ def validate_cpu_experts(model: Any, batches=(1, 2, 4, 8, 16), hardware: Any = "
     m = resolve_model(model)
     if not m.is_moe:
         raise InvalidInputError(f"{m.name} is a dense model: it has no routed experts to validate")
+    if max_experts is not None and m.num_experts > max_experts:
+        import dataclasses
+
+        m = dataclasses.replace(m, num_experts=max(max_experts, m.experts_per_token))
     hw = _resolve_hardware(hardware)
     eff = _efficiency(hw, efficiency)
     mod = _experts_module(m, seed)
@@ -75,4 +79,16 @@ def validate_cpu_experts(model: Any, batches=(1, 2, 4, 8, 16), hardware: Any = "
         rows.append({"batch": b, "distinct_experts": costs.expected_experts_read(m, b), "predicted_s": predicted,
                      "measured_s": measured, "error_pct": 100 * abs(predicted - measured) / measured})
     return {"model": m.name, "hardware": hw.name, "calibration": eff.source, "threads": torch.get_num_threads(),
-            "rows": rows, "mape_pct": statistics.fmean(r["error_pct"] for r in rows)}
+            "num_experts": m.num_experts, "rows": rows, "mape_pct": statistics.fmean(r["error_pct"] for r in rows)}
+
+
+def format_check(s: dict[str, Any]) -> str:
+    """The rows and the MAPE of :func:`validate_cpu_experts`, as `flexplan validate --cpu-experts` prints them."""
+    lines = [f"CPU routed experts of one MoE layer of {s['model']} ({s['num_experts']} experts held, float32, "
+             f"{s['threads']} threads; {s['calibration']}):",
+             f"  {'batch':>5}{'experts':>9}{'measured':>12}{'predicted':>12}{'error':>8}"]
+    for r in s["rows"]:
+        lines.append(f"  {r['batch']:>5}{r['distinct_experts']:>9.1f}{r['measured_s'] * 1e3:>10.3f}ms"
+                     f"{r['predicted_s'] * 1e3:>10.3f}ms{r['error_pct']:>7.0f}%")
+    lines.append(f"MAPE {s['mape_pct']:.0f}%")
+    return "\n".join(lines)

@@ -457,3 +457,20 @@ def test_calibrated_attention_per_layout_reaches_the_estimator(use_dir):
     scaled = ScaledEfficiency(eff, {"cpu_memory": 2.0})
     assert scaled.cpu_attention_for_layout(100.0, "float32", (4, 1, 32)) == pytest.approx(
         f.attention_by_layout[(4, 1, 32)](100.0) / 2)
+
+
+def test_tiny_run_times_the_expert_path(use_dir):
+    """Issue 15 item 4: the run times the CPU expert path at the rows per expert of its mode, stored
+    per dtype; the calibrated Efficiency answers the expert factors from them (an older file
+    without them: None, expert_terms then prices the experts as GEMVs plus a layer overhead)."""
+    from flexplan.calibration import microbench as mb
+    from flexplan.calibration.cli import format_summary
+
+    _, res = use_dir
+    rows = [r for r in res.doc["measurements"]["cpu_experts"] if r["dtype"] == "float32"]
+    assert [r["tokens_per_expert"] for r in rows] == list(mb.MODES["tiny"].expert_tokens)
+    eff = unwrapped(efficiency_for(get_hardware("local")))
+    c, m = eff.cpu_expert_factors(1, "float32")
+    assert 0 < c <= EFF_MAX and 0 < m <= EFF_MAX
+    assert "routed experts" in format_summary(res)
+    assert DefaultEfficiency.for_hardware(get_hardware("local")).cpu_expert_factors(1, "float32") is None

@@ -91,6 +91,7 @@ def _steps(mode: str, hw, threads: int, cpu_dtypes: list[str], gpu_dtype: str | 
                           lambda tick, dt=dt: mb.layers(s, dt, tick=tick), dt))
         steps.append(Step("cpu_head_gemv", len(s.head_shapes) * len(s.head_tokens),
                           lambda tick, dt=dt: mb.head_gemv(s, dt, tick=tick), dt))
+        steps.append(Step("cpu_experts", len(s.expert_tokens), lambda tick, dt=dt: mb.expert_gemv(s, dt, tick=tick), dt))
     steps += [
         Step("cpu_layer_overhead", 1, lambda tick: mb.layer_overhead(s, cpu_dtypes[0])),
         Step("cpu_generate_step", 1, lambda tick: mb.generate_step(s, cpu_dtypes[0])),
@@ -344,6 +345,12 @@ def format_summary(res: Result) -> str:
                          "by (batch, kv_len) " + ", ".join(
                              f"({r['batch']},{r['kv_len']}):{r['kv_bytes_per_s'] / 1e9:.1f}" for r in attn
                              if (r["heads"], r["kv_heads"], r["head_dim"]) == layout))
+        experts = [r for r in m.get("cpu_experts", []) if r["dtype"] == dt]
+        if experts:
+            r0 = experts[0]
+            lines.append(f"  {dt}: routed experts ({r0['experts']} of {r0['hidden']}x{r0['intermediate']}, executor's path) "
+                         "weight GB/s by rows per expert " + ", ".join(
+                             f"{r['tokens_per_expert']}:{r['weight_bytes_per_s'] / 1e9:.1f}" for r in experts))
     if m.get("cpu_layer_overhead"):
         lines.append(f"  per-layer overhead {m['cpu_layer_overhead']['time_s'] * 1e6:.0f} us")
     if m.get("cpu_threads"):

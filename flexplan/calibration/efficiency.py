@@ -259,6 +259,8 @@ class CPUFactors:
     head_compute: Table | None = None  # the LM head's tall GEMV (hidden x vocab)
     head_memory: Table | None = None
     attention_by_layout: dict | None = None  # (heads, kv_heads, head_dim) -> Eff_attn(ctx), where measured
+    expert_compute: Table | None = None  # the CPU routed-expert path, by rows per expert (cpu_experts rows)
+    expert_memory: Table | None = None
 
 
 @dataclass(frozen=True)
@@ -299,6 +301,14 @@ class CalibratedEfficiency:
     def cpu_head_memory(self, tokens, dtype=None):
         f = self._cpu(dtype)
         return f.head_memory(tokens) if f and f.head_memory else self.cpu_memory(tokens, dtype)
+
+    def cpu_expert_factors(self, tokens, dtype=None):
+        """(Eff_comp, Eff_mem) of the CPU routed-expert path at ``tokens`` rows per expert, measured
+        with its fixed per-expert costs in them; None where calibration did not measure it."""
+        f = self._cpu(dtype)
+        if f is None or f.expert_compute is None:
+            return None
+        return f.expert_compute(tokens), f.expert_memory(tokens)
 
     def cpu_attention(self, context_len, dtype=None):
         f = self._cpu(dtype)
@@ -404,6 +414,17 @@ GEMM_KEYS = ("dtype", "tokens", "k", "n", "dtype_bytes", "time_s")
 ATTENTION_KEYS = ("dtype", "batch", "kv_len", "heads", "kv_heads", "head_dim", "dtype_bytes", "time_s")
 
 
+EXPERT_KEYS = ("dtype", "tokens_per_expert", "experts", "hidden", "intermediate", "dtype_bytes", "time_s")
+
+
+def expert_gemm_row(r: dict) -> dict:
+    """A ``cpu_experts`` row (k gated experts of hidden h and width I, t rows each) as the one GEMM
+    of equal FLOPs and weight bytes that :func:`derive_gemm` reads: t rows, k = h, n = 3 k_e I."""
+    n = 3 * int(r["experts"]) * int(r["intermediate"])
+    return {"tokens": int(r["tokens_per_expert"]), "k": int(r["hidden"]), "n": n, "dtype_bytes": r["dtype_bytes"],
+            "time_s": r["time_s"], **({"time_median_s": r["time_median_s"]} if "time_median_s" in r else {})}
+
+
 def check_rows(rows, keys: tuple[str, ...], what: str) -> list[dict]:
     """``rows`` as a list of dicts holding ``keys`` with positive numbers (``dtype`` a string);
     ValueError naming the first bad row otherwise."""
@@ -447,13 +468,18 @@ def cpu_factors(meas: dict, dtype: str, hw: Hardware, notes: list[str]) -> CPUFa
     if head_rows:
         head_c, head_m, n = derive_gemm(head_rows, th, bw, float(disp.get("linear_call_s", 0.0)))
         notes += [f"CPU {dtype} LM head: {x}" for x in n]
+    expert_c = expert_m = None
+    expert_rows = _of_dtype(check_rows(meas.get("cpu_experts"), EXPERT_KEYS, "measurements.cpu_experts"), dtype)
+    if expert_rows:
+        expert_c, expert_m, n = derive_gemm([expert_gemm_row(r) for r in expert_rows], th, bw)
+        notes += [f"CPU {dtype} routed experts: {x}" for x in n]
     layer_rows = _of_dtype(check_rows(meas.get("cpu_layers"), LAYER_KEYS, "measurements.cpu_layers"), dtype)
     overhead = None
     if layer_rows:  # real layers: the decode overhead, and the compute factor of prefill layers (layer_fit.py)
         overhead, eff_layers, attn_layers = derive_layers(layer_rows, th, bw, eff_c, eff_m, eff_a,
                                                           float(DTYPE_BYTES[dtype]))
         eff_c, eff_a = eff_layers or eff_c, attn_layers or eff_a
-    return CPUFactors(eff_c, eff_m, eff_a, overhead, head_c, head_m, by_layout or None)
+    return CPUFactors(eff_c, eff_m, eff_a, overhead, head_c, head_m, by_layout or None, expert_c, expert_m)
 
 
 def from_measurements(meas: dict, settings: dict, hw: Hardware, source: str) -> CalibratedEfficiency:

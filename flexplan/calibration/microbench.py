@@ -20,6 +20,10 @@ in its key names; none of them derives a factor (that is ``calibration/efficienc
 - Generate step: transformers ``generate()`` on a one-layer toy model: the per-step cost of the
   generation loop outside the layers (logits processing, stopping criteria, cache bookkeeping).
 - Thread sweep (Park & Egger 4.1): a prefill GEMM and a decode GEMV at 1..cores threads.
+- Routed experts (issue 15 item 4): the executor's CPU expert path (``cpu_experts.
+  routed_experts_forward``, blocked float32 where the native kernel builds) on k experts of a
+  gated MoE layer, each given the same number of rows, at the rows per expert routing produces
+  (1, 2, 4, ...), expert weights cycled from DRAM (``expert_gemv``).
 
 Times are the fastest of the timed runs (``time_s``, as STREAM and ``timeit`` report: what the
 machine can do; slower runs are interference, e.g. an OpenMP thread descheduled by another
@@ -79,6 +83,9 @@ class Sizes:
     # (vocab, batch) of the toy models whose generate() steps are timed, and the steps per run
     generate_shapes: tuple[tuple[int, int], ...] = ((128, 1), (65536, 1), (65536, 4))
     generate_steps: int = 32
+    # routed experts: rows per expert, and (hidden, expert intermediate, experts per call) of the layer
+    expert_tokens: tuple[int, ...] = (1, 2, 4, 8, 16)
+    expert_shape: tuple[int, int, int] = (1024, 512, 4)
     # the measurements (keys of the file's `measurements`) this mode takes; None: all of them
     parts: frozenset[str] | None = None
 
@@ -104,13 +111,15 @@ MODES = {
     "quick": Sizes(gemv_tokens=(1, 4, 8, 16), gemm_tokens=(64, 256, 1024), weight_shapes=WEIGHT_SHAPES,
                    attn_kv_lens=(128, 512, 2048, 8192), attn_batches=(1, 8), repeats=7, budget_s=1.0,
                    stream_bytes=128 * 2**20, layer_calls=100, transfer_bytes=(2**20, 16 * 2**20, 256 * 2**20),
+                   expert_tokens=(1, 2, 4, 8),
                    layer_shapes=((1, 1), (4, 1), (8, 1), (1, 128), (1, 512), (4, 512)), layer_long_kv_len=1024),
     # for tests: seconds, not minutes; the numbers mean little
     "tiny": Sizes(gemv_tokens=(1, 4), gemm_tokens=(16, 64), weight_shapes=((256, 512),), attn_kv_lens=(64, 256),
                   attn_batches=(1, 2), attn_heads=(4, 2, 32), attn_layouts=((4, 1, 32),), repeats=3, budget_s=0.2, rotate_bytes=4 * 2**20,
                   stream_bytes=4 * 2**20, layer_calls=10, sweep_prefill_tokens=16,
                   transfer_bytes=(2**16, 2**20), layer_widths=((64, 128, 4, 2, 16), (128, 256, 4, 2, 32)),
-                  layer_shapes=((1, 1), (1, 16)), layer_kv_len=16, layer_long_kv_len=64, head_shapes=((64, 1000),), head_tokens=(1, 2)),
+                  layer_shapes=((1, 1), (1, 16)), layer_kv_len=16, layer_long_kv_len=64, head_shapes=((64, 1000),), head_tokens=(1, 2),
+                  expert_tokens=(1, 4), expert_shape=(128, 64, 2)),
     # first use (flexplan/calibration/first_use.py): seconds (target: a few). STREAM, op dispatch, on one
     # 1B-class projection (2048 x 2048) the GEMV at the decode batches validate runs (1, 4, 8)
     # and prefill GEMMs at 32, 128 and 512 tokens (one GEMM at 256 alone left prefill at 32 and
@@ -478,3 +487,46 @@ def thread_sweep(sizes: Sizes, dtype: str, cores: int, tick: Callable[[], None] 
             "sweep": sweep,
             "best_prefill_threads": min(sweep, key=lambda r: r["prefill_time_s"])["threads"],
             "best_decode_threads": min(sweep, key=lambda r: r["decode_time_s"])["threads"]}
+
+
+def expert_gemv(sizes: Sizes, dtype: str, tick: Callable[[], None] | None = None) -> list[dict]:
+    """One row per rows-per-expert t: ``experts`` (k) experts of a gated MoE layer of
+    ``sizes.expert_shape``, each computing t rows, through the executor's CPU expert path
+    (``routed_experts_forward``; blocked float32 weights where the native kernel builds, as the
+    executor holds a float32 CPU's experts), the k experts of each call taken in turn from enough
+    experts that they exceed the last-level cache (every call reads its experts from DRAM)."""
+    import torch
+
+    from flexplan.executor import cpu_experts, cpu_linear
+
+    hidden, inter, k = sizes.expert_shape
+    dt, nbytes = torch_dtype(dtype), dtype_bytes(dtype)
+    per_expert = 3 * hidden * inter * nbytes
+    num = max(2 * k, k * math.ceil(copies_for(per_expert, rotate_bytes(sizes), cap=4096) / k))
+    mod = torch.nn.Module()
+    blocked = dt == torch.float32 and cpu_linear.blocking_available()
+    for name, shape in (("gate_up_proj", (num, 2 * inter, hidden)), ("down_proj", (num, hidden, inter))):
+        w = torch.full(shape, 0.01, dtype=dt)
+        if blocked:
+            w = cpu_experts.block_experts_into(w, False, torch.empty(w.numel(), dtype=dt))
+        mod.register_parameter(name, torch.nn.Parameter(w, requires_grad=False))
+    mod.has_gate, mod.is_transposed = True, False
+    mod._apply_gate = lambda x: torch.nn.functional.silu(x[..., :inter]) * x[..., inter:]
+    groups = Cycle(torch.arange(g * k, (g + 1) * k) for g in range(num // k))
+    rows = []
+    with torch.inference_mode():
+        for t in sizes.expert_tokens:
+            x = torch.full((t, hidden), 0.5, dtype=dt)
+            w = torch.full((t, k), 1.0 / k, dtype=dt)
+
+            def call():
+                cpu_experts.routed_experts_forward(mod, x, groups.next().expand(t, k), w)
+
+            r = time_call(call, sizes.repeats, sizes.budget_s)
+            rows.append({"dtype": dtype, "tokens_per_expert": t, "experts": k, "hidden": hidden,
+                         "intermediate": inter, "dtype_bytes": nbytes, "blocked": blocked,
+                         "time_s": _sig(r["time_s"]), "time_median_s": _sig(r["time_median_s"]), "runs": r["runs"],
+                         "weight_bytes_per_s": _sig(k * per_expert / r["time_s"])})
+            if tick:
+                tick()
+    return rows

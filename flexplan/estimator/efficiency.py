@@ -28,6 +28,8 @@ class Efficiency(Protocol):
     # (query heads, KV heads, head dim) layout, where calibration measured it (else cpu_attention)
     def cpu_head_compute(self, tokens: float, dtype: str) -> float: ...  # the LM head (hidden x vocab GEMV)
     def cpu_head_memory(self, tokens: float, dtype: str) -> float: ...
+    def cpu_expert_factors(self, tokens: float, dtype: str): ...  # (Eff_comp, Eff_mem) of the CPU routed-
+    # expert path at `tokens` rows per expert, fixed per-expert costs included; None: not calibrated
     def gpu_compute(self, tokens: float) -> float: ...
     def gpu_memory(self, tokens: float) -> float: ...
     def h2d(self, transfer_bytes: float) -> float: ...  # Eff_ICN host -> device
@@ -111,6 +113,9 @@ class DefaultEfficiency:
     def cpu_head_memory(self, tokens, dtype=None):
         return self.cpu_memory_eff
 
+    def cpu_expert_factors(self, tokens, dtype=None):
+        return None  # not measured: expert_terms prices the experts as GEMMs plus a layer overhead
+
     def gpu_compute(self, tokens):
         return self.gpu_compute_eff
 
@@ -184,6 +189,10 @@ class ScaledEfficiency:
 
     def cpu_head_memory(self, tokens, dtype=None):
         return self.base.cpu_head_memory(tokens, dtype) / self.scale("cpu_memory")
+
+    def cpu_expert_factors(self, tokens, dtype=None):
+        f = self.base.cpu_expert_factors(tokens, dtype) if hasattr(self.base, "cpu_expert_factors") else None
+        return None if f is None else (f[0] / self.scale("cpu_compute"), f[1] / self.scale("cpu_memory"))
 
     def gpu_compute(self, tokens):
         return self.base.gpu_compute(tokens) / self.scale("accelerator")

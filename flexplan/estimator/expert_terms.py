@@ -9,7 +9,9 @@ prefill), k experts per token, E routed experts, I the expert width, w = 3 (gate
     C_experts = 2 b k w h I                                      (FLOPs: each token runs k experts)
     D_experts = e(b) x expert_params x bytes + b k act_elems x bytes (weights read + activations)
     t_cpu_experts  = C / (TH_CPU Eff_CPU,Comp(b k / e)) + D / (BW_CPU Eff_CPU,Mem(b k / e)) + overhead
-                     (the calibrated CPU layer overhead stands for the dispatch of the e(b) GEMMs)
+                     (the calibrated CPU layer overhead stands for the dispatch of the e(b) GEMMs; where
+                     `flexplan calibrate` timed the expert path itself, its factors, no overhead:
+                     :func:`cpu_expert_rates`)
     t_gpu_experts  = the same at the accelerator's rates (what the split removes from its layer)
     t_hidden_link  = b h bytes over H2D + the same back over D2H (+ the router's k ids and weights)
 
@@ -42,6 +44,10 @@ class ExpertSplit:
     distinct_experts: float  # e(b): expected experts one step reads per MoE layer
     rows_per_expert: float  # b k / e(b)
     moe_layers_before: np.ndarray  # [j] = MoE layers among the first j layers, j = 0..N
+    # priced from a routing profile (estimator.expert_cache.with_profile): [j] = the CPU part and the
+    # link part of the first j layers' routed experts, nothing cached; None: uniform routing
+    profile_cpu_before: np.ndarray | None = None
+    profile_link_before: np.ndarray | None = None
 
     @property
     def num_layers(self) -> int:
@@ -65,6 +71,18 @@ def expert_bytes(m: ModelSpec, rows: float, weight_bytes: float, act_bytes: floa
     return costs.expected_experts_read(m, rows) * m.expert_params * weight_bytes + act * act_bytes
 
 
+def cpu_expert_rates(eff, rows_per_expert: float, cpu_dtype: str, weight_bytes_read: float):
+    """(Eff_comp, Eff_mem, overhead_s) of the CPU expert path at ``rows_per_expert``: the calibrated
+    expert factors (``flexplan calibrate``'s cpu_experts rows, the executor's own kernel at the rows
+    per expert routing produces; their fixed per-expert costs are inside them, so no overhead), else
+    the GEMM/GEMV factors plus the calibrated per-layer overhead standing for the GEMMs' dispatch."""
+    measured = eff.cpu_expert_factors(rows_per_expert, cpu_dtype) if hasattr(eff, "cpu_expert_factors") else None
+    if measured is not None:
+        return measured[0], measured[1], 0.0
+    return (eff.cpu_compute(rows_per_expert, cpu_dtype), eff.cpu_memory(rows_per_expert, cpu_dtype),
+            eff.cpu_layer_overhead_s(rows_per_expert, cpu_dtype, weight_bytes_read))
+
+
 def t_cpu_experts_s(m: ModelSpec, rows: int, cpu, eff, cpu_dtype: str, weight_bytes: float, act_bytes: float) -> float:
     """The routed experts of one MoE layer for ``rows`` tokens on the CPU ``cpu`` (a hardware
     CPUSpec), weights held at ``weight_bytes`` per element: t_cpu_experts of the module docstring."""
@@ -72,11 +90,10 @@ def t_cpu_experts_s(m: ModelSpec, rows: int, cpu, eff, cpu_dtype: str, weight_by
 
     distinct = costs.expected_experts_read(m, rows)
     per_expert = rows * m.experts_per_token / distinct
+    eff_c, eff_m, overhead_s = cpu_expert_rates(eff, per_expert, cpu_dtype, distinct * m.expert_params * weight_bytes)
     return float(t_on_device_s(expert_flops(m, rows), expert_bytes(m, rows, weight_bytes, act_bytes),
                                cpu.peak_flops_per_s[cpu_dtype], cpu.memory_bandwidth_bytes_per_s,
-                               eff.cpu_compute(per_expert, cpu_dtype), eff.cpu_memory(per_expert, cpu_dtype),
-                               overhead_s=eff.cpu_layer_overhead_s(per_expert, cpu_dtype,
-                                                                   distinct * m.expert_params * weight_bytes)))
+                               eff_c, eff_m, overhead_s=overhead_s))
 
 
 def expert_split_costs(shape, hw, eff, phase: str) -> ExpertSplit | None:

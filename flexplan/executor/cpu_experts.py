@@ -144,12 +144,37 @@ class ExpertsPlace:
         self.link = None
         self.calls = 0  # CPU expert calls (tests check the path ran)
         self.rows = 0  # tokens those calls computed
+        self.cached = None  # executor.expert_cache.CachedExperts: some experts kept on the accelerator
+        self.cache_pairs = 0  # (token, choice) pairs the cache computed
+        self.routed_pairs = 0  # (token, choice) pairs routed while the cache was there
+
+    @property
+    def cache_hit_rate(self) -> float | None:
+        """Measured share of the routed pairs the accelerator's cache served (None: no cache ran)."""
+        return self.cache_pairs / self.routed_pairs if self.routed_pairs else None
+
+
+def _routing_args(module: nn.Module, args: tuple, kwargs: dict):
+    """(hidden states, top_k_index, top_k_weights) of a call on transformers' routed interface."""
+    bound = inspect.signature(type(module).forward).bind(module, *args, **kwargs)
+    return tuple(bound.arguments.values())[1:4]
 
 
 def _forward(module: nn.Module, place: ExpertsPlace, *args, **kwargs):
     own = type(module).forward
     if not place.on_cpu:
         return own(module, *args, **kwargs)
+    if place.cached is not None and takes_routing(module):
+        from flexplan.executor.expert_cache import split_forward
+
+        return split_forward(place.cached, *_routing_args(module, args, kwargs),
+                             lambda *a: _host_forward(module, place, a, {}), place)
+    return _host_forward(module, place, args, kwargs)
+
+
+def _host_forward(module: nn.Module, place: ExpertsPlace, args: tuple, kwargs: dict):
+    """The experts on the host copy of their weights: inputs over the link, output back."""
+    own = type(module).forward
     link, layer = place.link, place.layer
     first = next(a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor))
     back_dtype = first.dtype

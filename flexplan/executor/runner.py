@@ -206,8 +206,14 @@ class Executor:
             self.__dict__.pop("inventory")
         return footprint(self.inventory, placement, batch, input_len or capacity, capacity, kernel)
 
-    def check(self, placement: Placement, batch: int, capacity: int, input_len: int | None = None) -> None:
+    def check(self, placement: Placement, batch: int, capacity: int, input_len: int | None = None,
+              plan: Plan | None = None) -> None:
         need = self.memory_need(placement, batch, capacity, input_len)
+        cache = getattr(plan or self.plan, "expert_cache", None)
+        if cache is not None:  # the routed experts the plan caches on the accelerator (executor.expert_cache)
+            elem = torch.empty(0, dtype=self._dtype(ACCELERATOR, placement)).element_size()
+            nbytes = cache.num_experts * self.spec.expert_params * elem
+            need = MemoryNeed({**need.accelerator, "expert cache": nbytes}, need.pinned, need.host)
         check_fits(need, placement, self.accelerator_budget_bytes, self.pinned_budget_bytes,
                    f"batch {batch} x {capacity} tokens")
 
@@ -215,9 +221,11 @@ class Executor:
         """Put every unit's weights where ``plan`` needs them (refusing before any allocation
         when it does not fit). A no-op when the placement is unchanged."""
         placement = self._splittable(Placement.from_plan(plan, self.num_layers))
-        self.check(placement, plan.batch_size, plan.input_len + plan.output_len, plan.input_len)
+        self.check(placement, plan.batch_size, plan.input_len + plan.output_len, plan.input_len, plan)
         pack_batch = cpu_linear.pack_batch_hint(plan.batch_size) if self.backend.packs_weights else None
         if placement == self.placement and pack_batch == self.pack_batch and source is None:
+            if getattr(plan, "expert_cache", None) != getattr(self.plan, "expert_cache", None):
+                self._place_expert_cache(plan)
             self.plan = plan
             return
         self.placement, self.plan, self.pack_batch = placement, plan, pack_batch
@@ -245,6 +253,7 @@ class Executor:
             self._bind_layer(i, PREFILL)
         fill(self.head, placement.head_places())
         self.head.bind(placement.head_place(PREFILL))
+        self._place_expert_cache(plan)
         if streamed and self.slots is None:
             self.slots = StreamSlots(self.link, slot_bytes)
         beside = sorted({i for ph in placement.phases for i in placement.attention_on_cpu(ph)})
@@ -255,6 +264,19 @@ class Executor:
             for i in range(self.num_layers):
                 if all(placement.modes[ph][i].on_cpu for ph in (PREFILL, DECODE)):
                     self.backend.optimize(self.parts.layers[i], self._dtype(HOST_MEMORY))
+
+    def _place_expert_cache(self, plan: Plan) -> None:
+        """The routed experts ``plan.expert_cache`` names, copied onto the accelerator (executor.expert_cache)."""
+        from flexplan.executor.expert_cache import place_caches
+
+        place_caches(self.expert_modules, self.layers, self.placement, getattr(plan, "expert_cache", None), self.link,
+                     self._dtype(ACCELERATOR))
+
+    def expert_cache_hit_rates(self) -> dict[int, float]:
+        """Layer -> measured share of its routed (token, choice) pairs the expert cache served, over
+        the calls since the cache was placed (the plan's ExpertCache.hit_rate is the prediction)."""
+        return {p.layer: p.cache_hit_rate for m in self.expert_modules if m is not None
+                for p in (m[1],) if p.cache_hit_rate is not None}
 
     def _splittable(self, placement: Placement) -> Placement:
         """``placement`` with each layer whose attention cannot be routed to the CPU (it does not

@@ -9,7 +9,9 @@ budget. Per step:
 
     T = N t_gpu_layer - C t_gpu_experts + C (t_cpu_experts + t_hidden_link) + ends
 
-with C the MoE layers among the first N - M (a dense first layer has no experts to move). The
+with C the MoE layers among the first N - M (a dense first layer has no experts to move); with a
+routing profile the C (t_cpu_experts + t_hidden_link) are each layer's from the profile instead
+(``estimator.expert_cache``). The
 CPU experts of a layer and the accelerator run one after the other: the layer's experts need its
 router's output and the next layer needs theirs, and this policy does not overlap the shared
 experts with the CPU's routed ones (KTransformers does; the estimate is then an upper bound).
@@ -30,7 +32,11 @@ def cpu_experts_time_s(pc: PhaseCosts, num_layers: int, gpu_layers: np.ndarray):
     x = pc.experts
     moe_cpu = x.cpu_moe_layers(num_layers - gpu_layers)
     layers = num_layers * mean_over_steps(pc.t_gpu_layer_s) - moe_cpu * x.t_gpu_experts_s
-    cpu_part, link_part = moe_cpu * x.t_cpu_experts_s, moe_cpu * x.t_hidden_link_s
+    if x.profile_cpu_before is not None:  # a routing profile prices each CPU layer (estimator.expert_cache)
+        cpu_layers = np.asarray(num_layers - gpu_layers, dtype=int)
+        cpu_part, link_part = x.profile_cpu_before[cpu_layers], x.profile_link_before[cpu_layers]
+    else:
+        cpu_part, link_part = moe_cpu * x.t_cpu_experts_s, moe_cpu * x.t_hidden_link_s
     return layers + cpu_part + link_part, layers, cpu_part, link_part
 
 
