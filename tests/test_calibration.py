@@ -474,3 +474,22 @@ def test_tiny_run_times_the_expert_path(use_dir):
     assert 0 < c <= EFF_MAX and 0 < m <= EFF_MAX
     assert "routed experts" in format_summary(res)
     assert DefaultEfficiency.for_hardware(get_hardware("local")).cpu_expert_factors(1, "float32") is None
+
+
+def test_disturbed_gemm_points_are_timed_again():
+    """A point slower than more tokens, slower per token than fewer, or with spread-out runs is
+    re-measured; a clean curve (per-token cost falling, then roughly flat) is left alone."""
+    from flexplan.calibration.microbench import suspect_points
+
+    def pts(**med_best):
+        return {int(t[1:]): {"time_median_s": m, "time_s": b} for t, (m, b) in med_best.items()}
+
+    clean = pts(t1=(0.69e-3, 0.68e-3), t8=(1.2e-3, 1.17e-3), t32=(2.35e-3, 2.3e-3), t128=(7.7e-3, 7.6e-3),
+                t512=(35e-3, 34e-3))
+    assert suspect_points(clean) == []
+    slow32 = {**clean, **pts(t32=(7.97e-3, 7.96e-3))}  # all runs slow, slower than 128 tokens
+    assert suspect_points(slow32) == [32]
+    spread = {**clean, **pts(t128=(11.9e-3, 7.76e-3))}  # median far above the fastest run
+    assert suspect_points(spread) == [128]
+    per_token = {**clean, **pts(t512=(60e-3, 59e-3))}  # 512 tokens slower per token than 4 x 128
+    assert suspect_points(per_token) == [512]

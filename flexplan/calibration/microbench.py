@@ -267,6 +267,7 @@ def gemm(tokens: tuple[int, ...], sizes: Sizes, dtype: str, device: str = "cpu",
         for k, n in sizes.weight_shapes:
             count = copies_for(k * n * nbytes, total_bytes)
             by_hint: dict = {}
+            timed: dict[int, dict] = {}
             for t in tokens:
                 hint = pack_batch_hint(t)
                 if hint not in by_hint:  # weights as the executor holds them for this batch
@@ -275,16 +276,52 @@ def gemm(tokens: tuple[int, ...], sizes: Sizes, dtype: str, device: str = "cpu",
                                           for _ in range(count))
                 ws = by_hint[hint]
                 x = torch.full((t, k), 0.5, dtype=dt, device=device)
-                r = time_call(lambda: linear(x, ws.next()), sizes.repeats, sizes.budget_s, sync, inner)
+                timed[t] = time_call(lambda: linear(x, ws.next()), sizes.repeats, sizes.budget_s, sync, inner)
+                if tick:
+                    tick()
+            for t in rechecks(timed):  # once more, after the others; the typical run of the two kept
+                ws = Cycle(linear.prepare(torch.full((n, k), 0.01, dtype=dt, device=device), t) for _ in range(count))
+                x = torch.full((t, k), 0.5, dtype=dt, device=device)
+                again = time_call(lambda: linear(x, ws.next()), sizes.repeats, sizes.budget_s, sync, inner)
+                timed[t] = dict(min(timed[t], again, key=lambda r: r["time_median_s"]), rechecked=True)
+                del ws
+            for t, r in timed.items():
                 rows.append({"dtype": dtype, "tokens": t, "k": k, "n": n, "dtype_bytes": nbytes, "kernel": linear.name,
                              "time_s": _sig(r["time_s"]),
                              "time_median_s": _sig(r["time_median_s"]), "runs": r["runs"],
                              "flops_per_s": _sig(c_gemm(t, k, n) / r["time_s"]),
-                             "weight_bytes_per_s": _sig(k * n * nbytes / r["time_s"])})
-                if tick:
-                    tick()
+                             "weight_bytes_per_s": _sig(k * n * nbytes / r["time_s"]),
+                             **({"rechecked": True} if r.get("rechecked") else {})})
             del by_hint
     return rows
+
+
+def rechecks(timed: dict[int, dict]):
+    """Yield each suspect point (:func:`suspect_points`) once, looking again after each re-timing
+    (a point judged against a disturbed neighbour is judged again once that one is re-timed)."""
+    while todo := [t for t in suspect_points(timed) if not timed[t].get("rechecked")]:
+        yield todo[0]
+
+
+NOISY_SPREAD = 1.25  # a point whose median run is this far above its fastest met interference
+
+
+def suspect_points(timed: dict[int, dict]) -> list[int]:
+    """Token counts of one weight shape whose typical (median) time looks disturbed: its runs spread
+    (median over NOISY_SPREAD x the fastest), or it took longer than a larger token count, or longer
+    per token than a smaller one (which chunks would match). The development VM's first-use probe
+    timed its 2048 x 2048 GEMM at 32 tokens 3.4x slower than usual in two of three cycles (slower
+    than at 128 tokens), which made every short prompt's prefill predict 2.4x slow."""
+    ts = sorted(timed)
+    med = {t: timed[t]["time_median_s"] for t in ts}
+    out = []
+    for t in ts:
+        spread = med[t] > NOISY_SPREAD * timed[t]["time_s"]
+        slower_than_more = any(med[t] > med[u] for u in ts if u > t)
+        slower_per_token = any(med[t] / t > NOISY_SPREAD * med[u] / u for u in ts if u < t)
+        if spread or slower_than_more or slower_per_token:
+            out.append(t)
+    return out
 
 
 class _SDPAModule:
