@@ -125,8 +125,9 @@ MODES = {
     # and prefill GEMMs at 32, 128 and 512 tokens (one GEMM at 256 alone left prefill at 32 and
     # 4096 tokens to interpolation: up to 34% off full files of synthetic machines), one
     # decode-attention point, one real SmolLM2-sized layer in decode (batch 1, 8) and prefill (128
-    # tokens, where a GEMM is measured, so the layer's residual is overhead, not a factor's
-    # interpolation error) shape: the per-layer overhead grows with prefill tokens (the earlier
+    # and 512 tokens, where GEMMs are measured; the real layer's compute factor at 512 took the
+    # random Llama's 1024-token prefill from 17% short to 4%, one A/B run) shape: the per-layer
+    # overhead grows with prefill tokens (the earlier
     # VM's full file: 0.36 ms at 1 token, 1.9 at 128, 6.7 at 512, what the linear extrapolation
     # from 8 and 128 gives; the tiny layer's fixed cost alone left SmolLM2's TTFT 20-28% short),
     # the per-step overhead; with a GPU, pinned copies each way. What it lacks falls back in
@@ -138,7 +139,7 @@ MODES = {
                    attn_kv_lens=(1024,),
                    attn_batches=(1,), repeats=3, budget_s=0.25, stream_bytes=64 * 2**20, layer_calls=20,
                    transfer_bytes=(16 * 2**20, 128 * 2**20), generate_shapes=((65536, 1), (65536, 4)),
-                   generate_steps=8, layer_widths=((576, 1536, 9, 3, 64),), layer_shapes=((1, 1), (8, 1), (1, 128)),
+                   generate_steps=8, layer_widths=((576, 1536, 9, 3, 64),), layer_shapes=((1, 1), (8, 1), (1, 128), (1, 512)),
                    layer_kv_len=32, layer_long_kv_len=512, rotate_llc_multiple=2.0, layer_copies=4,
                    parts=frozenset({"cpu_stream", "cpu_op_dispatch", "cpu_gemv", "cpu_gemm", "cpu_attention",
                                     "cpu_layers", "cpu_layer_overhead", "cpu_generate_step", "h2d", "d2h"})),
