@@ -320,39 +320,55 @@ def _plan_one(spec: ModelSpec, hw: Hardware, eff: Efficiency, shape: Shape, gpu_
         scores[key] = (load + ttft + sw + steps * float(od.time_s[idx_d]), load, sw)
         return scores[key]
 
+    def floor_s(o: _Options, per_step: float, with_load: bool) -> float:
+        """The least a phase can add to any pair's E2E (its fastest feasible M, with its load)."""
+        idx = np.flatnonzero(o.feasible)
+        if idx.size == 0:
+            return math.inf
+        t = o.time_s[idx] * per_step + (o.load_s[idx] if with_load else 0.0)
+        return float(t.min())
+
+    floors = {("prefill", p): floor_s(o, 1.0, include_initial_load) for p, o in opts["prefill"].items()}
+    floors.update({("decode", d): floor_s(o, steps, False) for d, o in opts["decode"].items()})
+
     def best_pair(p_pols, d_pols):
+        """The lowest-E2E pair, pairs taken in the order of their floor (prefill's fastest M with its
+        load, plus decode's fastest M over the steps; a switch only adds): once a pair's floor is
+        no lower than the best E2E found, no later pair can beat it and the search stops."""
         best = None
-        for p in p_pols:
-            op = opts["prefill"][p]
-            for d in d_pols:
-                od = opts["decode"][d]
-                ip_best, id_best = op.best(), od.best()
-                if ip_best is None or id_best is None:
-                    continue
-                ip_set = {ip_best, int(np.flatnonzero(op.feasible)[-1])}
-                id_set = {id_best, int(np.flatnonzero(od.feasible)[-1])}
-                for ip in list(ip_set):  # same M in both phases avoids a switch
-                    j = od.index_of(int(op.gpu_layers[ip]))
-                    if j is not None:
-                        id_set.add(j)
-                for i_d in list(id_set):
-                    j = op.index_of(int(od.gpu_layers[i_d]))
-                    if j is not None:
-                        ip_set.add(j)
-                for ip in ip_set:
-                    for i_d in id_set:
-                        s = score(p, ip, d, i_d)
-                        if s is None:  # both phases' buffers together: the most decode GPU layers that fit,
-                            lo, hi = 0, i_d - 1  # by bisection (fewer decode layers need less accelerator memory)
-                            while lo <= hi:
-                                mid = (lo + hi) // 2
-                                s_mid = score(p, ip, d, mid) if od.feasible[mid] else None
-                                if s_mid is None:
-                                    hi = mid - 1
-                                else:
-                                    i_d, s, lo = mid, s_mid, mid + 1
-                        if s is not None and (best is None or s[0] < best[0]):
-                            best = (s[0], s[1], s[2], p, ip, d, i_d)
+        pairs = sorted(((floors["prefill", p] + floors["decode", d], p, d) for p in p_pols for d in d_pols),
+                       key=lambda x: x[0])
+        for floor, p, d in pairs:
+            if not math.isfinite(floor) or (best is not None and floor >= best[0]):
+                break
+            op, od = opts["prefill"][p], opts["decode"][d]
+            ip_best, id_best = op.best(), od.best()
+            if ip_best is None or id_best is None:
+                continue
+            ip_set = {ip_best, int(np.flatnonzero(op.feasible)[-1])}
+            id_set = {id_best, int(np.flatnonzero(od.feasible)[-1])}
+            for ip in list(ip_set):  # same M in both phases avoids a switch
+                j = od.index_of(int(op.gpu_layers[ip]))
+                if j is not None:
+                    id_set.add(j)
+            for i_d in list(id_set):
+                j = op.index_of(int(od.gpu_layers[i_d]))
+                if j is not None:
+                    ip_set.add(j)
+            for ip in ip_set:
+                for i_d in id_set:
+                    s = score(p, ip, d, i_d)
+                    if s is None:  # both phases' buffers together: the most decode GPU layers that fit,
+                        lo, hi = 0, i_d - 1  # by bisection (fewer decode layers need less accelerator memory)
+                        while lo <= hi:
+                            mid = (lo + hi) // 2
+                            s_mid = score(p, ip, d, mid) if od.feasible[mid] else None
+                            if s_mid is None:
+                                hi = mid - 1
+                            else:
+                                i_d, s, lo = mid, s_mid, mid + 1
+                    if s is not None and (best is None or s[0] < best[0]):
+                        best = (s[0], s[1], s[2], p, ip, d, i_d)
         return best
 
     p_pols = [prefill] if prefill else list(POLICIES)

@@ -214,3 +214,27 @@ def test_phase_switch_moves_at_the_calibrated_link_efficiency():
     t, t_half = (switch_s(shape, hw, "gpu", 32, "splitgen", 16, 1.0, eff=e) for e in (base, half))
     kv = 16 * 2 * 4 * 512 * spec.kv_dim * 2  # layers x (K, V) x batch x prompt x kv_dim x bf16
     assert t == pytest.approx(kv / (64e9 * base.icn_eff)) and t_half == pytest.approx(2 * t)
+
+
+@pytest.mark.parametrize("model,hw,gib,b,i,o", [
+    ("meta-llama/Llama-2-70b-hf", "flexinfer-server2", None, 16, 512, 32),
+    ("Qwen/Qwen3-30B-A3B", "flexinfer-server2", 24, 1, 512, 128),
+    ("mistralai/Mixtral-8x7B-v0.1", "flexinfer-server1", None, 4, 2048, 256),
+    # here the pair with the lowest floor is not the best (a search stopping after it fails)
+    ("Qwen/Qwen2-7B", "flexinfer-server2", None, 1, 512, 32),
+    ("HuggingFaceTB/SmolLM2-135M-Instruct", "flexinfer-server2", 24, 16, 2048, 256),
+])
+def test_pruned_pair_search_finds_the_best_forced_pair(model, hw, gib, b, i, o):
+    """The planner skips pairs whose floor cannot beat the best found; its E2E is still the lowest
+    of every prefill x decode pair forced one by one (each forced search sees one pair only)."""
+    kw = dict(hardware=hw, batch_size=b, input_len=i, output_len=o, cpu_dtype="bfloat16",
+              **({"gpu_memory_bytes": gib << 30} if gib else {}))
+    chosen = flexplan.plan(model, **kw)
+    forced = []
+    for p in REGISTRY:
+        for d in REGISTRY:
+            try:
+                forced.append(flexplan.plan(model, prefill=p, decode=d, **kw).e2e_s)
+            except (DoesNotFitError, InvalidInputError):
+                pass
+    assert forced and chosen.e2e_s == pytest.approx(min(forced), rel=1e-12)
