@@ -334,3 +334,16 @@ def test_one_slow_probe_reading_is_confirmed_before_it_scales_anything(local, pr
     readings = iter([REF / 2, REF / 2])  # a state that lasts: scaled
     membw.forget_probe()
     assert efficiency_for(local).scale("cpu_memory") == pytest.approx(2.0)
+
+
+def test_one_fast_probe_reading_must_show_twice_before_it_scales_anything(local, probe, tmp_path, monkeypatch):
+    meas = FAST.measurements("quick", _dtypes(local))
+    meas["memory_state"] = _record(local)
+    _use(monkeypatch, _write(tmp_path, local, meas, "cal.yaml"))
+    readings = iter([REF * 1.3, REF])  # a fast burst, then the state as it is
+    monkeypatch.setattr(membw, "measure_copy_bytes_per_s", lambda *a, **k: next(readings))
+    membw.forget_probe()
+    assert efficiency_for(local).scale("cpu_memory") == 1.0
+    readings = iter([REF * 1.6, REF * 1.5])  # a faster state that lasts: the reading nearer the reference
+    membw.forget_probe()
+    assert efficiency_for(local).scale("cpu_memory") == pytest.approx(1 / 1.5)
