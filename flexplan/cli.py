@@ -54,7 +54,8 @@ def cmd_explain(args) -> int:
                 plans.append(plan(args.model, hardware=args.hw, batch_size=b, input_len=i, output_len=o,
                                   dtype=args.dtype, gpu_memory_bytes=args.gpu_memory, cpu_memory_bytes=args.cpu_memory,
                                   prefill=args.prefill, decode=args.decode, gpu_layers=args.gpu_layers,
-                                  routing_profile=args.routing_profile))
+                                  routing_profile=args.routing_profile,
+                                  policies=args.policies.split(",") if args.policies else None))
     if args.json:
         out = plans[0].to_dict() if len(plans) == 1 else [p.to_dict() for p in plans]
         print(json.dumps(out, indent=2))
@@ -133,6 +134,8 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     ex.add_argument("--routing-profile", default=None, metavar="FILE",
                     help="routing profile (`flexplan profile-experts`): price cpu-experts from it and cache the "
                          "most-used CPU experts on the accelerator in the memory left")
+    ex.add_argument("--policies", default=None, metavar="A,B,...",
+                    help="choose among these policies only (e.g. FlexInfer's: cpu,gpu,gpu-offload,gpu-offload-partial,splitgen)")
     ex.add_argument("--json", action="store_true", help="print plan.to_dict() as JSON")
     ex.set_defaults(func=cmd_explain)
 

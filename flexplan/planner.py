@@ -196,7 +196,7 @@ def plan(model: Any, hardware: Any = "local", batch_size: int = 1, input_len: in
          dtype: str = "bfloat16", gpu_memory_bytes: float | None = None, cpu_memory_bytes: float | None = None,
          prefill: str | None = None, decode: str | None = None, gpu_layers: int | None = None,
          efficiency: Efficiency | None = None, include_initial_load: bool = True, cpu_dtype: str | None = None,
-         routing_profile: Any = None) -> Plan:
+         routing_profile: Any = None, executable_only: bool = False, policies: Any = None) -> Plan:
     """Choose the prefill and decode policies with the lowest predicted end-to-end latency.
 
     ``model``: catalog id, config path/folder, PretrainedConfig, HF model or ModelSpec.
@@ -208,13 +208,23 @@ def plan(model: Any, hardware: Any = "local", batch_size: int = 1, input_len: in
     (on some CPUs bf16 GEMMs are faster but bf16 GEMV slower than fp32). ``routing_profile``: a
     RoutingProfile or the path of one (``flexplan profile-experts``): the ``cpu-experts`` policy is
     priced from it and a cpu-experts plan keeps its most-used CPU experts on the accelerator as a
-    cache in the memory it leaves (``plan_expert_cache``). Raises :class:`DoesNotFitError`
+    cache in the memory it leaves (``plan_expert_cache``). ``executable_only``: leave out the
+    policies the executor does not run yet (``flexplan.load`` plans so). ``policies``: the policy
+    names to choose among (default: every registered one), e.g. FlexInfer's own five. Raises :class:`DoesNotFitError`
     when no placement fits, :class:`InvalidInputError` for bad arguments.
     """
     _check_positive(batch_size=batch_size, input_len=input_len, output_len=output_len)
+    if policies is not None:
+        policies = [policies] if isinstance(policies, str) else list(policies)
+        unknown = [x for x in policies if x not in POLICIES]
+        if unknown or not policies:
+            raise InvalidInputError(f"unknown policies {unknown or policies!r}; choose among {', '.join(POLICIES)}")
     for name, forced in (("prefill", prefill), ("decode", decode)):
         if forced is not None and forced not in POLICIES:
             raise InvalidInputError(f"unknown {name} policy {forced!r}; use one of {', '.join(POLICIES)}")
+        if forced is not None and executable_only and not REGISTRY[forced].executable:
+            raise InvalidInputError(f"{name} policy {forced} is planned and explained but the executor does not run "
+                                    f"it yet; use one of {', '.join(p for p in POLICIES if REGISTRY[p].executable)}")
     spec: ModelSpec = resolve_model(model)
     if gpu_layers is not None and not (0 <= gpu_layers <= spec.num_layers):
         raise InvalidInputError(f"gpu_layers must be between 0 and {spec.num_layers} for {spec.name}, got {gpu_layers}")
@@ -238,7 +248,8 @@ def plan(model: Any, hardware: Any = "local", batch_size: int = 1, input_len: in
     for cd in cpu_dtypes:
         try:
             p = _plan_one(spec, hw, eff, Shape(spec, batch_size, input_len, output_len, dtype, cd), gpu_memory_bytes,
-                          cpu_memory_bytes, prefill, decode, gpu_layers, include_initial_load, profile)
+                          cpu_memory_bytes, prefill, decode, gpu_layers, include_initial_load, profile,
+                          executable_only, policies)
         except DoesNotFitError as e:
             error = error or e
             continue
@@ -253,7 +264,8 @@ def plan(model: Any, hardware: Any = "local", batch_size: int = 1, input_len: in
 
 
 def _plan_one(spec: ModelSpec, hw: Hardware, eff: Efficiency, shape: Shape, gpu_memory_bytes, cpu_memory_bytes,
-              prefill, decode, gpu_layers, include_initial_load, profile=None) -> Plan:
+              prefill, decode, gpu_layers, include_initial_load, profile=None, executable_only=False,
+              allowed=None) -> Plan:
     batch_size, input_len, output_len, dtype, cpu_dtype = (shape.batch, shape.input_len, shape.output_len,
                                                            shape.dtype, shape.cpu_dtype)
 
@@ -273,10 +285,12 @@ def _plan_one(spec: ModelSpec, hw: Hardware, eff: Efficiency, shape: Shape, gpu_
                 curves[ph] = profile_curves(shape, hw, eff, ph, profile, pcs[ph].experts)
                 pcs[ph] = replace(pcs[ph], experts=with_profile(pcs[ph].experts, curves[ph]))
     forced = {"prefill": prefill, "decode": decode}
+    policies = [p for p in POLICIES if (REGISTRY[p].executable or not executable_only)
+                and (allowed is None or p in allowed or p in (prefill, decode))]
     opts: dict[str, dict[str, _Options]] = {ph: {} for ph in PHASES}
     candidates: list[Candidate] = []
     for ph in PHASES:
-        for pol in POLICIES:
+        for pol in policies:
             o = _phase_options(ph, pol, pcs[ph], pcs["prefill"], shape, hw, gpu_budget, cpu_budget, gpu_layers)
             opts[ph][pol] = o
             i = o.best()
@@ -371,11 +385,11 @@ def _plan_one(spec: ModelSpec, hw: Hardware, eff: Efficiency, shape: Shape, gpu_
                         best = (s[0], s[1], s[2], p, ip, d, i_d)
         return best
 
-    p_pols = [prefill] if prefill else list(POLICIES)
-    d_pols = [decode] if decode else list(POLICIES)
+    p_pols = [prefill] if prefill else list(policies)
+    d_pols = [decode] if decode else list(policies)
     chosen = best_pair(p_pols, d_pols)
     baselines = {}
-    for pol in POLICIES:
+    for pol in policies:
         b = best_pair([pol], [pol])
         baselines[pol] = b[0] if b else math.inf
     if chosen is None:

@@ -20,7 +20,8 @@ def flexplan(*args, env=None, timeout=120):
 
 
 def test_explain_paper_setting():
-    r = flexplan("explain", "facebook/opt-66b", "--hw", "flexinfer-server2", "-b", "16", "-i", "512", "-o", "32")
+    r = flexplan("explain", "facebook/opt-66b", "--hw", "flexinfer-server2", "-b", "16", "-i", "512", "-o", "32",
+                 "--policies", "cpu,gpu,gpu-offload,gpu-offload-partial,splitgen")
     assert r.returncode == 0, r.stderr
     out = r.stdout
     assert "prefill candidates" in out and "decode candidates" in out

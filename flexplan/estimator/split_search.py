@@ -80,6 +80,11 @@ def layer_times_s(cpu_s, acc_s, h2d_weights_s, h2d_kv_s=None, boundary_s: float 
     return np.where(j >= i, out, np.inf)
 
 
+def copy_times_s(h2d_weights_s, h2d_kv_s) -> np.ndarray:
+    """H2D(i, j) of every split pair (Eq. 7), an array [..., i, j]."""
+    return _pair_sums(np.asarray(h2d_weights_s, dtype=float)) + _pair_sums(np.asarray(h2d_kv_s, dtype=float))
+
+
 def best_split(times_s: np.ndarray, max_split_points: int = 2) -> tuple[int, int, float]:
     """(i, j, L) minimising the mean of ``times_s`` [..., i, j] over its leading dimensions (one
     split for every decode step); ``max_split_points`` 1 keeps the CPU's run at one end (i = 0 or
