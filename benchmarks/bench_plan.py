@@ -15,8 +15,11 @@ import time
 from datetime import datetime, timezone
 from pathlib import Path
 
-import flexplan
-from flexplan.workload import catalog_names
+import sys
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # this checkout's flexplan, not another install
+import flexplan  # noqa: E402
+from flexplan.workload import catalog_names  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results"
 

@@ -20,6 +20,7 @@ with a running copy (``cpu_under_copy``, Park & Egger 4.1).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 
 import numpy as np
 
@@ -43,6 +44,7 @@ class SplitOps:
     boundary_s: float  # X: the hidden state across the link, one way plus the other
 
 
+@lru_cache(maxsize=256)
 def _shares(m, phase: str, batch: int) -> np.ndarray:
     """Share of the layer's linear work (FLOPs and weight bytes) each operator holds (sums to 1
     over the three linear operators; the attention over the cache holds none)."""
@@ -55,8 +57,9 @@ def _shares(m, phase: str, batch: int) -> np.ndarray:
                          + costs.expected_experts_read(m, batch) * m.expert_params for i in range(n)])
     else:
         mlp_p = np.mean([m.layer_params(i) - m.attention_params for i in range(n)])
-    p = np.array([in_p, 0.0, out_p, mlp_p], dtype=float)
-    return p / p.sum()
+    p = np.array([in_p, 0.0, out_p, mlp_p], dtype=float) / (in_p + out_p + mlp_p)
+    p.setflags(write=False)  # cached: shared by every call
+    return p
 
 
 def split_op_costs(shape, hw: Hardware, eff: Efficiency, phase: str, w, cpu_under_copy: float) -> SplitOps | None:

@@ -42,10 +42,10 @@ def split_lines(terms) -> list[str]:
     for key, v in terms.items():
         if key.startswith(TIMELINE):
             k, device, op, edge = key[len(TIMELINE):].split(":")
-            rows.setdefault(int(k), {"device": device, "operator": op})[edge] = v
+            rows.setdefault((int(k), device, op), {"device": device, "operator": op})[edge] = v
     for k in sorted(rows):
         r = rows[k]
-        if not (np.isfinite(r["start_s"]) and np.isfinite(r["end_s"])):
+        if not all(r.get(e) is not None and np.isfinite(r[e]) for e in ("start_s", "end_s")):
             continue  # a row of another candidate's split
         lines.append(f"  {r['device']:<12} {r['operator']:<40} {r['start_s'] * 1e3:9.2f} - {r['end_s'] * 1e3:9.2f} ms")
     return lines
@@ -79,25 +79,13 @@ def split_time(pc, num_layers: int, gpu_layers: np.ndarray) -> PhaseTime:
     terms = {"streamed_layers_s": t_streamed, "resident_layers_s": t_resident,
              "transfers_and_head_s": np.full(gpu_layers.shape, ends_s),
              "split_first_op": i.astype(float), "split_last_op": j.astype(float)}
-    for k, row in enumerate(_timelines(ops, i, j)):
-        for edge in ("start_s", "end_s"):
-            terms[f"{TIMELINE}{k}:{row['device']}:{row['operator']}:{edge}"] = row[edge]
+    for first, last in set(zip(i.tolist(), j.tolist())):  # one streamed layer per split in use, for explain
+        same = (i == first) & (j == last)
+        for k, row in enumerate(layer_timeline(ops, first, last)):
+            for edge in ("start_s", "end_s"):
+                key = f"{TIMELINE}{k}:{row['device']}:{row['operator']}:{edge}"
+                terms[key] = np.where(same, row[edge], terms.get(key, np.nan))
     return PhaseTime(gpu_layers, t_streamed + t_resident + ends_s, streamed * per_layer_bytes + ends_bytes, terms)
-
-
-def _timelines(ops, first: np.ndarray, last: np.ndarray) -> list[dict]:
-    """The timeline rows of each candidate's split, as arrays over the candidates (the rows of
-    one split; candidates with another split carry NaN)."""
-    rows: dict[tuple, dict] = {}
-    pairs = np.stack([first, last], axis=1)
-    for i, j in np.unique(pairs, axis=0).tolist():
-        where = (first == i) & (last == j)
-        for k, r in enumerate(layer_timeline(ops, i, j)):
-            key = (k, r["device"], r["operator"])
-            d = rows.setdefault(key, {"device": r["device"], "operator": r["operator"],
-                                      "start_s": np.full(len(first), np.nan), "end_s": np.full(len(first), np.nan)})
-            d["start_s"][where], d["end_s"][where] = r["start_s"], r["end_s"]
-    return [rows[k] for k in sorted(rows, key=lambda k: k[0])]
 
 
 class SplitPointsPolicy(Policy):
