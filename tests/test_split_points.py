@@ -101,3 +101,28 @@ def test_load_leaves_it_out_and_refuses_it_forced():
     with pytest.raises(InvalidInputError, match="executor does not run it yet"):
         flexplan.load(make_model("llama"), plan={"prefill": "gpu-offload", "decode": "split-points"},
                       accelerator="cpu")
+
+
+def test_validate_split_ops_cli_writes_rows_and_mape(tmp_path, capsys, monkeypatch):
+    """`flexplan validate --split-ops MODEL`: each CPU operator timed as the executor's CPU path runs
+    it beside the estimator's term, through the shared CPU-term mechanism; an MoE model is refused."""
+    import transformers
+
+    import flexplan.validate_split_ops as vs
+    from flexplan.cli import main
+
+    real = vs.validate_split_ops
+    monkeypatch.setattr(vs, "validate_split_ops", lambda *a, **k: real(*a, **{**k, "batches": (1, 2), "repeats": 2,
+                                                                              "context_len": 64}))
+    spec_dir = tmp_path / "llama"
+    spec_dir.mkdir()
+    transformers.LlamaConfig(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
+                             num_key_value_heads=2, vocab_size=1000).save_pretrained(spec_dir)
+    assert main(["validate", "--split-ops", str(spec_dir / "config.json"), "--out", str(tmp_path / "o")]) == 0
+    text = capsys.readouterr().out
+    assert "MAPE by operator" in text
+    d = json.loads((tmp_path / "o" / "split_ops.json").read_text())
+    assert [(r["batch"], r["operator"]) for r in d["rows"]] == [(b, op) for b in (1, 2) for op in OPERATORS]
+    assert all(r["measured_s"] > 0 and r["predicted_s"] > 0 for r in d["rows"]) and d["mape_pct"] > 0
+    with pytest.raises(InvalidInputError, match="MoE"):
+        real("Qwen/Qwen3-30B-A3B")

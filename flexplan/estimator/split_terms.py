@@ -62,54 +62,69 @@ def _shares(m, phase: str, batch: int) -> np.ndarray:
     return p
 
 
+def _work_by_op(shape, phase: str, w):
+    """(linear shares [3], attention FLOPs, linear FLOPs) of one layer of ``shape`` in ``phase``."""
+    m = shape.model
+    lin = _shares(m, phase, shape.batch)[[0, 2, 3]]
+    if phase == "decode":
+        attn_flops = costs.c_decode_attention(m, shape.batch, shape.decode_context_lens)
+    else:
+        attn_flops = np.asarray(w.flops - costs.c_decode_linear(m, w.rows), dtype=float)
+    return lin, attn_flops, np.asarray(w.flops, dtype=float) - attn_flops
+
+
+def _per_op(total, weights):
+    """[.., op]: the share ``weights`` of ``total`` for each operator."""
+    return np.asarray(total, dtype=float)[..., None] * weights
+
+
+def cpu_op_times_s(shape, hw: Hardware, eff: Efficiency, phase: str, w) -> np.ndarray:
+    """C of each operator on an idle CPU (no copy running): [op] in prefill, [step, op] in decode
+    (``w``: the layer's ``terms.phase_work``). ``flexplan validate --split-ops`` checks these."""
+    from flexplan.estimator.terms import t_cpu_attention_s, t_on_device_s
+
+    cpu, cd, rows = hw.cpu, shape.cpu_dtype, w.rows
+    lin, attn_flops, lin_flops = _work_by_op(shape, phase, w)
+    th_c, bw_c = cpu.peak_flops_per_s[cd], cpu.memory_bandwidth_bytes_per_s
+    c_lin = t_on_device_s(_per_op(lin_flops, lin), _per_op(w.d_cpu, lin), th_c, bw_c, eff.cpu_compute(rows, cd),
+                          eff.cpu_memory(rows, cd))
+    if phase == "decode":
+        c_attn = t_cpu_attention_s(shape, hw, eff, shape.decode_context_lens)
+    else:
+        c_attn = t_on_device_s(attn_flops, w.kv_write_cpu, th_c, bw_c, eff.cpu_compute(rows, cd), eff.cpu_memory(rows, cd))
+    c_ops = np.insert(c_lin, 1, np.broadcast_to(c_attn, np.shape(attn_flops)), axis=-1)
+    weight_share = np.insert(lin, 1, 0.0)  # the per-layer overhead, by the weights each operator holds
+    return c_ops + eff.cpu_layer_overhead_s(rows, cd, w.weight_bytes_cpu) * weight_share
+
+
 def split_op_costs(shape, hw: Hardware, eff: Efficiency, phase: str, w, cpu_under_copy: float) -> SplitOps | None:
     """The operators of one layer of ``shape`` in ``phase`` (``w``: its ``terms.phase_work``);
     None without an accelerator."""
-    from flexplan.estimator.terms import t_cpu_attention_s, t_link_s, t_on_device_s
+    from flexplan.estimator.terms import t_link_s, t_on_device_s
 
     if hw.gpu is None or hw.link is None:
         return None
-    m, b, cd = shape.model, shape.batch, shape.cpu_dtype
-    cpu, gpu, link = hw.cpu, hw.gpu, hw.link
-    share = _shares(m, phase, b)
-    lin = share[[0, 2, 3]]
-    if phase == "decode":
-        ctx = shape.decode_context_lens
-        attn_flops = costs.c_decode_attention(m, b, ctx)
-        kv_gpu = w.kv_read + w.kv_write  # the cache the accelerator reads, and the new K, V it writes
-    else:
-        attn_flops = np.asarray(w.flops - costs.c_decode_linear(m, w.rows), dtype=float)
-        kv_gpu = w.kv_write
-    lin_flops = np.asarray(w.flops, dtype=float) - attn_flops
+    b = shape.batch
+    gpu, link = hw.gpu, hw.link
+    lin, attn_flops, lin_flops = _work_by_op(shape, phase, w)
     steps = np.shape(attn_flops)
-
-    def per_op(total, weights):  # [.., op]: the linear share of ``total`` for each operator
-        t = np.asarray(total, dtype=float)[..., None]
-        return t * weights
-
-    th_c, bw_c = cpu.peak_flops_per_s[cd], cpu.memory_bandwidth_bytes_per_s
     th_g, bw_g = gpu.peak_flops_per_s[shape.dtype], gpu.memory_bandwidth_bytes_per_s
     rows = w.rows
-    c_lin = t_on_device_s(per_op(lin_flops, lin), per_op(w.d_cpu, lin), th_c, bw_c, eff.cpu_compute(rows, cd),
-                          eff.cpu_memory(rows, cd))
-    g_lin = t_on_device_s(per_op(lin_flops, lin), per_op(w.d_gpu, lin), th_g, bw_g, eff.gpu_compute(rows),
+    g_lin = t_on_device_s(_per_op(lin_flops, lin), _per_op(w.d_gpu, lin), th_g, bw_g, eff.gpu_compute(rows),
                           eff.gpu_memory(rows))
     if phase == "decode":
-        c_attn = t_cpu_attention_s(shape, hw, eff, ctx)
+        kv_gpu = w.kv_read + w.kv_write  # the cache the accelerator reads, and the new K, V it writes
         g_attn = t_on_device_s(attn_flops, kv_gpu, th_g, bw_g, eff.gpu_compute(b), eff.gpu_memory(b))
     else:
-        c_attn = t_on_device_s(attn_flops, w.kv_write_cpu, th_c, bw_c, eff.cpu_compute(rows, cd), eff.cpu_memory(rows, cd))
         g_attn = t_on_device_s(attn_flops, w.kv_write, th_g, bw_g, eff.gpu_compute(rows), eff.gpu_memory(rows))
-    c_ops = np.insert(c_lin, 1, np.broadcast_to(c_attn, steps), axis=-1)
     g_ops = np.insert(g_lin, 1, np.broadcast_to(g_attn, steps), axis=-1)
-    weight_share = np.insert(lin, 1, 0.0)  # the per-layer overhead, by the weights each operator holds
-    c_ops = (c_ops + eff.cpu_layer_overhead_s(rows, cd, w.weight_bytes_cpu) * weight_share) * cpu_under_copy
-    g_ops = g_ops + eff.gpu_layer_overhead_s() * weight_share
-    weights_gpu = share * w.weight_bytes_gpu
-    h_w = t_link_s(weights_gpu, link.h2d_bandwidth_bytes_per_s, eff.h2d(w.weight_bytes_gpu))
+    g_ops = g_ops + eff.gpu_layer_overhead_s() * np.insert(lin, 1, 0.0)
+    c_ops = cpu_op_times_s(shape, hw, eff, phase, w) * cpu_under_copy
+    h_w = t_link_s(_shares(shape.model, phase, b) * w.weight_bytes_gpu, link.h2d_bandwidth_bytes_per_s,
+                   eff.h2d(w.weight_bytes_gpu))
     kv_read = np.asarray(w.kv_read if phase == "decode" else 0.0, dtype=float)
     h_kv = np.zeros(steps + (len(OPERATORS),))
-    h_kv[..., 1] = t_link_s(kv_read, link.h2d_bandwidth_bytes_per_s, eff.h2d(float(np.mean(kv_read)) or 1.0))
+    h_kv[..., KV_OPERATOR] = t_link_s(kv_read, link.h2d_bandwidth_bytes_per_s, eff.h2d(float(np.mean(kv_read)) or 1.0))
     x = (t_link_s(w.hidden_bytes, link.h2d_bandwidth_bytes_per_s, eff.h2d(w.hidden_bytes))
          + t_link_s(w.hidden_bytes, link.d2h_bandwidth_bytes_per_s, eff.d2h(w.hidden_bytes)))
     return SplitOps(OPERATORS, c_ops, g_ops, np.broadcast_to(h_w, c_ops.shape), h_kv, float(x))
