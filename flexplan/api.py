@@ -250,7 +250,7 @@ def _make_plan(plan: Any, config, *, accelerator: str | None, hardware: Any, dty
                    gpu_memory_bytes=gpu_memory_bytes if accelerator else None, prefill=overrides.get("prefill"),
                    decode=overrides.get("decode"), gpu_layers=overrides.get("gpu_layers"),
                    cpu_dtype=forced_cpu_dtype, efficiency=None if online_correction else _uncorrected(hardware),
-                   routing_profile=routing_profile, executable_only=True, **shape)
+                   routing_profile=routing_profile, **shape)
 
 
 def _uncorrected(hardware: Any):
@@ -367,7 +367,6 @@ def load(model_or_path, plan: Any = "auto", accelerator: str | None = None, hard
     refresh_memory_probe()  # plans made now use the host memory state of now (calibration/memory_state.py)
     p = _make_plan(plan, config, **planner_args, **DEFAULT_SHAPE)
     n = int(getattr(config, "num_hidden_layers"))
-    Placement.check_executable(p)
     require_accelerator(Placement.from_plan(p, n), acc is not None, torch.version.cuda is not None)
     link = Link(acc or "cpu")
     budget = gpu_memory_bytes if acc else None

@@ -57,22 +57,6 @@ def _expert_cache_lines(p: Plan) -> list[str]:
                                                      for i, v in c.experts.items())]
 
 
-def _split_lines(p: Plan) -> list[str]:
-    """For a phase planned with split points inside its streamed layers: where they are, and one
-    layer's per-operator timeline (estimate terms of the chosen candidate)."""
-    from flexplan.estimator.policies.split_points import split_lines
-
-    out = []
-    for ph in PHASES:
-        chosen = p.prefill if ph == "prefill" else p.decode
-        c = next((c for c in p.candidates if c.phase == ph and c.policy == chosen.policy and c.feasible), None)
-        lines = split_lines(c.terms) if c is not None else []
-        if lines:
-            out += [f"  {ph} {lines[0]}", f"  {ph} one streamed layer (mean step): device, operator, start - end"]
-            out += ["  " + x for x in lines[1:]]
-    return out
-
-
 def _reference_baseline() -> tuple[str, str] | None:
     """(policy, the published system it reproduces) that sweeps compare against."""
     return next(((name, pol.reproduces) for name, pol in REGISTRY.items() if pol.reproduces), None)
@@ -104,7 +88,6 @@ def format_plan(p: Plan) -> str:
         f"E2E {_t(p.e2e_s)}",
         f"  placement: {_placement(p)}",
         *_expert_cache_lines(p),
-        *_split_lines(p),
         f"why: {p.reason}",
         "",
         "E2E against homogeneous baselines (same policy for both phases):",

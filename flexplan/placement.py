@@ -114,11 +114,6 @@ RESIDENT = LayerMode("resident", ACCELERATOR, ON_ACCELERATOR)
 # weights and, per step, q/k/v of the new token and the attention output instead of the KV cache.
 STREAMED_CPU_ATTENTION = LayerMode("streamed (attention on CPU)", PINNED, ON_ACCELERATOR,
                                    (("attention", Where(PINNED, ON_CPU)),))
-# Park & Egger's split points (estimator/policies/split_points.py): a streamed layer whose
-# operators before and after the split points compute on the CPU from host memory. The memory
-# model holds it as a streamed layer (every weight pinned, a whole layer's double buffer: an upper
-# bound); the executor does not run it yet (its policy is not ``executable``).
-STREAMED_SPLIT = LayerMode("streamed (split points)", PINNED, ON_ACCELERATOR)
 MODES = (CPU, STREAMED, RESIDENT)
 # llama.cpp's --n-cpu-moe / KTransformers: the layer resident on the accelerator with its KV cache,
 # its routed experts ("mlp" of an MoE layer) in host memory, computed by the CPU. A layer without
@@ -291,18 +286,6 @@ class Placement:
                                         "the memory model and the executor place whole layers, or streamed layers "
                                         "with their attention on the CPU")
         return cls.of(phases, plan.dtype, plan.cpu_dtype, {ph: c.policy for ph, c in plan.phases.items()})
-
-    @staticmethod
-    def check_executable(plan) -> None:
-        """Raise InvalidInputError when a phase of ``plan`` uses a policy the executor does not run."""
-        from flexplan.errors import InvalidInputError
-        from flexplan.estimator.policies import REGISTRY
-
-        for ph, c in plan.phases.items():
-            if c.policy in REGISTRY and not REGISTRY[c.policy].executable:
-                runnable = ", ".join(k for k, v in REGISTRY.items() if v.executable)
-                raise InvalidInputError(f"{ph} policy {c.policy} is planned and explained but the executor does not "
-                                        f"run it yet; run one of {runnable} (plan='auto' picks among them)")
 
     @property
     def num_layers(self) -> int:

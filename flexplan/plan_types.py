@@ -43,24 +43,7 @@ class _PolicyNames(Sequence):
         return repr(tuple(self))
 
 
-class _ExecutableNames(_PolicyNames):
-    """The registered policy names the executor runs (``Policy.executable``)."""
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(tuple(k for k, v in _registry().items() if v.executable))
-
-    def __len__(self) -> int:
-        return len(tuple(iter(self)))
-
-    def __getitem__(self, i):
-        return tuple(iter(self))[i]
-
-    def __contains__(self, name) -> bool:
-        return name in tuple(iter(self))
-
-
 POLICIES: Sequence[str] = _PolicyNames()
-EXECUTABLE_POLICIES: Sequence[str] = _ExecutableNames()
 
 
 def _num(x: float) -> float | None:

@@ -196,7 +196,7 @@ def plan(model: Any, hardware: Any = "local", batch_size: int = 1, input_len: in
          dtype: str = "bfloat16", gpu_memory_bytes: float | None = None, cpu_memory_bytes: float | None = None,
          prefill: str | None = None, decode: str | None = None, gpu_layers: int | None = None,
          efficiency: Efficiency | None = None, include_initial_load: bool = True, cpu_dtype: str | None = None,
-         routing_profile: Any = None, executable_only: bool = False, policies: Any = None) -> Plan:
+         routing_profile: Any = None, policies: Any = None) -> Plan:
     """Choose the prefill and decode policies with the lowest predicted end-to-end latency.
 
     ``model``: catalog id, config path/folder, PretrainedConfig, HF model or ModelSpec.
@@ -208,9 +208,8 @@ def plan(model: Any, hardware: Any = "local", batch_size: int = 1, input_len: in
     (on some CPUs bf16 GEMMs are faster but bf16 GEMV slower than fp32). ``routing_profile``: a
     RoutingProfile or the path of one (``flexplan profile-experts``): the ``cpu-experts`` policy is
     priced from it and a cpu-experts plan keeps its most-used CPU experts on the accelerator as a
-    cache in the memory it leaves (``plan_expert_cache``). ``executable_only``: leave out the
-    policies the executor does not run yet (``flexplan.load`` plans so). ``policies``: the policy
-    names to choose among (default: every registered one), e.g. FlexInfer's own five. Raises :class:`DoesNotFitError`
+    cache in the memory it leaves (``plan_expert_cache``). ``policies``: the policy names to
+    choose among (default: every registered one), e.g. FlexInfer's own five. Raises :class:`DoesNotFitError`
     when no placement fits, :class:`InvalidInputError` for bad arguments.
     """
     _check_positive(batch_size=batch_size, input_len=input_len, output_len=output_len)
@@ -222,9 +221,6 @@ def plan(model: Any, hardware: Any = "local", batch_size: int = 1, input_len: in
     for name, forced in (("prefill", prefill), ("decode", decode)):
         if forced is not None and forced not in POLICIES:
             raise InvalidInputError(f"unknown {name} policy {forced!r}; use one of {', '.join(POLICIES)}")
-        if forced is not None and executable_only and not REGISTRY[forced].executable:
-            raise InvalidInputError(f"{name} policy {forced} is planned and explained but the executor does not run "
-                                    f"it yet; use one of {', '.join(p for p in POLICIES if REGISTRY[p].executable)}")
     spec: ModelSpec = resolve_model(model)
     if gpu_layers is not None and not (0 <= gpu_layers <= spec.num_layers):
         raise InvalidInputError(f"gpu_layers must be between 0 and {spec.num_layers} for {spec.name}, got {gpu_layers}")
@@ -248,8 +244,7 @@ def plan(model: Any, hardware: Any = "local", batch_size: int = 1, input_len: in
     for cd in cpu_dtypes:
         try:
             p = _plan_one(spec, hw, eff, Shape(spec, batch_size, input_len, output_len, dtype, cd), gpu_memory_bytes,
-                          cpu_memory_bytes, prefill, decode, gpu_layers, include_initial_load, profile,
-                          executable_only, policies)
+                          cpu_memory_bytes, prefill, decode, gpu_layers, include_initial_load, profile, policies)
         except DoesNotFitError as e:
             error = error or e
             continue
@@ -264,8 +259,7 @@ def plan(model: Any, hardware: Any = "local", batch_size: int = 1, input_len: in
 
 
 def _plan_one(spec: ModelSpec, hw: Hardware, eff: Efficiency, shape: Shape, gpu_memory_bytes, cpu_memory_bytes,
-              prefill, decode, gpu_layers, include_initial_load, profile=None, executable_only=False,
-              allowed=None) -> Plan:
+              prefill, decode, gpu_layers, include_initial_load, profile=None, allowed=None) -> Plan:
     batch_size, input_len, output_len, dtype, cpu_dtype = (shape.batch, shape.input_len, shape.output_len,
                                                            shape.dtype, shape.cpu_dtype)
 
@@ -285,8 +279,7 @@ def _plan_one(spec: ModelSpec, hw: Hardware, eff: Efficiency, shape: Shape, gpu_
                 curves[ph] = profile_curves(shape, hw, eff, ph, profile, pcs[ph].experts)
                 pcs[ph] = replace(pcs[ph], experts=with_profile(pcs[ph].experts, curves[ph]))
     forced = {"prefill": prefill, "decode": decode}
-    policies = [p for p in POLICIES if (REGISTRY[p].executable or not executable_only)
-                and (allowed is None or p in allowed or p in (prefill, decode))]
+    policies = [p for p in POLICIES if allowed is None or p in allowed or p in (prefill, decode)]
     opts: dict[str, dict[str, _Options]] = {ph: {} for ph in PHASES}
     candidates: list[Candidate] = []
     for ph in PHASES:

@@ -20,8 +20,7 @@ def flexplan(*args, env=None, timeout=120):
 
 
 def test_explain_paper_setting():
-    r = flexplan("explain", "facebook/opt-66b", "--hw", "flexinfer-server2", "-b", "16", "-i", "512", "-o", "32",
-                 "--policies", "cpu,gpu,gpu-offload,gpu-offload-partial,splitgen")
+    r = flexplan("explain", "facebook/opt-66b", "--hw", "flexinfer-server2", "-b", "16", "-i", "512", "-o", "32")
     assert r.returncode == 0, r.stderr
     out = r.stdout
     assert "prefill candidates" in out and "decode candidates" in out

@@ -11,7 +11,7 @@ from transformers import TextStreamer
 import flexplan.api as api
 from flexplan.executor.link import H2D
 from flexplan.executor.plans import fixed_plan
-from flexplan.plan_types import EXECUTABLE_POLICIES as POLICIES  # pairs the executor runs
+from flexplan.plan_types import POLICIES
 
 from conftest import FAMILIES, MORE_FAMILIES, WINDOW, left_padded_batch
 

@@ -349,8 +349,7 @@ def test_a_cache_can_change_the_chosen_pair():
     own cache."""
     hw, eff, spec, _ = _setup()
     profile = _profile(spec, _hot(spec, hot=(1.0,) * 6 + (0.5, 0.5)))
-    kw = dict(batch_size=4, input_len=1024, output_len=128, gpu_memory_bytes=24 * GIB, efficiency=eff,
-              executable_only=True)  # the pairs flexplan.load runs
+    kw = dict(batch_size=4, input_len=1024, output_len=128, gpu_memory_bytes=24 * GIB, efficiency=eff)
     before = flexplan.plan(spec, hw, **kw)
     after = flexplan.plan(spec, hw, routing_profile=profile, **kw)
     old_pair = flexplan.plan(spec, hw, routing_profile=profile, prefill=before.prefill.policy,

@@ -21,8 +21,7 @@ QWEN = "Qwen/Qwen3-30B-A3B"
 def _plan(batch, input_len, output_len=64, **kw):
     hw = get_hardware("flexinfer-server2")
     return flexplan.plan(QWEN, hw, batch_size=batch, input_len=input_len, output_len=output_len,
-                         gpu_memory_bytes=24 * GIB, efficiency=DefaultEfficiency.for_hardware(hw),
-                         executable_only=True, **kw)  # the picks flexplan.load runs (split points are not run yet)
+                         gpu_memory_bytes=24 * GIB, efficiency=DefaultEfficiency.for_hardware(hw), **kw)
 
 
 def test_placement_rule_and_groups():
@@ -146,7 +145,7 @@ import torch  # noqa: E402
 import flexplan.api as api  # noqa: E402
 from flexplan.executor.link import D2H, H2D  # noqa: E402
 from flexplan.executor.plans import fixed_plan  # noqa: E402
-from flexplan.plan_types import EXECUTABLE_POLICIES as POLICIES  # pairs the executor runs  # noqa: E402
+from flexplan.plan_types import POLICIES  # noqa: E402
 from flexplan.workload.model import ModelSpec  # noqa: E402
 
 from conftest import left_padded_batch  # noqa: E402

@@ -16,7 +16,6 @@ from dataclasses import dataclass
 import numpy as np
 
 from flexplan.estimator.efficiency import Efficiency, cpu_attention_for_layout
-from flexplan.estimator.split_terms import split_op_costs
 from flexplan.hardware.spec import DTYPE_BYTES, Hardware, cpu_weight_dtype
 from flexplan.workload import costs
 from flexplan.workload.model import ModelSpec
@@ -178,7 +177,6 @@ class PhaseCosts:
     cpu_under_copy: float  # slowdown of CPU compute while H2D copies run (Park & Egger 4.1)
     cpu_attention: "CPUAttentionCosts | None" = None  # decode attention beside a host KV cache (decode only)
     experts: object = None  # expert_terms.ExpertSplit: an MoE layer's routed experts on the CPU (None: dense / no GPU)
-    split: object = None  # split_terms.SplitOps: the layer's operators for Park & Egger's split points (None: no GPU)
 
 
 def phase_costs(shape: Shape, hw: Hardware, eff: Efficiency, phase: str) -> PhaseCosts:
@@ -218,7 +216,6 @@ def phase_costs(shape: Shape, hw: Hardware, eff: Efficiency, phase: str) -> Phas
         hidden_bytes=w.hidden_bytes, logits_bytes=w.logits_bytes, head_bytes_gpu=w.head_bytes_gpu,
         cpu_under_copy=eff.cpu_under_copy(), experts=_expert_split(shape, hw, eff, phase),
         cpu_attention=cpu_attention_costs(shape, hw, eff) if phase == "decode" else None,
-        split=split_op_costs(shape, hw, eff, phase, w, eff.cpu_under_copy()),
     )
 
 

@@ -220,7 +220,6 @@ class Executor:
     def place(self, plan: Plan, source=None) -> None:
         """Put every unit's weights where ``plan`` needs them (refusing before any allocation
         when it does not fit). A no-op when the placement is unchanged."""
-        Placement.check_executable(plan)
         placement = self._splittable(Placement.from_plan(plan, self.num_layers))
         self.check(placement, plan.batch_size, plan.input_len + plan.output_len, plan.input_len, plan)
         pack_batch = cpu_linear.pack_batch_hint(plan.batch_size) if self.backend.packs_weights else None

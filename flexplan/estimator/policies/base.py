@@ -42,7 +42,6 @@ class Policy:
     host_mode: LayerMode | None = None
     needs_gpu_layers: bool = False  # M is the caller's choice (else the single option)
     vectorised: bool = True  # placement() takes an array of M
-    executable: bool = True  # the executor runs it (False: planned and explained only)
     paper: str = ""  # where the formula comes from
     reproduces: str = ""  # the published system this policy is, when it is the baseline to beat (explain)
 
