@@ -10,7 +10,7 @@ from flexplan.estimator.policies.cpu_attention import CPUAttentionPartialPolicy,
 from flexplan.estimator.policies.gpu import GPUPolicy
 from flexplan.estimator.policies.gpu_offload import GPUOffloadPartialPolicy, GPUOffloadPolicy
 from flexplan.estimator.policies.moe_cpu_experts import CPUExpertsPolicy
-from flexplan.estimator.policies.split_points import SplitPointsPartialPolicy, SplitPointsPolicy
+from flexplan.estimator.policies.split_points import SplitPointsPolicy
 from flexplan.estimator.policies.splitgen import SplitGenPolicy
 
 REGISTRY: dict[str, Policy] = {}
@@ -38,6 +38,5 @@ register("cpu-experts", CPUExpertsPolicy())
 register("cpu-attention", CPUAttentionPolicy())
 register("cpu-attention-partial", CPUAttentionPartialPolicy())
 register("split-points", SplitPointsPolicy())
-register("split-points-partial", SplitPointsPartialPolicy())
 
 __all__ = ["REGISTRY", "PhaseTime", "Policy", "register", "unregister"]

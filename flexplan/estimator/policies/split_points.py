@@ -34,7 +34,8 @@ candidate M at once with prefix sums and broadcasting (:func:`search`). The pair
 Park & Egger's compression (Eq. 8-9) and NVMe transfers (Eq. 10-12) are not applicable: flexplan
 streams uncompressed weights from host memory only.
 
-``split-points-partial`` keeps the last M layers resident (as ``gpu-offload-partial``). The memory
+The last M layers may stay resident (M searched, as ``gpu-offload-partial``'s; M = 0 streams every
+layer, as ``gpu-offload``). The memory
 model counts a split layer as a streamed layer whose KV stays in host memory (both weight double
 buffers sized for the whole layer, an upper bound for any split); with the attention core on the
 accelerator, one layer's KV crosses per step into a transient tensor it does not count.
@@ -46,7 +47,7 @@ import numpy as np
 
 from flexplan.estimator.policies.base import PhaseTime, Policy, gpu_ends, mean_over_steps
 from flexplan.estimator.terms import PhaseCosts
-from flexplan.placement import RESIDENT, SPLIT_POINTS, PhasePlacement
+from flexplan.placement import SPLIT_POINTS
 from flexplan.plan_types import SplitPoints
 
 
@@ -99,12 +100,26 @@ def eq5_layer_s(oc, cpu_under_copy: float, i: np.ndarray, j: np.ndarray):
     return np.maximum(chain, link), chain, link
 
 
+def _eq5_all_pairs(oc, cpu_under_copy: float, i: np.ndarray, j: np.ndarray):
+    """:func:`eq5_layer_s` for many pairs at once: one prefix sum over the stacked C, G, H, IN, OUT and
+    one gather (the planner calls this for every phase and CPU dtype)."""
+    shared = oc.in_h2d_s * oc.shares_input
+    stack = np.stack([oc.cpu_s, oc.gpu_s, oc.h2d_s, oc.in_h2d_s - shared, oc.out_d2h_s])
+    P = _prefix(stack)
+    inside = P[..., j] - P[..., i]  # [5, steps, pairs]: sums over O[i, j)
+    in_s = inside[3] + shared[:, i]
+    cpu = P[0, :, -1:] - inside[0]  # Eq. 6
+    chain = cpu_under_copy * (cpu + oc.cpu_glue_s) + inside[1] + oc.gpu_overhead_s + in_s + inside[4]
+    link = inside[2] + in_s  # Eq. 7 (Eq. 14 with one batch) plus the activations sent the same way
+    return np.maximum(chain, link), chain, link
+
+
 def search(oc, cpu_under_copy: float, streamed) -> tuple[np.ndarray, np.ndarray, tuple[np.ndarray, np.ndarray]]:
     """The exhaustive search of section 4.2 for each number of streamed layers in ``streamed``:
     (index of the best pair, time of the streamed layers, the pairs (i, j)). Vectorised: pairs x steps
     in one broadcast, then streamed layers x pairs."""
     i, j = eq13_candidates(oc.n)
-    layer, chain, link = eq5_layer_s(oc, cpu_under_copy, i, j)
+    layer, chain, link = _eq5_all_pairs(oc, cpu_under_copy, i, j)
     per_layer, fill = layer.mean(axis=0), np.minimum(chain, link).mean(axis=0)
     s = np.asarray(streamed, dtype=float)[..., None]
     total = s * per_layer + np.where(s > 0, fill, 0.0)
@@ -136,20 +151,21 @@ def timeline(oc, cpu_under_copy: float, i: int, j: int) -> tuple[tuple[str, str,
 
 
 class SplitPointsPolicy(Policy):
+    """Layers streamed and cut by split points, the last M resident (M = 0: all streamed, as
+    ``gpu-offload``; M > 0: as ``gpu-offload-partial``); M is searched like the other policies' M."""
+
     host_mode = SPLIT_POINTS
+    needs_gpu_layers = True  # M is the caller's choice in a forced plan (the planner searches it)
     paper = "Park & Egger Eq. 5-7, 13 (section 4.2): operators of a streamed layer split between CPU and accelerator"
 
     def gpu_layer_options(self, num_layers):
-        return np.array([0])
+        return np.arange(0, num_layers)
 
     def not_applicable(self, model) -> str:
         from flexplan.workload.operators import why_not_split
 
         why = why_not_split(model)
         return f"cannot cut its layers into operators: {why}" if why else ""
-
-    def placement(self, num_layers, gpu_layers, phase):
-        return PhasePlacement(((SPLIT_POINTS, num_layers - gpu_layers), (RESIDENT, gpu_layers)))
 
     def estimate(self, pc: PhaseCosts, num_layers, gpu_layers):
         oc = pc.operators
@@ -160,8 +176,10 @@ class SplitPointsPolicy(Policy):
         best, t_streamed, (i, j) = search(oc, pc.cpu_under_copy, streamed)
         ends_s, ends_bytes = gpu_ends(pc)
         t_resident = gpu_layers * mean_over_steps(pc.t_gpu_layer_s)
-        moved = eq7_h2d_s(oc.h2d_bytes(), i, j).mean(axis=0) + eq7_h2d_s(oc.in_bytes, i, j) + eq7_h2d_s(oc.out_bytes, i, j)
-        return PhaseTime(gpu_layers, t_streamed + t_resident + ends_s, streamed * moved[best] + ends_bytes,
+        bi, bj = i[best], j[best]
+        moved = (eq7_h2d_s(oc.h2d_bytes().mean(axis=0), bi, bj) + eq7_h2d_s(oc.in_bytes, bi, bj)
+                 + eq7_h2d_s(oc.out_bytes, bi, bj))
+        return PhaseTime(gpu_layers, t_streamed + t_resident + ends_s, streamed * moved + ends_bytes,
                          {"streamed_layers_s": t_streamed, "resident_layers_s": t_resident,
                           "transfers_and_head_s": np.full(np.shape(gpu_layers), ends_s)})
 
@@ -185,11 +203,3 @@ class SplitPointsPolicy(Policy):
         names = tuple(o.name for o in layer_operators(model))
         return SplitPoints(names, (1, len(names) - 1), float("nan"), float("nan"), float("nan"), (),
                            len(names) * (len(names) - 1) // 2)
-
-
-class SplitPointsPartialPolicy(SplitPointsPolicy):
-    needs_gpu_layers = True
-    paper = "split-points with the last M layers resident (as FlexGen_Opt, FlexInfer 6.1)"
-
-    def gpu_layer_options(self, num_layers):
-        return np.arange(1, num_layers)
