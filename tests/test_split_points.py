@@ -203,7 +203,7 @@ def test_explain_shows_split_points_and_timeline(capsys):
 
 # ---- the executor on the CPU stand-in ----------------------------------------------------------
 NEW = 6
-DENSE = ("llama", "mistral", "qwen2", "llama3", "qwen3", "mistral_sw")
+DENSE = ("llama", "mistral", "qwen2", "opt", "llama3", "qwen3", "mistral_sw")
 MOE = ("qwen3_moe", "mixtral")
 
 

@@ -15,7 +15,8 @@ their pinned home and its KV cache at home in host memory: the CPU computes ever
 Only the accelerator operators' weights are prefetched into the slot (:func:`load`). The operators
 are found from transformers' module structure, not per family: the Linear children of ``self_attn``
 in order, the last being the output projection with the attention core before it, then the Linear
-children of ``mlp`` (an MoE ``mlp`` as one operator). A layer whose structure does not give the
+children of ``mlp`` (an MoE ``mlp`` as one operator; a layer without ``mlp``: its own Linear children,
+as OPT's ``fc1``, ``fc2``). A layer whose structure does not give the
 plan's operators (a fused qkv projection, no ``self_attn``/``mlp``) cannot be cut:
 :func:`operator_modules` returns None and the executor streams that layer whole.
 """
@@ -35,14 +36,16 @@ ATTENTION = "attention"  # the operator that is transformers' attention call, no
 def operator_modules(layer: nn.Module, operators: tuple[str, ...]) -> list[nn.Module | None] | None:
     """The modules of ``layer`` that are ``operators`` (None for the attention core), or None when
     its structure does not give exactly that sequence."""
-    attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
-    if not isinstance(attn, nn.Module) or not isinstance(mlp, nn.Module) or ATTENTION not in operators:
+    attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", layer)  # no mlp: OPT's fc1, fc2 in the layer
+    if not isinstance(attn, nn.Module) or ATTENTION not in operators:
         return None
     linears = [c for c in attn.children() if isinstance(c, nn.Linear)]
     if len(linears) < 2 or operators.index(ATTENTION) != len(linears) - 1:
         return None
     ops: list[nn.Module | None] = [*linears[:-1], None, linears[-1]]
     if operators[-1] == "mlp":
+        if mlp is layer:
+            return None
         ops.append(mlp)
     else:
         ops += [c for c in mlp.children() if isinstance(c, nn.Linear)]
