@@ -91,7 +91,8 @@ class SplitPoints:
     def __post_init__(self):
         object.__setattr__(self, "operators", tuple(self.operators))
         object.__setattr__(self, "points", tuple(int(x) for x in self.points))
-        object.__setattr__(self, "timeline", tuple((str(a), str(b), float(c), float(d)) for a, b, c, d in self.timeline))
+        object.__setattr__(self, "timeline",
+                           tuple((str(a), str(b), float(c), float(d)) for a, b, c, d in self.timeline))
         i, j = self.points
         if not 1 <= i < j <= len(self.operators):
             raise ValueError(f"split points must satisfy 1 <= i < j <= {len(self.operators)}, got {self.points}")

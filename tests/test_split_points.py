@@ -227,7 +227,8 @@ def _generate(fresh, family, plan_or_pair, gpu_layers=1):
 
 def _pairs():
     others = [p for p in REGISTRY if p != "split-points"]
-    return [("split-points", "split-points")] + [(a, b) for o in others for a, b in (("split-points", o), (o, "split-points"))]
+    return [("split-points", "split-points")] + [pair for o in others
+                                                 for pair in (("split-points", o), (o, "split-points"))]
 
 
 @pytest.mark.parametrize("family", DENSE + MOE)

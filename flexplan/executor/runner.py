@@ -266,7 +266,8 @@ class Executor:
         for ph, pp in placement.phases.items():
             for i, m in enumerate(pp.modes):
                 if m == SPLIT_POINTS and i not in self.split.layers:
-                    self.split.install(i, self.parts.layers[i], self.layers[i].params, plan.phases[ph].split_points.operators)
+                    self.split.install(i, self.parts.layers[i], self.layers[i].params,
+                                       plan.phases[ph].split_points.operators)
         if self.backend.ipex is not None:
             for i in range(self.num_layers):
                 if all(placement.modes[ph][i].on_cpu for ph in (PREFILL, DECODE)):
