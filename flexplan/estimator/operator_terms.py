@@ -77,9 +77,10 @@ def _moe_cpu_s(m, rows, hw, eff, shape, flops, params) -> float:
     return float(share * routed + other)
 
 
-def operator_costs(shape, hw, eff, phase: str) -> OperatorCosts | None:
+def operator_costs(shape, hw, eff, phase: str, cpu_attention_s=None) -> OperatorCosts | None:
     """The per-operator terms of ``phase`` (module docstring); None without an accelerator or for a
-    layout ``workload.operators`` cannot cut."""
+    layout ``workload.operators`` cannot cut. ``cpu_attention_s``: the decode attention on the CPU per
+    step when the caller has it (``terms.cpu_attention_costs``), else computed here."""
     from flexplan.estimator.terms import t_compute_s, t_cpu_attention_s, t_link_s, t_memory_s, t_on_device_s
 
     m = shape.model
@@ -93,40 +94,37 @@ def operator_costs(shape, hw, eff, phase: str) -> OperatorCosts | None:
         kv = np.array([costs.d_kv_write(m, b, shape.input_len, wb)])  # the prompt's K, V, appended on the host
     else:
         rows, ctx = b, shape.decode_context_lens
-        attn_flops = np.asarray(costs.c_decode_attention(m, b, ctx), dtype=float)
-        kv = np.asarray(costs.d_kv_cache(m, b, ctx, wb), dtype=float)  # after this step's append
+        keys = costs.mean_keys_read(m, ctx)  # c_decode_attention and d_kv_cache, the span shares counted once
+        attn_flops = float(b * costs.attention_flops_per_pair(m)) * keys
+        kv = float(b * m.kv_elems_per_token * wb) * keys  # after this step's append
     steps, n = kv.shape[0], len(ops)
     th_c, bw_c = hw.cpu.peak_flops_per_s[cd], hw.cpu.memory_bandwidth_bytes_per_s
     th_g, bw_g = hw.gpu.peak_flops_per_s[shape.dtype], hw.gpu.memory_bandwidth_bytes_per_s
     h2d, d2h = hw.link.h2d_bandwidth_bytes_per_s, hw.link.d2h_bandwidth_bytes_per_s
-    C, G, H = (np.zeros((steps, n)) for _ in range(3))
+    ec, em, eg, egm = eff.cpu_compute(rows, cd), eff.cpu_memory(rows, cd), eff.gpu_compute(rows), eff.gpu_memory(rows)
     in_b = np.array([rows * o.in_elems * wb for o in ops], dtype=float)
     out_b = np.array([rows * o.out_elems * wb for o in ops], dtype=float)
     w_b = np.array([o.weight_params * wb for o in ops], dtype=float)
+    flops = np.array([rows * o.flops_per_row for o in ops], dtype=float)
+    read = w_b.copy()
+    moe = [k for k, o in enumerate(ops) if o.kind == MLP]
+    for k in moe:  # a decode step reads only the experts its tokens pick
+        unread = (m.num_experts - costs.expected_experts_read(m, rows)) * m.expert_params
+        read[k] -= unread * sum(m.moe_layers) / m.num_layers * wb
+    data = read + in_b + out_b
+    C = np.broadcast_to(t_on_device_s(flops, data, th_c, bw_c, ec, em), (steps, n)).copy()
+    G = np.broadcast_to(t_on_device_s(flops, data, th_g, bw_g, eg, egm), (steps, n)).copy()
+    H = np.broadcast_to(np.array([t_link_s(x, h2d, eff.h2d(x)) for x in w_b]), (steps, n)).copy()
+    for k in moe:
+        C[:, k] = _moe_cpu_s(m, rows, hw, eff, shape, flops[k], ops[k].weight_params)
     att = next(k for k, o in enumerate(ops) if o.kind == ATTENTION)
-    for k, o in enumerate(ops):
-        act = in_b[k] + out_b[k]
-        if o.kind == ATTENTION:
-            if phase == "decode":
-                C[:, k] = t_cpu_attention_s(shape, hw, eff, ctx)
-            else:
-                C[:, k] = t_compute_s(attn_flops, th_c, eff.cpu_compute(rows, cd)) + t_memory_s(
-                    kv + act, bw_c, eff.cpu_memory(rows, cd))
-            G[:, k] = t_compute_s(attn_flops, th_g, eff.gpu_compute(rows)) + t_memory_s(kv + act, bw_g,
-                                                                                      eff.gpu_memory(rows))
-            H[:, k] = t_link_s(kv, h2d, eff.h2d(float(np.mean(kv))))
-            continue
-        flops = rows * o.flops_per_row
-        read = o.weight_params
-        if o.kind == MLP:  # a decode step reads only the experts its tokens pick
-            unread = (m.num_experts - costs.expected_experts_read(m, rows)) * m.expert_params
-            read -= unread * sum(m.moe_layers) / m.num_layers
-            C[:, k] = _moe_cpu_s(m, rows, hw, eff, shape, flops, o.weight_params)
-        else:
-            C[:, k] = t_on_device_s(flops, read * wb + act, th_c, bw_c, eff.cpu_compute(rows, cd),
-                                    eff.cpu_memory(rows, cd))
-        G[:, k] = t_on_device_s(flops, read * wb + act, th_g, bw_g, eff.gpu_compute(rows), eff.gpu_memory(rows))
-        H[:, k] = t_link_s(w_b[k], h2d, eff.h2d(w_b[k]))
+    act = in_b[att] + out_b[att]
+    if phase == "decode":
+        C[:, att] = t_cpu_attention_s(shape, hw, eff, ctx) if cpu_attention_s is None else cpu_attention_s
+    else:
+        C[:, att] = t_compute_s(attn_flops, th_c, ec) + t_memory_s(kv + act, bw_c, em)
+    G[:, att] = t_compute_s(attn_flops, th_g, eg) + t_memory_s(kv + act, bw_g, egm)
+    H[:, att] = t_link_s(kv, h2d, eff.h2d(float(np.mean(kv))))
     in_s = np.array([t_link_s(x, h2d, eff.h2d(x)) for x in in_b])
     out_s = np.array([t_link_s(x, d2h, eff.d2h(x)) for x in out_b])
     layer_bytes = float(costs.d_weights(m, wb))
