@@ -276,3 +276,19 @@ def test_hand_plan_without_split_points_is_refused(fresh):
     with pytest.raises(InvalidInputError, match="names none"):
         api.load(model, plan=p, accelerator="cpu", gpu_memory_bytes=1 << 30)
     assert issubclass(InvalidInputError, FlexplanError)
+
+
+def test_memory_model_counts_one_layer_kv_in_transit():
+    """A split layer is placed as a streamed layer whose KV stays home in pinned host memory (no KV
+    double buffers), plus one layer's KV on the accelerator for an attention core computed there:
+    Llama-2-70B, batch 16 x (2048 + 256) tokens x 2 x 8 KV heads x 128 x 2 bytes = 151 MB."""
+    from flexplan.estimator import Shape
+    from flexplan.planner import placement_memory
+
+    shape = Shape(resolve_model("meta-llama/Llama-2-70b-hf"), 16, 2048, 256, "bfloat16", "bfloat16")
+    ms = REGISTRY["split-points"].gpu_layer_options(80)
+    need = placement_memory(shape, None, {"decode": REGISTRY["split-points"].placement(80, ms, "decode")})
+    assert (need.accelerator["KV in transit"] == 16 * 2304 * 2 * 8 * 128 * 2).all()
+    assert (need.accelerator["KV double buffers"] == 0).all() and (need.pinned["KV cache"][:-1] > 0).all()
+    off = placement_memory(shape, None, {"decode": REGISTRY["gpu-offload-partial"].placement(80, 40, "decode")})
+    assert off.accelerator["KV in transit"] == 0

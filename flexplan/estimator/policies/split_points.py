@@ -37,8 +37,8 @@ streams uncompressed weights from host memory only.
 The last M layers may stay resident (M searched, as ``gpu-offload-partial``'s; M = 0 streams every
 layer, as ``gpu-offload``). The memory
 model counts a split layer as a streamed layer whose KV stays in host memory (both weight double
-buffers sized for the whole layer, an upper bound for any split); with the attention core on the
-accelerator, one layer's KV crosses per step into a transient tensor it does not count.
+buffers sized for the whole layer, an upper bound for any split), plus one layer's KV in transit on
+the accelerator (the attention core may compute there).
 """
 
 from __future__ import annotations
