@@ -18,10 +18,12 @@ policies use today place all groups of a layer alike:
   buffers before the layer computes there;
 - ``resident``: weights and KV in accelerator memory.
 
-One mode splits a layer: ``cpu experts`` (``CPU_EXPERTS``) is resident except for the routed
+Two modes split a layer: ``cpu experts`` (``CPU_EXPERTS``) is resident except for the routed
 experts of an MoE layer (its ``mlp`` group), which live in host memory and compute on the CPU.
 :meth:`Placement.expert_places` and :meth:`Placement.unit_parts` tell the memory model and the
-executor where that part lives; other split modes are still refused (``SPLIT_MODES``).
+executor where that part lives. ``split points`` (``SPLIT_POINTS``) keeps the layer's weights and KV
+in pinned host memory and cuts its operators between CPU and accelerator where the plan's
+``split_points`` say (Park & Egger). Other split modes are refused (``SPLIT_MODES``).
 
 The final norm and LM head compute with the last layer unless a phase says otherwise; the
 embedding lookup runs on the host.
