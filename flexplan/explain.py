@@ -57,6 +57,27 @@ def _expert_cache_lines(p: Plan) -> list[str]:
                                                      for i, v in c.experts.items())]
 
 
+def _split_lines(p: Plan) -> list[str]:
+    """Each phase cut by split points: where, and one layer's per-operator timeline (Park & Egger 4.2)."""
+    lines = []
+    for ph in PHASES:
+        sp = p.phases[ph].split_points
+        if sp is None:
+            continue
+        i, j = sp.points
+        lines.append(f"  {ph} split points ({i}, {j}) of {len(sp.operators)} operators ({sp.candidates} pairs "
+                     f"searched, Eq. 13): CPU {', '.join(sp.on_cpu)}; accelerator {', '.join(sp.on_accelerator)}")
+        if not sp.timeline:
+            lines.append("    (fixed by hand: no timeline predicted)")
+            continue
+        lines.append(f"    one streamed layer {_t(sp.layer_s)} (Eq. 5): CPU {_t(sp.cpu_s)} (Eq. 6), "
+                     f"link {_t(sp.h2d_s)} (Eq. 7 + activations)")
+        lines.append(f"    {'operator':<46}{'on':<13}{'start':>10}{'end':>10}")
+        for name, lane, start, end in sp.timeline:
+            lines.append(f"    {name:<46}{lane:<13}{start * 1e3:>8.3f}ms{end * 1e3:>8.3f}ms")
+    return lines
+
+
 def _reference_baseline() -> tuple[str, str] | None:
     """(policy, the published system it reproduces) that sweeps compare against."""
     return next(((name, pol.reproduces) for name, pol in REGISTRY.items() if pol.reproduces), None)
@@ -87,6 +108,7 @@ def format_plan(p: Plan) -> str:
         f"  TTFT {_t(p.ttft_s)}, TPOT {_t(p.tpot_s)}, initial load {_t(p.load_s)}, phase switch {_t(p.switch_s)}, "
         f"E2E {_t(p.e2e_s)}",
         f"  placement: {_placement(p)}",
+        *_split_lines(p),
         *_expert_cache_lines(p),
         f"why: {p.reason}",
         "",

@@ -15,7 +15,8 @@ Sizes are what the executor allocates (``executor/weights.py``, ``executor/kv_ca
   layer is also accelerator-resident (it crosses the link at the phase switch);
 - two accelerator weight slots and two KV slots when any layer is streamed (double buffering);
 - transient activations of one layer step and the fp32 logits (not allocated through the link),
-  and the accelerator runtime's reserve the caller gives.
+  one layer's KV in transit to the accelerator where split points cut layers (its attention may
+  compute there), and the accelerator runtime's reserve the caller gives.
 
 What the model holds comes as an :class:`Inventory` (tensor shapes of each unit): from a
 :class:`ModelSpec` for the planner, from the loaded modules for the executor.
@@ -32,7 +33,7 @@ import numpy as np
 
 from flexplan.hardware.spec import DTYPE_BYTES, cpu_weight_dtype
 from flexplan.placement import (
-    ACCELERATOR, EXPERT_GROUP, HOST, ON_ACCELERATOR, ON_CPU, PINNED, PhasePlacement, Placement)
+    ACCELERATOR, EXPERT_GROUP, HOST, ON_ACCELERATOR, ON_CPU, PINNED, SPLIT_POINTS, PhasePlacement, Placement)
 
 ALIGN_BYTES = 64  # executor.weights.FlatLayout: each tensor's offset in a flat buffer
 CPU_MEMORY_USABLE_FRACTION = 0.90  # leave 10% of host memory to the OS and the Python process
@@ -46,7 +47,7 @@ LINEAR = "linear"  # a plain nn.Linear weight: packed on the host when the CPU k
 TIED_EMBEDDING = "tied embedding"  # an embedding the LM head shares: blocked on the host when it can be
 ALIAS = "alias"  # the LM head's host copy is the tied embedding's (no host bytes of its own)
 EXPERTS = "routed experts"  # an MoE layer's routed expert weights: a split mode may keep them apart from the layer
-TRANSIENT = ("activations", "runtime reserve")  # parts not allocated through the executor's link
+TRANSIENT = ("activations", "runtime reserve", "KV in transit")  # parts not allocated through the executor's link
 
 
 @dataclass(frozen=True)
@@ -330,6 +331,9 @@ def footprint(inv: Inventory, placement: Placement, batch: int | None = None, in
     for pp in placement.phases.values():
         kv_streamed = kv_streamed | (pp.count(lambda m: m.streams_kv) > 0)
     acc["KV double buffers"] = where(kv_streamed, 2 * kv[ACCELERATOR], 0)
+    # a layer cut by split points whose attention computes on the accelerator sends it the KV it reads
+    split = sum((pp.count(lambda m: m == SPLIT_POINTS) for pp in placement.phases.values()), 0)
+    acc["KV in transit"] = where(split > 0, kv[ACCELERATOR], 0)
 
     head_acc, head_cpu, uses_acc = False, False, False
     act_acc, act_host = 0, 0

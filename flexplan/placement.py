@@ -18,10 +18,12 @@ policies use today place all groups of a layer alike:
   buffers before the layer computes there;
 - ``resident``: weights and KV in accelerator memory.
 
-One mode splits a layer: ``cpu experts`` (``CPU_EXPERTS``) is resident except for the routed
+Two modes split a layer: ``cpu experts`` (``CPU_EXPERTS``) is resident except for the routed
 experts of an MoE layer (its ``mlp`` group), which live in host memory and compute on the CPU.
 :meth:`Placement.expert_places` and :meth:`Placement.unit_parts` tell the memory model and the
-executor where that part lives; other split modes are still refused (``SPLIT_MODES``).
+executor where that part lives. ``split points`` (``SPLIT_POINTS``) keeps the layer's weights and KV
+in pinned host memory and cuts its operators between CPU and accelerator where the plan's
+``split_points`` say (Park & Egger). Other split modes are refused (``SPLIT_MODES``).
 
 The final norm and LM head compute with the last layer unless a phase says otherwise; the
 embedding lookup runs on the host.
@@ -114,6 +116,11 @@ RESIDENT = LayerMode("resident", ACCELERATOR, ON_ACCELERATOR)
 # weights and, per step, q/k/v of the new token and the attention output instead of the KV cache.
 STREAMED_CPU_ATTENTION = LayerMode("streamed (attention on CPU)", PINNED, ON_ACCELERATOR,
                                    (("attention", Where(PINNED, ON_CPU)),))
+# Park & Egger's split points (policies/split_points.py): weights and KV in pinned host memory, the
+# hidden state and the glue between operators on the host; which operators compute on the accelerator
+# (from weights copied into the double buffer) is the plan's ``split_points``, the rest computes on the
+# CPU from host memory. Placed as STREAMED_CPU_ATTENTION is (KV at home, no KV slots).
+SPLIT_POINTS = LayerMode("split points", PINNED, ON_ACCELERATOR, (("attention", Where(PINNED, ON_CPU)),))
 MODES = (CPU, STREAMED, RESIDENT)
 # llama.cpp's --n-cpu-moe / KTransformers: the layer resident on the accelerator with its KV cache,
 # its routed experts ("mlp" of an MoE layer) in host memory, computed by the CPU. A layer without
@@ -121,7 +128,7 @@ MODES = (CPU, STREAMED, RESIDENT)
 CPU_EXPERTS = LayerMode("cpu experts", ACCELERATOR, ON_ACCELERATOR, (("mlp", Where(HOST, ON_CPU)),))
 EXPERT_GROUP = "mlp"  # the operator group that holds an MoE layer's routed experts
 # the split modes the memory model and the executor place (others are refused by Placement.from_plan)
-SPLIT_MODES = (CPU_EXPERTS,)
+SPLIT_MODES = (CPU_EXPERTS, SPLIT_POINTS)
 
 
 @dataclass(frozen=True)

@@ -72,6 +72,56 @@ class Candidate:
         return d
 
 
+# ---- issue 15 item 2: split points inside a streamed layer (estimator/policies/split_points.py) ----
+@dataclass(frozen=True)
+class SplitPoints:
+    """Where Park & Egger's split points cut each streamed layer of a phase: the CPU computes
+    operators [0, i) and [j, n), the accelerator [i, j) (``points`` = (i, j); j = n: one split point).
+    ``timeline``: one layer at the mean step, (operator, lane, start_s, end_s) with lanes ``cpu``,
+    ``accelerator``, ``h2d``, ``d2h`` (predictions; NaN / empty in a plan fixed by hand)."""
+
+    operators: tuple[str, ...]  # the layer's operators in call order (workload.operators)
+    points: tuple[int, int]
+    layer_s: float  # Eq. 5: one streamed layer
+    cpu_s: float  # Eq. 6 (under the copy's slowdown, glue included)
+    h2d_s: float  # Eq. 7 plus the activations sent to the accelerator
+    timeline: tuple[tuple[str, str, float, float], ...] = ()
+    candidates: int = 0  # Eq. 13: pairs searched
+
+    def __post_init__(self):
+        object.__setattr__(self, "operators", tuple(self.operators))
+        object.__setattr__(self, "points", tuple(int(x) for x in self.points))
+        object.__setattr__(self, "timeline",
+                           tuple((str(a), str(b), float(c), float(d)) for a, b, c, d in self.timeline))
+        i, j = self.points
+        if not 1 <= i < j <= len(self.operators):
+            raise ValueError(f"split points must satisfy 1 <= i < j <= {len(self.operators)}, got {self.points}")
+
+    @property
+    def on_cpu(self) -> tuple[str, ...]:
+        i, j = self.points
+        return self.operators[:i] + self.operators[j:]
+
+    @property
+    def on_accelerator(self) -> tuple[str, ...]:
+        i, j = self.points
+        return self.operators[i:j]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"operators": list(self.operators), "points": list(self.points), "layer_s": _num(self.layer_s),
+                "cpu_s": _num(self.cpu_s), "h2d_s": _num(self.h2d_s), "candidates": self.candidates,
+                "timeline": [{"operator": a, "lane": b, "start_s": c, "end_s": d} for a, b, c, d in self.timeline],
+                # derived, for readers of `flexplan explain --json` (ignored by from_dict)
+                "on_cpu": list(self.on_cpu), "on_accelerator": list(self.on_accelerator)}
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "SplitPoints":
+        nan = lambda x: math.nan if x is None else float(x)  # noqa: E731
+        return cls(tuple(d["operators"]), tuple(d["points"]), nan(d.get("layer_s")), nan(d.get("cpu_s")),
+                   nan(d.get("h2d_s")), tuple((e["operator"], e["lane"], e["start_s"], e["end_s"])
+                                              for e in d.get("timeline", ())), int(d.get("candidates", 0)))
+
+
 @dataclass(frozen=True)
 class PhaseChoice:
     policy: str
@@ -80,10 +130,24 @@ class PhaseChoice:
     gpu_memory_bytes: int
     cpu_memory_bytes: int
     pcie_bytes: float
+    split_points: SplitPoints | None = None  # a split-points policy: where its layers are cut
 
     @classmethod
-    def of(cls, c: Candidate) -> "PhaseChoice":
-        return cls(c.policy, c.gpu_layers, c.time_s, c.gpu_memory_bytes, c.cpu_memory_bytes, c.pcie_bytes)
+    def of(cls, c: Candidate, split_points: SplitPoints | None = None) -> "PhaseChoice":
+        return cls(c.policy, c.gpu_layers, c.time_s, c.gpu_memory_bytes, c.cpu_memory_bytes, c.pcie_bytes,
+                   split_points)
+
+    def to_dict(self) -> dict[str, Any]:
+        d = {k: getattr(self, k) for k in self.__dataclass_fields__}
+        d["split_points"] = self.split_points.to_dict() if self.split_points is not None else None
+        return d
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "PhaseChoice":
+        d = dict(d)
+        if d.get("split_points") is not None:
+            d["split_points"] = SplitPoints.from_dict(d["split_points"])
+        return cls(**d)
 
 
 # ---- issue 15 item 3: the expert cache of a cpu-experts plan (flexplan.plan_expert_cache) --------
@@ -157,8 +221,8 @@ class Plan:
 
     def to_dict(self) -> dict[str, Any]:
         d = {k: getattr(self, k) for k in self.__dataclass_fields__}
-        d["prefill"] = asdict(self.prefill)
-        d["decode"] = asdict(self.decode)
+        d["prefill"] = self.prefill.to_dict()
+        d["decode"] = self.decode.to_dict()
         d["candidates"] = [c.to_dict() for c in self.candidates]
         d["baselines"] = {k: _num(v) for k, v in self.baselines.items()}
         d["notes"] = list(self.notes)
@@ -171,8 +235,8 @@ class Plan:
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "Plan":
         d = dict(d)
-        d["prefill"] = PhaseChoice(**d["prefill"])
-        d["decode"] = PhaseChoice(**d["decode"])
+        d["prefill"] = PhaseChoice.from_dict(d["prefill"])
+        d["decode"] = PhaseChoice.from_dict(d["decode"])
         d["candidates"] = tuple(
             Candidate(**{**c, "time_s": math.inf if c["time_s"] is None else c["time_s"]}) for c in d.get("candidates", ())
         )

@@ -398,7 +398,9 @@ def _plan_one(spec: ModelSpec, hw: Hardware, eff: Efficiency, shape: Shape, gpu_
         out = Plan(
             model=spec.name, hardware=hw.name, batch_size=batch_size, input_len=input_len, output_len=output_len,
             dtype=dtype, cpu_dtype=cpu_dtype, num_layers=spec.num_layers, gpu_memory_bytes=int(gpu_budget),
-            cpu_memory_bytes=int(cpu_budget), prefill=PhaseChoice.of(cp), decode=PhaseChoice.of(cd),
+            cpu_memory_bytes=int(cpu_budget),
+            prefill=PhaseChoice.of(cp, REGISTRY[p].split_choice(pcs["prefill"], n, cp.gpu_layers)),
+            decode=PhaseChoice.of(cd, REGISTRY[d].split_choice(pcs["decode"], n, cd.gpu_layers)),
             ttft_s=cp.time_s, tpot_s=cd.time_s, load_s=load_s, switch_s=sw, e2e_s=e2e,
             reason=_reason(cp, cd, candidates, baselines, e2e),
             candidates=tuple(candidates), baselines=baselines, calibration=eff.source, notes=tuple(hw.notes),

@@ -52,9 +52,14 @@ def test_planner_picks_it_where_kv_dominates():
     kv_layer, weights_layer = 32 * 2176 * 2 * 5120 * 2, 2 * (4 * 5120 * 5120 + 3 * 5120 * 13824 + 2 * 5120)
     assert kv_layer / weights_layer == pytest.approx(2.25, rel=0.01)
     p = flexplan.plan("meta-llama/Llama-2-13b-hf", SERVER, batch_size=32, input_len=2048, output_len=256)
-    assert p.decode.policy.startswith("cpu-attention")
+    # split-points (issue 15 item 2) can also keep the attention beside the KV and give the CPU more of
+    # the layer; where it wins, its split keeps the attention on the CPU
+    if p.decode.policy == "split-points":
+        assert "attention" in p.decode.split_points.on_cpu
+    else:
+        assert p.decode.policy.startswith("cpu-attention")
+        assert "attention on CPU" in Placement.from_plan(p, 40).describe()
     assert _decode(p, "cpu-attention").time_s < 0.5 * _decode(p, "gpu-offload").time_s
-    assert "attention on CPU" in Placement.from_plan(p, 40).describe()
 
 
 @pytest.mark.parametrize("model", ["meta-llama/Llama-2-70b-hf", "meta-llama/Llama-2-7b-hf"])

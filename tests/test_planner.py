@@ -97,7 +97,7 @@ def test_paper_qualitative_result_server2():
     for b in (1, 2, 4, 8, 16, 32):
         p = flexplan.plan("facebook/opt-66b", hw, batch_size=b, input_len=512, output_len=32)
         assert p.prefill.policy in ("gpu-offload", "gpu-offload-partial")
-        assert p.decode.policy in ("splitgen", "cpu")
+        assert p.decode.policy in ("splitgen", "cpu", "split-points")  # split-points: the CPU computes part of each layer
         reductions.append(1 - p.e2e_s / p.baselines["gpu-offload"])
     assert 0.5 < np.mean(reductions) < 0.95
 

@@ -177,6 +177,7 @@ class PhaseCosts:
     cpu_under_copy: float  # slowdown of CPU compute while H2D copies run (Park & Egger 4.1)
     cpu_attention: "CPUAttentionCosts | None" = None  # decode attention beside a host KV cache (decode only)
     experts: object = None  # expert_terms.ExpertSplit: an MoE layer's routed experts on the CPU (None: dense / no GPU)
+    operators: object = None  # operator_terms.OperatorCosts: C, G, H per operator of a split layer (None: no GPU)
 
 
 def phase_costs(shape: Shape, hw: Hardware, eff: Efficiency, phase: str) -> PhaseCosts:
@@ -203,6 +204,7 @@ def phase_costs(shape: Shape, hw: Hardware, eff: Efficiency, phase: str) -> Phas
                                overhead_s=step_overhead)
     h2d, d2h = link.h2d_bandwidth_bytes_per_s, link.d2h_bandwidth_bytes_per_s
     kv_read = w.kv_read
+    attention = cpu_attention_costs(shape, hw, eff) if phase == "decode" else None
     return PhaseCosts(
         phase=phase, tokens_per_seq=w.tokens_per_seq, t_cpu_layer_s=t_cpu, t_gpu_layer_s=t_gpu,
         t_load_weights_s=t_link_s(w.weight_bytes_gpu, h2d, eff.h2d(w.weight_bytes_gpu)),
@@ -215,7 +217,7 @@ def phase_costs(shape: Shape, hw: Hardware, eff: Efficiency, phase: str) -> Phas
         weight_bytes_gpu=w.weight_bytes_gpu, kv_read_bytes=kv_read, kv_write_bytes=w.kv_write,
         hidden_bytes=w.hidden_bytes, logits_bytes=w.logits_bytes, head_bytes_gpu=w.head_bytes_gpu,
         cpu_under_copy=eff.cpu_under_copy(), experts=_expert_split(shape, hw, eff, phase),
-        cpu_attention=cpu_attention_costs(shape, hw, eff) if phase == "decode" else None,
+        cpu_attention=attention, operators=_operator_costs(shape, hw, eff, phase, attention),
     )
 
 
@@ -223,6 +225,12 @@ def _expert_split(shape: Shape, hw: Hardware, eff: Efficiency, phase: str):
     from flexplan.estimator.expert_terms import expert_split_costs  # it uses this module's t_* functions
 
     return expert_split_costs(shape, hw, eff, phase)
+
+
+def _operator_costs(shape: Shape, hw: Hardware, eff: Efficiency, phase: str, attention):
+    from flexplan.estimator.operator_terms import operator_costs  # it uses this module's t_* functions
+
+    return operator_costs(shape, hw, eff, phase, None if attention is None else attention.t_cpu_attention_s)
 
 
 @dataclass(frozen=True)

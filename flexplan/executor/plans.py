@@ -28,6 +28,13 @@ def gpu_layers_for(policy: str, num_layers: int, gpu_layers: int | None) -> int:
     return REGISTRY[policy].gpu_layers_for(num_layers, gpu_layers)
 
 
+def _split(policy: str, spec: ModelSpec):
+    """The policy's split for a plan fixed by hand (a split-points policy: its documented default)."""
+    from flexplan.estimator.policies import REGISTRY
+
+    return REGISTRY[policy].fixed_split(spec)
+
+
 def check_overrides(overrides: dict[str, Any]) -> None:
     unknown = set(overrides) - _OVERRIDE_KEYS
     if unknown:
@@ -49,6 +56,7 @@ def fixed_plan(model: Any, prefill: str, decode: str, gpu_layers: int | None = N
         model=spec.name, hardware=hardware, batch_size=int(batch_size), input_len=int(input_len),
         output_len=int(output_len), dtype=canonical_dtype(dtype), cpu_dtype=canonical_dtype(cpu_dtype), num_layers=n,
         gpu_memory_bytes=int(gpu_memory_bytes), cpu_memory_bytes=int(cpu_memory_bytes),
-        prefill=PhaseChoice(prefill, m_p, nan, 0, 0, nan), decode=PhaseChoice(decode, m_d, nan, 0, 0, nan),
+        prefill=PhaseChoice(prefill, m_p, nan, 0, 0, nan, _split(prefill, spec)),
+        decode=PhaseChoice(decode, m_d, nan, 0, 0, nan, _split(decode, spec)),
         ttft_s=nan, tpot_s=nan, load_s=nan, switch_s=nan, e2e_s=nan,
         reason="placement fixed by the caller; no estimate", calibration="none")

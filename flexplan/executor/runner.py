@@ -24,7 +24,7 @@ import torch
 from torch import nn
 from transformers.cache_utils import Cache
 
-from flexplan.executor import cpu_attention, cpu_decode, cpu_experts, cpu_linear, native
+from flexplan.executor import cpu_attention, cpu_decode, cpu_experts, cpu_linear, native, split_layer
 from flexplan.executor.cpu_backend import configure
 from flexplan.executor.families import decoder_parts, layer_windows, text_config
 from flexplan.executor.kv_cache import FlexCache, FlexKVLayer, KVPool, kv_bytes, kv_geometry
@@ -35,6 +35,7 @@ from flexplan.memory import (
 from flexplan.executor.stats import PhaseStats, step_flops
 from flexplan.executor.step import Step, generic_kv_to
 from flexplan.executor.weights import GroupWeights, StreamSlots, torch_dtype
+from flexplan.placement import SPLIT_POINTS
 from flexplan.plan_types import Plan
 from flexplan.workload.model import ModelSpec
 
@@ -137,6 +138,7 @@ class Executor:
                                 if b is not None} for layer in self.parts.layers]
         self.slots: StreamSlots | None = None
         self._cpu_attention_modules: list[nn.Module] = []  # attention modules routed to attend_beside_kv
+        self.split = split_layer.SplitLayers(link)  # layers cut by split points (split-points policies)
         self.cpu_attention_calls: collections.Counter[str] = collections.Counter()  # by kernel: native / transformers
         self.kv_pool = KVPool(link)
         self._cache: FlexCache | None = None  # the last request's cache (its layers learnt the real KV geometry)
@@ -220,7 +222,7 @@ class Executor:
     def place(self, plan: Plan, source=None) -> None:
         """Put every unit's weights where ``plan`` needs them (refusing before any allocation
         when it does not fit). A no-op when the placement is unchanged."""
-        placement = self._splittable(Placement.from_plan(plan, self.num_layers))
+        placement = self._splittable(Placement.from_plan(plan, self.num_layers), plan)
         self.check(placement, plan.batch_size, plan.input_len + plan.output_len, plan.input_len, plan)
         pack_batch = cpu_linear.pack_batch_hint(plan.batch_size) if self.backend.packs_weights else None
         if placement == self.placement and pack_batch == self.pack_batch and source is None:
@@ -260,6 +262,12 @@ class Executor:
         cpu_attention.uninstall(self._cpu_attention_modules)
         self._cpu_attention_modules = cpu_attention.install(
             {i: self.parts.layers[i] for i in beside}, self.attend_beside_kv, self._attends_beside_kv) if beside else []
+        self.split.uninstall()
+        for ph, pp in placement.phases.items():
+            for i, m in enumerate(pp.modes):
+                if m == SPLIT_POINTS and i not in self.split.layers:
+                    self.split.install(i, self.parts.layers[i], self.layers[i].params,
+                                       plan.phases[ph].split_points.operators)
         if self.backend.ipex is not None:
             for i in range(self.num_layers):
                 if all(placement.modes[ph][i].on_cpu for ph in (PREFILL, DECODE)):
@@ -278,24 +286,33 @@ class Executor:
         return {p.layer: p.cache_hit_rate for m in self.expert_modules if m is not None
                 for p in (m[1],) if p.cache_hit_rate is not None}
 
-    def _splittable(self, placement: Placement) -> Placement:
+    def _splittable(self, placement: Placement, plan: Plan) -> Placement:
         """``placement`` with each layer whose attention cannot be routed to the CPU (it does not
-        call transformers' attention interface: cpu_attention.attention_modules) streamed whole,
-        its KV cache with it, as gpu-offload streams it; said in ``cpu_decode_ops``."""
+        call transformers' attention interface: cpu_attention.attention_modules), or which split
+        points cannot cut (split_layer.operator_modules), streamed whole, its KV cache with it, as
+        gpu-offload streams it; said in ``cpu_decode_ops``."""
+        from flexplan.errors import InvalidInputError
         from flexplan.placement import STREAMED, PhasePlacement
 
         phases, kept = {}, []
         for ph, pp in placement.phases.items():
             modes = list(pp.modes)
+            split = plan.phases[ph].split_points
+            if split is None and SPLIT_POINTS in modes:
+                raise InvalidInputError(f"the {ph} policy {plan.phases[ph].policy} cuts layers at split points but the "
+                                        "plan names none; plan it with flexplan.plan(...) or executor.fixed_plan(...)")
             for i, m in enumerate(modes):
-                if m.attention_on_cpu and not cpu_attention.attention_modules(self.parts.layers[i]):
+                layer = self.parts.layers[i]
+                if ((m.attention_on_cpu and not cpu_attention.attention_modules(layer))
+                        or (m == SPLIT_POINTS and split_layer.operator_modules(layer, split.operators) is None)):
                     modes[i] = STREAMED
                     kept.append(i)
             phases[ph] = PhasePlacement.from_modes(modes, pp.head) if modes != list(pp.modes) else pp
         if not kept:
             return placement
         note = (f"; layers {', '.join(map(str, sorted(set(kept))))} streamed with their KV cache (their attention "
-                "does not go through transformers' attention interface, so it cannot run beside the host KV cache)")
+                "does not go through transformers' attention interface, so it cannot run beside the host KV cache, "
+                "or their modules are not the plan's split-point operators)")
         if note not in self.cpu_decode_ops:
             self.cpu_decode_ops += note
         return Placement.of(phases, placement.dtype, placement.cpu_dtype, placement.policies)
@@ -391,6 +408,7 @@ class Executor:
         self._fused, self._stack = [], None
         cpu_attention.uninstall(self._cpu_attention_modules)
         self._cpu_attention_modules = []
+        self.split.uninstall()
 
     def _before_model(self, module, args, kwargs):
         self._t_top = time.perf_counter()
@@ -465,7 +483,11 @@ class Executor:
         with self.link.on_copy_stream():
             if self.slots.used[slot]:
                 self.link.wait(self.slots.free[slot], on_copy_stream=True)
-            self.slots.load(self.layers[j], slot, self.link)
+            if self.placement.modes[st.phase][j] == SPLIT_POINTS:  # only the accelerator operators' weights
+                self.split.load(self.slots.buffers[slot].tensor, self.layers[j], j,
+                                self.plan.phases[st.phase].split_points.points)
+            else:
+                self.slots.load(self.layers[j], slot, self.link)
             if kv is not None:
                 kv.prefetch(st.cache.slots[slot], slot)
             self.link.record(self.slots.ready[slot], on_copy_stream=True)
@@ -495,15 +517,20 @@ class Executor:
         if st is None:
             return None
         mode = self.placement.modes[st.phase][i]
-        on_acc = not mode.on_cpu
-        dtype = self._dtype(ACCELERATOR if on_acc else HOST_MEMORY)
+        split = mode == SPLIT_POINTS  # hidden state and glue on the host, in the pinned (accelerator) dtype
+        on_acc = not mode.on_cpu and not split
+        dtype = self._dtype(ACCELERATOR if on_acc or split else HOST_MEMORY)
         g = self.layers[i]
         cache = _cache_of(kwargs, args)
         kv = cache.layers[i] if isinstance(cache, FlexCache) else None
         if mode.streamed:
             slot = st.slot_of[i]
             self.link.wait(self.slots.ready[slot])
-            g.bind_views(self.slots.views(g, slot), tag=("slot", slot))
+            if split:
+                self.split.begin(i, self.plan.phases[st.phase].split_points.points, g, g.storages[PINNED].views,
+                                 self.slots.views(g, slot), ("split", slot))
+            else:
+                g.bind_views(self.slots.views(g, slot), tag=("slot", slot))
             if self.expert_modules[i] is not None:
                 self.expert_modules[i][1].on_cpu = False
             nxt = next((j for j in self.placement.streamed(st.phase) if j > i), None)
@@ -511,7 +538,7 @@ class Executor:
                 self._prefetch(nxt, st)
             if mode.attention_on_cpu and kv is not None:  # the KV cache stays home, in host memory
                 self._kv_to(kv, self.placement.layer_place(i, st.phase), False)
-                kv.new_tokens_cross = True
+                kv.new_tokens_cross = not split  # a split layer appends its new K, V on the host
         else:
             place = self.placement.layer_place(i, st.phase)
             self._bind_layer(i, st.phase)
@@ -571,7 +598,8 @@ class Executor:
                     kv.migrate(target)
                     kv.pending = self.link.event()
                     self.link.record(kv.pending, on_copy_stream=True)
-        st.hidden_on_acc = not mode.on_cpu
+        self.split.end(i)
+        st.hidden_on_acc = not mode.on_cpu and mode != SPLIT_POINTS
         self.link.note("computed", i)
         return None
 
@@ -583,6 +611,8 @@ class Executor:
         st = self._step
         if not self._attends_beside_kv(i):
             return inner(module, query, key, value, attention_mask, **kwargs)
+        if self.split.attention_on_acc(i) is not None:  # a layer cut by split points: its core where the plan says
+            return self.split.attend(i, module, inner, query, key, value, attention_mask, st.moved, **kwargs)
         dtype = key.dtype if key.device.type == "cpu" else query.dtype
         q = self.link.move(query, False, dtype, "q", i)
         if key.device.type != "cpu":  # a cache that is not flexplan's kept the keys on the accelerator

@@ -10,6 +10,7 @@ from flexplan.estimator.policies.cpu_attention import CPUAttentionPartialPolicy,
 from flexplan.estimator.policies.gpu import GPUPolicy
 from flexplan.estimator.policies.gpu_offload import GPUOffloadPartialPolicy, GPUOffloadPolicy
 from flexplan.estimator.policies.moe_cpu_experts import CPUExpertsPolicy
+from flexplan.estimator.policies.split_points import SplitPointsPolicy
 from flexplan.estimator.policies.splitgen import SplitGenPolicy
 
 REGISTRY: dict[str, Policy] = {}
@@ -36,5 +37,6 @@ register("splitgen", SplitGenPolicy())
 register("cpu-experts", CPUExpertsPolicy())
 register("cpu-attention", CPUAttentionPolicy())
 register("cpu-attention-partial", CPUAttentionPartialPolicy())
+register("split-points", SplitPointsPolicy())
 
 __all__ = ["REGISTRY", "PhaseTime", "Policy", "register", "unregister"]

@@ -80,6 +80,15 @@ class Policy:
     def estimate(self, pc: PhaseCosts, num_layers: int, gpu_layers: np.ndarray) -> PhaseTime:
         raise NotImplementedError
 
+    def split_choice(self, pc: PhaseCosts, num_layers: int, gpu_layers: int):
+        """The operator split (plan_types.SplitPoints) the plan records for M = ``gpu_layers``; None:
+        this policy places whole layers (or operator groups fixed by its modes)."""
+        return None
+
+    def fixed_split(self, model):
+        """The split of a plan fixed by hand without an estimate (executor.fixed_plan); None: none."""
+        return None
+
     def initial_load_s(self, pc_prefill: PhaseCosts, gpu_layers: np.ndarray) -> np.ndarray:
         """Loading GPU-resident weights before prefill starts (paper footnote 5: included in E2E)."""
         return gpu_layers * pc_prefill.t_load_weights_s + pc_prefill.t_load_head_s

@@ -1,0 +1,294 @@
+"""Split points inside a streamed layer (``split-points``, issue 15 item 2; Park & Egger 3.1-4.2):
+the search against a brute-force loop and a hand-worked case, the operator list against the
+workload model, the planner's picks, explain, the plan's JSON, the executor on the CPU stand-in."""
+
+from __future__ import annotations
+
+import itertools
+import json
+from dataclasses import replace
+
+import numpy as np
+import pytest
+
+import flexplan
+from flexplan.errors import DoesNotFitError, FlexplanError, InvalidInputError
+from flexplan.estimator import REGISTRY
+from flexplan.estimator.operator_terms import OperatorCosts
+from flexplan.estimator.policies.split_points import (
+    eq5_layer_s, eq6_cpu_s, eq7_h2d_s, eq13_candidates, eq14_h2d_s, search)
+from flexplan.hardware import get_hardware
+from flexplan.plan_types import Plan, SplitPoints
+from flexplan.workload import resolve_model
+from flexplan.workload.operators import layer_operators
+
+SERVER = "flexinfer-server2"
+
+
+def _costs(C, G, H, IN=None, OUT=None, shares=None, glue=0.0, overhead=0.0, kv=None):
+    C, G, H = (np.atleast_2d(np.asarray(x, dtype=float)) for x in (C, G, H))
+    n = C.shape[1]
+    zeros = np.zeros_like(C)
+    return OperatorCosts(
+        names=tuple(f"op{k}" for k in range(n)), cpu_s=C, gpu_s=G, h2d_s=H,
+        in_h2d_s=zeros if IN is None else np.atleast_2d(IN), out_d2h_s=zeros if OUT is None else np.atleast_2d(OUT),
+        shares_input=np.zeros(n, bool) if shares is None else np.asarray(shares), weight_bytes=np.ones(n),
+        kv_bytes=np.zeros(C.shape[0]) if kv is None else np.asarray(kv, float), in_bytes=np.ones(n),
+        out_bytes=np.ones(n), attention_index=0, cpu_glue_s=glue, gpu_overhead_s=overhead)
+
+
+# ---- the search ------------------------------------------------------------------------------
+def test_eq13_counts_every_pair_once():
+    for n in range(2, 12):
+        i, j = eq13_candidates(n)
+        assert len(i) == n * (n - 1) // 2 == (n - 1) + (n - 1) * (n - 2) // 2
+        assert len(set(zip(i.tolist(), j.tolist()))) == len(i) and (i >= 1).all() and (i < j).all() and (j <= n).all()
+
+
+def test_hand_worked_four_operators():
+    """C = [1, 3, 1, 2], H = [4, 1, 6, 1] (G, activations, glue 0). Eq. 6 and 7 per pair:
+    (1,2): CPU 1+1+2 = 4, H2D 1 -> 4;  (1,3): 3, 7 -> 7;  (1,4): 1, 8 -> 8;
+    (2,3): 4+2 = 6, 6 -> 6;  (2,4): 4, 7 -> 7;  (3,4): 5, 1 -> 5.
+    Two split points win: the CPU computes operators 0, 2 and 3, the accelerator operator 1.
+    With 10 streamed layers: 10 x 4 + the fill min(4, 1) = 41."""
+    oc = _costs([1, 3, 1, 2], [0, 0, 0, 0], [4, 1, 6, 1])
+    i, j = eq13_candidates(4)
+    L, _, _ = eq5_layer_s(oc, 1.0, i, j)
+    assert dict(zip(zip(i.tolist(), j.tolist()), L[0].tolist())) == {
+        (1, 2): 4, (1, 3): 7, (1, 4): 8, (2, 3): 6, (2, 4): 7, (3, 4): 5}
+    best, t, (bi, bj) = search(oc, 1.0, np.array([10]))
+    assert (bi[best[0]], bj[best[0]]) == (1, 2) and t[0] == 41
+    # links ten times slower and a cheaper last transfer, H = [40, 10, 60, 5]: (1,2) CPU 4, H2D 10 -> 10;
+    # (3,4) CPU 1+3+1 = 5, H2D 5 -> 5 (the others >= 60): one split point, the CPU takes all but the last
+    slow_link = _costs([1, 3, 1, 2], [0, 0, 0, 0], [40, 10, 60, 5])
+    best, t, (bi, bj) = search(slow_link, 1.0, np.array([1]))
+    assert (bi[best[0]], bj[best[0]]) == (3, 4) and t[0] == 5 + 5
+    # the CPU slowed by 3 while the copy runs (Park & Egger 4.1): per layer (3,4) costs 15, (1,2) 12,
+    # (2,3) 60: over 100 layers (the fill, min(chain, link), aside) (1,2) wins
+    best, t, (bi, bj) = search(slow_link, 3.0, np.array([100]))
+    assert (bi[best[0]], bj[best[0]]) == (1, 2) and t[0] == 100 * 12 + 10
+
+
+def test_search_equals_brute_force_loop():
+    """Random C, G, H, IN, OUT over 3 steps, shared inputs, glue and overheads: the vectorised search
+    picks what a Python loop over (i, j) writing Eq. 5-7 out picks, for every number of streamed layers."""
+    rng = np.random.default_rng(7)
+    for trial in range(30):
+        n, steps = int(rng.integers(2, 10)), int(rng.integers(1, 4))
+        C, G, H, IN, OUT = (rng.random((steps, n)) * s for s in (5, 0.5, 5, 0.3, 0.3))
+        shares = rng.random(n) < 0.3
+        shares[0] = False
+        u, glue, ovh = 1 + rng.random(), rng.random() * 0.2, rng.random() * 0.1
+        oc = _costs(C, G, H, IN, OUT, shares, glue, ovh)
+        streamed = np.arange(0, 6)
+        best, t, (ci, cj) = search(oc, u, streamed)
+        for s in streamed:
+            loop = {}
+            for i in range(1, n):
+                for j in range(i + 1, n + 1):
+                    per_step, fills = [], []
+                    for st in range(steps):
+                        cpu = sum(C[st, :i]) + sum(C[st, j:])
+                        h2d = sum(H[st, i:j])
+                        act_in = sum(IN[st, k] for k in range(i, j) if k == i or not shares[k])
+                        act_out = sum(OUT[st, i:j])
+                        chain = u * (cpu + glue) + sum(G[st, i:j]) + ovh + act_in + act_out
+                        link = h2d + act_in
+                        per_step.append(max(chain, link))
+                        fills.append(min(chain, link))
+                    loop[(i, j)] = s * np.mean(per_step) + (np.mean(fills) if s > 0 else 0.0)
+            want = min(loop.values())
+            assert t[s] == pytest.approx(want, rel=1e-12, abs=1e-12)
+            assert loop[(int(ci[best[s]]), int(cj[best[s]]))] == pytest.approx(want, rel=1e-12, abs=1e-12)
+
+
+def test_eq6_eq7_eq14_by_hand():
+    C, H, G = np.array([[1.0, 2, 3, 4]]), np.array([[10.0, 20, 30, 40]]), np.array([[0.1, 0.2, 0.3, 0.4]])
+    i, j = np.array([1, 2]), np.array([3, 4])
+    assert eq6_cpu_s(C, i, j).tolist() == [[1 + 4, 1 + 2]]
+    assert eq7_h2d_s(H, i, j).tolist() == [[20 + 30, 30 + 40]]
+    assert eq14_h2d_s(H, G, [5.0], i, j, batches=1).tolist() == eq7_h2d_s(H, i, j).tolist()
+    assert eq14_h2d_s(H, G, [5.0], i, j, batches=3)[0] == pytest.approx([50 + 2 * (0.5 + 5), 70 + 2 * (0.7 + 5)])
+
+
+# ---- operators from the workload model ------------------------------------------------------
+@pytest.mark.parametrize("model", ["meta-llama/Llama-2-7b-hf", "meta-llama/Llama-3.1-70B", "Qwen/Qwen3-8B",
+                                   "mistralai/Mixtral-8x7B-v0.1", "Qwen/Qwen3-30B-A3B"])
+def test_operators_sum_to_the_layer(model):
+    """The operators' weights are the layer's parameters less its norms (and QK-norms), and a dense
+    layer's FLOPs per token are 2 x its linear weights (costs.c_decode's GEMM part)."""
+    m = resolve_model(model)
+    ops = layer_operators(m)
+    qk_norm = {"": 0, "head": 2 * m.head_dim, "full": (m.num_heads + m.num_kv_heads) * m.head_dim}[m.qk_norm]
+    assert sum(o.weight_params for o in ops) == pytest.approx(m.params_per_layer - m.layer_norm_params - qk_norm)
+    assert [o.name for o in ops][:5] == ["q_proj", "k_proj", "v_proj", "attention", "o_proj"]
+    if not m.is_moe:
+        assert sum(o.flops_per_row for o in ops) == 2 * m.linear_weight_params_per_layer
+        assert [o.name for o in ops][5:] == ["gate_proj", "up_proj", "down_proj"]
+    else:
+        assert [o.name for o in ops][5:] == ["mlp"]
+        assert sum(o.flops_per_row for o in ops) == pytest.approx(2 * m.linear_weight_params_per_layer)
+
+
+# ---- the planner --------------------------------------------------------------------------------
+def _cand(plan, phase, policy):
+    return next(c for c in plan.candidates if c.phase == phase and c.policy == policy)
+
+
+def test_planner_splits_where_transfers_dominate():
+    """Llama-2-70B, batch 16, 2048 + 256 on an H100 PCIe beside a Sapphire Rapids host: a decode
+    step streams 1.7 GB of weights per layer while the CPU can compute the MLP in less than the
+    attention weights take to cross: the split beats streaming (and FlexGen's plan) and is chosen."""
+    p = flexplan.plan("meta-llama/Llama-2-70b-hf", SERVER, batch_size=16, input_len=2048, output_len=256)
+    assert p.decode.policy == "split-points"
+    sp = p.decode.split_points
+    assert sp is not None and sp.on_cpu and sp.on_accelerator and sp.candidates == 28
+    assert _cand(p, "decode", "split-points").time_s < 0.5 * _cand(p, "decode", "gpu-offload-partial").time_s
+    assert sp.layer_s == pytest.approx(max(sp.cpu_s, sp.h2d_s), rel=0.2)  # balanced: neither side idles long
+
+
+def test_planner_does_not_split_when_the_cpu_is_far_slower():
+    hw = get_hardware(SERVER)
+    slow_cpu = replace(hw.cpu, memory_bandwidth_bytes_per_s=hw.cpu.memory_bandwidth_bytes_per_s / 200,
+                       peak_flops_per_s={k: v / 200 for k, v in hw.cpu.peak_flops_per_s.items()})
+    hw_slow = replace(hw, cpu=slow_cpu)
+    p = flexplan.plan("meta-llama/Llama-2-70b-hf", hw_slow, batch_size=16, input_len=2048, output_len=256)
+    assert p.decode.policy != "split-points" and p.decode.split_points is None
+    assert _cand(p, "decode", "split-points").time_s > _cand(p, "decode", "gpu-offload-partial").time_s
+
+
+def test_refused_where_it_cannot_run():
+    """Flexplan errors, no stack trace: an MLA model (its attention is not q/k/v/o), a machine
+    without an accelerator, a hand-made plan that names no split points."""
+    with pytest.raises(DoesNotFitError, match="cannot cut its layers into operators"):
+        flexplan.plan("deepseek-ai/DeepSeek-V3", SERVER, batch_size=1, input_len=128, output_len=8,
+                      decode="split-points", cpu_memory_bytes=4 << 40)
+    from flexplan.hardware.spec import Hardware
+    hw = get_hardware(SERVER)
+    p = flexplan.plan("meta-llama/Llama-2-7b-hf", Hardware("cpu only", hw.cpu, None, None), batch_size=4,
+                      input_len=512, output_len=16)
+    assert not _cand(p, "decode", "split-points").feasible and "no GPU" in _cand(p, "decode", "split-points").reason
+    with pytest.raises(ValueError):
+        SplitPoints(("a", "b", "c"), (0, 2), 0, 0, 0)
+
+
+# ---- explain and the plan's JSON ----------------------------------------------------------------
+def test_plan_json_round_trip_keeps_the_split():
+    p = flexplan.plan("meta-llama/Llama-2-70b-hf", SERVER, batch_size=16, input_len=2048, output_len=256)
+    q = Plan.from_dict(json.loads(p.to_json()))
+    assert q == p and q.decode.split_points == p.decode.split_points
+    d = json.loads(p.to_json())["decode"]["split_points"]
+    assert d["points"] == list(p.decode.split_points.points) and d["on_cpu"] == list(p.decode.split_points.on_cpu)
+
+
+def test_explain_shows_split_points_and_timeline(capsys):
+    from flexplan.cli import main
+    from flexplan.explain import format_plan
+
+    p = flexplan.plan("meta-llama/Llama-2-70b-hf", SERVER, batch_size=16, input_len=2048, output_len=256)
+    text = format_plan(p)
+    i, j = p.decode.split_points.points
+    assert f"decode split points ({i}, {j}) of 8 operators (28 pairs searched, Eq. 13)" in text
+    for name, lane, *_ in p.decode.split_points.timeline:
+        assert any(name in line and lane in line for line in text.splitlines())
+    assert main(["explain", "--hw", SERVER, "Qwen/Qwen3-30B-A3B", "--gpu-memory", "24", "-b", "16", "-i", "2048",
+                 "-o", "256", "--decode", "split-points", "--json"]) == 0
+    d = json.loads(capsys.readouterr().out)["decode"]["split_points"]
+    assert d["operators"] == ["q_proj", "k_proj", "v_proj", "attention", "o_proj", "mlp"]
+    lanes = {e["lane"] for e in d["timeline"]}
+    assert {"cpu", "h2d"} <= lanes and all(e["end_s"] >= e["start_s"] >= 0 for e in d["timeline"])
+    cpu_ops = [e["operator"] for e in d["timeline"] if e["lane"] == "cpu"]
+    assert set(d["on_cpu"]) <= set(cpu_ops)
+
+
+# ---- the executor on the CPU stand-in ----------------------------------------------------------
+NEW = 6
+DENSE = ("llama", "mistral", "qwen2", "opt", "llama3", "qwen3", "mistral_sw")
+MOE = ("qwen3_moe", "mixtral")
+
+
+def _generate(fresh, family, plan_or_pair, gpu_layers=1):
+    import torch
+
+    import flexplan.api as api
+    from conftest import left_padded_batch
+    from flexplan.executor.plans import fixed_plan
+
+    model, ref = fresh(family)
+    ids, mask = left_padded_batch()
+    expected = ref.generate(input_ids=ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False)
+    plan = plan_or_pair(model) if callable(plan_or_pair) else fixed_plan(
+        model.config, *plan_or_pair, gpu_layers, batch_size=3, input_len=9, output_len=NEW, gpu_memory_bytes=1 << 30)
+    lm = api.load(model, plan=plan, accelerator="cpu", gpu_memory_bytes=1 << 30)
+    out = lm.generate(input_ids=ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False)
+    assert torch.equal(out, expected)
+    return lm
+
+
+def _pairs():
+    others = [p for p in REGISTRY if p != "split-points"]
+    return [("split-points", "split-points")] + [pair for o in others
+                                                 for pair in (("split-points", o), (o, "split-points"))]
+
+
+@pytest.mark.parametrize("family", DENSE + MOE)
+@pytest.mark.parametrize("prefill,decode", _pairs())
+def test_token_identical_with_every_policy(fresh, family, prefill, decode):
+    """Batched, left-padded; every pair with split-points in one phase or both (the default split of a
+    hand-made plan: the CPU computes the first and the last operator)."""
+    lm = _generate(fresh, family, (prefill, decode))
+    assert "not the plan's split-point operators" not in lm.executor.cpu_decode_ops  # really cut, not streamed
+
+
+@pytest.mark.parametrize("family", ["llama3", "qwen3_moe"])
+def test_every_split_is_token_identical_and_moves_only_its_operators(fresh, family):
+    """Every (i, j) of Eq. 13 in decode: the same tokens; each decode step copies exactly the
+    accelerator operators' weights of each split layer, and the KV cache crosses only when the
+    attention core computes on the accelerator."""
+    from flexplan.executor.link import H2D
+    from flexplan.executor.plans import fixed_plan
+
+    spec = resolve_model(fresh(family)[1].config)
+    names = tuple(o.name for o in layer_operators(spec))
+    n = len(names)
+    for i, j in itertools.combinations(range(1, n + 1), 2):
+        def plan(model, i=i, j=j):
+            p = fixed_plan(model.config, "gpu", "split-points", 0, batch_size=3, input_len=9, output_len=NEW,
+                           gpu_memory_bytes=1 << 30)
+            return replace(p, decode=replace(p.decode, split_points=SplitPoints(names, (i, j), 0, 0, 0)))
+        lm = _generate(fresh, family, plan)
+        ex = lm.executor
+        layers = ex.num_layers
+        expected = sum(ex.layers[0].param_tensor(nm).numel() * 4 for nm in ex.split.accelerator_names(0, (i, j)))
+        moved = ex.link.bytes_moved(H2D, "decode", "weights")
+        assert moved == (NEW - 1) * layers * expected, (i, j)
+        kv = ex.link.bytes_moved(H2D, "decode", "kv")
+        assert (kv > 0) == (i <= names.index("attention") < j), (i, j)
+
+
+def test_hand_plan_without_split_points_is_refused(fresh):
+    import flexplan.api as api
+    from flexplan.executor.plans import fixed_plan
+
+    model, _ = fresh("llama")
+    p = fixed_plan(model.config, "gpu", "split-points", 0, batch_size=3, input_len=9, output_len=NEW)
+    p = replace(p, decode=replace(p.decode, split_points=None))
+    with pytest.raises(InvalidInputError, match="names none"):
+        api.load(model, plan=p, accelerator="cpu", gpu_memory_bytes=1 << 30)
+    assert issubclass(InvalidInputError, FlexplanError)
+
+
+def test_memory_model_counts_one_layer_kv_in_transit():
+    """A split layer is placed as a streamed layer whose KV stays home in pinned host memory (no KV
+    double buffers), plus one layer's KV on the accelerator for an attention core computed there:
+    Llama-2-70B, batch 16 x (2048 + 256) tokens x 2 x 8 KV heads x 128 x 2 bytes = 151 MB."""
+    from flexplan.estimator import Shape
+    from flexplan.planner import placement_memory
+
+    shape = Shape(resolve_model("meta-llama/Llama-2-70b-hf"), 16, 2048, 256, "bfloat16", "bfloat16")
+    ms = REGISTRY["split-points"].gpu_layer_options(80)
+    need = placement_memory(shape, None, {"decode": REGISTRY["split-points"].placement(80, ms, "decode")})
+    assert (need.accelerator["KV in transit"] == 16 * 2304 * 2 * 8 * 128 * 2).all()
+    assert (need.accelerator["KV double buffers"] == 0).all() and (need.pinned["KV cache"][:-1] > 0).all()
+    off = placement_memory(shape, None, {"decode": REGISTRY["gpu-offload-partial"].placement(80, 40, "decode")})
+    assert off.accelerator["KV in transit"] == 0
