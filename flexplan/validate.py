@@ -403,10 +403,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cpu-experts", nargs="?", const="Qwen/Qwen3-30B-A3B", default=None, metavar="MODEL",
                    help="instead of the grid: the cpu-experts policy's CPU expert term, predicted vs measured at "
                         "decode batches 1-16 on MODEL's expert shape (default Qwen/Qwen3-30B-A3B; no accelerator needed)")
+    p.add_argument("--split-ops", nargs="?", const="meta-llama/Meta-Llama-3-8B", default=None, metavar="MODEL",
+                   help="instead of the grid: the split-points policy's CPU operator terms (projections, attention "
+                        "core), predicted vs measured at decode batches 1, 4, 8 on MODEL's dense layer shape "
+                        "(default meta-llama/Meta-Llama-3-8B; no accelerator needed)")
 
 
 def run_cpu_term(args, name: str, result: dict, text: str) -> int:
-    """One CPU term's check (``--cpu-attention``, ``--cpu-experts``): ``result`` (rows and a MAPE)
+    """One CPU term's check (``--cpu-attention``, ``--cpu-experts``, ``--split-ops``): ``result`` (rows and a MAPE)
     written to ``<name>.json`` in the output folder (temp name, renamed), ``text`` printed (or the
     MAPE as JSON with --json)."""
     stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ")
@@ -441,7 +445,18 @@ def run_cpu_experts(args) -> int:
     return run_cpu_term(args, "cpu_experts", s, ve.format_check(s))
 
 
+def run_split_ops(args) -> int:
+    """``--split-ops [MODEL]``: flexplan.validate_split_ops' check of the split-points policy's CPU
+    operator terms on MODEL's dense layer shape."""
+    from flexplan import validate_split_ops as vs
+
+    s = vs.validate_split_ops(args.split_ops, hardware=args.hw)
+    return run_cpu_term(args, "split_ops", s, vs.format_check(s))
+
+
 def run(args) -> int:
+    if getattr(args, "split_ops", None):
+        return run_split_ops(args)
     if getattr(args, "cpu_attention", False):
         return run_cpu_attention(args)
     if getattr(args, "cpu_experts", None):

@@ -292,3 +292,33 @@ def test_memory_model_counts_one_layer_kv_in_transit():
     assert (need.accelerator["KV double buffers"] == 0).all() and (need.pinned["KV cache"][:-1] > 0).all()
     off = placement_memory(shape, None, {"decode": REGISTRY["gpu-offload-partial"].placement(80, 40, "decode")})
     assert off.accelerator["KV in transit"] == 0
+
+
+def test_validate_split_ops_cli_writes_rows_and_mape(tmp_path, capsys, monkeypatch):
+    """`flexplan validate --split-ops MODEL`: each CPU operator timed as the split executor runs it on
+    the host, beside operator_terms' C, through the shared CPU-term mechanism; MoE is refused."""
+    import json as _json
+
+    import transformers
+
+    import flexplan.validate_split_ops as vs
+    from flexplan.cli import main
+    from flexplan.errors import InvalidInputError as _Invalid
+    from flexplan.workload import resolve_model
+    from flexplan.workload.operators import layer_operators
+
+    real = vs.validate_split_ops
+    monkeypatch.setattr(vs, "validate_split_ops", lambda *a, **k: real(*a, **{**k, "batches": (1, 2), "repeats": 2,
+                                                                              "context_len": 64}))
+    spec_dir = tmp_path / "llama"
+    spec_dir.mkdir()
+    transformers.LlamaConfig(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
+                             num_key_value_heads=2, vocab_size=1000).save_pretrained(spec_dir)
+    assert main(["validate", "--split-ops", str(spec_dir / "config.json"), "--out", str(tmp_path / "o")]) == 0
+    assert "MAPE by operator" in capsys.readouterr().out
+    d = _json.loads((tmp_path / "o" / "split_ops.json").read_text())
+    names = [o.name for o in layer_operators(resolve_model(str(spec_dir / "config.json")))]
+    assert [(r["batch"], r["operator"]) for r in d["rows"]] == [(b, op) for b in (1, 2) for op in names]
+    assert all(r["measured_s"] > 0 and r["predicted_s"] > 0 for r in d["rows"]) and d["mape_pct"] > 0
+    with pytest.raises(_Invalid, match="MoE"):
+        real("Qwen/Qwen3-30B-A3B")

@@ -1,0 +1,106 @@
+"""Predicted vs measured CPU time of each operator the ``split-points`` policy can leave on the CPU
+(issue 15 item 4): the C array of ``estimator.operator_terms`` (q/k/v projections, the attention
+core over a KV cache, the output projection, the MLP's projections) against each operator timed on
+this CPU as the split executor runs it there: the layer's own ``nn.Linear`` (``F.linear``) on
+weights in host memory, transformers' SDPA for the attention core. Needs no accelerator (the
+prediction borrows a hwdb GPU and link only to build the terms; the CPU's terms do not read them).
+Random float32 weights of the model's shapes, cycled through more than the last-level cache; decode
+at a few batch sizes. Dense layers only (``--cpu-experts`` checks routed experts).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+import time
+from typing import Any
+
+
+def _time(fn, repeats: int) -> float:
+    fn()  # warm
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def validate_split_ops(model: Any = "meta-llama/Meta-Llama-3-8B", batches=(1, 4, 8), context_len: int = 512,
+                       hardware: Any = "local", efficiency=None, repeats: int = 5,
+                       gpu_of: str = "flexinfer-server2") -> dict[str, Any]:
+    """Rows (batch, operator, predicted_s, measured_s, error %), the MAPE and the MAPE per operator."""
+    import torch
+    import torch.nn.functional as F
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    from flexplan.calibration.microbench import MODES, Cycle, _SDPAModule, copies_for, rotate_bytes
+    from flexplan.errors import InvalidInputError
+    from flexplan.estimator.operator_terms import operator_costs
+    from flexplan.estimator.terms import Shape
+    from flexplan.hardware import get_hardware
+    from flexplan.planner import _efficiency, _resolve_hardware
+    from flexplan.workload import resolve_model
+    from flexplan.workload.operators import ATTENTION, LINEAR, layer_operators, why_not_split
+
+    m = resolve_model(model)
+    if m.is_moe:
+        raise InvalidInputError(f"{m.name} is an MoE model: check its routed experts with --cpu-experts, "
+                                "and the split operators on a dense model (e.g. meta-llama/Meta-Llama-3-8B)")
+    why = why_not_split(m)
+    if why:
+        raise InvalidInputError(f"{m.name}: {why}")
+    hw = _resolve_hardware(hardware)
+    eff = _efficiency(hw, efficiency)
+    donor = get_hardware(gpu_of)
+    terms_hw = dataclasses.replace(hw, gpu=hw.gpu or donor.gpu, link=hw.link or donor.link)
+    ops = layer_operators(m)
+    hd, vd, heads, kvh = m.head_dim, m.v_head_dim, m.num_heads, m.num_kv_heads
+    total = rotate_bytes(MODES["quick"])
+    rows = []
+    with torch.inference_mode():
+        for b in batches:
+            shape = Shape(m, b, context_len, 2, "float32", "float32")
+            predicted = operator_costs(shape, terms_hw, eff, "decode").cpu_s[0]
+            for k, op in enumerate(ops):
+                if op.kind == LINEAR:
+                    n_copies = copies_for(int(op.weight_params) * 4, total)
+                    ws = Cycle(torch.full((op.out_elems, op.in_elems), 0.01) for _ in range(n_copies))
+                    x = torch.full((b, op.in_elems), 0.5)
+                    fn = lambda x=x, ws=ws: F.linear(x, ws.next())  # noqa: E731
+                elif op.kind == ATTENTION:
+                    n_copies = copies_for(2 * b * kvh * (context_len + 1) * max(hd, vd) * 4, total)
+                    ws = Cycle((torch.full((b, kvh, context_len + 1, hd), 0.1),
+                                torch.full((b, kvh, context_len + 1, vd), 0.2)) for _ in range(n_copies))
+                    q = torch.full((b, heads, 1, hd), 0.1)
+                    mask = torch.ones(b, 1, 1, context_len + 1, dtype=torch.bool)
+                    module = _SDPAModule(heads // kvh)
+
+                    def fn(ws=ws, q=q, mask=mask, module=module):
+                        key, value = ws.next()
+                        return sdpa_attention_forward(module, q, key, value, mask, scaling=hd ** -0.5)
+                else:
+                    continue
+                measured = _time(fn, repeats)
+                p = float(predicted[k])
+                rows.append({"batch": b, "operator": op.name, "predicted_s": p, "measured_s": measured,
+                             "error_pct": 100 * abs(p - measured) / measured})
+                del ws
+    names = list(dict.fromkeys(r["operator"] for r in rows))
+    return {"model": m.name, "hardware": hw.name, "calibration": eff.source, "threads": torch.get_num_threads(),
+            "context_len": context_len, "rows": rows, "mape_pct": statistics.fmean(r["error_pct"] for r in rows),
+            "mape_pct_by_operator": {op: statistics.fmean(r["error_pct"] for r in rows if r["operator"] == op)
+                                     for op in names}}
+
+
+def format_check(s: dict[str, Any]) -> str:
+    """The rows and the MAPE of :func:`validate_split_ops`, as `flexplan validate --split-ops` prints them."""
+    lines = [f"CPU operators of one decode layer of {s['model']} (float32, F.linear and SDPA, {s['threads']} "
+             f"threads, {s['context_len']} cached tokens; {s['calibration']}):",
+             f"  {'batch':>5}  {'operator':<12}{'measured':>12}{'predicted':>12}{'error':>8}"]
+    for r in s["rows"]:
+        lines.append(f"  {r['batch']:>5}  {r['operator']:<12}{r['measured_s'] * 1e3:>10.3f}ms"
+                     f"{r['predicted_s'] * 1e3:>10.3f}ms{r['error_pct']:>7.0f}%")
+    lines.append("MAPE by operator: " + ", ".join(f"{k} {v:.0f}%" for k, v in s["mape_pct_by_operator"].items()))
+    lines.append(f"MAPE {s['mape_pct']:.0f}%")
+    return "\n".join(lines)
