@@ -238,3 +238,14 @@ def test_pruned_pair_search_finds_the_best_forced_pair(model, hw, gib, b, i, o):
             except (DoesNotFitError, InvalidInputError):
                 pass
     assert forced and chosen.e2e_s == pytest.approx(min(forced), rel=1e-12)
+
+
+def test_policies_restrict_the_choice():
+    """plan(policies=...) chooses among those only (FlexInfer's five reproduce the paper's pick);
+    an unknown name is refused with the known ones."""
+    five = ("cpu", "gpu", "gpu-offload", "gpu-offload-partial", "splitgen")
+    p = flexplan.plan("facebook/opt-66b", server(), batch_size=16, input_len=512, output_len=32, policies=five)
+    assert (p.prefill.policy, p.decode.policy) == ("gpu-offload", "splitgen")
+    assert {c.policy for c in p.candidates} == set(five) and set(p.baselines) == set(five)
+    with pytest.raises(InvalidInputError, match="unknown policies"):
+        flexplan.plan("facebook/opt-66b", server(), policies=["flexgen"])
