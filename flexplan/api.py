@@ -25,7 +25,7 @@ from flexplan.calibration.cli import _cpu_seconds, _other_share  # CPU time othe
 from flexplan.calibration.memory_state import refresh as refresh_memory_probe
 from flexplan.errors import DeviceUnavailableError, FlexplanError, InvalidInputError
 from flexplan.executor.cpu_backend import local_cpu_cores, local_cpu_dtype
-from flexplan.executor.families import check_supported
+from flexplan.executor.families import CACHE_KWARG, cache_in, check_supported
 from flexplan.executor.link import Link
 from flexplan.executor.loading import is_model_folder, load_streaming, read_config
 from flexplan.executor.placement import Placement, require_accelerator
@@ -166,8 +166,8 @@ class FlexModel:
         if self._auto:
             self.executor.place(self.plan_for(eff_batch, input_len, max_new))
         use_cache = kwargs.get("use_cache", (generation_config or self.model.generation_config).use_cache)
-        if kwargs.get("past_key_values") is None and use_cache is not False:
-            kwargs["past_key_values"] = self.executor.new_cache(eff_batch, input_len + max_new, input_len)
+        if cache_in(kwargs) is None and use_cache is not False:
+            kwargs[CACHE_KWARG] = self.executor.new_cache(eff_batch, input_len + max_new, input_len)
         allocations_before = dict(self.executor.link.allocations)
         busy_before = _cpu_seconds()
         self.executor.begin_run()

@@ -1,8 +1,8 @@
 """Predicted vs measured CPU time of each operator the ``split-points`` policy can leave on the CPU
 (issue 15 item 4): the C array of ``estimator.operator_terms`` (q/k/v projections, the attention
 core over a KV cache, the output projection, the MLP's projections) against each operator timed on
-this CPU as the split executor runs it there: the layer's own ``nn.Linear`` (``F.linear``) on
-weights in host memory, transformers' SDPA for the attention core. Needs no accelerator (the
+this CPU as the split executor runs it there: ``executor.split_layer.cpu_operator_linear`` (the native dense
+GEMV at decode batches) on weights in host memory, transformers' SDPA for the attention core. Needs no accelerator (the
 prediction borrows a hwdb GPU and link only to build the terms; the CPU's terms do not read them).
 Random float32 weights of the model's shapes, cycled through more than the last-level cache; decode
 at a few batch sizes. Dense layers only (``--cpu-experts`` checks routed experts).
@@ -31,10 +31,10 @@ def validate_split_ops(model: Any = "meta-llama/Meta-Llama-3-8B", batches=(1, 4,
                        gpu_of: str = "flexinfer-server2") -> dict[str, Any]:
     """Rows (batch, operator, predicted_s, measured_s, error %), the MAPE and the MAPE per operator."""
     import torch
-    import torch.nn.functional as F
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     from flexplan.calibration.microbench import MODES, Cycle, _SDPAModule, copies_for, rotate_bytes
+    from flexplan.executor.split_layer import cpu_operator_linear
     from flexplan.errors import InvalidInputError
     from flexplan.estimator.operator_terms import operator_costs
     from flexplan.estimator.terms import Shape
@@ -67,7 +67,7 @@ def validate_split_ops(model: Any = "meta-llama/Meta-Llama-3-8B", batches=(1, 4,
                     n_copies = copies_for(int(op.weight_params) * 4, total)
                     ws = Cycle(torch.full((op.out_elems, op.in_elems), 0.01) for _ in range(n_copies))
                     x = torch.full((b, op.in_elems), 0.5)
-                    fn = lambda x=x, ws=ws: F.linear(x, ws.next())  # noqa: E731
+                    fn = lambda x=x, ws=ws: cpu_operator_linear(x, ws.next(), None, torch.float32)  # noqa: E731
                 elif op.kind == ATTENTION:
                     n_copies = copies_for(2 * b * kvh * (context_len + 1) * max(hd, vd) * 4, total)
                     ws = Cycle((torch.full((b, kvh, context_len + 1, hd), 0.1),
@@ -95,7 +95,7 @@ def validate_split_ops(model: Any = "meta-llama/Meta-Llama-3-8B", batches=(1, 4,
 
 def format_check(s: dict[str, Any]) -> str:
     """The rows and the MAPE of :func:`validate_split_ops`, as `flexplan validate --split-ops` prints them."""
-    lines = [f"CPU operators of one decode layer of {s['model']} (float32, F.linear and SDPA, {s['threads']} "
+    lines = [f"CPU operators of one decode layer of {s['model']} (float32, the split executor's CPU linear and SDPA, {s['threads']} "
              f"threads, {s['context_len']} cached tokens; {s['calibration']}):",
              f"  {'batch':>5}  {'operator':<12}{'measured':>12}{'predicted':>12}{'error':>8}"]
     for r in s["rows"]:

@@ -198,3 +198,46 @@ def test_16bit_weights_that_cannot_be_blocked_are_widened_for_the_float32_cpu():
         p = cpu_linear.pack(w, 1, kernel, torch.float32)
         assert not cpu_linear.is_blocked(p)
         assert torch.equal(cpu_linear.dense(p), w.float())
+
+
+@needs_native
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("tokens", [1, 2, 5, 6, 11, 32])
+@pytest.mark.parametrize("out,k,with_bias", [(7, 64, True), (130, 96, False), (64, 304, True)])
+def test_dense_gemv_matches_f_linear_on_the_float32_widening(dtype, tokens, out, k, with_bias):
+    """The dense row-major kernel (split-points layers' CPU operators): any ``out`` (rows past the
+    last group of four), batch rows past a group, 16-bit weights widened exactly."""
+    g = torch.Generator().manual_seed(tokens * 1000 + out + k)
+    w = torch.randn(out, k, generator=g).to(dtype)
+    x = torch.randn(tokens, k, generator=g)
+    b = torch.randn(out, generator=g) if with_bias else None
+    y = native.status()[0].dense_gemv(w, x, b)
+    ref = F.linear(x.double(), w.double(), None if b is None else b.double())
+    assert y.shape == (tokens, out) and y.dtype == torch.float32
+    assert float((y.double() - ref).abs().max()) <= 1e-5 * float(ref.abs().max())
+
+
+@needs_native
+def test_dense_gemv_refuses_an_inner_size_off_the_vector_width():
+    gemv = native.status()[0]
+    if gemv.vector_width == 1:
+        pytest.skip("the plain-C build takes any inner size")
+    with pytest.raises(ValueError, match="multiple of"):
+        gemv.dense_gemv(torch.randn(8, gemv.vector_width + 1), torch.randn(1, gemv.vector_width + 1), None)
+
+
+@pytest.mark.parametrize("rows,k,dtype,compute", [(1, 64, torch.bfloat16, torch.float32), (4, 64, torch.float32, torch.float32),
+                                                  (40, 64, torch.bfloat16, torch.float32),  # above DENSE_MAX_ROWS: GEMM
+                                                  (3, 37, torch.float32, torch.float32),  # off the vector width
+                                                  (2, 64, torch.bfloat16, torch.bfloat16)])  # a bf16 CPU: oneDNN
+def test_split_cpu_operator_linear_is_f_linear_in_the_cpu_dtype(rows, k, dtype, compute):
+    from flexplan.executor.split_layer import cpu_operator_linear
+
+    g = torch.Generator().manual_seed(rows + k)
+    w = torch.randn(96, k, generator=g).to(dtype)
+    x = torch.randn(1, rows, k, generator=g).to(dtype)  # the host hidden state, in the pinned dtype
+    b = torch.randn(96, generator=g).to(dtype)
+    y = cpu_operator_linear(x, w, b, compute)
+    ref = F.linear(x.to(compute), w.to(compute), b.to(compute)).to(dtype)
+    assert y.shape == (1, rows, 96) and y.dtype == dtype
+    torch.testing.assert_close(y, ref, rtol=1e-2 if dtype != torch.float32 else 1e-5, atol=1e-2 if dtype != torch.float32 else 1e-5)

@@ -131,6 +131,48 @@ def test_operators_sum_to_the_layer(model):
 
 
 # ---- the planner --------------------------------------------------------------------------------
+def test_prefill_residual_of_real_layers_follows_the_operators_on_the_cpu(tmp_path):
+    """What calibrated layers take beyond the factors as tokens grow is spread over the operators but
+    the attention core in proportion to their CPU time, and only the one-token overhead is per-layer
+    glue: all operators on the CPU cost the layer's factors plus its overhead at those tokens (the cpu
+    policy's layer), and each operator's share is the same."""
+    from dataclasses import dataclass as _dc
+
+    from flexplan.estimator.operator_terms import operator_costs
+    from flexplan.estimator.terms import Shape
+    from flexplan.workload import costs
+    from synthetic_machine import HW_GPU, SyntheticMachine
+    from test_calibration_properties import calibrated
+
+    machine = SyntheticMachine(bytes_per_s=40e9, kv_bytes_per_s=20e9, flops_per_s={"float32": 500e9, "bfloat16": 500e9},
+                               op_s=5e-6, layer_s=500e-6, step_s=1e-3, logit_s=1e-10, noise=0.1, seed=0)
+    eff = calibrated(machine, "full", HW_GPU, tmp_path)
+    spec = resolve_model("HuggingFaceTB/SmolLM2-135M-Instruct")
+
+    @_dc(frozen=True)
+    class OneTokenOverhead:  # eff with its overhead held at one token: the bare factors' C
+        base: object
+
+        def cpu_layer_overhead_s(self, tokens=1, dtype=None, layer_bytes=None):
+            return self.base.cpu_layer_overhead_s(1, dtype, layer_bytes)
+
+        def __getattr__(self, name):
+            return getattr(self.base, name)
+
+    for b, i in ((1, 128), (4, 512)):
+        shape = Shape(spec, b, i, 4, "bfloat16", "float32")
+        oc, bare = operator_costs(shape, HW_GPU, eff, "prefill"), operator_costs(shape, HW_GPU, OneTokenOverhead(eff), "prefill")
+        layer_bytes = float(costs.d_weights(spec, shape.w_bytes))
+        assert oc.cpu_glue_s == pytest.approx(eff.cpu_layer_overhead_s(1, "float32", layer_bytes))
+        whole = bare.cpu_s.sum() + eff.cpu_layer_overhead_s(b * i, "float32", layer_bytes)
+        assert oc.cpu_s.sum() + oc.cpu_glue_s == pytest.approx(whole)
+        assert oc.cpu_s[0, oc.attention_index] == bare.cpu_s[0, oc.attention_index]  # its time grows with context
+        share = np.delete(oc.cpu_s[0] / bare.cpu_s[0], oc.attention_index)
+        assert np.allclose(share, share[0]) and share[0] >= 1.0
+        if b * i == 2048:  # this machine: 1.1 ms more at 2048 tokens than at one
+            assert share[0] > 1.02
+
+
 def _cand(plan, phase, policy):
     return next(c for c in plan.candidates if c.phase == phase and c.policy == policy)
 
@@ -264,6 +306,20 @@ def test_every_split_is_token_identical_and_moves_only_its_operators(fresh, fami
         assert moved == (NEW - 1) * layers * expected, (i, j)
         kv = ex.link.bytes_moved(H2D, "decode", "kv")
         assert (kv > 0) == (i <= names.index("attention") < j), (i, j)
+
+
+def test_cpu_operators_run_the_cpu_kernel_not_stock_f_linear(fresh, monkeypatch):
+    """The Linear operators a split leaves on the CPU compute through split_layer.cpu_operator_linear
+    (the native dense GEMV at decode batches: what the estimator's calibrated GEMV rates price), each
+    decode step, in every split layer; the hand plan's default split leaves the first and the last."""
+    from flexplan.executor import split_layer
+
+    calls = []
+    real = split_layer.cpu_operator_linear
+    monkeypatch.setattr(split_layer, "cpu_operator_linear", lambda *a: calls.append(a[0].shape) or real(*a))
+    lm = _generate(fresh, "llama3", ("gpu", "split-points"), gpu_layers=0)
+    assert len(calls) == (NEW - 1) * lm.executor.num_layers * 2
+    assert all(s[:-1] == (3, 1) for s in calls)  # decode steps: batch 3, one token
 
 
 def test_hand_plan_without_split_points_is_refused(fresh):

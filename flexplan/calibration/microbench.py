@@ -380,6 +380,7 @@ def layer_overhead(sizes: Sizes, dtype: str, device: str = "cpu", sync=None, inn
     from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
 
     from flexplan.executor.cpu_linear import LinearKernel, pack_batch_hint, pack_module
+    from flexplan.executor.families import CACHE_KWARG
 
     cfg = LlamaConfig(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
                       head_dim=16, num_hidden_layers=1, vocab_size=128)
@@ -394,11 +395,11 @@ def layer_overhead(sizes: Sizes, dtype: str, device: str = "cpu", sync=None, inn
     with torch.inference_mode():
         prompt = torch.full((1, 16, 64), 0.1, dtype=dt, device=device)
         pos = torch.arange(16, device=device)[None]
-        layer(prompt, position_ids=pos, position_embeddings=rotary(prompt, pos), past_key_values=cache, use_cache=True)
+        layer(prompt, position_ids=pos, position_embeddings=rotary(prompt, pos), **{CACHE_KWARG: cache}, use_cache=True)
         x = torch.full((1, 1, 64), 0.1, dtype=dt, device=device)
         p = torch.tensor([[16]], device=device)
         pe = rotary(x, p)
-        r = time_call(lambda: layer(x, position_ids=p, position_embeddings=pe, past_key_values=cache, use_cache=True),
+        r = time_call(lambda: layer(x, position_ids=p, position_embeddings=pe, **{CACHE_KWARG: cache}, use_cache=True),
                       max(3, sizes.layer_calls // inner), 2 * sizes.budget_s, sync, inner)
     return {"time_s": _sig(r["time_s"]), "time_median_s": _sig(r["time_median_s"]), "runs": r["runs"],
             "hidden_size": 64, "layer": "transformers LlamaDecoderLayer (sdpa), decode step with DynamicCache"}
@@ -427,6 +428,7 @@ def layers(sizes: Sizes, dtype: str, tick: Callable[[], None] | None = None) -> 
 
     from flexplan.executor import cpu_decode
     from flexplan.executor.cpu_linear import LinearKernel, pack_batch_hint, pack_module
+    from flexplan.executor.families import CACHE_KWARG
 
     dt = torch_dtype(dtype)
     kernel = LinearKernel()
@@ -452,7 +454,7 @@ def layers(sizes: Sizes, dtype: str, tick: Callable[[], None] | None = None) -> 
                     pos = torch.arange(past)[None]
                     pe = rotary(prompt, pos)
                     for layer, cache in zip(copies, caches):
-                        layer(prompt, position_ids=pos, position_embeddings=pe, past_key_values=cache, use_cache=True)
+                        layer(prompt, position_ids=pos, position_embeddings=pe, **{CACHE_KWARG: cache}, use_cache=True)
                 x = torch.randn(batch, q_len, hidden, dtype=dt)
                 pos = torch.arange(past, past + q_len)[None]
                 pe = rotary(x, pos)
@@ -461,7 +463,7 @@ def layers(sizes: Sizes, dtype: str, tick: Callable[[], None] | None = None) -> 
                     for layer, cache in zip(copies, caches):
                         if not past:  # prefill writes a fresh cache
                             cache = DynamicCache(config=cfg)
-                        layer(x, position_ids=pos, position_embeddings=pe, past_key_values=cache, use_cache=True)
+                        layer(x, position_ids=pos, position_embeddings=pe, **{CACHE_KWARG: cache}, use_cache=True)
                         if past:
                             cache.crop(-q_len)  # back to the same KV length for the next run
 

@@ -13,9 +13,15 @@ with D_k its weights plus its activations, at the accelerator's dtype: a split l
 cache live in pinned host memory in that dtype, and the CPU computes on them in place (as
 ``cpu-attention`` does). The attention core on the CPU is ``terms.t_cpu_attention_s`` (its calibrated
 KV read rate); an MoE block's routed experts on the CPU are ``expert_terms.t_cpu_experts_s``. The
-efficiency factors are the calibrated ones (GEMV / GEMM by rows, attention, link by size); the glue
+efficiency factors are the calibrated ones (GEMV / GEMM by rows, attention, link by size). The glue
 between operators (norms, residual adds, rotary, activation, dispatch) costs the calibrated CPU
-layer overhead once per layer. The CPU slowdown while a copy runs (``cpu_under_copy``, Park & Egger
+layer overhead at one token once per layer. What calibrated layers take beyond the factors as the
+tokens grow (the overhead at ``rows`` less that; in prefill it is most of the overhead, and on a
+compute-bound layer partly the noise of one timing) is spread over the operators other than the
+attention core (whose time grows with the context) in proportion to their CPU time: a layer all on the CPU costs what the ``cpu`` policy's layer term gives, and a layer
+whose operators mostly compute on the accelerator is not charged the CPU's whole-layer residual
+(charged whole, one noisy prefill row made a quick and a full calibration of one synthetic machine
+predict split-points TTFT 21% apart). The CPU slowdown while a copy runs (``cpu_under_copy``, Park & Egger
 4.1) is applied by the policy, which knows what overlaps.
 """
 
@@ -128,9 +134,13 @@ def operator_costs(shape, hw, eff, phase: str, cpu_attention_s=None) -> Operator
     in_s = np.array([t_link_s(x, h2d, eff.h2d(x)) for x in in_b])
     out_s = np.array([t_link_s(x, d2h, eff.d2h(x)) for x in out_b])
     layer_bytes = float(costs.d_weights(m, wb))
+    glue_s = float(eff.cpu_layer_overhead_s(1, cd, layer_bytes))
+    per_token_s = max(float(eff.cpu_layer_overhead_s(rows, cd, layer_bytes)) - glue_s, 0.0)
+    share = np.delete(C[0], att) / np.delete(C[0], att).sum()  # the attention core's grows with the context:
+    C[:, np.arange(n) != att] += per_token_s * share  # the operators whose time does not take the extra
     return OperatorCosts(
         names=tuple(o.name for o in ops), cpu_s=C, gpu_s=G, h2d_s=H,
         in_h2d_s=np.broadcast_to(in_s, (steps, n)), out_d2h_s=np.broadcast_to(out_s, (steps, n)),
         shares_input=np.array([o.shares_input for o in ops]), weight_bytes=w_b, kv_bytes=kv, in_bytes=in_b,
-        out_bytes=out_b, attention_index=att, cpu_glue_s=float(eff.cpu_layer_overhead_s(rows, cd, layer_bytes)),
+        out_bytes=out_b, attention_index=att, cpu_glue_s=glue_s,
         gpu_overhead_s=float(eff.gpu_layer_overhead_s()))

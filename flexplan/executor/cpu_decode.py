@@ -45,6 +45,7 @@ from torch import nn
 from transformers.modeling_outputs import BaseModelOutputWithPast
 
 from flexplan.executor import cpu_attention, native
+from flexplan.executor.families import CACHE_KWARG, CACHE_KWARGS, cache_in
 
 # ---- which modules the native ops cover: compared with transformers' Llama, structurally -------------------
 _ATTENTION_CHILDREN = frozenset({"q_proj", "k_proj", "v_proj", "o_proj"})
@@ -141,7 +142,7 @@ def _decode_call(args: tuple, kwargs: dict, head_dim: int, training: bool):
     native ops take (keyword arguments as transformers' layers pass them, float32 on the CPU, a
     cache, no attention weights asked for), else None."""
     hidden = args[0] if args else kwargs.get("hidden_states")
-    pe, cache = kwargs.get("position_embeddings"), kwargs.get("past_key_values")
+    pe, cache = kwargs.get("position_embeddings"), cache_in(kwargs)
     if not (len(args) <= 1 and hidden is not None and hidden.dim() == 3 and hidden.shape[1] == 1
             and cache is not None and pe is not None and not training and not kwargs.get("output_attentions")
             and _cpu_f32(hidden, *pe) and pe[0].shape[-1] == head_dim and pe[0].shape == pe[1].shape
@@ -295,7 +296,7 @@ class FusedLayer:
         return y
 
 
-_STACK_KWARGS = frozenset({"input_ids", "inputs_embeds", "attention_mask", "position_ids", "past_key_values",
+_STACK_KWARGS = frozenset({"input_ids", "inputs_embeds", "attention_mask", "position_ids", *CACHE_KWARGS,
                            "use_cache", "return_dict", "output_attentions", "output_hidden_states"})
 
 
@@ -331,7 +332,7 @@ class FusedStack:
 
     def _run(self, kwargs: dict):
         """The step's output, or None when this call is not one the native stack takes."""
-        cache, ids, embeds = kwargs.get("past_key_values"), kwargs.get("input_ids"), kwargs.get("inputs_embeds")
+        cache, ids, embeds = cache_in(kwargs), kwargs.get("input_ids"), kwargs.get("inputs_embeds")
         config = self.stack.config
         if (self.stack.training or not _STACK_KWARGS.issuperset(kwargs) or kwargs.get("return_dict") is False
                 or kwargs.get("output_attentions") or kwargs.get("output_hidden_states")
@@ -372,7 +373,7 @@ class FusedStack:
         for kv in cache.layers:
             kv.advance(1)
         self.steps += 1
-        return BaseModelOutputWithPast(last_hidden_state=self.stack.norm(h.view(b, 1, -1)), past_key_values=cache)
+        return BaseModelOutputWithPast(last_hidden_state=self.stack.norm(h.view(b, 1, -1)), **{CACHE_KWARG: cache})
 
     def __call__(self, *args, **kwargs):
         out = self._run(kwargs) if self.armed and not args else None

@@ -26,8 +26,20 @@ import re
 from dataclasses import dataclass
 
 from torch import nn
+from transformers.modeling_outputs import BaseModelOutputWithPast
 
 from flexplan.errors import UnsupportedModelError
+
+# The keyword a model, its layers and generate() take the KV cache by: transformers 5.24 renamed
+# ``past_key_values`` to ``cache`` (the old name deprecated until 5.40, and the models' outputs
+# renamed the field). flexplan passes the name of the installed release and reads either.
+CACHE_KWARGS = ("cache", "past_key_values")
+CACHE_KWARG = next(k for k in CACHE_KWARGS if k in BaseModelOutputWithPast.__dataclass_fields__)
+
+
+def cache_in(kwargs: dict):
+    """The KV cache a call's keyword arguments hold under either name, or None."""
+    return next((kwargs[k] for k in CACHE_KWARGS if kwargs.get(k) is not None), None)
 
 # layer types (transformers' ``config.layer_types``, cache_utils) whose cache is per-layer keys and values
 KV_LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention")
@@ -162,9 +174,9 @@ def decoder_parts(model: nn.Module) -> DecoderParts:
     if stack_prefix is None or found is None:
         raise UnsupportedModelError(f"{name}: its decoder {type(stack).__name__} has no list of decoder layers")
     takes = inspect.signature(type(stack).forward).parameters
-    if "past_key_values" not in takes:
+    if not any(k in takes for k in CACHE_KWARGS):
         raise UnsupportedModelError(
-            f"model_type {family!r} keeps no KV cache (its {type(stack).__name__} takes no past_key_values): every "
+            f"model_type {family!r} keeps no KV cache (its {type(stack).__name__} takes no {CACHE_KWARG}): every "
             "step would recompute the whole sequence, so the executor does not run it")
     list_path, layers = found
     embedding: dict[str, nn.Module] = {}

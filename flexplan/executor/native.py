@@ -52,6 +52,10 @@ class NativeGemv:
         self._gemv = lib.flexplan_blocked_gemv
         self._gemv.argtypes = [ctypes.c_void_p, ctypes.c_int64] + [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3
         self._gemv.restype = ctypes.c_int
+        self._dense = lib.flexplan_dense_gemv
+        self._dense.argtypes = self._gemv.argtypes
+        self._dense.restype = ctypes.c_int
+        self.vector_width = {"avx512f": 16, "avx2": 8}.get(self.isa, 1)
         self._lib = lib  # keeps the library loaded
 
     def gemv(self, blocked: torch.Tensor, x2d: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -63,6 +67,19 @@ class NativeGemv:
         y = torch.empty(x2d.shape[0], out, dtype=torch.float32)
         self._gemv(blocked.data_ptr(), WEIGHT_TYPES[blocked.dtype], x2d.data_ptr(), y.data_ptr(),
                    None if bias is None else bias.data_ptr(), out, k, x2d.shape[0])
+        return y
+
+    def dense_gemv(self, weight: torch.Tensor, x2d: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """``x2d @ weight.float().T (+ bias)`` for a dense contiguous [out, in] ``weight`` (a dtype
+        of :data:`WEIGHT_TYPES`, ``in`` a multiple of :attr:`vector_width`); x2d [batch, in] and bias
+        float32, contiguous. Returns a new [batch, out] float32 tensor."""
+        out, k = weight.shape
+        y = torch.empty(x2d.shape[0], out, dtype=torch.float32)
+        rc = self._dense(weight.data_ptr(), WEIGHT_TYPES[weight.dtype], x2d.data_ptr(), y.data_ptr(),
+                         None if bias is None else bias.data_ptr(), out, k, x2d.shape[0])
+        if rc:
+            raise ValueError(f"dense GEMV: in={k} is not a multiple of {self.vector_width}, or {weight.dtype} "
+                             "is not a weight type of the kernel")
         return y
 
 
@@ -219,6 +236,17 @@ def _self_check(native: NativeGemv) -> None:
         if not err < 1e-5:
             raise RuntimeError(f"self-check failed: relative error {err:.2e} at out={out} in={k} batch={batch} "
                                f"({dtype})")
+    for (out, k, batch, with_bias), dtype in zip(((7, 64, 1, True), (130, 96, 6, False), (4, 32, 11, True)) * 3,
+                                                 [d for d in WEIGHT_TYPES for _ in range(3)]):
+        w = torch.randn(out, k, generator=g).to(dtype)
+        x = torch.randn(batch, k, generator=g)
+        b = torch.randn(out, generator=g) if with_bias else None
+        y = native.dense_gemv(w, x, b).double()
+        ref = torch.nn.functional.linear(x.double(), w.double(), None if b is None else b.double())
+        err = float((y - ref).abs().max() / ref.abs().max())
+        if not err < 1e-5:
+            raise RuntimeError(f"dense self-check failed: relative error {err:.2e} at out={out} in={k} "
+                               f"batch={batch} ({dtype})")
 
 
 def _unavailable() -> str | None:

@@ -21,6 +21,9 @@
  * per step. Prefill comes here too, its tokens as the batch rows (flexplan/executor/cpu_linear.py);
  * only non-float32 inputs take torch.matmul on the blocks.
  *
+ * flexplan_dense_gemv computes the same product on a dense row-major W (four row streams per
+ * thread), for weights that must keep the layout an accelerator copy needs (split-points layers).
+ *
  * Compiled on first use by flexplan/executor/native.py with -O3 -march=native -fopenmp. torch
  * loads its own libgomp.so.1 first, so this library binds to the same OpenMP runtime: one
  * thread pool, sized by torch.set_num_threads. ISA paths: AVX-512F, AVX2 + FMA, plain C.
@@ -44,6 +47,8 @@ static inline void vstore(float* p, vec v) { _mm512_storeu_ps(p, v); }
 static inline vec vset1(float f) { return _mm512_set1_ps(f); }
 static inline vec vadd(vec a, vec b) { return _mm512_add_ps(a, b); }
 static inline vec vfma(vec a, vec b, vec c) { return _mm512_fmadd_ps(a, b, c); }
+static inline float vsum(vec a) { return _mm512_reduce_add_ps(a); }
+#define DENSE_GROUP 5 /* dense rows: 4 weight rows x 5 batch rows of accumulators */
 #elif defined(__AVX2__) && defined(__FMA__)
 #define ISA "avx2"
 #define VW 8
@@ -55,6 +60,12 @@ static inline void vstore(float* p, vec v) { _mm256_storeu_ps(p, v); }
 static inline vec vset1(float f) { return _mm256_set1_ps(f); }
 static inline vec vadd(vec a, vec b) { return _mm256_add_ps(a, b); }
 static inline vec vfma(vec a, vec b, vec c) { return _mm256_fmadd_ps(a, b, c); }
+static inline float vsum(vec a) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+#define DENSE_GROUP 2
 #else
 #define ISA "generic"
 #define VW 1
@@ -66,10 +77,13 @@ static inline void vstore(float* p, vec v) { *p = v; }
 static inline vec vset1(float f) { return f; }
 static inline vec vadd(vec a, vec b) { return a + b; }
 static inline vec vfma(vec a, vec b, vec c) { return a * b + c; }
+static inline float vsum(vec a) { return a; }
+#define DENSE_GROUP 2
 #endif
 
 #define NV (BLOCK / VW) /* vectors per row of a block */
 #define GROUP_MAX 6
+#define DENSE_ROWS 4 /* weight rows per pass of the dense kernel: 4 sequential streams per thread */
 #define CHUNK_BYTES 16384 /* bytes of a block's rows per pass (in L1) */
 /* The first batch group's pass over a block prefetches PREFETCH_BYTES ahead (8 KB) with the
  * non-temporal hint: the weights, read once per step, then displace less of the caches that the
@@ -205,5 +219,77 @@ int flexplan_blocked_gemv(const void* P, int64_t wtype, const float* x, float* y
     else if (wtype == WEIGHT_BF16) gemv_block(P, x, y, bias, out, in, batch, k, WEIGHT_BF16);
     else gemv_block(P, x, y, bias, out, in, batch, k, WEIGHT_F16);
   }
+  return 0;
+}
+
+/* The same product on a DENSE row-major W [out, in] (the layout a weight keeps where it must also
+ * cross to an accelerator as it is: the split-points policy's pinned layers), for decode-sized
+ * batches: each thread takes groups of DENSE_ROWS rows and walks them together (DENSE_ROWS
+ * sequential streams) against DENSE_GROUP batch rows of x at a time, y[b, o] = sum_i W[o, i] x[b, i]
+ * summed in VW lanes, then across them. The rows of a group are re-read from L1/L2 for each further
+ * batch group, so DRAM sees them once per step. `in` must be a multiple of VW. */
+static inline __attribute__((always_inline)) void dense_rows(const void* W, const float* x, float* y, int64_t in,
+                                                             int64_t out, int64_t o0, const int nr, const int nb,
+                                                             const int wt) {
+  vec acc[DENSE_ROWS][DENSE_GROUP];
+  _Pragma("GCC unroll 4") for (int r = 0; r < nr; ++r)
+    _Pragma("GCC unroll 6") for (int b = 0; b < nb; ++b) acc[r][b] = vzero();
+  for (int64_t i = 0; i < in; i += VW) {
+    vec w[DENSE_ROWS];
+    _Pragma("GCC unroll 4") for (int r = 0; r < nr; ++r) w[r] = wload(W, (o0 + r) * in + i, wt);
+    _Pragma("GCC unroll 6") for (int b = 0; b < nb; ++b) {
+      const vec xb = vload(x + b * in + i);
+      _Pragma("GCC unroll 4") for (int r = 0; r < nr; ++r) acc[r][b] = vfma(w[r], xb, acc[r][b]);
+    }
+  }
+  _Pragma("GCC unroll 4") for (int r = 0; r < nr; ++r)
+    _Pragma("GCC unroll 6") for (int b = 0; b < nb; ++b) y[b * out + o0 + r] = vsum(acc[r][b]);
+}
+
+static inline __attribute__((always_inline)) void dense_group(const void* W, const float* x, float* y, int64_t in,
+                                                              int64_t out, int64_t batch, int64_t o0, const int nr,
+                                                              const int wt) {
+  for (int64_t b = 0; b < batch; b += DENSE_GROUP) {
+    const int64_t nb = batch - b < DENSE_GROUP ? batch - b : DENSE_GROUP;
+    const float* xb = x + b * in;
+    float* yb = y + b * out;
+    switch (nb) {
+#if DENSE_GROUP >= 5
+      case 5: dense_rows(W, xb, yb, in, out, o0, nr, 5, wt); break;
+      case 4: dense_rows(W, xb, yb, in, out, o0, nr, 4, wt); break;
+      case 3: dense_rows(W, xb, yb, in, out, o0, nr, 3, wt); break;
+#endif
+      case 2: dense_rows(W, xb, yb, in, out, o0, nr, 2, wt); break;
+      default: dense_rows(W, xb, yb, in, out, o0, nr, 1, wt); break;
+    }
+  }
+}
+
+/* y = x W^T (+ bias) for a dense W [out, in] of weight type wtype. Returns 0, or -1 for an unknown
+ * weight type or `in` not a multiple of the vector width. */
+int flexplan_dense_gemv(const void* W, int64_t wtype, const float* x, float* y, const float* bias, int64_t out,
+                        int64_t in, int64_t batch) {
+  if (wtype != WEIGHT_F32 && wtype != WEIGHT_BF16 && wtype != WEIGHT_F16) return -1;
+  if (in % VW) return -1;
+  const int64_t groups = (out + DENSE_ROWS - 1) / DENSE_ROWS;
+#pragma omp parallel for schedule(static)
+  for (int64_t g = 0; g < groups; ++g) {
+    const int64_t o0 = g * DENSE_ROWS;
+    const int nr = out - o0 < DENSE_ROWS ? (int)(out - o0) : DENSE_ROWS;
+    for (int r0 = 0; r0 < nr; r0 += (nr == DENSE_ROWS ? DENSE_ROWS : 1)) {
+      if (nr == DENSE_ROWS) {
+        if (wtype == WEIGHT_F32) dense_group(W, x, y, in, out, batch, o0, DENSE_ROWS, WEIGHT_F32);
+        else if (wtype == WEIGHT_BF16) dense_group(W, x, y, in, out, batch, o0, DENSE_ROWS, WEIGHT_BF16);
+        else dense_group(W, x, y, in, out, batch, o0, DENSE_ROWS, WEIGHT_F16);
+      } else {
+        if (wtype == WEIGHT_F32) dense_group(W, x, y, in, out, batch, o0 + r0, 1, WEIGHT_F32);
+        else if (wtype == WEIGHT_BF16) dense_group(W, x, y, in, out, batch, o0 + r0, 1, WEIGHT_BF16);
+        else dense_group(W, x, y, in, out, batch, o0 + r0, 1, WEIGHT_F16);
+      }
+    }
+  }
+  if (bias)
+    for (int64_t b = 0; b < batch; ++b)
+      for (int64_t o = 0; o < out; ++o) y[b * out + o] += bias[o];
   return 0;
 }

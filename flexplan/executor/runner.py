@@ -24,7 +24,7 @@ import torch
 from torch import nn
 from transformers.cache_utils import Cache
 
-from flexplan.executor import cpu_attention, cpu_decode, cpu_experts, cpu_linear, native, split_layer
+from flexplan.executor import cpu_attention, cpu_decode, cpu_experts, cpu_linear, families, native, split_layer
 from flexplan.executor.cpu_backend import configure
 from flexplan.executor.families import decoder_parts, layer_windows, text_config
 from flexplan.executor.kv_cache import FlexCache, FlexKVLayer, KVPool, kv_bytes, kv_geometry
@@ -53,9 +53,10 @@ def _params(modules: dict[str, nn.Module]) -> dict[str, tuple[nn.Module, str]]:
 
 
 def _cache_of(kwargs: dict, args: tuple = ()):
-    """The cache a stack or layer call was given: ``past_key_values``, or whatever a model names
-    it (GPT-NeoX and Falcon layers take ``layer_past``; GPT-2 passes it positionally)."""
-    cache = kwargs.get("past_key_values")
+    """The cache a stack or layer call was given: ``cache`` / ``past_key_values``
+    (``families.CACHE_KWARGS``), or whatever a model names it (GPT-NeoX and Falcon layers take
+    ``layer_past``; GPT-2 passes it positionally)."""
+    cache = families.cache_in(kwargs)
     if cache is None:
         cache = next((v for v in (*kwargs.values(), *args) if isinstance(v, Cache)), None)
     return cache
@@ -263,6 +264,7 @@ class Executor:
         self._cpu_attention_modules = cpu_attention.install(
             {i: self.parts.layers[i] for i in beside}, self.attend_beside_kv, self._attends_beside_kv) if beside else []
         self.split.uninstall()
+        self.split.cpu_dtype = self._dtype(HOST_MEMORY, placement)  # what its CPU operators compute in
         for ph, pp in placement.phases.items():
             for i, m in enumerate(pp.modes):
                 if m == SPLIT_POINTS and i not in self.split.layers:

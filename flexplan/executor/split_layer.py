@@ -12,6 +12,12 @@ their pinned home and its KV cache at home in host memory: the CPU computes ever
   q, the keys and values the cache's ``update`` returned (the KV cache crosses) and the mask move to
   the accelerator, the output comes back. With the core on the CPU it reads the host cache in place.
 
+A Linear operator the plan leaves on the CPU computes as the plan's CPU does (its ``cpu_dtype``), on
+its dense pinned weight (the layout its accelerator copy needs, kept as the one host copy):
+:func:`cpu_operator_linear`, the native dense GEMV up to :data:`DENSE_MAX_ROWS` rows (decode), a GEMM above.
+Stock ``F.linear`` read Llama-3-8B's projections at 3-4 GB/s at batch 4-8 on the development VM, a
+quarter of what the estimator's calibrated GEMV rates give (``flexplan validate --split-ops``).
+
 Only the accelerator operators' weights are prefetched into the slot (:func:`load`). The operators
 are found from transformers' module structure, not per family: the Linear children of ``self_attn``
 in order, the last being the output projection with the attention core before it, then the Linear
@@ -23,11 +29,14 @@ plan's operators (a fused qkv projection, no ``self_attn``/``mlp``) cannot be cu
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
+from flexplan.executor import cpu_linear, native
 from flexplan.executor.link import H2D, Link
 
 ATTENTION = "attention"  # the operator that is transformers' attention call, not a module
@@ -50,6 +59,31 @@ def operator_modules(layer: nn.Module, operators: tuple[str, ...]) -> list[nn.Mo
     else:
         ops += [c for c in mlp.children() if isinstance(c, nn.Linear)]
     return ops if len(ops) == len(operators) else None
+
+
+# Rows (tokens) up to which a CPU operator runs the native dense GEMV: there it reads the weight once
+# at 2-5x F.linear's rate, float32 or 16-bit widened (development VM, AVX2, Llama-3-8B's MLP shape:
+# 19-28 GB/s at 1 row, 15-19 at 8, 5.6 at 32, F.linear 3-4 from 4 rows up); above it oneDNN's GEMM,
+# which overtakes it near 64 rows (float32: 2.3 vs 2.2 GB/s at 64, 128 vs 77 GFLOP/s at 512).
+DENSE_MAX_ROWS = 32
+
+
+def cpu_operator_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+               compute_dtype: torch.dtype) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` for a split layer's operator on the CPU, computed in
+    ``compute_dtype`` (the plan's CPU dtype) on a dense weight of any 16/32-bit dtype, the result in
+    ``x``'s dtype: the native dense GEMV for float32 computation up to :data:`DENSE_MAX_ROWS` rows
+    (16-bit weights widened as read), else ``F.linear`` in ``compute_dtype``."""
+    k, out = x.shape[-1], weight.shape[0]
+    rows = x.numel() // max(k, 1)
+    gemv = native.status()[0] if compute_dtype == torch.float32 and rows <= DENSE_MAX_ROWS else None
+    if (gemv is not None and weight.dtype in native.WEIGHT_TYPES and weight.is_contiguous()
+            and k % gemv.vector_width == 0):
+        y = gemv.dense_gemv(weight, x.reshape(rows, k).to(torch.float32).contiguous(),
+                            None if bias is None else bias.to(torch.float32).contiguous())
+        return y.reshape(*x.shape[:-1], out).to(x.dtype)
+    cast = lambda t: t if t is None or t.dtype == compute_dtype else t.to(compute_dtype)  # noqa: E731
+    return F.linear(cast(x), cast(weight), cast(bias)).to(x.dtype)
 
 
 def _moved(link: Link, x, to_acc: bool, kind: str, layer: int):
@@ -76,10 +110,12 @@ class SplitLayers:
     """The cuttable layers of a model under a plan: hooks on their operator modules, and the
     per-step binding of each operator's weights to where it computes."""
 
-    def __init__(self, link: Link):
+    def __init__(self, link: Link, cpu_dtype: torch.dtype = torch.float32):
         self.link = link
+        self.cpu_dtype = cpu_dtype  # what the CPU operators compute in (the plan's CPU dtype)
         self.layers: dict[int, LayerOps] = {}
         self._hooks: list = []
+        self._forwards: list = []  # (Linear, the instance forward it had before install)
 
     def install(self, i: int, layer: nn.Module, params: dict[str, tuple[nn.Module, str]],
                 operators: tuple[str, ...]) -> bool:
@@ -102,12 +138,28 @@ class SplitLayers:
             if m is not None:
                 self._hooks.append(m.register_forward_pre_hook(self._pre(ops, k), with_kwargs=True))
                 self._hooks.append(m.register_forward_hook(self._post(ops, k)))
+                if type(m) is nn.Linear:
+                    self._forwards.append((m, m.__dict__.get("forward")))  # the executor's (cpu_linear.install)
+                    m.forward = functools.partial(self._linear_forward, ops, k, m)
         return True
 
     def uninstall(self) -> None:
         for h in self._hooks:
             h.remove()
-        self._hooks, self.layers = [], {}
+        for m, forward in reversed(self._forwards):
+            if forward is None:
+                m.__dict__.pop("forward", None)
+            else:
+                m.forward = forward
+        self._hooks, self._forwards, self.layers = [], [], {}
+
+    def _linear_forward(self, ops: LayerOps, k: int, module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+        """Operator k of a cut layer: on the CPU (running split, k not the accelerator's) by
+        :func:`cpu_operator_linear`; anywhere else by the executor's CPU kernels' dispatch on the weight's layout
+        (a layer the other phase runs on the CPU holds packed weights there)."""
+        if ops.on_acc is not None and k not in ops.on_acc and x.device.type == "cpu":
+            return cpu_operator_linear(x, module.weight, module.bias, self.cpu_dtype)
+        return cpu_linear.linear(x, module.weight, module.bias)
 
     def accelerator_names(self, i: int, points: tuple[int, int]) -> frozenset[str]:
         """The parameters of layer i's accelerator operators O[i, j)."""
