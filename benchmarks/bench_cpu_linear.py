@@ -5,13 +5,16 @@ The seven linears of a TinyLlama-shaped decoder layer (hidden 2048, KV 512, inte
 one decode step would, at batch 1 and 8 (decode) and 512 tokens (prefill), in fp32 and bf16. Kernels: ``F.linear`` on dense
 weights; packed with batch hint 1 (what flexplan uses for batch-1 decode plans); packed with
 no hint (the generic layout, used for larger batches); for fp32, flexplan's blocked layout
-(flexplan/executor/native_gemv.c, for every batch; the default where the native kernel builds). Each round times every kernel once, interleaved, so this
+(flexplan/executor/native_gemv.c, for every batch; the default where the native kernel builds); and
+what split-points' CPU operators run on their dense pinned weights (``split_layer.cpu_operator_linear``:
+the native dense-row GEMV up to 32 rows, widening bf16, ``F.linear`` in float32 above). Each round times every kernel once, interleaved, so this
 VM's bandwidth swings hit all alike; the median over ``--rounds`` is reported (GB/s of weights
 and GFLOP/s) next to a STREAM triad sample taken before each round, with the median over rounds of
 each kernel's rate as a fraction of that round's triad, and the largest difference of each
 kernel's output from ``F.linear``'s.
 
     python benchmarks/bench_cpu_linear.py            # writes results/bench_cpu_linear.json
+    python benchmarks/bench_cpu_linear.py --rounds 5 --batches 1,4,8,512 --name bench_cpu_linear_avx2_split_dense
 """
 
 from __future__ import annotations
@@ -32,26 +35,28 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=9)
     ap.add_argument("--batches", default="1,8,512", help="rows of x: decode batches and prefill tokens")
     ap.add_argument("--dtypes", default="float32,bfloat16")
+    ap.add_argument("--name", default="bench_cpu_linear", help="results/<name>.json")
     args = ap.parse_args(argv)
     import torch
     import torch.nn.functional as F
 
     from flexplan.calibration.stream import stream_triad_bytes_per_s
-    from flexplan.executor import cpu_linear
+    from flexplan.executor import cpu_linear, native
+    from flexplan.executor.split_layer import cpu_operator_linear
 
-    if not cpu_linear.packing_available():
-        print("this torch build has no oneDNN prepacked linear", file=sys.stderr)
-        return 2
     results = []
     for dtype_name in args.dtypes.split(","):
         dt = getattr(torch, dtype_name)
         dense = [torch.randn(o, i).to(dt) for _ in range(LAYERS) for o, i in SHAPES]
         nbytes = sum(w.numel() * w.element_size() for w in dense)
-        kernels = {"F.linear": (dense, F.linear),
-                   "packed, hint 1": ([cpu_linear.pack(w, 1) for w in dense], cpu_linear.packed_linear),
-                   "packed, no hint": ([cpu_linear.pack(w, None) for w in dense], cpu_linear.packed_linear)}
+        kernels = {"F.linear": (dense, F.linear)}
+        if cpu_linear.packing_available(dt):  # oneDNN packs bf16 only where the CPU has bf16 instructions
+            kernels["packed, hint 1"] = ([cpu_linear.pack(w, 1) for w in dense], cpu_linear.packed_linear)
+            kernels["packed, no hint"] = ([cpu_linear.pack(w, None) for w in dense], cpu_linear.packed_linear)
         if dt == torch.float32 and cpu_linear.blocking_available():
             kernels["blocked"] = ([cpu_linear.block(w) for w in dense], cpu_linear.blocked_linear)
+        if native.available():  # split-points' CPU operators: dense weights (native dense GEMV up to 32 rows)
+            kernels["split dense"] = (dense, lambda x, w: cpu_operator_linear(x, w, None, torch.float32))
         for batch in (int(b) for b in args.batches.split(",")):
             xs = {k: torch.randn(batch, 1, k).to(dt) for k in (HIDDEN, INTER)}
             rates = {name: [] for name in kernels}
@@ -83,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{dtype_name:<9} batch {batch:>3}: {cells}  (STREAM triad median {median(stream) / 1e9:.1f} GB/s; "
                   f"max |kernel - F.linear| {max(diff.values()):.1e})", flush=True)
         del dense, kernels
-    path = write_result("bench_cpu_linear", {"threads": torch.get_num_threads(), "layers": LAYERS,
+    path = write_result(args.name, {"threads": torch.get_num_threads(), "layers": LAYERS,
                                              "shapes_out_in": SHAPES, "rounds": args.rounds, "rows": results})
     print(f"\nwrote {path}")
     return 0

@@ -34,6 +34,16 @@ def cpu_model_name() -> str:
     return platform.processor() or platform.machine()
 
 
+def _cpu_isa() -> list[str]:
+    """The vector extensions /proc/cpuinfo lists (the same VM name has come with AVX-512 and without)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((ln.split(":", 1)[1].split() for ln in f if ln.startswith("flags")), [])
+    except OSError:
+        return []
+    return sorted(x for x in flags if x.startswith(("avx", "amx")) or x in ("fma", "f16c"))
+
+
 def machine_description() -> dict[str, Any]:
     """What the figures were measured on."""
     import torch
@@ -49,6 +59,7 @@ def machine_description() -> dict[str, Any]:
         usable_cpus = os.cpu_count()
     return {
         "cpu_model": cpu_model_name(),
+        "cpu_isa": _cpu_isa(),
         "logical_cpus": os.cpu_count(),
         "usable_cpus": usable_cpus,
         "torch_threads": torch.get_num_threads(),
