@@ -197,8 +197,9 @@ def test_more_tokens_never_read_fewer_weights(name, b1, b2):
 def test_kv_reads_never_exceed_kv_memory_and_grow_with_context(name, ctx, extra):
     m = resolve_model(name)
     read = float(costs.d_kv_cache(m, 2, ctx, 2))
-    assert read <= costs.kv_cache_bytes_per_layer(m, 2, ctx, 2)
-    assert read <= float(costs.d_kv_cache(m, 2, ctx + extra, 2))
+    ulps = 1 + 1e-12  # a mean over layers (sliding ones capped at their window): CI met 5914624.000000001
+    assert read <= costs.kv_cache_bytes_per_layer(m, 2, ctx, 2) * ulps
+    assert read <= float(costs.d_kv_cache(m, 2, ctx + extra, 2)) * ulps
     assert costs.c_decode(m, 2, ctx) <= costs.c_decode(m, 2, ctx + extra)
     assert costs.c_prefill(m, 1, min(ctx, 8192)) <= costs.c_prefill(m, 1, min(ctx, 8192) + extra)
 
