@@ -221,32 +221,28 @@ def _compile(cc: str, target: Path, sources: tuple[Path, ...] = (SOURCE,)) -> No
 
 
 def _self_check(native: NativeGemv) -> None:
-    """The kernel against F.linear in float64 on odd sizes, with and without bias and batch rows
-    past one group, for each weight dtype (16-bit weights widened exactly); raises if it is off."""
+    """Both kernels against F.linear in float64 on odd sizes, with and without bias and batch rows
+    past one group, for each weight dtype (16-bit weights widened exactly); raises if one is off."""
     g = torch.Generator().manual_seed(0)
-    for (out, k, batch, with_bias), dtype in zip(((128, 37, 1, True), (64, 300, 6, False), (192, 64, 3, True)) * 3,
-                                                 [d for d in WEIGHT_TYPES for _ in range(3)]):
-        w = torch.randn(out, k, generator=g).to(dtype)
-        x = torch.randn(batch, k, generator=g)
-        b = torch.randn(out, generator=g) if with_bias else None
-        blocked = w.view(out // native.block, native.block, k).transpose(1, 2).contiguous()
-        y = native.gemv(blocked, x, b).double()
-        ref = torch.nn.functional.linear(x.double(), w.double(), None if b is None else b.double())
-        err = float((y - ref).abs().max() / ref.abs().max())
-        if not err < 1e-5:
-            raise RuntimeError(f"self-check failed: relative error {err:.2e} at out={out} in={k} batch={batch} "
-                               f"({dtype})")
-    for (out, k, batch, with_bias), dtype in zip(((7, 64, 1, True), (130, 96, 6, False), (4, 32, 11, True)) * 3,
-                                                 [d for d in WEIGHT_TYPES for _ in range(3)]):
-        w = torch.randn(out, k, generator=g).to(dtype)
-        x = torch.randn(batch, k, generator=g)
-        b = torch.randn(out, generator=g) if with_bias else None
-        y = native.dense_gemv(w, x, b).double()
-        ref = torch.nn.functional.linear(x.double(), w.double(), None if b is None else b.double())
-        err = float((y - ref).abs().max() / ref.abs().max())
-        if not err < 1e-5:
-            raise RuntimeError(f"dense self-check failed: relative error {err:.2e} at out={out} in={k} "
-                               f"batch={batch} ({dtype})")
+
+    def blocked(w, x, b):
+        out, k = w.shape
+        return native.gemv(w.view(out // native.block, native.block, k).transpose(1, 2).contiguous(), x, b)
+
+    # (name, kernel, sizes (out, in, batch, bias)): the dense kernel's outs not a multiple of its 4 rows
+    kernels = (("blocked", blocked, ((128, 37, 1, True), (64, 300, 6, False), (192, 64, 3, True))),
+               ("dense", native.dense_gemv, ((7, 64, 1, True), (130, 96, 6, False), (4, 32, 11, True))))
+    for name, kernel, sizes in kernels:
+        for (out, k, batch, with_bias), dtype in zip(sizes * 3, [d for d in WEIGHT_TYPES for _ in range(3)]):
+            w = torch.randn(out, k, generator=g).to(dtype)
+            x = torch.randn(batch, k, generator=g)
+            b = torch.randn(out, generator=g) if with_bias else None
+            y = kernel(w, x, b).double()
+            ref = torch.nn.functional.linear(x.double(), w.double(), None if b is None else b.double())
+            err = float((y - ref).abs().max() / ref.abs().max())
+            if not err < 1e-5:
+                raise RuntimeError(f"self-check failed ({name} kernel): relative error {err:.2e} at out={out} "
+                                   f"in={k} batch={batch} ({dtype})")
 
 
 def _unavailable() -> str | None:
