@@ -5,7 +5,7 @@ this CPU as the split executor runs it there: ``executor.split_layer.cpu_operato
 GEMV at decode batches) on weights in host memory, transformers' SDPA for the attention core. Needs no accelerator (the
 prediction borrows a hwdb GPU and link only to build the terms; the CPU's terms do not read them).
 Random float32 weights of the model's shapes, cycled through more than the last-level cache; decode
-at a few batch sizes. Dense layers only (``--cpu-experts`` checks routed experts).
+at a few batch sizes, and a prefill of one prompt (its Linears above 32 rows take F.linear). Dense layers only (``--cpu-experts`` checks routed experts).
 """
 
 from __future__ import annotations
@@ -27,9 +27,13 @@ def _time(fn, repeats: int) -> float:
 
 
 def validate_split_ops(model: Any = "meta-llama/Meta-Llama-3-8B", batches=(1, 4, 8), context_len: int = 512,
+                       prefill_tokens=(128,),
                        hardware: Any = "local", efficiency=None, repeats: int = 5,
                        gpu_of: str = "flexinfer-server2") -> dict[str, Any]:
-    """Rows (batch, operator, predicted_s, measured_s, error %), the MAPE and the MAPE per operator."""
+    """Rows (phase, batch, tokens, operator, predicted_s, measured_s, error %), the MAPE, and the MAPE
+    per operator and per phase: decode steps at ``batches`` over ``context_len`` cached tokens, and
+    prefills of one sequence of each of ``prefill_tokens`` (the operators above DENSE_MAX_ROWS rows
+    take F.linear, the attention core SDPA causal over the prompt)."""
     import torch
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
@@ -58,49 +62,63 @@ def validate_split_ops(model: Any = "meta-llama/Meta-Llama-3-8B", batches=(1, 4,
     hd, vd, heads, kvh = m.head_dim, m.v_head_dim, m.num_heads, m.num_kv_heads
     total = rotate_bytes(MODES["quick"])
     rows = []
+
+    def linear(op, b, tokens):
+        n_copies = copies_for(int(op.weight_params) * 4, total)
+        ws = Cycle(torch.full((op.out_elems, op.in_elems), 0.01) for _ in range(n_copies))
+        x = torch.full((b, tokens, op.in_elems), 0.5)
+        return lambda: cpu_operator_linear(x, ws.next(), None, torch.float32)
+
+    def attention(b, q_len, kv_len):  # decode: one query over kv_len keys; prefill: causal over the prompt
+        n_copies = copies_for(2 * b * kvh * kv_len * max(hd, vd) * 4, total)
+        ws = Cycle((torch.full((b, kvh, kv_len, hd), 0.1), torch.full((b, kvh, kv_len, vd), 0.2))
+                   for _ in range(n_copies))
+        q = torch.full((b, heads, q_len, hd), 0.1)
+        mask = torch.ones(b, 1, 1, kv_len, dtype=torch.bool) if q_len == 1 else None
+        module = _SDPAModule(heads // kvh)
+        module.is_causal = q_len > 1
+
+        def fn():
+            key, value = ws.next()
+            return sdpa_attention_forward(module, q, key, value, mask, scaling=hd ** -0.5)
+        return fn
+
+    points = [("decode", b, 1) for b in batches] + [("prefill", 1, t) for t in prefill_tokens]
     with torch.inference_mode():
-        for b in batches:
-            shape = Shape(m, b, context_len, 2, "float32", "float32")
-            predicted = operator_costs(shape, terms_hw, eff, "decode").cpu_s[0]
+        for phase, b, tokens in points:
+            shape = Shape(m, b, context_len if phase == "decode" else tokens, 2, "float32", "float32")
+            predicted = operator_costs(shape, terms_hw, eff, phase).cpu_s[0]
             for k, op in enumerate(ops):
                 if op.kind == LINEAR:
-                    n_copies = copies_for(int(op.weight_params) * 4, total)
-                    ws = Cycle(torch.full((op.out_elems, op.in_elems), 0.01) for _ in range(n_copies))
-                    x = torch.full((b, op.in_elems), 0.5)
-                    fn = lambda x=x, ws=ws: cpu_operator_linear(x, ws.next(), None, torch.float32)  # noqa: E731
+                    fn = linear(op, b, tokens)
                 elif op.kind == ATTENTION:
-                    n_copies = copies_for(2 * b * kvh * (context_len + 1) * max(hd, vd) * 4, total)
-                    ws = Cycle((torch.full((b, kvh, context_len + 1, hd), 0.1),
-                                torch.full((b, kvh, context_len + 1, vd), 0.2)) for _ in range(n_copies))
-                    q = torch.full((b, heads, 1, hd), 0.1)
-                    mask = torch.ones(b, 1, 1, context_len + 1, dtype=torch.bool)
-                    module = _SDPAModule(heads // kvh)
-
-                    def fn(ws=ws, q=q, mask=mask, module=module):
-                        key, value = ws.next()
-                        return sdpa_attention_forward(module, q, key, value, mask, scaling=hd ** -0.5)
+                    fn = attention(b, tokens, context_len + 1 if phase == "decode" else tokens)
                 else:
                     continue
                 measured = _time(fn, repeats)
                 p = float(predicted[k])
-                rows.append({"batch": b, "operator": op.name, "predicted_s": p, "measured_s": measured,
-                             "error_pct": 100 * abs(p - measured) / measured})
-                del ws
+                rows.append({"phase": phase, "batch": b, "tokens": b * tokens, "operator": op.name, "predicted_s": p,
+                             "measured_s": measured, "error_pct": 100 * abs(p - measured) / measured})
+                del fn
     names = list(dict.fromkeys(r["operator"] for r in rows))
     return {"model": m.name, "hardware": hw.name, "calibration": eff.source, "threads": torch.get_num_threads(),
             "context_len": context_len, "rows": rows, "mape_pct": statistics.fmean(r["error_pct"] for r in rows),
+            "mape_pct_by_phase": {ph: statistics.fmean(r["error_pct"] for r in rows if r["phase"] == ph)
+                                  for ph in dict.fromkeys(r["phase"] for r in rows)},
             "mape_pct_by_operator": {op: statistics.fmean(r["error_pct"] for r in rows if r["operator"] == op)
                                      for op in names}}
 
 
 def format_check(s: dict[str, Any]) -> str:
     """The rows and the MAPE of :func:`validate_split_ops`, as `flexplan validate --split-ops` prints them."""
-    lines = [f"CPU operators of one decode layer of {s['model']} (float32, the split executor's CPU linear and SDPA, {s['threads']} "
-             f"threads, {s['context_len']} cached tokens; {s['calibration']}):",
-             f"  {'batch':>5}  {'operator':<12}{'measured':>12}{'predicted':>12}{'error':>8}"]
+    lines = [f"CPU operators of one layer of {s['model']} (float32, the split executor's CPU linear and SDPA, "
+             f"{s['threads']} threads; decode over {s['context_len']} cached tokens; {s['calibration']}):",
+             f"  {'phase':<8}{'batch':>5}{'tokens':>7}  {'operator':<12}{'measured':>12}{'predicted':>12}{'error':>8}"]
     for r in s["rows"]:
-        lines.append(f"  {r['batch']:>5}  {r['operator']:<12}{r['measured_s'] * 1e3:>10.3f}ms"
-                     f"{r['predicted_s'] * 1e3:>10.3f}ms{r['error_pct']:>7.0f}%")
+        lines.append(f"  {r.get('phase', 'decode'):<8}{r['batch']:>5}{r.get('tokens', r['batch']):>7}  {r['operator']:<12}"
+                     f"{r['measured_s'] * 1e3:>10.3f}ms{r['predicted_s'] * 1e3:>10.3f}ms{r['error_pct']:>7.0f}%")
     lines.append("MAPE by operator: " + ", ".join(f"{k} {v:.0f}%" for k, v in s["mape_pct_by_operator"].items()))
+    if "mape_pct_by_phase" in s:
+        lines.append("MAPE by phase: " + ", ".join(f"{k} {v:.0f}%" for k, v in s["mape_pct_by_phase"].items()))
     lines.append(f"MAPE {s['mape_pct']:.0f}%")
     return "\n".join(lines)

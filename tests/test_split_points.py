@@ -365,7 +365,7 @@ def test_validate_split_ops_cli_writes_rows_and_mape(tmp_path, capsys, monkeypat
 
     real = vs.validate_split_ops
     monkeypatch.setattr(vs, "validate_split_ops", lambda *a, **k: real(*a, **{**k, "batches": (1, 2), "repeats": 2,
-                                                                              "context_len": 64}))
+                                                                              "context_len": 64, "prefill_tokens": (40,)}))
     spec_dir = tmp_path / "llama"
     spec_dir.mkdir()
     transformers.LlamaConfig(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
@@ -374,7 +374,9 @@ def test_validate_split_ops_cli_writes_rows_and_mape(tmp_path, capsys, monkeypat
     assert "MAPE by operator" in capsys.readouterr().out
     d = _json.loads((tmp_path / "o" / "split_ops.json").read_text())
     names = [o.name for o in layer_operators(resolve_model(str(spec_dir / "config.json")))]
-    assert [(r["batch"], r["operator"]) for r in d["rows"]] == [(b, op) for b in (1, 2) for op in names]
+    assert [(r["phase"], r["tokens"], r["operator"]) for r in d["rows"]] == (
+        [("decode", b, op) for b in (1, 2) for op in names] + [("prefill", 40, op) for op in names])
+    assert set(d["mape_pct_by_phase"]) == {"decode", "prefill"}
     assert all(r["measured_s"] > 0 and r["predicted_s"] > 0 for r in d["rows"]) and d["mape_pct"] > 0
     with pytest.raises(_Invalid, match="MoE"):
         real("Qwen/Qwen3-30B-A3B")
