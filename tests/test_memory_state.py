@@ -244,9 +244,10 @@ def test_normalising_leaves_compute_bound_rows_and_unrecorded_steps_alone(local)
     slow = {"probe_bytes_per_s": [REF / 2] * len(row_steps) + [REF] * len(others), "at_step": row_steps + others}
     assert memory_state.reference_bytes_per_s({"memory_state": slow}) == REF
     out = memory_state.normalised({**meas, "memory_state": slow})
-    gemv_ratio = [o["time_s"] / r["time_s"] for o, r in zip(out["cpu_gemv"], meas["cpu_gemv"])]
+    gemv_ratio = [o["time_s"] / r["time_s"] for o, r in zip(out["cpu_gemv"], meas["cpu_gemv"])
+                  if r["tokens"] <= 8]  # 16 bf16 tokens are compute-bound on FAST (16 x 2 FLOP per 2-byte weight)
     gemm_ratio = [o["time_s"] / r["time_s"] for o, r in zip(out["cpu_gemm"], meas["cpu_gemm"])]
-    assert all(0.5 <= x < 0.56 for x in gemv_ratio), gemv_ratio  # memory-bound: nearly halved
+    assert gemv_ratio and all(0.5 <= x < 0.56 for x in gemv_ratio), gemv_ratio  # memory-bound: nearly halved
     assert all(x > 0.85 for x in gemm_ratio[-2:]), gemm_ratio  # the largest GEMMs: compute-bound
     assert all(0.5 <= o["time_s"] / r["time_s"] <= 1 for part in memory_state.ROW_PARTS
                for o, r in zip(out[part], meas[part]))

@@ -341,13 +341,17 @@ def test_a_real_run_writes_corrections_and_the_next_plan_moves_toward_it(cal_fol
     key = (first.batch_size, first.input_len, first.new_tokens)
     again = lm.plan_for(*key)
     assert "online correction" in again.calibration
-    off = []
-    for measured, before, after in ((first.ttft_s, first.predicted_ttft_s, again.ttft_s),
-                                    (first.tpot_s, first.predicted_tpot_s, again.tpot_s)):
-        if abs(math.log(before / measured)) > 0.02:  # (a phase predicted within 2% has nothing to move)
-            off.append(abs(math.log(before / measured)))
-            assert abs(math.log(after / measured)) < abs(math.log(before / measured)), (measured, before, after)
-    assert off, (first.ttft_s, first.predicted_ttft_s, first.tpot_s, first.predicted_tpot_s)  # the test tested
+    # The filter is a least-squares fit of the log errors of both phases: their summed square
+    # always falls. One phase alone can move away when both are nearly all one class (this tiny
+    # model: ~90% per-layer overhead in each) and the run measured them off in opposite directions.
+    rows = ((first.ttft_s, first.predicted_ttft_s, again.ttft_s), (first.tpot_s, first.predicted_tpot_s, again.tpot_s))
+    err_before = sum(math.log(before / measured) ** 2 for measured, before, _ in rows)
+    err_after = sum(math.log(after / measured) ** 2 for measured, _, after in rows)
+    assert err_before > 0.02 ** 2, rows  # the test tested: something was off
+    assert err_after < err_before, rows
+    for measured, before, after in rows:  # a phase off in the same direction as the other moves toward its measurement
+        if all(math.log(b / m) * math.log(before / measured) > 0 for m, b, _ in rows):
+            assert abs(math.log(after / measured)) < abs(math.log(before / measured)), rows
     second = _run(lm)
     assert second.plan is again and yaml.safe_load(path.read_text())["hardware"]["local"]["updates"] == 2
     assert "online correction" in second.summary()
