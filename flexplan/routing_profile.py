@@ -15,8 +15,6 @@ refuses a corrupt file, another version, or (``check``) a profile of a model of 
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from types import MappingProxyType
@@ -24,6 +22,7 @@ from typing import Any, Mapping
 
 import numpy as np
 
+from flexplan.atomic_file import write_text_atomic
 from flexplan.errors import InvalidInputError, MalformedDataError, UnsupportedModelError
 
 FORMAT = "flexplan-routing-profile"
@@ -106,23 +105,8 @@ class RoutingProfile:
 
 
 def save(profile: RoutingProfile, path) -> Path:
-    """Write ``profile`` to ``path`` atomically (a temp file in the same folder, then os.replace)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(profile.to_dict(), f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
-    return path
+    """Write ``profile`` to ``path`` atomically (``flexplan.atomic_file``)."""
+    return write_text_atomic(path, json.dumps(profile.to_dict()))
 
 
 def load(path, spec=None) -> RoutingProfile:

@@ -51,11 +51,12 @@ def test_profile_round_trip_and_atomic_write(tmp_path, monkeypatch):
     # a write that fails half way leaves the old file whole
     before = path.read_text()
 
-    def boom(obj, f):
-        f.write("{\"format\": ")
+    def boom(fd):  # the new text is half on disk when the write fails
         raise OSError("disk full")
 
-    monkeypatch.setattr(rp.json, "dump", boom)
+    import flexplan.atomic_file
+
+    monkeypatch.setattr(flexplan.atomic_file.os, "fsync", boom)
     with pytest.raises(OSError):
         rp.save(p, path)
     assert path.read_text() == before and list(tmp_path.iterdir()) == [path]

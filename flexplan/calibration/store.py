@@ -24,12 +24,12 @@ import hashlib
 import json
 import os
 import re
-import tempfile
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
+from flexplan.atomic_file import write_text_atomic
 from flexplan.errors import CalibrationError
 
 FORMAT = "flexplan-calibration"
@@ -224,26 +224,11 @@ def plain(x: Any) -> Any:
 
 
 def write_atomic(doc: dict, path: Path) -> Path:
-    """Dump ``doc`` as YAML to a temp file in the same folder, fsync, then ``os.replace``: a
-    crash leaves either the old file or the new one, never half of one."""
+    """Dump ``doc`` as YAML to ``path`` atomically (``flexplan.atomic_file``): a crash leaves
+    either the old file or the new one, never half of one."""
     import yaml
 
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as f:
-            yaml.safe_dump(doc, f, sort_keys=False, default_flow_style=None, width=120)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
-    return path
+    return write_text_atomic(path, yaml.safe_dump(doc, sort_keys=False, default_flow_style=None, width=120))
 
 
 # ----------------------------------------------------------------------------- reading
