@@ -79,10 +79,16 @@ def test_plan_round_trip_keeps_the_cache_and_a_bad_layer_is_refused(fresh):
         api.load(model, plan=plan, accelerator="cpu", gpu_memory_bytes=GIB)
 
 
-def test_load_with_a_routing_profile_plans_and_runs_the_cache(fresh):
+def test_load_with_a_routing_profile_plans_and_runs_the_cache(fresh, tmp_path, monkeypatch):
     """flexplan.load(..., routing_profile=) on the stand-in: the planner sizes a cache from the profile
-    (the tiny model's every expert fits), the executor runs it, tokens are transformers'."""
+    (the tiny model's every expert fits), the executor runs it, tokens are transformers'. Planned on a
+    synthetic calibration of this machine: whether a cache pays depends on the machine's measured
+    rates, and the checkout ships a real file for some machines."""
     from flexplan import routing_profile as rp
+    from flexplan.calibration import store
+    from test_online_correction import write_local_calibration
+
+    monkeypatch.setenv(store.FILE_ENV, str(write_local_calibration(tmp_path)))
 
     model, ref = fresh("qwen3_moe")
     profile = rp.take(ref, [torch.arange(3, 40)], max_new_tokens=4)

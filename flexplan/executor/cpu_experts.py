@@ -30,13 +30,15 @@ from flexplan.executor import cpu_linear, native
 
 
 def find_routed_experts(layer: nn.Module, num_experts: int) -> tuple[str, nn.Module] | None:
-    """The submodule of a decoder layer holding its routed experts as 3-D parameters whose first
-    dimension is ``num_experts`` (qualified name relative to the layer, module); None if none."""
+    """The submodule of a decoder layer holding its routed experts as parameters whose first
+    dimension is ``num_experts``: 3-D as transformers stores them, or 4-D once the CPU holds them
+    in the native blocked layout (:func:`blockable_experts`) (qualified name relative to the layer,
+    module); None if none."""
     if not num_experts:
         return None
     for name, m in layer.named_modules():
         ps = [p for p in m._parameters.values() if p is not None]
-        if name and ps and any(p.dim() == 3 and p.shape[0] == num_experts for p in ps):
+        if name and ps and any(p.dim() in (3, 4) and p.shape[0] == num_experts for p in ps):
             return name, m
     return None
 
