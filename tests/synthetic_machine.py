@@ -43,6 +43,8 @@ class SyntheticMachine:
     gpu: bool = False
     noise: float = 0.0  # relative: each time multiplied by a factor in [1 - noise, 1 + noise]
     seed: int = 0
+    # FLOP/s of a prefill layer's attention core (dtype -> rate); None: at the GEMMs' roofline, with the rest
+    prefill_attention_flops_per_s: dict | None = None
 
     # ------------------------------------------------------------------ true times
 
@@ -60,14 +62,18 @@ class SyntheticMachine:
     def layer_time_s(self, dtype: str, spec, batch: int, query_len: int, past: int) -> float:
         """One real decoder layer of ``spec`` (ModelSpec) on ``batch`` x ``query_len`` new tokens after
         ``past`` cached ones."""
+        attn_s = 0.0
         if query_len == 1:
             w = phase_work(Shape(spec, batch, past, 2, dtype, dtype), "decode")
             flops, kv = float(w.flops[0]), float(w.kv_read_cpu[0])
         else:
             w = phase_work(Shape(spec, batch, query_len, 1, dtype, dtype), "prefill")
             flops, kv = float(w.flops), 0.0
+            if self.prefill_attention_flops_per_s:  # the attention core at its own rate, after the GEMMs
+                flops -= float(w.prefill_attention_flops)
+                attn_s = float(w.prefill_attention_flops) / self.prefill_attention_flops_per_s[dtype]
         return (self.layer_s + float(_roofline_s(flops, w.d_cpu + w.kv_write_cpu, self.flops_per_s[dtype],
-                                                 self.bytes_per_s)) + kv / self.kv_bytes_per_s)
+                                                 self.bytes_per_s)) + kv / self.kv_bytes_per_s + attn_s)
 
     # ------------------------------------------------------------------ rows as the benchmarks write them
 

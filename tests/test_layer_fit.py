@@ -84,3 +84,28 @@ def test_a_decode_layer_slower_over_a_long_cache_sets_the_attention_factor(hw):
     # the short-cache layer it was calibrated on is still reproduced, as far as the monotone fit allows
     assert _layer_s(slow, hw, spec, 1, 1, sizes.layer_kv_len) == pytest.approx(
         _layer_s(base, hw, spec, 1, 1, sizes.layer_kv_len), rel=0.1)  # 5.6% seen: the pooled overhead
+
+
+@pytest.mark.parametrize("mode", ["full", "quick", "probe"])
+def test_a_slow_prefill_attention_core_gets_its_own_factor(hw, mode):
+    """Real layers whose attention core runs at a tenth of the GEMMs' rate: the 8 x 128 and 1 x 1024
+    prefill rows (same GEMMs) give its factor, and the estimator then tells a batch of short
+    prompts from one long prompt of the same tokens, which one factor by tokens could not."""
+    from dataclasses import replace
+
+    slow_attn = replace(MACHINE, prefill_attention_flops_per_s={"float32": 30e9, "bfloat16": 30e9})
+    meas = slow_attn.measurements(mode)
+    assert {(r["batch"], r["query_len"]) for r in meas["cpu_layers"]} >= {(8, 128), (1, 1024)}  # the pair is measured
+    eff = from_measurements(meas, SETTINGS, hw, "test")
+    peak = hw.cpu.peak_flops_per_s["float32"]
+    assert eff.cpu_prefill_attention(512, "float32") == pytest.approx(30e9 / peak, rel=0.02)
+    for width in MODES[mode].layer_widths + ((4096, 14336, 32, 8, 128),):  # and a width it did not measure
+        hidden, inter, heads, kv_heads, hd = width
+        spec = _attention_spec(heads, kv_heads, hd, hidden, inter)
+        for batch, q_len in ((4, 128), (1, 512), (8, 64), (1, 1024)):
+            truth = slow_attn.layer_time_s("float32", spec, batch, q_len, 0)
+            assert _layer_s(eff, hw, spec, batch, q_len) == pytest.approx(truth, rel=0.1), (width, batch, q_len)
+    # the same machine's rows without the pair: the attention stays with the compute factor
+    no_pair = {**meas, "cpu_layers": [r for r in meas["cpu_layers"] if (r["batch"], r["query_len"]) != (8, 128)]}
+    plain = from_measurements(no_pair, SETTINGS, hw, "test")
+    assert plain.cpu_prefill_attention(512, "float32") == plain.cpu_compute(512, "float32")

@@ -364,6 +364,8 @@ def format_summary(res: Result) -> str:
         for key, x in (("compute", "tokens"), ("memory", "tokens"), ("attention", "kv_len")):
             if f.get(key):
                 lines.append(f"  cpu {key:<9} {dt:<8} " + "  ".join(f"{r[x]:g}:{r['eff']:.3g}" for r in f[key]))
+        if f.get("prefill_attention"):
+            lines.append(f"  cpu prefill attention core {dt:<8} {f['prefill_attention']:.3g} (apart from the GEMMs)")
     for key, x in (("gpu_compute", "tokens"), ("gpu_memory", "tokens"), ("h2d", "bytes"), ("d2h", "bytes")):
         if d.get(key):
             lines.append(f"  {key:<13} " + "  ".join(f"{r[x]:g}:{r['eff']:.3g}" for r in d[key]))

@@ -261,6 +261,7 @@ class CPUFactors:
     attention_by_layout: dict | None = None  # (heads, kv_heads, head_dim) -> Eff_attn(ctx), where measured
     expert_compute: Table | None = None  # the CPU routed-expert path, by rows per expert (cpu_experts rows)
     expert_memory: Table | None = None
+    prefill_attention: float | None = None  # Eff of a prefill layer's attention core (layer_fit.py); None: compute
 
 
 @dataclass(frozen=True)
@@ -297,6 +298,12 @@ class CalibratedEfficiency:
     def cpu_head_compute(self, tokens, dtype=None):
         f = self._cpu(dtype)
         return f.head_compute(tokens) if f and f.head_compute else self.cpu_compute(tokens, dtype)
+
+    def cpu_prefill_attention(self, tokens, dtype=None):
+        """Eff of a prefill layer's attention core, fitted from real layers of the same GEMM rows
+        and other prompt lengths (layer_fit.py); where not measured, the GEMMs' factor."""
+        f = self._cpu(dtype)
+        return f.prefill_attention if f and f.prefill_attention else self.cpu_compute(tokens, dtype)
 
     def cpu_head_memory(self, tokens, dtype=None):
         f = self._cpu(dtype)
@@ -360,6 +367,8 @@ class CalibratedEfficiency:
         """The factor tables as plain data (for the YAML's derived section and for humans)."""
         out: dict[str, Any] = {"cpu": {dt: {"compute": f.compute.rows("tokens"), "memory": f.memory.rows("tokens"),
                                             "attention": f.attention.rows("kv_len") if f.attention else None,
+                                            "prefill_attention": _num(f.prefill_attention) if f.prefill_attention
+                                            else None,
                                             "layer_overhead_s": f.overhead.rows() if f.overhead else None}
                                        for dt, f in self.cpu.items()},
                                "cpu_step_overhead_s": {"base_s": _num(self.step_overhead.base_s),
@@ -474,12 +483,14 @@ def cpu_factors(meas: dict, dtype: str, hw: Hardware, notes: list[str]) -> CPUFa
         expert_c, expert_m, n = derive_gemm([expert_gemm_row(r) for r in expert_rows], th, bw)
         notes += [f"CPU {dtype} routed experts: {x}" for x in n]
     layer_rows = _of_dtype(check_rows(meas.get("cpu_layers"), LAYER_KEYS, "measurements.cpu_layers"), dtype)
-    overhead = None
-    if layer_rows:  # real layers: the decode overhead, and the compute factor of prefill layers (layer_fit.py)
-        overhead, eff_layers, attn_layers = derive_layers(layer_rows, th, bw, eff_c, eff_m, eff_a,
-                                                          float(DTYPE_BYTES[dtype]))
+    overhead = prefill_attention = None
+    if layer_rows:  # real layers: the decode overhead, the compute factor of prefill layers and of their
+        # attention core (layer_fit.py)
+        overhead, eff_layers, attn_layers, prefill_attention = derive_layers(layer_rows, th, bw, eff_c, eff_m, eff_a,
+                                                                             float(DTYPE_BYTES[dtype]))
         eff_c, eff_a = eff_layers or eff_c, attn_layers or eff_a
-    return CPUFactors(eff_c, eff_m, eff_a, overhead, head_c, head_m, by_layout or None, expert_c, expert_m)
+    return CPUFactors(eff_c, eff_m, eff_a, overhead, head_c, head_m, by_layout or None, expert_c, expert_m,
+                      prefill_attention)
 
 
 def from_measurements(meas: dict, settings: dict, hw: Hardware, source: str) -> CalibratedEfficiency:

@@ -31,6 +31,16 @@ reproduces each calibrated layer:
   so each calibrated prefill layer is reproduced (SmolLM2's layer at 128 tokens: 9.0 ms measured,
   7.3 ms from the median factor alone; the demo's 42-token prompt came out 40% short).
 
+- **Prefill rows of the same b x s at two prompt lengths** (8 x 128 beside 1 x 1024): the same
+  GEMMs, weight reads and per-layer costs, eight times the causal (query, key) pairs apart, so
+  their difference is the attention core's own factor (:func:`prefill_attention_factor`). The
+  AVX-512 VM's SmolLM2 layers ran those pairs at ~0.3 of the GEMMs' rate: with one factor by
+  tokens, a batch of short prompts (4 x 128: 311 ms measured) was priced as one long prompt of
+  the same tokens (352 ms predicted; 1 x 512 layers measured 13 ms each). The estimator prices
+  ``c_prefill_attention`` at it and the rest of C_Prefill at the compute factor, which is fitted
+  on what is left once the attention is taken out. Files without such a pair price the whole of
+  C_Prefill at the compute factor, as before.
+
 Files written before decode and prefill rows were told apart read the same way: they hold both.
 """
 
@@ -43,6 +53,8 @@ from flexplan.estimator.terms import Shape, phase_work, t_compute_s, t_memory_s,
 
 
 MIN_CONTEXT_SHARE = 0.25  # long-cache decode rows used where the extra keys cost >= this share of the short row
+# a prefill pair's time difference below this share of the layer is noise, not attention
+MIN_ATTENTION_SHARE = 0.1
 MAX_ATTENTION_RESCALE = 4.0  # the real layers rescale the SDPA attention factor by at most this much either way
 
 
@@ -121,10 +133,11 @@ def _row_work(r: dict, dtype_bytes: float):
 
 
 def derive_layers(rows: list[dict], peak_flops_per_s: float, bandwidth_bytes_per_s: float, eff_c, eff_m,
-                  eff_a, dtype_bytes: float) -> tuple[LayerOverhead, "Table | None", "Table | None"]:
+                  eff_a, dtype_bytes: float) -> tuple[LayerOverhead, "Table | None", "Table | None", float | None]:
     """(per-layer overhead from the decode rows, the prefill layers' compute factor or None, the
-    decode layers' attention factor or None) from real decoder layers (see the module docstring);
-    ``eff_c`` / ``eff_m`` / ``eff_a`` are the micro-benchmarks' tables."""
+    decode layers' attention factor or None, the prefill attention core's factor or None) from
+    real decoder layers (see the module docstring); ``eff_c`` / ``eff_m`` / ``eff_a`` are the
+    micro-benchmarks' tables."""
     times = no_faster_with_more_work(rows)
     decode: dict[tuple[int, float], list] = {}  # (tokens, layer bytes) -> [(kv_len, work, time)] by kv_len
     prefill = []
@@ -149,20 +162,51 @@ def derive_layers(rows: list[dict], peak_flops_per_s: float, bandwidth_bytes_per
         residuals = {1: {w.weight_bytes_cpu: 0.0 for _, w, _ in prefill}}
     residuals = _pooled(residuals)
     overhead = _table(residuals)
-    compute = layer_compute_table(prefill, peak_flops_per_s, bandwidth_bytes_per_s, eff_c, eff_m, overhead)
+    eff_pa = prefill_attention_factor(prefill, peak_flops_per_s)
+    compute = layer_compute_table(prefill, peak_flops_per_s, bandwidth_bytes_per_s, eff_c, eff_m, overhead, eff_pa)
     if compute is not None:
         # the compute factor is the median over the widths; what a width's prefill takes beyond it
         # (a small layer's norms, rotary and activations per token weigh more) is its own overhead,
         # fitted apart from the decode steps' (other code) and never below the most decode tokens'
         extra: dict[int, dict[float, float]] = {}
         for tokens, w, time_s in prefill:
-            modelled = t_on_device_s(float(w.flops), w.d_cpu + w.kv_write_cpu, peak_flops_per_s, bandwidth_bytes_per_s,
-                                     float(compute(tokens)), float(eff_m(tokens)))
+            linear, attn_s = _prefill_split(w, peak_flops_per_s, eff_pa)
+            modelled = attn_s + t_on_device_s(linear, w.d_cpu + w.kv_write_cpu, peak_flops_per_s, bandwidth_bytes_per_s,
+                                              float(compute(tokens)), float(eff_m(tokens)))
             extra.setdefault(tokens, {})[w.weight_bytes_cpu] = max(time_s - modelled, 0.0)
         for t, d in _pooled(extra).items():
             residuals[t] = {lb: max(v, float(overhead(max(residuals), lb))) for lb, v in d.items()}
         overhead = _table(residuals)
-    return overhead, compute, (eff_a if any(len(v) > 1 for v in decode.values()) else None)
+    return overhead, compute, (eff_a if any(len(v) > 1 for v in decode.values()) else None), eff_pa
+
+
+def _prefill_split(w, peak_flops_per_s: float, eff_pa: float | None) -> tuple[float, float]:
+    """(FLOPs left to the compute factor, seconds of the attention core priced apart) of a prefill
+    layer: with no attention factor, all of C_Prefill goes to the compute factor, as before."""
+    if not eff_pa:
+        return float(w.flops), 0.0
+    attn = float(w.prefill_attention_flops)
+    return float(w.flops) - attn, t_compute_s(attn, peak_flops_per_s, eff_pa)
+
+
+def prefill_attention_factor(prefill: list, peak_flops_per_s: float) -> float | None:
+    """Eff of a prefill layer's attention core, from two prefill rows of one width with the same
+    GEMM rows (b x s) and other prompt lengths (e.g. 1 x 1024 and 8 x 128): their GEMMs, weight
+    reads and per-layer costs are the same, so the time between them is the attention pairs
+    between them. The median over the widths; None without such a pair, or where the pairs'
+    difference is within :data:`MIN_ATTENTION_SHARE` of the layer (noise, or an attention too
+    cheap to matter: it stays with the compute factor)."""
+    from flexplan.calibration.efficiency import EFF_MAX
+
+    by_key: dict[tuple[float, int], list] = {}
+    for tokens, w, time_s in prefill:
+        by_key.setdefault((w.weight_bytes_cpu, tokens), []).append((float(w.prefill_attention_flops), time_s))
+    effs = []
+    for runs in by_key.values():
+        (a0, t0), (a1, t1) = min(runs), max(runs)
+        if a1 > a0 and (t1 - t0) > MIN_ATTENTION_SHARE * t1:
+            effs.append(min(EFF_MAX, t_compute_s(a1 - a0, peak_flops_per_s, 1.0) / (t1 - t0)))
+    return float(np.median(effs)) if effs else None
 
 
 def _pooled(residuals: dict[int, dict[float, float]]) -> dict[int, dict[float, float]]:
@@ -214,19 +258,21 @@ def layer_attention_table(decode: dict, peak_flops_per_s: float, bandwidth_bytes
 
 
 def layer_compute_table(prefill: list, peak_flops_per_s: float, bandwidth_bytes_per_s: float, eff_c, eff_m,
-                        overhead: LayerOverhead):
+                        overhead: LayerOverhead, eff_pa: float | None = None):
     """Eff_comp(tokens) over the tokens the prefill layers span, the GEMM factor's points outside
     them; None without prefill rows. Each layer's factor: its compute time is what is left of its
-    time after the memory term and the decode overhead (held); the median over the widths at one
-    token count; the whole table capped so that it grows no faster than the tokens do."""
+    time after the memory term, the decode overhead (held) and, with ``eff_pa``, the attention
+    core priced apart; the median over the widths at one token count; the whole table capped so
+    that it grows no faster than the tokens do."""
     from flexplan.calibration.efficiency import EFF_MAX, Table, capped_growth
 
     by_t: dict[int, list[float]] = {}
     for tokens, w, time_s in prefill:
+        linear, attn_s = _prefill_split(w, peak_flops_per_s, eff_pa)
         rest = (time_s - t_memory_s(w.d_cpu + w.kv_write_cpu, bandwidth_bytes_per_s, float(eff_m(tokens)))
-                - overhead(tokens, w.weight_bytes_cpu))
+                - overhead(tokens, w.weight_bytes_cpu) - attn_s)
         if rest > 0:
-            by_t.setdefault(tokens, []).append(min(EFF_MAX, t_compute_s(float(w.flops), peak_flops_per_s, 1.0) / rest))
+            by_t.setdefault(tokens, []).append(min(EFF_MAX, t_compute_s(linear, peak_flops_per_s, 1.0) / rest))
     if not by_t:
         return None
     lo, hi = min(by_t), max(by_t)

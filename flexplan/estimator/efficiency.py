@@ -26,6 +26,8 @@ class Efficiency(Protocol):
     def cpu_attention(self, context_len, dtype: str): ...  # KV read rate factor
     def cpu_attention_for_layout(self, context_len, dtype: str, layout: tuple[int, int, int]): ...  # ... for a
     # (query heads, KV heads, head dim) layout, where calibration measured it (else cpu_attention)
+    def cpu_prefill_attention(self, tokens: float, dtype: str) -> float: ...  # the attention core of a prefill
+    # layer (QK^T, softmax, AV over the causal pairs) on `tokens` rows; where not calibrated: cpu_compute
     def cpu_head_compute(self, tokens: float, dtype: str) -> float: ...  # the LM head (hidden x vocab GEMV)
     def cpu_head_memory(self, tokens: float, dtype: str) -> float: ...
     def cpu_expert_factors(self, tokens: float, dtype: str): ...  # (Eff_comp, Eff_mem) of the CPU routed-
@@ -107,6 +109,9 @@ class DefaultEfficiency:
     def cpu_attention_for_layout(self, context_len, dtype=None, layout=None):
         return self.cpu_attention(context_len, dtype)
 
+    def cpu_prefill_attention(self, tokens, dtype=None):
+        return self.cpu_compute_eff
+
     def cpu_head_compute(self, tokens, dtype=None):
         return self.cpu_compute_eff
 
@@ -178,6 +183,9 @@ class ScaledEfficiency:
     def cpu_head_compute(self, tokens, dtype=None):
         return self.base.cpu_head_compute(tokens, dtype) / self.scale("cpu_compute")
 
+    def cpu_prefill_attention(self, tokens, dtype=None):
+        return cpu_prefill_attention(self.base, tokens, dtype) / self.scale("cpu_compute")
+
     def cpu_memory(self, tokens, dtype=None):
         return self.base.cpu_memory(tokens, dtype) / self.scale("cpu_memory")
 
@@ -240,3 +248,10 @@ def cpu_attention_for_layout(eff: Efficiency, context_len, dtype: str | None, la
     if per_layout is None or layout is None:
         return eff.cpu_attention(context_len, dtype)
     return eff.cpu_attention_for_layout(context_len, dtype, layout)
+
+
+def cpu_prefill_attention(eff: Efficiency, tokens, dtype: str | None):
+    """Eff of the attention core of a CPU prefill layer, from an Efficiency that may not have
+    measured it apart (then the GEMMs' factor at those tokens, as before it was priced apart)."""
+    own = getattr(eff, "cpu_prefill_attention", None)  # (wrappers forward it by __getattr__)
+    return own(tokens, dtype) if own is not None else eff.cpu_compute(tokens, dtype)

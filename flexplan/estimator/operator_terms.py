@@ -87,6 +87,7 @@ def operator_costs(shape, hw, eff, phase: str, cpu_attention_s=None) -> Operator
     """The per-operator terms of ``phase`` (module docstring); None without an accelerator or for a
     layout ``workload.operators`` cannot cut. ``cpu_attention_s``: the decode attention on the CPU per
     step when the caller has it (``terms.cpu_attention_costs``), else computed here."""
+    from flexplan.estimator.efficiency import cpu_prefill_attention
     from flexplan.estimator.terms import t_compute_s, t_cpu_attention_s, t_link_s, t_memory_s, t_on_device_s
 
     m = shape.model
@@ -96,7 +97,7 @@ def operator_costs(shape, hw, eff, phase: str, cpu_attention_s=None) -> Operator
     b, wb, cd = shape.batch, shape.w_bytes, shape.cpu_dtype
     if phase == "prefill":
         rows = b * shape.input_len
-        attn_flops = np.array([b * costs.attention_flops_per_pair(m) * costs.mean_prefill_pairs(m, shape.input_len)])
+        attn_flops = np.array([costs.c_prefill_attention(m, b, shape.input_len)])
         kv = np.array([costs.d_kv_write(m, b, shape.input_len, wb)])  # the prompt's K, V, appended on the host
     else:
         rows, ctx = b, shape.decode_context_lens
@@ -128,7 +129,7 @@ def operator_costs(shape, hw, eff, phase: str, cpu_attention_s=None) -> Operator
     if phase == "decode":
         C[:, att] = t_cpu_attention_s(shape, hw, eff, ctx) if cpu_attention_s is None else cpu_attention_s
     else:
-        C[:, att] = t_compute_s(attn_flops, th_c, ec) + t_memory_s(kv + act, bw_c, em)
+        C[:, att] = t_compute_s(attn_flops, th_c, cpu_prefill_attention(eff, rows, cd)) + t_memory_s(kv + act, bw_c, em)
     G[:, att] = t_compute_s(attn_flops, th_g, eg) + t_memory_s(kv + act, bw_g, egm)
     H[:, att] = t_link_s(kv, h2d, eff.h2d(float(np.mean(kv))))
     in_s = np.array([t_link_s(x, h2d, eff.h2d(x)) for x in in_b])

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from flexplan.estimator.efficiency import Efficiency, cpu_attention_for_layout
+from flexplan.estimator.efficiency import Efficiency, cpu_attention_for_layout, cpu_prefill_attention
 from flexplan.hardware.spec import DTYPE_BYTES, Hardware, cpu_weight_dtype
 from flexplan.workload import costs
 from flexplan.workload.model import ModelSpec
@@ -43,6 +43,16 @@ def t_on_device_s(flops, n_bytes, peak_flops_per_s: float, bandwidth_bytes_per_s
     factor (D_KVCache / (BW x Eff_attn); 0 where D already holds it) and a fixed overhead."""
     return (t_compute_s(flops, peak_flops_per_s, eff_compute) + t_memory_s(n_bytes, bandwidth_bytes_per_s, eff_memory)
             + t_memory_s(kv_bytes, bandwidth_bytes_per_s, eff_kv) + overhead_s)
+
+
+def t_cpu_prefill_attention_s(w: "PhaseWork", peak_flops_per_s: float, eff: Efficiency, dtype: str) -> float:
+    """The attention core of a CPU prefill layer (scores, mask, softmax, weighted values over the
+    causal pairs), apart from its GEMMs: C_attn / (TH x Eff_attn,prefill). Its FLOPs grow with
+    s^2 and run far below the GEMMs' rate (the AVX-512 VM: ~0.3 of it), so one compute factor by
+    tokens could not price a 1 x 512 prompt and a 4 x 128 batch (same GEMM rows) at once."""
+    if not w.prefill_attention_flops:
+        return 0.0
+    return t_compute_s(w.prefill_attention_flops, peak_flops_per_s, cpu_prefill_attention(eff, w.rows, dtype))
 
 
 def c_gemm(tokens, k: int, n: int) -> float:
@@ -100,6 +110,7 @@ class PhaseWork:
     rows: int  # tokens per GEMM: b s in prefill, b in decode
     context_len: object  # keys attended at each decode step (None in prefill)
     flops: object  # C_Prefill / C_Decode
+    prefill_attention_flops: float  # the attention core's part of C_Prefill (quadratic in s); 0 in decode
     d_cpu: float  # D_Prefill / D_Decode at the CPU's weight and activation dtypes
     d_gpu: float  # ... at the GPU dtype
     kv_read_cpu: object  # D_KVCache the CPU's attention reads (decode: all ctx keys; prefill: 0)
@@ -132,20 +143,21 @@ def phase_work(shape: Shape, phase: str) -> PhaseWork:
     if phase == "prefill":
         s = shape.input_len
         tokens_per_seq, rows, ctx = s, b * s, None
-        flops = costs.c_prefill(m, b, s)
+        flops, attn_flops = costs.c_prefill(m, b, s), costs.c_prefill_attention(m, b, s)
         d_cpu, d_gpu = costs.d_prefill(m, b, s, cwb, cb), costs.d_prefill(m, b, s, wb, wb)
         kv_read_cpu = kv_read = 0.0  # nothing cached yet; the prompt's K, V are produced by the layer
         kv_write, kv_write_cpu = costs.d_kv_write(m, b, s, wb), costs.d_kv_write(m, b, s, cb)
     else:
         ctx = shape.decode_context_lens
         tokens_per_seq, rows = 1, b
-        flops = costs.c_decode(m, b, ctx)
+        flops, attn_flops = costs.c_decode(m, b, ctx), 0.0
         d_cpu, d_gpu = costs.d_decode(m, b, cwb, cb), costs.d_decode(m, b, wb, wb)
         kv_read_cpu = costs.d_kv_cache(m, b, ctx, cb)
         kv_read = costs.d_kv_cache(m, b, ctx - 1, wb)  # cached part, before this token
         kv_write, kv_write_cpu = costs.d_kv_write(m, b, 1, wb), costs.d_kv_write(m, b, 1, cb)
     return PhaseWork(
-        phase=phase, tokens_per_seq=tokens_per_seq, rows=rows, context_len=ctx, flops=flops, d_cpu=d_cpu,
+        phase=phase, tokens_per_seq=tokens_per_seq, rows=rows, context_len=ctx, flops=flops,
+        prefill_attention_flops=attn_flops, d_cpu=d_cpu,
         d_gpu=d_gpu, kv_read_cpu=kv_read_cpu, kv_write_cpu=kv_write_cpu, kv_read=kv_read, kv_write=kv_write,
         weight_bytes_cpu=costs.d_weights(m, cwb), weight_bytes_gpu=costs.d_weights(m, wb),
         head_flops=costs.c_lm_head(m, b), head_bytes_cpu=costs.d_lm_head(m, cwb), head_bytes_gpu=costs.d_lm_head(m, wb),
@@ -186,9 +198,10 @@ def phase_costs(shape: Shape, hw: Hardware, eff: Efficiency, phase: str) -> Phas
     cd, rows, b = shape.cpu_dtype, w.rows, shape.batch
     th_cpu, bw_cpu = cpu.peak_flops_per_s[cd], cpu.memory_bandwidth_bytes_per_s
     eff_kv = eff.cpu_attention(w.context_len, cd) if phase == "decode" else 1.0
-    t_cpu = t_on_device_s(w.flops, w.d_cpu + w.kv_write_cpu, th_cpu, bw_cpu, eff.cpu_compute(rows, cd),
-                          eff.cpu_memory(rows, cd), kv_bytes=w.kv_read_cpu, eff_kv=eff_kv,
-                          overhead_s=eff.cpu_layer_overhead_s(rows, cd, w.weight_bytes_cpu))
+    t_cpu = (t_on_device_s(w.flops - w.prefill_attention_flops, w.d_cpu + w.kv_write_cpu, th_cpu, bw_cpu,
+                           eff.cpu_compute(rows, cd), eff.cpu_memory(rows, cd), kv_bytes=w.kv_read_cpu, eff_kv=eff_kv,
+                           overhead_s=eff.cpu_layer_overhead_s(rows, cd, w.weight_bytes_cpu))
+             + t_cpu_prefill_attention_s(w, th_cpu, eff, cd))
     step_overhead = eff.cpu_step_overhead_s(b, shape.model.vocab_size)  # the host runs generate()'s loop, whatever the policy
     t_cpu_head = t_on_device_s(w.head_flops, w.head_bytes_cpu, th_cpu, bw_cpu, eff.cpu_head_compute(b, cd),
                                eff.cpu_head_memory(b, cd), overhead_s=step_overhead)

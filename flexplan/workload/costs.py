@@ -115,10 +115,20 @@ def activation_elems_per_token(m: ModelSpec) -> float:
 
 # ---- C: computation --------------------------------------------------------------------
 def c_prefill(m: ModelSpec, batch: int, input_len: int) -> float:
-    """C_Prefill: FLOPs of one layer over the prompt (GEMMs on b*s tokens + causal attention)."""
-    gemm = 2.0 * batch * input_len * m.linear_weight_params_per_layer
-    attn = batch * attention_flops_per_pair(m) * mean_prefill_pairs(m, input_len)
-    return gemm + attn
+    """C_Prefill: FLOPs of one layer over the prompt (GEMMs on b*s tokens + causal attention):
+    ``c_prefill_linear + c_prefill_attention``."""
+    return c_prefill_linear(m, batch, input_len) + c_prefill_attention(m, batch, input_len)
+
+
+def c_prefill_linear(m: ModelSpec, batch: int, input_len: int) -> float:
+    """The GEMM part of C_Prefill: 2 b s x (linear weights of one layer)."""
+    return 2.0 * batch * input_len * m.linear_weight_params_per_layer
+
+
+def c_prefill_attention(m: ModelSpec, batch: int, input_len: int) -> float:
+    """The attention core of C_Prefill: QK^T and AV over the causal (query, key) pairs of each
+    prompt (windows and chunks via :func:`mean_prefill_pairs`); quadratic in ``input_len``."""
+    return batch * attention_flops_per_pair(m) * mean_prefill_pairs(m, input_len)
 
 
 def c_decode(m: ModelSpec, batch: int, context_len: ArrayLike) -> ArrayLike:
