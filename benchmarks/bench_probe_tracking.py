@@ -3,10 +3,11 @@
     python benchmarks/bench_probe_tracking.py [--seconds 150]
 
 For ``--seconds``, over and over: the plan-time memory probe (``calibration.membw``: a one-thread
-numpy copy), a multi-threaded torch copy (the alternative), and the executor's fp32 blocked GEMV
+numpy copy), a multi-threaded torch copy and a 64 MB STREAM triad (the alternatives), and the executor's fp32 blocked GEMV
 at batch 1 over 6 x (5632 x 2048) weights (the decode path, all threads). Reports how much the
 GEMV's bandwidth varies, how much is left after scaling it by each probe's ratio (what
-``memory_state.at_state_now`` does), and after the best power-law scaling. Writes
+``memory_state.at_state_now`` does), and after the best power-law scaling, and the means of
+10-sample blocks (a memory state lasts minutes: does a probe's block mean move with the GEMV's?). Writes
 ``benchmarks/results/probe_tracking.json``.
 """
 
@@ -20,6 +21,9 @@ import numpy as np
 from common import machine_description, write_result
 
 
+TRIAD_BYTES = 64 * 2**20
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--seconds", type=float, default=150.0)
@@ -28,6 +32,7 @@ def main() -> None:
     import torch
 
     from flexplan.calibration.membw import describe_probe, measure_copy_bytes_per_s
+    from flexplan.calibration.stream import stream_triad_bytes_per_s
     from flexplan.executor.cpu_linear import LinearKernel
 
     lin = LinearKernel(device="cpu")
@@ -55,13 +60,15 @@ def main() -> None:
         while time.monotonic() < end:
             rows.append((measure_copy_bytes_per_s() / 1e9,
                          2 * a.numel() * 4 / best_of_3(lambda: a.copy_(b)) / 1e9,
-                         copies * out_f * in_f * 4 / best_of_3(gemv) / 1e9))
+                         copies * out_f * in_f * 4 / best_of_3(gemv) / 1e9,
+                         stream_triad_bytes_per_s(TRIAD_BYTES) / 1e9))
             time.sleep(0.5)
     r = np.array(rows)
     log = np.log(r)
     cv = lambda v: float(np.std(v) / np.mean(v))  # noqa: E731
     probes = {}
-    for i, name in ((0, "numpy copy, 1 thread (the plan-time probe)"), (1, f"torch copy, {torch.get_num_threads()} threads")):
+    for i, name in ((0, "numpy copy, 1 thread (the plan-time probe)"), (1, f"torch copy, {torch.get_num_threads()} threads"),
+                    (3, f"STREAM triad ({TRIAD_BYTES >> 20} MB arrays, {torch.get_num_threads()} threads)")):
         alpha = float(np.polyfit(log[:, i], log[:, 2], 1)[0])
         probes[name] = {"range_gb_per_s": [round(float(r[:, i].min()), 2), round(float(r[:, i].max()), 2)],
                         "correlation_with_gemv": round(float(np.corrcoef(r[:, i], r[:, 2])[0, 1]), 3),
@@ -76,8 +83,13 @@ def main() -> None:
                        "range_gb_per_s": [round(float(r[:, 2].min()), 2), round(float(r[:, 2].max()), 2)],
                        "cv": round(cv(r[:, 2]), 4)},
               "probes": probes,
+              "columns": ["plan-time probe", "torch copy", "gemv", "triad"],
+              # means over blocks of 10 samples (~10 s): a memory state lasts minutes, a sample's noise not
+              "block_means_gb_per_s": [[round(float(v), 2) for v in r[i:i + 10].mean(axis=0)]
+                                       for i in range(0, len(r) - 9, 10)],
               "rows_gb_per_s": [[round(float(v), 2) for v in row] for row in rows]}
     print(f"{len(rows)} samples; GEMV {result['gemv']['range_gb_per_s']} GB/s, cv {result['gemv']['cv']:.1%}")
+    print("means of 10 samples (probe, torch copy, GEMV, triad):", result["block_means_gb_per_s"])
     for name, p in probes.items():
         print(f"  {name}: {p['range_gb_per_s']} GB/s, corr {p['correlation_with_gemv']}, GEMV cv after ratio "
               f"scaling {p['gemv_cv_after_ratio_scaling']:.1%}, after power law (x^{p['best_power_law_exponent']}) "
