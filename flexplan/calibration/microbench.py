@@ -70,7 +70,8 @@ class Sizes:
     transfer_bytes: tuple[int, ...] = (2**20, 16 * 2**20, 256 * 2**20, 2**30)  # GPU link sweep
     # (hidden, intermediate, heads, kv_heads, head_dim) of real layers, and (batch, query_len) shapes; two
     # prefill shapes of the same b x s (8 x 128 beside 1 x 1024) give the attention core's own factor
-    # (layer_fit.prefill_attention_factor): same GEMMs, 8x the causal pairs
+    # (layer_fit.prefill_attention_factor): same GEMMs, 8x the causal pairs; a 32-token prompt pins short
+    # prefills (chat turns: the README demo's 42 tokens came out 18% slow when 128 was the fewest measured)
     layer_widths: tuple[tuple[int, int, int, int, int], ...] = (
         (576, 1536, 9, 3, 64), (1024, 2816, 16, 4, 64), (2048, 5632, 32, 8, 64))
     layer_shapes: tuple[tuple[int, int], ...] = ((1, 1), (8, 1), (1, 128), (1, 512))
@@ -106,7 +107,8 @@ MODES = {
     "full": Sizes(gemv_tokens=(1, 2, 4, 8, 16), gemm_tokens=(64, 256, 1024, 4096), weight_shapes=WEIGHT_SHAPES,
                   attn_kv_lens=(128, 512, 2048, 8192), attn_batches=(1, 8), repeats=7, budget_s=4.0,
                   attn_layouts=((32, 32, 128), (16, 1, 64)), sweep_prefill_tokens=1024,
-                  layer_shapes=((1, 1), (4, 1), (8, 1), (1, 128), (8, 128), (1, 512), (4, 512), (8, 512), (1, 1024)),
+                  layer_shapes=((1, 1), (4, 1), (8, 1), (1, 32), (1, 128), (8, 128), (1, 512), (4, 512), (8, 512),
+                                (1, 1024)),
                   layer_long_kv_len=1024),
     # quick: every decode batch `flexplan validate` runs (1, 4, 8) measured as in full, fewer prefill
     # shapes and less time per shape; the fit's physical constraints (efficiency.py) keep the
@@ -115,7 +117,7 @@ MODES = {
                    attn_kv_lens=(128, 512, 2048, 8192), attn_batches=(1, 8), repeats=7, budget_s=1.0,
                    stream_bytes=128 * 2**20, layer_calls=100, transfer_bytes=(2**20, 16 * 2**20, 256 * 2**20),
                    expert_tokens=(1, 2, 4, 8),
-                   layer_shapes=((1, 1), (4, 1), (8, 1), (1, 128), (8, 128), (1, 512), (4, 512), (1, 1024)),
+                   layer_shapes=((1, 1), (4, 1), (8, 1), (1, 32), (1, 128), (8, 128), (1, 512), (4, 512), (1, 1024)),
                    layer_long_kv_len=1024),
     # for tests: seconds, not minutes; the numbers mean little
     "tiny": Sizes(gemv_tokens=(1, 4), gemm_tokens=(16, 64), weight_shapes=((256, 512),), attn_kv_lens=(64, 256),
@@ -144,7 +146,7 @@ MODES = {
                    attn_batches=(1,), repeats=3, budget_s=0.25, stream_bytes=64 * 2**20, layer_calls=20,
                    transfer_bytes=(16 * 2**20, 128 * 2**20), generate_shapes=((65536, 1), (65536, 4)),
                    generate_steps=8, layer_widths=((576, 1536, 9, 3, 64),),
-                   layer_shapes=((1, 1), (8, 1), (1, 128), (8, 128), (1, 512), (1, 1024)),
+                   layer_shapes=((1, 1), (8, 1), (1, 32), (1, 128), (8, 128), (1, 512), (1, 1024)),
                    layer_kv_len=32, layer_long_kv_len=512, rotate_llc_multiple=2.0, layer_copies=4,
                    parts=frozenset({"cpu_stream", "cpu_op_dispatch", "cpu_gemv", "cpu_gemm", "cpu_attention",
                                     "cpu_layers", "cpu_layer_overhead", "cpu_generate_step", "h2d", "d2h"})),
