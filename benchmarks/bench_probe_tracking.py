@@ -54,6 +54,23 @@ def main() -> None:
         for w in weights:
             lin(x, w)
 
+    from concurrent.futures import ThreadPoolExecutor
+
+    n_threads = torch.get_num_threads()
+    pool = ThreadPoolExecutor(n_threads)
+    ta, tb = np.zeros(TRIAD_BYTES // 8), np.ones(TRIAD_BYTES // 8)
+    np.copyto(ta, tb)
+    parts = np.array_split(np.arange(ta.size), n_threads)
+    spans = [(int(p[0]), int(p[-1]) + 1) for p in parts]
+
+    def threaded_copy() -> float:  # numpy releases the GIL in copyto: one slice per thread
+        best = float("inf")
+        for _ in range(3):
+            t0 = time.perf_counter()
+            list(pool.map(lambda se: np.copyto(ta[se[0]:se[1]], tb[se[0]:se[1]]), spans))
+            best = min(best, time.perf_counter() - t0)
+        return 2 * ta.nbytes / best
+
     rows = []
     end = time.monotonic() + args.seconds
     with torch.inference_mode():
@@ -61,14 +78,16 @@ def main() -> None:
             rows.append((measure_copy_bytes_per_s() / 1e9,
                          2 * a.numel() * 4 / best_of_3(lambda: a.copy_(b)) / 1e9,
                          copies * out_f * in_f * 4 / best_of_3(gemv) / 1e9,
-                         stream_triad_bytes_per_s(TRIAD_BYTES) / 1e9))
+                         stream_triad_bytes_per_s(TRIAD_BYTES) / 1e9,
+                         threaded_copy() / 1e9))
             time.sleep(0.5)
     r = np.array(rows)
     log = np.log(r)
     cv = lambda v: float(np.std(v) / np.mean(v))  # noqa: E731
     probes = {}
     for i, name in ((0, "numpy copy, 1 thread (the plan-time probe)"), (1, f"torch copy, {torch.get_num_threads()} threads"),
-                    (3, f"STREAM triad ({TRIAD_BYTES >> 20} MB arrays, {torch.get_num_threads()} threads)")):
+                    (3, f"STREAM triad ({TRIAD_BYTES >> 20} MB arrays, {torch.get_num_threads()} threads)"),
+                    (4, f"numpy copy, {torch.get_num_threads()} Python threads")):
         alpha = float(np.polyfit(log[:, i], log[:, 2], 1)[0])
         probes[name] = {"range_gb_per_s": [round(float(r[:, i].min()), 2), round(float(r[:, i].max()), 2)],
                         "correlation_with_gemv": round(float(np.corrcoef(r[:, i], r[:, 2])[0, 1]), 3),
@@ -83,13 +102,13 @@ def main() -> None:
                        "range_gb_per_s": [round(float(r[:, 2].min()), 2), round(float(r[:, 2].max()), 2)],
                        "cv": round(cv(r[:, 2]), 4)},
               "probes": probes,
-              "columns": ["plan-time probe", "torch copy", "gemv", "triad"],
+              "columns": ["plan-time probe", "torch copy", "gemv", "triad", "numpy copy in threads"],
               # means over blocks of 10 samples (~10 s): a memory state lasts minutes, a sample's noise not
               "block_means_gb_per_s": [[round(float(v), 2) for v in r[i:i + 10].mean(axis=0)]
                                        for i in range(0, len(r) - 9, 10)],
               "rows_gb_per_s": [[round(float(v), 2) for v in row] for row in rows]}
     print(f"{len(rows)} samples; GEMV {result['gemv']['range_gb_per_s']} GB/s, cv {result['gemv']['cv']:.1%}")
-    print("means of 10 samples (probe, torch copy, GEMV, triad):", result["block_means_gb_per_s"])
+    print("means of 10 samples (probe, torch copy, GEMV, triad, threaded numpy copy):", result["block_means_gb_per_s"])
     for name, p in probes.items():
         print(f"  {name}: {p['range_gb_per_s']} GB/s, corr {p['correlation_with_gemv']}, GEMV cv after ratio "
               f"scaling {p['gemv_cv_after_ratio_scaling']:.1%}, after power law (x^{p['best_power_law_exponent']}) "

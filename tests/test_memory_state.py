@@ -42,7 +42,8 @@ def _record(hw, slow_steps=(), slow_rate=REF / 2) -> dict:
     """A memory_state record as ``flexplan calibrate`` writes it: one sample before each step and
     one at the end, all at REF but those of ``slow_steps``."""
     labels = ["cpu_stream"] + [f"{p}[{dt}]" for dt in _dtypes(hw) for p in memory_state.ROW_PARTS] + [memory_state.END]
-    return {"probe": "test", "probe_bytes_per_s": [slow_rate if lab in slow_steps else REF for lab in labels],
+    return {"probe": "test", "probe_threads": membw.probe_threads(),
+            "probe_bytes_per_s": [slow_rate if lab in slow_steps else REF for lab in labels],
             "at_step": labels}
 
 
@@ -348,3 +349,31 @@ def test_one_fast_probe_reading_must_show_twice_before_it_scales_anything(local,
     readings = iter([REF * 1.6, REF * 1.5])  # a faster state that lasts: the reading nearer the reference
     membw.forget_probe()
     assert efficiency_for(local).scale("cpu_memory") == pytest.approx(1 / 1.5)
+
+
+def test_a_calibration_probed_in_another_thread_count_is_not_scaled(local, probe, tmp_path, monkeypatch):
+    """Samples a one-thread copy took (files from before the threaded probe) are no reference for
+    today's probe in another thread count: memory stays at the calibration's median, the note says why."""
+    if membw.probe_threads() == 1:
+        pytest.skip("this machine's probe runs one thread: every file's samples compare")
+    meas = FAST.measurements("quick", _dtypes(local))
+    record = _record(local)
+    del record["probe_threads"]  # as files from before it
+    meas["memory_state"] = record
+    _use(monkeypatch, _write(tmp_path, local, meas, "cal.yaml"))
+    probe(REF / 2)  # a reading that would double memory time
+    p = _cpu_plan()
+    assert "came from a copy in 1 thread" in p.calibration and "re-run `flexplan calibrate`" in p.calibration
+    assert efficiency_for(local).scale("cpu_memory") == 1.0
+    assert "not comparable with today's probe" in memory_state.describe(meas)
+
+
+def test_the_memory_probe_copies_in_threads_and_measures_the_whole_buffer():
+    n = 8 * 2**20
+    one, many = membw.measure_copy_bytes_per_s(n, threads=1), membw.measure_copy_bytes_per_s(n, threads=3)
+    assert one > 0 and many > 0
+    a, b = membw._buffers(n)
+    a[:] = 0.0
+    membw._copy_in_threads(a, b, 3)()
+    assert (a == b).all()  # every slice copied, none twice or missed
+    assert f"in {membw.probe_threads()} thread" in membw.describe_probe()

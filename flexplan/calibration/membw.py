@@ -5,13 +5,20 @@ states, STREAM triad ~38 against ~66 GB/s, from minute to minute. A calibration 
 state it met; this probe tells the states apart, cheaply enough to run before each calibration
 step and again whenever the planner plans for ``hardware="local"``.
 
-What it measures: a single-threaded numpy copy ``a[:] = b`` over two float64 buffers of
+What it measures: a numpy copy ``a[:] = b`` over two float64 buffers of
 :func:`probe_buffer_bytes` each (twice the last-level cache, so the copy streams from DRAM),
-counted as ``2 x n_bytes`` moved (read b, write a; write-allocate not counted, as in STREAM),
-best of :data:`PROBE_REPEATS` runs. The buffers stay allocated in this module between probes
-(the first probe touches every page untimed; later ones time no page faults). This is not the
-STREAM figure of ``stream.py`` (one thread, no torch: ``flexplan.plan()`` stays torch-free and
-fast); only RATIOS of probe figures (now against calibration time) are used.
+split in :func:`probe_threads` slices copied at once by as many Python threads (numpy releases
+the GIL while it copies), counted as ``2 x n_bytes`` moved (read b, write a; write-allocate not
+counted, as in STREAM), best of :data:`PROBE_REPEATS` runs. The buffers stay allocated in this
+module between probes (the first probe touches every page untimed; later ones time no page
+faults). Not the STREAM figure of ``stream.py`` (no torch: ``flexplan.plan()`` stays torch-free
+and fast); only RATIOS of probe figures (now against calibration time) are used.
+
+Why threads: on the AVX-512 development VM the host flips between two states in which decode's
+2-thread GEMV reads ~50 and ~80 GB/s; a one-thread copy read ~42 GB/s in both (correlation 0.25
+with the GEMV over 300 s), the same copy in 2 threads 46 and 72 (correlation 0.91, the GEMV's
+ratio followed with exponent 0.88; ``benchmarks/bench_probe_tracking.py``). A calibration whose
+samples came from another thread count is not compared with this probe (``memory_state``).
 
 ``FLEXPLAN_MEMORY_PROBE=0`` turns the plan-time probe off (tests and benchmarks that want fixed
 factors); ``flexplan calibrate`` records its samples whatever it says.
@@ -21,6 +28,7 @@ from __future__ import annotations
 
 import os
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
@@ -32,6 +40,7 @@ CONFIRM_ABOVE = 0.15  # ... and one this much above it, so a one-off fast burst 
 CONFIRM_PAUSE_S = 0.05  # ... after this pause
 MIN_BUFFER_BYTES = 16 * 2**20
 MAX_BUFFER_BYTES = 128 * 2**20  # two of them stay allocated: at most 256 MB held
+MAX_PROBE_THREADS = 16  # slices of at least 1 MB; a state shows in the ratio, not in saturating a big socket
 
 _BUFFERS: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # n_bytes -> (a, b), pages already touched
 _LAST: dict[str, tuple[float, float | None, str]] = {}  # probe -> (time.monotonic(), figure or None, why it failed)
@@ -49,9 +58,21 @@ def probe_buffer_bytes() -> int:
     return int(min(max(2 * llc_bytes(), MIN_BUFFER_BYTES), MAX_BUFFER_BYTES))
 
 
+def probe_threads() -> int:
+    """Threads the memory probe copies in: the CPUs this process may run on (at most
+    :data:`MAX_PROBE_THREADS`), as decode's kernels use them."""
+    try:
+        n = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        n = os.cpu_count() or 1
+    return max(1, min(int(n), MAX_PROBE_THREADS))
+
+
 def describe_probe() -> str:
     """What the probe measures, for the calibration file and for humans."""
-    return f"numpy copy of {probe_buffer_bytes() / 2**20:.0f} MB, 1 thread, best of {PROBE_REPEATS}, 2 x bytes counted"
+    n = probe_threads()
+    return (f"numpy copy of {probe_buffer_bytes() / 2**20:.0f} MB in {n} thread{'s' if n > 1 else ''}, "
+            f"best of {PROBE_REPEATS}, 2 x bytes counted")
 
 
 def _buffers(n_bytes: int) -> tuple[np.ndarray, np.ndarray]:
@@ -65,14 +86,37 @@ def _buffers(n_bytes: int) -> tuple[np.ndarray, np.ndarray]:
     return bufs
 
 
-def measure_copy_bytes_per_s(n_bytes: int | None = None, repeats: int = PROBE_REPEATS) -> float:
-    """One probe, uncached: bytes/s of the best of ``repeats`` copies of ``n_bytes``
-    (default :func:`probe_buffer_bytes`), counting ``2 x n_bytes`` per copy."""
+_POOL: dict[int, ThreadPoolExecutor] = {}  # threads -> a pool kept for later probes
+
+
+def _copy_in_threads(a: np.ndarray, b: np.ndarray, threads: int):
+    """A function copying ``b`` into ``a`` in ``threads`` slices at once (one thread: a plain copy)."""
+    if threads <= 1:
+        return lambda: np.copyto(a, b)
+    pool = _POOL.get(threads)
+    if pool is None:
+        pool = _POOL[threads] = ThreadPoolExecutor(threads, thread_name_prefix="flexplan-membw")
+    edges = np.linspace(0, a.size, threads + 1).astype(int)
+    spans = list(zip(edges[:-1], edges[1:]))
+
+    def one(span):
+        np.copyto(a[span[0]:span[1]], b[span[0]:span[1]])
+
+    return lambda: list(pool.map(one, spans))
+
+
+def measure_copy_bytes_per_s(n_bytes: int | None = None, repeats: int = PROBE_REPEATS,
+                             threads: int | None = None) -> float:
+    """One probe, uncached: bytes/s of the best of ``repeats`` copies of ``n_bytes`` (default
+    :func:`probe_buffer_bytes`) in ``threads`` slices (default :func:`probe_threads`), counting
+    ``2 x n_bytes`` per copy."""
     a, b = _buffers(int(n_bytes or probe_buffer_bytes()))
+    copy = _copy_in_threads(a, b, int(threads or probe_threads()))
+    copy()  # untimed: the pool's threads started, every slice's pages mapped in their thread
     best_s = float("inf")
     for _ in range(max(1, int(repeats))):
         t0 = time.perf_counter()
-        np.copyto(a, b)
+        copy()
         best_s = min(best_s, time.perf_counter() - t0)
     return 2.0 * a.nbytes / best_s
 

@@ -50,7 +50,7 @@ ROW_PARTS = ("cpu_gemv", "cpu_gemm", "cpu_head_gemv", "cpu_attention", "cpu_laye
 
 def new_record() -> dict[str, Any]:
     """An empty ``measurements.memory_state`` for ``flexplan calibrate`` to fill."""
-    return {"probe": membw.describe_probe(), "probe_bytes_per_s": [], "at_step": [],
+    return {"probe": membw.describe_probe(), "probe_threads": membw.probe_threads(), "probe_bytes_per_s": [], "at_step": [],
             "compute_probe": membw.describe_compute_probe(), "probe_flops_per_s": [], "compute_at_step": []}
 
 
@@ -105,6 +105,14 @@ def reference_bytes_per_s(meas: dict, probe: str = "memory") -> float | None:
     (None: no samples)."""
     s = samples(meas, probe)
     return float(statistics.median(x for _, x in s)) if s else None
+
+
+def recorded_probe_threads(meas: dict) -> int:
+    """Threads of the memory probe that took the calibration's samples: files from before the
+    probe copied in threads hold no ``probe_threads`` and were taken by a one-thread copy."""
+    rec = meas.get("memory_state")
+    n = rec.get("probe_threads", 1) if isinstance(rec, dict) else 1
+    return int(n) if isinstance(n, int) and not isinstance(n, bool) and n >= 1 else 1
 
 
 def _clamped(ratio: float) -> float:
@@ -263,7 +271,14 @@ def at_state_now(eff: "Efficiency", meas: dict) -> "Efficiency":
     if not membw.probe_enabled():
         return ScaledEfficiency(eff, {}, f"{NOTE_PREFIX} probe off (${membw.PROBE_ENV}=0): factors at the "
                                          f"calibration's median state (probe {_gb(ref)} median at calibration)")
-    mem, mem_note = _scale_now(meas, "memory", lambda: membw.probe_bytes_per_s(reference=ref), _gb)
+    recorded_threads = recorded_probe_threads(meas)
+    if recorded_threads != membw.probe_threads():
+        mem, mem_note = 1.0, (f"memory probe: this calibration's samples came from a copy in {recorded_threads} "
+                              f"thread{'s' if recorded_threads > 1 else ''}, today's probe copies in "
+                              f"{membw.probe_threads()}: not comparable, memory factors at the calibration's median "
+                              "state (re-run `flexplan calibrate`)")
+    else:
+        mem, mem_note = _scale_now(meas, "memory", lambda: membw.probe_bytes_per_s(reference=ref), _gb)
     comp, comp_note = _scale_now(meas, "compute",
                                  lambda: membw.probe_flops_per_s(reference=reference_bytes_per_s(meas, "compute")),
                                  lambda x: f"{x / 1e9:.0f} GFLOP/s")
@@ -305,6 +320,8 @@ def describe(meas: dict) -> str:
         xs = [x for _, x in s]
         text = f"{probe} probe min {fmt(min(xs))} / median {fmt(statistics.median(xs))} / max {fmt(max(xs))} " \
                f"over {len(xs)} samples"
+        if probe == "memory" and recorded_probe_threads(meas) != membw.probe_threads():
+            text += f" (a {recorded_probe_threads(meas)}-thread copy: not comparable with today's probe, not scaled)"
         if not membw.probe_enabled():
             text += f", now: off (${membw.PROBE_ENV}=0)"
         else:
