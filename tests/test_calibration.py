@@ -443,6 +443,27 @@ def test_attention_factor_per_head_layout():
     assert tables[(32, 8, 128)](1000) == pytest.approx(0.5) and tables[(32, 32, 128)](1000) == pytest.approx(0.25)
 
 
+def test_attention_factor_per_batch_of_a_layout():
+    """A layout whose cache reads at 0.6 of the bandwidth at batch 1 and 0.2 at batch 8: the
+    estimator's term for that layout uses the batch's own factor (log-interpolated between), not
+    their mean, which was 40-80% off the native kernel's either batch on the AVX-512 VM."""
+    from flexplan.calibration.efficiency import _by_batch, derive_attention_by_layout
+
+    eff = Table([1, 8], [1.0, 1.0])
+    h, kvh, d = 32, 8, 128
+    rows = []
+    for b, e in ((1, 0.6), (8, 0.2)):
+        for L in (128, 8192):
+            kv, c = 2.0 * b * L * kvh * d * 4, 4.0 * b * h * d * L
+            rows.append({"batch": b, "kv_len": L, "heads": h, "kv_heads": kvh, "head_dim": d, "dtype_bytes": 4,
+                         "time_s": c / TH + kv / (BW * e)})
+    per_batch = derive_attention_by_layout(rows, TH, BW, eff, per_batch=True)[(h, kvh, d)]
+    assert _by_batch(per_batch, 1, 1000.0) == pytest.approx(0.6) and _by_batch(per_batch, 8, 1000.0) == pytest.approx(0.2)
+    assert _by_batch(per_batch, 16, 1000.0) == pytest.approx(0.2) and _by_batch(per_batch, 0.5, 1000.0) == pytest.approx(0.6)
+    mid = _by_batch(per_batch, 2.828, 1000.0)  # the geometric middle of 1 and 8
+    assert mid == pytest.approx(0.4, rel=1e-3)
+
+
 def test_calibrated_attention_per_layout_reaches_the_estimator(use_dir):
     """The tiny run measures two head layouts; the calibrated Efficiency answers per layout (the
     mean's layout for one it did not measure), and a scaled Efficiency scales it."""
@@ -457,6 +478,9 @@ def test_calibrated_attention_per_layout_reaches_the_estimator(use_dir):
     scaled = ScaledEfficiency(eff, {"cpu_memory": 2.0})
     assert scaled.cpu_attention_for_layout(100.0, "float32", (4, 1, 32)) == pytest.approx(
         f.attention_by_layout[(4, 1, 32)](100.0) / 2)
+    for b, table in f.attention_by_layout_batch[(4, 1, 32)].items():  # a measured batch: its own table
+        assert eff.cpu_attention_for_layout(100.0, "float32", (4, 1, 32), b) == pytest.approx(table(100.0))
+        assert scaled.cpu_attention_for_layout(100.0, "float32", (4, 1, 32), b) == pytest.approx(table(100.0) / 2)
 
 
 def test_tiny_run_times_the_expert_path(use_dir):

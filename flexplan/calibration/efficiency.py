@@ -206,14 +206,30 @@ def derive_attention(rows: list[dict], peak_flops_per_s: float, bandwidth_bytes_
 
 
 def derive_attention_by_layout(rows: list[dict], peak_flops_per_s: float, bandwidth_bytes_per_s: float,
-                               eff_compute: Table, dispatch_s: float = 0.0) -> dict[tuple[int, int, int], Table]:
+                               eff_compute: Table, dispatch_s: float = 0.0, per_batch: bool = False) -> dict:
     """Eff_attn(ctx) of each (query heads, KV heads, head dim) layout measured: :func:`derive_attention`
-    over that layout's rows (GQA groups and head widths read the KV cache at different rates)."""
+    over that layout's rows (GQA groups and head widths read the KV cache at different rates); with
+    ``per_batch``, {batch: Eff_attn(ctx)} per layout instead of the mean over batches."""
     layouts: dict[tuple[int, int, int], list[dict]] = {}
     for r in rows:
         layouts.setdefault((int(r["heads"]), int(r["kv_heads"]), int(r["head_dim"])), []).append(r)
-    return {k: derive_attention(v, peak_flops_per_s, bandwidth_bytes_per_s, eff_compute, dispatch_s)[0]
-            for k, v in layouts.items()}
+    out = {k: derive_attention(v, peak_flops_per_s, bandwidth_bytes_per_s, eff_compute, dispatch_s)
+           for k, v in layouts.items()}
+    return {k: (tables if per_batch else mean) for k, (mean, tables) in out.items()}
+
+
+def _by_batch(tables: dict, batch: float, context_len):
+    """Eff_attn(ctx) at ``batch`` from tables per measured batch: linear in log(batch) between the
+    two nearest, the nearest one's beyond them."""
+    bs = sorted(tables)
+    if batch <= bs[0] or len(bs) == 1:
+        return tables[bs[0]](context_len)
+    if batch >= bs[-1]:
+        return tables[bs[-1]](context_len)
+    j = next(i for i, b in enumerate(bs) if b >= batch)
+    lo, hi = bs[j - 1], bs[j]
+    w = (np.log(batch) - np.log(lo)) / (np.log(hi) - np.log(lo))
+    return (1 - w) * tables[lo](context_len) + w * tables[hi](context_len)
 
 
 def _attention_spec(heads: int, kv_heads: int, head_dim: int, hidden: int | None = None,
@@ -259,6 +275,7 @@ class CPUFactors:
     head_compute: Table | None = None  # the LM head's tall GEMV (hidden x vocab)
     head_memory: Table | None = None
     attention_by_layout: dict | None = None  # (heads, kv_heads, head_dim) -> Eff_attn(ctx), where measured
+    attention_by_layout_batch: dict | None = None  # ... -> {batch: Eff_attn(ctx)}
     expert_compute: Table | None = None  # the CPU routed-expert path, by rows per expert (cpu_experts rows)
     expert_memory: Table | None = None
     prefill_attention: float | None = None  # Eff of a prefill layer's attention core (layer_fit.py); None: compute
@@ -326,11 +343,18 @@ class CalibratedEfficiency:
             return eff if np.ndim(context_len) == 0 else np.full(np.shape(context_len), eff)
         return f.attention(context_len)
 
-    def cpu_attention_for_layout(self, context_len, dtype=None, layout=None):
-        """Eff_attn(ctx) measured at this (query heads, KV heads, head dim) layout, else
-        :meth:`cpu_attention` (the mean over the layouts measured)."""
+    def cpu_attention_for_layout(self, context_len, dtype=None, layout=None, batch=None):
+        """Eff_attn(ctx) measured at this (query heads, KV heads, head dim) layout, at ``batch``
+        where the layout was measured per batch (interpolated in log(batch) between the two
+        nearest, held beyond them: on the AVX-512 VM the native kernel read a GQA cache at 27 GB/s
+        at batch 1 and 15 at batch 8, so their mean was 40-80% off either), else the mean over the
+        batches; else :meth:`cpu_attention` (the mean over the layouts measured)."""
         f = self._cpu(dtype)
-        table = (f.attention_by_layout or {}).get(tuple(int(x) for x in layout)) if f and layout else None
+        key = tuple(int(x) for x in layout) if f and layout else None
+        per_batch = (f.attention_by_layout_batch or {}).get(key) if key and batch else None
+        if per_batch:
+            return _by_batch(per_batch, float(batch), context_len)
+        table = (f.attention_by_layout or {}).get(key) if key else None
         return table(context_len) if table is not None else self.cpu_attention(context_len, dtype)
 
     def gpu_compute(self, tokens):
@@ -468,8 +492,11 @@ def cpu_factors(meas: dict, dtype: str, hw: Hardware, notes: list[str]) -> CPUFa
     attn_rows = _of_dtype(check_rows(meas.get("cpu_attention"), ATTENTION_KEYS, "measurements.cpu_attention"), dtype)
     first = [r for r in attn_rows if (r["heads"], r["kv_heads"], r["head_dim"])
              == (attn_rows[0]["heads"], attn_rows[0]["kv_heads"], attn_rows[0]["head_dim"])] if attn_rows else []
-    eff_a = derive_attention(first, th, bw, eff_c, float(disp.get("sdpa_call_s", 0.0)))[0] if first else None
-    by_layout = derive_attention_by_layout(attn_rows, th, bw, eff_c, float(disp.get("sdpa_call_s", 0.0)))
+    # SDPA's dispatch cost is taken out of SDPA rows; the native kernel's rows carry their own call
+    attn_call_s = 0.0 if any(r.get("kernel") == "native" for r in attn_rows) else float(disp.get("sdpa_call_s", 0.0))
+    eff_a = derive_attention(first, th, bw, eff_c, attn_call_s)[0] if first else None
+    by_layout = derive_attention_by_layout(attn_rows, th, bw, eff_c, attn_call_s)
+    by_layout_batch = derive_attention_by_layout(attn_rows, th, bw, eff_c, attn_call_s, per_batch=True)
     if eff_a is None:
         notes.append(f"CPU {dtype} attention not measured: KV reads use the weight-streaming factor")
     head_rows = _of_dtype(check_rows(meas.get("cpu_head_gemv"), GEMM_KEYS, "measurements.cpu_head_gemv"), dtype)
@@ -489,8 +516,9 @@ def cpu_factors(meas: dict, dtype: str, hw: Hardware, notes: list[str]) -> CPUFa
         overhead, eff_layers, attn_layers, prefill_attention = derive_layers(layer_rows, th, bw, eff_c, eff_m, eff_a,
                                                                              float(DTYPE_BYTES[dtype]))
         eff_c, eff_a = eff_layers or eff_c, attn_layers or eff_a
-    return CPUFactors(eff_c, eff_m, eff_a, overhead, head_c, head_m, by_layout or None, expert_c, expert_m,
-                      prefill_attention)
+    return CPUFactors(eff_c, eff_m, eff_a, overhead, head_c, head_m, attention_by_layout=by_layout or None,
+                      attention_by_layout_batch=by_layout_batch or None, expert_compute=expert_c,
+                      expert_memory=expert_m, prefill_attention=prefill_attention)
 
 
 def from_measurements(meas: dict, settings: dict, hw: Hardware, source: str) -> CalibratedEfficiency:

@@ -344,12 +344,20 @@ class _SDPAModule:
 
 def attention(sizes: Sizes, dtype: str, device: str = "cpu", sync=None,
               tick: Callable[[], None] | None = None) -> list[dict]:
-    """Decode attention: one query per sequence over ``kv_len`` cached keys; achieved
-    ``kv_bytes_per_s`` (K and V read once)."""
+    """Decode attention: one query per sequence over ``kv_len`` cached keys, with the kernel the
+    executor runs it with (``kernel``): on the CPU in float32 flexplan's native decode attention
+    where it builds, over the KV cache's own ``(tokens, batch, heads, dim)`` buffers read through
+    strided views (as ``FlexKVLayer`` hands them); else transformers' SDPA with a mask. Achieved
+    ``kv_bytes_per_s`` (K and V read once). (Timing SDPA while the executor ran the native kernel
+    left the cpu-attention policy's CPU term 2-5x slow on the AVX-512 VM.)"""
     import torch
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+    from flexplan.executor import native
+
     dt, nbytes = torch_dtype(dtype), dtype_bytes(dtype)
+    ops = native.decode_status()[0] if device == "cpu" and dt == torch.float32 else None
+    kernel = "native" if ops is not None else "transformers"
     rows = []
     with torch.inference_mode():
         for (heads, kv_heads, hd), b in ((layout, b) for layout in dict.fromkeys((sizes.attn_heads, *sizes.attn_layouts))
@@ -357,21 +365,32 @@ def attention(sizes: Sizes, dtype: str, device: str = "cpu", sync=None,
             q = torch.full((b, heads, 1, hd), 0.1, dtype=dt, device=device)
             for L in sizes.attn_kv_lens:
                 one = 2 * b * kv_heads * L * hd * nbytes
-                kvs = Cycle([(torch.full((b, kv_heads, L, hd), 0.1, dtype=dt, device=device),
-                              torch.full((b, kv_heads, L, hd), 0.2, dtype=dt, device=device))
-                             for _ in range(copies_for(one, rotate_bytes(sizes)))])
+                if ops is not None:  # the cache's buffers, (tokens, batch, heads, dim), as strided views
+                    kvs = Cycle([(torch.full((L, b, kv_heads, hd), 0.1, dtype=dt).permute(1, 2, 0, 3),
+                                  torch.full((L, b, kv_heads, hd), 0.2, dtype=dt).permute(1, 2, 0, 3))
+                                 for _ in range(copies_for(one, rotate_bytes(sizes)))])
+                    q3 = q[:, :, 0]
 
-                mask = torch.ones(b, 1, 1, L, dtype=torch.bool, device=device)
-                module = _SDPAModule(heads // kv_heads)
+                    def call():
+                        k, v = kvs.next()
+                        return ops.decode_attention(q3, k, v, None, hd ** -0.5)
+                else:
+                    kvs = Cycle([(torch.full((b, kv_heads, L, hd), 0.1, dtype=dt, device=device),
+                                  torch.full((b, kv_heads, L, hd), 0.2, dtype=dt, device=device))
+                                 for _ in range(copies_for(one, rotate_bytes(sizes)))])
+                    mask = torch.ones(b, 1, 1, L, dtype=torch.bool, device=device)
+                    module = _SDPAModule(heads // kv_heads)
 
-                def call():  # as the executor runs CPU decode attention: transformers' SDPA with a mask
-                    k, v = kvs.next()
-                    return sdpa_attention_forward(module, q, k, v, mask if device == "cpu" else None, scaling=hd ** -0.5)
+                    def call():  # transformers' SDPA with a mask
+                        k, v = kvs.next()
+                        return sdpa_attention_forward(module, q, k, v, mask if device == "cpu" else None,
+                                                      scaling=hd ** -0.5)
 
                 r = time_call(call, sizes.repeats, sizes.budget_s, sync)
                 rows.append({"dtype": dtype, "batch": b, "kv_len": L, "heads": heads, "kv_heads": kv_heads, "head_dim": hd,
-                             "dtype_bytes": nbytes, "time_s": _sig(r["time_s"]), "time_median_s": _sig(r["time_median_s"]),
-                             "runs": r["runs"], "kv_bytes_per_s": _sig(one / r["time_s"])})
+                             "dtype_bytes": nbytes, "kernel": kernel, "time_s": _sig(r["time_s"]),
+                             "time_median_s": _sig(r["time_median_s"]), "runs": r["runs"],
+                             "kv_bytes_per_s": _sig(one / r["time_s"])})
                 del kvs
                 if tick:
                     tick()

@@ -24,7 +24,7 @@ class Efficiency(Protocol):
     def cpu_compute(self, tokens: float, dtype: str) -> float: ...  # Eff_CPU,Comp for a GEMM with `tokens` rows
     def cpu_memory(self, tokens: float, dtype: str) -> float: ...  # Eff_CPU,Mem while streaming weights
     def cpu_attention(self, context_len, dtype: str): ...  # KV read rate factor
-    def cpu_attention_for_layout(self, context_len, dtype: str, layout: tuple[int, int, int]): ...  # ... for a
+    def cpu_attention_for_layout(self, context_len, dtype: str, layout: tuple[int, int, int], batch=None): ...  # a
     # (query heads, KV heads, head dim) layout, where calibration measured it (else cpu_attention)
     def cpu_prefill_attention(self, tokens: float, dtype: str) -> float: ...  # the attention core of a prefill
     # layer (QK^T, softmax, AV over the causal pairs) on `tokens` rows; where not calibrated: cpu_compute
@@ -106,7 +106,7 @@ class DefaultEfficiency:
     def cpu_attention(self, context_len, dtype=None):
         return self.cpu_memory_eff
 
-    def cpu_attention_for_layout(self, context_len, dtype=None, layout=None):
+    def cpu_attention_for_layout(self, context_len, dtype=None, layout=None, batch=None):
         return self.cpu_attention(context_len, dtype)
 
     def cpu_prefill_attention(self, tokens, dtype=None):
@@ -192,8 +192,8 @@ class ScaledEfficiency:
     def cpu_attention(self, context_len, dtype=None):
         return self.base.cpu_attention(context_len, dtype) / self.scale("cpu_memory")
 
-    def cpu_attention_for_layout(self, context_len, dtype=None, layout=None):
-        return cpu_attention_for_layout(self.base, context_len, dtype, layout) / self.scale("cpu_memory")
+    def cpu_attention_for_layout(self, context_len, dtype=None, layout=None, batch=None):
+        return cpu_attention_for_layout(self.base, context_len, dtype, layout, batch) / self.scale("cpu_memory")
 
     def cpu_head_memory(self, tokens, dtype=None):
         return self.base.cpu_head_memory(tokens, dtype) / self.scale("cpu_memory")
@@ -242,12 +242,14 @@ def unwrapped(eff: Efficiency) -> Efficiency:
     return eff
 
 
-def cpu_attention_for_layout(eff: Efficiency, context_len, dtype: str | None, layout: tuple[int, int, int] | None):
-    """Eff_attn of ``eff`` for a head layout, from an Efficiency that may not know layouts."""
+def cpu_attention_for_layout(eff: Efficiency, context_len, dtype: str | None, layout: tuple[int, int, int] | None,
+                             batch=None):
+    """Eff_attn of ``eff`` for a head layout (and decode batch, where measured per batch), from an
+    Efficiency that may not know layouts."""
     per_layout = getattr(type(eff), "cpu_attention_for_layout", None)
     if per_layout is None or layout is None:
         return eff.cpu_attention(context_len, dtype)
-    return eff.cpu_attention_for_layout(context_len, dtype, layout)
+    return eff.cpu_attention_for_layout(context_len, dtype, layout, batch)
 
 
 def cpu_prefill_attention(eff: Efficiency, tokens, dtype: str | None):

@@ -270,7 +270,7 @@ def t_cpu_attention_s(shape: Shape, hw: Hardware, eff: Efficiency, context_len) 
     kv_read = costs.d_kv_cache(m, b, context_len, shape.w_bytes)
     kv_write = costs.d_kv_write(m, b, 1, shape.w_bytes)
     layout = (m.num_heads, m.num_kv_heads, m.head_dim)
-    eff_attn = cpu_attention_for_layout(eff, context_len, cd, layout)
+    eff_attn = cpu_attention_for_layout(eff, context_len, cd, layout, b)
     return (t_memory_s(kv_read, bw, eff_attn) + t_memory_s(kv_write, bw, eff.cpu_memory(b, cd))
             + t_compute_s(costs.c_decode_attention(m, b, context_len), th, eff.cpu_compute(b, cd)))
 
