@@ -199,7 +199,10 @@ def derive_attention(rows: list[dict], peak_flops_per_s: float, bandwidth_bytes_
                                           if mem_s > 0 else EFF_MAX)
     if not per_batch:
         raise ValueError("no attention measurements")
-    tables = {b: Table(list(d), list(d.values())) for b, d in sorted(per_batch.items())}
+    # each batch's own curve kept physical like the mean below (its KV time never falls with more keys:
+    # the cpu-attention policies read these per batch)
+    tables = {b: Table(sorted(d), capped_growth(sorted(d), [d[L] for L in sorted(d)], power_law=False))
+              for b, d in sorted(per_batch.items())}
     lens = sorted({L for d in per_batch.values() for L in d})
     mean = capped_growth(lens, [float(np.mean([tables[b](L) for b in tables])) for L in lens], power_law=False)
     return Table(lens, mean), tables
@@ -220,16 +223,20 @@ def derive_attention_by_layout(rows: list[dict], peak_flops_per_s: float, bandwi
 
 def _by_batch(tables: dict, batch: float, context_len):
     """Eff_attn(ctx) at ``batch`` from tables per measured batch: linear in log(batch) between the
-    two nearest, the nearest one's beyond them."""
+    two nearest, the nearest one's beyond them. Each batch's factor is capped at the one before
+    it times 1 + ln(batch ratio) (``capped_growth``'s rule), so that b / Eff, the KV time, never
+    falls as the batch grows, whatever the rows measured."""
     bs = sorted(tables)
+    vals = [np.asarray(tables[bs[0]](context_len), dtype=float)]
+    for prev, b in zip(bs, bs[1:]):
+        vals.append(np.minimum(np.asarray(tables[b](context_len), dtype=float), vals[-1] * (1.0 + np.log(b / prev))))
     if batch <= bs[0] or len(bs) == 1:
-        return tables[bs[0]](context_len)
+        return vals[0]
     if batch >= bs[-1]:
-        return tables[bs[-1]](context_len)
+        return vals[-1]
     j = next(i for i, b in enumerate(bs) if b >= batch)
-    lo, hi = bs[j - 1], bs[j]
-    w = (np.log(batch) - np.log(lo)) / (np.log(hi) - np.log(lo))
-    return (1 - w) * tables[lo](context_len) + w * tables[hi](context_len)
+    w = (np.log(batch) - np.log(bs[j - 1])) / (np.log(bs[j]) - np.log(bs[j - 1]))
+    return (1 - w) * vals[j - 1] + w * vals[j]
 
 
 def _attention_spec(heads: int, kv_heads: int, head_dim: int, hidden: int | None = None,
