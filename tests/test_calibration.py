@@ -460,8 +460,8 @@ def test_attention_factor_per_batch_of_a_layout():
     per_batch = derive_attention_by_layout(rows, TH, BW, eff, per_batch=True)[(h, kvh, d)]
     assert _by_batch(per_batch, 1, 1000.0) == pytest.approx(0.6) and _by_batch(per_batch, 8, 1000.0) == pytest.approx(0.2)
     assert _by_batch(per_batch, 16, 1000.0) == pytest.approx(0.2) and _by_batch(per_batch, 0.5, 1000.0) == pytest.approx(0.6)
-    mid = _by_batch(per_batch, 2.828, 1000.0)  # the geometric middle of 1 and 8
-    assert mid == pytest.approx(0.4, rel=1e-3)
+    mid = _by_batch(per_batch, 2.828, 1000.0)  # the geometric middle of 1 and 8: a power law between them
+    assert mid == pytest.approx((0.6 * 0.2) ** 0.5, rel=1e-3)
     # a batch read far faster than the one before is capped: the KV time b / Eff never falls with the batch
     fast = {1: per_batch[1], 8: lambda L: 10 * per_batch[8](L)}
     times = [b / _by_batch(fast, b, 1000.0) for b in (1, 2, 4, 8, 16)]

@@ -222,21 +222,22 @@ def derive_attention_by_layout(rows: list[dict], peak_flops_per_s: float, bandwi
 
 
 def _by_batch(tables: dict, batch: float, context_len):
-    """Eff_attn(ctx) at ``batch`` from tables per measured batch: linear in log(batch) between the
-    two nearest, the nearest one's beyond them. Each batch's factor is capped at the one before
-    it times 1 + ln(batch ratio) (``capped_growth``'s rule), so that b / Eff, the KV time, never
-    falls as the batch grows, whatever the rows measured."""
+    """Eff_attn(ctx) at ``batch`` from tables per measured batch: a power law between the two
+    nearest (linear in log-log), the nearest one's beyond them. Each batch's factor is capped at
+    the one before it times the batch ratio, so that b / Eff, the KV time, never falls as the
+    batch grows, whatever the rows measured (a small batch's reads carry a fixed per-call cost:
+    the factor may grow nearly as fast as the batch, as it did for an MQA cache here)."""
     bs = sorted(tables)
     vals = [np.asarray(tables[bs[0]](context_len), dtype=float)]
     for prev, b in zip(bs, bs[1:]):
-        vals.append(np.minimum(np.asarray(tables[b](context_len), dtype=float), vals[-1] * (1.0 + np.log(b / prev))))
+        vals.append(np.minimum(np.asarray(tables[b](context_len), dtype=float), vals[-1] * (b / prev)))
     if batch <= bs[0] or len(bs) == 1:
         return vals[0]
     if batch >= bs[-1]:
         return vals[-1]
     j = next(i for i, b in enumerate(bs) if b >= batch)
     w = (np.log(batch) - np.log(bs[j - 1])) / (np.log(bs[j]) - np.log(bs[j - 1]))
-    return (1 - w) * vals[j - 1] + w * vals[j]
+    return np.exp((1 - w) * np.log(vals[j - 1]) + w * np.log(vals[j]))
 
 
 def _attention_spec(heads: int, kv_heads: int, head_dim: int, hidden: int | None = None,

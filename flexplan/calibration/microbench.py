@@ -369,7 +369,7 @@ def attention(sizes: Sizes, dtype: str, device: str = "cpu", sync=None,
                     kvs = Cycle([(torch.full((L, b, kv_heads, hd), 0.1, dtype=dt).permute(1, 2, 0, 3),
                                   torch.full((L, b, kv_heads, hd), 0.2, dtype=dt).permute(1, 2, 0, 3))
                                  for _ in range(copies_for(one, rotate_bytes(sizes)))])
-                    q3 = q[:, :, 0]
+                    q3 = torch.full((b, heads, hd), 0.1, dtype=dt)  # one query per sequence, contiguous as the executor's
 
                     def call():
                         k, v = kvs.next()
