@@ -191,6 +191,9 @@ def test_match_cpu_and_gpu():
     assert hwdb.match_cpu("AMD EPYC 7763 64-Core Processor")["id"] == "epyc-7763"
     assert hwdb.match_cpu("AMD EPYC", {"avx2"})["id"] == "amd-epyc-generic-avx2"
     assert hwdb.match_cpu("AMD EPYC", {"avx2", "avx512f", "avx512_bf16"})["id"] == "amd-epyc-generic-zen4"
+    # Zen 5 shows AVX512_VP2INTERSECT, which Zen 4 lacks: its full 512-bit datapath doubles the peak
+    zen5 = hwdb.match_cpu("AMD EPYC", {"avx2", "avx512f", "avx512_bf16", "avx512_vp2intersect"})
+    assert zen5["id"] == "amd-epyc-generic-zen5"
     assert hwdb.match_cpu("AMD EPYC 7B13", {"avx2"}) is None  # generic entries match the SKU-less name only
     assert hwdb.match_cpu("Fancy CPU 9000") is None
     assert hwdb.match_gpu("NVIDIA A10")["id"] == "a10"  # not an A100

@@ -22,7 +22,7 @@ from flexplan.hardware.spec import DTYPE_BYTES, CPUSpec, GPUSpec, Hardware, Link
 
 HWDB_DIR_ENV = "FLEXPLAN_HWDB_DIR"
 KINDS = ("servers", "cpus", "gpus", "links")
-ISA_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "avx512_fp16",
+ISA_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "avx512_fp16", "avx512_vp2intersect",
              "amx_bf16", "amx_int8", "amx_tile", "amx_fp16")
 ASSUMED_CPU_MEMORY_BYTES_PER_SOCKET = 256 * 2**30
 HINT = " (`flexplan hw --list` lists hwdb)"
