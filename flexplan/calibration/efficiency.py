@@ -209,16 +209,15 @@ def derive_attention(rows: list[dict], peak_flops_per_s: float, bandwidth_bytes_
 
 
 def derive_attention_by_layout(rows: list[dict], peak_flops_per_s: float, bandwidth_bytes_per_s: float,
-                               eff_compute: Table, dispatch_s: float = 0.0, per_batch: bool = False) -> dict:
-    """Eff_attn(ctx) of each (query heads, KV heads, head dim) layout measured: :func:`derive_attention`
-    over that layout's rows (GQA groups and head widths read the KV cache at different rates); with
-    ``per_batch``, {batch: Eff_attn(ctx)} per layout instead of the mean over batches."""
+                               eff_compute: Table, dispatch_s: float = 0.0) -> dict[tuple[int, int, int], tuple]:
+    """(Eff_attn(ctx) over batches, {batch: Eff_attn(ctx)}) of each (query heads, KV heads, head
+    dim) layout measured: :func:`derive_attention` over that layout's rows (GQA groups and head
+    widths read the KV cache at different rates, and so do batch sizes)."""
     layouts: dict[tuple[int, int, int], list[dict]] = {}
     for r in rows:
         layouts.setdefault((int(r["heads"]), int(r["kv_heads"]), int(r["head_dim"])), []).append(r)
-    out = {k: derive_attention(v, peak_flops_per_s, bandwidth_bytes_per_s, eff_compute, dispatch_s)
-           for k, v in layouts.items()}
-    return {k: (tables if per_batch else mean) for k, (mean, tables) in out.items()}
+    return {k: derive_attention(v, peak_flops_per_s, bandwidth_bytes_per_s, eff_compute, dispatch_s)
+            for k, v in layouts.items()}
 
 
 def _by_batch(tables: dict, batch: float, context_len):
@@ -503,8 +502,9 @@ def cpu_factors(meas: dict, dtype: str, hw: Hardware, notes: list[str]) -> CPUFa
     # SDPA's dispatch cost is taken out of SDPA rows; the native kernel's rows carry their own call
     attn_call_s = 0.0 if any(r.get("kernel") == "native" for r in attn_rows) else float(disp.get("sdpa_call_s", 0.0))
     eff_a = derive_attention(first, th, bw, eff_c, attn_call_s)[0] if first else None
-    by_layout = derive_attention_by_layout(attn_rows, th, bw, eff_c, attn_call_s)
-    by_layout_batch = derive_attention_by_layout(attn_rows, th, bw, eff_c, attn_call_s, per_batch=True)
+    derived = derive_attention_by_layout(attn_rows, th, bw, eff_c, attn_call_s)
+    by_layout = {k: mean for k, (mean, _) in derived.items()}
+    by_layout_batch = {k: tables for k, (_, tables) in derived.items()}
     if eff_a is None:
         notes.append(f"CPU {dtype} attention not measured: KV reads use the weight-streaming factor")
     head_rows = _of_dtype(check_rows(meas.get("cpu_head_gemv"), GEMM_KEYS, "measurements.cpu_head_gemv"), dtype)
