@@ -7,7 +7,10 @@ weights; packed with batch hint 1 (what flexplan uses for batch-1 decode plans);
 no hint (the generic layout, used for larger batches); for fp32, flexplan's blocked layout
 (flexplan/executor/native_gemv.c, for every batch; the default where the native kernel builds); and
 what split-points' CPU operators run on their dense pinned weights (``split_layer.cpu_operator_linear``:
-the native dense-row GEMV up to 32 rows, widening bf16, ``F.linear`` in float32 above). Each round times every kernel once, interleaved, so this
+the native dense kernel, widening bf16: its row kernel up to 32 rows, packed panels above); with
+``--dense-source FILE``, also the dense kernel compiled from another ``native_gemv.c`` (an older
+revision: ``git show REV:flexplan/executor/native_gemv.c > old.c``), so old and new run in one
+process. Each round times every kernel once, interleaved, so this
 VM's bandwidth swings hit all alike; the median over ``--rounds`` is reported (GB/s of weights
 and GFLOP/s) next to a STREAM triad sample taken before each round, with the median over rounds of
 each kernel's rate as a fraction of that round's triad, and the largest difference of each
@@ -15,6 +18,8 @@ kernel's output from ``F.linear``'s.
 
     python benchmarks/bench_cpu_linear.py            # writes results/bench_cpu_linear.json
     python benchmarks/bench_cpu_linear.py --rounds 5 --batches 1,4,8,512 --name bench_cpu_linear_avx2_split_dense
+    python benchmarks/bench_cpu_linear.py --rounds 5 --batches 1,4,8,16,32,64,128,512 --dtypes float32 \
+        --dense-source old.c --name bench_cpu_linear_avx512_dense_panels
 """
 
 from __future__ import annotations
@@ -30,12 +35,27 @@ SHAPES = [(HIDDEN, HIDDEN), (KV, HIDDEN), (KV, HIDDEN), (HIDDEN, HIDDEN), (INTER
           (HIDDEN, INTER)]  # (out, in): q, k, v, o, gate, up, down
 
 
+def _compiled(source: str):
+    """The dense and blocked kernels of another ``native_gemv.c``, compiled as flexplan compiles its own."""
+    import ctypes
+    import subprocess
+    import tempfile
+    from pathlib import Path
+
+    from flexplan.executor.native import CFLAGS, NativeGemv, _compiler
+
+    lib = Path(tempfile.mkdtemp()) / "other_gemv.so"
+    subprocess.run([_compiler(), *CFLAGS, source, "-o", str(lib)], check=True)
+    return NativeGemv(ctypes.CDLL(str(lib)), lib)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rounds", type=int, default=9)
     ap.add_argument("--batches", default="1,8,512", help="rows of x: decode batches and prefill tokens")
     ap.add_argument("--dtypes", default="float32,bfloat16")
     ap.add_argument("--name", default="bench_cpu_linear", help="results/<name>.json")
+    ap.add_argument("--dense-source", help="another native_gemv.c whose dense kernel runs beside this one's")
     args = ap.parse_args(argv)
     import torch
     import torch.nn.functional as F
@@ -57,6 +77,11 @@ def main(argv: list[str] | None = None) -> int:
             kernels["blocked"] = ([cpu_linear.block(w) for w in dense], cpu_linear.blocked_linear)
         if native.available():  # split-points' CPU operators: dense weights (native dense GEMV up to 32 rows)
             kernels["split dense"] = (dense, lambda x, w: cpu_operator_linear(x, w, None, torch.float32))
+            if args.dense_source:
+                other = _compiled(args.dense_source)
+                kernels["split dense (--dense-source)"] = (
+                    dense, lambda x, w, o=other: o.dense_gemv(w, x.reshape(-1, x.shape[-1]).float().contiguous(),
+                                                None).reshape(*x.shape[:-1], -1))
         for batch in (int(b) for b in args.batches.split(",")):
             xs = {k: torch.randn(batch, 1, k).to(dt) for k in (HIDDEN, INTER)}
             rates = {name: [] for name in kernels}
@@ -88,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{dtype_name:<9} batch {batch:>3}: {cells}  (STREAM triad median {median(stream) / 1e9:.1f} GB/s; "
                   f"max |kernel - F.linear| {max(diff.values()):.1e})", flush=True)
         del dense, kernels
-    path = write_result(args.name, {"threads": torch.get_num_threads(), "layers": LAYERS,
+    path = write_result(args.name, {"threads": torch.get_num_threads(), "layers": LAYERS, "dense_source": args.dense_source,
                                              "shapes_out_in": SHAPES, "rounds": args.rounds, "rows": results})
     print(f"\nwrote {path}")
     return 0

@@ -202,11 +202,12 @@ def test_16bit_weights_that_cannot_be_blocked_are_widened_for_the_float32_cpu():
 
 @needs_native
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("tokens", [1, 2, 5, 6, 11, 32])
-@pytest.mark.parametrize("out,k,with_bias", [(7, 64, True), (130, 96, False), (64, 304, True)])
+@pytest.mark.parametrize("tokens", [1, 2, 5, 6, 11, 32, 33, 70])
+@pytest.mark.parametrize("out,k,with_bias", [(7, 64, True), (130, 96, False), (64, 304, True), (192, 208, True)])
 def test_dense_gemv_matches_f_linear_on_the_float32_widening(dtype, tokens, out, k, with_bias):
     """The dense row-major kernel (split-points layers' CPU operators): any ``out`` (rows past the
-    last group of four), batch rows past a group, 16-bit weights widened exactly."""
+    last group of four; above 32 batch rows, rows past the last 64-row panel), batch rows past a
+    group and past a panel's chunk of ``in``, 16-bit weights widened exactly."""
     g = torch.Generator().manual_seed(tokens * 1000 + out + k)
     w = torch.randn(out, k, generator=g).to(dtype)
     x = torch.randn(tokens, k, generator=g)
@@ -227,7 +228,7 @@ def test_dense_gemv_refuses_an_inner_size_off_the_vector_width():
 
 
 @pytest.mark.parametrize("rows,k,dtype,compute", [(1, 64, torch.bfloat16, torch.float32), (4, 64, torch.float32, torch.float32),
-                                                  (40, 64, torch.bfloat16, torch.float32),  # above DENSE_MAX_ROWS: GEMM
+                                                  (40, 64, torch.bfloat16, torch.float32),  # packed panels
                                                   (3, 37, torch.float32, torch.float32),  # off the vector width
                                                   (2, 64, torch.bfloat16, torch.bfloat16)])  # a bf16 CPU: oneDNN
 def test_split_cpu_operator_linear_is_f_linear_in_the_cpu_dtype(rows, k, dtype, compute):

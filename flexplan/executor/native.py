@@ -229,11 +229,13 @@ def _self_check(native: NativeGemv) -> None:
         out, k = w.shape
         return native.gemv(w.view(out // native.block, native.block, k).transpose(1, 2).contiguous(), x, b)
 
-    # (name, kernel, sizes (out, in, batch, bias)): the dense kernel's outs not a multiple of its 4 rows
+    # (name, kernel, sizes (out, in, batch, bias)): the dense kernel's outs not a multiple of its 4 rows,
+    # and above 32 batch rows its 64-row panels with rows left over
     kernels = (("blocked", blocked, ((128, 37, 1, True), (64, 300, 6, False), (192, 64, 3, True))),
-               ("dense", native.dense_gemv, ((7, 64, 1, True), (130, 96, 6, False), (4, 32, 11, True))))
+               ("dense", native.dense_gemv, ((7, 64, 1, True), (130, 96, 6, False), (4, 32, 11, True),
+                                              (130, 96, 40, True))))
     for name, kernel, sizes in kernels:
-        for (out, k, batch, with_bias), dtype in zip(sizes * 3, [d for d in WEIGHT_TYPES for _ in range(3)]):
+        for (out, k, batch, with_bias), dtype in ((size, d) for size in sizes for d in WEIGHT_TYPES):
             w = torch.randn(out, k, generator=g).to(dtype)
             x = torch.randn(batch, k, generator=g)
             b = torch.randn(out, generator=g) if with_bias else None

@@ -84,6 +84,8 @@ static inline float vsum(vec a) { return a; }
 #define NV (BLOCK / VW) /* vectors per row of a block */
 #define GROUP_MAX 6
 #define DENSE_ROWS 4 /* weight rows per pass of the dense kernel: 4 sequential streams per thread */
+#define DENSE_PREFETCH 512 /* elements ahead the row kernel prefetches in each of its rows (non-temporal) */
+#define DENSE_ROW_MAX 32 /* batch rows up to which a dense weight takes the row kernel; above, packed panels */
 #define CHUNK_BYTES 16384 /* bytes of a block's rows per pass (in L1) */
 /* The first batch group's pass over a block prefetches PREFETCH_BYTES ahead (8 KB) with the
  * non-temporal hint: the weights, read once per step, then displace less of the caches that the
@@ -144,6 +146,55 @@ static inline __attribute__((always_inline)) vec wload(const void* p, int64_t id
     return f;
   }
   return f16_to_f32(h[0]);
+#endif
+}
+
+/* r[j] = row j of a VW x VW tile -> r[c] = column c (in registers). */
+static inline __attribute__((always_inline)) void transpose_tile(vec* r) {
+#if defined(__AVX512F__)
+  __m512 t[16];
+  _Pragma("GCC unroll 8") for (int k = 0; k < 8; ++k) {
+    t[2 * k] = _mm512_unpacklo_ps(r[2 * k], r[2 * k + 1]);
+    t[2 * k + 1] = _mm512_unpackhi_ps(r[2 * k], r[2 * k + 1]);
+  }
+  __m512 u[16]; /* u[4k + m], lane L: column 4L + m of rows 4k..4k+3 */
+  _Pragma("GCC unroll 4") for (int k = 0; k < 4; ++k) {
+    const __m512d a = _mm512_castps_pd(t[4 * k]), b = _mm512_castps_pd(t[4 * k + 2]);
+    const __m512d c = _mm512_castps_pd(t[4 * k + 1]), d = _mm512_castps_pd(t[4 * k + 3]);
+    u[4 * k] = _mm512_castpd_ps(_mm512_unpacklo_pd(a, b));
+    u[4 * k + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(a, b));
+    u[4 * k + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(c, d));
+    u[4 * k + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(c, d));
+  }
+  _Pragma("GCC unroll 4") for (int m = 0; m < 4; ++m) { /* a 4 x 4 transpose of 128-bit lanes */
+    const __m512 s0 = _mm512_shuffle_f32x4(u[m], u[4 + m], 0x44), s1 = _mm512_shuffle_f32x4(u[m], u[4 + m], 0xEE);
+    const __m512 s2 = _mm512_shuffle_f32x4(u[8 + m], u[12 + m], 0x44);
+    const __m512 s3 = _mm512_shuffle_f32x4(u[8 + m], u[12 + m], 0xEE);
+    r[m] = _mm512_shuffle_f32x4(s0, s2, 0x88);
+    r[4 + m] = _mm512_shuffle_f32x4(s0, s2, 0xDD);
+    r[8 + m] = _mm512_shuffle_f32x4(s1, s3, 0x88);
+    r[12 + m] = _mm512_shuffle_f32x4(s1, s3, 0xDD);
+  }
+#elif defined(__AVX2__) && defined(__FMA__)
+  __m256 t[8], u[8];
+  _Pragma("GCC unroll 4") for (int k = 0; k < 4; ++k) {
+    t[2 * k] = _mm256_unpacklo_ps(r[2 * k], r[2 * k + 1]);
+    t[2 * k + 1] = _mm256_unpackhi_ps(r[2 * k], r[2 * k + 1]);
+  }
+  _Pragma("GCC unroll 2") for (int k = 0; k < 2; ++k) {
+    const __m256d a = _mm256_castps_pd(t[4 * k]), b = _mm256_castps_pd(t[4 * k + 2]);
+    const __m256d c = _mm256_castps_pd(t[4 * k + 1]), d = _mm256_castps_pd(t[4 * k + 3]);
+    u[4 * k] = _mm256_castpd_ps(_mm256_unpacklo_pd(a, b));
+    u[4 * k + 1] = _mm256_castpd_ps(_mm256_unpackhi_pd(a, b));
+    u[4 * k + 2] = _mm256_castpd_ps(_mm256_unpacklo_pd(c, d));
+    u[4 * k + 3] = _mm256_castpd_ps(_mm256_unpackhi_pd(c, d));
+  }
+  _Pragma("GCC unroll 4") for (int m = 0; m < 4; ++m) {
+    r[m] = _mm256_permute2f128_ps(u[m], u[4 + m], 0x20);
+    r[4 + m] = _mm256_permute2f128_ps(u[m], u[4 + m], 0x31);
+  }
+#else
+  (void)r; /* VW = 1: a 1 x 1 tile is its own transpose */
 #endif
 }
 
@@ -223,20 +274,26 @@ int flexplan_blocked_gemv(const void* P, int64_t wtype, const float* x, float* y
 }
 
 /* The same product on a DENSE row-major W [out, in] (the layout a weight keeps where it must also
- * cross to an accelerator as it is: the split-points policy's pinned layers), for decode-sized
- * batches: each thread takes groups of DENSE_ROWS rows and walks them together (DENSE_ROWS
- * sequential streams) against DENSE_GROUP batch rows of x at a time, y[b, o] = sum_i W[o, i] x[b, i]
- * summed in VW lanes, then across them. The rows of a group are re-read from L1/L2 for each further
- * batch group, so DRAM sees them once per step. `in` must be a multiple of VW. */
+ * cross to an accelerator as it is: the split-points policy's pinned layers). Up to
+ * DENSE_ROW_MAX batch rows: each thread takes groups of DENSE_ROWS rows and walks them together
+ * (DENSE_ROWS sequential streams) against DENSE_GROUP batch rows of x at a time, y[b, o] = sum_i
+ * W[o, i] x[b, i] summed in VW lanes, then across them; the rows of a group are re-read from L1/L2
+ * for each further batch group, so DRAM sees them once per step. `in` must be a multiple of VW. */
 static inline __attribute__((always_inline)) void dense_rows(const void* W, const float* x, float* y, int64_t in,
                                                              int64_t out, int64_t o0, const int nr, const int nb,
-                                                             const int wt) {
+                                                             const int prefetch, const int wt) {
   vec acc[DENSE_ROWS][DENSE_GROUP];
   _Pragma("GCC unroll 4") for (int r = 0; r < nr; ++r)
     _Pragma("GCC unroll 6") for (int b = 0; b < nb; ++b) acc[r][b] = vzero();
   for (int64_t i = 0; i < in; i += VW) {
     vec w[DENSE_ROWS];
-    _Pragma("GCC unroll 4") for (int r = 0; r < nr; ++r) w[r] = wload(W, (o0 + r) * in + i, wt);
+    _Pragma("GCC unroll 4") for (int r = 0; r < nr; ++r) {
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+      if (prefetch && nb > 2 && (i * (wt == WEIGHT_F32 ? 4 : 2)) % 64 == 0)
+        _mm_prefetch((const char*)W + ((o0 + r) * in + i + DENSE_PREFETCH) * (wt == WEIGHT_F32 ? 4 : 2), _MM_HINT_NTA);
+#endif
+      w[r] = wload(W, (o0 + r) * in + i, wt);
+    }
     _Pragma("GCC unroll 6") for (int b = 0; b < nb; ++b) {
       const vec xb = vload(x + b * in + i);
       _Pragma("GCC unroll 4") for (int r = 0; r < nr; ++r) acc[r][b] = vfma(w[r], xb, acc[r][b]);
@@ -255,26 +312,85 @@ static inline __attribute__((always_inline)) void dense_group(const void* W, con
     float* yb = y + b * out;
     switch (nb) {
 #if DENSE_GROUP >= 5
-      case 5: dense_rows(W, xb, yb, in, out, o0, nr, 5, wt); break;
-      case 4: dense_rows(W, xb, yb, in, out, o0, nr, 4, wt); break;
-      case 3: dense_rows(W, xb, yb, in, out, o0, nr, 3, wt); break;
+      case 5: dense_rows(W, xb, yb, in, out, o0, nr, 5, b == 0, wt); break;
+      case 4: dense_rows(W, xb, yb, in, out, o0, nr, 4, b == 0, wt); break;
+      case 3: dense_rows(W, xb, yb, in, out, o0, nr, 3, b == 0, wt); break;
 #endif
-      case 2: dense_rows(W, xb, yb, in, out, o0, nr, 2, wt); break;
-      default: dense_rows(W, xb, yb, in, out, o0, nr, 1, wt); break;
+      case 2: dense_rows(W, xb, yb, in, out, o0, nr, 2, b == 0, wt); break;
+      default: dense_rows(W, xb, yb, in, out, o0, nr, 1, b == 0, wt); break;
     }
   }
 }
 
-/* y = x W^T (+ bias) for a dense W [out, in] of weight type wtype. Returns 0, or -1 for an unknown
- * weight type or `in` not a multiple of the vector width. */
+/* More batch rows (above DENSE_ROW_MAX): each thread takes panels of 64 rows of W and packs each
+ * chunk of a panel (CHUNK_BYTES of float32) into the blocked layout in a buffer of its own,
+ * transposing VW x VW tiles in registers (16-bit weights widened), then runs the blocked kernel's
+ * inner loop (block_rows) on it for every batch group: the packing is paid once per weight and
+ * step, the compute at the blocked kernel's rate (on the development machine the row kernel
+ * above topped at about half of it, ~230 against ~460 GFLOP/s at 128 rows, whatever its chunking;
+ * stock F.linear ~160). */
+static inline __attribute__((always_inline)) void dense_panel(const void* W, const float* x, float* y,
+                                                              const float* bias, int64_t in, int64_t out,
+                                                              int64_t batch, int64_t o0, float* buf, const int wt) {
+  const int64_t chunk = CHUNK_BYTES / (BLOCK * 4);
+  for (int64_t i0 = 0; i0 < in; i0 += chunk) {
+    const int64_t i1 = i0 + chunk < in ? i0 + chunk : in;
+    for (int64_t i = i0; i < i1; i += VW)
+      _Pragma("GCC unroll 4") for (int c0 = 0; c0 < BLOCK; c0 += VW) {
+        vec r[VW];
+        _Pragma("GCC unroll 16") for (int j = 0; j < VW; ++j) r[j] = wload(W, (o0 + c0 + j) * in + i, wt);
+        transpose_tile(r);
+        _Pragma("GCC unroll 16") for (int j = 0; j < VW; ++j) vstore(buf + (i - i0 + j) * BLOCK + c0, r[j]);
+      }
+    for (int64_t b = 0; b < batch; b += GROUP) {
+      const float* xb = x + b * in + i0;
+      float* yb = y + b * out + o0;
+      const int first = i0 == 0;
+      switch (batch - b < GROUP ? batch - b : GROUP) {
+#if GROUP >= 6
+        case 6: block_rows(buf, xb, yb, in, out, 0, i1 - i0, first, 0, 6, WEIGHT_F32); break;
+        case 5: block_rows(buf, xb, yb, in, out, 0, i1 - i0, first, 0, 5, WEIGHT_F32); break;
+        case 4: block_rows(buf, xb, yb, in, out, 0, i1 - i0, first, 0, 4, WEIGHT_F32); break;
+        case 3: block_rows(buf, xb, yb, in, out, 0, i1 - i0, first, 0, 3, WEIGHT_F32); break;
+        case 2: block_rows(buf, xb, yb, in, out, 0, i1 - i0, first, 0, 2, WEIGHT_F32); break;
+#endif
+        default: block_rows(buf, xb, yb, in, out, 0, i1 - i0, first, 0, 1, WEIGHT_F32); break;
+      }
+    }
+  }
+  if (bias)
+    for (int64_t b = 0; b < batch; ++b)
+      for (int v = 0; v < NV; ++v) {
+        float* yv = y + b * out + o0 + v * VW;
+        vstore(yv, vadd(vload(yv), vload(bias + o0 + v * VW)));
+      }
+}
+
+/* y = x W^T (+ bias) for a dense W [out, in] of weight type wtype: above DENSE_ROW_MAX batch rows
+ * its whole 64-row panels packed chunk by chunk (dense_panel), the rows left (all of them up to
+ * DENSE_ROW_MAX batch rows) by the row kernel. Returns 0, or -1 for an unknown weight type or `in`
+ * not a multiple of the vector width. */
 int flexplan_dense_gemv(const void* W, int64_t wtype, const float* x, float* y, const float* bias, int64_t out,
                         int64_t in, int64_t batch) {
   if (wtype != WEIGHT_F32 && wtype != WEIGHT_BF16 && wtype != WEIGHT_F16) return -1;
   if (in % VW) return -1;
-  const int64_t groups = (out + DENSE_ROWS - 1) / DENSE_ROWS;
+  const int64_t panels = batch > DENSE_ROW_MAX ? out / BLOCK : 0, first_row = panels * BLOCK;
+  if (panels) {
+#pragma omp parallel
+    {
+      float buf[CHUNK_BYTES / 4] __attribute__((aligned(64))); /* this thread's packed chunk */
+#pragma omp for schedule(static)
+      for (int64_t k = 0; k < panels; ++k) {
+        if (wtype == WEIGHT_F32) dense_panel(W, x, y, bias, in, out, batch, k * BLOCK, buf, WEIGHT_F32);
+        else if (wtype == WEIGHT_BF16) dense_panel(W, x, y, bias, in, out, batch, k * BLOCK, buf, WEIGHT_BF16);
+        else dense_panel(W, x, y, bias, in, out, batch, k * BLOCK, buf, WEIGHT_F16);
+      }
+    }
+  }
+  const int64_t groups = (out - first_row + DENSE_ROWS - 1) / DENSE_ROWS;
 #pragma omp parallel for schedule(static)
   for (int64_t g = 0; g < groups; ++g) {
-    const int64_t o0 = g * DENSE_ROWS;
+    const int64_t o0 = first_row + g * DENSE_ROWS;
     const int nr = out - o0 < DENSE_ROWS ? (int)(out - o0) : DENSE_ROWS;
     for (int r0 = 0; r0 < nr; r0 += (nr == DENSE_ROWS ? DENSE_ROWS : 1)) {
       if (nr == DENSE_ROWS) {
@@ -290,6 +406,6 @@ int flexplan_dense_gemv(const void* W, int64_t wtype, const float* x, float* y, 
   }
   if (bias)
     for (int64_t b = 0; b < batch; ++b)
-      for (int64_t o = 0; o < out; ++o) y[b * out + o] += bias[o];
+      for (int64_t o = first_row; o < out; ++o) y[b * out + o] += bias[o];
   return 0;
 }

@@ -14,9 +14,12 @@ their pinned home and its KV cache at home in host memory: the CPU computes ever
 
 A Linear operator the plan leaves on the CPU computes as the plan's CPU does (its ``cpu_dtype``), on
 its dense pinned weight (the layout its accelerator copy needs, kept as the one host copy):
-:func:`cpu_operator_linear`, the native dense GEMV up to :data:`DENSE_MAX_ROWS` rows (decode), a GEMM above.
-Stock ``F.linear`` read Llama-3-8B's projections at 3-4 GB/s at batch 4-8 on the development VM, a
-quarter of what the estimator's calibrated GEMV rates give (``flexplan validate --split-ops``).
+:func:`cpu_operator_linear`, the native dense kernel (``native_gemv.c``): 4 weight rows per pass for
+decode-sized batches, 64-row panels packed chunk by chunk into the blocked layout above 32 rows.
+On the development VM (Zen 5, 2 threads, Llama-3-8B's MLP shape, float32) stock ``F.linear`` read
+the weights at 10 GB/s at 4 rows where this kernel reads 41 (the blocked kernel 48), and computed
+128 rows at 140-160 GFLOP/s where it computes 340 (blocked 440-460; ``benchmarks/bench_cpu_linear.py``).
+The estimator prices these operators at the dense kernel's own calibrated rates (``flexplan validate --split-ops``).
 
 Only the accelerator operators' weights are prefetched into the slot (:func:`load`). The operators
 are found from transformers' module structure, not per family: the Linear children of ``self_attn``
@@ -61,22 +64,16 @@ def operator_modules(layer: nn.Module, operators: tuple[str, ...]) -> list[nn.Mo
     return ops if len(ops) == len(operators) else None
 
 
-# Rows (tokens) up to which a CPU operator runs the native dense GEMV: there it reads the weight once
-# at 2-5x F.linear's rate, float32 or 16-bit widened (development VM, AVX2, Llama-3-8B's MLP shape:
-# 19-28 GB/s at 1 row, 15-19 at 8, 5.6 at 32, F.linear 3-4 from 4 rows up); above it oneDNN's GEMM,
-# which overtakes it near 64 rows (float32: 2.3 vs 2.2 GB/s at 64, 128 vs 77 GFLOP/s at 512).
-DENSE_MAX_ROWS = 32
-
-
 def cpu_operator_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                compute_dtype: torch.dtype) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` for a split layer's operator on the CPU, computed in
     ``compute_dtype`` (the plan's CPU dtype) on a dense weight of any 16/32-bit dtype, the result in
-    ``x``'s dtype: the native dense GEMV for float32 computation up to :data:`DENSE_MAX_ROWS` rows
-    (16-bit weights widened as read), else ``F.linear`` in ``compute_dtype``."""
+    ``x``'s dtype: the native dense kernel for float32 computation (16-bit weights widened as read;
+    its row kernel for decode-sized batches, packed 64-row panels for prefill), else ``F.linear`` in
+    ``compute_dtype``."""
     k, out = x.shape[-1], weight.shape[0]
     rows = x.numel() // max(k, 1)
-    gemv = native.status()[0] if compute_dtype == torch.float32 and rows <= DENSE_MAX_ROWS else None
+    gemv = native.status()[0] if compute_dtype == torch.float32 else None
     if (gemv is not None and weight.dtype in native.WEIGHT_TYPES and weight.is_contiguous()
             and k % gemv.vector_width == 0):
         y = gemv.dense_gemv(weight, x.reshape(rows, k).to(torch.float32).contiguous(),
