@@ -5,8 +5,12 @@ Qwen3-30B-A3B-shaped experts (hidden 2048, expert width 768, 8 of E experts per 
 layer here, not 128, so that 4 layers of fp32 experts, 2.4 GB, fit a small machine: a step's bytes
 and the GEMV shapes are those of the real model), routed uniformly at random. Each round times, for
 each decode batch b, one step through the 4 layers' routed experts (routed_experts_forward on
-blocked float32 copies, as the executor holds them), then the same bytes as one dense blocked GEMV
-pass, and a STREAM triad sample. Reported per batch: GB/s of expert weights read (the distinct
+blocked float32 copies, as the executor holds them: all selected experts of a projection in one
+native call), the same step with one native call per expert and projection (the path before the
+grouped kernel, ``grouped=False``), then a batch-1 step's bytes as dense blocked GEMVs of the same
+shapes (the top-k experts' gate_up stacked, their down side by side), and a
+STREAM triad sample (the three in an order rotated each round: the first one after the triad
+writes back its dirty lines). Reported per batch: GB/s of expert weights read (the distinct
 experts the step's tokens picked x 3 x 2048 x 768 x 4 bytes), their median share of the triad,
 and the dense GEMV's share. A shared or busy machine moves every figure; compare shares, not rates.
 
@@ -58,37 +62,53 @@ def main(argv: list[str] | None = None) -> int:
                     cpu_experts.block_experts_into(dense, transposed, torch.empty(dense.numel())), requires_grad=False)
         layers.append(m)
     expert_bytes = 3 * HIDDEN * WIDTH * 4
-    dense_w = [cpu_linear.block(torch.randn(2 * WIDTH * 8, HIDDEN, generator=g)) for _ in range(LAYERS)]
+    # the dense reference: per layer, the top-k experts' projections as two dense matrices of the same
+    # shapes (gate_up stacked: 2 x 768 x 8 by 2048; down side by side: 2048 by 768 x 8), the bytes of a
+    # batch-1 step
+    dense_w = [cpu_linear.block(torch.randn(2 * WIDTH * TOP_K, HIDDEN, generator=g)) for _ in range(LAYERS)]
+    dense_w += [cpu_linear.block(torch.randn(HIDDEN, WIDTH * TOP_K, generator=g)) for _ in range(LAYERS)]
     dense_bytes = sum(w.numel() * 4 for w in dense_w)
     out = []
     for b in (int(x) for x in args.batches.split(",")):
-        rates, shares, dense_shares, distinct = [], [], [], []
+        rates, shares, dense_shares, distinct, loop_shares = [], [], [], [], []
         for _ in range(args.rounds):
             triad = stream_triad_bytes_per_s()
             x = torch.randn(b, HIDDEN, generator=g)
             idx = torch.stack([torch.randperm(EXPERTS, generator=g)[:TOP_K] for _ in range(b)])
             w = torch.rand(b, TOP_K, generator=g)
             picked = int(torch.unique(idx).numel())
-            t0 = time.perf_counter()
-            with torch.no_grad():
-                for m in layers:
-                    cpu_experts.routed_experts_forward(m, x, idx, w)
-            dt = time.perf_counter() - t0
-            t0 = time.perf_counter()
-            for wd in dense_w:
-                cpu_linear.blocked_linear(x, wd)
-            dt_dense = time.perf_counter() - t0
+            def experts_step(grouped, x=x, idx=idx, w=w):
+                with torch.no_grad():
+                    for m in layers:
+                        cpu_experts.routed_experts_forward(m, x, idx, w, grouped=grouped)
+
+            def dense_step(x=x, h=torch.randn(b, WIDTH * TOP_K, generator=g)):
+                for wd in dense_w:
+                    cpu_linear.blocked_linear(x if wd.shape[1] == HIDDEN else h, wd)
+
+            runs = [("grouped", lambda: experts_step(True)), ("per expert", lambda: experts_step(False)),
+                    ("dense", dense_step)]
+            k = len(distinct) % len(runs)  # rotated each round: the first after the triad meets its dirty lines
+            seconds = {}
+            for name, fn in runs[k:] + runs[:k]:
+                t0 = time.perf_counter()
+                fn()
+                seconds[name] = time.perf_counter() - t0
+            dt, dt_loop, dt_dense = seconds["grouped"], seconds["per expert"], seconds["dense"]
+            loop_shares.append(LAYERS * picked * expert_bytes / dt_loop / triad)
             rate = LAYERS * picked * expert_bytes / dt
             rates.append(rate)
             shares.append(rate / triad)
             dense_shares.append(dense_bytes / dt_dense / triad)
             distinct.append(picked)
         row = {"batch": b, "distinct_experts": median(distinct), "expert_gb_per_s": median(rates) / 1e9,
-               "expert_share_of_triad": median(shares), "dense_gemv_share_of_triad": median(dense_shares)}
+               "expert_share_of_triad": median(shares), "dense_gemv_share_of_triad": median(dense_shares),
+               "per_expert_calls_share_of_triad": median(loop_shares)}
         out.append(row)
         print(f"batch {b:3d}: {row['distinct_experts']:.0f} experts/layer, {row['expert_gb_per_s']:.1f} GB/s, "
               f"{100 * row['expert_share_of_triad']:.0f}% of triad (dense blocked GEMV "
-              f"{100 * row['dense_gemv_share_of_triad']:.0f}%)")
+              f"{100 * row['dense_gemv_share_of_triad']:.0f}%; one call per expert and projection, as before: "
+              f"{100 * row['per_expert_calls_share_of_triad']:.0f}%)")
     path = write_result("bench_cpu_experts", {"shape": dict(hidden=HIDDEN, width=WIDTH, experts=EXPERTS, top_k=TOP_K,
                                                              layers=LAYERS), "rounds": args.rounds,
                                                   "torch_threads": torch.get_num_threads(), "rows": out})

@@ -80,10 +80,11 @@ def machines(noise: float = 0.3):
     )
 
 
-def calibrated(machine: SyntheticMachine, mode: str, hw, tmp_path):
-    """Factors of ``hw`` from the file the code writes for ``machine``'s rows of ``mode``."""
+def calibrated(machine: SyntheticMachine, mode: str, hw, tmp_path, extra: dict | None = None):
+    """Factors of ``hw`` from the file the code writes for ``machine``'s rows of ``mode`` (and
+    ``extra`` measurements)."""
     dtypes = list(dict.fromkeys([hw.cpu.compute_dtype, "float32"]))
-    meas = machine.measurements(mode, dtypes)
+    meas = {**machine.measurements(mode, dtypes), **(extra or {})}
     settings_ = {"cpu_dtypes": dtypes, "cpu_threads": hw.cpu.cores, "gpu_dtype": "bfloat16" if machine.gpu else None,
                  "rotate_bytes": 2**27, "cpu_linear_kernel": "synthetic"}
     doc = calibration_doc(mode, meas, settings_, hw, IDENTITY)

@@ -264,24 +264,60 @@ def test_routed_experts_forward_is_one_gemm_per_selected_expert(monkeypatch):
 @pytest.mark.parametrize("family", ["mixtral", "gpt_oss"])
 def test_cpu_experts_run_on_the_native_blocked_gemv(fresh, family, monkeypatch):
     """Where the native kernel builds, the CPU's float32 copy of the experts (plain and transposed
-    layouts) is blocked in place (the same bytes) and each selected expert's projections are blocked
-    GEMVs, two per (expert, step); the tokens stay transformers'."""
+    layouts) is blocked in place (the same bytes) and the selected experts' projections are grouped
+    blocked GEMVs: two native calls per (layer, step), over every routed (token, choice) row; the
+    tokens stay transformers'."""
     from flexplan.executor import cpu_experts, native
 
     if not native.available():
         pytest.skip(native.status()[1])
     rows = []
-    real = cpu_experts.cpu_linear.blocked_linear
-    monkeypatch.setattr(cpu_experts.cpu_linear, "blocked_linear", lambda x, w, b=None: rows.append(x.shape[0]) or real(x, w, b))
+    real = native.NativeGemv.grouped_gemv
+    monkeypatch.setattr(native.NativeGemv, "grouped_gemv",
+                        lambda self, w, e, r, x, b: rows.append(x.shape[0]) or real(self, w, e, r, x, b))
     lm, out, expected = _run(fresh, family, "gpu", "cpu-experts", 0)
     assert torch.equal(out, expected)
     g = lm.executor.layers[0]
     assert set(g.blocked_experts) and all(g.storages["host"].views[n].dim() == 4 for n in g.blocked_experts)
     lm.executor._bind_layer(0, "decode")
     assert all(g.param_tensor(n).dim() == 4 for n in g.blocked_experts)  # decode binds the blocked copy
-    assert len(rows) % 2 == 0 and sum(rows) == 2 * 2 * 3 * (NEW - 1) * len([m for m in lm.executor.expert_modules if m])
+    layers = len([m for m in lm.executor.expert_modules if m])
+    assert len(rows) == 2 * (NEW - 1) * layers  # batch 3, top-2: 6 rows per call
+    assert sum(rows) == 2 * 2 * 3 * (NEW - 1) * layers
     dense = g.dense(next(iter(g.blocked_experts)), g.storages["host"].views[next(iter(g.blocked_experts))])
     assert dense.dim() == 3  # reordered back exactly for a re-placement
+
+
+@pytest.mark.parametrize("weight_dtype", [torch.float32, torch.bfloat16])
+def test_grouped_expert_calls_equal_one_call_per_expert(weight_dtype):
+    """All selected experts of a projection in one native call give the per-expert calls' result
+    bit for bit, with experts picked by many tokens, by one, and routing sentinels (-1, E) that
+    select no expert."""
+    import transformers
+
+    from flexplan.executor import cpu_experts, native
+
+    if not native.available():
+        pytest.skip(native.status()[1])
+    cfg = transformers.Qwen3MoeConfig(hidden_size=128, moe_intermediate_size=64, num_experts=16, num_experts_per_tok=4,
+                                      num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2, vocab_size=64)
+    g = torch.Generator().manual_seed(0)
+    m = transformers.models.qwen3_moe.modeling_qwen3_moe.Qwen3MoeExperts(cfg)
+    with torch.no_grad():
+        for name, transposed in cpu_experts.blockable_experts(m).items():
+            dense = (torch.randn(m._parameters[name].shape, generator=g) * 0.05).to(weight_dtype)
+            m._parameters[name] = torch.nn.Parameter(cpu_experts.block_experts_into(
+                dense, transposed, torch.empty(dense.numel(), dtype=weight_dtype)), requires_grad=False)
+    for b in (1, 5, 33):
+        x = torch.randn(b, 128, generator=g)
+        idx = torch.stack([torch.randperm(16, generator=g)[:4] for _ in range(b)])
+        if b > 1:
+            idx[0, 1], idx[-1, 2] = -1, 16
+        w = torch.rand(b, 4, generator=g)
+        with torch.no_grad():
+            grouped = cpu_experts.routed_experts_forward(m, x, idx, w)
+            per_expert = cpu_experts.routed_experts_forward(m, x, idx, w, grouped=False)
+        assert torch.equal(grouped, per_expert), b
 
 
 def test_replacing_moves_experts_between_split_and_whole_layers(fresh):

@@ -175,6 +175,42 @@ def test_prefill_residual_of_real_layers_follows_the_operators_on_the_cpu(tmp_pa
             assert per_token_s > 0 and share[0] > 1.0
 
 
+def test_split_layers_cpu_linears_are_priced_at_their_own_kernel(tmp_path):
+    """A split layer's CPU Linears run on dense weights (split_layer.cpu_operator_linear), not on
+    the packed layout the GEMV/GEMM factors describe: calibration times both in turn
+    (``cpu_split_linear``) and the estimator scales those operators' C by the ratio at their rows,
+    interpolated between measured rows; the attention core and the glue are not scaled; a file
+    without those rows prices them as the packed kernel."""
+    from flexplan.estimator.operator_terms import operator_costs
+    from flexplan.estimator.terms import Shape
+    from flexplan.workload.operators import LINEAR
+    from synthetic_machine import HW_GPU, SyntheticMachine
+    from test_calibration_properties import calibrated
+
+    machine = SyntheticMachine(bytes_per_s=40e9, kv_bytes_per_s=20e9, flops_per_s={"float32": 500e9, "bfloat16": 500e9},
+                               op_s=5e-6, layer_s=500e-6, step_s=1e-3, logit_s=1e-10)
+    ratio = {1: 1.0, 4: 1.2, 16: 1.6, 256: 1.25}
+    rows = [{"dtype": "float32", "tokens": t, "k": 2048, "n": 5632, "time_s": 1e-3 * r, "reference_time_s": 1e-3}
+            for t, r in ratio.items()]
+    plain = calibrated(machine, "full", HW_GPU, tmp_path / "plain")
+    split = calibrated(machine, "full", HW_GPU, tmp_path / "split", {"cpu_split_linear": rows})
+    assert plain.cpu_split_linear(8, "float32") == 1.0
+    assert split.cpu_split_linear(4, "float32") == pytest.approx(1.2)
+    assert 1.2 < split.cpu_split_linear(8, "float32") < 1.6  # between measured rows
+    assert split.cpu_split_linear(4096, "float32") == pytest.approx(1.25)  # held beyond the ends
+    spec = resolve_model("meta-llama/Meta-Llama-3-8B")
+    linear = np.array([o.kind == LINEAR for o in layer_operators(spec)])
+    for phase, b, i in (("decode", 4, 512), ("decode", 16, 512), ("prefill", 1, 256)):
+        shape = Shape(spec, b, i, 4, "float32", "float32")
+        base, scaled = (operator_costs(shape, HW_GPU, e, phase) for e in (plain, split))
+        rows_ = b if phase == "decode" else b * i
+        want = base.cpu_s[:, linear] * ratio[rows_]
+        # the per-token residual of real layers is spread in proportion to C: compare without it
+        assert scaled.cpu_glue_s == base.cpu_glue_s
+        assert np.array_equal(scaled.cpu_s[:, ~linear], base.cpu_s[:, ~linear])
+        assert np.allclose(scaled.cpu_s[:, linear], want, rtol=0.05), (phase, b, i)
+
+
 def _cand(plan, phase, policy):
     return next(c for c in plan.candidates if c.phase == phase and c.policy == policy)
 
@@ -322,6 +358,28 @@ def test_cpu_operators_run_the_cpu_kernel_not_stock_f_linear(fresh, monkeypatch)
     lm = _generate(fresh, "llama3", ("gpu", "split-points"), gpu_layers=0)
     assert len(calls) == (NEW - 1) * lm.executor.num_layers * 2
     assert all(s[:-1] == (3, 1) for s in calls)  # decode steps: batch 3, one token
+
+
+def test_attention_core_left_on_the_cpu_runs_the_native_decode_kernel(fresh):
+    """A split whose attention core stays on the CPU (O[4, n) on the accelerator) attends over the
+    host KV cache with flexplan's native decode kernel where it covers the layer, as cpu-attention
+    does and as the calibrated CPU attention term prices it; the tokens stay transformers'."""
+    from flexplan.executor import native
+    from flexplan.executor.plans import fixed_plan
+
+    if native.decode_status()[0] is None:
+        pytest.skip("the native decode kernels are not built here")
+    spec = resolve_model(fresh("llama3")[1].config)
+    names = tuple(o.name for o in layer_operators(spec))
+
+    def plan(model):
+        p = fixed_plan(model.config, "gpu", "split-points", 0, batch_size=3, input_len=9, output_len=NEW,
+                       gpu_memory_bytes=1 << 30)
+        return replace(p, decode=replace(p.decode, split_points=SplitPoints(names, (4, len(names)), 0, 0, 0)))
+
+    ex = _generate(fresh, "llama3", plan).executor
+    assert ex.cpu_attention_calls["native"] == (NEW - 1) * ex.num_layers
+    assert ex.cpu_attention_calls["transformers"] == 0
 
 
 def test_hand_plan_without_split_points_is_refused(fresh):

@@ -92,6 +92,8 @@ def _steps(mode: str, hw, threads: int, cpu_dtypes: list[str], gpu_dtype: str | 
         steps.append(Step("cpu_head_gemv", len(s.head_shapes) * len(s.head_tokens),
                           lambda tick, dt=dt: mb.head_gemv(s, dt, tick=tick), dt))
         steps.append(Step("cpu_experts", len(s.expert_tokens), lambda tick, dt=dt: mb.expert_gemv(s, dt, tick=tick), dt))
+        steps.append(Step("cpu_split_linear", len(set(s.gemv_tokens) | set(s.gemm_tokens)),
+                          lambda tick, dt=dt: mb.split_linear(s, dt, tick=tick), dt))
     steps += [
         Step("cpu_layer_overhead", 1, lambda tick: mb.layer_overhead(s, cpu_dtypes[0])),
         Step("cpu_generate_step", 1, lambda tick: mb.generate_step(s, cpu_dtypes[0])),
@@ -351,6 +353,11 @@ def format_summary(res: Result) -> str:
             lines.append(f"  {dt}: routed experts ({r0['experts']} of {r0['hidden']}x{r0['intermediate']}, executor's path) "
                          "weight GB/s by rows per expert " + ", ".join(
                              f"{r['tokens_per_expert']}:{r['weight_bytes_per_s'] / 1e9:.1f}" for r in experts))
+        split = [r for r in m.get("cpu_split_linear", []) if r["dtype"] == dt]
+        if split:
+            lines.append(f"  {dt}: split layers' CPU linear ({split[0]['split_kernel']} on dense weights) time over "
+                         f"{split[0]['kernel']}'s by tokens " + ", ".join(
+                             f"{r['tokens']}:{r['time_s'] / r['reference_time_s']:.2f}" for r in split))
     if m.get("cpu_layer_overhead"):
         lines.append(f"  per-layer overhead {m['cpu_layer_overhead']['time_s'] * 1e6:.0f} us")
     if m.get("cpu_threads"):

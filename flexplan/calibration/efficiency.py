@@ -286,6 +286,7 @@ class CPUFactors:
     expert_compute: Table | None = None  # the CPU routed-expert path, by rows per expert (cpu_experts rows)
     expert_memory: Table | None = None
     prefill_attention: float | None = None  # Eff of a prefill layer's attention core (layer_fit.py); None: compute
+    split_linear: Table | None = None  # time of split layers' CPU linear / the packed kernel's, by rows
 
 
 @dataclass(frozen=True)
@@ -328,6 +329,12 @@ class CalibratedEfficiency:
         and other prompt lengths (layer_fit.py); where not measured, the GEMMs' factor."""
         f = self._cpu(dtype)
         return f.prefill_attention if f and f.prefill_attention else self.cpu_compute(tokens, dtype)
+
+    def cpu_split_linear(self, tokens, dtype=None):
+        """How much longer a split-points layer's CPU linear (dense weights) takes than the packed
+        kernel the GEMV/GEMM factors describe, at ``tokens`` rows; 1 where not measured."""
+        f = self._cpu(dtype)
+        return f.split_linear(tokens) if f and f.split_linear else 1.0
 
     def cpu_head_memory(self, tokens, dtype=None):
         f = self._cpu(dtype)
@@ -400,7 +407,8 @@ class CalibratedEfficiency:
                                             "attention": f.attention.rows("kv_len") if f.attention else None,
                                             "prefill_attention": _num(f.prefill_attention) if f.prefill_attention
                                             else None,
-                                            "layer_overhead_s": f.overhead.rows() if f.overhead else None}
+                                            "layer_overhead_s": f.overhead.rows() if f.overhead else None,
+                                            "split_linear": f.split_linear.rows("tokens") if f.split_linear else None}
                                        for dt, f in self.cpu.items()},
                                "cpu_step_overhead_s": {"base_s": _num(self.step_overhead.base_s),
                                                        "per_logit_s": _num(self.step_overhead.per_logit_s)},
@@ -452,6 +460,10 @@ def _part(meas: dict, name: str, kind: type):
 
 GEMM_KEYS = ("dtype", "tokens", "k", "n", "dtype_bytes", "time_s")
 ATTENTION_KEYS = ("dtype", "batch", "kv_len", "heads", "kv_heads", "head_dim", "dtype_bytes", "time_s")
+
+
+SPLIT_LINEAR_KEYS = ("dtype", "tokens", "time_s", "reference_time_s")
+SPLIT_LINEAR_RANGE = (0.25, 4.0)  # bounds of the time ratio: a row outside is a disturbed timing
 
 
 EXPERT_KEYS = ("dtype", "tokens_per_expert", "experts", "hidden", "intermediate", "dtype_bytes", "time_s")
@@ -517,6 +529,10 @@ def cpu_factors(meas: dict, dtype: str, hw: Hardware, notes: list[str]) -> CPUFa
     if expert_rows:
         expert_c, expert_m, n = derive_gemm([expert_gemm_row(r) for r in expert_rows], th, bw)
         notes += [f"CPU {dtype} routed experts: {x}" for x in n]
+    split_rows = _of_dtype(check_rows(meas.get("cpu_split_linear"), SPLIT_LINEAR_KEYS,
+                                      "measurements.cpu_split_linear"), dtype)
+    split_linear = Table([r["tokens"] for r in split_rows], [r["time_s"] / r["reference_time_s"] for r in split_rows],
+                         *SPLIT_LINEAR_RANGE, log_y=True) if split_rows else None
     layer_rows = _of_dtype(check_rows(meas.get("cpu_layers"), LAYER_KEYS, "measurements.cpu_layers"), dtype)
     overhead = prefill_attention = None
     if layer_rows:  # real layers: the decode overhead, the compute factor of prefill layers and of their
@@ -526,7 +542,7 @@ def cpu_factors(meas: dict, dtype: str, hw: Hardware, notes: list[str]) -> CPUFa
         eff_c, eff_a = eff_layers or eff_c, attn_layers or eff_a
     return CPUFactors(eff_c, eff_m, eff_a, overhead, head_c, head_m, attention_by_layout=by_layout or None,
                       attention_by_layout_batch=by_layout_batch or None, expert_compute=expert_c,
-                      expert_memory=expert_m, prefill_attention=prefill_attention)
+                      expert_memory=expert_m, prefill_attention=prefill_attention, split_linear=split_linear)
 
 
 def from_measurements(meas: dict, settings: dict, hw: Hardware, source: str) -> CalibratedEfficiency:

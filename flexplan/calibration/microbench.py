@@ -24,6 +24,11 @@ in its key names; none of them derives a factor (that is ``calibration/efficienc
   routed_experts_forward``, blocked float32 where the native kernel builds) on k experts of a
   gated MoE layer, each given the same number of rows, at the rows per expert routing produces
   (1, 2, 4, ...), expert weights cycled from DRAM (``expert_gemv``).
+- Split-layer linears: a split-points layer's CPU operators run on the dense weights its
+  accelerator copy needs (``split_layer.cpu_operator_linear``), not on the packed layout the GEMV
+  and GEMM rows above measure; the two are timed in turn on the MLP shape at every GEMV and GEMM
+  row count, and the file keeps both (``split_linear``): the estimator scales the packed kernel's
+  factors by their ratio.
 
 Times are the fastest of the timed runs (``time_s``, as STREAM and ``timeit`` report: what the
 machine can do; slower runs are interference, e.g. an OpenMP thread descheduled by another
@@ -593,6 +598,52 @@ def expert_gemv(sizes: Sizes, dtype: str, tick: Callable[[], None] | None = None
                          "intermediate": inter, "dtype_bytes": nbytes, "blocked": blocked,
                          "time_s": _sig(r["time_s"]), "time_median_s": _sig(r["time_median_s"]), "runs": r["runs"],
                          "weight_bytes_per_s": _sig(k * per_expert / r["time_s"])})
+            if tick:
+                tick()
+    return rows
+
+
+def split_linear(sizes: Sizes, dtype: str, tick: Callable[[], None] | None = None) -> list[dict]:
+    """One row per row count t (the GEMV and GEMM ones): the split executor's CPU linear
+    (``split_layer.cpu_operator_linear`` on dense weights; ``split_kernel``) and the executor's
+    packed kernel (``kernel``, what ``gemm`` measures) on the last of ``sizes.weight_shapes``, each
+    call in turn on weights cycled from DRAM: ``time_s`` the split kernel's fastest run,
+    ``reference_time_s`` the packed kernel's, taken in the same minutes (this VM's memory state
+    moves both alike)."""
+    import torch
+
+    from flexplan.executor import native
+    from flexplan.executor.cpu_linear import LinearKernel, pack_batch_hint
+    from flexplan.executor.split_layer import cpu_operator_linear
+
+    dt, nbytes = torch_dtype(dtype), dtype_bytes(dtype)
+    k, n = sizes.weight_shapes[-1]
+    count = copies_for(k * n * nbytes, rotate_bytes(sizes))
+    linear = LinearKernel()
+    split_kernel = "native-dense" if dt == torch.float32 and native.available() else "F.linear"
+    dense = Cycle(torch.full((n, k), 0.01, dtype=dt) for _ in range(count))
+    rows, packed, hint = [], None, object()
+    with torch.inference_mode():
+        for t in sorted(set(sizes.gemv_tokens) | set(sizes.gemm_tokens)):
+            if pack_batch_hint(t) != hint:
+                hint, packed = pack_batch_hint(t), None
+                packed = Cycle(linear.prepare(torch.full((n, k), 0.01, dtype=dt), t) for _ in range(count))
+            x = torch.full((t, k), 0.5, dtype=dt)
+            calls = {"split": lambda: cpu_operator_linear(x, dense.next(), None, dt),
+                     "reference": lambda: linear(x, packed.next())}
+            times: dict[str, list[float]] = {name: [] for name in calls}
+            for fn in calls.values():
+                fn()  # warm
+            start = time.perf_counter()
+            while len(times["split"]) < sizes.repeats and not (
+                    len(times["split"]) >= 3 and time.perf_counter() - start > 2 * sizes.budget_s):
+                for name, fn in calls.items():
+                    t0 = time.perf_counter()
+                    fn()
+                    times[name].append(time.perf_counter() - t0)
+            rows.append({"dtype": dtype, "tokens": t, "k": k, "n": n, "dtype_bytes": nbytes, "kernel": linear.name,
+                         "split_kernel": split_kernel, "time_s": _sig(min(times["split"])),
+                         "reference_time_s": _sig(min(times["reference"])), "runs": len(times["split"])})
             if tick:
                 tick()
     return rows

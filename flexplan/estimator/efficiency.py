@@ -28,6 +28,8 @@ class Efficiency(Protocol):
     # (query heads, KV heads, head dim) layout, where calibration measured it (else cpu_attention)
     def cpu_prefill_attention(self, tokens: float, dtype: str) -> float: ...  # the attention core of a prefill
     # layer (QK^T, softmax, AV over the causal pairs) on `tokens` rows; where not calibrated: cpu_compute
+    def cpu_split_linear(self, tokens: float, dtype: str) -> float: ...  # split layers' CPU linear (dense
+    # weights) time over the packed kernel's, by rows (1: as fast)
     def cpu_head_compute(self, tokens: float, dtype: str) -> float: ...  # the LM head (hidden x vocab GEMV)
     def cpu_head_memory(self, tokens: float, dtype: str) -> float: ...
     def cpu_expert_factors(self, tokens: float, dtype: str): ...  # (Eff_comp, Eff_mem) of the CPU routed-
@@ -111,6 +113,9 @@ class DefaultEfficiency:
 
     def cpu_prefill_attention(self, tokens, dtype=None):
         return self.cpu_compute_eff
+
+    def cpu_split_linear(self, tokens, dtype=None):
+        return 1.0
 
     def cpu_head_compute(self, tokens, dtype=None):
         return self.cpu_compute_eff
@@ -257,3 +262,10 @@ def cpu_prefill_attention(eff: Efficiency, tokens, dtype: str | None):
     measured it apart (then the GEMMs' factor at those tokens, as before it was priced apart)."""
     own = getattr(eff, "cpu_prefill_attention", None)  # (wrappers forward it by __getattr__)
     return own(tokens, dtype) if own is not None else eff.cpu_compute(tokens, dtype)
+
+
+def cpu_split_linear(eff: Efficiency, tokens, dtype: str | None) -> float:
+    """How much longer a split-points layer's CPU linear takes than the packed kernel, from an
+    Efficiency that may not have measured it (then 1: priced as the packed kernel)."""
+    own = getattr(eff, "cpu_split_linear", None)  # (wrappers forward it by __getattr__)
+    return float(own(tokens, dtype)) if own is not None else 1.0

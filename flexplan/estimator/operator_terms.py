@@ -13,7 +13,9 @@ with D_k its weights plus its activations, at the accelerator's dtype: a split l
 cache live in pinned host memory in that dtype, and the CPU computes on them in place (as
 ``cpu-attention`` does). The attention core on the CPU is ``terms.t_cpu_attention_s`` (its calibrated
 KV read rate); an MoE block's routed experts on the CPU are ``expert_terms.t_cpu_experts_s``. The
-efficiency factors are the calibrated ones (GEMV / GEMM by rows, attention, link by size). The glue
+efficiency factors are the calibrated ones (GEMV / GEMM by rows, attention, link by size); a Linear's
+C is scaled by ``cpu_split_linear``, the measured time of the split executor's kernel on dense
+weights over the packed kernel's those factors describe. The glue
 between operators (norms, residual adds, rotary, activation, dispatch) costs the calibrated CPU
 layer overhead at one token once per layer. What calibrated layers take beyond the factors as the
 tokens grow (the overhead at ``rows`` less that; in prefill it is most of the overhead, and on a
@@ -32,7 +34,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from flexplan.workload import costs
-from flexplan.workload.operators import ATTENTION, MLP, layer_operators, why_not_split
+from flexplan.workload.operators import ATTENTION, LINEAR, MLP, layer_operators, why_not_split
 
 
 @dataclass(frozen=True)
@@ -87,7 +89,7 @@ def operator_costs(shape, hw, eff, phase: str, cpu_attention_s=None) -> Operator
     """The per-operator terms of ``phase`` (module docstring); None without an accelerator or for a
     layout ``workload.operators`` cannot cut. ``cpu_attention_s``: the decode attention on the CPU per
     step when the caller has it (``terms.cpu_attention_costs``), else computed here."""
-    from flexplan.estimator.efficiency import cpu_prefill_attention
+    from flexplan.estimator.efficiency import cpu_prefill_attention, cpu_split_linear
     from flexplan.estimator.terms import t_compute_s, t_cpu_attention_s, t_link_s, t_memory_s, t_on_device_s
 
     m = shape.model
@@ -120,6 +122,7 @@ def operator_costs(shape, hw, eff, phase: str, cpu_attention_s=None) -> Operator
         read[k] -= unread * sum(m.moe_layers) / m.num_layers * wb
     data = read + in_b + out_b
     C = np.broadcast_to(t_on_device_s(flops, data, th_c, bw_c, ec, em), (steps, n)).copy()
+    C[:, [o.kind == LINEAR for o in ops]] *= cpu_split_linear(eff, rows, cd)  # dense weights, not packed ones
     G = np.broadcast_to(t_on_device_s(flops, data, th_g, bw_g, eg, egm), (steps, n)).copy()
     H = np.broadcast_to(np.array([t_link_s(x, h2d, eff.h2d(x)) for x in w_b]), (steps, n)).copy()
     for k in moe:

@@ -13,7 +13,12 @@ on the accelerator.
 :func:`routed_experts_forward` groups the (token, choice) pairs by expert with one stable sort and
 runs one GEMM (a GEMV at batch 1) per expert that some token picked, no pass over the experts no
 token picked; the pairs of each expert in the order transformers' eager loop takes them, so the
-result is the eager one bit for bit on the same weights. An experts module of another interface
+result is the eager one bit for bit on the same weights. On blocked weights (the float32 CPU's
+copy) the selected experts' GEMVs of a projection are one native call
+(``native_gemv.c``'s ``flexplan_grouped_gemv``) and the activation, weighting and scatter one
+pass each over all their rows: a decode step of a Qwen3-30B-A3B-shaped layer made ~8 x 6 small
+calls (two OpenMP regions and a few torch ops per expert) before, a handful now
+(``benchmarks/bench_cpu_experts.py`` compares both). An experts module of another interface
 (Llama 4's, which runs every expert on every routed row) runs its own forward on the host.
 """
 
@@ -104,10 +109,57 @@ def _project(module: nn.Module, x: torch.Tensor, name: str, e: int) -> torch.Ten
     return F.linear(x, w, b)
 
 
+def _grouped_kernel(module: nn.Module, x: torch.Tensor, first: str):
+    """The native library when every projection of ``module`` (``first``, then down_proj) is held
+    blocked (4-D) in a weight type the kernel reads, their biases float32 or absent, and ``x`` is
+    float32: then one grouped call per projection computes all the selected experts; else None."""
+    gemv = native.status()[0] if x.dtype == torch.float32 else None
+    if gemv is None:
+        return None
+    for name in (first, "down_proj"):
+        w, b = getattr(module, name, None), getattr(module, f"{name}_bias", None)
+        if not (isinstance(w, torch.Tensor) and w.dim() == 4 and w.dtype in native.WEIGHT_TYPES
+                and w.is_contiguous()) or (isinstance(b, torch.Tensor) and b.dtype != torch.float32):
+            return None
+    return gemv
+
+
+def _grouped_forward(module: nn.Module, gemv, x: torch.Tensor, order: torch.Tensor, experts: torch.Tensor,
+                     counts: torch.Tensor, tokens: int, top_k_weights: torch.Tensor, has_gate: bool,
+                     out: torch.Tensor) -> torch.Tensor:
+    """All selected experts in two native calls (first projection, down projection) and one pass of
+    each elementwise op over all their rows, stacked expert after expert in eager's order; each
+    expert's rows are what :func:`_project` gives them, and the index_add runs over the pairs in
+    the same order as the per-expert loop, so the result is the same bit for bit."""
+    pairs = order
+    if int(experts[0]) < 0 or int(experts[-1]) >= module.down_proj.shape[0]:  # sorted: sentinels at the ends
+        valid = (experts >= 0) & (experts < module.down_proj.shape[0])  # select no expert
+        pairs = order[torch.repeat_interleave(valid, counts)]
+        experts, counts = experts[valid].contiguous(), counts[valid]
+    row_start = torch.zeros(counts.numel() + 1, dtype=torch.int64)
+    torch.cumsum(counts, 0, out=row_start[1:])
+    tok = pairs % tokens
+
+    def project(name, h):
+        b = getattr(module, f"{name}_bias", None)
+        return gemv.grouped_gemv(getattr(module, name), experts, row_start, h.contiguous(),
+                                 b.contiguous() if isinstance(b, torch.Tensor) else None)
+
+    h = x[tok]
+    h = module._apply_gate(project("gate_up_proj", h)) if has_gate else module.act_fn(project("up_proj", h))
+    h = project("down_proj", h)
+    if getattr(module, "has_post_expert_norm", False):
+        h = module.post_expert_norm(h)
+    h = h * top_k_weights.t().reshape(-1)[pairs, None]  # pairs index the [k, T] order
+    return out.index_add_(0, tok, h.to(out.dtype))
+
+
 def routed_experts_forward(module: nn.Module, x: torch.Tensor, top_k_index: torch.Tensor,
-                           top_k_weights: torch.Tensor) -> torch.Tensor:
+                           top_k_weights: torch.Tensor, grouped: bool = True) -> torch.Tensor:
     """The routed experts' output for tokens ``x`` [T, H] routed to ``top_k_index`` [T, k] with
-    ``top_k_weights`` [T, k]: one GEMM per selected expert (see the module docstring)."""
+    ``top_k_weights`` [T, k]: one GEMM per selected expert (see the module docstring); with blocked
+    weights, all of them in one native call per projection (``grouped``; False: one call per expert
+    and projection, as before, for comparison)."""
     tokens, k = top_k_index.shape
     num_experts = module.down_proj.shape[0]
     has_gate = getattr(module, "has_gate", True) and isinstance(getattr(module, "gate_up_proj", None), torch.Tensor)
@@ -116,6 +168,9 @@ def routed_experts_forward(module: nn.Module, x: torch.Tensor, top_k_index: torc
     order = torch.argsort(flat, stable=True)
     experts, counts = torch.unique_consecutive(flat[order], return_counts=True)
     out = torch.zeros_like(x)
+    gemv = _grouped_kernel(module, x, "gate_up_proj" if has_gate else "up_proj") if grouped else None
+    if gemv is not None:
+        return _grouped_forward(module, gemv, x, order, experts, counts, tokens, top_k_weights, has_gate, out)
     start = 0
     for e, n in zip(experts.tolist(), counts.tolist()):
         pairs = order[start:start + n]

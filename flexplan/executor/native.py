@@ -55,6 +55,10 @@ class NativeGemv:
         self._dense = lib.flexplan_dense_gemv
         self._dense.argtypes = self._gemv.argtypes
         self._dense.restype = ctypes.c_int
+        self._grouped = lib.flexplan_grouped_gemv
+        self._grouped.argtypes = ([ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64] + [ctypes.c_void_p] * 2
+                                  + [ctypes.c_int64] + [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 2)
+        self._grouped.restype = ctypes.c_int
         self.vector_width = {"avx512f": 16, "avx2": 8}.get(self.isa, 1)
         self._lib = lib  # keeps the library loaded
 
@@ -67,6 +71,21 @@ class NativeGemv:
         y = torch.empty(x2d.shape[0], out, dtype=torch.float32)
         self._gemv(blocked.data_ptr(), WEIGHT_TYPES[blocked.dtype], x2d.data_ptr(), y.data_ptr(),
                    None if bias is None else bias.data_ptr(), out, k, x2d.shape[0])
+        return y
+
+    def grouped_gemv(self, blocked: torch.Tensor, experts: torch.Tensor, row_start: torch.Tensor, x2d: torch.Tensor,
+                     bias: torch.Tensor | None) -> torch.Tensor:
+        """Experts ``experts`` (int64 ids) of a stack of blocked weights [E, out/64, in, 64] (a dtype
+        of :data:`WEIGHT_TYPES`, contiguous), expert j on rows ``row_start[j]:row_start[j + 1]`` of
+        x2d [rows, in] (int64 ``row_start`` of len(experts) + 1), each with its row of ``bias``
+        [E, out] when given; x2d and bias float32, contiguous. Returns a new [rows, out] float32
+        tensor, each expert's rows as :meth:`gemv` on that expert gives them."""
+        e, n_blocks, k, block = blocked.shape
+        out = n_blocks * block
+        y = torch.empty(x2d.shape[0], out, dtype=torch.float32)
+        self._grouped(blocked.data_ptr(), WEIGHT_TYPES[blocked.dtype], blocked.stride(0), experts.data_ptr(),
+                      row_start.data_ptr(), experts.numel(), x2d.data_ptr(), y.data_ptr(),
+                      None if bias is None else bias.data_ptr(), out, k)
         return y
 
     def dense_gemv(self, weight: torch.Tensor, x2d: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -234,6 +253,13 @@ def _self_check(native: NativeGemv) -> None:
     kernels = (("blocked", blocked, ((128, 37, 1, True), (64, 300, 6, False), (192, 64, 3, True))),
                ("dense", native.dense_gemv, ((7, 64, 1, True), (130, 96, 6, False), (4, 32, 11, True),
                                               (130, 96, 40, True))))
+    experts = torch.randn(3, 128, 48, generator=g)  # the grouped kernel: experts 2 and 0 of 3, 2 and 3 rows
+    stack = experts.view(3, 2, native.block, 48).transpose(2, 3).contiguous()
+    x, bias = torch.randn(5, 48, generator=g), torch.randn(3, 128, generator=g)
+    y = native.grouped_gemv(stack, torch.tensor([2, 0]), torch.tensor([0, 2, 5]), x, bias)
+    for j, (e, lo, hi) in enumerate(((2, 0, 2), (0, 2, 5))):
+        if not torch.equal(y[lo:hi], native.gemv(stack[e], x[lo:hi].contiguous(), bias[e].contiguous())):
+            raise RuntimeError(f"self-check failed (grouped kernel): expert {e} differs from the blocked kernel's")
     for name, kernel, sizes in kernels:
         for (out, k, batch, with_bias), dtype in ((size, d) for size in sizes for d in WEIGHT_TYPES):
             w = torch.randn(out, k, generator=g).to(dtype)

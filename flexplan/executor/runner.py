@@ -613,8 +613,13 @@ class Executor:
         st = self._step
         if not self._attends_beside_kv(i):
             return inner(module, query, key, value, attention_mask, **kwargs)
-        if self.split.attention_on_acc(i) is not None:  # a layer cut by split points: its core where the plan says
+        core_on_acc = self.split.attention_on_acc(i)  # None: not a layer cut by split points
+        if core_on_acc:  # cut by split points, the core on the accelerator: q and the KV the cache returned cross
             return self.split.attend(i, module, inner, query, key, value, attention_mask, st.moved, **kwargs)
+        if core_on_acc is False:  # cut, the core on the CPU: q, the cache and the mask are on the host already
+            out = self._native_attention(i, module, query, key, value, attention_mask, kwargs)
+            self.cpu_attention_calls["native" if out is not None else "transformers"] += 1
+            return (out, None) if out is not None else inner(module, query, key, value, attention_mask, **kwargs)
         dtype = key.dtype if key.device.type == "cpu" else query.dtype
         q = self.link.move(query, False, dtype, "q", i)
         if key.device.type != "cpu":  # a cache that is not flexplan's kept the keys on the accelerator

@@ -10,7 +10,8 @@ their pinned home and its KV cache at home in host memory: the CPU computes ever
   q_proj), bind its parameters to the weight slot its prefetch filled, and move its output back;
 - the attention core (transformers' ``AttentionInterface`` call, routed here by ``cpu_attention``):
   q, the keys and values the cache's ``update`` returned (the KV cache crosses) and the mask move to
-  the accelerator, the output comes back. With the core on the CPU it reads the host cache in place.
+  the accelerator, the output comes back. With the core on the CPU it reads the host cache in place
+  (the runner's: flexplan's native decode attention where it covers the layer, as ``cpu-attention``).
 
 A Linear operator the plan leaves on the CPU computes as the plan's CPU does (its ``cpu_dtype``), on
 its dense pinned weight (the layout its accelerator copy needs, kept as the one host copy):
