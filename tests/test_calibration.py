@@ -508,6 +508,37 @@ def test_tiny_run_times_the_expert_path(use_dir):
     assert DefaultEfficiency.for_hardware(get_hardware("local")).cpu_expert_factors(1, "float32") is None
 
 
+def test_tiny_run_times_the_executor_layer_and_split_linear(use_dir):
+    """The run times a decode layer through the executor beside the bare layer, and split layers'
+    CPU linear beside the packed kernel, per dtype; the summary names both."""
+    from flexplan.calibration import microbench as mb
+    from flexplan.calibration.cli import format_summary
+
+    _, res = use_dir
+    m = res.doc["measurements"]
+    (row,) = [r for r in m["cpu_executor_layers"] if r["dtype"] == "float32"]
+    assert row["time_s"] > 0 and row["layer_time_s"] > 0 and row["depths"][1] > row["depths"][0]
+    tiny = mb.MODES["tiny"]
+    assert {r["tokens"] for r in m["cpu_split_linear"] if r["dtype"] == "float32"} == {*tiny.gemv_tokens, *tiny.gemm_tokens}
+    assert "run by the executor" in format_summary(res) and "split layers" in format_summary(res)
+
+
+def test_executor_extra_is_what_the_executor_adds_to_the_bare_layer():
+    """The per-layer decode overhead grows by what the executor's step took beyond the bare layer
+    timed beside it (else the cpu_layers row of its width, batch 1, nearest KV length); never
+    below zero, and nothing without executor rows (an older file prices as before)."""
+    from flexplan.calibration.efficiency import executor_extra_s
+
+    width = {"hidden": 576, "intermediate": 1536, "heads": 9, "kv_heads": 3, "head_dim": 64}
+    row = {"dtype": "bfloat16", **width, "batch": 1, "query_len": 1, "kv_len": 137, "time_s": 7e-4}
+    assert executor_extra_s([{**row, "layer_time_s": 5e-4}], []) == pytest.approx(2e-4)
+    layers = [{**width, "batch": 1, "query_len": 1, "kv_len": kv, "time_s": t} for kv, t in ((129, 4e-4), (1025, 6e-4))]
+    assert executor_extra_s([row], layers) == pytest.approx(3e-4)  # kv 129 is the nearer
+    assert executor_extra_s([{**row, "time_s": 3e-4}], layers) == 0.0
+    assert executor_extra_s([], layers) == 0.0
+    assert executor_extra_s([{**row, "hidden": 1024}], layers) == 0.0  # no layer of that width
+
+
 def test_disturbed_gemm_points_are_timed_again():
     """A point slower than more tokens, slower per token than fewer, or with spread-out runs is
     re-measured; a clean curve (per-token cost falling, then roughly flat) is left alone."""

@@ -35,6 +35,7 @@ and context for any file (tests/test_calibration_properties.py).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -287,6 +288,7 @@ class CPUFactors:
     expert_memory: Table | None = None
     prefill_attention: float | None = None  # Eff of a prefill layer's attention core (layer_fit.py); None: compute
     split_linear: Table | None = None  # time of split layers' CPU linear / the packed kernel's, by rows
+    executor_extra_s: float = 0.0  # per layer: what the executor's decode step adds to the bare layer
 
 
 @dataclass(frozen=True)
@@ -392,8 +394,8 @@ class CalibratedEfficiency:
     def cpu_layer_overhead_s(self, tokens=1, dtype=None, layer_bytes=None):
         f = self._cpu(dtype)
         if f is not None and f.overhead is not None:
-            return f.overhead(tokens, layer_bytes)
-        return self.cpu_overhead_s
+            return f.overhead(tokens, layer_bytes) + f.executor_extra_s
+        return self.cpu_overhead_s + (f.executor_extra_s if f is not None else 0.0)
 
     def cpu_step_overhead_s(self, batch=1, vocab=0):
         return self.step_overhead(batch, vocab)
@@ -408,7 +410,8 @@ class CalibratedEfficiency:
                                             "prefill_attention": _num(f.prefill_attention) if f.prefill_attention
                                             else None,
                                             "layer_overhead_s": f.overhead.rows() if f.overhead else None,
-                                            "split_linear": f.split_linear.rows("tokens") if f.split_linear else None}
+                                            "split_linear": f.split_linear.rows("tokens") if f.split_linear else None,
+                                            "executor_extra_s": _num(f.executor_extra_s)}
                                        for dt, f in self.cpu.items()},
                                "cpu_step_overhead_s": {"base_s": _num(self.step_overhead.base_s),
                                                        "per_logit_s": _num(self.step_overhead.per_logit_s)},
@@ -460,6 +463,25 @@ def _part(meas: dict, name: str, kind: type):
 
 GEMM_KEYS = ("dtype", "tokens", "k", "n", "dtype_bytes", "time_s")
 ATTENTION_KEYS = ("dtype", "batch", "kv_len", "heads", "kv_heads", "head_dim", "dtype_bytes", "time_s")
+
+
+EXECUTOR_LAYER_KEYS = ("dtype", "hidden", "intermediate", "heads", "kv_heads", "head_dim", "batch", "kv_len", "time_s")
+
+
+def executor_extra_s(executor_rows: list[dict], layer_rows: list[dict]) -> float:
+    """Seconds per layer the executor's decode step adds to the bare real layer of the same width:
+    the one timed beside it (``layer_time_s``), else the ``cpu_layers`` row at batch 1 and the
+    nearest KV length (its hooks, its KV cache, casts; on the
+    development VM ~0.24 ms per SmolLM2-sized layer in bfloat16, where the float32 fused stack adds
+    nothing): the mean over the executor rows that have such a layer, never below 0."""
+    extras = [r["time_s"] - r["layer_time_s"] for r in executor_rows if r.get("layer_time_s")]  # timed together
+    for r in (r for r in executor_rows if not r.get("layer_time_s")):
+        same = [x for x in layer_rows if x["query_len"] == 1 and x["batch"] == r["batch"]
+                and all(x[k] == r[k] for k in ("hidden", "intermediate", "heads", "kv_heads", "head_dim"))]
+        if same:
+            bare = min(same, key=lambda x: abs(math.log(x["kv_len"] / r["kv_len"])))
+            extras.append(r["time_s"] - bare["time_s"])
+    return max(0.0, float(np.mean(extras))) if extras else 0.0
 
 
 SPLIT_LINEAR_KEYS = ("dtype", "tokens", "time_s", "reference_time_s")
@@ -529,6 +551,8 @@ def cpu_factors(meas: dict, dtype: str, hw: Hardware, notes: list[str]) -> CPUFa
     if expert_rows:
         expert_c, expert_m, n = derive_gemm([expert_gemm_row(r) for r in expert_rows], th, bw)
         notes += [f"CPU {dtype} routed experts: {x}" for x in n]
+    exec_rows = _of_dtype(check_rows(meas.get("cpu_executor_layers"), EXECUTOR_LAYER_KEYS,
+                                     "measurements.cpu_executor_layers"), dtype)
     split_rows = _of_dtype(check_rows(meas.get("cpu_split_linear"), SPLIT_LINEAR_KEYS,
                                       "measurements.cpu_split_linear"), dtype)
     split_linear = Table([r["tokens"] for r in split_rows], [r["time_s"] / r["reference_time_s"] for r in split_rows],
@@ -542,7 +566,8 @@ def cpu_factors(meas: dict, dtype: str, hw: Hardware, notes: list[str]) -> CPUFa
         eff_c, eff_a = eff_layers or eff_c, attn_layers or eff_a
     return CPUFactors(eff_c, eff_m, eff_a, overhead, head_c, head_m, attention_by_layout=by_layout or None,
                       attention_by_layout_batch=by_layout_batch or None, expert_compute=expert_c,
-                      expert_memory=expert_m, prefill_attention=prefill_attention, split_linear=split_linear)
+                      expert_memory=expert_m, prefill_attention=prefill_attention, split_linear=split_linear,
+                      executor_extra_s=executor_extra_s(exec_rows, layer_rows))
 
 
 def from_measurements(meas: dict, settings: dict, hw: Hardware, source: str) -> CalibratedEfficiency:

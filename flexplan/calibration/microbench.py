@@ -474,10 +474,16 @@ def layers(sizes: Sizes, dtype: str, tick: Callable[[], None] | None = None) -> 
             layer.eval()
         rotary = LlamaRotaryEmbedding(cfg)
         for batch, q_len, past in sizes.layer_points():
+            native_attention = []
             if kernel.packed:  # weights as the executor holds them for a plan of this batch
                 for layer in copies:
                     pack_module(layer, pack_batch_hint(batch), kernel.name)
-                cpu_decode.install(copies, [])  # and its fused decode forwards (where they apply)
+                native_attention = cpu_decode.install(copies, [])[2]  # and its fused decode forwards (where they apply)
+            # a decode step the native ops do not attend gets the executor's all-true mask: transformers'
+            # SDPA without one takes PyTorch's unmasked CPU path, which read a bf16 GQA cache ~5x slower
+            # here and made SmolLM2's bf16 decode predictions 1.4-2x the executor's measured TPOT
+            mask = (torch.ones(batch, 1, q_len, past + q_len, dtype=torch.bool)
+                    if past and q_len == 1 and not (native_attention and dt == torch.float32) else None)
             with torch.inference_mode():
                 caches = [DynamicCache(config=cfg) for _ in copies]
                 if past:
@@ -494,7 +500,8 @@ def layers(sizes: Sizes, dtype: str, tick: Callable[[], None] | None = None) -> 
                     for layer, cache in zip(copies, caches):
                         if not past:  # prefill writes a fresh cache
                             cache = DynamicCache(config=cfg)
-                        layer(x, position_ids=pos, position_embeddings=pe, **{CACHE_KWARG: cache}, use_cache=True)
+                        layer(x, attention_mask=mask, position_ids=pos, position_embeddings=pe, **{CACHE_KWARG: cache},
+                              use_cache=True)
                         if past:
                             cache.crop(-q_len)  # back to the same KV length for the next run
 
@@ -647,3 +654,50 @@ def split_linear(sizes: Sizes, dtype: str, tick: Callable[[], None] | None = Non
             if tick:
                 tick()
     return rows
+
+
+def executor_layers(sizes: Sizes, dtype: str, tick: Callable[[], None] | None = None) -> list[dict]:
+    """Seconds per decoder layer of a decode step run by flexplan's executor itself (plan cpu/cpu
+    in ``dtype``, batch 1, after a ``layer_kv_len``-token prompt), from toy Llamas of the first of
+    ``sizes.layer_widths`` at two depths: the slope is one layer's cost there with everything the
+    executor adds to the bare layer that ``layers`` times (its hooks, its KV cache, casts, the mask);
+    the head, the embedding and the generate loop cancel; ``layer_time_s``: the bare layer of that
+    width (``layers`` at batch 1) timed right after. One row per dtype."""
+    import torch
+    from transformers import LlamaForCausalLM
+
+    from flexplan.api import load
+    from flexplan.executor.plans import fixed_plan
+
+    hidden, inter, heads, kv_heads, head_dim = sizes.layer_widths[0]
+    # both depths' weights more than twice the last-level cache, as a real model's layers and the
+    # bare layers' cycled copies are (a 2-layer float32 model sat in the cache and made the slope
+    # 0.52 ms where the layer takes 0.31)
+    layer_bytes = (2 * hidden * heads * head_dim + 2 * hidden * kv_heads * head_dim + 3 * hidden * inter) \
+        * dtype_bytes(dtype)
+    low = min(32, max(2, math.ceil(2 * llc_bytes() / layer_bytes)))
+    depths, steps, per_depth = (low, low + 12), 16, {}
+    repeats = max(3, min(5, sizes.repeats))
+    ids = torch.ones(1, sizes.layer_kv_len, dtype=torch.long)
+    for depth in depths:
+        model = LlamaForCausalLM(_llama_config(hidden, inter, heads, kv_heads, head_dim, layers=depth)).eval()
+        lm = load(model, plan=fixed_plan(model.config, "cpu", "cpu", cpu_dtype=dtype, input_len=ids.shape[1],
+                                         output_len=steps + 1),
+                  accelerator=None, online_correction=False)
+
+        def gen(n, lm=lm):
+            return lambda: lm.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=n,
+                                       min_new_tokens=n, do_sample=False, pad_token_id=0)
+
+        short = time_call(gen(1), repeats, sizes.budget_s)
+        long = time_call(gen(steps + 1), repeats, 2 * sizes.budget_s)
+        per_depth[depth] = (long["time_s"] - short["time_s"]) / steps
+        del lm, model
+        if tick:
+            tick()
+    per_layer = max(per_depth[depths[1]] - per_depth[depths[0]], 0.0) / (depths[1] - depths[0])
+    alone = replace(sizes, layer_widths=(sizes.layer_widths[0],), layer_shapes=((1, 1),), layer_long_kv_len=None)
+    bare = [layers(alone, dtype)[0]["time_s"] for _ in range(2)]  # the layer alone, in the same minutes
+    return [{"dtype": dtype, "hidden": hidden, "intermediate": inter, "heads": heads, "kv_heads": kv_heads,
+             "head_dim": head_dim, "batch": 1, "query_len": 1, "kv_len": sizes.layer_kv_len + 1 + steps // 2,
+             "depths": list(depths), "steps": steps, "time_s": _sig(per_layer), "layer_time_s": _sig(min(bare))}]
