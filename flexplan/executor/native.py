@@ -55,10 +55,14 @@ class NativeGemv:
         self._dense = lib.flexplan_dense_gemv
         self._dense.argtypes = self._gemv.argtypes
         self._dense.restype = ctypes.c_int
-        self._grouped = lib.flexplan_grouped_gemv
-        self._grouped.argtypes = ([ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64] + [ctypes.c_void_p] * 2
-                                  + [ctypes.c_int64] + [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 2)
-        self._grouped.restype = ctypes.c_int
+        try:
+            self._grouped = lib.flexplan_grouped_gemv
+        except AttributeError:  # built from an older source (bench_cpu_linear.py --dense-source)
+            self._grouped = None
+        else:
+            self._grouped.argtypes = ([ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64] + [ctypes.c_void_p] * 2
+                                      + [ctypes.c_int64] + [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 2)
+            self._grouped.restype = ctypes.c_int
         self.vector_width = {"avx512f": 16, "avx2": 8}.get(self.isa, 1)
         self._lib = lib  # keeps the library loaded
 

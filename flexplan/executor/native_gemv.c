@@ -152,23 +152,33 @@ static inline __attribute__((always_inline)) vec wload(const void* p, int64_t id
 #endif
 }
 
-/* r[j] = row j of a VW x VW tile -> r[c] = column c (in registers). */
-static inline __attribute__((always_inline)) void transpose_tile(vec* r) {
+/* Interleave within 128-bit lanes: 32-bit elements (unpacklo/hi_ps) and 64-bit pairs (unpacklo/hi_pd). */
 #if defined(__AVX512F__)
-  __m512 t[16];
-  _Pragma("GCC unroll 8") for (int k = 0; k < 8; ++k) {
-    t[2 * k] = _mm512_unpacklo_ps(r[2 * k], r[2 * k + 1]);
-    t[2 * k + 1] = _mm512_unpackhi_ps(r[2 * k], r[2 * k + 1]);
+#define VUNPACK(kind, a, b) _mm512_unpack##kind##_ps(a, b)
+#define VUNPACK64(kind, a, b) _mm512_castpd_ps(_mm512_unpack##kind##_pd(_mm512_castps_pd(a), _mm512_castps_pd(b)))
+#elif defined(__AVX2__) && defined(__FMA__)
+#define VUNPACK(kind, a, b) _mm256_unpack##kind##_ps(a, b)
+#define VUNPACK64(kind, a, b) _mm256_castpd_ps(_mm256_unpack##kind##_pd(_mm256_castps_pd(a), _mm256_castps_pd(b)))
+#endif
+
+/* r[j] = row j of a VW x VW tile -> r[c] = column c (in registers). Two in-lane stages shared by
+ * both ISAs (after them u[4k + m], 128-bit lane L, holds column 4L + m of rows 4k..4k+3), then the
+ * transpose of the 128-bit lanes across the VW/4 row groups. */
+static inline __attribute__((always_inline)) void transpose_tile(vec* r) {
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+  vec t[VW], u[VW];
+  _Pragma("GCC unroll 8") for (int k = 0; k < VW / 2; ++k) {
+    t[2 * k] = VUNPACK(lo, r[2 * k], r[2 * k + 1]);
+    t[2 * k + 1] = VUNPACK(hi, r[2 * k], r[2 * k + 1]);
   }
-  __m512 u[16]; /* u[4k + m], lane L: column 4L + m of rows 4k..4k+3 */
-  _Pragma("GCC unroll 4") for (int k = 0; k < 4; ++k) {
-    const __m512d a = _mm512_castps_pd(t[4 * k]), b = _mm512_castps_pd(t[4 * k + 2]);
-    const __m512d c = _mm512_castps_pd(t[4 * k + 1]), d = _mm512_castps_pd(t[4 * k + 3]);
-    u[4 * k] = _mm512_castpd_ps(_mm512_unpacklo_pd(a, b));
-    u[4 * k + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(a, b));
-    u[4 * k + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(c, d));
-    u[4 * k + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(c, d));
+  _Pragma("GCC unroll 4") for (int k = 0; k < VW / 4; ++k) {
+    u[4 * k] = VUNPACK64(lo, t[4 * k], t[4 * k + 2]);
+    u[4 * k + 1] = VUNPACK64(hi, t[4 * k], t[4 * k + 2]);
+    u[4 * k + 2] = VUNPACK64(lo, t[4 * k + 1], t[4 * k + 3]);
+    u[4 * k + 3] = VUNPACK64(hi, t[4 * k + 1], t[4 * k + 3]);
   }
+#endif
+#if defined(__AVX512F__)
   _Pragma("GCC unroll 4") for (int m = 0; m < 4; ++m) { /* a 4 x 4 transpose of 128-bit lanes */
     const __m512 s0 = _mm512_shuffle_f32x4(u[m], u[4 + m], 0x44), s1 = _mm512_shuffle_f32x4(u[m], u[4 + m], 0xEE);
     const __m512 s2 = _mm512_shuffle_f32x4(u[8 + m], u[12 + m], 0x44);
@@ -179,20 +189,7 @@ static inline __attribute__((always_inline)) void transpose_tile(vec* r) {
     r[12 + m] = _mm512_shuffle_f32x4(s1, s3, 0xDD);
   }
 #elif defined(__AVX2__) && defined(__FMA__)
-  __m256 t[8], u[8];
-  _Pragma("GCC unroll 4") for (int k = 0; k < 4; ++k) {
-    t[2 * k] = _mm256_unpacklo_ps(r[2 * k], r[2 * k + 1]);
-    t[2 * k + 1] = _mm256_unpackhi_ps(r[2 * k], r[2 * k + 1]);
-  }
-  _Pragma("GCC unroll 2") for (int k = 0; k < 2; ++k) {
-    const __m256d a = _mm256_castps_pd(t[4 * k]), b = _mm256_castps_pd(t[4 * k + 2]);
-    const __m256d c = _mm256_castps_pd(t[4 * k + 1]), d = _mm256_castps_pd(t[4 * k + 3]);
-    u[4 * k] = _mm256_castpd_ps(_mm256_unpacklo_pd(a, b));
-    u[4 * k + 1] = _mm256_castpd_ps(_mm256_unpackhi_pd(a, b));
-    u[4 * k + 2] = _mm256_castpd_ps(_mm256_unpacklo_pd(c, d));
-    u[4 * k + 3] = _mm256_castpd_ps(_mm256_unpackhi_pd(c, d));
-  }
-  _Pragma("GCC unroll 4") for (int m = 0; m < 4; ++m) {
+  _Pragma("GCC unroll 4") for (int m = 0; m < 4; ++m) { /* a 2 x 2 transpose of 128-bit lanes */
     r[m] = _mm256_permute2f128_ps(u[m], u[4 + m], 0x20);
     r[4 + m] = _mm256_permute2f128_ps(u[m], u[4 + m], 0x31);
   }
