@@ -537,6 +537,8 @@ def test_executor_extra_is_what_the_executor_adds_to_the_bare_layer():
     assert executor_extra_s([{**row, "time_s": 3e-4}], layers) == 0.0
     assert executor_extra_s([], layers) == 0.0
     assert executor_extra_s([{**row, "hidden": 1024}], layers) == 0.0  # no layer of that width
+    with pytest.raises(ValueError, match="layer_time_s"):
+        executor_extra_s([{**row, "layer_time_s": "fast"}], layers)
 
 
 def test_disturbed_gemm_points_are_timed_again():

@@ -474,8 +474,14 @@ def executor_extra_s(executor_rows: list[dict], layer_rows: list[dict]) -> float
     nearest KV length (its hooks, its KV cache, casts; on the
     development VM ~0.24 ms per SmolLM2-sized layer in bfloat16, where the float32 fused stack adds
     nothing): the mean over the executor rows that have such a layer, never below 0."""
-    extras = [r["time_s"] - r["layer_time_s"] for r in executor_rows if r.get("layer_time_s")]  # timed together
-    for r in (r for r in executor_rows if not r.get("layer_time_s")):
+    def beside(r):  # the bare layer timed with it: a positive number, else none
+        t = r.get("layer_time_s")
+        if t is not None and (isinstance(t, bool) or not isinstance(t, (int, float)) or not t > 0):
+            raise ValueError("`measurements.cpu_executor_layers` has a bad layer_time_s (a positive number of seconds)")
+        return t
+
+    extras = [r["time_s"] - beside(r) for r in executor_rows if beside(r)]  # timed together
+    for r in (r for r in executor_rows if not beside(r)):
         same = [x for x in layer_rows if x["query_len"] == 1 and x["batch"] == r["batch"]
                 and all(x[k] == r[k] for k in ("hidden", "intermediate", "heads", "kv_heads", "head_dim"))]
         if same:
