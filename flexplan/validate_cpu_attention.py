@@ -36,35 +36,13 @@ def measure(layout: tuple[int, int, int], batch: int, context: int, dtype: str =
     """(seconds per call, kernel) of the executor's CPU decode attention for one layer."""
     import torch
 
-    from flexplan.calibration.microbench import time_call
-    from flexplan.executor import native
-    from flexplan.hardware.spec import canonical_dtype
+    from flexplan.calibration.microbench import cpu_decode_attention_call, llc_bytes, time_call
     from flexplan.executor.weights import torch_dtype
-
-    from flexplan.calibration.microbench import Cycle, copies_for, llc_bytes
+    from flexplan.hardware.spec import canonical_dtype
 
     heads, kv_heads, d = layout
     dt = torch_dtype(canonical_dtype(dtype))
-    g = torch.Generator().manual_seed(0)
-    # as many layers' caches as it takes to exceed 4x the last-level cache: a decode step reads each
-    # layer's KV from memory once (one reused buffer stayed in the cache below ~16 MB and ran 2x fast)
-    one = 2 * context * batch * kv_heads * d * torch.empty(0, dtype=dt).element_size()
-    caches = []
-    for _ in range(copies_for(one, 4 * llc_bytes(), cap=64)):
-        k_buf = torch.randn(context, batch, kv_heads, d, generator=g).to(dt)
-        v_buf = torch.randn(context, batch, kv_heads, d, generator=g).to(dt)
-        caches.append((k_buf.permute(1, 2, 0, 3), v_buf.permute(1, 2, 0, 3)))  # what FlexKVLayer hands attention
-    caches = Cycle(caches)
-    q = torch.randn(batch, heads, d, generator=g).to(dt)
-    ops = native.decode_status()[0] if dt == torch.float32 else None
-    scale = d ** -0.5
-    if ops is not None:
-        fn, kernel = (lambda: ops.decode_attention(q, *caches.next(), None, scale)), "native"
-    else:
-        from flexplan.executor.cpu_decode import _sdpa
-
-        mask = torch.ones(batch, 1, 1, context, dtype=torch.bool)
-        fn, kernel = (lambda: _sdpa(q, *caches.next(), mask, scale)), "transformers"
+    fn, kernel = cpu_decode_attention_call(heads, kv_heads, d, batch, context, dt, 4 * llc_bytes())
     with torch.inference_mode():
         return float(time_call(fn, repeats, budget_s)["time_median_s"]), kernel
 

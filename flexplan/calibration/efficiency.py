@@ -471,9 +471,9 @@ EXECUTOR_LAYER_KEYS = ("dtype", "hidden", "intermediate", "heads", "kv_heads", "
 def executor_extra_s(executor_rows: list[dict], layer_rows: list[dict]) -> float:
     """Seconds per layer the executor's decode step adds to the bare real layer of the same width:
     the one timed beside it (``layer_time_s``), else the ``cpu_layers`` row at batch 1 and the
-    nearest KV length (its hooks, its KV cache, casts; on the
-    development VM ~0.24 ms per SmolLM2-sized layer in bfloat16, where the float32 fused stack adds
-    nothing): the mean over the executor rows that have such a layer, never below 0."""
+    nearest KV length (its hooks, its KV cache, casts; on the AVX-512 development VM, timed
+    together, ~0.07-0.13 ms per SmolLM2-sized layer in bfloat16 and ~0-0.05 ms in float32): the
+    mean over the executor rows that have such a layer, never below 0."""
     def beside(r):  # the bare layer timed with it: a positive number, else none
         t = r.get("layer_time_s")
         if t is not None and (isinstance(t, bool) or not isinstance(t, (int, float)) or not t > 0):

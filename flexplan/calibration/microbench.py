@@ -350,19 +350,15 @@ class _SDPAModule:
 def attention(sizes: Sizes, dtype: str, device: str = "cpu", sync=None,
               tick: Callable[[], None] | None = None) -> list[dict]:
     """Decode attention: one query per sequence over ``kv_len`` cached keys, with the kernel the
-    executor runs it with (``kernel``): on the CPU in float32 flexplan's native decode attention
-    where it builds, over the KV cache's own ``(tokens, batch, heads, dim)`` buffers read through
-    strided views (as ``FlexKVLayer`` hands them); else transformers' SDPA with a mask. Achieved
+    executor runs it with (``kernel``): on the CPU :func:`cpu_decode_attention_call` (flexplan's
+    native kernel in float32 where it builds, transformers' SDPA with a mask otherwise, over the
+    KV cache's own strided buffers); on a GPU transformers' SDPA. Achieved
     ``kv_bytes_per_s`` (K and V read once). (Timing SDPA while the executor ran the native kernel
     left the cpu-attention policy's CPU term 2-5x slow on the AVX-512 VM.)"""
     import torch
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    from flexplan.executor import native
-
     dt, nbytes = torch_dtype(dtype), dtype_bytes(dtype)
-    ops = native.decode_status()[0] if device == "cpu" and dt == torch.float32 else None
-    kernel = "native" if ops is not None else "transformers"
     rows = []
     with torch.inference_mode():
         for (heads, kv_heads, hd), b in ((layout, b) for layout in dict.fromkeys((sizes.attn_heads, *sizes.attn_layouts))
@@ -370,36 +366,64 @@ def attention(sizes: Sizes, dtype: str, device: str = "cpu", sync=None,
             q = torch.full((b, heads, 1, hd), 0.1, dtype=dt, device=device)
             for L in sizes.attn_kv_lens:
                 one = 2 * b * kv_heads * L * hd * nbytes
-                if ops is not None:  # the cache's buffers, (tokens, batch, heads, dim), as strided views
-                    kvs = Cycle([(torch.full((L, b, kv_heads, hd), 0.1, dtype=dt).permute(1, 2, 0, 3),
-                                  torch.full((L, b, kv_heads, hd), 0.2, dtype=dt).permute(1, 2, 0, 3))
-                                 for _ in range(copies_for(one, rotate_bytes(sizes)))])
-                    q3 = torch.full((b, heads, hd), 0.1, dtype=dt)  # one query per sequence, contiguous as the executor's
-
-                    def call():
-                        k, v = kvs.next()
-                        return ops.decode_attention(q3, k, v, None, hd ** -0.5)
+                if device == "cpu":
+                    call, kernel = cpu_decode_attention_call(heads, kv_heads, hd, b, L, dt, rotate_bytes(sizes))
                 else:
+                    kernel = "transformers"
                     kvs = Cycle([(torch.full((b, kv_heads, L, hd), 0.1, dtype=dt, device=device),
                                   torch.full((b, kv_heads, L, hd), 0.2, dtype=dt, device=device))
                                  for _ in range(copies_for(one, rotate_bytes(sizes)))])
-                    mask = torch.ones(b, 1, 1, L, dtype=torch.bool, device=device)
                     module = _SDPAModule(heads // kv_heads)
 
-                    def call():  # transformers' SDPA with a mask
+                    def call():  # transformers' SDPA
                         k, v = kvs.next()
-                        return sdpa_attention_forward(module, q, k, v, mask if device == "cpu" else None,
-                                                      scaling=hd ** -0.5)
+                        return sdpa_attention_forward(module, q, k, v, None, scaling=hd ** -0.5)
 
                 r = time_call(call, sizes.repeats, sizes.budget_s, sync)
                 rows.append({"dtype": dtype, "batch": b, "kv_len": L, "heads": heads, "kv_heads": kv_heads, "head_dim": hd,
                              "dtype_bytes": nbytes, "kernel": kernel, "time_s": _sig(r["time_s"]),
                              "time_median_s": _sig(r["time_median_s"]), "runs": r["runs"],
                              "kv_bytes_per_s": _sig(one / r["time_s"])})
-                del kvs
+                del call
                 if tick:
                     tick()
     return rows
+
+
+def cpu_decode_attention_call(heads: int, kv_heads: int, head_dim: int, batch: int, kv_len: int, dt,
+                              total_bytes: int) -> tuple[Callable[[], object], str]:
+    """(one call, its kernel) of CPU decode attention as the executor runs it beside a host KV
+    cache: one query per sequence over ``kv_len`` keys held in the cache's own ``(tokens, batch,
+    heads, dim)`` buffers read through strided views (as ``FlexKVLayer`` hands them), with
+    flexplan's native kernel for float32 where it builds ("native"), else transformers' SDPA with an
+    all-true mask ("transformers"); each call reads the next of as many caches as exceed
+    ``total_bytes``, as a decode step reads each layer's KV from memory once (one reused buffer
+    stayed in the last-level cache below ~16 MB and ran 2x fast). Calibration and ``validate
+    --cpu-attention`` time this same call."""
+    import torch
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    from flexplan.executor import native
+
+    ops = native.decode_status()[0] if dt == torch.float32 else None
+    one = 2 * batch * kv_heads * kv_len * head_dim * torch.empty(0, dtype=dt).element_size()
+    kvs = Cycle([(torch.full((kv_len, batch, kv_heads, head_dim), 0.1, dtype=dt).permute(1, 2, 0, 3),
+                  torch.full((kv_len, batch, kv_heads, head_dim), 0.2, dtype=dt).permute(1, 2, 0, 3))
+                 for _ in range(copies_for(one, total_bytes))])
+    scale = head_dim ** -0.5
+    if ops is not None:
+        q3 = torch.full((batch, heads, head_dim), 0.1, dtype=dt)  # one query per sequence, contiguous
+
+        def native_call():
+            return ops.decode_attention(q3, *kvs.next(), None, scale)
+        return native_call, "native"
+    q = torch.full((batch, heads, 1, head_dim), 0.1, dtype=dt)
+    mask = torch.ones(batch, 1, 1, kv_len, dtype=torch.bool)
+    module = _SDPAModule(heads // kv_heads)
+
+    def sdpa_call():
+        return sdpa_attention_forward(module, q, *kvs.next(), mask, scaling=scale)
+    return sdpa_call, "transformers"
 
 
 def layer_overhead(sizes: Sizes, dtype: str, device: str = "cpu", sync=None, inner: int = 1) -> dict[str, float]:
@@ -619,21 +643,20 @@ def split_linear(sizes: Sizes, dtype: str, tick: Callable[[], None] | None = Non
     moves both alike)."""
     import torch
 
-    from flexplan.executor import native
     from flexplan.executor.cpu_linear import LinearKernel, pack_batch_hint
-    from flexplan.executor.split_layer import cpu_operator_linear
+    from flexplan.executor.split_layer import cpu_operator_linear, dense_kernel
 
     dt, nbytes = torch_dtype(dtype), dtype_bytes(dtype)
     k, n = sizes.weight_shapes[-1]
     count = copies_for(k * n * nbytes, rotate_bytes(sizes))
     linear = LinearKernel()
-    split_kernel = "native-dense" if dt == torch.float32 and native.available() else "F.linear"
     dense = Cycle(torch.full((n, k), 0.01, dtype=dt) for _ in range(count))
+    split_kernel = "native-dense" if dense_kernel(dt, dense.items[0]) is not None else "F.linear"
     rows, packed, hint = [], None, object()
     with torch.inference_mode():
         for t in sorted(set(sizes.gemv_tokens) | set(sizes.gemm_tokens)):
             if pack_batch_hint(t) != hint:
-                hint, packed = pack_batch_hint(t), None
+                hint = pack_batch_hint(t)
                 packed = Cycle(linear.prepare(torch.full((n, k), 0.01, dtype=dt), t) for _ in range(count))
             x = torch.full((t, k), 0.5, dtype=dt)
             calls = {"split": lambda: cpu_operator_linear(x, dense.next(), None, dt),
@@ -662,40 +685,48 @@ def executor_layers(sizes: Sizes, dtype: str, tick: Callable[[], None] | None = 
     ``sizes.layer_widths`` at two depths: the slope is one layer's cost there with everything the
     executor adds to the bare layer that ``layers`` times (its hooks, its KV cache, casts, the mask);
     the head, the embedding and the generate loop cancel; ``layer_time_s``: the bare layer of that
-    width (``layers`` at batch 1) timed right after. One row per dtype."""
+    width (``layers`` at batch 1) timed right after. One row per dtype; none where the slope comes
+    out non-positive (noise swamping tiny layers on a busy host: such a row failed the whole
+    calibration's row checks)."""
     import torch
     from transformers import LlamaForCausalLM
 
     from flexplan.api import load
     from flexplan.executor.plans import fixed_plan
+    from flexplan.workload.model import ModelSpec
 
     hidden, inter, heads, kv_heads, head_dim = sizes.layer_widths[0]
     # both depths' weights more than twice the last-level cache, as a real model's layers and the
     # bare layers' cycled copies are (a 2-layer float32 model sat in the cache and made the slope
     # 0.52 ms where the layer takes 0.31)
-    layer_bytes = (2 * hidden * heads * head_dim + 2 * hidden * kv_heads * head_dim + 3 * hidden * inter) \
-        * dtype_bytes(dtype)
-    low = min(32, max(2, math.ceil(2 * llc_bytes() / layer_bytes)))
-    depths, steps, per_depth = (low, low + 12), 16, {}
+    spec = ModelSpec.from_config(_llama_config(hidden, inter, heads, kv_heads, head_dim))
+    low = min(32, max(2, math.ceil(2 * llc_bytes() / (spec.params_per_layer * dtype_bytes(dtype)))))
+    depths, steps = (low, low + 12), 16
     repeats = max(3, min(5, sizes.repeats))
     ids = torch.ones(1, sizes.layer_kv_len, dtype=torch.long)
+    lms = {}
     for depth in depths:
         model = LlamaForCausalLM(_llama_config(hidden, inter, heads, kv_heads, head_dim, layers=depth)).eval()
-        lm = load(model, plan=fixed_plan(model.config, "cpu", "cpu", cpu_dtype=dtype, input_len=ids.shape[1],
-                                         output_len=steps + 1),
-                  accelerator=None, online_correction=False)
+        lms[depth] = load(model, plan=fixed_plan(model.config, "cpu", "cpu", cpu_dtype=dtype, input_len=ids.shape[1],
+                                                 output_len=steps + 1),
+                          accelerator=None, online_correction=False)
 
-        def gen(n, lm=lm):
+    def step_s(lm) -> float:  # one decode step, the prompt and the first token taken out
+        def gen(n):
             return lambda: lm.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=n,
                                        min_new_tokens=n, do_sample=False, pad_token_id=0)
+        return (time_call(gen(steps + 1), repeats, 2 * sizes.budget_s)["time_s"]
+                - time_call(gen(1), repeats, sizes.budget_s)["time_s"]) / steps
 
-        short = time_call(gen(1), repeats, sizes.budget_s)
-        long = time_call(gen(steps + 1), repeats, 2 * sizes.budget_s)
-        per_depth[depth] = (long["time_s"] - short["time_s"]) / steps
-        del lm, model
-        if tick:
-            tick()
-    per_layer = max(per_depth[depths[1]] - per_depth[depths[0]], 0.0) / (depths[1] - depths[0])
+    for _ in range(3):  # a busy host can swamp the difference (tiny layers): measured again, then given up
+        per_layer = (step_s(lms[depths[1]]) - step_s(lms[depths[0]])) / (depths[1] - depths[0])
+        if per_layer > 0:
+            break
+    del lms
+    for _ in depths if tick else ():
+        tick()
+    if not per_layer > 0:  # no row: the executor is taken to add nothing
+        return []
     alone = replace(sizes, layer_widths=(sizes.layer_widths[0],), layer_shapes=((1, 1),), layer_long_kv_len=None)
     bare = [layers(alone, dtype)[0]["time_s"] for _ in range(2)]  # the layer alone, in the same minutes
     return [{"dtype": dtype, "hidden": hidden, "intermediate": inter, "heads": heads, "kv_heads": kv_heads,

@@ -85,8 +85,9 @@ static inline float vsum(vec a) { return a; }
 #define GROUP_MAX 6
 #define DENSE_ROWS 4 /* weight rows per pass of the dense kernel: 4 sequential streams per thread */
 /* elements ahead the row kernel prefetches in each of its rows, non-temporally, from 3 batch rows up:
- * on the development machine (Zen 5, 2 threads, slow memory state) 4-16 rows read 0.85-0.9 of the
- * blocked kernel's GB/s with it, 0.8 without; 256-4096 elements ahead, to L1 or L2, did no better */
+ * on the development machine (Zen 5, 2 threads, slow memory state, Llama-3-8B's MLP shape) 4-16 rows
+ * read 0.81-0.88 of the blocked kernel's GB/s with it, 0.75-0.85 without; 256-4096 elements ahead,
+ * to L1 or L2, did no better */
 #define DENSE_PREFETCH 512
 #define DENSE_ROW_MAX 32 /* batch rows up to which a dense weight takes the row kernel; above, packed panels */
 #define CHUNK_BYTES 16384 /* bytes of a block's rows per pass (in L1) */

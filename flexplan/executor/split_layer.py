@@ -19,7 +19,7 @@ its dense pinned weight (the layout its accelerator copy needs, kept as the one 
 decode-sized batches, 64-row panels packed chunk by chunk into the blocked layout above 32 rows.
 On the development VM (Zen 5, 2 threads, Llama-3-8B's MLP shape, float32) stock ``F.linear`` read
 the weights at 10 GB/s at 4 rows where this kernel reads 41 (the blocked kernel 48), and computed
-128 rows at 140-160 GFLOP/s where it computes 340 (blocked 440-460; ``benchmarks/bench_cpu_linear.py``).
+128 rows at 130-180 GFLOP/s where it computes 340 (blocked 440-460; ``benchmarks/bench_cpu_linear.py``).
 The estimator prices these operators at the dense kernel's own calibrated rates (``flexplan validate --split-ops``).
 
 Only the accelerator operators' weights are prefetched into the slot (:func:`load`). The operators
@@ -65,6 +65,17 @@ def operator_modules(layer: nn.Module, operators: tuple[str, ...]) -> list[nn.Mo
     return ops if len(ops) == len(operators) else None
 
 
+def dense_kernel(compute_dtype: torch.dtype, weight: torch.Tensor):
+    """The native library whose dense kernel computes ``weight`` for :func:`cpu_operator_linear`
+    (float32 computation, a weight type it reads, contiguous, ``in`` a multiple of its vector
+    width), else None (``F.linear``)."""
+    gemv = native.status()[0] if compute_dtype == torch.float32 else None
+    if (gemv is not None and weight.dtype in native.WEIGHT_TYPES and weight.is_contiguous()
+            and weight.shape[-1] % gemv.vector_width == 0):
+        return gemv
+    return None
+
+
 def cpu_operator_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                compute_dtype: torch.dtype) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` for a split layer's operator on the CPU, computed in
@@ -74,9 +85,8 @@ def cpu_operator_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tenso
     ``compute_dtype``."""
     k, out = x.shape[-1], weight.shape[0]
     rows = x.numel() // max(k, 1)
-    gemv = native.status()[0] if compute_dtype == torch.float32 else None
-    if (gemv is not None and weight.dtype in native.WEIGHT_TYPES and weight.is_contiguous()
-            and k % gemv.vector_width == 0):
+    gemv = dense_kernel(compute_dtype, weight)
+    if gemv is not None:
         y = gemv.dense_gemv(weight, x.reshape(rows, k).to(torch.float32).contiguous(),
                             None if bias is None else bias.to(torch.float32).contiguous())
         return y.reshape(*x.shape[:-1], out).to(x.dtype)
