@@ -16,9 +16,11 @@ and the dense GEMV's share. A shared or busy machine moves every figure; compare
 
     python benchmarks/bench_cpu_experts.py            # writes results/bench_cpu_experts.json
 
-The committed result was taken with ``OMP_NUM_THREADS=1 ... --threads 1 --rounds 3`` on the 2-core
-development VM while other jobs ran (load ~5): with 2 threads there, OpenMP barriers stall behind the
-other jobs and every small GEMV (dense or expert) drops to a few GB/s.
+    python benchmarks/bench_cpu_experts.py --baseline-source old_cpu_experts.py   # old vs new, same rounds
+
+The committed result: ``--rounds 9 --baseline-source`` 83df406's cpu_experts.py, on the idle 2-core
+AVX-512 VM with 2 threads (README). With other jobs running, OpenMP barriers stall behind them and
+every small GEMV (dense or expert) drops to a few GB/s: run it on a quiet machine.
 """
 
 from __future__ import annotations
@@ -36,6 +38,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--batches", default="1,4,16")
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--name", default="bench_cpu_experts", help="results/<name>.json")
+    ap.add_argument("--baseline-source", default=None,
+                    help="another cpu_experts.py (e.g. from `git show REV:flexplan/executor/cpu_experts.py`) timed "
+                         "in the same rounds as a fourth variant, for an old-vs-new comparison in one run")
     args = ap.parse_args(argv)
     import torch
     import transformers
@@ -48,6 +54,13 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if args.threads:
         torch.set_num_threads(args.threads)
+    baseline = None
+    if args.baseline_source:
+        import importlib.util
+
+        spec = importlib.util.spec_from_file_location("baseline_cpu_experts", args.baseline_source)
+        baseline = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(baseline)
     cfg = transformers.Qwen3MoeConfig(hidden_size=HIDDEN, moe_intermediate_size=WIDTH, num_experts=EXPERTS,
                                       num_experts_per_tok=TOP_K, num_hidden_layers=1, num_attention_heads=4,
                                       num_key_value_heads=2, vocab_size=64)
@@ -70,17 +83,18 @@ def main(argv: list[str] | None = None) -> int:
     dense_bytes = sum(w.numel() * 4 for w in dense_w)
     out = []
     for b in (int(x) for x in args.batches.split(",")):
-        rates, shares, dense_shares, distinct, loop_shares = [], [], [], [], []
+        rates, shares, dense_shares, distinct, loop_shares, base_shares, triads = [], [], [], [], [], [], []
         for _ in range(args.rounds):
             triad = stream_triad_bytes_per_s()
+            triads.append(triad)
             x = torch.randn(b, HIDDEN, generator=g)
             idx = torch.stack([torch.randperm(EXPERTS, generator=g)[:TOP_K] for _ in range(b)])
             w = torch.rand(b, TOP_K, generator=g)
             picked = int(torch.unique(idx).numel())
-            def experts_step(grouped, x=x, idx=idx, w=w):
+            def experts_step(grouped, x=x, idx=idx, w=w, impl=cpu_experts):
                 with torch.no_grad():
                     for m in layers:
-                        cpu_experts.routed_experts_forward(m, x, idx, w, grouped=grouped)
+                        impl.routed_experts_forward(m, x, idx, w, grouped=grouped)
 
             def dense_step(x=x, h=torch.randn(b, WIDTH * TOP_K, generator=g)):
                 for wd in dense_w:
@@ -88,6 +102,8 @@ def main(argv: list[str] | None = None) -> int:
 
             runs = [("grouped", lambda: experts_step(True)), ("per expert", lambda: experts_step(False)),
                     ("dense", dense_step)]
+            if baseline is not None:
+                runs.append(("baseline", lambda: experts_step(True, impl=baseline)))
             k = len(distinct) % len(runs)  # rotated each round: the first after the triad meets its dirty lines
             seconds = {}
             for name, fn in runs[k:] + runs[:k]:
@@ -101,17 +117,25 @@ def main(argv: list[str] | None = None) -> int:
             shares.append(rate / triad)
             dense_shares.append(dense_bytes / dt_dense / triad)
             distinct.append(picked)
+            if baseline is not None:
+                base_shares.append(LAYERS * picked * expert_bytes / seconds["baseline"] / triad)
         row = {"batch": b, "distinct_experts": median(distinct), "expert_gb_per_s": median(rates) / 1e9,
                "expert_share_of_triad": median(shares), "dense_gemv_share_of_triad": median(dense_shares),
-               "per_expert_calls_share_of_triad": median(loop_shares)}
+               "per_expert_calls_share_of_triad": median(loop_shares),
+               "triad_gb_per_s": median(triads) / 1e9}
+        if baseline is not None:
+            row["baseline_share_of_triad"] = median(base_shares)
         out.append(row)
         print(f"batch {b:3d}: {row['distinct_experts']:.0f} experts/layer, {row['expert_gb_per_s']:.1f} GB/s, "
               f"{100 * row['expert_share_of_triad']:.0f}% of triad (dense blocked GEMV "
               f"{100 * row['dense_gemv_share_of_triad']:.0f}%; one call per expert and projection, as before: "
-              f"{100 * row['per_expert_calls_share_of_triad']:.0f}%)")
-    path = write_result("bench_cpu_experts", {"shape": dict(hidden=HIDDEN, width=WIDTH, experts=EXPERTS, top_k=TOP_K,
+              f"{100 * row['per_expert_calls_share_of_triad']:.0f}%"
+              + (f"; baseline {100 * row['baseline_share_of_triad']:.0f}%" if baseline is not None else "")
+              + f"; triad {row['triad_gb_per_s']:.0f} GB/s)")
+    path = write_result(args.name, {"shape": dict(hidden=HIDDEN, width=WIDTH, experts=EXPERTS, top_k=TOP_K,
                                                              layers=LAYERS), "rounds": args.rounds,
-                                                  "torch_threads": torch.get_num_threads(), "rows": out})
+                                                  "torch_threads": torch.get_num_threads(),
+                                                  "baseline_source": args.baseline_source, "rows": out})
     print(f"wrote {path}")
     return 0
 

@@ -290,9 +290,10 @@ def test_cpu_experts_run_on_the_native_blocked_gemv(fresh, family, monkeypatch):
 
 @pytest.mark.parametrize("weight_dtype", [torch.float32, torch.bfloat16])
 def test_grouped_expert_calls_equal_one_call_per_expert(weight_dtype):
-    """All selected experts of a projection in one native call give the per-expert calls' result
-    bit for bit, with experts picked by many tokens, by one, and routing sentinels (-1, E) that
-    select no expert."""
+    """All selected experts of a projection in one native call, routed and scattered natively, give
+    the per-expert calls' result bit for bit, with experts picked by many tokens, by one, twice by
+    one token, routing sentinels (-1, E) that select no expert, 16-bit routing weights, and enough
+    rows that the scatter shares its columns among threads."""
     import transformers
 
     from flexplan.executor import cpu_experts, native
@@ -308,12 +309,13 @@ def test_grouped_expert_calls_equal_one_call_per_expert(weight_dtype):
             dense = (torch.randn(m._parameters[name].shape, generator=g) * 0.05).to(weight_dtype)
             m._parameters[name] = torch.nn.Parameter(cpu_experts.block_experts_into(
                 dense, transposed, torch.empty(dense.numel(), dtype=weight_dtype)), requires_grad=False)
-    for b in (1, 5, 33):
+    for b, w_dtype in ((1, torch.float32), (5, torch.float32), (33, torch.bfloat16), (700, torch.float32)):
         x = torch.randn(b, 128, generator=g)
         idx = torch.stack([torch.randperm(16, generator=g)[:4] for _ in range(b)])
         if b > 1:
             idx[0, 1], idx[-1, 2] = -1, 16
-        w = torch.rand(b, 4, generator=g)
+            idx[1, 3] = idx[1, 0]
+        w = torch.rand(b, 4, generator=g).to(w_dtype)
         with torch.no_grad():
             grouped = cpu_experts.routed_experts_forward(m, x, idx, w)
             per_expert = cpu_experts.routed_experts_forward(m, x, idx, w, grouped=False)

@@ -14,11 +14,14 @@ on the accelerator.
 runs one GEMM (a GEMV at batch 1) per expert that some token picked, no pass over the experts no
 token picked; the pairs of each expert in the order transformers' eager loop takes them, so the
 result is the eager one bit for bit on the same weights. On blocked weights (the float32 CPU's
-copy) the selected experts' GEMVs of a projection are one native call
-(``native_gemv.c``'s ``flexplan_grouped_gemv``) and the activation, weighting and scatter one
-pass each over all their rows: a decode step of a Qwen3-30B-A3B-shaped layer made ~8 x 6 small
-calls (two OpenMP regions and a few torch ops per expert) before, a handful now
-(``benchmarks/bench_cpu_experts.py`` compares both). An experts module of another interface
+copy) the whole layer is five native calls and the activation's torch ops (``native_gemv.c``):
+the routing grouped by expert with the rows gathered (``flexplan_route_experts``, a counting sort
+in eager's order), the selected experts' GEMVs of each projection (``flexplan_grouped_gemv``),
+and the weighted scatter (``flexplan_scatter_experts``, eager's roundings and order of sums). A
+decode step of a Qwen3-30B-A3B-shaped layer made ~8 x 6 small calls (two OpenMP regions and a few
+torch ops per expert) at first, then ~20 torch ops around two grouped calls; what is left outside
+the GEMVs is ~190 us per layer on the 2-core VM (``benchmarks/bench_cpu_experts.py`` compares the
+paths). An experts module of another interface
 (Llama 4's, which runs every expert on every routed row) runs its own forward on the host.
 """
 
@@ -48,15 +51,26 @@ def find_routed_experts(layer: nn.Module, num_experts: int) -> tuple[str, nn.Mod
     return None
 
 
+@functools.lru_cache(maxsize=None)
+def _forward_signature(cls: type) -> inspect.Signature | None:
+    """``cls.forward``'s signature (None if it has none), looked up once per class: a decode step
+    asks for each experts module."""
+    try:
+        return inspect.signature(cls.forward)
+    except (TypeError, ValueError):
+        return None
+
+
+def _forward_arity(cls: type) -> int:
+    sig = _forward_signature(cls)
+    return len(sig.parameters) if sig is not None else 0
+
+
 def takes_routing(module: nn.Module) -> bool:
     """transformers' fused-experts interface: forward(hidden_states, top_k_index, top_k_weights)."""
-    try:
-        params = list(inspect.signature(type(module).forward).parameters)
-    except (TypeError, ValueError):
-        return False
     has_weights = isinstance(getattr(module, "down_proj", None), torch.Tensor) and (
         isinstance(getattr(module, "gate_up_proj", None), torch.Tensor) or isinstance(getattr(module, "up_proj", None), torch.Tensor))
-    return len(params) >= 4 and has_weights
+    return has_weights and _forward_arity(type(module)) >= 4
 
 
 MATRICES = ("gate_up_proj", "up_proj", "down_proj")
@@ -114,7 +128,7 @@ def _grouped_kernel(module: nn.Module, x: torch.Tensor, first: str):
     blocked (4-D) in a weight type the kernel reads, their biases float32 or absent, and ``x`` is
     float32: then one grouped call per projection computes all the selected experts; else None."""
     gemv = native.status()[0] if x.dtype == torch.float32 else None
-    if gemv is None:
+    if gemv is None or not gemv.has_expert_calls:
         return None
     for name in (first, "down_proj"):
         w, b = getattr(module, name, None), getattr(module, f"{name}_bias", None)
@@ -124,34 +138,33 @@ def _grouped_kernel(module: nn.Module, x: torch.Tensor, first: str):
     return gemv
 
 
-def _grouped_forward(module: nn.Module, gemv, x: torch.Tensor, order: torch.Tensor, experts: torch.Tensor,
-                     counts: torch.Tensor, tokens: int, top_k_weights: torch.Tensor, has_gate: bool,
-                     out: torch.Tensor) -> torch.Tensor:
-    """All selected experts in two native calls (first projection, down projection) and one pass of
-    each elementwise op over all their rows, stacked expert after expert in eager's order; each
-    expert's rows are what :func:`_project` gives them, and the index_add runs over the pairs in
-    the same order as the per-expert loop, so the result is the same bit for bit."""
-    pairs = order
-    if int(experts[0]) < 0 or int(experts[-1]) >= module.down_proj.shape[0]:  # sorted: sentinels at the ends
-        valid = (experts >= 0) & (experts < module.down_proj.shape[0])  # select no expert
-        pairs = order[torch.repeat_interleave(valid, counts)]
-        experts, counts = experts[valid].contiguous(), counts[valid]
-    row_start = torch.zeros(counts.numel() + 1, dtype=torch.int64)
-    torch.cumsum(counts, 0, out=row_start[1:])
-    tok = pairs % tokens
+def _grouped_forward(module: nn.Module, gemv, x: torch.Tensor, top_k_index: torch.Tensor,
+                     top_k_weights: torch.Tensor, has_gate: bool) -> torch.Tensor:
+    """All selected experts in a few native calls: the routing grouped by expert with the rows
+    gathered (``route_experts``), the first and the down projection (``grouped_gemv``), the
+    weighting and scatter (``scatter_experts``), and one pass of each activation op over all the
+    rows, stacked expert after expert in eager's order; each expert's rows are what
+    :func:`_project` gives them and the sums run over the pairs in the per-expert loop's order,
+    so the result is the same bit for bit."""
+    tokens = top_k_index.shape[0]
+    pairs, experts, row_start, h = gemv.route_experts(top_k_index.to(torch.int64).contiguous(),
+                                                      module.down_proj.shape[0], x.contiguous())
 
     def project(name, h):
         b = getattr(module, f"{name}_bias", None)
         return gemv.grouped_gemv(getattr(module, name), experts, row_start, h.contiguous(),
                                  b.contiguous() if isinstance(b, torch.Tensor) else None)
 
-    h = x[tok]
     h = module._apply_gate(project("gate_up_proj", h)) if has_gate else module.act_fn(project("up_proj", h))
     h = project("down_proj", h)
-    if getattr(module, "has_post_expert_norm", False):
-        h = module.post_expert_norm(h)
-    h = h * top_k_weights.t().reshape(-1)[pairs, None]  # pairs index the [k, T] order
-    return out.index_add_(0, tok, h.to(out.dtype))
+    post_norm = getattr(module, "has_post_expert_norm", False)
+    if post_norm or top_k_weights.dtype not in native.WEIGHT_TYPES:
+        if post_norm:
+            h = module.post_expert_norm(h)
+        h = h * top_k_weights.t().reshape(-1)[pairs, None]  # pairs index the [k, T] order
+        return torch.zeros_like(x).index_add_(0, pairs % tokens, h.to(x.dtype))
+    # a 16-bit routing weight widens exactly, as torch's type promotion widens it in h * w
+    return gemv.scatter_experts(h.contiguous(), top_k_weights.float().contiguous(), pairs, tokens)
 
 
 def routed_experts_forward(module: nn.Module, x: torch.Tensor, top_k_index: torch.Tensor,
@@ -163,14 +176,14 @@ def routed_experts_forward(module: nn.Module, x: torch.Tensor, top_k_index: torc
     tokens, k = top_k_index.shape
     num_experts = module.down_proj.shape[0]
     has_gate = getattr(module, "has_gate", True) and isinstance(getattr(module, "gate_up_proj", None), torch.Tensor)
+    gemv = _grouped_kernel(module, x, "gate_up_proj" if has_gate else "up_proj") if grouped else None
+    if gemv is not None:
+        return _grouped_forward(module, gemv, x, top_k_index, top_k_weights, has_gate)
     # (choice, token) pairs in [k, T] order, stably sorted by expert: each expert's rows in eager's order
     flat = top_k_index.t().reshape(-1)
     order = torch.argsort(flat, stable=True)
     experts, counts = torch.unique_consecutive(flat[order], return_counts=True)
     out = torch.zeros_like(x)
-    gemv = _grouped_kernel(module, x, "gate_up_proj" if has_gate else "up_proj") if grouped else None
-    if gemv is not None:
-        return _grouped_forward(module, gemv, x, order, experts, counts, tokens, top_k_weights, has_gate, out)
     start = 0
     for e, n in zip(experts.tolist(), counts.tolist()):
         pairs = order[start:start + n]
@@ -213,7 +226,7 @@ class ExpertsPlace:
 
 def _routing_args(module: nn.Module, args: tuple, kwargs: dict):
     """(hidden states, top_k_index, top_k_weights) of a call on transformers' routed interface."""
-    bound = inspect.signature(type(module).forward).bind(module, *args, **kwargs)
+    bound = _forward_signature(type(module)).bind(module, *args, **kwargs)
     return tuple(bound.arguments.values())[1:4]
 
 

@@ -57,12 +57,20 @@ class NativeGemv:
         self._dense.restype = ctypes.c_int
         try:
             self._grouped = lib.flexplan_grouped_gemv
+            self._route = lib.flexplan_route_experts
+            self._scatter = lib.flexplan_scatter_experts
         except AttributeError:  # built from an older source (bench_cpu_linear.py --dense-source)
-            self._grouped = None
+            self._grouped = self._route = self._scatter = None
         else:
             self._grouped.argtypes = ([ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64] + [ctypes.c_void_p] * 2
                                       + [ctypes.c_int64] + [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 2)
             self._grouped.restype = ctypes.c_int
+            self._route.argtypes = ([ctypes.c_void_p] + [ctypes.c_int64] * 3 + [ctypes.c_void_p, ctypes.c_int64]
+                                    + [ctypes.c_void_p] * 4)
+            self._route.restype = ctypes.c_int64
+            self._scatter.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3 + [ctypes.c_void_p, ctypes.c_int64]
+            self._scatter.restype = None
+        self.has_expert_calls = self._grouped is not None  # grouped_gemv, route_experts, scatter_experts
         self.vector_width = {"avx512f": 16, "avx2": 8}.get(self.isa, 1)
         self._lib = lib  # keeps the library loaded
 
@@ -91,6 +99,37 @@ class NativeGemv:
                       row_start.data_ptr(), experts.numel(), x2d.data_ptr(), y.data_ptr(),
                       None if bias is None else bias.data_ptr(), out, k)
         return y
+
+    def route_experts(self, top_k_index: torch.Tensor, n_experts: int, x: torch.Tensor | None):
+        """The routing ``top_k_index`` [tokens, k] (int64, contiguous) grouped by expert as the eager
+        loop takes it (native_gemv.c's flexplan_route_experts): (pairs, experts, row_start, h) with
+        pairs the kept (choice * tokens + token) ids stably sorted by expert, experts the selected
+        ids ascending, row_start their offsets (len(experts) + 1) and h [len(pairs), in] the rows of
+        x [tokens, in] (float32, contiguous) for those pairs (None without x). Experts outside
+        [0, n_experts) run nowhere."""
+        tokens, k = top_k_index.shape
+        slots = tokens * k
+        n_ids = min(slots, n_experts)
+        ints = torch.empty(slots + 2 * n_ids + 1, dtype=torch.int64)
+        h = torch.empty(slots, x.shape[1], dtype=torch.float32) if x is not None else None
+        n = self._route(top_k_index.data_ptr(), tokens, k, n_experts, None if x is None else x.data_ptr(),
+                        0 if x is None else x.shape[1], ints.data_ptr(), ints[slots:].data_ptr(),
+                        ints[slots + n_ids:].data_ptr(), None if h is None else h.data_ptr())
+        if n < 0:
+            raise MemoryError("routing the experts: out of memory for the per-expert counters")
+        row_start = ints[slots + n_ids:slots + n_ids + n + 1]
+        kept = int(row_start[n])
+        return ints[:kept], ints[slots:slots + n], row_start, None if h is None else h[:kept]
+
+    def scatter_experts(self, h: torch.Tensor, weights: torch.Tensor, pairs: torch.Tensor, tokens: int) -> torch.Tensor:
+        """[tokens, width] float32: 0, then row r of h [rows, width] times its routing weight
+        (``weights`` [tokens, k] float32, contiguous) added to its token's row in row order, each
+        product rounded before the sum: torch's ``h * w`` then ``index_add_``, bit for bit."""
+        rows, width = h.shape
+        out = torch.empty(tokens, width, dtype=torch.float32)
+        self._scatter(h.data_ptr(), weights.data_ptr(), pairs.data_ptr(), rows, tokens, weights.shape[1],
+                      out.data_ptr(), width)
+        return out
 
     def dense_gemv(self, weight: torch.Tensor, x2d: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """``x2d @ weight.float().T (+ bias)`` for a dense contiguous [out, in] ``weight`` (a dtype
@@ -264,6 +303,14 @@ def _self_check(native: NativeGemv) -> None:
     for j, (e, lo, hi) in enumerate(((2, 0, 2), (0, 2, 5))):
         if not torch.equal(y[lo:hi], native.gemv(stack[e], x[lo:hi].contiguous(), bias[e].contiguous())):
             raise RuntimeError(f"self-check failed (grouped kernel): expert {e} differs from the blocked kernel's")
+    idx = torch.tensor([[2, 0], [2, -1], [0, 2]])  # the routing calls: pairs by expert, rows, weighted sum
+    pairs, ids, starts, h = native.route_experts(idx, 3, x[:3].contiguous())
+    weights = torch.rand(3, 2, generator=g)
+    if pairs.tolist() != [2, 3, 0, 1, 5] or ids.tolist() != [0, 2] or starts.tolist() != [0, 2, 5] \
+            or not torch.equal(h, x[:3][pairs % 3]) or not torch.equal(
+                native.scatter_experts(h, weights, pairs, 3),
+                torch.zeros(3, 48).index_add_(0, pairs % 3, h * weights.t().reshape(-1)[pairs, None])):
+        raise RuntimeError("self-check failed (expert routing or weighted sum)")
     for name, kernel, sizes in kernels:
         for (out, k, batch, with_bias), dtype in ((size, d) for size in sizes for d in WEIGHT_TYPES):
             w = torch.randn(out, k, generator=g).to(dtype)

@@ -29,6 +29,7 @@
  * thread pool, sized by torch.set_num_threads. ISA paths: AVX-512F, AVX2 + FMA, plain C.
  */
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #include <immintrin.h>
@@ -298,6 +299,71 @@ int flexplan_grouped_gemv(const void* P, int64_t wtype, int64_t expert_stride, c
     else gemv_block(Pe, x + r0 * in, y + r0 * out, be, out, in, rows, k, WEIGHT_F16);
   }
   return 0;
+}
+
+/* The routing of one MoE layer laid out for flexplan_grouped_gemv, as transformers' eager loop
+ * takes it: pair p = choice * tokens + token (the [k, tokens] order of index^T) routed to expert
+ * index[token, choice] (index [tokens, k] int64); the pairs stably sorted by expert (a counting
+ * sort: each expert's pairs in increasing p, as torch.argsort(stable=True) orders them), those
+ * whose expert is outside [0, n_experts) (sentinels: padding, expert parallelism) dropped. Writes
+ * pairs[] (the kept pairs in that order), experts[] (the n selected ids, ascending), row_start[]
+ * (n + 1 offsets into pairs) and, when x [tokens, in] is given, h [kept, in]: row r the token row
+ * of pairs[r]. Returns n, or -1 when it cannot allocate its counters. */
+int64_t flexplan_route_experts(const int64_t* index, int64_t tokens, int64_t k, int64_t n_experts, const float* x,
+                               int64_t in, int64_t* pairs, int64_t* experts, int64_t* row_start, float* h) {
+  int64_t* next = calloc((size_t)n_experts + 1, sizeof(int64_t));
+  if (!next) return -1;
+  for (int64_t p = 0; p < tokens * k; ++p) {
+    const int64_t e = index[(p % tokens) * k + p / tokens];
+    if (e >= 0 && e < n_experts) ++next[e];
+  }
+  int64_t n = 0, start = 0;
+  for (int64_t e = 0; e < n_experts; ++e) {
+    const int64_t c = next[e];
+    next[e] = start;
+    if (c) {
+      experts[n] = e;
+      row_start[n++] = start;
+    }
+    start += c;
+  }
+  row_start[n] = start;
+  for (int64_t p = 0; p < tokens * k; ++p) {
+    const int64_t t = p % tokens, e = index[t * k + p / tokens];
+    if (e < 0 || e >= n_experts) continue;
+    const int64_t r = next[e]++;
+    pairs[r] = p;
+    if (x) memcpy(h + r * in, x + t * in, (size_t)in * sizeof(float));
+  }
+  free(next);
+  return n;
+}
+
+/* The routed experts' weighted sum, as transformers' eager loop forms it: out [tokens, width] =
+ * 0, then for each routed row r in order, out[token] += h[r] * weights[token, choice] (pair
+ * pairs[r] as flexplan_route_experts numbers them; weights [tokens, k] float32). Each product is
+ * rounded before its sum (no fused multiply-add: torch's mul then index_add_ round twice) and
+ * each element takes its sums in row order, so the result is eager's bit for bit; threads share
+ * the columns, never a column. */
+__attribute__((optimize("fp-contract=off"))) void flexplan_scatter_experts(
+    const float* h, const float* weights, const int64_t* pairs, int64_t rows, int64_t tokens, int64_t k, float* out,
+    int64_t width) {
+  const int64_t chunk = 256, chunks = (width + chunk - 1) / chunk;
+#pragma omp parallel for schedule(static) if (rows * width >= (1 << 18))
+  for (int64_t c = 0; c < chunks; ++c) {
+    const int64_t j0 = c * chunk, j1 = j0 + chunk < width ? j0 + chunk : width;
+    for (int64_t t = 0; t < tokens; ++t) memset(out + t * width + j0, 0, (size_t)(j1 - j0) * sizeof(float));
+    for (int64_t r = 0; r < rows; ++r) {
+      const int64_t t = pairs[r] % tokens;
+      const float w = weights[t * k + pairs[r] / tokens];
+      const float* hr = h + r * width;
+      float* o = out + t * width;
+      for (int64_t j = j0; j < j1; ++j) {
+        const float product = hr[j] * w;
+        o[j] += product;
+      }
+    }
+  }
 }
 
 /* The same product on a DENSE row-major W [out, in] (the layout a weight keeps where it must also
