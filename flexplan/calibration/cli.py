@@ -145,6 +145,7 @@ def calibrate(mode: str = "quick", out: str | Path | None = None, threads: int |
     from flexplan.calibration import memory_state
     from flexplan.calibration import microbench as mb
     from flexplan.calibration import store
+    from flexplan.executor.host_allocator import keep_freed_memory
 
     t_start = time.perf_counter()
     busy_start = _cpu_seconds()
@@ -159,6 +160,7 @@ def calibrate(mode: str = "quick", out: str | Path | None = None, threads: int |
     measurements: dict[str, object] = {}
     failures: dict[str, str] = {}
     memory = memory_state.new_record()  # the host memory state before each step (memory_state.py)
+    allocator = keep_freed_memory()  # as the executor runs: freed activations kept, not faulted in afresh
     with mb.torch_threads(threads), tqdm(total=sum(s.units for s in steps), disable=not progress, unit="shape",
                                          desc="calibrate", leave=False) as bar:
         for step in steps:
@@ -186,7 +188,8 @@ def calibrate(mode: str = "quick", out: str | Path | None = None, threads: int |
     from flexplan.executor.cpu_linear import default_kernel
 
     settings = {"cpu_dtypes": cpu_dtypes, "cpu_threads": threads, "gpu_dtype": gpu_dtype,
-                "rotate_bytes": mb.rotate_bytes(mb.MODES[mode]), "cpu_linear_kernel": default_kernel()}
+                "rotate_bytes": mb.rotate_bytes(mb.MODES[mode]), "cpu_linear_kernel": default_kernel(),
+                "host_allocator": allocator}
     doc = calibration_doc(mode, measurements, settings, hw, identity, failures=failures,
                           skipped={"gpu": gpu_skip} if gpu_skip else {}, gpu_measured=gb_name() if gpu_dtype else None)
     doc["duration_s"] = round(time.perf_counter() - t_start, 1)

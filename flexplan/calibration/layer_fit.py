@@ -19,14 +19,16 @@ reproduces each calibrated layer:
   development VM's SmolLM2 decode slowed 5 ms per step from 128 to 512 keys where the SDPA
   micro-benchmark's factor gave under 2.
 - **Prefill rows** (hundreds of tokens, compute-bound): the layer's own compute factor,
-  ``C / (TH x (t - D / (BW x Eff_mem) - overhead))`` with the decode overhead held, the median
-  over the measured widths at each token count (:func:`layer_compute_table`). It replaces the
+  ``C / (TH x (t - D / (BW x Eff_mem) - overhead))`` with the decode overhead held, the widest
+  measured layer's at each token count (:func:`layer_compute_table`; the median over the widths
+  before, which priced the 2 GB random Llama's prefill, exactly the widest calibrated layer, 12-25%
+  slow: its time beyond the median factor could only be added, never taken off). It replaces the
   GEMM micro-benchmark's factor over the tokens the layers span: a real layer can be faster than
   the isolated GEMM of another weight shape (the development VM's SmolLM2-sized layers ran
   their prefill GEMMs ~10-20% faster than the 2048 x 2048 GEMM, and an overhead that could only
   add time made every prefill 20-35% slow), or slower (attention and elementwise work per token).
   Eff_comp keeps its one constraint: it grows no faster than the tokens do, so the compute term
-  never falls as tokens grow. What each width's prefill takes beyond the median factor (a small
+  never falls as tokens grow. What each narrower width's prefill takes beyond that factor (a small
   layer's norms, rotary and activations weigh more per token) joins the overhead at those tokens,
   so each calibrated prefill layer is reproduced (SmolLM2's layer at 128 tokens: 9.0 ms measured,
   7.3 ms from the median factor alone; the demo's 42-token prompt came out 40% short).
@@ -165,7 +167,7 @@ def derive_layers(rows: list[dict], peak_flops_per_s: float, bandwidth_bytes_per
     eff_pa = prefill_attention_factor(prefill, peak_flops_per_s)
     compute = layer_compute_table(prefill, peak_flops_per_s, bandwidth_bytes_per_s, eff_c, eff_m, overhead, eff_pa)
     if compute is not None:
-        # the compute factor is the median over the widths; what a width's prefill takes beyond it
+        # the compute factor is the widest layer's; what a narrower width's prefill takes beyond it
         # (a small layer's norms, rotary and activations per token weigh more) is its own overhead,
         # fitted apart from the decode steps' (other code) and never below the most decode tokens'
         extra: dict[int, dict[float, float]] = {}
@@ -262,21 +264,24 @@ def layer_compute_table(prefill: list, peak_flops_per_s: float, bandwidth_bytes_
     """Eff_comp(tokens) over the tokens the prefill layers span, the GEMM factor's points outside
     them; None without prefill rows. Each layer's factor: its compute time is what is left of its
     time after the memory term, the decode overhead (held) and, with ``eff_pa``, the attention
-    core priced apart; the median over the widths at one token count; the whole table capped so
-    that it grows no faster than the tokens do."""
+    core priced apart; at one token count, the widest layer's (the width nearest the models that
+    are offloaded; a narrower layer's norms, rotary and activations weigh more per FLOP, and
+    :func:`derive_layers` gives what they take beyond this factor to that width's overhead); the
+    whole table capped so that it grows no faster than the tokens do."""
     from flexplan.calibration.efficiency import EFF_MAX, Table, capped_growth
 
-    by_t: dict[int, list[float]] = {}
+    by_t: dict[int, dict[float, float]] = {}  # tokens -> layer bytes -> factor
     for tokens, w, time_s in prefill:
         linear, attn_s = _prefill_split(w, peak_flops_per_s, eff_pa)
         rest = (time_s - t_memory_s(w.d_cpu + w.kv_write_cpu, bandwidth_bytes_per_s, float(eff_m(tokens)))
                 - overhead(tokens, w.weight_bytes_cpu) - attn_s)
         if rest > 0:
-            by_t.setdefault(tokens, []).append(min(EFF_MAX, t_compute_s(linear, peak_flops_per_s, 1.0) / rest))
+            by_t.setdefault(tokens, {})[float(w.weight_bytes_cpu)] = min(
+                EFF_MAX, t_compute_s(linear, peak_flops_per_s, 1.0) / rest)
     if not by_t:
         return None
     lo, hi = min(by_t), max(by_t)
     points = {float(x): float(y) for x, y in zip(eff_c.x, eff_c.y) if x < lo or x > hi}
-    points.update({float(t): float(np.median(v)) for t, v in by_t.items()})
+    points.update({float(t): float(v[max(v)]) for t, v in by_t.items()})  # the widest layer's
     x = sorted(points)
     return Table(x, capped_growth(x, [points[t] for t in x], power_law=True), log_y=True)

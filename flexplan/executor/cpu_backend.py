@@ -18,6 +18,7 @@ import torch
 
 from flexplan.errors import InvalidInputError
 from flexplan.executor import cpu_linear
+from flexplan.executor.host_allocator import keep_freed_memory
 
 
 @dataclass(frozen=True)
@@ -27,6 +28,7 @@ class CPUBackend:
     why: str  # why this backend (IPEX missing, incompatible, ...)
     ipex: object | None = None
     linear_kernel: str = cpu_linear.KERNEL_PLAIN  # cpu_linear.KERNELS
+    allocator: str = ""  # host_allocator.keep_freed_memory(): what malloc does with freed activations
 
     @property
     def packs_weights(self) -> bool:
@@ -64,7 +66,8 @@ def ipex_status() -> tuple[object | None, str]:
 
 
 def configure(cores: int | None = None, use_ipex: bool = True, linear_kernel: str | None = None) -> CPUBackend:
-    """Set the intra-op thread count to the hardware's cores and pick the backend. ``linear_kernel``
+    """Set the intra-op thread count to the hardware's cores, keep freed host memory for the next
+    step (host_allocator) and pick the backend. ``linear_kernel``
     (stock PyTorch only): ``"flexplan-blocked"`` (float32 weights blocked for flexplan's native
     GEMV, other weights oneDNN-packed; the default where the native GEMV builds), ``"onednn-packed"``
     (the default where only oneDNN's packed linear is there) or ``"F.linear"``."""
@@ -74,11 +77,12 @@ def configure(cores: int | None = None, use_ipex: bool = True, linear_kernel: st
     threads = int(cores) if cores else (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
     if torch.get_num_threads() != threads:
         torch.set_num_threads(threads)
+    allocator = keep_freed_memory()
     ipex, why = ipex_status() if use_ipex else (None, "IPEX disabled by the caller")
     if ipex is not None:
-        return CPUBackend(f"IPEX {ipex.__version__}", threads, why, ipex)
+        return CPUBackend(f"IPEX {ipex.__version__}", threads, why, ipex, allocator=allocator)
     return CPUBackend(f"stock PyTorch {torch.__version__}", threads, why,
-                      linear_kernel=linear_kernel or cpu_linear.default_kernel())
+                      linear_kernel=linear_kernel or cpu_linear.default_kernel(), allocator=allocator)
 
 
 def local_cpu_dtype() -> str:

@@ -72,6 +72,7 @@ class RunStats:
     cpu_threads_source: str  # "calibrated: ...", "given by the caller" or "all usable cores (...)"
     cpu_linear_kernel: str  # cpu_linear.KERNELS: "flexplan-blocked", "onednn-packed" or "F.linear"
     cpu_decode_ops: str  # cpu_decode.describe(): native fused norm/rotary/attention, or transformers' ops
+    host_allocator: str  # host_allocator.keep_freed_memory(): glibc malloc tuned, or left as it is and why
     batch_size: int
     input_len: int
     new_tokens: int
@@ -111,7 +112,8 @@ class RunStats:
 
         lines = [
             f"plan: {self.placement} on {self.accelerator}; CPU: {self.cpu_backend} ({self.cpu_backend_why}), "
-            f"{self.cpu_threads} threads ({self.cpu_threads_source}), linears via {self.cpu_linear_kernel}, {self.cpu_decode_ops}",
+            f"{self.cpu_threads} threads ({self.cpu_threads_source}), linears via {self.cpu_linear_kernel}, {self.cpu_decode_ops}; "
+            f"host memory: {self.host_allocator}",
             f"TTFT {self.ttft_s * 1e3:.2f} ms (predicted {pred(self.predicted_ttft_s)}), "
             f"TPOT {self.tpot_s * 1e3:.2f} ms (predicted {pred(self.predicted_tpot_s)}), "
             f"E2E {self.e2e_s:.3f} s for {self.new_tokens} new tokens x batch {self.batch_size}",
@@ -156,7 +158,7 @@ def collect(executor, t_start_s: float, t_end_s: float, batch: int, input_len: i
         else "none", cpu_backend=executor.backend.name, cpu_backend_why=executor.backend.why,
         cpu_threads=executor.backend.threads, cpu_threads_source=cpu_threads_source or "as configured",
         cpu_linear_kernel=executor.backend.linear_kernel,
-        cpu_decode_ops=executor.cpu_decode_ops, batch_size=batch,
+        cpu_decode_ops=executor.cpu_decode_ops, host_allocator=executor.backend.allocator, batch_size=batch,
         input_len=input_len, new_tokens=new_tokens, ttft_s=ttft, tpot_s=tpot, e2e_s=e2e,
         predicted_ttft_s=plan.ttft_s, predicted_tpot_s=plan.tpot_s, prefill=phases["prefill"],
         decode=phases["decode"], h2d_bytes=link.bytes_moved(H2D), d2h_bytes=link.bytes_moved(D2H),

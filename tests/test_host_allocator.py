@@ -1,0 +1,74 @@
+"""Host memory a step frees is kept for the next (executor/host_allocator.py): malloc's setting is
+process-wide, so each case runs in a child process."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import subprocess
+import sys
+
+import pytest
+
+# a prefill-like pattern: per "layer", an MLP's activations (1024 tokens x 1536 float32: 6 MiB
+# each) made and freed in turn, 10 layers per round; the minor page faults of rounds 2-5
+CHILD = r"""
+import json, resource, sys, torch
+from flexplan.executor.host_allocator import keep_freed_memory
+state = keep_freed_memory() if sys.argv[1] == "tune" else None
+x = torch.ones(1024, 576)
+w_up, w_down = torch.ones(576, 1536), torch.ones(1536, 576)
+faults = []
+for _ in range(5):
+    r0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    h = x
+    for _ in range(10):
+        gate, up = h @ w_up, h @ w_up
+        act = torch.nn.functional.silu(gate)
+        del gate
+        mid = act * up
+        del act, up
+        h = mid @ w_down
+        del mid
+    faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - r0)
+print(json.dumps({"state": state, "faults_after_first": sum(faults[1:])}))
+"""
+
+
+def _child(mode: str, **env) -> dict:
+    r = subprocess.run([sys.executable, "-c", CHILD, mode], capture_output=True, text=True, check=True,
+                       env={**os.environ, **env})
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+glibc_only = pytest.mark.skipif(platform.system() != "Linux" or platform.libc_ver()[0] != "glibc",
+                                reason="glibc's malloc only")
+
+
+@glibc_only
+def test_freed_activations_are_not_faulted_in_again():
+    """With glibc left as it is, memory freed at the end of each round goes back to the kernel and
+    the next round faults it in again; once tuned, the rounds after the first reuse it."""
+    env = {"LD_PRELOAD": ""}
+    plain = _child("plain", **env)
+    tuned = _child("tune", **env)
+    assert tuned["state"].startswith("glibc malloc keeping freed memory")
+    pages = (6 << 20) // 4096  # one activation
+    assert plain["faults_after_first"] > 4 * 10 * pages  # each layer faults at least one in afresh
+    assert tuned["faults_after_first"] < pages
+
+
+def test_opt_out_leaves_malloc_alone():
+    got = _child("tune", FLEXPLAN_HOST_ALLOCATOR="default")
+    assert got["state"] == "malloc as the C library sets it ($FLEXPLAN_HOST_ALLOCATOR=default)"
+
+
+@glibc_only
+def test_a_preloaded_allocator_is_left_alone(monkeypatch):
+    from flexplan.executor import host_allocator
+
+    monkeypatch.setattr(host_allocator, "_state", None)
+    monkeypatch.setenv("LD_PRELOAD", "/usr/lib/x86_64-linux-gnu/libjemalloc.so.2")
+    monkeypatch.delenv(host_allocator.ENV, raising=False)
+    assert host_allocator.keep_freed_memory() == "the preloaded allocator (/usr/lib/x86_64-linux-gnu/libjemalloc.so.2)"
