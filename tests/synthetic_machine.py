@@ -45,6 +45,9 @@ class SyntheticMachine:
     seed: int = 0
     # FLOP/s of a prefill layer's attention core (dtype -> rate); None: at the GEMMs' roofline, with the rest
     prefill_attention_flops_per_s: dict | None = None
+    # seconds per token and hidden unit of a layer (norms, rotary, activations): weighs more per
+    # FLOP in a narrow layer than in a wide one
+    token_hidden_s: float = 0.0
 
     # ------------------------------------------------------------------ true times
 
@@ -73,7 +76,8 @@ class SyntheticMachine:
                 flops -= float(w.prefill_attention_flops)
                 attn_s = float(w.prefill_attention_flops) / self.prefill_attention_flops_per_s[dtype]
         return (self.layer_s + float(_roofline_s(flops, w.d_cpu + w.kv_write_cpu, self.flops_per_s[dtype],
-                                                 self.bytes_per_s)) + kv / self.kv_bytes_per_s + attn_s)
+                                                 self.bytes_per_s)) + kv / self.kv_bytes_per_s + attn_s
+                + self.token_hidden_s * batch * query_len * spec.hidden_size)
 
     # ------------------------------------------------------------------ rows as the benchmarks write them
 
