@@ -377,3 +377,36 @@ def test_the_memory_probe_copies_in_threads_and_measures_the_whole_buffer():
     membw._copy_in_threads(a, b, 3)()
     assert (a == b).all()  # every slice copied, none twice or missed
     assert f"in {membw.probe_threads()} thread" in membw.describe_probe()
+
+
+def test_a_row_timed_in_another_state_than_its_step_began_in_is_normalised_by_its_own_probe(local):
+    """The state can flip within a step: a row that carries the probe taken around its own runs
+    (microbench.probing_state) is brought to the reference by that, not by the step's sample."""
+    meas = FAST.measurements("quick", _dtypes(local))
+    row_steps = [lab for lab in _record(local)["at_step"] if lab.split("[")[0] in memory_state.ROW_PARTS]
+    record = {"probe_bytes_per_s": [REF] * (len(row_steps) + 1), "at_step": row_steps + [memory_state.END]}
+    gemv = [dict(r) for r in meas["cpu_gemv"]]
+    gemv[0]["probe_bytes_per_s"] = REF / 2  # this one row ran in the slow state, its step began in the reference
+    out = memory_state.normalised({**meas, "cpu_gemv": gemv, "memory_state": record})["cpu_gemv"]
+    assert 0.5 <= out[0]["time_s"] / gemv[0]["time_s"] < 0.56  # memory-bound: nearly halved
+    assert [o["time_s"] for o in out[1:]] == [r["time_s"] for r in gemv[1:]]  # the others at the reference
+    gemv[0]["probe_bytes_per_s"] = "fast"  # unreadable: the step's sample
+    out = memory_state.normalised({**meas, "cpu_gemv": gemv, "memory_state": record})["cpu_gemv"]
+    assert out[0]["time_s"] == gemv[0]["time_s"]
+
+
+def test_time_call_records_the_state_around_its_runs_only_while_probing():
+    from flexplan.calibration import microbench as mb
+
+    readings = iter([40e9, 90e9])
+    with mb.probing_state(lambda: next(readings)):
+        r = mb.time_call(lambda: None, 3, 0.01)
+    assert r["probe_bytes_per_s"] == pytest.approx((40e9 * 90e9) ** 0.5)
+    assert mb.probed(r) == {"probe_bytes_per_s": pytest.approx(6e10)}
+    assert "probe_bytes_per_s" not in mb.time_call(lambda: None, 3, 0.01)
+
+    def failing():
+        raise RuntimeError("probe failed")
+
+    with mb.probing_state(failing):
+        assert "probe_bytes_per_s" not in mb.time_call(lambda: None, 3, 0.01)

@@ -10,6 +10,7 @@ atomically at the end, so an interrupted run leaves the previous calibration unt
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime as dt
 import os
 import platform
@@ -142,7 +143,7 @@ def calibrate(mode: str = "quick", out: str | Path | None = None, threads: int |
     (atomically). Raises CalibrationError, writing nothing, when the essential benchmarks fail."""
     from tqdm import tqdm
 
-    from flexplan.calibration import memory_state
+    from flexplan.calibration import membw, memory_state
     from flexplan.calibration import microbench as mb
     from flexplan.calibration import store
     from flexplan.executor.host_allocator import keep_freed_memory
@@ -172,8 +173,12 @@ def calibrate(mode: str = "quick", out: str | Path | None = None, threads: int |
                 done[0] += 1
                 bar.update(1)
 
+            # the rows memory_state.normalised brings to one state carry the state each was timed in
+            probing = (mb.probing_state(membw.measure_copy_bytes_per_s) if step.key in memory_state.ROW_PARTS
+                       else contextlib.nullcontext())
             try:
-                _store(measurements, step, step.run(tick))
+                with probing:
+                    _store(measurements, step, step.run(tick))
             except KeyboardInterrupt:
                 raise
             except Exception as e:  # noqa: BLE001 - any benchmark failure is reported, the run goes on

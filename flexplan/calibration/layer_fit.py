@@ -19,10 +19,10 @@ reproduces each calibrated layer:
   development VM's SmolLM2 decode slowed 5 ms per step from 128 to 512 keys where the SDPA
   micro-benchmark's factor gave under 2.
 - **Prefill rows** (hundreds of tokens, compute-bound): the layer's own compute factor,
-  ``C / (TH x (t - D / (BW x Eff_mem) - overhead))`` with the decode overhead held, the widest
-  measured layer's at each token count (:func:`layer_compute_table`; the median over the widths
-  before, which priced the 2 GB random Llama's prefill, exactly the widest calibrated layer, 12-25%
-  slow: its time beyond the median factor could only be added, never taken off). It replaces the
+  ``C / (TH x (t - D / (BW x Eff_mem) - overhead))`` with the decode overhead held, at the widest
+  measured layer's level at each token count (:func:`layer_compute_table`; the plain median over
+  the widths before, which priced the 2 GB random Llama's prefill, exactly the widest calibrated
+  layer, 12-25% slow: its time beyond the median factor could only be added, never taken off). It replaces the
   GEMM micro-benchmark's factor over the tokens the layers span: a real layer can be faster than
   the isolated GEMM of another weight shape (the development VM's SmolLM2-sized layers ran
   their prefill GEMMs ~10-20% faster than the 2048 x 2048 GEMM, and an overhead that could only
@@ -259,15 +259,29 @@ def layer_attention_table(decode: dict, peak_flops_per_s: float, bandwidth_bytes
     return Table(eff_a.x, eff_a.y * min(max(k, 1 / MAX_ATTENTION_RESCALE), MAX_ATTENTION_RESCALE))
 
 
+def _at_the_widest(by_t: dict[int, dict[float, float]]) -> dict[float, float]:
+    """Tokens -> compute factor at the widest layer's level, from every width's: each width's
+    factors lifted by its median ratio to the widest's over the token counts both have, then the
+    median over the widths at each token count (the widest's own row alone would carry all its
+    noise into every larger model's prefill)."""
+    widest = max(lb for v in by_t.values() for lb in v)
+    lift = {}
+    for lb in {lb for v in by_t.values() for lb in v}:
+        ratios = [v[widest] / v[lb] for v in by_t.values() if lb in v and widest in v]
+        lift[lb] = float(np.median(ratios)) if ratios else 1.0
+    return {float(t): float(np.median([eff * lift[lb] for lb, eff in v.items()])) for t, v in by_t.items()}
+
+
 def layer_compute_table(prefill: list, peak_flops_per_s: float, bandwidth_bytes_per_s: float, eff_c, eff_m,
                         overhead: LayerOverhead, eff_pa: float | None = None):
     """Eff_comp(tokens) over the tokens the prefill layers span, the GEMM factor's points outside
     them; None without prefill rows. Each layer's factor: its compute time is what is left of its
     time after the memory term, the decode overhead (held) and, with ``eff_pa``, the attention
-    core priced apart; at one token count, the widest layer's (the width nearest the models that
-    are offloaded; a narrower layer's norms, rotary and activations weigh more per FLOP, and
-    :func:`derive_layers` gives what they take beyond this factor to that width's overhead); the
-    whole table capped so that it grows no faster than the tokens do."""
+    core priced apart; at one token count, at the widest layer's level (:func:`_at_the_widest`:
+    the width nearest the models that are offloaded; a narrower layer's norms, rotary and
+    activations weigh more per FLOP, and :func:`derive_layers` gives what they take beyond this
+    factor to that width's overhead); the whole table capped so that it grows no faster than the
+    tokens do."""
     from flexplan.calibration.efficiency import EFF_MAX, Table, capped_growth
 
     by_t: dict[int, dict[float, float]] = {}  # tokens -> layer bytes -> factor
@@ -282,6 +296,6 @@ def layer_compute_table(prefill: list, peak_flops_per_s: float, bandwidth_bytes_
         return None
     lo, hi = min(by_t), max(by_t)
     points = {float(x): float(y) for x, y in zip(eff_c.x, eff_c.y) if x < lo or x > hi}
-    points.update({float(t): float(v[max(v)]) for t, v in by_t.items()})  # the widest layer's
+    points.update(_at_the_widest(by_t))
     x = sorted(points)
     return Table(x, capped_growth(x, [points[t] for t in x], power_law=True), log_y=True)

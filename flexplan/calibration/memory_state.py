@@ -7,11 +7,13 @@ Three steps keep the predictions of memory-bound work (CPU decode) on the state 
 1. ``flexplan calibrate`` runs the probe of :mod:`~flexplan.calibration.membw` before each
    benchmark step and once at the end (:func:`new_record`, :func:`record_sample`) and stores the
    samples as a distribution, ``measurements.memory_state``:
-   ``{probe, probe_bytes_per_s: [...], at_step: [step label or "end", ...]}``.
+   ``{probe, probe_bytes_per_s: [...], at_step: [step label or "end", ...]}``; the rows of
+   :data:`ROW_PARTS` also carry the probe taken around their own runs (``probe_bytes_per_s``,
+   microbench.probing_state): the state can flip within a step.
 2. Deriving the factors (:func:`normalised`, called by ``efficiency.from_measurements``), the
    memory-bound share of each measured time is brought to ONE reference state, the median of the
-   samples (:func:`reference_bytes_per_s`), using the sample taken just before its step: a flip
-   in the middle of the calibration does not bend the fit. The share is what the row's bytes
+   samples (:func:`reference_bytes_per_s`), using the row's own probe (else the sample taken just
+   before its step): a flip in the middle of the calibration does not bend the fit. The share is what the row's bytes
    take at the best streaming rate the calibration saw (a GEMV, a decode attention: all of it;
    a decode layer: all but its fixed cost; a large GEMM or a prefill layer: little).
 3. Planning for the local machine (:func:`at_state_now`), the probe runs again and the CPU
@@ -148,6 +150,13 @@ def work(part: str, row: dict) -> tuple[float, float]:
     return float(c_gemm(t, k, n)), float(d_gemm(t, k, n, float(row["dtype_bytes"])))
 
 
+def _row_probe(row: dict) -> float | None:
+    """The probe taken around the row's own runs (microbench.probing_state), where it has one."""
+    x = row.get("probe_bytes_per_s")
+    ok = isinstance(x, (int, float)) and not isinstance(x, bool) and np.isfinite(x) and x > 0
+    return float(x) if ok else None
+
+
 def _stream(part: str) -> str:
     """Which streaming rate a part's bytes move at: KV reads their own, the rest the weights'."""
     return "kv" if part == "cpu_attention" else "weights"
@@ -155,7 +164,8 @@ def _stream(part: str) -> str:
 
 def normalised(meas: dict) -> dict:
     """``meas`` with the memory-bound share of each row of :data:`ROW_PARTS` brought to the
-    reference state (:func:`reference_bytes_per_s`), by the probe sample taken just before the
+    reference state (:func:`reference_bytes_per_s`), by the probe taken around the row's own runs
+    (``probe_bytes_per_s``, files from this version on), else the sample taken just before the
     row's step (``<part>[<dtype>]``, else ``<part>``): with ``r = sample / reference`` (clamped to
     :data:`SCALE_RANGE`), the row's times become ``t x (1 - w + w x r)``.
 
@@ -197,7 +207,7 @@ def normalised(meas: dict) -> dict:
         out = sized.setdefault(part, [])
         for r in rows:
             try:
-                rate = before.get(f"{part}[{r['dtype']}]", before.get(part))
+                rate = _row_probe(r) or before.get(f"{part}[{r['dtype']}]", before.get(part))
                 _, n_bytes = work(part, r)
                 t = float(r["time_s"])
                 ratio = _clamped(rate / ref) if rate is not None else None

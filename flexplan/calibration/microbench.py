@@ -37,6 +37,7 @@ process), after one untimed warm-up; the median is kept as ``time_median_s``.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import statistics
 import time
@@ -122,7 +123,8 @@ MODES = {
                    attn_kv_lens=(128, 512, 2048, 8192), attn_batches=(1, 8), repeats=7, budget_s=1.0,
                    stream_bytes=128 * 2**20, layer_calls=100, transfer_bytes=(2**20, 16 * 2**20, 256 * 2**20),
                    expert_tokens=(1, 2, 4, 8),
-                   layer_shapes=((1, 1), (4, 1), (8, 1), (1, 32), (1, 128), (8, 128), (1, 512), (4, 512), (1, 1024)),
+                   layer_shapes=((1, 1), (4, 1), (8, 1), (1, 32), (1, 128), (8, 128), (1, 512), (4, 512), (8, 512),
+                                 (1, 1024)),
                    layer_long_kv_len=1024),
     # for tests: seconds, not minutes; the numbers mean little
     "tiny": Sizes(gemv_tokens=(1, 4), gemm_tokens=(16, 64), weight_shapes=((256, 512),), attn_kv_lens=(64, 256),
@@ -191,11 +193,46 @@ def dtype_bytes(name: str) -> int:
     return torch_dtype(name).itemsize
 
 
+_state_probe: Callable[[], float] | None = None  # set by `flexplan calibrate` (:func:`probing_state`)
+
+
+@contextlib.contextmanager
+def probing_state(probe: Callable[[], float]):
+    """Within: every :func:`time_call` samples ``probe`` (the host memory probe, bytes/s) just
+    before and just after its runs, and returns their geometric mean as ``probe_bytes_per_s``:
+    the memory state its row was measured in, which memory_state.normalised prefers to the
+    sample taken before the whole step (a step of real layers lasts tens of seconds, and the
+    development VM's memory flips between ~40 and ~75 GB/s within one)."""
+    global _state_probe
+    before, _state_probe = _state_probe, probe
+    try:
+        yield
+    finally:
+        _state_probe = before
+
+
+def _probe_now() -> float | None:
+    try:
+        x = float(_state_probe()) if _state_probe is not None else None
+    except (MemoryError, OSError, RuntimeError, ValueError, ZeroDivisionError):
+        return None
+    return x if x is not None and math.isfinite(x) and x > 0 else None
+
+
+def probed(r: dict) -> dict:
+    """The ``probe_bytes_per_s`` of a :func:`time_call` result, for its row ({} when none)."""
+    x = r.get("probe_bytes_per_s")
+    return {"probe_bytes_per_s": _sig(x)} if x else {}
+
+
 def time_call(fn: Callable[[], object], repeats: int, budget_s: float, sync: Callable[[], None] | None = None,
               inner: int = 1) -> dict[str, float]:
     """Fastest (``time_s``) and median seconds per call of ``fn`` (``inner`` calls per timed run,
     ``sync`` after them, e.g. torch.cuda.synchronize), after one untimed warm-up run. Stops after
-    ``repeats`` runs, or earlier (never before 3) once ``budget_s`` is spent."""
+    ``repeats`` runs, or earlier (never before 3) once ``budget_s`` is spent. Within
+    :func:`probing_state`, also the memory state around the runs (``probe_bytes_per_s``)."""
+    state_before = _probe_now()
+
     def run():
         t0 = time.perf_counter()
         for _ in range(inner):
@@ -211,7 +248,11 @@ def time_call(fn: Callable[[], object], repeats: int, budget_s: float, sync: Cal
         times.append(run())
         if len(times) >= 3 and time.perf_counter() - start > budget_s:
             break
-    return {"time_s": min(times), "time_median_s": statistics.median(times), "runs": len(times)}
+    out = {"time_s": min(times), "time_median_s": statistics.median(times), "runs": len(times)}
+    state_after = _probe_now() if state_before else None
+    if state_before and state_after:
+        out["probe_bytes_per_s"] = math.sqrt(state_before * state_after)
+    return out
 
 
 def _sig(x: float) -> float:
@@ -300,7 +341,7 @@ def gemm(tokens: tuple[int, ...], sizes: Sizes, dtype: str, device: str = "cpu",
                 del ws
             for t, r in timed.items():
                 rows.append({"dtype": dtype, "tokens": t, "k": k, "n": n, "dtype_bytes": nbytes, "kernel": linear.name,
-                             "time_s": _sig(r["time_s"]),
+                             **probed(r), "time_s": _sig(r["time_s"]),
                              "time_median_s": _sig(r["time_median_s"]), "runs": r["runs"],
                              "flops_per_s": _sig(c_gemm(t, k, n) / r["time_s"]),
                              "weight_bytes_per_s": _sig(k * n * nbytes / r["time_s"]),
@@ -381,7 +422,7 @@ def attention(sizes: Sizes, dtype: str, device: str = "cpu", sync=None,
 
                 r = time_call(call, sizes.repeats, sizes.budget_s, sync)
                 rows.append({"dtype": dtype, "batch": b, "kv_len": L, "heads": heads, "kv_heads": kv_heads, "head_dim": hd,
-                             "dtype_bytes": nbytes, "kernel": kernel, "time_s": _sig(r["time_s"]),
+                             "dtype_bytes": nbytes, "kernel": kernel, **probed(r), "time_s": _sig(r["time_s"]),
                              "time_median_s": _sig(r["time_median_s"]), "runs": r["runs"],
                              "kv_bytes_per_s": _sig(one / r["time_s"])})
                 del call
@@ -533,7 +574,7 @@ def layers(sizes: Sizes, dtype: str, tick: Callable[[], None] | None = None) -> 
             rows.append({"dtype": dtype, "kernel": kernel.name, "hidden": hidden, "intermediate": inter, "heads": heads,
                          "kv_heads": kv_heads,
                          "head_dim": head_dim, "batch": batch, "query_len": q_len, "kv_len": past + q_len,
-                         "params": params, "copies": len(copies), "time_s": _sig(r["time_s"] / len(copies)),
+                         "params": params, "copies": len(copies), **probed(r), "time_s": _sig(r["time_s"] / len(copies)),
                          "time_median_s": _sig(r["time_median_s"] / len(copies)), "runs": r["runs"]})
             if tick:
                 tick()

@@ -64,11 +64,13 @@ def expert_flops(m: ModelSpec, rows: float) -> float:
     return 2.0 * rows * m.experts_per_token * w * m.hidden_size * m.expert_intermediate_size
 
 
-def expert_bytes(m: ModelSpec, rows: float, weight_bytes: float, act_bytes: float) -> float:
-    """D of the routed experts of one MoE layer: the weights of the e(rows) experts read, plus the
-    activations of the k experts each token runs."""
+def expert_bytes(m: ModelSpec, rows: float, weight_bytes: float, act_bytes: float,
+                 experts_read: float | None = None) -> float:
+    """D of the routed experts of one MoE layer: the weights of the e(rows) experts read (or of
+    ``experts_read``), plus the activations of the k experts each token runs."""
     act = rows * m.experts_per_token * costs._mlp_activation_elems(m, m.expert_intermediate_size)
-    return costs.expected_experts_read(m, rows) * m.expert_params * weight_bytes + act * act_bytes
+    read = costs.expected_experts_read(m, rows) if experts_read is None else experts_read
+    return read * m.expert_params * weight_bytes + act * act_bytes
 
 
 def cpu_expert_rates(eff, rows_per_expert: float, cpu_dtype: str, weight_bytes_read: float):
@@ -112,9 +114,14 @@ def expert_split_costs(shape, hw, eff, phase: str) -> ExpertSplit | None:
     # the CPU's copy of routed experts is held in the CPU dtype (memory.py, executor.weights), not
     # kept 16-bit as the blocked linears are: a float32 CPU reads 4 bytes per expert weight
     t_cpu = t_cpu_experts_s(m, rows, hw.cpu, eff, shape.cpu_dtype, shape.cpu_bytes, shape.cpu_bytes)
-    t_gpu = t_on_device_s(flops, expert_bytes(m, rows, shape.w_bytes, shape.w_bytes),
+    # the experts' share of the accelerator's layer as phase_costs prices that layer (its factors
+    # at the layer's rows; prefill's D holds every expert, decode's the e(b) read), so that taking it
+    # off leaves the rest of the layer, which never shrinks as the tokens grow (priced on its own
+    # terms, per-expert factors and e(rows) experts, a prefill's remainder fell as the prompt grew)
+    in_layer = m.num_experts if phase == "prefill" else distinct
+    t_gpu = t_on_device_s(flops, expert_bytes(m, rows, shape.w_bytes, shape.w_bytes, in_layer),
                           gpu.peak_flops_per_s[shape.dtype], gpu.memory_bandwidth_bytes_per_s,
-                          eff.gpu_compute(per_expert), eff.gpu_memory(per_expert))
+                          eff.gpu_compute(rows), eff.gpu_memory(rows))
     hidden = costs.d_output(m, shape.batch, rows // shape.batch, shape.w_bytes)
     router = rows * m.experts_per_token * ROUTER_BYTES_PER_CHOICE
     h2d, d2h = hw.link.h2d_bandwidth_bytes_per_s, hw.link.d2h_bandwidth_bytes_per_s
