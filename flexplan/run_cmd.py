@@ -51,8 +51,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "cpu-experts plan on the accelerator")
     parser.add_argument("--json", action="store_true", help="print one JSON record (plan, text, measured, predicted) instead")
     parser.add_argument("--no-warmup", action="store_true",
-                        help="measure the process's first generate() (by default a 2-token run of the same prompt "
-                             "goes first, untimed: predictions are for a warm process)")
+                        help="measure the process's first generate() (by default a run of the same prompt and "
+                             "output length goes first, untimed: predictions are for a warm process)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -174,7 +174,7 @@ def _run(args: argparse.Namespace) -> int:
     else:
         gen_kwargs.update(do_sample=False, temperature=None, top_p=None, top_k=None)
     if not args.no_warmup:
-        warm_up(lm, inputs, _pad_id(tokenizer))
+        warm_up(lm, inputs, _pad_id(tokenizer), args.max_new_tokens)
     if not args.json:
         print(f"\nprompt: {args.prompt}\nanswer: ", end="", flush=True)
         gen_kwargs["streamer"] = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
@@ -196,18 +196,21 @@ def _run(args: argparse.Namespace) -> int:
         print()
         print(format_measured(plan, stats, _memory_rates(folder, plan, stats)))
         if not args.no_warmup:
-            print("(measured after one untimed 2-token warm-up run; --no-warmup measures the first call)")
+            print("(measured after one untimed warm-up run; --no-warmup measures the first call)")
     return 0
 
 
-def warm_up(lm: Any, inputs: Any, pad_token_id: int | None) -> None:
-    """One untimed 2-token generation of the same prompt: a process's first call builds oneDNN
-    primitives, loads the native kernels and touches every weight page, which no later call pays
-    and the estimator does not predict. The run teaches the online correction nothing."""
+def warm_up(lm: Any, inputs: Any, pad_token_id: int | None, max_new_tokens: int) -> None:
+    """One untimed generation of the same prompt and ``max_new_tokens`` (the plan, and the CPU dtype
+    it places the weights in, depends on the output length: a shorter warm-up can leave the timed
+    call to re-place them), stopped after 2 tokens where the model allows: a process's first call
+    builds oneDNN primitives, loads the native kernels and touches every weight page, which no
+    later call pays and the estimator does not predict. The run teaches the online correction
+    nothing."""
     learning, lm.online_correction = lm.online_correction, False
     try:
-        lm.generate(**inputs, max_new_tokens=2, min_new_tokens=2, do_sample=False, temperature=None, top_p=None,
-                    top_k=None, pad_token_id=pad_token_id)
+        lm.generate(**inputs, max_new_tokens=max_new_tokens, min_new_tokens=2, do_sample=False, temperature=None,
+                    top_p=None, top_k=None, pad_token_id=pad_token_id)
     finally:
         lm.online_correction = learning
 
