@@ -120,9 +120,9 @@ class SyntheticMachine:
                                                "kv_heads": kv_heads, "head_dim": hd, "dtype_bytes": DTYPE_BYTES[dt],
                                                **t(self.attention_s(dt, b, L, heads, kv_heads, hd), "attn", dt, b, L)})
         for dt in cpu_dtypes:
-            for hidden, inter, h, kvh, d in s.layer_widths:
+            for (hidden, inter, h, kvh, d), points in s.layer_plan():
                 spec = _attention_spec(h, kvh, d, hidden, inter)
-                for batch, q, past in s.layer_points():
+                for batch, q, past in points:
                     m["cpu_layers"].append({"dtype": dt, "kernel": "synthetic", "hidden": hidden, "intermediate": inter,
                                             "heads": h, "kv_heads": kvh, "head_dim": d, "batch": batch, "query_len": q,
                                             "kv_len": past + q, "params": spec.params_per_layer, "copies": 8,

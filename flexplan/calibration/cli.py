@@ -88,7 +88,7 @@ def _steps(mode: str, hw, threads: int, cpu_dtypes: list[str], gpu_dtype: str | 
                  lambda tick, dt=dt: mb.attention(s, dt, tick=tick), dt),
         ]
     for dt in cpu_dtypes:
-        steps.append(Step("cpu_layers", len(s.layer_widths) * len(s.layer_points()),
+        steps.append(Step("cpu_layers", s.layer_units(),
                           lambda tick, dt=dt: mb.layers(s, dt, tick=tick), dt))
         steps.append(Step("cpu_executor_layers", 2, lambda tick, dt=dt: mb.executor_layers(s, dt, tick=tick), dt))
         steps.append(Step("cpu_head_gemv", len(s.head_shapes) * len(s.head_tokens),

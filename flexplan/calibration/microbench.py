@@ -81,6 +81,9 @@ class Sizes:
     layer_widths: tuple[tuple[int, int, int, int, int], ...] = (
         (576, 1536, 9, 3, 64), (1024, 2816, 16, 4, 64), (2048, 5632, 32, 8, 64))
     layer_shapes: tuple[tuple[int, int], ...] = ((1, 1), (8, 1), (1, 128), (1, 512))
+    # widths measured at prefill shapes only (the first-use probe: a wide layer sets the level of the
+    # prefill compute factor, layer_fit._at_the_widest), (width, (batch, query_len) shapes)
+    prefill_only_widths: tuple[tuple[tuple[int, int, int, int, int], tuple[tuple[int, int], ...]], ...] = ()
     layer_kv_len: int = 128
     # decode shapes are measured again over this longer KV cache (None: not): the context cost of
     # a real layer's decode attention (layer_fit.py), which the SDPA micro-benchmark misses
@@ -99,11 +102,20 @@ class Sizes:
     parts: frozenset[str] | None = None
 
     def layer_points(self) -> list[tuple[int, int, int]]:
-        """(batch, query_len, cached keys before it) of every real-layer measurement."""
+        """(batch, query_len, cached keys before it) of every real-layer measurement of the widths
+        of ``layer_widths``."""
         out = [(b, q, self.layer_kv_len if q == 1 else 0) for b, q in self.layer_shapes]
         if self.layer_long_kv_len:
             out += [(b, q, self.layer_long_kv_len) for b, q in self.layer_shapes if q == 1]
         return out
+
+    def layer_plan(self) -> list[tuple[tuple[int, int, int, int, int], list[tuple[int, int, int]]]]:
+        """(width, its (batch, query_len, cached keys) points) of every real layer measured."""
+        return ([(w, self.layer_points()) for w in self.layer_widths]
+                + [(w, [(b, q, 0) for b, q in shapes if q > 1]) for w, shapes in self.prefill_only_widths])
+
+    def layer_units(self) -> int:
+        return sum(len(points) for _, points in self.layer_plan())
 
     def measures(self, key: str) -> bool:
         return self.parts is None or key in self.parts
@@ -148,11 +160,14 @@ MODES = {
     # factors, the thread sweep to all cores, the GPU's GEMMs to defaults. Weights cycle through
     # 2x the last-level cache (not 4x) and 4 layer copies: in order, each call still misses (a
     # cache that holds 4 SmolLM2-sized layers, ~60 MB, would make the decode overhead come out low).
+    # A 2048 x 5632 layer at 128 and 512 prefill tokens sets the prefill factor's level (the random
+    # Llama's prefill from SmolLM2's width alone: 25-29% MAPE; with it 7-10%, ~1-2 s more).
     "probe": Sizes(gemv_tokens=(1, 4, 8), gemm_tokens=(32, 128, 512), weight_shapes=((2048, 2048),),
                    attn_kv_lens=(1024,),
                    attn_batches=(1,), repeats=3, budget_s=0.25, stream_bytes=64 * 2**20, layer_calls=20,
                    transfer_bytes=(16 * 2**20, 128 * 2**20), generate_shapes=((65536, 1), (65536, 4)),
                    generate_steps=8, layer_widths=((576, 1536, 9, 3, 64),),
+                   prefill_only_widths=(((2048, 5632, 32, 8, 64), ((1, 128), (1, 512))),),
                    layer_shapes=((1, 1), (8, 1), (1, 32), (1, 128), (8, 128), (1, 512), (1, 1024)),
                    layer_kv_len=32, layer_long_kv_len=512, rotate_llc_multiple=2.0, layer_copies=4,
                    parts=frozenset({"cpu_stream", "cpu_op_dispatch", "cpu_gemv", "cpu_gemm", "cpu_attention",
@@ -529,7 +544,7 @@ def layers(sizes: Sizes, dtype: str, tick: Callable[[], None] | None = None) -> 
     dt = torch_dtype(dtype)
     kernel = LinearKernel()
     rows = []
-    for hidden, inter, heads, kv_heads, head_dim in sizes.layer_widths:
+    for (hidden, inter, heads, kv_heads, head_dim), points in sizes.layer_plan():
         cfg = _llama_config(hidden, inter, heads, kv_heads, head_dim)
         one = LlamaDecoderLayer(cfg, 0).to(dt)
         params = sum(p.numel() for p in one.parameters())
@@ -538,7 +553,7 @@ def layers(sizes: Sizes, dtype: str, tick: Callable[[], None] | None = None) -> 
         for layer in copies:
             layer.eval()
         rotary = LlamaRotaryEmbedding(cfg)
-        for batch, q_len, past in sizes.layer_points():
+        for batch, q_len, past in points:
             native_attention = []
             if kernel.packed:  # weights as the executor holds them for a plan of this batch
                 for layer in copies:
@@ -768,7 +783,8 @@ def executor_layers(sizes: Sizes, dtype: str, tick: Callable[[], None] | None = 
         tick()
     if not per_layer > 0:  # no row: the executor is taken to add nothing
         return []
-    alone = replace(sizes, layer_widths=(sizes.layer_widths[0],), layer_shapes=((1, 1),), layer_long_kv_len=None)
+    alone = replace(sizes, layer_widths=(sizes.layer_widths[0],), layer_shapes=((1, 1),), layer_long_kv_len=None,
+                    prefill_only_widths=())
     bare = [layers(alone, dtype)[0]["time_s"] for _ in range(2)]  # the layer alone, in the same minutes
     return [{"dtype": dtype, "hidden": hidden, "intermediate": inter, "heads": heads, "kv_heads": kv_heads,
              "head_dim": head_dim, "batch": 1, "query_len": 1, "kv_len": sizes.layer_kv_len + 1 + steps // 2,
