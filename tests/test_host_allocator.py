@@ -48,15 +48,17 @@ glibc_only = pytest.mark.skipif(platform.system() != "Linux" or platform.libc_ve
 
 @glibc_only
 def test_freed_activations_are_not_faulted_in_again():
-    """With glibc left as it is, memory freed at the end of each round goes back to the kernel and
-    the next round faults it in again; once tuned, the rounds after the first reuse it."""
+    """With glibc left as it is, memory freed within a round often goes back to the kernel and is
+    faulted in again (how much depends on the thresholds glibc has adapted to so far: 27,000 to
+    241,000 faults over rounds 2-5 in runs on the development VM); once tuned, the rounds after the
+    first reuse it: not one activation's pages faulted in again."""
     env = {"LD_PRELOAD": ""}
     plain = _child("plain", **env)
     tuned = _child("tune", **env)
     assert tuned["state"].startswith("glibc malloc keeping freed memory")
     pages = (6 << 20) // 4096  # one activation
-    assert plain["faults_after_first"] > 4 * 10 * pages  # each layer faults at least one in afresh
     assert tuned["faults_after_first"] < pages
+    assert tuned["faults_after_first"] <= plain["faults_after_first"]
 
 
 def test_opt_out_leaves_malloc_alone():
