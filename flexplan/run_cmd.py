@@ -201,12 +201,11 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def warm_up(lm: Any, inputs: Any, pad_token_id: int | None, max_new_tokens: int) -> None:
-    """One untimed generation of the same prompt and ``max_new_tokens`` (the plan, and the CPU dtype
-    it places the weights in, depends on the output length: a shorter warm-up can leave the timed
-    call to re-place them), stopped after 2 tokens where the model allows: a process's first call
-    builds oneDNN primitives, loads the native kernels and touches every weight page, which no
-    later call pays and the estimator does not predict. The run teaches the online correction
-    nothing."""
+    """One untimed generation of the same prompt and ``max_new_tokens`` as the timed call (the plan,
+    and the CPU dtype it places the weights in, depends on the output length: a 2-token warm-up
+    could leave the timed call to re-place them), at least 2 tokens: a process's first call builds
+    oneDNN primitives, loads the native kernels and touches every weight page, which no later call
+    pays and the estimator does not predict. The run teaches the online correction nothing."""
     learning, lm.online_correction = lm.online_correction, False
     try:
         lm.generate(**inputs, max_new_tokens=max_new_tokens, min_new_tokens=2, do_sample=False, temperature=None,

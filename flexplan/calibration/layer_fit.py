@@ -167,7 +167,7 @@ def derive_layers(rows: list[dict], peak_flops_per_s: float, bandwidth_bytes_per
     eff_pa = prefill_attention_factor(prefill, peak_flops_per_s)
     compute = layer_compute_table(prefill, peak_flops_per_s, bandwidth_bytes_per_s, eff_c, eff_m, overhead, eff_pa)
     if compute is not None:
-        # the compute factor is the widest layer's; what a narrower width's prefill takes beyond it
+        # the compute factor is at the widest layer's level; what a narrower width's prefill takes beyond it
         # (a small layer's norms, rotary and activations per token weigh more) is its own overhead,
         # fitted apart from the decode steps' (other code) and never below the most decode tokens'
         extra: dict[int, dict[float, float]] = {}

@@ -61,16 +61,12 @@ def _forward_signature(cls: type) -> inspect.Signature | None:
         return None
 
 
-def _forward_arity(cls: type) -> int:
-    sig = _forward_signature(cls)
-    return len(sig.parameters) if sig is not None else 0
-
-
 def takes_routing(module: nn.Module) -> bool:
     """transformers' fused-experts interface: forward(hidden_states, top_k_index, top_k_weights)."""
     has_weights = isinstance(getattr(module, "down_proj", None), torch.Tensor) and (
         isinstance(getattr(module, "gate_up_proj", None), torch.Tensor) or isinstance(getattr(module, "up_proj", None), torch.Tensor))
-    return has_weights and _forward_arity(type(module)) >= 4
+    sig = _forward_signature(type(module)) if has_weights else None
+    return sig is not None and len(sig.parameters) >= 4
 
 
 MATRICES = ("gate_up_proj", "up_proj", "down_proj")

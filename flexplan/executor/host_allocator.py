@@ -13,10 +13,12 @@ estimator's prediction (592 ms) missed the executor by 30% (``benchmarks/bench_h
 
 :func:`keep_freed_memory` sets, once per process, the mmap threshold to glibc's maximum (32 MiB on
 64-bit: larger blocks, e.g. weights, are still mapped) and the trim threshold to :data:`TRIM_BYTES`
-(freed heap memory up to that is kept, not returned): what jemalloc or tcmalloc, the allocators
-PyTorch's CPU inference guides suggest, do by default. The process's resident memory can then stay
-up to ~TRIM_BYTES above what it holds live. ``FLEXPLAN_HOST_ALLOCATOR=default`` leaves malloc as it
-is; other C libraries (musl), and a malloc other than glibc's already preloaded, are left alone.
+(freed heap memory up to that is kept, not returned), much as the allocators PyTorch's CPU
+inference guides suggest preloading (jemalloc, tcmalloc) keep freed memory for reuse. The process's
+resident memory can then stay up to ~TRIM_BYTES above what it holds live.
+``FLEXPLAN_HOST_ALLOCATOR=default`` leaves malloc as it is; other C libraries (musl) are left alone,
+and so is any process whose ``malloc`` is not glibc's (an allocator preloaded or linked in, whatever
+its name: the symbol the process resolves is compared with glibc's own).
 """
 
 from __future__ import annotations
@@ -45,12 +47,12 @@ def keep_freed_memory() -> str:
     if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
         _state = f"malloc as the C library sets it (not glibc: {platform.libc_ver()[0] or platform.system()})"
         return _state
-    preloaded = os.environ.get("LD_PRELOAD", "")
-    if any(name in preloaded for name in ("jemalloc", "tcmalloc", "mimalloc")):
-        _state = f"the preloaded allocator ({preloaded})"
-        return _state
     try:
         libc = ctypes.CDLL("libc.so.6")
+        if not _malloc_is(libc):
+            _state = ("another malloc than glibc's, left as it is"
+                      + (f" (LD_PRELOAD={os.environ['LD_PRELOAD']})" if os.environ.get("LD_PRELOAD") else ""))
+            return _state
         ok = libc.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES) == 1 and libc.mallopt(M_TRIM_THRESHOLD, TRIM_BYTES) == 1
     except (OSError, AttributeError) as e:
         _state = f"malloc as the C library sets it (mallopt unavailable: {e})"
@@ -58,3 +60,9 @@ def keep_freed_memory() -> str:
     _state = (f"glibc malloc keeping freed memory (mmap above {MMAP_THRESHOLD_BYTES >> 20} MiB, trim above "
               f"{TRIM_BYTES >> 20} MiB)" if ok else "malloc as the C library sets it (mallopt refused the thresholds)")
     return _state
+
+
+def _malloc_is(libc: ctypes.CDLL) -> bool:
+    """Whether the ``malloc`` this process calls is ``libc``'s own."""
+    address = lambda f: ctypes.cast(f, ctypes.c_void_p).value  # noqa: E731
+    return address(ctypes.CDLL(None).malloc) == address(libc.malloc)
