@@ -5,20 +5,21 @@ Qwen3-30B-A3B-shaped experts (hidden 2048, expert width 768, 8 of E experts per 
 layer here, not 128, so that 4 layers of fp32 experts, 2.4 GB, fit a small machine: a step's bytes
 and the GEMV shapes are those of the real model), routed uniformly at random. Each round times, for
 each decode batch b, one step through the 4 layers' routed experts (routed_experts_forward on
-blocked float32 copies, as the executor holds them: all selected experts of a projection in one
-native call), the same step with one native call per expert and projection (the path before the
-grouped kernel, ``grouped=False``), then a batch-1 step's bytes as dense blocked GEMVs of the same
+blocked float32 copies, as the executor holds them: Qwen3-MoE's SiLU gate makes each layer one
+native call), the same step with the activation in torch between two grouped native calls
+(``fused=False``, eager's result bit for bit), with one native call per expert and projection
+(``grouped=False``), then a batch-1 step's bytes as dense blocked GEMVs of the same
 shapes (the top-k experts' gate_up stacked, their down side by side), and a
-STREAM triad sample (the three in an order rotated each round: the first one after the triad
+STREAM triad sample (the variants in an order rotated each round: the first one after the triad
 writes back its dirty lines). Reported per batch: GB/s of expert weights read (the distinct
 experts the step's tokens picked x 3 x 2048 x 768 x 4 bytes), their median share of the triad,
-and the dense GEMV's share. A shared or busy machine moves every figure; compare shares, not rates.
+and the other variants' shares. A shared or busy machine moves every figure; compare shares, not rates.
 
     python benchmarks/bench_cpu_experts.py            # writes results/bench_cpu_experts.json
 
     python benchmarks/bench_cpu_experts.py --baseline-source old_cpu_experts.py   # old vs new, same rounds
 
-The committed result: ``--rounds 9 --baseline-source`` 83df406's cpu_experts.py, on the idle 2-core
+The committed result: ``--rounds 9 --baseline-source`` f221cff's cpu_experts.py, on the idle 2-core
 AVX-512 VM with 2 threads (README). With other jobs running, OpenMP barriers stall behind them and
 every small GEMV (dense or expert) drops to a few GB/s: run it on a quiet machine.
 """
@@ -84,6 +85,7 @@ def main(argv: list[str] | None = None) -> int:
     out = []
     for b in (int(x) for x in args.batches.split(",")):
         rates, shares, dense_shares, distinct, loop_shares, base_shares, triads = [], [], [], [], [], [], []
+        unfused_shares = []
         for _ in range(args.rounds):
             triad = stream_triad_bytes_per_s()
             triads.append(triad)
@@ -91,17 +93,17 @@ def main(argv: list[str] | None = None) -> int:
             idx = torch.stack([torch.randperm(EXPERTS, generator=g)[:TOP_K] for _ in range(b)])
             w = torch.rand(b, TOP_K, generator=g)
             picked = int(torch.unique(idx).numel())
-            def experts_step(grouped, x=x, idx=idx, w=w, impl=cpu_experts):
+            def experts_step(grouped, x=x, idx=idx, w=w, impl=cpu_experts, **kw):
                 with torch.no_grad():
                     for m in layers:
-                        impl.routed_experts_forward(m, x, idx, w, grouped=grouped)
+                        impl.routed_experts_forward(m, x, idx, w, grouped=grouped, **kw)
 
             def dense_step(x=x, h=torch.randn(b, WIDTH * TOP_K, generator=g)):
                 for wd in dense_w:
                     cpu_linear.blocked_linear(x if wd.shape[1] == HIDDEN else h, wd)
 
             runs = [("grouped", lambda: experts_step(True)), ("per expert", lambda: experts_step(False)),
-                    ("dense", dense_step)]
+                    ("dense", dense_step), ("activation in torch", lambda: experts_step(True, fused=False))]
             if baseline is not None:
                 runs.append(("baseline", lambda: experts_step(True, impl=baseline)))
             k = len(distinct) % len(runs)  # rotated each round: the first after the triad meets its dirty lines
@@ -112,6 +114,7 @@ def main(argv: list[str] | None = None) -> int:
                 seconds[name] = time.perf_counter() - t0
             dt, dt_loop, dt_dense = seconds["grouped"], seconds["per expert"], seconds["dense"]
             loop_shares.append(LAYERS * picked * expert_bytes / dt_loop / triad)
+            unfused_shares.append(LAYERS * picked * expert_bytes / seconds["activation in torch"] / triad)
             rate = LAYERS * picked * expert_bytes / dt
             rates.append(rate)
             shares.append(rate / triad)
@@ -122,13 +125,15 @@ def main(argv: list[str] | None = None) -> int:
         row = {"batch": b, "distinct_experts": median(distinct), "expert_gb_per_s": median(rates) / 1e9,
                "expert_share_of_triad": median(shares), "dense_gemv_share_of_triad": median(dense_shares),
                "per_expert_calls_share_of_triad": median(loop_shares),
+               "activation_in_torch_share_of_triad": median(unfused_shares),
                "triad_gb_per_s": median(triads) / 1e9}
         if baseline is not None:
             row["baseline_share_of_triad"] = median(base_shares)
         out.append(row)
         print(f"batch {b:3d}: {row['distinct_experts']:.0f} experts/layer, {row['expert_gb_per_s']:.1f} GB/s, "
               f"{100 * row['expert_share_of_triad']:.0f}% of triad (dense blocked GEMV "
-              f"{100 * row['dense_gemv_share_of_triad']:.0f}%; one call per expert and projection, as before: "
+              f"{100 * row['dense_gemv_share_of_triad']:.0f}%; activation in torch between two grouped calls: "
+              f"{100 * row['activation_in_torch_share_of_triad']:.0f}%; one call per expert and projection: "
               f"{100 * row['per_expert_calls_share_of_triad']:.0f}%"
               + (f"; baseline {100 * row['baseline_share_of_triad']:.0f}%" if baseline is not None else "")
               + f"; triad {row['triad_gb_per_s']:.0f} GB/s)")

@@ -265,18 +265,23 @@ def test_routed_experts_forward_is_one_gemm_per_selected_expert(monkeypatch):
 def test_cpu_experts_run_on_the_native_blocked_gemv(fresh, family, monkeypatch):
     """Where the native kernel builds, the CPU's float32 copy of the experts (plain and transposed
     layouts) is blocked in place (the same bytes) and the selected experts' projections are grouped
-    blocked GEMVs: two native calls per (layer, step), over every routed (token, choice) row; the
-    tokens stay transformers'."""
+    blocked GEMVs: two native calls per (layer, step), over every routed (token, choice) row (one
+    fused call with the activation for Mixtral's default SiLU gate); the tokens stay transformers'."""
     from flexplan.executor import cpu_experts, native
 
     if not native.available():
         pytest.skip(native.status()[1])
-    rows = []
-    real = native.NativeGemv.grouped_gemv
+    rows, fused_rows = [], []
+    real, real_fused = native.NativeGemv.grouped_gemv, native.NativeDecode.moe_silu
     monkeypatch.setattr(native.NativeGemv, "grouped_gemv",
                         lambda self, w, e, r, x, b: rows.append(x.shape[0]) or real(self, w, e, r, x, b))
+    monkeypatch.setattr(native.NativeDecode, "moe_silu",  # one call: both projections
+                        lambda self, *a: fused_rows.extend([a[4].numel()] * 2) or real_fused(self, *a))
     lm, out, expected = _run(fresh, family, "gpu", "cpu-experts", 0)
     assert torch.equal(out, expected)
+    fused = native.decode_status()[0] is not None and family == "mixtral"  # gpt-oss gates its own way
+    assert (bool(fused_rows), bool(rows)) == (fused, not fused)
+    rows = rows or fused_rows
     g = lm.executor.layers[0]
     assert set(g.blocked_experts) and all(g.storages["host"].views[n].dim() == 4 for n in g.blocked_experts)
     lm.executor._bind_layer(0, "decode")
@@ -317,9 +322,38 @@ def test_grouped_expert_calls_equal_one_call_per_expert(weight_dtype):
             idx[1, 3] = idx[1, 0]
         w = torch.rand(b, 4, generator=g).to(w_dtype)
         with torch.no_grad():
-            grouped = cpu_experts.routed_experts_forward(m, x, idx, w)
+            grouped = cpu_experts.routed_experts_forward(m, x, idx, w, fused=False)
             per_expert = cpu_experts.routed_experts_forward(m, x, idx, w, grouped=False)
+            fused = cpu_experts.routed_experts_forward(m, x, idx, w)
         assert torch.equal(grouped, per_expert), b
+        # the fused call: the same routing, GEMVs and scatter, SiLU by native_decode.c's exp
+        assert ((fused - per_expert).abs().max() / per_expert.abs().max()).item() < 1e-5, b
+
+
+def test_fused_expert_call_only_for_the_default_silu_gate():
+    """The one-call path takes transformers' default gate with SiLU (Mixtral, Qwen3-MoE) and nothing
+    else: not gpt-oss's own gate, not another activation, not a norm after the experts."""
+    import transformers
+
+    from flexplan.executor import cpu_experts
+
+    def experts(cls, cfg):
+        return cls(cfg)
+
+    mixtral = transformers.MixtralConfig(hidden_size=64, intermediate_size=64, num_local_experts=4,
+                                         num_experts_per_tok=2, num_hidden_layers=1, num_attention_heads=4,
+                                         num_key_value_heads=2, vocab_size=50)
+    m = experts(transformers.models.mixtral.modeling_mixtral.MixtralExperts, mixtral)
+    assert cpu_experts._default_silu_gate(m)
+    m.act_fn = transformers.activations.ACT2FN["gelu"]
+    assert not cpu_experts._default_silu_gate(m)
+    m = experts(transformers.models.mixtral.modeling_mixtral.MixtralExperts, mixtral)
+    m.has_post_expert_norm = True
+    assert not cpu_experts._default_silu_gate(m)
+    oss = transformers.GptOssConfig(hidden_size=64, intermediate_size=64, num_local_experts=4, num_experts_per_tok=2,
+                                    num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                    vocab_size=50)
+    assert not cpu_experts._default_silu_gate(experts(transformers.models.gpt_oss.modeling_gpt_oss.GptOssExperts, oss))
 
 
 def test_replacing_moves_experts_between_split_and_whole_layers(fresh):

@@ -14,14 +14,18 @@ on the accelerator.
 runs one GEMM (a GEMV at batch 1) per expert that some token picked, no pass over the experts no
 token picked; the pairs of each expert in the order transformers' eager loop takes them, so the
 result is the eager one bit for bit on the same weights. On blocked weights (the float32 CPU's
-copy) the whole layer is five native calls and the activation's torch ops (``native_gemv.c``):
+copy) the layer is four native calls and the activation's torch ops (``native_gemv.c``):
 the routing grouped by expert with the rows gathered (``flexplan_route_experts``, a counting sort
 in eager's order), the selected experts' GEMVs of each projection (``flexplan_grouped_gemv``),
-and the weighted scatter (``flexplan_scatter_experts``, eager's roundings and order of sums). A
-decode step of a Qwen3-30B-A3B-shaped layer made ~8 x 6 small calls (two OpenMP regions and a few
-torch ops per expert) at first, then ~20 torch ops around two grouped calls; what is left outside
-the GEMVs is ~190 us per layer on the 2-core VM (``benchmarks/bench_cpu_experts.py`` compares the
-paths). An experts module of another interface
+and the weighted scatter (``flexplan_scatter_experts``, eager's roundings and order of sums).
+Where the module gates as transformers' default does, SiLU(gate) * up (Mixtral, Qwen2/3-MoE,
+DeepSeek; not gpt-oss's clamped SwiGLU), all of it is ONE native call with SiLU computed natively
+(``native_decode.c``'s ``flexplan_moe_silu_f32``, as the dense decode layer computes it: within
+1e-5 of eager, no longer bit for bit; ``fused=False`` keeps the torch activation). A decode step
+of a Qwen3-30B-A3B-shaped layer made ~8 x 6 small calls (two OpenMP regions and a few torch ops
+per expert) at first, then ~20 torch ops around two grouped calls, ~100-190 us per layer outside
+the GEMVs on the 2-core VM (``benchmarks/bench_cpu_experts.py`` compares the paths). An experts
+module of another interface
 (Llama 4's, which runs every expert on every routed row) runs its own forward on the host.
 """
 
@@ -163,18 +167,52 @@ def _grouped_forward(module: nn.Module, gemv, x: torch.Tensor, top_k_index: torc
     return gemv.scatter_experts(h.contiguous(), top_k_weights.float().contiguous(), pairs, tokens)
 
 
+def _default_silu_gate(module: nn.Module) -> bool:
+    """Whether ``module`` gates as transformers' default does, SiLU(gate) * up over the halves of
+    gate_up (``_default_apply_gate`` with a SiLU ``act_fn``), with no norm after the experts: what
+    native_decode.c's fused call computes. A class with its own gate (gpt-oss's clamped SwiGLU)
+    or another activation is not."""
+    try:
+        from transformers.activations import SiLUActivation
+        from transformers.integrations.moe import _default_apply_gate
+    except ImportError:  # another transformers: its gate is not known here
+        return False
+    return (getattr(type(module), "_apply_gate", None) is _default_apply_gate
+            and type(getattr(module, "act_fn", None)) in (SiLUActivation, nn.SiLU)
+            and not getattr(module, "has_post_expert_norm", False))
+
+
+def _fused_forward(module: nn.Module, x: torch.Tensor, top_k_index: torch.Tensor,
+                   top_k_weights: torch.Tensor) -> torch.Tensor | None:
+    """The whole layer in one native call (NativeDecode.moe_silu), where it applies: the default
+    SiLU gate, both projections blocked in one weight type, float32 biases (or none), a routing
+    weight the kernel widens exactly; else None."""
+    if not _default_silu_gate(module) or top_k_weights.dtype not in native.WEIGHT_TYPES:
+        return None
+    ops = native.decode_status()[0]
+    gu, dn = module.gate_up_proj, module.down_proj
+    if ops is None or gu.dtype != dn.dtype:
+        return None
+    bias = [getattr(module, f"{name}_bias", None) for name in ("gate_up_proj", "down_proj")]
+    bias = [b.contiguous() if isinstance(b, torch.Tensor) else None for b in bias]
+    return ops.moe_silu(gu, dn, bias[0], bias[1], top_k_index.to(torch.int64).contiguous(),
+                        top_k_weights.float().contiguous(), x.contiguous())
+
+
 def routed_experts_forward(module: nn.Module, x: torch.Tensor, top_k_index: torch.Tensor,
-                           top_k_weights: torch.Tensor, grouped: bool = True) -> torch.Tensor:
+                           top_k_weights: torch.Tensor, grouped: bool = True, fused: bool = True) -> torch.Tensor:
     """The routed experts' output for tokens ``x`` [T, H] routed to ``top_k_index`` [T, k] with
     ``top_k_weights`` [T, k]: one GEMM per selected expert (see the module docstring); with blocked
     weights, all of them in one native call per projection (``grouped``; False: one call per expert
-    and projection, as before, for comparison)."""
+    and projection, as before, for comparison), and with the default SiLU gate the whole layer in
+    one native call (``fused``; False: the activation in torch, eager's result bit for bit)."""
     tokens, k = top_k_index.shape
     num_experts = module.down_proj.shape[0]
     has_gate = getattr(module, "has_gate", True) and isinstance(getattr(module, "gate_up_proj", None), torch.Tensor)
     gemv = _grouped_kernel(module, x, "gate_up_proj" if has_gate else "up_proj") if grouped else None
     if gemv is not None:
-        return _grouped_forward(module, gemv, x, top_k_index, top_k_weights, has_gate)
+        out = _fused_forward(module, x, top_k_index, top_k_weights) if fused and has_gate else None
+        return out if out is not None else _grouped_forward(module, gemv, x, top_k_index, top_k_weights, has_gate)
     # (choice, token) pairs in [k, T] order, stably sorted by expert: each expert's rows in eager's order
     flat = top_k_index.t().reshape(-1)
     order = torch.argsort(flat, stable=True)

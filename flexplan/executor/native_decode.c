@@ -19,6 +19,8 @@
  *                             RMSNorm, gate/up GEMVs, SiLU * up, down GEMV + residual.
  *   flexplan_decode_stack_f32 every layer of a decode step in one call, appending each layer's new
  *                             k and v to its KV cache itself (no Python between the layers)
+ *   flexplan_moe_silu_f32     a MoE layer's routed experts with the default SiLU(gate) * up gate:
+ *                             routing, grouped GEMVs, SiLU, weighted scatter (cpu-experts policy)
  *
  * The GEMVs are native_gemv.c's flexplan_blocked_gemv (compiled into the same library), on
  * weights in its blocked layout [out/64, in, 64], float32 or 16-bit (a layer's seven in one type,
@@ -39,6 +41,13 @@
 
 int flexplan_blocked_gemv(const void* P, int64_t wtype, const float* x, float* y, const float* bias, int64_t out,
                           int64_t in, int64_t batch);
+int flexplan_grouped_gemv(const void* P, int64_t wtype, int64_t expert_stride, const int64_t* experts,
+                          const int64_t* row_start, int64_t n, const float* x, float* y, const float* bias,
+                          int64_t out, int64_t in);
+int64_t flexplan_route_experts(const int64_t* index, int64_t tokens, int64_t k, int64_t n_experts, const float* x,
+                               int64_t in, int64_t* pairs, int64_t* experts, int64_t* row_start, float* h);
+void flexplan_scatter_experts(const float* h, const float* weights, const int64_t* pairs, int64_t rows,
+                              int64_t tokens, int64_t k, float* out, int64_t width);
 
 #define CHUNK_T 32 /* key positions per attention work item */
 
@@ -301,5 +310,51 @@ int flexplan_decode_stack_f32(const flexplan_layer* const* layers, int64_t n, fl
             return -1;
         memcpy(x, y, sizeof(float) * (size_t)(batch * L->hidden));
     }
+    return 0;
+}
+
+/* The routed experts of one MoE layer whose gate is transformers' default, SiLU(gate) * up over
+ * the two halves of each expert's gate_up projection (Mixtral, Qwen2/3-MoE, DeepSeek, ...), in one
+ * call with no Python between its steps: the routing grouped by expert (flexplan_route_experts),
+ * the selected experts' gate_up GEMVs (flexplan_grouped_gemv), SiLU(gate) * up, their down GEMVs,
+ * and the weighted scatter (flexplan_scatter_experts). Wgu [E, 2 inter/64, hidden, 64] and Wd
+ * [E, hidden/64, inter, 64] blocked, of weight type wtype, expert strides gu_stride and d_stride
+ * elements; biases [E, 2 inter] and [E, hidden] float32 or NULL; index [tokens, k] int64, weights
+ * [tokens, k] float32, x [tokens, hidden] and out [tokens, hidden] float32. Every step but SiLU
+ * is the grouped path's, bit for bit; SiLU uses exp_f32 (as the dense decode layer does), within
+ * an ulp or two of PyTorch's. Returns 0, or -1 when the scratch cannot be allocated. */
+int flexplan_moe_silu_f32(const void* Wgu, const void* Wd, int64_t wtype, int64_t gu_stride, int64_t d_stride,
+                          const float* bgu, const float* bd, const int64_t* index, const float* weights,
+                          int64_t tokens, int64_t k, int64_t n_experts, const float* x, int64_t hidden,
+                          int64_t inter, float* out) {
+    const int64_t slots = tokens * k, n_ids = slots < n_experts ? slots : n_experts;
+    int64_t* ints = malloc(sizeof(int64_t) * (size_t)(slots + 2 * n_ids + 1));
+    float* h = malloc(sizeof(float) * (size_t)(slots * (hidden + 2 * inter + inter + hidden)));
+    if (!ints || !h) {
+        free(ints);
+        free(h);
+        return -1;
+    }
+    int64_t *pairs = ints, *experts = ints + slots, *row_start = ints + slots + n_ids;
+    float *gu = h + slots * hidden, *act = gu + slots * 2 * inter, *dn = act + slots * inter;
+    const int64_t n = flexplan_route_experts(index, tokens, k, n_experts, x, hidden, pairs, experts, row_start, h);
+    if (n < 0) {
+        free(ints);
+        free(h);
+        return -1;
+    }
+    const int64_t rows = row_start[n];
+    flexplan_grouped_gemv(Wgu, wtype, gu_stride, experts, row_start, n, h, gu, bgu, 2 * inter, hidden);
+#pragma omp parallel for schedule(static) if (rows * inter >= (1 << 16))
+    for (int64_t r = 0; r < rows; r++) {
+        const float* g = gu + r * 2 * inter;
+        float* a = act + r * inter;
+#pragma omp simd
+        for (int64_t j = 0; j < inter; j++) a[j] = g[j] / (1.0f + exp_f32(-g[j])) * g[inter + j];
+    }
+    flexplan_grouped_gemv(Wd, wtype, d_stride, experts, row_start, n, act, dn, bd, hidden, inter);
+    flexplan_scatter_experts(dn, weights, pairs, rows, tokens, k, out, hidden);
+    free(ints);
+    free(h);
     return 0;
 }
