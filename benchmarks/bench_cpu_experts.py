@@ -19,7 +19,7 @@ and the other variants' shares. A shared or busy machine moves every figure; com
 
     python benchmarks/bench_cpu_experts.py --baseline-source old_cpu_experts.py   # old vs new, same rounds
 
-The committed result: ``--rounds 9 --baseline-source`` f221cff's cpu_experts.py, on the idle 2-core
+The committed result: ``--rounds 31 --baseline-source`` f221cff's cpu_experts.py, on the idle 2-core
 AVX-512 VM with 2 threads (README). With other jobs running, OpenMP barriers stall behind them and
 every small GEMV (dense or expert) drops to a few GB/s: run it on a quiet machine.
 """
@@ -55,6 +55,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if args.threads:
         torch.set_num_threads(args.threads)
+    from flexplan.executor.host_allocator import keep_freed_memory
+
+    allocator = keep_freed_memory()  # as the executor sets malloc: scratch is not mapped afresh each call
     baseline = None
     if args.baseline_source:
         import importlib.util
@@ -139,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
               + f"; triad {row['triad_gb_per_s']:.0f} GB/s)")
     path = write_result(args.name, {"shape": dict(hidden=HIDDEN, width=WIDTH, experts=EXPERTS, top_k=TOP_K,
                                                              layers=LAYERS), "rounds": args.rounds,
-                                                  "torch_threads": torch.get_num_threads(),
+                                                  "torch_threads": torch.get_num_threads(), "host_allocator": allocator,
                                                   "baseline_source": args.baseline_source, "rows": out})
     print(f"wrote {path}")
     return 0
