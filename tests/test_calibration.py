@@ -518,6 +518,7 @@ def test_tiny_run_times_the_executor_layer_and_split_linear(use_dir):
     m = res.doc["measurements"]
     (row,) = [r for r in m["cpu_executor_layers"] if r["dtype"] == "float32"]
     assert row["time_s"] > 0 and row["layer_time_s"] > 0 and row["depths"][1] > row["depths"][0]
+    assert 1 <= row["slopes"] <= mb.SLOPES  # the median of up to SLOPES positive slopes
     tiny = mb.MODES["tiny"]
     assert {r["tokens"] for r in m["cpu_split_linear"] if r["dtype"] == "float32"} == {*tiny.gemv_tokens, *tiny.gemm_tokens}
     assert "run by the executor" in format_summary(res) and "split layers" in format_summary(res)

@@ -735,6 +735,9 @@ def split_linear(sizes: Sizes, dtype: str, tick: Callable[[], None] | None = Non
     return rows
 
 
+SLOPES = 3  # executor_layers: slopes measured, their median kept
+
+
 def executor_layers(sizes: Sizes, dtype: str, tick: Callable[[], None] | None = None) -> list[dict]:
     """Seconds per decoder layer of a decode step run by flexplan's executor itself (plan cpu/cpu
     in ``dtype``, batch 1, after a ``layer_kv_len``-token prompt), from toy Llamas of the first of
@@ -774,18 +777,27 @@ def executor_layers(sizes: Sizes, dtype: str, tick: Callable[[], None] | None = 
         return (time_call(gen(steps + 1), repeats, 2 * sizes.budget_s)["time_s"]
                 - time_call(gen(1), repeats, sizes.budget_s)["time_s"]) / steps
 
-    for _ in range(3):  # a busy host can swamp the difference (tiny layers): measured again, then given up
+    # the median of SLOPES slopes: one slope is a difference of differences, and one of them came out
+    # 0.456 ms per SmolLM2-sized float32 layer where four in a row minutes later gave 0.35-0.39 and the
+    # whole model ran at ~0.40 (its executor extra, 0.087 ms, then priced every decode step 8-10% slow);
+    # a busy host can swamp the difference (tiny layers): a non-positive slope is measured again, then given up
+    slopes = []
+    for _ in range(SLOPES + 2):
         per_layer = (step_s(lms[depths[1]]) - step_s(lms[depths[0]])) / (depths[1] - depths[0])
         if per_layer > 0:
+            slopes.append(per_layer)
+        if len(slopes) == SLOPES:
             break
     del lms
     for _ in depths if tick else ():
         tick()
-    if not per_layer > 0:  # no row: the executor is taken to add nothing
+    if not slopes:  # no row: the executor is taken to add nothing
         return []
+    per_layer = float(statistics.median(slopes))
     alone = replace(sizes, layer_widths=(sizes.layer_widths[0],), layer_shapes=((1, 1),), layer_long_kv_len=None,
                     prefill_only_widths=())
     bare = [layers(alone, dtype)[0]["time_s"] for _ in range(2)]  # the layer alone, in the same minutes
     return [{"dtype": dtype, "hidden": hidden, "intermediate": inter, "heads": heads, "kv_heads": kv_heads,
              "head_dim": head_dim, "batch": 1, "query_len": 1, "kv_len": sizes.layer_kv_len + 1 + steps // 2,
-             "depths": list(depths), "steps": steps, "time_s": _sig(per_layer), "layer_time_s": _sig(min(bare))}]
+             "depths": list(depths), "steps": steps, "slopes": len(slopes), "time_s": _sig(per_layer),
+             "layer_time_s": _sig(min(bare))}]
