@@ -5,10 +5,12 @@ local calibration. Writes results/validate_cpu_experts.json (rows and MAPE).
 
     python benchmarks/validate_cpu_experts.py [--threads N]
 
-The committed result was measured with 1 thread on the 2-core development VM while four other jobs
-ran, against a calibration taken with 2 threads on the idle VM: its MAPE (~88%, measured 5-10x the
-prediction) says how far a loaded machine is from its calibration, not how good the term is. With 2
-threads under that load OpenMP barriers stall and it is worse (~96%). Rerun on an idle machine.
+Under the calibration in use, scaled to the memory state of the moment (``flexplan hw`` says which).
+Committed: ``validate_cpu_experts.json``, the shipped calibration of the AVX-512 VM (taken in its fast
+memory state) with the VM in the slow state, and ``validate_cpu_experts_same_state.json``, a
+calibration taken in the slow state (``FLEXPLAN_CALIBRATION_FILE=... --name ..._same_state``), both
+with 2 threads on the idle VM. Rerun on an idle machine: with other jobs on the cores OpenMP
+barriers stall and the measured times are those of the contention.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--name", default="validate_cpu_experts", help="results/<name>.json")
     args = ap.parse_args(argv)
     import torch
 
@@ -37,7 +40,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"batch {r['batch']:3d}: {r['distinct_experts']:5.1f} experts, predicted {1e3 * r['predicted_s']:7.2f} ms, "
               f"measured {1e3 * r['measured_s']:7.2f} ms ({r['error_pct']:.0f}%)")
     print(f"MAPE {out['mape_pct']:.0f}% ({out['calibration']}, {out['threads']} threads)")
-    print(f"wrote {write_result('validate_cpu_experts', out)}")
+    print(f"wrote {write_result(args.name, out)}")
     return 0
 
 
