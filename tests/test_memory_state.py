@@ -144,10 +144,29 @@ def test_half_the_bandwidth_now_doubles_the_memory_part_of_cpu_decode(local, pro
         assert (f"(x{ratio:.2f} memory time)" if ratio != 1.0 else "(the same state: x1.00)") in p.calibration
     assert "memory state: memory probe 5.0 GB/s now vs 10.0 GB/s median at calibration (x2.00 memory time)" in p.calibration
     memory_part = tpot[1.0] - tpot[0.5]  # half of it is gone at scale 0.5 ...
-    assert tpot[2.0] - tpot[1.0] == pytest.approx(2 * memory_part, rel=1e-6)  # ... and doubled at scale 2
+    # ... and at scale 2 the weights' part doubles, the KV reads (15 GB/s where the weights ran 20)
+    # stream at the state's 10 GB/s: x1.33, not x2 (StateScaledEfficiency)
+    assert memory_part < tpot[2.0] - tpot[1.0] < 2 * memory_part
     assert 2 * memory_part > 0.5 * tpot[1.0]  # CPU decode is mostly memory time: the scaling matters
     monkeypatch.setenv(membw.PROBE_ENV, "0")  # opt-out: the factors of the calibration's median state
     assert _cpu_plan().tpot_s == pytest.approx(tpot[1.0], rel=1e-12)
+
+
+def test_a_slower_state_prices_each_op_at_most_at_its_bandwidth_and_never_faster_than_calibrated():
+    """Slower now: min(own factor, the stream's best / scale); faster now: own factor / scale."""
+    from flexplan.estimator.efficiency import DefaultEfficiency, StateScaledEfficiency
+
+    base = DefaultEfficiency(cpu_compute_eff=0.5, cpu_memory_eff=0.8, gpu_compute_eff=0.5, gpu_memory_eff=0.5,
+                             icn_eff=0.5, cpu_overhead_s=0.0, gpu_overhead_s=0.0)
+    slow = StateScaledEfficiency(base, {"cpu_memory": 2.0}, stream_best={None: 1.0, "float32": 1.0})
+    assert slow.cpu_memory(1) == pytest.approx(0.5)  # 0.8 at calibration, the state's 1.0 / 2 now
+    assert slow.cpu_memory(1, "float32") == pytest.approx(0.5)
+    slower_op = StateScaledEfficiency(base, {"cpu_memory": 1.25}, stream_best={None: 1.0})
+    assert slower_op.cpu_memory(1) == pytest.approx(0.8)  # held back at 0.8 already: the state's 0.8 allows it
+    fast = StateScaledEfficiency(base, {"cpu_memory": 0.5}, stream_best={None: 1.0})
+    assert fast.cpu_memory(1) == pytest.approx(1.6)
+    unknown = StateScaledEfficiency(base, {"cpu_memory": 2.0})  # no best known: the plain ratio
+    assert unknown.cpu_memory(1) == pytest.approx(0.4)
 
 
 def test_the_scale_is_clamped_and_a_failed_probe_scales_nothing(local, probe, tmp_path, monkeypatch):

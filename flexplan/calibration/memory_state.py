@@ -19,7 +19,9 @@ Three steps keep the predictions of memory-bound work (CPU decode) on the state 
 3. Planning for the local machine (:func:`at_state_now`), the probe runs again and the CPU
    memory term class is scaled by ``reference / now`` (clamped to :data:`SCALE_RANGE`) with the
    estimator's :class:`~flexplan.estimator.efficiency.ScaledEfficiency`; its note says which
-   state was used ("memory state: ..."), and ``explain`` and ``last_stats`` print it.
+   state was used ("memory state: ..."), and ``explain`` and ``last_stats`` print it. In a slower
+   state than the calibration's, an op is priced at most at the state's streaming rate and at
+   least as fast as it ran at calibration (:class:`~flexplan.estimator.efficiency.StateScaledEfficiency`).
 
 Files without ``memory_state`` (written before it existed, or by hand) load as before: no
 normalisation, no scaling, and the note says so.
@@ -288,7 +290,7 @@ def at_state_now(eff: "Efficiency", meas: dict) -> "Efficiency":
     :data:`SAME_STATE` (a probe's own spread on a quiet machine is not a state). No scaling, with
     the reason in the note, when the file recorded no samples, the probe is off
     (``$FLEXPLAN_MEMORY_PROBE=0``) or failed."""
-    from flexplan.estimator.efficiency import ScaledEfficiency
+    from flexplan.estimator.efficiency import ScaledEfficiency, StateScaledEfficiency
 
     try:
         ref = reference_bytes_per_s(meas)
@@ -315,7 +317,19 @@ def at_state_now(eff: "Efficiency", meas: dict) -> "Efficiency":
     scales = {"cpu_memory": mem} if mem != 1.0 else {}
     if comp != 1.0:
         scales.update(cpu_compute=comp, overhead=comp)
-    return ScaledEfficiency(eff, scales, f"{NOTE_PREFIX} " + "; ".join(x for x in (mem_note, comp_note) if x))
+    return StateScaledEfficiency(eff, scales, f"{NOTE_PREFIX} " + "; ".join(x for x in (mem_note, comp_note) if x),
+                                 stream_best=_stream_best(eff) if mem > 1.0 else {})
+
+
+STREAM_TOKENS = (1, 2, 4, 8, 16)  # the decode rows whose weight-streaming factor bounds the state's
+
+
+def _stream_best(eff: "Efficiency") -> dict:
+    """CPU dtype (and None, the default one) -> the best weight-streaming factor of ``eff`` over
+    :data:`STREAM_TOKENS`: the rate of the calibration's state that a slower state scales
+    (estimator.efficiency.StateScaledEfficiency)."""
+    dtypes = [None, *getattr(eff, "cpu", {})]
+    return {dt: max(float(np.max(eff.cpu_memory(t, dt))) for t in STREAM_TOKENS) for dt in dtypes}
 
 
 def refresh() -> None:

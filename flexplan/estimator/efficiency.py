@@ -8,7 +8,7 @@ calibrated (``flexplan calibrate``).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import numpy as np
@@ -238,6 +238,44 @@ class ScaledEfficiency:
         if name.startswith("__"):
             raise AttributeError(name)
         return getattr(self.base, name)
+
+
+@dataclass(frozen=True)
+class StateScaledEfficiency(ScaledEfficiency):
+    """The memory state of now applied to a calibration (``calibration.memory_state.at_state_now``).
+    Faster now (a ``cpu_memory`` scale below 1): every memory factor divided by the scale, as
+    :class:`ScaledEfficiency` does. Slower now (above 1): each op streams at most at the state's
+    bandwidth and at least as fast as it did at calibration, ``min(own factor, best / scale)`` with
+    ``best`` the calibration's best weight-streaming factor of that dtype (``stream_best``). An op
+    that ran below the stream's best at calibration was held back by something the memory state
+    does not set (its size, its latencies): on the AVX-512 VM the routed experts streamed 55 GB/s
+    in the fast state (triad ~73) and 44 in the slow one (~45), where the probe's x1.72 priced them
+    at 32; the large GEMVs 66-78 and 43-50, as the probe says."""
+
+    stream_best: dict = field(default_factory=dict)  # CPU dtype -> best cpu_memory factor at calibration
+
+    def _slower(self, factor, dtype):
+        s = self.scale("cpu_memory")
+        best = self.stream_best.get(dtype)
+        if s <= 1.0 or best is None:
+            return factor / s
+        return np.minimum(factor, best / s)
+
+    def cpu_memory(self, tokens, dtype=None):
+        return self._slower(self.base.cpu_memory(tokens, dtype), dtype)
+
+    def cpu_attention(self, context_len, dtype=None):
+        return self._slower(self.base.cpu_attention(context_len, dtype), dtype)
+
+    def cpu_attention_for_layout(self, context_len, dtype=None, layout=None, batch=None):
+        return self._slower(cpu_attention_for_layout(self.base, context_len, dtype, layout, batch), dtype)
+
+    def cpu_head_memory(self, tokens, dtype=None):
+        return self._slower(self.base.cpu_head_memory(tokens, dtype), dtype)
+
+    def cpu_expert_factors(self, tokens, dtype=None):
+        f = self.base.cpu_expert_factors(tokens, dtype) if hasattr(self.base, "cpu_expert_factors") else None
+        return None if f is None else (f[0] / self.scale("cpu_compute"), self._slower(f[1], dtype))
 
 
 def unwrapped(eff: Efficiency) -> Efficiency:
