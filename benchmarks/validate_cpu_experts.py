@@ -7,7 +7,7 @@ local calibration. Writes results/validate_cpu_experts.json (rows and MAPE).
 
 Under the calibration in use, scaled to the memory state of the moment (``flexplan hw`` says which).
 Committed: ``validate_cpu_experts.json``, the shipped calibration of the AVX-512 VM (taken in its fast
-memory state) with the VM in the slow state, and ``validate_cpu_experts_same_state.json``, a
+memory state) with the VM between states (probe 55 GB/s against 65.8), and ``validate_cpu_experts_same_state.json``, a
 calibration taken in the slow state (``FLEXPLAN_CALIBRATION_FILE=... --name ..._same_state``), both
 with 2 threads on the idle VM. Rerun on an idle machine: with other jobs on the cores OpenMP
 barriers stall and the measured times are those of the contention.

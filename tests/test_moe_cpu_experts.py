@@ -271,6 +271,7 @@ def test_cpu_experts_run_on_the_native_blocked_gemv(fresh, family, monkeypatch):
 
     if not native.available():
         pytest.skip(native.status()[1])
+    native.decode_status()  # loaded (and self-checked) before the counting starts
     rows, fused_rows = [], []
     real, real_fused = native.NativeGemv.grouped_gemv, native.NativeDecode.moe_silu
     monkeypatch.setattr(native.NativeGemv, "grouped_gemv",
@@ -328,6 +329,10 @@ def test_grouped_expert_calls_equal_one_call_per_expert(weight_dtype):
         assert torch.equal(grouped, per_expert), b
         # the fused call: the same routing, GEMVs and scatter, SiLU by native_decode.c's exp
         assert ((fused - per_expert).abs().max() / per_expert.abs().max()).item() < 1e-5, b
+    with torch.no_grad():  # nothing routed: zeros, not an allocation error
+        none = cpu_experts.routed_experts_forward(m, torch.randn(0, 128), torch.zeros(0, 4, dtype=torch.long),
+                                                  torch.zeros(0, 4))
+    assert none.shape == (0, 128)
 
 
 def test_fused_expert_call_only_for_the_default_silu_gate():

@@ -250,7 +250,7 @@ class StateScaledEfficiency(ScaledEfficiency):
     that ran below the stream's best at calibration was held back by something the memory state
     does not set (its size, its latencies): on the AVX-512 VM the routed experts streamed 55 GB/s
     in the fast state (triad ~73) and 44 in the slow one (~45), where the probe's x1.72 priced them
-    at 32; the large GEMVs 66-78 and 43-50, as the probe says."""
+    at 32; the large GEMVs 66-78 and 40-50, nearly as the probe says."""
 
     stream_best: dict = field(default_factory=dict)  # CPU dtype -> best cpu_memory factor at calibration
 

@@ -328,6 +328,10 @@ int flexplan_moe_silu_f32(const void* Wgu, const void* Wd, int64_t wtype, int64_
                           int64_t tokens, int64_t k, int64_t n_experts, const float* x, int64_t hidden,
                           int64_t inter, float* out) {
     const int64_t slots = tokens * k, n_ids = slots < n_experts ? slots : n_experts;
+    if (slots == 0) { /* no token, or no choice: nothing routed (malloc(0) may return NULL) */
+        memset(out, 0, sizeof(float) * (size_t)(tokens * hidden));
+        return 0;
+    }
     int64_t* ints = malloc(sizeof(int64_t) * (size_t)(slots + 2 * n_ids + 1));
     float* h = malloc(sizeof(float) * (size_t)(slots * (hidden + 2 * inter + inter + hidden)));
     if (!ints || !h) {
