@@ -78,7 +78,9 @@ def one_cycle(k: int, folder: Path, env: dict, grid: str | None, models=tuple(MO
         r = flexplan_cmd(*args, env=env)
         summary = json.loads(r.stdout)
         cycle["validations"][model] = {"wall_s": round(time.perf_counter() - t0, 1), "sets": summary["sets"],
-                                       "stream_triad_gbs": summary["stream_triad_gbs"]}
+                                       "stream_triad_gbs": summary["stream_triad_gbs"],
+                                       "repeat_spread_pct": summary.get("repeat_spread_pct"),
+                                       "points": points(out / "validation.csv", list(files))}
         print(f"cycle {k}: validate {model}: {cycle['validations'][model]['wall_s']} s, "
               f"triad {summary['stream_triad_gbs']}", flush=True)
         for mode in MODES:
@@ -86,6 +88,27 @@ def one_cycle(k: int, folder: Path, env: dict, grid: str | None, models=tuple(MO
             print("   " + "  ".join(f"{mode}/{kind} prefill {s[kind]['mape']['prefill']['cpu']:.1f}% "
                                     f"decode {s[kind]['mape']['decode']['cpu']:.1f}%" for kind in s), flush=True)
     return cycle
+
+
+def points(csv_path: Path, sets: list[str]) -> list[dict]:
+    """Each grid point of a validation: shape, CPU dtype, measured and predicted (cold and warm per
+    calibration set) TTFT/TPOT in ms, and the memory state each set's cold prediction was scaled by."""
+    import csv
+
+    def ms(x):
+        return round(float(x) * 1e3, 3) if x not in (None, "") else None
+
+    out = []
+    with open(csv_path, newline="") as f:
+        for r in csv.DictReader(f):
+            point = {"b": int(r["batch_size"]), "i": int(r["input_len"]), "o": int(r["output_len"]),
+                     "cpu_dtype": r["cpu_dtype"], "ttft_ms": ms(r["measured_ttft_s"]), "tpot_ms": ms(r["measured_tpot_s"])}
+            for name in sets:
+                for kind in ("cold", "warm"):
+                    point[f"{name}:{kind}"] = [ms(r.get(f"{name}:{kind}_ttft_s")), ms(r.get(f"{name}:{kind}_tpot_s"))]
+                point[f"{name}:memory_state"] = r.get(f"{name}:cold_memory_state", "")
+            out.append(point)
+    return out
 
 
 def medians(cycles: list[dict]) -> dict:

@@ -44,6 +44,7 @@ CSV_COLUMNS = [
     "measured_ttft_s", "measured_tpot_s", "measured_e2e_s",
     "predicted_ttft_s", "predicted_tpot_s", "predicted_e2e_s",
     "default_predicted_ttft_s", "default_predicted_tpot_s", "default_predicted_e2e_s", "calibration",
+    "repeat_spread_ttft_pct", "repeat_spread_tpot_pct",
 ]
 DEFAULT_GRID = "b=1,4,8 i=32,128,512 o=16,64"
 
@@ -120,7 +121,30 @@ def summarize(rows: list[dict[str, Any]]) -> dict[str, Any]:
     out["regret_max"] = max(regrets) if regrets else math.nan
     out["pairs_per_point"] = max((len(v) for v in points.values()), default=0)
     out["sets"] = _summarize_sets(rows)
+    out["repeat_spread_pct"] = repeat_spread(rows)
     return out
+
+
+def repeat_spread(rows: list[dict[str, Any]]) -> dict[str, float | None]:
+    """Per phase, the mean over points of how far single runs of a point lie from their median
+    (``--repeats`` >= 2; None otherwise): the machine's own run-to-run noise, which a prediction
+    judged against one run cannot beat."""
+    out: dict[str, float | None] = {}
+    for phase, key in (("prefill", "ttft"), ("decode", "tpot")):
+        xs = [r[f"repeat_spread_{key}_pct"] for r in rows if r.get(f"repeat_spread_{key}_pct") is not None]
+        out[phase] = sum(xs) / len(xs) if xs else None
+    return out
+
+
+def _spread_pct(runs: list, key: str) -> float | None:
+    """Mean |run - median| / median of ``key`` over ``runs`` (None for fewer than 2)."""
+    import statistics
+
+    xs = [float(getattr(r, key)) for r in runs if math.isfinite(float(getattr(r, key)))]
+    if len(xs) < 2:
+        return None
+    mid = statistics.median(xs)
+    return sum(abs(x - mid) for x in xs) / len(xs) / mid * 100 if mid > 0 else None
 
 
 def _summarize_sets(rows: list[dict[str, Any]]) -> dict[str, Any]:
@@ -233,6 +257,10 @@ def format_summary(s: dict[str, Any]) -> str:
                 for pol, mape in d["mape"].get(phase, {}).items():
                     lines.append(f"{phase:<8} {pol:<21} {mape:>6.1f}% {d['p90'][phase][pol]:>6.1f}%   "
                                  f"calibration {name!r}, {kind}")
+    spread = s.get("repeat_spread_pct") or {}
+    if any(v is not None for v in spread.values()):
+        lines.append("run-to-run spread of the repeats around their median (the noise floor): " + ", ".join(
+            f"{ph} {v:.1f}%" for ph, v in spread.items() if v is not None))
     lines.append(f"planner regret (measured E2E of chosen pair / best measured): mean {s['regret']:.3f}, "
                  f"max {s['regret_max']:.3f} over points with {s['pairs_per_point']} pair(s) each")
     return "\n".join(lines)
@@ -310,6 +338,7 @@ def run_grid(model_dir: Path, grid: dict[str, list[int]], pairs: list[tuple[str,
 
     import flexplan
     from flexplan.calibration.correction import Observation, apply, corrections_after
+    from flexplan.calibration.memory_state import note_in
     from flexplan.estimator import DefaultEfficiency
     from flexplan.hardware import get_hardware
 
@@ -350,7 +379,8 @@ def run_grid(model_dir: Path, grid: dict[str, list[int]], pairs: list[tuple[str,
             by_set = {}
             for name, path in sets.items():
                 cold_eff = _cold_efficiency(path, hw)
-                by_set[name] = {"cold": _predict(lm, hw, cold_eff, b, i, o, p_pol, d_pol, p)}
+                by_set[name] = {"cold": {**_predict(lm, hw, cold_eff, b, i, o, p_pol, d_pol, p),
+                                         "memory_state": note_in(cold_eff.source)}}
                 if name in learned:
                     by_set[name]["warm"] = _predict(lm, hw, apply(cold_eff, learned[name]), b, i, o, p_pol, d_pol, p)
             rows.append(dict(
@@ -361,7 +391,9 @@ def run_grid(model_dir: Path, grid: dict[str, list[int]], pairs: list[tuple[str,
                 predicted_ttft_s=p.ttft_s, predicted_tpot_s=p.tpot_s,
                 predicted_e2e_s=p.ttft_s + p.switch_s + (o - 1) * p.tpot_s,
                 default_predicted_ttft_s=dp["ttft_s"], default_predicted_tpot_s=dp["tpot_s"],
-                default_predicted_e2e_s=dp["e2e_s"], calibration=p.calibration, sets=by_set))
+                default_predicted_e2e_s=dp["e2e_s"], calibration=p.calibration,
+                repeat_spread_ttft_pct=_spread_pct(runs, "ttft_s"), repeat_spread_tpot_pct=_spread_pct(runs, "tpot_s"),
+                sets=by_set))
             if progress:
                 progress(rows[-1])
         del lm
@@ -503,6 +535,7 @@ def run(args) -> int:
         print(json.dumps(_clean({"mape": summary["mape"], "p90": summary["p90"], "regret": summary["regret"],
                                  "mape_default": summary["mape_default"], "p90_default": summary["p90_default"],
                                  "regret_max": summary["regret_max"], "sets": summary["sets"],
+                                 "repeat_spread_pct": summary["repeat_spread_pct"],
                                  "stream_triad_gbs": meta["stream_triad_gbs"], "out": str(out_dir)}), indent=2))
     else:
         print(format_summary(summary))

@@ -439,3 +439,79 @@ def test_time_call_records_the_state_around_its_runs_only_while_probing():
 
     with mb.probing_state(failing):
         assert "probe_bytes_per_s" not in mb.time_call(lambda: None, 3, 0.01)
+
+
+# ----------------------------------------------------------------------------- the GEMV probe
+
+
+def _with_gemv(record: dict, rate=REF * 1.5, threads=None) -> dict:
+    """``record`` with GEMV probe samples beside the copy's, all at ``rate``."""
+    import torch
+
+    labels = record["at_step"]
+    return {**record, "gemv_probe": "test", "gemv_probe_threads": threads or torch.get_num_threads(),
+            "gemv_at_step": list(labels), "gemv_probe_bytes_per_s": [rate] * len(labels)}
+
+
+def test_the_gemv_probe_reads_a_positive_rate_and_is_what_calibrate_records():
+    import torch  # noqa: F401 - loaded, as in every calibration
+
+    assert membw.gemv_probe_usable()
+    rate = membw.measure_gemv_bytes_per_s()
+    assert 1e8 < rate < 1e13
+    record = memory_state.new_record()
+    memory_state.record_sample(record, "cpu_stream")
+    assert record["gemv_at_step"] == ["cpu_stream"] and record["gemv_probe_bytes_per_s"][0] > 0
+    assert set(memory_state.row_probes(record)) == {"probe_bytes_per_s", "gemv_probe_bytes_per_s"}
+    assert "GEMV" in memory_state.describe({"memory_state": record})
+
+
+def test_plans_read_the_gemv_probe_where_the_calibration_recorded_it(local, probe, tmp_path, monkeypatch):
+    """A file with GEMV samples is scaled by the GEMV probe (its own reference), whatever the copy
+    reads; without torch loaded, or run in other threads than at calibration, by the copy."""
+    meas = FAST.measurements("quick", _dtypes(local))
+    meas["memory_state"] = _with_gemv(_record(local))
+    _use(monkeypatch, _write(tmp_path, local, meas, "cal.yaml"))
+    monkeypatch.setattr(membw, "measure_gemv_bytes_per_s", lambda *a, **k: REF * 1.5 / 2)
+    probe(REF)  # the copy reads the calibration's state; the GEMV half of its own
+    p = _cpu_plan()
+    assert ("memory state: memory probe (decode GEMV) 7.5 GB/s now vs 15.0 GB/s median at calibration "
+            "(x2.00 memory time)") in p.calibration
+    monkeypatch.setattr(membw, "gemv_probe_usable", lambda: False)
+    membw.forget_probe()
+    assert "memory probe 10.0 GB/s now vs 10.0 GB/s median at calibration (the same state" in _cpu_plan().calibration
+
+
+def test_a_gemv_record_of_other_threads_falls_back_to_the_copy(local, probe, tmp_path, monkeypatch):
+    import torch
+
+    meas = FAST.measurements("quick", _dtypes(local))
+    meas["memory_state"] = _with_gemv(_record(local), threads=torch.get_num_threads() + 1)
+    _use(monkeypatch, _write(tmp_path, local, meas, "cal.yaml"))
+    monkeypatch.setattr(membw, "measure_gemv_bytes_per_s", lambda *a, **k: 1.0)  # would clamp at x3
+    probe(REF / 2)
+    assert "memory probe 5.0 GB/s now vs 10.0 GB/s median at calibration (x2.00 memory time)" in _cpu_plan().calibration
+
+
+def test_rows_are_normalised_by_the_gemv_probe_where_the_file_has_it(local):
+    meas = FAST.measurements("quick", _dtypes(local))
+    row_steps = [lab for lab in _record(local)["at_step"] if lab.split("[")[0] in memory_state.ROW_PARTS]
+    record = _with_gemv({"probe_bytes_per_s": [REF] * (len(row_steps) + 1), "at_step": row_steps + [memory_state.END]},
+                        rate=REF * 2)
+    gemv = [dict(r) for r in meas["cpu_gemv"]]
+    # the copy says the reference state, the GEMV probe half of it: the GEMV probe decides
+    gemv[0] = {**SLOW.measurements("quick", _dtypes(local))["cpu_gemv"][0], "probe_bytes_per_s": REF,
+               "gemv_probe_bytes_per_s": REF}
+    out = memory_state.normalised({**meas, "cpu_gemv": gemv, "memory_state": record})["cpu_gemv"]
+    assert 0.5 <= out[0]["time_s"] / gemv[0]["time_s"] < 0.56
+    assert memory_state.row_probe_kind({"memory_state": record}) == "gemv"
+    assert memory_state.row_probe_kind({"memory_state": _record(local)}) == "memory"
+
+
+def test_time_call_records_every_probe_of_a_dict():
+    from flexplan.calibration import microbench as mb
+
+    a, b = iter([40e9, 90e9]), iter([20e9, 80e9])
+    with mb.probing_state({"probe_bytes_per_s": lambda: next(a), "gemv_probe_bytes_per_s": lambda: next(b)}):
+        r = mb.time_call(lambda: None, 3, 0.01)
+    assert mb.probed(r) == {"probe_bytes_per_s": pytest.approx(6e10), "gemv_probe_bytes_per_s": pytest.approx(4e10)}

@@ -137,6 +137,61 @@ def test_one_wild_run_moves_a_scale_by_at_most_one_step(factor):
     assert abs(math.log(scale(back, "cpu_memory") / 1.3)) < abs(math.log(scale(wild, "cpu_memory") / 1.3))
 
 
+def _prediction_ratio(c: Corrections, obs: Observation, phase: str) -> float:
+    return phase_time_s(obs, apply(BASE, c), phase) / phase_time_s(obs, BASE, phase)
+
+
+def test_one_odd_run_after_settled_ones_counts_as_less_than_a_run(monkeypatch):
+    """Huber's weighting: once runs have pinned the scales down, one run x2 off (a prefill spike)
+    moves the next predictions by much less than the plain filter would, and a wilder one by
+    hardly more than a milder one (bounded influence); a normal run is learned as before."""
+    from flexplan.calibration import correction
+
+    true = ScaledEfficiency(BASE, {"cpu_memory": 1.2, "cpu_compute": 0.9})
+    runs = [observe(true, 1, s, 32) for s in (64, 128, 256, 512, 128, 64, 256, 128)]
+    settled = corrections_after(runs, BASE)
+
+    def moved(factor: float, robust: bool) -> dict[str, float]:
+        spike = observe(true, 1, 128, 32, factor=factor)
+        with monkeypatch.context() as m:
+            if not robust:
+                m.setattr(correction, "OUTLIER_Z", math.inf)
+            after = update(settled, spike, BASE)
+        return {ph: _prediction_ratio(after, spike, ph) / _prediction_ratio(settled, spike, ph) - 1
+                for ph in ("prefill", "decode")}
+
+    robust, plain, milder = moved(2.0, True), moved(2.0, False), moved(1.5, True)
+    for phase in ("prefill", "decode"):
+        assert 0 < robust[phase] < 0.6 * plain[phase], (phase, robust, plain)
+        assert milder[phase] < robust[phase] < 1.15 * milder[phase], (phase, robust, milder)
+    assert update(settled, observe(true, 1, 128, 32, factor=2.0), BASE).last[-1]["z"] > correction.OUTLIER_Z
+    # a run within the bound is the plain filter's
+    normal = observe(true, 1, 256, 32, factor=1.03)
+    a = update(settled, normal, BASE)
+    monkeypatch.setattr(correction, "OUTLIER_Z", math.inf)
+    assert update(settled, normal, BASE).log_scales == pytest.approx(a.log_scales, rel=1e-9)
+
+
+def test_a_new_level_that_shows_twice_is_learned_in_full(monkeypatch):
+    """The machine really changed (a slower memory state for good): the second run off in the same
+    direction counts fully, so the scales follow within a few runs."""
+    from flexplan.calibration import correction
+
+    true = ScaledEfficiency(BASE, {"cpu_memory": 1.2})
+    settled = corrections_after([observe(true, 1, s, 32) for s in (64, 128, 256, 512, 128, 64, 256, 128)], BASE)
+    slower = ScaledEfficiency(BASE, {"cpu_memory": 1.2 * 1.6})
+    first = update(settled, observe(slower, 1, 128, 32), BASE)
+    second = update(first, observe(slower, 1, 256, 32), BASE)
+    monkeypatch.setattr(correction, "OUTLIER_Z", math.inf)
+    plain_second = update(first, observe(slower, 1, 256, 32), BASE)
+    assert second.log_scales["cpu_memory"] == pytest.approx(plain_second.log_scales["cpu_memory"], rel=1e-9)
+    monkeypatch.undo()
+    c = second
+    for s in (64, 512, 128, 256):
+        c = update(c, observe(slower, 1, s, 32), BASE)
+    assert abs(math.log(scale(c, "cpu_memory") / (1.2 * 1.6))) < 0.1
+
+
 def test_scales_stay_within_their_bounds():
     true = ScaledEfficiency(BASE, {"cpu_memory": 50.0, "cpu_compute": 50.0, "overhead": 50.0})
     c = corrections_after([observe(true, 1, 128, 32)] * 30, BASE)

@@ -143,7 +143,7 @@ def calibrate(mode: str = "quick", out: str | Path | None = None, threads: int |
     (atomically). Raises CalibrationError, writing nothing, when the essential benchmarks fail."""
     from tqdm import tqdm
 
-    from flexplan.calibration import membw, memory_state
+    from flexplan.calibration import memory_state
     from flexplan.calibration import microbench as mb
     from flexplan.calibration import store
     from flexplan.executor.host_allocator import keep_freed_memory
@@ -174,7 +174,7 @@ def calibrate(mode: str = "quick", out: str | Path | None = None, threads: int |
                 bar.update(1)
 
             # the rows memory_state.normalised brings to one state carry the state each was timed in
-            probing = (mb.probing_state(membw.measure_copy_bytes_per_s) if step.key in memory_state.ROW_PARTS
+            probing = (mb.probing_state(memory_state.row_probes(memory)) if step.key in memory_state.ROW_PARTS
                        else contextlib.nullcontext())
             try:
                 with probing:

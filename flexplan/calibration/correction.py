@@ -29,6 +29,16 @@ Later runs correct what earlier ones could not tell apart (``P`` remembers which
 classes the runs so far have pinned down), converge to the least-squares scales over the shapes
 seen, and, with ``DRIFT_VAR``, keep following slow drifts of the machine (its memory state).
 
+Odd runs (Huber's weighting of the filter): a phase whose residual ``r`` lies beyond
+``OUTLIER_Z`` standard deviations of what the filter expects, ``z = r / sqrt(w' P w + NOISE_VAR)``,
+counts as ``OUTLIER_Z / |z|`` of an observation (its noise variance divided by that), so it moves
+the scales as a residual of ``OUTLIER_Z`` deviations would. Unless the run before of that phase
+was beyond the bound in the same direction: a new level that shows twice is learned in full. From
+the prior (``w' P w`` ~ ``PRIOR_VAR``) no residual below ~x2 is an outlier; once runs have pinned
+the scales down (``P`` small, ``sqrt(w' P w + NOISE_VAR)`` ~ 0.11), one spike of x1.5 counts as about
+half a run. The README demo at 439db3f saw one prefill spike (TTFT x1.52) move the next runs'
+predictions of TTFT to x1.5-1.7 of what they measured.
+
 Bounds, so one odd run cannot swing the planner: the step of one run is scaled down as a whole
 (direction kept) until no class moves by more than ``x STEP_MAX`` (1.25), and the run then
 counts as that fraction of an observation (``P`` shrinks by the same fraction); each scale stays
@@ -68,6 +78,7 @@ MIN_TTFT_S = 1e-3  # shorter prefills are not measured reliably
 MIN_DECODE_STEPS = 2
 MAX_OTHER_CPU_SHARE = 0.25  # runs during which other processes took more of all cores' time are not learned from
 MIN_SHARE = 0.02  # a run "informs" a class when the class holds at least this share of a phase's time
+OUTLIER_Z = 2.0  # a phase whose residual lies beyond this many of its predicted standard deviations counts less
 HISTORY = 8  # residuals kept for display
 ACCELERATOR_CLASSES = ("link", "accelerator")
 
@@ -245,12 +256,13 @@ def update(corrections: Corrections | None, obs: Observation, base: "Efficiency"
         if not (math.isfinite(t) and t > 0) or float(w @ w) < 1e-6:
             continue
         r = math.log(measured / t) - float(w @ (g - g0))  # residual after the phase before's update
-        gain = p @ w / (float(w @ p @ w) + NOISE_VAR)
+        z = r / math.sqrt(float(w @ p @ w) + NOISE_VAR)
+        gain = p @ w / (float(w @ p @ w) + NOISE_VAR / outlier_weight(z, _last_z(corrections, phase)))
         g += gain * r
         p = p - np.outer(gain, w @ p)
         p = (p + p.T) / 2
         informed |= w >= MIN_SHARE
-        history.append({"phase": phase, "policy": policy, "measured_s": measured, "predicted_s": t})
+        history.append({"phase": phase, "policy": policy, "measured_s": measured, "predicted_s": t, "z": round(z, 4)})
     if not history:
         return corrections
     step = g - g0
@@ -265,6 +277,27 @@ def update(corrections: Corrections | None, obs: Observation, base: "Efficiency"
     new_runs = {c: int(n) for c, n in zip(TERM_CLASSES, runs + informed) if n}
     return Corrections(log_scales, new_runs, corrections.updates + 1, (tuple(corrections.last) + tuple(history))[-HISTORY:],
                        tuple(tuple(float(x) for x in row) for row in p))
+
+
+def outlier_weight(z: float, z_before: float | None) -> float:
+    """How much of an observation a phase with standardised residual ``z`` counts as (Huber):
+    1 within ``OUTLIER_Z``, else ``OUTLIER_Z / |z|``; 1 again when the run before of the phase
+    (``z_before``) was beyond the bound in the same direction (a new level, shown twice)."""
+    if abs(z) <= OUTLIER_Z:
+        return 1.0
+    if z_before is not None and abs(z_before) > OUTLIER_Z and (z_before > 0) == (z > 0):
+        return 1.0
+    return OUTLIER_Z / abs(z)
+
+
+def _last_z(corrections: Corrections, phase: str) -> float | None:
+    """The standardised residual of the latest run of ``phase`` the corrections remember (None:
+    none, or one from before residuals were kept)."""
+    for entry in reversed(corrections.last):
+        if entry.get("phase") == phase:
+            z = entry.get("z")
+            return float(z) if isinstance(z, (int, float)) and math.isfinite(z) else None
+    return None
 
 
 def corrections_after(observations: Iterable[Observation], base: "Efficiency",

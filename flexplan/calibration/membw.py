@@ -12,7 +12,9 @@ the GIL while it copies), counted as ``2 x n_bytes`` moved (read b, write a; wri
 counted, as in STREAM), best of :data:`PROBE_REPEATS` runs. The buffers stay allocated in this
 module between probes (the first probe touches every page untimed; later ones time no page
 faults). Not the STREAM figure of ``stream.py`` (no torch: ``flexplan.plan()`` stays torch-free
-and fast); only RATIOS of probe figures (now against calibration time) are used.
+and fast); only RATIOS of probe figures (now against calibration time) are used. Where torch is
+loaded anyway, a second probe times decode's own GEMV (:func:`measure_gemv_bytes_per_s`, below),
+which follows decode more closely.
 
 Why threads: on the AVX-512 development VM the host flips between two states in which decode's
 2-thread GEMV reads ~50 and ~80 GB/s; a one-thread copy read ~42 GB/s in both (correlation 0.25
@@ -162,6 +164,72 @@ def probe_bytes_per_s(max_age_s: float = PROBE_TTL_S, reference: float | None = 
     """The memory probe's figure now (cached for ``max_age_s``; RuntimeError when it failed);
     with the calibration's ``reference``, a slow reading is confirmed (:func:`confirmed`)."""
     return _cached("memory", lambda: confirmed(measure_copy_bytes_per_s, reference), "bytes/s", max_age_s)
+
+
+# ---- the GEMV probe: what decode itself does ------------------------------------------------
+# The copy above tracks decode's bandwidth only loosely on the AVX-512 development VM on some days:
+# over 2 minutes of a noisy state (interleaved, ``benchmarks/bench_probe_tracking.py``), its
+# correlation with the mean bandwidth of the next 300 ms of decode GEMVs was 0.56-0.73 (the
+# error left after scaling by its ratio: 11-21% in log), the executor's own GEMV, best of 3,
+# 0.78-0.92 (7-8%). So where torch is loaded (calibration, ``flexplan.load``, ``run``,
+# ``validate``), the plan-time state is read by that kernel over weights that stream from memory;
+# a torch-free ``plan()`` keeps the copy.
+GEMV_PROBE_ROWS = 4096  # fp32 weights of GEMV_PROBE_ROWS x in, in sized to probe_buffer_bytes()
+GEMV_PROBE_REPEATS = 3
+_GEMV: dict[str, object] = {}  # "kernel", "weight", "x", "bytes", "threads"
+
+
+def gemv_probe_usable() -> bool:
+    """Whether the GEMV probe can run without importing torch (a ``plan()`` in a process that has
+    not loaded it stays torch-free and uses the copy)."""
+    import sys
+
+    return "torch" in sys.modules
+
+
+def gemv_probe_threads() -> int:
+    """Threads the GEMV probe (and decode's kernels) run in: torch's intra-op threads now."""
+    import torch
+
+    return int(torch.get_num_threads())
+
+
+def describe_gemv_probe() -> str:
+    return (f"flexplan's CPU GEMV (cpu_linear.LinearKernel), float32 {GEMV_PROBE_ROWS} x "
+            f"{_gemv_in_features()} weights, batch 1, torch's threads, best of {GEMV_PROBE_REPEATS}")
+
+
+def _gemv_in_features() -> int:
+    return max(64, probe_buffer_bytes() // (4 * GEMV_PROBE_ROWS) // 64 * 64)
+
+
+def measure_gemv_bytes_per_s(repeats: int = GEMV_PROBE_REPEATS) -> float:
+    """One GEMV probe, uncached: weight bytes/s of the best of ``repeats`` batch-1 products by the
+    executor's CPU linear kernel (one untimed first) over float32 weights of
+    :func:`probe_buffer_bytes`, kept between probes. Imports torch."""
+    import torch
+
+    from flexplan.executor.cpu_linear import LinearKernel
+
+    if not _GEMV:
+        kernel = LinearKernel(device="cpu")
+        in_f = _gemv_in_features()
+        _GEMV.update(kernel=kernel, weight=kernel.prepare(torch.full((GEMV_PROBE_ROWS, in_f), 1e-3), 1),
+                     x=torch.full((1, in_f), 0.5), bytes=4 * GEMV_PROBE_ROWS * in_f)
+    kernel, w, x = _GEMV["kernel"], _GEMV["weight"], _GEMV["x"]
+    with torch.inference_mode():
+        kernel(x, w)
+        best_s = float("inf")
+        for _ in range(max(1, int(repeats))):
+            t0 = time.perf_counter()
+            kernel(x, w)
+            best_s = min(best_s, time.perf_counter() - t0)
+    return float(_GEMV["bytes"]) / best_s
+
+
+def probe_gemv_bytes_per_s(max_age_s: float = PROBE_TTL_S, reference: float | None = None) -> float:
+    """The GEMV probe's figure now, as :func:`probe_bytes_per_s`'s."""
+    return _cached("gemv", lambda: confirmed(measure_gemv_bytes_per_s, reference), "bytes/s", max_age_s)
 
 
 def forget_probe() -> None:

@@ -53,9 +53,15 @@ ROW_PARTS = ("cpu_gemv", "cpu_gemm", "cpu_head_gemv", "cpu_attention", "cpu_laye
 
 
 def new_record() -> dict[str, Any]:
-    """An empty ``measurements.memory_state`` for ``flexplan calibrate`` to fill."""
-    return {"probe": membw.describe_probe(), "probe_threads": membw.probe_threads(), "probe_bytes_per_s": [], "at_step": [],
-            "compute_probe": membw.describe_compute_probe(), "probe_flops_per_s": [], "compute_at_step": []}
+    """An empty ``measurements.memory_state`` for ``flexplan calibrate`` to fill (with the GEMV
+    probe's lists where torch is loaded, as it is in a calibration)."""
+    record = {"probe": membw.describe_probe(), "probe_threads": membw.probe_threads(), "probe_bytes_per_s": [],
+              "at_step": [], "compute_probe": membw.describe_compute_probe(), "probe_flops_per_s": [],
+              "compute_at_step": []}
+    if membw.gemv_probe_usable():
+        record.update(gemv_probe=membw.describe_gemv_probe(), gemv_probe_threads=membw.gemv_probe_threads(),
+                      gemv_probe_bytes_per_s=[], gemv_at_step=[])
+    return record
 
 
 def record_sample(record: dict[str, Any], label: str) -> None:
@@ -68,6 +74,14 @@ def record_sample(record: dict[str, Any], label: str) -> None:
         return
     record["probe_bytes_per_s"].append(float(f"{rate:.4g}"))
     record["at_step"].append(str(label))
+    if "gemv_probe_bytes_per_s" in record:
+        try:
+            gemv = membw.measure_gemv_bytes_per_s()
+        except (MemoryError, OSError, RuntimeError, ValueError, ZeroDivisionError) as e:
+            record.setdefault("failures", {})[f"gemv {label}"] = f"{type(e).__name__}: {e}"
+        else:
+            record["gemv_probe_bytes_per_s"].append(float(f"{gemv:.4g}"))
+            record["gemv_at_step"].append(str(label))
     if "probe_flops_per_s" in record:
         try:
             flops = membw.measure_matmul_flops_per_s()
@@ -78,16 +92,28 @@ def record_sample(record: dict[str, Any], label: str) -> None:
         record["compute_at_step"].append(str(label))
 
 
+def row_probes(record: dict[str, Any]) -> dict[str, Any]:
+    """{row field: probe} that ``flexplan calibrate`` times around each row of :data:`ROW_PARTS`
+    (microbench.probing_state): the copy, and the GEMV probe where ``record`` keeps its samples."""
+    probes = {ROW_PROBES["memory"]: membw.measure_copy_bytes_per_s}
+    if "gemv_probe_bytes_per_s" in record:
+        probes[ROW_PROBES["gemv"]] = membw.measure_gemv_bytes_per_s
+    return probes
+
+
 # ----------------------------------------------------------------------------- reading the record
 
 
-PROBES = {"memory": ("probe_bytes_per_s", "at_step"), "compute": ("probe_flops_per_s", "compute_at_step")}
+PROBES = {"memory": ("probe_bytes_per_s", "at_step"), "compute": ("probe_flops_per_s", "compute_at_step"),
+          "gemv": ("gemv_probe_bytes_per_s", "gemv_at_step")}
+ROW_PROBES = {"memory": "probe_bytes_per_s", "gemv": "gemv_probe_bytes_per_s"}  # a row's own probe, by kind
 
 
 def samples(meas: dict, probe: str = "memory") -> list[tuple[str, float]] | None:
-    """(step label, probe figure) of the calibration's ``probe`` ("memory": bytes/s, "compute":
-    FLOP/s), in order; None when the file has none (older or hand-written files; files from
-    before the compute probe have memory samples only). ValueError when the record is malformed."""
+    """(step label, probe figure) of the calibration's ``probe`` ("memory": the copy's bytes/s,
+    "gemv": the GEMV probe's bytes/s, "compute": FLOP/s), in order; None when the file has none
+    (older or hand-written files; files from before the compute or GEMV probe have the copy's
+    samples only). ValueError when the record is malformed."""
     rec = meas.get("memory_state")
     if rec is None:
         return None
@@ -111,12 +137,22 @@ def reference_bytes_per_s(meas: dict, probe: str = "memory") -> float | None:
     return float(statistics.median(x for _, x in s)) if s else None
 
 
-def recorded_probe_threads(meas: dict) -> int:
-    """Threads of the memory probe that took the calibration's samples: files from before the
-    probe copied in threads hold no ``probe_threads`` and were taken by a one-thread copy."""
+def recorded_probe_threads(meas: dict, probe: str = "memory") -> int:
+    """Threads of the memory probe (``probe``: "memory", the copy, or "gemv") that took the
+    calibration's samples: files from before the probe copied in threads hold no
+    ``probe_threads`` and were taken by a one-thread copy."""
     rec = meas.get("memory_state")
-    n = rec.get("probe_threads", 1) if isinstance(rec, dict) else 1
+    n = rec.get("gemv_probe_threads" if probe == "gemv" else "probe_threads", 1) if isinstance(rec, dict) else 1
     return int(n) if isinstance(n, int) and not isinstance(n, bool) and n >= 1 else 1
+
+
+def row_probe_kind(meas: dict) -> str:
+    """The memory probe a calibration's rows are normalised by: the GEMV probe where the file
+    recorded it (it follows decode more closely), else the copy ("memory")."""
+    try:
+        return "gemv" if samples(meas, "gemv") else "memory"
+    except ValueError:
+        return "memory"
 
 
 def _clamped(ratio: float) -> float:
@@ -152,9 +188,9 @@ def work(part: str, row: dict) -> tuple[float, float]:
     return float(c_gemm(t, k, n)), float(d_gemm(t, k, n, float(row["dtype_bytes"])))
 
 
-def _row_probe(row: dict) -> float | None:
-    """The probe taken around the row's own runs (microbench.probing_state), where it has one."""
-    x = row.get("probe_bytes_per_s")
+def _row_probe(row: dict, kind: str = "memory") -> float | None:
+    """The probe of ``kind`` taken around the row's own runs (microbench.probing_state), where it has one."""
+    x = row.get(ROW_PROBES[kind])
     ok = isinstance(x, (int, float)) and not isinstance(x, bool) and np.isfinite(x) and x > 0
     return float(x) if ok else None
 
@@ -181,9 +217,12 @@ def normalised(meas: dict) -> dict:
     is brought to the reference compute state the same way, by the compute probe's sample before
     the step, where the file has one: ``t x ((1 - w) x r_compute + w x r)``.
 
+    The probe is the GEMV probe where the file recorded it (:func:`row_probe_kind`), else the copy.
+
     Unchanged when the file holds no samples (older files: not normalised) and for rows whose
     step has none; a row too malformed to size is left for ``check_rows`` to report."""
-    s = samples(meas)
+    kind = row_probe_kind(meas)
+    s = samples(meas, kind)
     if not s:
         return meas
     ref = float(statistics.median(x for _, x in s))
@@ -209,7 +248,7 @@ def normalised(meas: dict) -> dict:
         out = sized.setdefault(part, [])
         for r in rows:
             try:
-                rate = _row_probe(r) or before.get(f"{part}[{r['dtype']}]", before.get(part))
+                rate = _row_probe(r, kind) or before.get(f"{part}[{r['dtype']}]", before.get(part))
                 _, n_bytes = work(part, r)
                 t = float(r["time_s"])
                 ratio = _clamped(rate / ref) if rate is not None else None
@@ -260,8 +299,17 @@ def normalised(meas: dict) -> dict:
 # ----------------------------------------------------------------------------- the state of now (plan)
 
 
+def note_in(source: str) -> str:
+    """The "memory state: ..." part of an efficiency's (or a plan's) source, "" when it has none."""
+    return next((part for part in str(source).split("; ") if part.startswith(NOTE_PREFIX)), "")
+
+
 def _gb(x: float) -> str:
     return f"{x / 1e9:.1f} GB/s"
+
+
+PROBE_NAMES = {"memory": "memory probe", "gemv": "memory probe (decode GEMV)", "compute": "compute probe"}
+PROBE_CLASSES = {"memory": "memory", "gemv": "memory", "compute": "compute"}  # the time each probe scales
 
 
 def _scale_now(meas: dict, probe: str, measure_now, fmt) -> tuple[float, str]:
@@ -269,17 +317,31 @@ def _scale_now(meas: dict, probe: str, measure_now, fmt) -> tuple[float, str]:
     ref = reference_bytes_per_s(meas, probe)
     if ref is None:
         return 1.0, ""
+    name, cls = PROBE_NAMES[probe], PROBE_CLASSES[probe]
     at_cal = f"{fmt(ref)} median at calibration"
     try:
-        now = measure_now()
+        now = measure_now(ref)
     except RuntimeError as e:
-        return 1.0, f"{probe} probe failed ({e}): factors at the calibration's median state ({at_cal})"
+        return 1.0, f"{name} failed ({e}): factors at the calibration's median state ({at_cal})"
     raw = ref / now
     if abs(raw - 1.0) <= SAME_STATE:
-        return 1.0, f"{probe} probe {fmt(now)} now vs {at_cal} (the same state: x1.00)"
+        return 1.0, f"{name} {fmt(now)} now vs {at_cal} (the same state: x1.00)"
     scale = _clamped(raw)
     clamp = f", clamped from x{raw:.2f}" if scale != raw else ""
-    return scale, f"{probe} probe {fmt(now)} now vs {at_cal} (x{scale:.2f} {probe} time{clamp})"
+    return scale, f"{name} {fmt(now)} now vs {at_cal} (x{scale:.2f} {cls} time{clamp})"
+
+
+def memory_probe_now(meas: dict) -> str:
+    """Which memory probe plans read the state of now with: the GEMV probe ("gemv") where the
+    calibration recorded it, torch is loaded (a torch-free ``plan()`` stays so) and it runs in
+    the threads it ran in at calibration; else the copy ("memory")."""
+    try:
+        recorded = bool(samples(meas, "gemv"))
+    except ValueError:
+        return "memory"
+    if recorded and membw.gemv_probe_usable() and recorded_probe_threads(meas, "gemv") == membw.gemv_probe_threads():
+        return "gemv"
+    return "memory"
 
 
 def at_state_now(eff: "Efficiency", meas: dict) -> "Efficiency":
@@ -304,15 +366,16 @@ def at_state_now(eff: "Efficiency", meas: dict) -> "Efficiency":
         return ScaledEfficiency(eff, {}, f"{NOTE_PREFIX} probe off (${membw.PROBE_ENV}=0): factors at the "
                                          f"calibration's median state (probe {_gb(ref)} median at calibration)")
     recorded_threads = recorded_probe_threads(meas)
-    if recorded_threads != membw.probe_threads():
+    if memory_probe_now(meas) == "gemv":
+        mem, mem_note = _scale_now(meas, "gemv", lambda r: membw.probe_gemv_bytes_per_s(reference=r), _gb)
+    elif recorded_threads != membw.probe_threads():
         mem, mem_note = 1.0, (f"memory probe: this calibration's samples came from a copy in {recorded_threads} "
                               f"thread{'s' if recorded_threads > 1 else ''}, today's probe copies in "
                               f"{membw.probe_threads()}: not comparable, memory factors at the calibration's median "
                               "state (re-run `flexplan calibrate`)")
     else:
-        mem, mem_note = _scale_now(meas, "memory", lambda: membw.probe_bytes_per_s(reference=ref), _gb)
-    comp, comp_note = _scale_now(meas, "compute",
-                                 lambda: membw.probe_flops_per_s(reference=reference_bytes_per_s(meas, "compute")),
+        mem, mem_note = _scale_now(meas, "memory", lambda r: membw.probe_bytes_per_s(reference=r), _gb)
+    comp, comp_note = _scale_now(meas, "compute", lambda r: membw.probe_flops_per_s(reference=r),
                                  lambda x: f"{x / 1e9:.0f} GFLOP/s")
     scales = {"cpu_memory": mem} if mem != 1.0 else {}
     if comp != 1.0:
@@ -337,7 +400,10 @@ def refresh() -> None:
     one up to :data:`~flexplan.calibration.membw.PROBE_TTL_S` old). Nothing when the probe is off;
     a failure is remembered and reported by the plan's note."""
     if membw.probe_enabled():
-        for probe in (membw.probe_bytes_per_s, membw.probe_flops_per_s):
+        probes = [membw.probe_bytes_per_s, membw.probe_flops_per_s]
+        if membw.gemv_probe_usable():
+            probes.append(membw.probe_gemv_bytes_per_s)
+        for probe in probes:
             try:
                 probe(max_age_s=0.0)
             except RuntimeError:
@@ -352,7 +418,8 @@ def describe(meas: dict) -> str:
     triad_s = f"; STREAM triad {_gb(float(triad))} (once, at its start)" if isinstance(triad, (int, float)) else ""
     gf = lambda x: f"{x / 1e9:.0f} GFLOP/s"  # noqa: E731
     parts = []
-    for probe, fmt, now_fn in (("memory", _gb, membw.probe_bytes_per_s), ("compute", gf, membw.probe_flops_per_s)):
+    for probe, fmt, now_fn in (("memory", _gb, membw.probe_bytes_per_s), ("gemv", _gb, membw.probe_gemv_bytes_per_s),
+                               ("compute", gf, membw.probe_flops_per_s)):
         try:
             s = samples(meas, probe)
         except ValueError as e:
@@ -362,12 +429,14 @@ def describe(meas: dict) -> str:
                 parts.append("none recorded by this calibration")
             continue
         xs = [x for _, x in s]
-        text = f"{probe} probe min {fmt(min(xs))} / median {fmt(statistics.median(xs))} / max {fmt(max(xs))} " \
+        text = f"{PROBE_NAMES[probe]} min {fmt(min(xs))} / median {fmt(statistics.median(xs))} / max {fmt(max(xs))} " \
                f"over {len(xs)} samples"
         if probe == "memory" and recorded_probe_threads(meas) != membw.probe_threads():
             text += f" (a {recorded_probe_threads(meas)}-thread copy: not comparable with today's probe, not scaled)"
         if not membw.probe_enabled():
             text += f", now: off (${membw.PROBE_ENV}=0)"
+        elif probe == "gemv" and not membw.gemv_probe_usable():
+            text += ", now: not read (torch not loaded: plans here read the copy)"
         else:
             try:
                 text += f", now {fmt(now_fn())}"

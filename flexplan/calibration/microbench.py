@@ -208,36 +208,43 @@ def dtype_bytes(name: str) -> int:
     return torch_dtype(name).itemsize
 
 
-_state_probe: Callable[[], float] | None = None  # set by `flexplan calibrate` (:func:`probing_state`)
+_state_probes: dict[str, Callable[[], float]] = {}  # set by `flexplan calibrate` (:func:`probing_state`)
 
 
 @contextlib.contextmanager
-def probing_state(probe: Callable[[], float]):
-    """Within: every :func:`time_call` samples ``probe`` (the host memory probe, bytes/s) just
-    before and just after its runs, and returns their geometric mean as ``probe_bytes_per_s``:
-    the memory state its row was measured in, which memory_state.normalised prefers to the
-    sample taken before the whole step (a step of real layers lasts tens of seconds, and the
-    development VM's memory flips between ~40 and ~75 GB/s within one)."""
-    global _state_probe
-    before, _state_probe = _state_probe, probe
+def probing_state(probes: "Callable[[], float] | dict[str, Callable[[], float]]"):
+    """Within: every :func:`time_call` samples ``probes`` (host memory probes, bytes/s: one
+    callable, recorded as ``probe_bytes_per_s``, or ``{row field: callable}``) just before and
+    just after its runs, and returns the geometric mean of each as that field: the memory state
+    its row was measured in, which memory_state.normalised prefers to the sample taken before the
+    whole step (a step of real layers lasts tens of seconds, and the development VM's memory
+    flips between ~40 and ~75 GB/s within one)."""
+    global _state_probes
+    before = _state_probes
+    _state_probes = dict(probes) if isinstance(probes, dict) else {"probe_bytes_per_s": probes}
     try:
         yield
     finally:
-        _state_probe = before
+        _state_probes = before
 
 
-def _probe_now() -> float | None:
-    try:
-        x = float(_state_probe()) if _state_probe is not None else None
-    except (MemoryError, OSError, RuntimeError, ValueError, ZeroDivisionError):
-        return None
-    return x if x is not None and math.isfinite(x) and x > 0 else None
+def _probe_now() -> dict[str, float]:
+    """{row field: figure} of each probe that read a positive, finite figure now."""
+    out = {}
+    for key, probe in _state_probes.items():
+        try:
+            x = float(probe())
+        except (MemoryError, OSError, RuntimeError, ValueError, ZeroDivisionError):
+            continue
+        if math.isfinite(x) and x > 0:
+            out[key] = x
+    return out
 
 
 def probed(r: dict) -> dict:
-    """The ``probe_bytes_per_s`` of a :func:`time_call` result, for its row ({} when none)."""
-    x = r.get("probe_bytes_per_s")
-    return {"probe_bytes_per_s": _sig(x)} if x else {}
+    """The probe fields (``probe_bytes_per_s``, ``gemv_probe_bytes_per_s``) of a :func:`time_call`
+    result, for its row ({} when none)."""
+    return {k: _sig(v) for k, v in r.items() if k.endswith("probe_bytes_per_s") and v}
 
 
 def time_call(fn: Callable[[], object], repeats: int, budget_s: float, sync: Callable[[], None] | None = None,
@@ -245,7 +252,8 @@ def time_call(fn: Callable[[], object], repeats: int, budget_s: float, sync: Cal
     """Fastest (``time_s``) and median seconds per call of ``fn`` (``inner`` calls per timed run,
     ``sync`` after them, e.g. torch.cuda.synchronize), after one untimed warm-up run. Stops after
     ``repeats`` runs, or earlier (never before 3) once ``budget_s`` is spent. Within
-    :func:`probing_state`, also the memory state around the runs (``probe_bytes_per_s``)."""
+    :func:`probing_state`, also the memory state around the runs (``probe_bytes_per_s`` and the
+    other probes' fields)."""
     state_before = _probe_now()
 
     def run():
@@ -264,9 +272,9 @@ def time_call(fn: Callable[[], object], repeats: int, budget_s: float, sync: Cal
         if len(times) >= 3 and time.perf_counter() - start > budget_s:
             break
     out = {"time_s": min(times), "time_median_s": statistics.median(times), "runs": len(times)}
-    state_after = _probe_now() if state_before else None
-    if state_before and state_after:
-        out["probe_bytes_per_s"] = math.sqrt(state_before * state_after)
+    state_after = _probe_now() if state_before else {}
+    for key in state_before.keys() & state_after.keys():
+        out[key] = math.sqrt(state_before[key] * state_after[key])
     return out
 
 

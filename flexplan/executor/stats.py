@@ -169,6 +169,6 @@ def collect(executor, t_start_s: float, t_end_s: float, batch: int, input_len: i
 def memory_state_of(plan: Plan) -> str:
     """The "memory state: ..." part of the plan's efficiency source (calibration/memory_state.py
     writes it when planning on a calibrated local machine); "" when the plan has none."""
-    from flexplan.calibration.memory_state import NOTE_PREFIX
+    from flexplan.calibration.memory_state import note_in
 
-    return next((part for part in str(plan.calibration).split("; ") if part.startswith(NOTE_PREFIX)), "")
+    return note_in(plan.calibration)
