@@ -174,7 +174,7 @@ def probe_bytes_per_s(max_age_s: float = PROBE_TTL_S, reference: float | None = 
 # 0.78-0.92 (7-8%). So where torch is loaded (calibration, ``flexplan.load``, ``run``,
 # ``validate``), the plan-time state is read by that kernel over weights that stream from memory;
 # a torch-free ``plan()`` keeps the copy.
-GEMV_PROBE_ROWS = 4096  # fp32 weights of GEMV_PROBE_ROWS x in, in sized to probe_buffer_bytes()
+GEMV_PROBE_ROWS = 4096  # fp32 weights of GEMV_PROBE_ROWS x in, in sized to gemv_probe_bytes()
 GEMV_PROBE_REPEATS = 3
 _GEMV: dict[str, object] = {}  # "kernel", "weight", "x", "bytes", "threads"
 
@@ -199,14 +199,23 @@ def describe_gemv_probe() -> str:
             f"{_gemv_in_features()} weights, batch 1, torch's threads, best of {GEMV_PROBE_REPEATS}")
 
 
+def gemv_probe_bytes() -> int:
+    """The GEMV probe's weights: four times the last-level cache, within [32 MB, 256 MB] (at twice
+    the cache, part of them stayed cached between repeats: on the AVX-512 VM a 64 MB probe read up to
+    118 GB/s where decode's GEMVs never passed 83)."""
+    from flexplan.calibration.microbench import llc_bytes
+
+    return int(min(max(4 * llc_bytes(), 2 * MIN_BUFFER_BYTES), 2 * MAX_BUFFER_BYTES))
+
+
 def _gemv_in_features() -> int:
-    return max(64, probe_buffer_bytes() // (4 * GEMV_PROBE_ROWS) // 64 * 64)
+    return max(64, gemv_probe_bytes() // (4 * GEMV_PROBE_ROWS) // 64 * 64)
 
 
 def measure_gemv_bytes_per_s(repeats: int = GEMV_PROBE_REPEATS) -> float:
     """One GEMV probe, uncached: weight bytes/s of the best of ``repeats`` batch-1 products by the
     executor's CPU linear kernel (one untimed first) over float32 weights of
-    :func:`probe_buffer_bytes`, kept between probes. Imports torch."""
+    :func:`gemv_probe_bytes`, kept between probes. Imports torch."""
     import torch
 
     from flexplan.executor.cpu_linear import LinearKernel
