@@ -328,6 +328,7 @@ def _target(out: str | Path | None, identity) -> Path:
 
 def format_summary(res: Result) -> str:
     """What the run measured and the factors it gives, in a few lines."""
+    from flexplan.calibration import memory_state
     from flexplan.calibration.store import display_path
 
     m, d, st = res.doc["measurements"], res.doc["derived"], res.doc["settings"]
@@ -336,12 +337,16 @@ def format_summary(res: Result) -> str:
     if "cpu_stream" in m:
         lines.append(f"  STREAM triad {m['cpu_stream']['triad_bytes_per_s'] / 1e9:.1f} GB/s, "
                      f"copy {m['cpu_stream']['copy_bytes_per_s'] / 1e9:.1f} GB/s")
-    if (m.get("memory_state") or {}).get("probe_bytes_per_s"):
-        import statistics
+    rec = m.get("memory_state") or {}
+    for key, name in (("probe_bytes_per_s", "memory probe (copy)"), ("gemv_probe_bytes_per_s", "memory probe (decode GEMV)")):
+        if rec.get(key):
+            import statistics
 
-        xs = m["memory_state"]["probe_bytes_per_s"]
-        lines.append(f"  memory probe before each step {min(xs) / 1e9:.1f}..{max(xs) / 1e9:.1f} GB/s, median "
-                     f"{statistics.median(xs) / 1e9:.1f} (memory-bound times normalised to the median)")
+            xs = rec[key]
+            used = key == memory_state.ROW_PROBES[memory_state.row_probe_kind(m)]
+            lines.append(f"  {name} before each step {min(xs) / 1e9:.1f}..{max(xs) / 1e9:.1f} GB/s, median "
+                         f"{statistics.median(xs) / 1e9:.1f}" + (" (memory-bound times normalised to the median)"
+                                                                 if used else ""))
     for dt in st["cpu_dtypes"]:
         gemv = [r for r in m.get("cpu_gemv", []) if r["dtype"] == dt]
         gemm = [r for r in m.get("cpu_gemm", []) if r["dtype"] == dt]

@@ -16,7 +16,11 @@ Three steps keep the predictions of memory-bound work (CPU decode) on the state 
    before its step): a flip in the middle of the calibration does not bend the fit. The share is what the row's bytes
    take at the best streaming rate the calibration saw (a GEMV, a decode attention: all of it;
    a decode layer: all but its fixed cost; a large GEMM or a prefill layer: little).
-3. Planning for the local machine (:func:`at_state_now`), the probe runs again and the CPU
+   Files from this version on also record the GEMV probe (membw.measure_gemv_bytes_per_s:
+   decode's own kernel, which follows decode's bandwidth more closely than the copy), at each
+   step and around each row; such files are normalised by it (:func:`row_probe_kind`).
+3. Planning for the local machine (:func:`at_state_now`), the probe runs again (the GEMV probe
+   where the file has it and torch is loaded, :func:`memory_probe_now`; else the copy) and the CPU
    memory term class is scaled by ``reference / now`` (clamped to :data:`SCALE_RANGE`) with the
    estimator's :class:`~flexplan.estimator.efficiency.ScaledEfficiency`; its note says which
    state was used ("memory state: ..."), and ``explain`` and ``last_stats`` print it. In a slower
