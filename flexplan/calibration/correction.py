@@ -36,7 +36,7 @@ the scales as a residual of ``OUTLIER_Z`` deviations would. Unless the run befor
 was beyond the bound in the same direction: a new level that shows twice is learned in full. From
 the prior (``w' P w`` ~ ``PRIOR_VAR``) no residual below ~x2 is an outlier; once runs have pinned
 the scales down (``P`` small, ``sqrt(w' P w + NOISE_VAR)`` ~ 0.11), one spike of x1.5 counts as about
-half a run. The README demo at 439db3f saw one prefill spike (TTFT x1.52) move the next runs'
+0.6 of a run, one of x2 as about 0.35. The README demo at 439db3f saw one prefill spike (TTFT x1.52) move the next runs'
 predictions of TTFT to x1.5-1.7 of what they measured.
 
 Bounds, so one odd run cannot swing the planner: the step of one run is scaled down as a whole

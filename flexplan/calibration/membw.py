@@ -176,7 +176,7 @@ def probe_bytes_per_s(max_age_s: float = PROBE_TTL_S, reference: float | None = 
 # a torch-free ``plan()`` keeps the copy.
 GEMV_PROBE_ROWS = 4096  # fp32 weights of GEMV_PROBE_ROWS x in, in sized to gemv_probe_bytes()
 GEMV_PROBE_REPEATS = 3
-_GEMV: dict[str, object] = {}  # "kernel", "weight", "x", "bytes", "threads"
+_GEMV: dict[str, object] = {}  # "kernel", "weight", "x", "bytes": the probe's weights, kept (gemv_probe_bytes())
 
 
 def gemv_probe_usable() -> bool:

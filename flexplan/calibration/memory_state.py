@@ -404,10 +404,10 @@ def refresh() -> None:
     one up to :data:`~flexplan.calibration.membw.PROBE_TTL_S` old). Nothing when the probe is off;
     a failure is remembered and reported by the plan's note."""
     if membw.probe_enabled():
-        probes = [membw.probe_bytes_per_s, membw.probe_flops_per_s]
-        if membw.gemv_probe_usable():
-            probes.append(membw.probe_gemv_bytes_per_s)
-        for probe in probes:
+        # where torch is loaded plans read the GEMV probe (an older file without its samples
+        # probes the copy when it plans): the copy's 2 x 128 MB are not mapped for nothing
+        memory = membw.probe_gemv_bytes_per_s if membw.gemv_probe_usable() else membw.probe_bytes_per_s
+        for probe in (memory, membw.probe_flops_per_s):
             try:
                 probe(max_age_s=0.0)
             except RuntimeError:
