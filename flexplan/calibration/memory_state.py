@@ -339,10 +339,7 @@ def memory_probe_now(meas: dict) -> str:
     """Which memory probe plans read the state of now with: the GEMV probe ("gemv") where the
     calibration recorded it, torch is loaded (a torch-free ``plan()`` stays so) and it runs in
     the threads it ran in at calibration; else the copy ("memory")."""
-    try:
-        recorded = bool(samples(meas, "gemv"))
-    except ValueError:
-        return "memory"
+    recorded = row_probe_kind(meas) == "gemv"
     if recorded and membw.gemv_probe_usable() and recorded_probe_threads(meas, "gemv") == membw.gemv_probe_threads():
         return "gemv"
     return "memory"
