@@ -466,6 +466,44 @@ def test_the_gemv_probe_reads_a_positive_rate_and_is_what_calibrate_records():
     assert "GEMV" in memory_state.describe({"memory_state": record})
 
 
+def test_the_compute_probe_runs_in_torch_where_torch_is_loaded_and_numpy_where_not():
+    """numpy's OpenBLAS threads spin ~0.1 s after a product and slowed the prefill that followed a
+    plan 2-5x on the 2-core VM: where torch is loaded the probe is torch's own product."""
+    import subprocess
+    import sys
+
+    import torch
+
+    assert membw.compute_probe_kind() == f"torch, {torch.get_num_threads()} threads"
+    assert "torch.mm" in membw.describe_compute_probe()
+    assert 1e8 < membw.measure_matmul_flops_per_s() < 1e15
+    record = memory_state.new_record()
+    assert record["compute_probe_kind"] == membw.compute_probe_kind()
+    code = ("import sys; from flexplan.calibration import membw; "
+            "assert membw.compute_probe_kind() == 'numpy', membw.compute_probe_kind(); "
+            "assert membw.measure_matmul_flops_per_s() > 1e8; assert 'torch' not in sys.modules")
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_compute_samples_of_another_probe_kind_are_not_compared(local, probe, tmp_path, monkeypatch):
+    """A file whose compute samples came from numpy (files from before torch's probe) is not
+    scaled by today's torch probe, and the note says why; its memory scaling is unchanged."""
+    meas = FAST.measurements("quick", _dtypes(local))
+    meas["memory_state"] = {**_with_compute(_record(local)), "compute_probe": "numpy float32 matmul 512 x 512 x 512"}
+    assert memory_state.recorded_compute_kind(meas) == "numpy"
+    _use(monkeypatch, _write(tmp_path, local, meas, "cal.yaml"))
+    probe.state["flops_now"] = REF_FLOPS / 2
+    probe(REF / 2)
+    eff = efficiency_for(local)
+    assert (eff.scale("cpu_compute"), eff.scale("cpu_memory")) == (1.0, 2.0)
+    assert "compute probe: this calibration's samples came from a numpy product" in eff.source
+    assert "not comparable with today's probe" in memory_state.describe(meas)
+    meas["memory_state"]["compute_probe_kind"] = membw.compute_probe_kind()  # the same kind: compared
+    _use(monkeypatch, _write(tmp_path, local, meas, "cal2.yaml"))
+    membw.forget_probe()
+    assert efficiency_for(local).scale("cpu_compute") == 2.0
+
+
 def test_plans_read_the_gemv_probe_where_the_calibration_recorded_it(local, probe, tmp_path, monkeypatch):
     """A file with GEMV samples is scaled by the GEMV probe (its own reference), whatever the copy
     reads; without torch loaded, or run in other threads than at calibration, by the copy."""

@@ -253,32 +253,58 @@ def forget_probe() -> None:
 # float32 matrix product tells the compute states apart as the copy tells the memory states.
 COMPUTE_PROBE_N = 512  # an n x n by n x n float32 product: 268 MFLOP, ~2 ms at 140 GFLOP/s
 COMPUTE_PROBE_REPEATS = 5
-_COMPUTE_BUFFERS: tuple[np.ndarray, np.ndarray] | None = None
+_COMPUTE_BUFFERS: dict[str, tuple] = {}  # probe kind -> (a, b, out), kept between probes
+# Where torch is loaded the product is torch's, in torch's threads: numpy's OpenBLAS leaves its
+# own threads spinning for ~0.1-0.15 s after a product, and on the 2-core development VM a torch
+# GEMM run in that window took 2-5x its time (SmolLM2's prefill right after a plan-time probe:
+# 57-135 ms against 27). A torch-free ``plan()`` keeps numpy (nothing of torch's runs after it).
+
+
+def compute_probe_kind() -> str:
+    """Which product the compute probe times now: "torch, N threads" where torch is loaded, else
+    "numpy". Figures of different kinds are not compared (memory_state)."""
+    if gemv_probe_usable():
+        import torch
+
+        return f"torch, {int(torch.get_num_threads())} threads"
+    return "numpy"
 
 
 def describe_compute_probe() -> str:
-    n = COMPUTE_PROBE_N
-    return f"numpy float32 matmul {n} x {n} x {n}, all threads, best of {COMPUTE_PROBE_REPEATS}"
+    n, kind = COMPUTE_PROBE_N, compute_probe_kind()
+    who = f"torch.mm in {kind.split(', ', 1)[1]}" if kind != "numpy" else "numpy matmul, all threads"
+    return f"float32 {n} x {n} x {n} product ({who}), best of {COMPUTE_PROBE_REPEATS}"
 
 
 def measure_matmul_flops_per_s(repeats: int = COMPUTE_PROBE_REPEATS) -> float:
-    """One compute probe, uncached: FLOP/s of the best of ``repeats`` float32 products (one untimed first)."""
-    global _COMPUTE_BUFFERS
-    n = COMPUTE_PROBE_N
-    if _COMPUTE_BUFFERS is None:
-        rng = np.random.default_rng(0)
-        _COMPUTE_BUFFERS = (rng.random((n, n), dtype=np.float32), rng.random((n, n), dtype=np.float32))
-    a, b = _COMPUTE_BUFFERS
-    out = np.empty((n, n), dtype=np.float32)
-    np.matmul(a, b, out=out)
+    """One compute probe, uncached: FLOP/s of the best of ``repeats`` float32 products (one
+    untimed first), by torch where it is loaded (:func:`compute_probe_kind`), else by numpy."""
+    n, kind = COMPUTE_PROBE_N, compute_probe_kind()
+    if kind == "numpy":
+        mm = np.matmul
+        if kind not in _COMPUTE_BUFFERS:
+            rng = np.random.default_rng(0)
+            _COMPUTE_BUFFERS[kind] = (rng.random((n, n), dtype=np.float32), rng.random((n, n), dtype=np.float32),
+                                      np.empty((n, n), dtype=np.float32))
+    else:
+        import torch
+
+        mm = torch.mm
+        if "torch" not in _COMPUTE_BUFFERS:
+            g = torch.Generator().manual_seed(0)
+            _COMPUTE_BUFFERS["torch"] = (torch.rand(n, n, generator=g), torch.rand(n, n, generator=g),
+                                         torch.empty(n, n))
+    a, b, out = _COMPUTE_BUFFERS["numpy" if kind == "numpy" else "torch"]
+    mm(a, b, out=out)
     best_s = float("inf")
     for _ in range(max(1, int(repeats))):
         t0 = time.perf_counter()
-        np.matmul(a, b, out=out)
+        mm(a, b, out=out)
         best_s = min(best_s, time.perf_counter() - t0)
     return 2.0 * n ** 3 / best_s
 
 
 def probe_flops_per_s(max_age_s: float = PROBE_TTL_S, reference: float | None = None) -> float:
     """The compute probe's figure now, as :func:`probe_bytes_per_s`'s."""
-    return _cached("compute", lambda: confirmed(measure_matmul_flops_per_s, reference), "FLOP/s", max_age_s)
+    return _cached(f"compute ({compute_probe_kind()})", lambda: confirmed(measure_matmul_flops_per_s, reference),
+                   "FLOP/s", max_age_s)

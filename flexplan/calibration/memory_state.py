@@ -60,8 +60,8 @@ def new_record() -> dict[str, Any]:
     """An empty ``measurements.memory_state`` for ``flexplan calibrate`` to fill (with the GEMV
     probe's lists where torch is loaded, as it is in a calibration)."""
     record = {"probe": membw.describe_probe(), "probe_threads": membw.probe_threads(), "probe_bytes_per_s": [],
-              "at_step": [], "compute_probe": membw.describe_compute_probe(), "probe_flops_per_s": [],
-              "compute_at_step": []}
+              "at_step": [], "compute_probe": membw.describe_compute_probe(),
+              "compute_probe_kind": membw.compute_probe_kind(), "probe_flops_per_s": [], "compute_at_step": []}
     if membw.gemv_probe_usable():
         record.update(gemv_probe=membw.describe_gemv_probe(), gemv_probe_threads=membw.gemv_probe_threads(),
                       gemv_probe_bytes_per_s=[], gemv_at_step=[])
@@ -148,6 +148,19 @@ def recorded_probe_threads(meas: dict, probe: str = "memory") -> int:
     rec = meas.get("memory_state")
     n = rec.get("gemv_probe_threads" if probe == "gemv" else "probe_threads", 1) if isinstance(rec, dict) else 1
     return int(n) if isinstance(n, int) and not isinstance(n, bool) and n >= 1 else 1
+
+
+def recorded_compute_kind(meas: dict) -> str | None:
+    """The compute probe kind (membw.compute_probe_kind) that took the calibration's samples:
+    "numpy" for files from before torch's probe (their description names numpy), None when the
+    file does not say (hand-written records: compared as they are)."""
+    rec = meas.get("memory_state")
+    if not isinstance(rec, dict):
+        return None
+    kind = rec.get("compute_probe_kind")
+    if isinstance(kind, str):
+        return kind
+    return "numpy" if str(rec.get("compute_probe", "")).startswith("numpy") else None
 
 
 def row_probe_kind(meas: dict) -> str:
@@ -376,8 +389,14 @@ def at_state_now(eff: "Efficiency", meas: dict) -> "Efficiency":
                               "state (re-run `flexplan calibrate`)")
     else:
         mem, mem_note = _scale_now(meas, "memory", lambda r: membw.probe_bytes_per_s(reference=r), _gb)
-    comp, comp_note = _scale_now(meas, "compute", lambda r: membw.probe_flops_per_s(reference=r),
-                                 lambda x: f"{x / 1e9:.0f} GFLOP/s")
+    recorded_kind, kind_now = recorded_compute_kind(meas), membw.compute_probe_kind()
+    if recorded_kind is not None and recorded_kind != kind_now and reference_bytes_per_s(meas, "compute"):
+        comp, comp_note = 1.0, (f"compute probe: this calibration's samples came from a {recorded_kind} product, "
+                                f"today's probe is a {kind_now} one: not comparable, compute factors at the "
+                                "calibration's median state (re-run `flexplan calibrate`)")
+    else:
+        comp, comp_note = _scale_now(meas, "compute", lambda r: membw.probe_flops_per_s(reference=r),
+                                     lambda x: f"{x / 1e9:.0f} GFLOP/s")
     scales = {"cpu_memory": mem} if mem != 1.0 else {}
     if comp != 1.0:
         scales.update(cpu_compute=comp, overhead=comp)
@@ -434,6 +453,8 @@ def describe(meas: dict) -> str:
                f"over {len(xs)} samples"
         if probe == "memory" and recorded_probe_threads(meas) != membw.probe_threads():
             text += f" (a {recorded_probe_threads(meas)}-thread copy: not comparable with today's probe, not scaled)"
+        if probe == "compute" and recorded_compute_kind(meas) not in (None, membw.compute_probe_kind()):
+            text += f" (a {recorded_compute_kind(meas)} product: not comparable with today's probe, not scaled)"
         if not membw.probe_enabled():
             text += f", now: off (${membw.PROBE_ENV}=0)"
         elif probe == "gemv" and not membw.gemv_probe_usable():
