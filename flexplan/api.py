@@ -41,7 +41,8 @@ DEFAULT_SHAPE = {"batch_size": 1, "input_len": 128, "output_len": 32}
 
 @dataclass(frozen=True)
 class Replanned:
-    """A request shape whose best plan changed once online corrections changed the predictions."""
+    """A request shape whose best plan changed once online corrections, or the memory state of a
+    re-planning (PLAN_STATE_MAX_AGE_S), changed the predictions."""
 
     shape: tuple[int, int, int]  # (batch, input length, new tokens)
     before: str  # "prefill cpu (M=0), decode cpu (M=0)"
@@ -50,6 +51,19 @@ class Replanned:
 
     def describe(self) -> str:
         return f"re-planned batch {self.shape[0]}, {self.shape[1]}+{self.shape[2]} tokens: {self.before} -> {self.after}"
+
+
+# a plan scaled to the host's memory state (calibration/memory_state.py) is made again, with a new
+# probe, once this old: the state flips minute to minute on some hosts; re-planning costs a probe
+# (~40-90 ms on the 2-core VM) and the planner's few ms, at most once per this many seconds and shape
+PLAN_STATE_MAX_AGE_S = 10.0
+
+
+def _state_scaled(plan: Plan) -> bool:
+    """Whether ``plan``'s factors were scaled by a probe of its time (its note reads "... now vs ...")."""
+    from flexplan.calibration.memory_state import note_in
+
+    return " now vs " in note_in(plan.calibration)
 
 
 def _choice(plan: Plan) -> str:
@@ -103,6 +117,7 @@ class FlexModel:
         # corrections last changed are kept to tell whether re-planning changed the choice
         self.online_correction = online_correction
         self._stale_plans: dict[tuple[int, int, int], Plan] = {}
+        self._planned_at: dict[tuple[int, int, int], float] = {}  # time.monotonic() of each shape's plan
         self._replan_note = ""
         self.replanned: list[Replanned] = []  # shapes whose plan changed after a correction
 
@@ -126,9 +141,16 @@ class FlexModel:
         return self.model(*args, **kwargs)
 
     def plan_for(self, batch_size: int, input_len: int, output_len: int) -> Plan:
-        """The plan for one request shape (planned once per shape)."""
+        """The plan for one request shape (planned once per shape, and again once it is more than
+        :data:`PLAN_STATE_MAX_AGE_S` old where it was scaled to the memory state of its time: a
+        long-running process plans for the state of now, not of its first call)."""
         key = (int(batch_size), int(input_len), int(output_len))
+        old_plan = self._plans.get(key)
+        if old_plan is not None and _state_scaled(old_plan) and \
+                time.monotonic() - self._planned_at.get(key, 0.0) > PLAN_STATE_MAX_AGE_S:
+            self._stale_plans[key] = self._plans.pop(key)
         if key not in self._plans:
+            self._planned_at[key] = time.monotonic()
             new = self._plans[key] = _make_plan(self._plan_spec, self.model.config, batch_size=key[0],
                                                 input_len=key[1], output_len=key[2], **self._planner_args)
             old = self._stale_plans.pop(key, None)

@@ -344,6 +344,33 @@ def test_last_stats_carry_the_memory_state_of_the_plan_they_ran(local, probe, tm
     assert st.memory_state in st.summary() and st.to_dict()["memory_state"] == st.memory_state
 
 
+def test_a_loaded_model_plans_again_for_the_state_of_now_once_its_plan_is_old(local, probe, tmp_path, monkeypatch,
+                                                                              one_thread):
+    """A long-running process: a shape's plan is made again with a new probe once it is older than
+    PLAN_STATE_MAX_AGE_S, not kept at the state of the shape's first call."""
+    import torch
+    from conftest import make_model
+
+    from flexplan import api
+
+    meas = FAST.measurements("quick", _dtypes(local))
+    meas["memory_state"] = _record(local)
+    _use(monkeypatch, _write(tmp_path, local, meas, "cal.yaml"))
+    lm = flexplan.load(make_model("llama"), accelerator=None, online_correction=False)
+    ids = torch.tensor([[5, 6, 7, 8]])
+    lm.generate(ids, max_new_tokens=3, do_sample=False)
+    first = lm.last_stats
+    assert "x1.00" in first.memory_state
+    probe(REF / 2)  # the state flips
+    lm.generate(ids, max_new_tokens=3, do_sample=False)
+    assert lm.last_stats.predicted_tpot_s == first.predicted_tpot_s  # a young plan is kept
+    monkeypatch.setattr(api, "PLAN_STATE_MAX_AGE_S", 0.0)
+    lm.generate(ids, max_new_tokens=3, do_sample=False)
+    second = lm.last_stats
+    assert "5.0 GB/s now" in second.memory_state and "x2.00 memory time" in second.memory_state
+    assert second.predicted_tpot_s > first.predicted_tpot_s  # a tiny model: mostly fixed costs
+
+
 def test_one_slow_probe_reading_is_confirmed_before_it_scales_anything(local, probe, tmp_path, monkeypatch):
     meas = FAST.measurements("quick", _dtypes(local))
     meas["memory_state"] = _record(local)
