@@ -12,6 +12,9 @@ Each cycle, on this machine (issue 14's benchmark):
 
 The per-cycle summaries and the median over cycles go to
 ``benchmarks/results/calibration_cycles.json``; the targets of issue 14 are printed beside them.
+The calibration files and each validation's CSV are kept beside it, in
+``benchmarks/results/<name>-files/``: a change to how factors are derived can be judged again
+on the same calibrations and runs (each point's CSV row names the probe readings it was scaled by).
 
     python benchmarks/bench_calibration_cycles.py --cycles 3
 """
@@ -21,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -54,7 +58,8 @@ def flexplan_cmd(*args: str, env: dict) -> subprocess.CompletedProcess:
     return r
 
 
-def one_cycle(k: int, folder: Path, env: dict, grid: str | None, models=tuple(MODELS), repeats: int = 1) -> dict:
+def one_cycle(k: int, folder: Path, env: dict, grid: str | None, models=tuple(MODELS), repeats: int = 1,
+              keep: Path | None = None) -> dict:
     cycle: dict = {"cycle": k, "calibrations": {}, "validations": {}}
     files = {}
     for mode, flags in MODES.items():
@@ -65,6 +70,8 @@ def one_cycle(k: int, folder: Path, env: dict, grid: str | None, models=tuple(MO
         cycle["calibrations"][mode] = {"wall_s": round(time.perf_counter() - t0, 1), "triad_gbs_before": before,
                                        "file": path.name}
         files[mode] = path
+        if keep is not None:
+            shutil.copy(path, keep / path.name)
         print(f"cycle {k}: calibrate {mode}: {cycle['calibrations'][mode]['wall_s']} s (triad {before} GB/s)",
               flush=True)
     sets = ",".join(f"{m}={p}" for m, p in files.items())
@@ -81,6 +88,8 @@ def one_cycle(k: int, folder: Path, env: dict, grid: str | None, models=tuple(MO
                                        "stream_triad_gbs": summary["stream_triad_gbs"],
                                        "repeat_spread_pct": summary.get("repeat_spread_pct"),
                                        "points": points(out / "validation.csv", list(files))}
+        if keep is not None:
+            shutil.copy(out / "validation.csv", keep / f"cycle{k}-validate-{model}.csv")
         print(f"cycle {k}: validate {model}: {cycle['validations'][model]['wall_s']} s, "
               f"triad {summary['stream_triad_gbs']}", flush=True)
         for mode in MODES:
@@ -157,13 +166,15 @@ def main() -> int:
     if unknown or not models:
         raise SystemExit(f"--models: unknown {unknown or 'none given'}; use some of {', '.join(MODELS)}")
     cycles = []
+    keep = REPO_ROOT / "benchmarks" / "results" / f"{args.name}-files"
+    keep.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="flexplan-cycles-") as tmp:
         folder = Path(tmp)
         # a calibration folder of its own: the files written here are found by nothing else
         env = dict(os.environ, FLEXPLAN_CALIBRATION_DIR=str(folder / "lookup"), FLEXPLAN_AUTO_CALIBRATE="0",
                    FLEXPLAN_ONLINE_CORRECTION="0", PYTHONPATH=str(REPO_ROOT))
         for k in range(1, args.cycles + 1):
-            cycles.append(one_cycle(k, folder, env, args.grid, models, args.repeats))
+            cycles.append(one_cycle(k, folder, env, args.grid, models, args.repeats, keep))
             med = medians(cycles)  # written after every cycle: an interrupted run keeps what it measured
             lines = verdicts(med)
             path = write_result(args.name, {
