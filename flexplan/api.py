@@ -41,8 +41,7 @@ DEFAULT_SHAPE = {"batch_size": 1, "input_len": 128, "output_len": 32}
 
 @dataclass(frozen=True)
 class Replanned:
-    """A request shape whose best plan changed once online corrections, or the memory state of a
-    re-planning (PLAN_STATE_MAX_AGE_S), changed the predictions."""
+    """A request shape whose best plan changed once online corrections changed the predictions."""
 
     shape: tuple[int, int, int]  # (batch, input length, new tokens)
     before: str  # "prefill cpu (M=0), decode cpu (M=0)"
@@ -53,9 +52,9 @@ class Replanned:
         return f"re-planned batch {self.shape[0]}, {self.shape[1]}+{self.shape[2]} tokens: {self.before} -> {self.after}"
 
 
-# a plan scaled to the host's memory state (calibration/memory_state.py) is made again, with a new
-# probe, once this old: the state flips minute to minute on some hosts; re-planning costs a probe
-# (~40-90 ms on the 2-core VM) and the planner's few ms, at most once per this many seconds and shape
+# a plan scaled to the host's memory state (calibration/memory_state.py) is priced again, with a new
+# probe, once this old: the state flips minute to minute on some hosts; it costs a probe (~40-90 ms
+# on the 2-core VM) and the planner's few ms, at most once per this many seconds and shape
 PLAN_STATE_MAX_AGE_S = 10.0
 
 
@@ -141,14 +140,15 @@ class FlexModel:
         return self.model(*args, **kwargs)
 
     def plan_for(self, batch_size: int, input_len: int, output_len: int) -> Plan:
-        """The plan for one request shape (planned once per shape, and again once it is more than
-        :data:`PLAN_STATE_MAX_AGE_S` old where it was scaled to the memory state of its time: a
-        long-running process plans for the state of now, not of its first call)."""
+        """The plan for one request shape (planned once per shape; priced again once it is more
+        than :data:`PLAN_STATE_MAX_AGE_S` old where it was scaled to the memory state of its time:
+        a long-running process predicts for the state of now, not of its first call)."""
         key = (int(batch_size), int(input_len), int(output_len))
         old_plan = self._plans.get(key)
         if old_plan is not None and _state_scaled(old_plan) and \
                 time.monotonic() - self._planned_at.get(key, 0.0) > PLAN_STATE_MAX_AGE_S:
-            self._stale_plans[key] = self._plans.pop(key)
+            self._planned_at[key] = time.monotonic()
+            self._plans[key] = self._repriced(old_plan, key)
         if key not in self._plans:
             self._planned_at[key] = time.monotonic()
             new = self._plans[key] = _make_plan(self._plan_spec, self.model.config, batch_size=key[0],
@@ -158,6 +158,22 @@ class FlexModel:
                 self.replanned.append(Replanned(key, _choice(old), _choice(new), new.calibration))
                 self._replan_note = self.replanned[-1].describe()
         return self._plans[key]
+
+    def _repriced(self, old: Plan, key: tuple[int, int, int]) -> Plan:
+        """``old``'s choice (policies, GPU layers, CPU dtype) priced again at the memory state of
+        now: the predictions follow the state, the placement does not flip with it (a new CPU
+        dtype or M would move every weight; only corrections re-choose, ``_learn``). ``old`` as it
+        was where its phases hold different M (plan() forces one) or the re-pricing fails."""
+        if old.prefill.gpu_layers != old.decode.gpu_layers:
+            return old
+        spec = dict(self._plan_spec) if isinstance(self._plan_spec, dict) else {}
+        spec.update(prefill=old.prefill.policy, decode=old.decode.policy, cpu_dtype=old.cpu_dtype,
+                    gpu_layers=old.decode.gpu_layers)
+        try:
+            return _make_plan(spec, self.model.config, batch_size=key[0], input_len=key[1], output_len=key[2],
+                              **self._planner_args)
+        except FlexplanError:
+            return old
 
     def _request_shape(self, inputs, generation_config, kwargs) -> tuple[int, int, int, int]:
         check_generate_arguments(self.model, inputs, kwargs)

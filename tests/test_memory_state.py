@@ -344,10 +344,10 @@ def test_last_stats_carry_the_memory_state_of_the_plan_they_ran(local, probe, tm
     assert st.memory_state in st.summary() and st.to_dict()["memory_state"] == st.memory_state
 
 
-def test_a_loaded_model_plans_again_for_the_state_of_now_once_its_plan_is_old(local, probe, tmp_path, monkeypatch,
+def test_a_loaded_model_prices_its_plan_again_for_the_state_of_now_once_it_is_old(local, probe, tmp_path, monkeypatch,
                                                                               one_thread):
-    """A long-running process: a shape's plan is made again with a new probe once it is older than
-    PLAN_STATE_MAX_AGE_S, not kept at the state of the shape's first call."""
+    """A long-running process: a shape's plan is priced again with a new probe once it is older
+    than PLAN_STATE_MAX_AGE_S, not kept at the state of the shape's first call."""
     import torch
     from conftest import make_model
 
@@ -368,6 +368,10 @@ def test_a_loaded_model_plans_again_for_the_state_of_now_once_its_plan_is_old(lo
     lm.generate(ids, max_new_tokens=3, do_sample=False)
     second = lm.last_stats
     assert "5.0 GB/s now" in second.memory_state and "x2.00 memory time" in second.memory_state
+    # the same choice priced again: the placement does not follow the state minute to minute
+    assert (second.plan.cpu_dtype, second.plan.prefill.policy, second.plan.decode.policy) == \
+        (first.plan.cpu_dtype, first.plan.prefill.policy, first.plan.decode.policy)
+    assert not lm.replanned
     assert second.predicted_tpot_s > first.predicted_tpot_s  # a tiny model: mostly fixed costs
 
 
