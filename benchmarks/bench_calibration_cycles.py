@@ -101,7 +101,8 @@ def one_cycle(k: int, folder: Path, env: dict, grid: str | None, models=tuple(MO
 
 def points(csv_path: Path, sets: list[str]) -> list[dict]:
     """Each grid point of a validation: shape, CPU dtype, measured and predicted (cold and warm per
-    calibration set) TTFT/TPOT in ms, and the memory state each set's cold prediction was scaled by."""
+    calibration set) TTFT/TPOT in ms, the memory state each set's cold prediction was scaled by, and
+    the probe readings right before and right after the point's timed runs."""
     import csv
 
     def ms(x):
@@ -116,6 +117,9 @@ def points(csv_path: Path, sets: list[str]) -> list[dict]:
                 for kind in ("cold", "warm"):
                     point[f"{name}:{kind}"] = [ms(r.get(f"{name}:{kind}_ttft_s")), ms(r.get(f"{name}:{kind}_tpot_s"))]
                 point[f"{name}:memory_state"] = r.get(f"{name}:cold_memory_state", "")
+            for when in ("before", "after"):  # the probes right before / after the point's timed runs
+                point[f"probe_{when}"] = {k[len(f"probe_{when}_"):]: float(v) for k, v in r.items()
+                                          if k.startswith(f"probe_{when}_") and v not in (None, "")}
             out.append(point)
     return out
 

@@ -176,6 +176,12 @@ def set_columns(rows: list[dict[str, Any]]) -> list[str]:
     return list(dict.fromkeys(cols))
 
 
+def probe_columns(rows: list[dict[str, Any]]) -> list[str]:
+    """CSV columns of the probe readings right before and right after each point's timed runs,
+    'probe_<before|after>_<memory|gemv|compute>_<unit>' (none where the probes are off)."""
+    return list(dict.fromkeys(k for r in rows for k in r if k.startswith(("probe_before_", "probe_after_"))))
+
+
 def _flat(r: dict[str, Any]) -> dict[str, Any]:
     out = {k: v for k, v in r.items() if k != "sets"}
     for name, kinds in r.get("sets", {}).items():
@@ -201,7 +207,7 @@ def write_outputs(rows: list[dict[str, Any]], summary: dict[str, Any], out_dir: 
     paths = {"csv": out_dir / "validation.csv", "summary": out_dir / "summary.json"}
     tmp = paths["csv"].with_suffix(".csv.tmp")
     with open(tmp, "w", newline="") as f:
-        columns = CSV_COLUMNS + set_columns(rows)
+        columns = CSV_COLUMNS + probe_columns(rows) + set_columns(rows)
         w = csv.DictWriter(f, fieldnames=columns)
         w.writeheader()
         for r in rows:
@@ -338,7 +344,8 @@ def run_grid(model_dir: Path, grid: dict[str, list[int]], pairs: list[tuple[str,
 
     import flexplan
     from flexplan.calibration.correction import Observation, apply, corrections_after
-    from flexplan.calibration.memory_state import note_in
+    from flexplan.calibration import membw
+    from flexplan.calibration.memory_state import PROBE_UNITS, note_in, readings_now
     from flexplan.estimator import DefaultEfficiency
     from flexplan.hardware import get_hardware
 
@@ -372,17 +379,23 @@ def run_grid(model_dir: Path, grid: dict[str, list[int]], pairs: list[tuple[str,
             # 16-token run picked bfloat16, and the measured run's TTFT then held the re-placement:
             # the random Llama's b=1, i=32 measured 152 ms against 40 ms warm); oneDNN caches kernels
             _generate(lm, ids, o)
-            runs = sorted((_generate(lm, ids, o) for _ in range(repeats)), key=lambda s: s.e2e_s)
-            st = runs[len(runs) // 2]
-            p = st.plan
-            dp = _predict(lm, hw, default_eff, b, i, o, p_pol, d_pol, p)
-            by_set = {}
-            for name, path in sets.items():
-                cold_eff = _cold_efficiency(path, hw)
-                by_set[name] = {"cold": {**_predict(lm, hw, cold_eff, b, i, o, p_pol, d_pol, p),
-                                         "memory_state": note_in(cold_eff.source)}}
-                if name in learned:
-                    by_set[name]["warm"] = _predict(lm, hw, apply(cold_eff, learned[name]), b, i, o, p_pol, d_pol, p)
+            # every prediction of this point is priced at the state probed right before its timed runs
+            # (as a plan made just before them would be); the state right after them is kept beside it
+            before = readings_now()
+            with membw.held_probes():
+                runs = sorted((_generate(lm, ids, o) for _ in range(repeats)), key=lambda s: s.e2e_s)
+                after = readings_now(keep=False)
+                st = runs[len(runs) // 2]
+                p = st.plan
+                dp = _predict(lm, hw, default_eff, b, i, o, p_pol, d_pol, p)
+                by_set = {}
+                for name, path in sets.items():
+                    cold_eff = _cold_efficiency(path, hw)
+                    by_set[name] = {"cold": {**_predict(lm, hw, cold_eff, b, i, o, p_pol, d_pol, p),
+                                             "memory_state": note_in(cold_eff.source)}}
+                    if name in learned:
+                        by_set[name]["warm"] = _predict(lm, hw, apply(cold_eff, learned[name]), b, i, o, p_pol, d_pol,
+                                                        p)
             rows.append(dict(
                 model=model_dir.name, hardware=hw.name, prefill_policy=p_pol, decode_policy=d_pol,
                 prefill_gpu_layers=p.prefill.gpu_layers, decode_gpu_layers=p.decode.gpu_layers, batch_size=b,
@@ -393,6 +406,8 @@ def run_grid(model_dir: Path, grid: dict[str, list[int]], pairs: list[tuple[str,
                 default_predicted_ttft_s=dp["ttft_s"], default_predicted_tpot_s=dp["tpot_s"],
                 default_predicted_e2e_s=dp["e2e_s"], calibration=p.calibration,
                 repeat_spread_ttft_pct=_spread_pct(runs, "ttft_s"), repeat_spread_tpot_pct=_spread_pct(runs, "tpot_s"),
+                **{f"probe_{when}_{k}_{PROBE_UNITS[k]}": v for when, r in (("before", before), ("after", after))
+                   for k, v in r.items()},
                 sets=by_set))
             if progress:
                 progress(rows[-1])

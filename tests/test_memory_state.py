@@ -327,6 +327,22 @@ def test_explain_and_hw_say_which_state_was_used(local, probe, tmp_path, monkeyp
     assert "STREAM triad" in hw_text and "now 8.0 GB/s" in hw_text
 
 
+
+def test_the_state_note_keeps_its_compute_part(local, probe, tmp_path, monkeypatch):
+    """What last_stats and validate's CSV keep of a plan's source: the memory and the compute
+    probes' readings, and nothing of the source's other parts."""
+    meas = FAST.measurements("quick", _dtypes(local))
+    meas["memory_state"] = _with_compute(_record(local))
+    _use(monkeypatch, _write(tmp_path, local, meas, "cal.yaml"))
+    probe.state["flops_now"] = REF_FLOPS / 2
+    probe(REF / 2)
+    note = memory_state_of(_cpu_plan())
+    assert note.startswith("memory state: memory probe 5.0 GB/s now vs 10.0 GB/s")
+    assert note.endswith("compute probe 50 GFLOP/s now vs 100 GFLOP/s median at calibration (x2.00 compute time)")
+    assert memory_state.note_in("cal.yaml, 2 min old; memory state: memory probe x; compute probe y; corrected") == \
+        "memory state: memory probe x; compute probe y"
+
+
 def test_last_stats_carry_the_memory_state_of_the_plan_they_ran(local, probe, tmp_path, monkeypatch, one_thread):
     from conftest import make_model
 
@@ -584,3 +600,46 @@ def test_time_call_records_every_probe_of_a_dict():
     with mb.probing_state({"probe_bytes_per_s": lambda: next(a), "gemv_probe_bytes_per_s": lambda: next(b)}):
         r = mb.time_call(lambda: None, 3, 0.01)
     assert mb.probed(r) == {"probe_bytes_per_s": pytest.approx(6e10), "gemv_probe_bytes_per_s": pytest.approx(4e10)}
+
+
+def test_held_probes_reuse_a_figure_whatever_its_age(probe):
+    membw.probe_bytes_per_s(max_age_s=0.0)
+    calls = probe.state["calls"]
+    with membw.held_probes():
+        assert membw.probe_bytes_per_s(max_age_s=-1.0) == REF  # older than any age: still held
+        assert probe.state["calls"] == calls
+    membw.probe_bytes_per_s(max_age_s=-1.0)
+    assert probe.state["calls"] > calls
+
+
+def test_validate_prices_each_point_at_the_state_probed_right_before_its_runs(local, probe, tmp_path, monkeypatch,
+                                                                              one_thread):
+    """The grid point's predictions use the probes taken right before its timed runs (held while
+    they run), and the CSV keeps those and the readings right after them."""
+    from conftest import make_model
+
+    from flexplan import validate
+
+    meas = FAST.measurements("quick", _dtypes(local))
+    meas["memory_state"] = _record(local)
+    _use(monkeypatch, _write(tmp_path, local, meas, "cal.yaml"))
+    make_model("llama").save_pretrained(tmp_path / "m")
+    real_generate, real_readings = validate._generate, memory_state.readings_now
+
+    def readings_now(keep=True):
+        if keep:  # the probe right before the timed runs: a slow state
+            probe.state["now"] = REF / 2
+        return real_readings(keep)
+
+    def generate(lm, ids, new_tokens):  # ... which ends while they run
+        st = real_generate(lm, ids, new_tokens)
+        probe.state["now"] = REF
+        return st
+
+    monkeypatch.setattr(validate, "_generate", generate)
+    monkeypatch.setattr(memory_state, "readings_now", readings_now)
+    rows = validate.run_grid(tmp_path / "m", {"b": [1], "i": [4], "o": [2]}, [("cpu", "cpu")], warm=False)
+    (row,) = rows
+    assert row["probe_before_memory_bytes_per_s"] == REF / 2 and row["probe_after_memory_bytes_per_s"] == REF
+    assert "memory probe 5.0 GB/s now" in row["sets"]["in use"]["cold"]["memory_state"]
+    assert "probe_before_compute_flops_per_s" in validate.probe_columns(rows)

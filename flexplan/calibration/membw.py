@@ -31,6 +31,7 @@ from __future__ import annotations
 import os
 import time
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 
 import numpy as np
 
@@ -123,13 +124,28 @@ def measure_copy_bytes_per_s(n_bytes: int | None = None, repeats: int = PROBE_RE
     return 2.0 * a.nbytes / best_s
 
 
+_HELD: list[bool] = []  # non-empty within held_probes()
+
+
+@contextmanager
+def held_probes():
+    """Within it, a probe's figure, once measured, is reused whatever its age (``flexplan
+    validate`` prices a grid point at the state probed right before its timed runs, however long
+    they took, as a plan made just before them would be)."""
+    _HELD.append(True)
+    try:
+        yield
+    finally:
+        _HELD.pop()
+
+
 def _cached(kind: str, measure, unit: str, max_age_s: float) -> float:
-    """The figure of probe ``kind`` now: one at most ``max_age_s`` old is reused (0: probe afresh).
-    Raises RuntimeError (with the reason) when the probe failed; a failure is remembered for as
-    long as a figure would be."""
+    """The figure of probe ``kind`` now: one at most ``max_age_s`` old is reused (0: probe afresh;
+    any age within :func:`held_probes`). Raises RuntimeError (with the reason) when the probe
+    failed; a failure is remembered for as long as a figure would be."""
     now = time.monotonic()
     last = _LAST.get(kind)
-    if last is None or now - last[0] > max_age_s:
+    if last is None or (now - last[0] > max_age_s and not _HELD):
         try:
             rate = measure()
             last = (time.monotonic(), rate, "") if rate > 0 and np.isfinite(rate) else \

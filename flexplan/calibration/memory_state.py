@@ -317,8 +317,15 @@ def normalised(meas: dict) -> dict:
 
 
 def note_in(source: str) -> str:
-    """The "memory state: ..." part of an efficiency's (or a plan's) source, "" when it has none."""
-    return next((part for part in str(source).split("; ") if part.startswith(NOTE_PREFIX)), "")
+    """The "memory state: ..." part of an efficiency's (or a plan's) source, its compute probe's
+    part included ("...; compute probe ..."), "" when it has none."""
+    parts, out = str(source).split("; "), []
+    for part in parts:
+        if part.startswith(NOTE_PREFIX) or (out and part.startswith(("compute probe", "memory probe"))):
+            out.append(part)
+        elif out:
+            break
+    return "; ".join(out)
 
 
 def _gb(x: float) -> str:
@@ -428,6 +435,32 @@ def refresh() -> None:
                 probe(max_age_s=0.0)
             except RuntimeError:
                 pass
+
+
+PROBE_UNITS = {"memory": "bytes_per_s", "gemv": "bytes_per_s", "compute": "flops_per_s"}
+
+
+def readings_now(keep: bool = True) -> dict[str, float]:
+    """Every plan-time probe measured afresh now, ``{"memory": copy bytes/s, "gemv": GEMV bytes/s
+    (where torch is loaded), "compute": FLOP/s}``, each confirmed as plans confirm it without a
+    reference (membw.confirmed). With ``keep`` they become the figures the next plans read
+    (membw's cache), else they are only returned. A failed probe is left out; {} when the probes
+    are off."""
+    if not membw.probe_enabled():
+        return {}
+    probes = {"memory": (membw.probe_bytes_per_s, membw.measure_copy_bytes_per_s),
+              "compute": (membw.probe_flops_per_s, membw.measure_matmul_flops_per_s)}
+    if membw.gemv_probe_usable():
+        probes["gemv"] = (membw.probe_gemv_bytes_per_s, membw.measure_gemv_bytes_per_s)
+    if keep:
+        membw.forget_probe()
+    out = {}
+    for name, (cached, measure) in probes.items():
+        try:
+            out[name] = cached(max_age_s=0.0) if keep else membw.confirmed(measure)
+        except (RuntimeError, MemoryError, OSError, ValueError, ZeroDivisionError):
+            pass
+    return out
 
 
 def describe(meas: dict) -> str:
