@@ -308,6 +308,14 @@ def test_a_step_measured_in_a_slow_compute_state_is_normalised_in_its_compute_sh
     assert out["cpu_gemv"] == meas["cpu_gemv"]  # its step met the reference compute state
     # a file from before the compute probe: memory only, as before
     assert memory_state.normalised({**meas, "memory_state": record})["cpu_gemm"] == meas["cpu_gemm"]
+    # a row whose own compute probe read the reference state ran in it, whatever its step's first
+    # sample said (the state moved within the step); one whose own probe read slow is normalised
+    own = {**meas, "cpu_gemm": [{**r, "probe_flops_per_s": REF_FLOPS} for r in meas["cpu_gemm"][:-1]]
+           + [{**meas["cpu_gemm"][-1], "probe_flops_per_s": REF_FLOPS / 2}]}
+    out = memory_state.normalised({**own, "memory_state": _with_compute(record, slow_steps)})
+    ratios = [o["time_s"] / r["time_s"] for o, r in zip(out["cpu_gemm"], own["cpu_gemm"])]
+    assert ratios[-2] == pytest.approx(1.0) and 0.5 <= ratios[-1] < 0.6, ratios
+    assert memory_state.ROW_PROBES["compute"] in memory_state.row_probes(_with_compute(record))
 
 
 # ----------------------------------------------------------------------------- what users see
@@ -509,7 +517,7 @@ def test_the_gemv_probe_reads_a_positive_rate_and_is_what_calibrate_records():
     record = memory_state.new_record()
     memory_state.record_sample(record, "cpu_stream")
     assert record["gemv_at_step"] == ["cpu_stream"] and record["gemv_probe_bytes_per_s"][0] > 0
-    assert set(memory_state.row_probes(record)) == {"probe_bytes_per_s", "gemv_probe_bytes_per_s"}
+    assert set(memory_state.row_probes(record)) == {"probe_bytes_per_s", "gemv_probe_bytes_per_s", "probe_flops_per_s"}
     assert "GEMV" in memory_state.describe({"memory_state": record})
 
 
@@ -596,10 +604,12 @@ def test_rows_are_normalised_by_the_gemv_probe_where_the_file_has_it(local):
 def test_time_call_records_every_probe_of_a_dict():
     from flexplan.calibration import microbench as mb
 
-    a, b = iter([40e9, 90e9]), iter([20e9, 80e9])
-    with mb.probing_state({"probe_bytes_per_s": lambda: next(a), "gemv_probe_bytes_per_s": lambda: next(b)}):
+    a, b, c = iter([40e9, 90e9]), iter([20e9, 80e9]), iter([100e9, 400e9])
+    with mb.probing_state({"probe_bytes_per_s": lambda: next(a), "gemv_probe_bytes_per_s": lambda: next(b),
+                           "probe_flops_per_s": lambda: next(c)}):
         r = mb.time_call(lambda: None, 3, 0.01)
-    assert mb.probed(r) == {"probe_bytes_per_s": pytest.approx(6e10), "gemv_probe_bytes_per_s": pytest.approx(4e10)}
+    assert mb.probed(r) == {"probe_bytes_per_s": pytest.approx(6e10), "gemv_probe_bytes_per_s": pytest.approx(4e10),
+                            "probe_flops_per_s": pytest.approx(2e11)}
 
 
 def test_held_probes_reuse_a_figure_whatever_its_age(probe):

@@ -98,10 +98,16 @@ def record_sample(record: dict[str, Any], label: str) -> None:
 
 def row_probes(record: dict[str, Any]) -> dict[str, Any]:
     """{row field: probe} that ``flexplan calibrate`` times around each row of :data:`ROW_PARTS`
-    (microbench.probing_state): the copy, and the GEMV probe where ``record`` keeps its samples."""
+    (microbench.probing_state): the copy, the GEMV probe where ``record`` keeps its samples, and
+    the compute probe where it keeps those (a step's first sample is not its rows' state: in one
+    full calibration the compute probe read 111 GFLOP/s before the float32 layers, median 188, the
+    step's first, narrow layers ran slow and its wide ones at the usual speed, and normalising
+    them all by 111 priced every float32 prefill ~2x fast)."""
     probes = {ROW_PROBES["memory"]: membw.measure_copy_bytes_per_s}
     if "gemv_probe_bytes_per_s" in record:
         probes[ROW_PROBES["gemv"]] = membw.measure_gemv_bytes_per_s
+    if "probe_flops_per_s" in record:
+        probes[ROW_PROBES["compute"]] = membw.measure_matmul_flops_per_s
     return probes
 
 
@@ -110,7 +116,8 @@ def row_probes(record: dict[str, Any]) -> dict[str, Any]:
 
 PROBES = {"memory": ("probe_bytes_per_s", "at_step"), "compute": ("probe_flops_per_s", "compute_at_step"),
           "gemv": ("gemv_probe_bytes_per_s", "gemv_at_step")}
-ROW_PROBES = {"memory": "probe_bytes_per_s", "gemv": "gemv_probe_bytes_per_s"}  # a row's own probe, by kind
+ROW_PROBES = {"memory": "probe_bytes_per_s", "gemv": "gemv_probe_bytes_per_s",  # a row's own probe, by kind
+              "compute": "probe_flops_per_s"}
 
 
 def samples(meas: dict, probe: str = "memory") -> list[tuple[str, float]] | None:
@@ -231,8 +238,9 @@ def normalised(meas: dict) -> dict:
     per-layer cost. Achieved rates, not the Hardware's nominal peaks (assumptions on a VM).
 
     The rest of the time, ``1 - w`` (compute, and the fixed costs that run at the CPU's speed),
-    is brought to the reference compute state the same way, by the compute probe's sample before
-    the step, where the file has one: ``t x ((1 - w) x r_compute + w x r)``.
+    is brought to the reference compute state the same way, by the compute probe taken around the
+    row's own runs (files from this version on), else its sample before the step, where the file
+    has one: ``t x ((1 - w) x r_compute + w x r)``.
 
     The probe is the GEMV probe where the file recorded it (:func:`row_probe_kind`), else the copy.
 
@@ -252,8 +260,8 @@ def normalised(meas: dict) -> dict:
     for label, x in sc:
         before_c.setdefault(label, x)
 
-    def compute_ratio(part: str, dtype) -> float:
-        rate_c = before_c.get(f"{part}[{dtype}]", before_c.get(part))
+    def compute_ratio(part: str, r: dict) -> float:
+        rate_c = _row_probe(r, "compute") or before_c.get(f"{part}[{r.get('dtype')}]", before_c.get(part))
         return _clamped(rate_c / ref_c) if rate_c is not None and ref_c else 1.0
 
     sized: dict[str, list] = {}  # part -> [(row, ratio or None, bytes, time_s) or (row, None, None, None)]
@@ -307,7 +315,7 @@ def normalised(meas: dict) -> dict:
                 new.append(r)
                 continue
             w = min(1.0, n_bytes / (rate_ref * ratio) / t)
-            k = (1.0 - w) * compute_ratio(part, r["dtype"]) + w * ratio
+            k = (1.0 - w) * compute_ratio(part, r) + w * ratio
             new.append({**r, **{key: float(r[key]) * k for key in ("time_s", "time_median_s") if key in r}})
         result[part] = new
     return result

@@ -242,9 +242,9 @@ def _probe_now() -> dict[str, float]:
 
 
 def probed(r: dict) -> dict:
-    """The probe fields (``probe_bytes_per_s``, ``gemv_probe_bytes_per_s``) of a :func:`time_call`
-    result, for its row ({} when none)."""
-    return {k: _sig(v) for k, v in r.items() if k.endswith("probe_bytes_per_s") and v}
+    """The probe fields (``probe_bytes_per_s``, ``gemv_probe_bytes_per_s``, ``probe_flops_per_s``)
+    of a :func:`time_call` result, for its row ({} when none)."""
+    return {k: _sig(v) for k, v in r.items() if k.endswith(("probe_bytes_per_s", "probe_flops_per_s")) and v}
 
 
 def time_call(fn: Callable[[], object], repeats: int, budget_s: float, sync: Callable[[], None] | None = None,
