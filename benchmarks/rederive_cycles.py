@@ -5,7 +5,7 @@
 its repeats) and every calibration set, this re-predicts the cold TTFT and TPOT with the code of
 today, the memory and compute probes set to the readings taken right before the point's timed runs
 (the CSV's ``probe_before_*`` columns, what validate priced at; ``--probes after``: right after
-them; older CSVs: what each prediction's note says it was scaled by), and prints the MAPE of the
+them; ``mean``: both; older CSVs: what each prediction's note says it was scaled by), and prints the MAPE of the
 recorded predictions (the code that ran) beside the re-derived ones (this code) on the same
 measurements: an A/B of a derivation change that the host's memory states cannot bias.
 
@@ -38,6 +38,9 @@ def readings(row: dict, name: str, when: str) -> dict[str, float]:
     """{probe: figure} to re-derive one CSV row's prediction of set ``name`` at: the readings right
     ``when`` ("before"/"after") its timed runs where validate recorded them (``probe_<when>_*``
     columns), else ("note", or older CSVs) what the set's memory-state note says it was scaled by."""
+    if when == "mean":  # the geometric mean of both: the state the runs most likely met (not causal)
+        before, after = readings(row, name, "before"), readings(row, name, "after")
+        return {k: (before[k] * after[k]) ** 0.5 for k in before.keys() & after.keys()} or before
     if when != "note":
         cols = {k: float(v) for k, v in row.items() if k.startswith(f"probe_{when}_") and v not in (None, "")}
         if cols:
@@ -97,9 +100,10 @@ def pct(pred: float, meas: float) -> float:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("folder", type=Path, help="a <name>-files folder kept by bench_calibration_cycles.py")
-    ap.add_argument("--probes", choices=("before", "after", "note"), default="before",
+    ap.add_argument("--probes", choices=("before", "after", "mean", "note"), default="before",
                     help="the state to re-derive at: the probes right before each point's timed runs (the CSV's "
-                         "probe_before_* columns; what validate prices at), right after them, or what each "
+                         "probe_before_* columns; what validate prices at), right after them, the geometric mean "
+                         "of both (not causal: an upper bound of what timing the probe can give), or what each "
                          "prediction's note says (CSVs without those columns use the note)")
     ap.add_argument("--name", default=None, help="write the result as benchmarks/results/<name>.json")
     args = ap.parse_args()
