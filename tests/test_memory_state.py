@@ -169,6 +169,24 @@ def test_a_slower_state_prices_each_op_at_most_at_its_bandwidth_and_never_faster
     assert unknown.cpu_memory(1) == pytest.approx(0.4)
 
 
+def test_the_state_scales_decode_streaming_not_a_prefill_gemm():
+    """A prefill's GEMMs stream their weights while they compute: their factor stays as
+    calibrated; decode's rows (up to STATE_SCALED_TOKENS_MAX), the KV reads and the head scale."""
+    import numpy as np
+
+    from flexplan.estimator.efficiency import STATE_SCALED_TOKENS_MAX, DefaultEfficiency, StateScaledEfficiency
+
+    base = DefaultEfficiency(cpu_compute_eff=0.5, cpu_memory_eff=0.8, gpu_compute_eff=0.5, gpu_memory_eff=0.5,
+                             icn_eff=0.5, cpu_overhead_s=0.0, gpu_overhead_s=0.0)
+    for scale in (0.5, 2.0):
+        eff = StateScaledEfficiency(base, {"cpu_memory": scale})
+        assert eff.cpu_memory(STATE_SCALED_TOKENS_MAX) == pytest.approx(0.8 / scale)
+        assert eff.cpu_memory(STATE_SCALED_TOKENS_MAX + 1) == pytest.approx(0.8)
+        assert eff.cpu_memory(np.array([1, 512])) == pytest.approx([0.8 / scale, 0.8])
+        assert eff.cpu_head_memory(1) == pytest.approx(0.8 / scale)
+        assert eff.cpu_attention(1024) == pytest.approx(base.cpu_attention(1024) / scale)
+
+
 def test_the_scale_is_clamped_and_a_failed_probe_scales_nothing(local, probe, tmp_path, monkeypatch):
     meas = FAST.measurements("quick", _dtypes(local))
     meas["memory_state"] = _record(local)

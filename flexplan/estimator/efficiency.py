@@ -240,10 +240,21 @@ class ScaledEfficiency:
         return getattr(self.base, name)
 
 
+# rows per GEMM up to which the memory state of now scales the weight-streaming time: decode's
+# (the calibration's GEMV rows reach 16). A prefill's GEMMs stream their weights while they compute,
+# and moved with the state far less than their memory term: on run 4's kept cycles
+# (benchmarks/rederive_cycles.py) leaving them unscaled took the prefill MAPE of 5 of 6
+# (model, calibration) sets down 0.1-2.0 points (the Llama's full calibration 6.6 -> 4.6%) and one up
+# 0.6; the README demo's prefill had run no faster in the fast state (TTFT 1.16 measured/predicted)
+STATE_SCALED_TOKENS_MAX = 16
+
+
 @dataclass(frozen=True)
 class StateScaledEfficiency(ScaledEfficiency):
-    """The memory state of now applied to a calibration (``calibration.memory_state.at_state_now``).
-    Faster now (a ``cpu_memory`` scale below 1): every memory factor divided by the scale, as
+    """The memory state of now applied to a calibration (``calibration.memory_state.at_state_now``),
+    to decode's weight streaming (GEMMs of at most :data:`STATE_SCALED_TOKENS_MAX` rows), the KV
+    cache's reads and the LM head; a prefill's GEMMs keep their calibrated factor.
+    Faster now (a ``cpu_memory`` scale below 1): every such factor divided by the scale, as
     :class:`ScaledEfficiency` does. Slower now (above 1): each op streams at most at the state's
     bandwidth and at least as fast as it did at calibration, ``min(own factor, best / scale)`` with
     ``best`` the calibration's best weight-streaming factor of that dtype (``stream_best``). An op
@@ -262,7 +273,8 @@ class StateScaledEfficiency(ScaledEfficiency):
         return np.minimum(factor, best / s)
 
     def cpu_memory(self, tokens, dtype=None):
-        return self._slower(self.base.cpu_memory(tokens, dtype), dtype)
+        f = self.base.cpu_memory(tokens, dtype)
+        return np.where(np.asarray(tokens) <= STATE_SCALED_TOKENS_MAX, self._slower(f, dtype), f)
 
     def cpu_attention(self, context_len, dtype=None):
         return self._slower(self.base.cpu_attention(context_len, dtype), dtype)
