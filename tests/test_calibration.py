@@ -524,6 +524,25 @@ def test_tiny_run_times_the_executor_layer_and_split_linear(use_dir):
     assert "run by the executor" in format_summary(res) and "split layers" in format_summary(res)
 
 
+def test_executor_extra_timed_at_two_widths_is_priced_by_layer_bytes(monkeypatch):
+    """Where the executor was timed at two widths, a layer between them pays an extra between
+    theirs (in log bytes), one beyond them the nearest width's; one width: one figure for all."""
+    from flexplan.calibration.efficiency import _attention_spec, executor_extra_by_bytes
+    from flexplan.workload import costs
+
+    narrow = {"hidden": 576, "intermediate": 1536, "heads": 9, "kv_heads": 3, "head_dim": 64}
+    wide = {"hidden": 2048, "intermediate": 5632, "heads": 32, "kv_heads": 8, "head_dim": 64}
+    rows = [{"dtype": "bfloat16", **w, "batch": 1, "query_len": 1, "kv_len": 137, "time_s": t + extra,
+             "layer_time_s": t} for w, t, extra in ((narrow, 5e-4, 1e-4), (wide, 3e-3, 3e-4))]
+    table = executor_extra_by_bytes(rows, [], "bfloat16")
+    nbytes = [costs.d_weights(_attention_spec(w["heads"], w["kv_heads"], w["head_dim"], w["hidden"],
+                                              w["intermediate"]), 2) for w in (narrow, wide)]
+    assert table(nbytes[0]) == pytest.approx(1e-4) and table(nbytes[1]) == pytest.approx(3e-4)
+    assert 1e-4 < table((nbytes[0] * nbytes[1]) ** 0.5) < 3e-4
+    assert table(10 * nbytes[1]) == pytest.approx(3e-4)
+    assert executor_extra_by_bytes(rows[:1], [], "bfloat16") is None
+
+
 def test_executor_extra_is_what_the_executor_adds_to_the_bare_layer():
     """The per-layer decode overhead grows by what the executor's step took beyond the bare layer
     timed beside it (else the cpu_layers row of its width, batch 1, nearest KV length); never

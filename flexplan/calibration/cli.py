@@ -90,7 +90,8 @@ def _steps(mode: str, hw, threads: int, cpu_dtypes: list[str], gpu_dtype: str | 
     for dt in cpu_dtypes:
         steps.append(Step("cpu_layers", s.layer_units(),
                           lambda tick, dt=dt: mb.layers(s, dt, tick=tick), dt))
-        steps.append(Step("cpu_executor_layers", 2, lambda tick, dt=dt: mb.executor_layers(s, dt, tick=tick), dt))
+        steps.append(Step("cpu_executor_layers", 2 * len(mb.executor_widths(s)),
+                          lambda tick, dt=dt: mb.executor_layers(s, dt, tick=tick), dt))
         steps.append(Step("cpu_head_gemv", len(s.head_shapes) * len(s.head_tokens),
                           lambda tick, dt=dt: mb.head_gemv(s, dt, tick=tick), dt))
         steps.append(Step("cpu_experts", len(s.expert_tokens), lambda tick, dt=dt: mb.expert_gemv(s, dt, tick=tick), dt))
@@ -367,10 +368,10 @@ def format_summary(res: Result) -> str:
             lines.append(f"  {dt}: routed experts ({r0['experts']} of {r0['hidden']}x{r0['intermediate']}, executor's path) "
                          "weight GB/s by rows per expert " + ", ".join(
                              f"{r['tokens_per_expert']}:{r['weight_bytes_per_s'] / 1e9:.1f}" for r in experts))
-        ex = [r for r in m.get("cpu_executor_layers", []) if r["dtype"] == dt]
-        if ex:
-            lines.append(f"  {dt}: decode layer of hidden {ex[0]['hidden']} run by the executor "
-                         f"{ex[0]['time_s'] * 1e3:.3f} ms (the layer alone: cpu_layers)")
+        for r in (r for r in m.get("cpu_executor_layers", []) if r["dtype"] == dt):
+            alone = f"{r['layer_time_s'] * 1e3:.3f} ms" if r.get("layer_time_s") else "cpu_layers"
+            lines.append(f"  {dt}: decode layer of hidden {r['hidden']} run by the executor "
+                         f"{r['time_s'] * 1e3:.3f} ms (the layer alone: {alone})")
         split = [r for r in m.get("cpu_split_linear", []) if r["dtype"] == dt]
         if split:
             lines.append(f"  {dt}: split layers' CPU linear ({split[0]['split_kernel']} on dense weights) time over "

@@ -289,6 +289,7 @@ class CPUFactors:
     prefill_attention: float | None = None  # Eff of a prefill layer's attention core (layer_fit.py); None: compute
     split_linear: Table | None = None  # time of split layers' CPU linear / the packed kernel's, by rows
     executor_extra_s: float = 0.0  # per layer: what the executor's decode step adds to the bare layer
+    executor_extra_by_bytes: Table | None = None  # ... by the layer's weight bytes, where two widths were timed
 
 
 @dataclass(frozen=True)
@@ -393,9 +394,12 @@ class CalibratedEfficiency:
 
     def cpu_layer_overhead_s(self, tokens=1, dtype=None, layer_bytes=None):
         f = self._cpu(dtype)
+        extra = 0.0 if f is None else f.executor_extra_s
+        if f is not None and f.executor_extra_by_bytes is not None and layer_bytes:
+            extra = float(f.executor_extra_by_bytes(layer_bytes))
         if f is not None and f.overhead is not None:
-            return f.overhead(tokens, layer_bytes) + f.executor_extra_s
-        return self.cpu_overhead_s + (f.executor_extra_s if f is not None else 0.0)
+            return f.overhead(tokens, layer_bytes) + extra
+        return self.cpu_overhead_s + extra
 
     def cpu_step_overhead_s(self, batch=1, vocab=0):
         return self.step_overhead(batch, vocab)
@@ -411,7 +415,11 @@ class CalibratedEfficiency:
                                             else None,
                                             "layer_overhead_s": f.overhead.rows() if f.overhead else None,
                                             "split_linear": f.split_linear.rows("tokens") if f.split_linear else None,
-                                            "executor_extra_s": _num(f.executor_extra_s)}
+                                            "executor_extra_s": _num(f.executor_extra_s),
+                                            "executor_extra_by_layer_bytes": [
+                                                {"layer_bytes": _num(x), "extra_s": _num(y)} for x, y in
+                                                zip(f.executor_extra_by_bytes.x, f.executor_extra_by_bytes.y)]
+                                            if f.executor_extra_by_bytes is not None else None}
                                        for dt, f in self.cpu.items()},
                                "cpu_step_overhead_s": {"base_s": _num(self.step_overhead.base_s),
                                                        "per_logit_s": _num(self.step_overhead.per_logit_s)},
@@ -488,6 +496,26 @@ def executor_extra_s(executor_rows: list[dict], layer_rows: list[dict]) -> float
             bare = min(same, key=lambda x: abs(math.log(x["kv_len"] / r["kv_len"])))
             extras.append(r["time_s"] - bare["time_s"])
     return max(0.0, float(np.mean(extras))) if extras else 0.0
+
+
+def executor_extra_by_bytes(executor_rows: list[dict], layer_rows: list[dict], dtype: str) -> Table | None:
+    """What the executor adds per layer (:func:`executor_extra_s`) at each width it was timed at,
+    by the layer's weight bytes in ``dtype`` (interpolated in log bytes, held beyond the ends);
+    None where fewer than two widths were timed (one figure for every width, as before)."""
+    from flexplan.workload import costs
+
+    keys = ("hidden", "intermediate", "heads", "kv_heads", "head_dim")
+    by_width: dict[tuple, list[dict]] = {}
+    for r in executor_rows:
+        by_width.setdefault(tuple(int(r[k]) for k in keys), []).append(r)
+    if len(by_width) < 2:
+        return None
+    xs, ys = [], []
+    for (hidden, inter, heads, kv_heads, head_dim), rows in by_width.items():
+        spec = _attention_spec(heads, kv_heads, head_dim, hidden, inter)
+        xs.append(float(costs.d_weights(spec, DTYPE_BYTES[dtype])))
+        ys.append(executor_extra_s(rows, layer_rows))
+    return Table(xs, ys, lo=0.0, hi=1.0)
 
 
 SPLIT_LINEAR_KEYS = ("dtype", "tokens", "time_s", "reference_time_s")
@@ -573,7 +601,8 @@ def cpu_factors(meas: dict, dtype: str, hw: Hardware, notes: list[str]) -> CPUFa
     return CPUFactors(eff_c, eff_m, eff_a, overhead, head_c, head_m, attention_by_layout=by_layout or None,
                       attention_by_layout_batch=by_layout_batch or None, expert_compute=expert_c,
                       expert_memory=expert_m, prefill_attention=prefill_attention, split_linear=split_linear,
-                      executor_extra_s=executor_extra_s(exec_rows, layer_rows))
+                      executor_extra_s=executor_extra_s(exec_rows, layer_rows),
+                      executor_extra_by_bytes=executor_extra_by_bytes(exec_rows, layer_rows, dtype))
 
 
 def from_measurements(meas: dict, settings: dict, hw: Hardware, source: str) -> CalibratedEfficiency:

@@ -89,6 +89,10 @@ class Sizes:
     # a real layer's decode attention (layer_fit.py), which the SDPA micro-benchmark misses
     layer_long_kv_len: int | None = None
     layer_copies: int = 64  # at most this many copies of a real layer (each one built and packed)
+    # widths the executor's own decode step is timed at (executor_layers): the first of layer_widths,
+    # and with 2 the widest too (what the executor adds grows with the width: on the AVX-512 VM
+    # 0.136 ms per 576-wide bfloat16 layer, 0.279 ms per 2048-wide one; float32 0.029 and 0.159)
+    executor_widths: int = 1
     # (hidden, vocab) of LM heads: a tall GEMV that streams differently from a layer's projections
     head_shapes: tuple[tuple[int, int], ...] = ((576, 49152), (2048, 32000))
     head_tokens: tuple[int, ...] = (1, 8)
@@ -127,7 +131,7 @@ MODES = {
                   attn_layouts=((32, 32, 128), (16, 1, 64)), sweep_prefill_tokens=1024,
                   layer_shapes=((1, 1), (4, 1), (8, 1), (1, 32), (1, 128), (8, 128), (1, 512), (4, 512), (8, 512),
                                 (1, 1024)),
-                  layer_long_kv_len=1024),
+                  layer_long_kv_len=1024, executor_widths=2),
     # quick: every decode batch `flexplan validate` runs (1, 4, 8) measured as in full, fewer prefill
     # shapes and less time per shape; the fit's physical constraints (efficiency.py) keep the
     # points it lacks from bending the curve (calibration/README.md, "What --quick measures")
@@ -749,12 +753,27 @@ SLOPES = 3  # executor_layers: slopes measured, their median kept
 def executor_layers(sizes: Sizes, dtype: str, tick: Callable[[], None] | None = None) -> list[dict]:
     """Seconds per decoder layer of a decode step run by flexplan's executor itself (plan cpu/cpu
     in ``dtype``, batch 1, after a ``layer_kv_len``-token prompt), from toy Llamas of the first of
-    ``sizes.layer_widths`` at two depths: the slope is one layer's cost there with everything the
-    executor adds to the bare layer that ``layers`` times (its hooks, its KV cache, casts, the mask);
-    the head, the embedding and the generate loop cancel; ``layer_time_s``: the bare layer of that
-    width (``layers`` at batch 1) timed right after. One row per dtype; none where the slope comes
-    out non-positive (noise swamping tiny layers on a busy host: such a row failed the whole
-    calibration's row checks)."""
+    ``sizes.layer_widths`` (and the widest, where ``sizes.executor_widths`` is 2) at two depths: the
+    slope is one layer's cost there with everything the executor adds to the bare layer that
+    ``layers`` times (its hooks, its KV cache, casts, the mask); the head, the embedding and the
+    generate loop cancel; ``layer_time_s``: the bare layer of that width (``layers`` at batch 1)
+    timed right after. One row per dtype and width; none where the slope comes out non-positive
+    (noise swamping tiny layers on a busy host: such a row failed the whole calibration's row checks)."""
+    rows = []
+    for width in executor_widths(sizes):
+        rows += _executor_layer(sizes, dtype, width, tick)
+    return rows
+
+
+def executor_widths(sizes: Sizes) -> list[tuple[int, int, int, int, int]]:
+    """The layer widths :func:`executor_layers` times: the first, and the widest where
+    ``sizes.executor_widths`` is 2."""
+    return list(dict.fromkeys(sizes.layer_widths[:1] + (sizes.layer_widths[-1:] if sizes.executor_widths > 1 else ())))
+
+
+def _executor_layer(sizes: Sizes, dtype: str, width: tuple[int, int, int, int, int],
+                    tick: Callable[[], None] | None) -> list[dict]:
+    """:func:`executor_layers` at one width."""
     import torch
     from transformers import LlamaForCausalLM
 
@@ -762,7 +781,7 @@ def executor_layers(sizes: Sizes, dtype: str, tick: Callable[[], None] | None = 
     from flexplan.executor.plans import fixed_plan
     from flexplan.workload.model import ModelSpec
 
-    hidden, inter, heads, kv_heads, head_dim = sizes.layer_widths[0]
+    hidden, inter, heads, kv_heads, head_dim = width
     # both depths' weights more than twice the last-level cache, as a real model's layers and the
     # bare layers' cycled copies are (a 2-layer float32 model sat in the cache and made the slope
     # 0.52 ms where the layer takes 0.31)
@@ -802,7 +821,7 @@ def executor_layers(sizes: Sizes, dtype: str, tick: Callable[[], None] | None = 
     if not slopes:  # no row: the executor is taken to add nothing
         return []
     per_layer = float(statistics.median(slopes))
-    alone = replace(sizes, layer_widths=(sizes.layer_widths[0],), layer_shapes=((1, 1),), layer_long_kv_len=None,
+    alone = replace(sizes, layer_widths=(width,), layer_shapes=((1, 1),), layer_long_kv_len=None,
                     prefill_only_widths=())
     bare = [layers(alone, dtype)[0]["time_s"] for _ in range(2)]  # the layer alone, in the same minutes
     return [{"dtype": dtype, "hidden": hidden, "intermediate": inter, "heads": heads, "kv_heads": kv_heads,
