@@ -29,6 +29,7 @@ factors); ``flexplan calibrate`` records its samples whatever it says.
 from __future__ import annotations
 
 import os
+import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
@@ -198,8 +199,6 @@ _GEMV: dict[str, object] = {}  # "kernel", "weight", "x", "bytes": the probe's w
 def gemv_probe_usable() -> bool:
     """Whether the GEMV probe can run without importing torch (a ``plan()`` in a process that has
     not loaded it stays torch-free and uses the copy)."""
-    import sys
-
     return "torch" in sys.modules
 
 
@@ -269,11 +268,11 @@ def forget_probe() -> None:
 # float32 matrix product tells the compute states apart as the copy tells the memory states.
 COMPUTE_PROBE_N = 512  # an n x n by n x n float32 product: 268 MFLOP, ~2 ms at 140 GFLOP/s
 COMPUTE_PROBE_REPEATS = 5
-_COMPUTE_BUFFERS: dict[str, tuple] = {}  # probe kind -> (a, b, out), kept between probes
+_COMPUTE_BUFFERS: dict[str, tuple] = {}  # "numpy" | "torch" -> (a, b, out), kept between probes
 # Where torch is loaded the product is torch's, in torch's threads: numpy's OpenBLAS leaves its
 # own threads spinning for ~0.1-0.15 s after a product, and on the 2-core development VM a torch
 # GEMM run in that window took 2-5x its time (SmolLM2's prefill right after a plan-time probe:
-# 57-135 ms against 27). A torch-free ``plan()`` keeps numpy (nothing of torch's runs after it).
+# 53-135 ms against 25-30). A torch-free ``plan()`` keeps numpy (nothing of torch's runs after it).
 
 
 def compute_probe_kind() -> str:
@@ -295,22 +294,19 @@ def describe_compute_probe() -> str:
 def measure_matmul_flops_per_s(repeats: int = COMPUTE_PROBE_REPEATS) -> float:
     """One compute probe, uncached: FLOP/s of the best of ``repeats`` float32 products (one
     untimed first), by torch where it is loaded (:func:`compute_probe_kind`), else by numpy."""
-    n, kind = COMPUTE_PROBE_N, compute_probe_kind()
-    if kind == "numpy":
-        mm = np.matmul
-        if kind not in _COMPUTE_BUFFERS:
+    n, lib = COMPUTE_PROBE_N, "numpy" if compute_probe_kind() == "numpy" else "torch"
+    if lib not in _COMPUTE_BUFFERS:
+        if lib == "numpy":
             rng = np.random.default_rng(0)
-            _COMPUTE_BUFFERS[kind] = (rng.random((n, n), dtype=np.float32), rng.random((n, n), dtype=np.float32),
-                                      np.empty((n, n), dtype=np.float32))
-    else:
-        import torch
+            _COMPUTE_BUFFERS[lib] = (rng.random((n, n), dtype=np.float32), rng.random((n, n), dtype=np.float32),
+                                     np.empty((n, n), dtype=np.float32))
+        else:
+            import torch
 
-        mm = torch.mm
-        if "torch" not in _COMPUTE_BUFFERS:
             g = torch.Generator().manual_seed(0)
-            _COMPUTE_BUFFERS["torch"] = (torch.rand(n, n, generator=g), torch.rand(n, n, generator=g),
-                                         torch.empty(n, n))
-    a, b, out = _COMPUTE_BUFFERS["numpy" if kind == "numpy" else "torch"]
+            _COMPUTE_BUFFERS[lib] = (torch.rand(n, n, generator=g), torch.rand(n, n, generator=g), torch.empty(n, n))
+    a, b, out = _COMPUTE_BUFFERS[lib]
+    mm = np.matmul if lib == "numpy" else sys.modules["torch"].mm  # torch is loaded: compute_probe_kind
     mm(a, b, out=out)
     best_s = float("inf")
     for _ in range(max(1, int(repeats))):

@@ -39,6 +39,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from flexplan.calibration import membw
+from flexplan.estimator.efficiency import STATE_SCALED_TOKENS_MAX
 
 if TYPE_CHECKING:  # pragma: no cover
     from flexplan.estimator.efficiency import Efficiency
@@ -419,7 +420,8 @@ def at_state_now(eff: "Efficiency", meas: dict) -> "Efficiency":
                                  stream_best=_stream_best(eff) if mem > 1.0 else {})
 
 
-STREAM_TOKENS = (1, 2, 4, 8, 16)  # the decode rows whose weight-streaming factor bounds the state's
+# the decode rows whose weight-streaming factor bounds the state's: those the state scales
+STREAM_TOKENS = tuple(2 ** k for k in range(STATE_SCALED_TOKENS_MAX.bit_length()) if 2 ** k <= STATE_SCALED_TOKENS_MAX)
 
 
 def _stream_best(eff: "Efficiency") -> dict:
