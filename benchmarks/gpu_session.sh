@@ -1,0 +1,65 @@
+#!/usr/bin/env bash
+# One call on a lent GPU machine (the workplace's `device` tool): install, CUDA tests, calibrate,
+# validate the GPU policies on a model forced over its GPU budget, then the gpu-offload benchmark.
+# Every step is time-bounded and logged; results land in $OUT (log.txt, gpu_results.tgz).
+#
+#   bash benchmarks/gpu_session.sh            # STEPS="tests cal val full bench" by default
+#   STEPS="val bench" bash benchmarks/gpu_session.sh
+set -u
+OUT=${OUT:-/tmp/gpu_out}
+mkdir -p "$OUT/res"
+STEPS=${STEPS:-"tests cal val full bench"}
+GRID=${GRID:-"b=1,8 i=32,256 o=16"}
+GPU_GIB=${GPU_GIB:-0.5}
+export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+has() { case " $STEPS " in *" $1 "*) return 0;; esac; return 1; }
+FLEXPLAN="python3 -m flexplan.cli"
+pack() { tar czf "$OUT/gpu_results.tgz" -C "$OUT" res; }
+step() { echo; echo "=== $(date +%T) $*"; }
+
+{
+step env
+nvidia-smi --query-gpu=name,memory.total,driver_version,pcie.link.gen.current,pcie.link.width.current --format=csv
+lscpu | grep -E "Model name|^CPU\(s\)|Thread|NUMA node\(s\)|Flags" | cut -c1-300
+free -g | head -2
+python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__, torch.cuda.get_device_name(0))"
+
+step install
+python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . 2>&1 | tail -3
+python3 -c "import flexplan; print('flexplan from', flexplan.__file__)" || exit 1
+
+if has tests; then
+  step "CUDA tests"
+  timeout 100 python3 -m pytest -q -p no:cacheprovider -n 8 tests/test_executor_cuda.py 2>&1 | tail -25
+fi
+
+step "flexplan hw"
+timeout 60 $FLEXPLAN hw 2>&1 | tail -40
+
+CAL="$OUT/res/calibration-quick.yaml"
+if has cal; then
+  step "calibrate --quick"
+  timeout 200 $FLEXPLAN calibrate --quick --out "$CAL" --no-progress 2>&1 | tail -30
+  pack
+fi
+if has val; then
+  step "validate GPU policies, GPU budget $GPU_GIB GiB"
+  CALS=""
+  [ -f "$CAL" ] && CALS="--calibrations quick=$CAL"
+  timeout 150 $FLEXPLAN validate --model random-llama-1gb --accelerator cuda --gpu-memory "$GPU_GIB" \
+    --policies gpu-offload,gpu-offload-partial,splitgen --grid "$GRID" --repeats 2 $CALS \
+    --out "$OUT/res/validate-gpu" --no-plot 2>&1 | tail -40
+  pack
+fi
+if has full; then
+  step "full test suite (xdist)"
+  timeout 100 python3 -m pytest -q -p no:cacheprovider -n 14 tests 2>&1 | tail -40
+fi
+if has bench; then
+  step "bench_gpu_offload"
+  timeout 240 python3 benchmarks/bench_gpu_offload.py --repeats 2 2>&1 | tail -30
+  cp benchmarks/results/bench_gpu_offload*.json "$OUT/res/" 2>/dev/null
+fi
+step done
+} 2>&1 | tee "$OUT/log.txt"
+pack
