@@ -148,10 +148,16 @@ def main(argv: list[str] | None = None) -> int:
     h2d = pinned_h2d_bytes_per_s("cuda") if not args.smoke else float("nan")
     result["pinned_h2d_bytes_per_s"] = h2d
     t0 = time.perf_counter()
-    result["flexplan_gpu_offload"] = run_flexplan(folder, accelerator, cap, shape, args.repeats, "gpu-offload")
-    result["flexplan_auto"] = run_flexplan(folder, accelerator, cap, shape, args.repeats, None)
-    result["accelerate"] = None if args.smoke else run_accelerate(folder, cap, shape, args.repeats)
-    result["wall_s"] = time.perf_counter() - t0
+    parts = [("flexplan_gpu_offload", lambda: run_flexplan(folder, accelerator, cap, shape, args.repeats, "gpu-offload")),
+             ("flexplan_auto", lambda: run_flexplan(folder, accelerator, cap, shape, args.repeats, None)),
+             ("accelerate", lambda: None if args.smoke else run_accelerate(folder, cap, shape, args.repeats))]
+    for key, run in parts:  # each part printed and written as it ends: a run cut short keeps what it measured
+        result[key] = run()
+        result["wall_s"] = time.perf_counter() - t0
+        if result[key]:
+            r = result[key]
+            print(f"  {key}: TTFT {fmt_s(r['ttft_s'])}, TPOT {fmt_s(r['tpot_s'])}, E2E {fmt_s(r['e2e_s'])}", flush=True)
+        write_result("bench_gpu_offload" + ("_smoke" if args.smoke else ""), result)
 
     print(f"  pinned H2D measured: {h2d / 1e9:.1f} GB/s")
     print(f"  {'':<26}{'TTFT':>11}{'TPOT':>11}{'E2E':>11}")

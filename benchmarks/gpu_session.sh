@@ -10,7 +10,7 @@ OUT=${OUT:-/tmp/gpu_out}
 mkdir -p "$OUT/res"
 STEPS=${STEPS:-"tests cal val full bench"}
 GRID=${GRID:-"b=1,8 i=32,256 o=16"}
-GPU_GIB=${GPU_GIB:-0.5}
+GPU_GIB=${GPU_GIB:-1.5}  # random-llama-1gb: gpu needs 1.8 GiB, gpu-offload 1.3, partial 1.4, splitgen 1.2
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 has() { case " $STEPS " in *" $1 "*) return 0;; esac; return 1; }
 FLEXPLAN="python3 -m flexplan.cli"
@@ -30,7 +30,8 @@ python3 -c "import flexplan; print('flexplan from', flexplan.__file__)" || exit 
 
 if has tests; then
   step "CUDA tests"
-  timeout 100 python3 -m pytest -q -p no:cacheprovider -n 8 tests/test_executor_cuda.py 2>&1 | tail -25
+  timeout 90 python3 -m pytest -q -p no:cacheprovider -n 8 tests/test_executor_cuda.py > "$OUT/res/cuda_tests.txt" 2>&1
+  tail -25 "$OUT/res/cuda_tests.txt"; pack
 fi
 
 step "flexplan hw"
@@ -46,19 +47,20 @@ if has val; then
   step "validate GPU policies, GPU budget $GPU_GIB GiB"
   CALS=""
   [ -f "$CAL" ] && CALS="--calibrations quick=$CAL"
-  timeout 150 $FLEXPLAN validate --model random-llama-1gb --accelerator cuda --gpu-memory "$GPU_GIB" \
+  timeout ${VAL_S:-150} $FLEXPLAN validate --model random-llama-1gb --accelerator cuda --gpu-memory "$GPU_GIB" \
     --policies gpu-offload,gpu-offload-partial,splitgen --grid "$GRID" --repeats 2 $CALS \
     --out "$OUT/res/validate-gpu" --no-plot 2>&1 | tail -40
-  pack
+  cp ~/.cache/flexplan/calibration/*.yaml "$OUT/res/" 2>/dev/null; pack
 fi
 if has full; then
   step "full test suite (xdist)"
-  timeout 100 python3 -m pytest -q -p no:cacheprovider -n 14 tests 2>&1 | tail -40
+  timeout ${FULL_S:-100} python3 -m pytest -q -p no:cacheprovider -n 14 tests > "$OUT/res/full_suite.txt" 2>&1
+  grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/res/full_suite.txt" | tail -30; pack
 fi
 if has bench; then
   step "bench_gpu_offload"
-  timeout 240 python3 benchmarks/bench_gpu_offload.py --repeats 2 2>&1 | tail -30
-  cp benchmarks/results/bench_gpu_offload*.json "$OUT/res/" 2>/dev/null
+  timeout ${BENCH_S:-240} python3 benchmarks/bench_gpu_offload.py --repeats ${BENCH_REPEATS:-2} 2>&1 | tail -30
+  cp benchmarks/results/bench_gpu_offload*.json "$OUT/res/" 2>/dev/null; pack
 fi
 step done
 } 2>&1 | tee "$OUT/log.txt"

@@ -43,6 +43,7 @@ def cache_in(kwargs: dict):
 
 # layer types (transformers' ``config.layer_types``, cache_utils) whose cache is per-layer keys and values
 KV_LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention")
+WINDOWED_LAYER_TYPES = ("sliding_attention", "chunked_attention")  # their cache kwargs carry sliding_window
 # recurrent families whose config has no ``layer_types`` to say so (the fallback table)
 _RECURRENT = {"rwkv": "RWKV (recurrent time-mixing state)", "xlstm": "xLSTM (recurrent memory cells)",
               "lfm2": "LFM2 (short convolution layers with a conv state)",
@@ -85,7 +86,9 @@ def layer_windows(config) -> list[int | None]:
     """Each decoder layer's attention window in tokens (sliding or chunked layers), None for full."""
     from transformers.cache_utils import get_layer_types_and_kwargs
 
-    _, kwargs = get_layer_types_and_kwargs(text_config(config))
+    types, kwargs = get_layer_types_and_kwargs(text_config(config))
+    if isinstance(kwargs, dict):  # older transformers 5 (5.17 seen): one dict for all layers
+        return [kwargs.get("sliding_window") if t in WINDOWED_LAYER_TYPES else None for t in types]
     return [kw.get("sliding_window") for kw in kwargs]
 
 
