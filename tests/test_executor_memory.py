@@ -136,6 +136,37 @@ def test_packed_cpu_layers_can_be_replaced_onto_the_accelerator(fresh):
     assert torch.equal(lm.generate(input_ids=ids, attention_mask=mask, max_new_tokens=6, do_sample=False), expected)
 
 
+@pytest.mark.parametrize("policy", ["splitgen", "gpu-offload-partial"])
+def test_resident_layers_replaced_onto_the_cpu_come_to_host_memory(fresh, monkeypatch, policy):
+    """A later plan with fewer resident layers makes their host copies from the accelerator's: the
+    data passes through weights.on_host before the CPU packs it (on a GPU, oneDNN's reorder and
+    the native blocking raise on a CUDA tensor; seen on an H200: validate's re-plans crashed)."""
+    from flexplan.executor import weights
+
+    model, ref = fresh("llama")
+    ids, mask = left_padded_batch()
+    expected = ref.generate(input_ids=ids, attention_mask=mask, max_new_tokens=6, do_sample=False)
+    kw = dict(batch_size=3, input_len=9, output_len=6, gpu_memory_bytes=GIB, cpu_dtype="float32")
+    lm = api.load(model, plan=fixed_plan(model.config, policy, policy, 2, **kw), accelerator="cpu",
+                  gpu_memory_bytes=GIB)
+    ex = lm.executor
+    resident = [i for i, g in enumerate(ex.layers) if set(g.storages) == {"accelerator"}]
+    assert resident, "the first plan keeps some layers only on the accelerator"
+    from_accelerator = []
+    accel_ptrs = {ex.layers[i].storages["accelerator"].buffer.tensor.data_ptr() for i in resident}
+    real = weights.on_host
+
+    def spy(t):
+        if t.untyped_storage().data_ptr() in accel_ptrs:
+            from_accelerator.append(t.shape)
+        return real(t)
+
+    monkeypatch.setattr(weights, "on_host", spy)
+    ex.place(fixed_plan(model.config, policy, policy, 0, **kw))
+    assert from_accelerator, "re-made host copies were not passed through on_host"
+    assert torch.equal(lm.generate(input_ids=ids, attention_mask=mask, max_new_tokens=6, do_sample=False), expected)
+
+
 def test_packed_weights_follow_the_decode_batch(fresh):
     """Batch-1 decode packs for GEMV (oneDNN's batch hint 1); a larger batch repacks for the
     generic layout, once, and the tokens do not change."""

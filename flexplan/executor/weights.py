@@ -76,6 +76,11 @@ class Storage:
         return (self.buffer, *self.packed)
 
 
+def on_host(t: torch.Tensor) -> torch.Tensor:
+    """``t`` in host memory (a device-to-host copy when it lives on the accelerator)."""
+    return t if t.device.type == "cpu" else t.to("cpu")
+
+
 def cpu_experts_block(dense: torch.Tensor, transposed: bool, view: torch.Tensor) -> torch.Tensor:
     from flexplan.executor.cpu_experts import block_experts_into
 
@@ -187,10 +192,14 @@ class GroupWeights:
         it), then free the ones no longer needed. ``source(name)`` gives each tensor's data. The
         packed host weights are asked for in ``weight_dtype`` (None: the host dtype; see
         :meth:`packed_dtype`). ``parts``: the part of the unit each place holds (default all)."""
-        src = source if source is not None else self.source_from_storages()
+        any_src = source if source is not None else self.source_from_storages()
         parts = parts or {}
         for place, dtype in places.items():
             part = parts.get(place, ALL)
+            # a host copy made from an accelerator tensor (a resident layer the new plan computes on
+            # the CPU, a model handed over on the GPU) is packed and blocked by CPU-only kernels:
+            # its data comes to host memory first
+            src = any_src if any_src is None or place == ACCELERATOR else (lambda name, s=any_src: on_host(s(name)))
             cur = self.storages.get(place)
             if (cur is not None and cur.layout.dtype == dtype and cur.part == part
                     and (place != HOST_MEMORY or cur.weight_dtype == weight_dtype)
@@ -200,7 +209,7 @@ class GroupWeights:
             buf = link.alloc(max(layout.nbytes, 1), place, f"{self.name} weights ({place}, {str(dtype)[6:]})")
             views = layout.views(buf.tensor)
             direction = H2D if place == ACCELERATOR else H2H
-            read_into = getattr(src, "read_into", None)  # a file source fills host buffers directly
+            read_into = getattr(any_src, "read_into", None)  # a file source fills host buffers directly
             blocked = self.blocked_experts if place == HOST_MEMORY and part == EXPERTS and dtype == torch.float32 else {}
             for name, view in views.items():
                 with torch.no_grad():
