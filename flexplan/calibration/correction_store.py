@@ -174,12 +174,15 @@ class Learned:
     before: Corrections
     after: Corrections
     path: Path | None
+    skipped: str = ""  # why the run was not observed at all
 
     @property
     def changed(self) -> bool:
         return self.after is not self.before
 
     def describe(self) -> str:
+        if self.skipped:
+            return f"{self.before.describe()} (this run not learned from: {self.skipped})"
         if not self.changed:
             return f"{self.before.describe()} (this run not used: too short, not finite, or other processes busy)"
         res = "; ".join(f"{x['phase']} measured {x['measured_s'] * 1e3:.3g} ms vs {x['predicted_s'] * 1e3:.3g} ms "
@@ -188,10 +191,11 @@ class Learned:
         return f"{self.after.describe()} ({res}{where})"
 
 
-def learn(stats, model: "ModelSpec", hardware: Any) -> Learned | None:
+def learn(stats, model: "ModelSpec", hardware: Any, skip: str = "") -> Learned | None:
     """Feed one run's :class:`~flexplan.executor.stats.RunStats` to the corrections of its
     hardware and keep them. None when disabled or the hardware is not this machine's. Never
-    raises for a file it cannot write: it warns and keeps the corrections in memory."""
+    raises for a file it cannot write: it warns and keeps the corrections in memory. ``skip``:
+    why this run is not to be observed (it is then only described)."""
     from flexplan.calibration import calibration_for, efficiency_for, is_local
     from flexplan.errors import FlexplanError
     from flexplan.hardware import get_hardware
@@ -207,6 +211,8 @@ def learn(stats, model: "ModelSpec", hardware: Any) -> Learned | None:
     except FlexplanError:
         return None  # the planner reports an unusable calibration; nothing to learn against
     before = current(hw, cal)
+    if skip:
+        return Learned(before, before, None, skip)
     after = update(before, Observation.from_stats(stats, model, hw), uncorrected(efficiency_for(hw)))
     if after is before:
         return Learned(before, after, None)

@@ -145,6 +145,7 @@ class Executor:
         self._cache: FlexCache | None = None  # the last request's cache (its layers learnt the real KV geometry)
         self.plan: Plan | None = None
         self.placement: Placement | None = None
+        self.runs_since_place = 0  # generate() runs since the weights were last placed (api: the first is not learned from)
         self.pack_batch: int | None = None  # batch hint of the packed CPU weights (cpu_linear)
         self.phase_stats: dict[str, PhaseStats] = {}
         self.prefill_end_s: float | None = None
@@ -232,6 +233,7 @@ class Executor:
             self.plan = plan
             return
         self.placement, self.plan, self.pack_batch = placement, plan, pack_batch
+        self.runs_since_place = 0
         self._untie_head()
         for p in self.model.parameters():
             p.requires_grad_(False)
@@ -692,6 +694,7 @@ class Executor:
     def end_run(self) -> None:
         """Wait for every copy, and point idle streamed layers back at their pinned home."""
         self.link.synchronize()
+        self.runs_since_place += 1
         self._step = None
         for i in range(self.num_layers):
             self._bind_layer(i, PREFILL)
