@@ -18,7 +18,8 @@ Batch 1, input 128, output 32, greedy, median of ``--repeats`` runs after one wa
     python benchmarks/bench_gpu_offload.py                  # needs a CUDA GPU
     python benchmarks/bench_gpu_offload.py --smoke          # tiny model, CPU stand-in: checks the script only
 
-Untested on GPU: no GPU was available while this script was written (``--smoke`` ran).
+One run on an H200 so far (``results/gpu-h200-2026-11-26/``): the accelerate part did not finish in the
+time it had there.
 """
 
 from __future__ import annotations
