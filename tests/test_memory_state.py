@@ -671,3 +671,25 @@ def test_validate_prices_each_point_at_the_state_probed_right_before_its_runs(lo
     assert row["probe_before_memory_bytes_per_s"] == REF / 2 and row["probe_after_memory_bytes_per_s"] == REF
     assert "memory probe 5.0 GB/s now" in row["sets"]["in use"]["cold"]["memory_state"]
     assert "probe_before_compute_flops_per_s" in validate.probe_columns(rows)
+
+
+def test_probe_and_stream_buffers_outgrow_a_big_last_level_cache(monkeypatch):
+    """On a host with a 300 MB LLC (the H200's 16-core Xeon VM) fixed 128/256 MB caps measured the
+    cache; the buffers follow the LLC, within 1/64 of the host's memory."""
+    from flexplan.calibration import membw
+    from flexplan.calibration import microbench as mb
+
+    llc = 300 * 2**20
+    monkeypatch.setattr(mb, "llc_bytes", lambda: llc)
+    pages = {"SC_PHYS_PAGES": (128 << 30) // 4096, "SC_PAGE_SIZE": 4096}
+    monkeypatch.setattr(mb.os, "sysconf", lambda k: pages[k])
+    assert membw.probe_buffer_bytes() == 2 * llc
+    assert membw.gemv_probe_bytes() == 4 * llc
+    assert mb.stream_array_bytes(mb.MODES["probe"]) == 4 * llc
+    assert mb.stream_array_bytes(mb.MODES["tiny"]) == mb.MODES["tiny"].stream_bytes
+    pages["SC_PHYS_PAGES"] = (8 << 30) // 4096  # a small host keeps the fixed caps
+    assert membw.probe_buffer_bytes() == membw.MAX_BUFFER_BYTES
+    assert membw.gemv_probe_bytes() == 2 * membw.MAX_BUFFER_BYTES
+    monkeypatch.setattr(mb, "llc_bytes", lambda: 8 * 2**20)  # a small cache: the floors
+    assert membw.probe_buffer_bytes() == membw.MIN_BUFFER_BYTES
+    assert mb.stream_array_bytes(mb.MODES["full"]) == mb.MODES["full"].stream_bytes

@@ -43,7 +43,7 @@ CONFIRM_BELOW = 0.15  # a reading this much below the calibration's median is me
 CONFIRM_ABOVE = 0.15  # ... and one this much above it, so a one-off fast burst does not rescale a plan
 CONFIRM_PAUSE_S = 0.05  # ... after this pause
 MIN_BUFFER_BYTES = 16 * 2**20
-MAX_BUFFER_BYTES = 128 * 2**20  # two of them stay allocated: at most 256 MB held
+MAX_BUFFER_BYTES = 128 * 2**20  # two of them stay allocated: 256 MB held (more only on a host with 16+ GB per 128 MB)
 MAX_PROBE_THREADS = 16  # slices of at least 1 MB; a state shows in the ratio, not in saturating a big socket
 
 _BUFFERS: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # n_bytes -> (a, b), pages already touched
@@ -56,10 +56,11 @@ def probe_enabled() -> bool:
 
 
 def probe_buffer_bytes() -> int:
-    """Each of the probe's two buffers: twice the last-level cache, within [16 MB, 128 MB]."""
-    from flexplan.calibration.microbench import llc_bytes
+    """Each of the probe's two buffers: twice the last-level cache, at least 16 MB, at most 128 MB
+    or 1/64 of the host's memory (microbench.beyond_llc_bytes)."""
+    from flexplan.calibration.microbench import beyond_llc_bytes
 
-    return int(min(max(2 * llc_bytes(), MIN_BUFFER_BYTES), MAX_BUFFER_BYTES))
+    return beyond_llc_bytes(2, MIN_BUFFER_BYTES, MAX_BUFFER_BYTES)
 
 
 def probe_threads() -> int:
@@ -215,12 +216,13 @@ def describe_gemv_probe() -> str:
 
 
 def gemv_probe_bytes() -> int:
-    """The GEMV probe's weights: four times the last-level cache, within [32 MB, 256 MB] (at twice
-    the cache, part of them stayed cached between repeats: on the AVX-512 VM a 64 MB probe read up to
-    118 GB/s where decode's GEMVs never passed 83)."""
-    from flexplan.calibration.microbench import llc_bytes
+    """The GEMV probe's weights: four times the last-level cache, at least 32 MB, at most 256 MB or
+    1/64 of the host's memory (at twice the cache, part of them stayed cached between repeats: on
+    the AVX-512 VM a 64 MB probe read up to 118 GB/s where decode's GEMVs never passed 83; a fixed
+    256 MB cap left the probe inside a 300 MB LLC on the H200's host)."""
+    from flexplan.calibration.microbench import beyond_llc_bytes
 
-    return int(min(max(4 * llc_bytes(), 2 * MIN_BUFFER_BYTES), 2 * MAX_BUFFER_BYTES))
+    return beyond_llc_bytes(4, 2 * MIN_BUFFER_BYTES, 2 * MAX_BUFFER_BYTES)
 
 
 def _gemv_in_features() -> int:
