@@ -518,6 +518,8 @@ def test_tiny_run_times_the_executor_layer_and_split_linear(use_dir):
     m = res.doc["measurements"]
     (row,) = [r for r in m["cpu_executor_layers"] if r["dtype"] == "float32"]
     assert row["time_s"] > 0 and row["layer_time_s"] > 0 and row["depths"][1] > row["depths"][0]
+    assert isinstance(row["extra_s"], float)  # the median of slope - bare layer over pairs timed back to back
+    assert res.doc["step_wall_s"]["cpu_executor_layers[float32]"] > 0  # where the calibration's time went
     assert 1 <= row["slopes"] <= mb.SLOPES  # the median of up to SLOPES positive slopes
     tiny = mb.MODES["tiny"]
     assert {r["tokens"] for r in m["cpu_split_linear"] if r["dtype"] == "float32"} == {*tiny.gemv_tokens, *tiny.gemm_tokens}
@@ -559,6 +561,12 @@ def test_executor_extra_is_what_the_executor_adds_to_the_bare_layer():
     assert executor_extra_s([{**row, "hidden": 1024}], layers) == 0.0  # no layer of that width
     with pytest.raises(ValueError, match="layer_time_s"):
         executor_extra_s([{**row, "layer_time_s": "fast"}], layers)
+    # the median of back-to-back pairs, where recorded, wins over the difference of the medians
+    # (a 2048-wide layer's slope and bare layer, timed apart, differed by a memory-state flip)
+    assert executor_extra_s([{**row, "layer_time_s": 5e-4, "extra_s": 1e-4}], []) == pytest.approx(1e-4)
+    assert executor_extra_s([{**row, "layer_time_s": 5e-4, "extra_s": -1e-4}], []) == 0.0
+    with pytest.raises(ValueError, match="extra_s"):
+        executor_extra_s([{**row, "layer_time_s": 5e-4, "extra_s": float("nan")}], [])
 
 
 def test_disturbed_gemm_points_are_timed_again():

@@ -13,7 +13,7 @@ from flexplan.executor.link import H2D
 from flexplan.executor.plans import fixed_plan
 from flexplan.plan_types import POLICIES
 
-from conftest import FAMILIES, MORE_FAMILIES, WINDOW, left_padded_batch
+from conftest import FAMILIES, MORE_FAMILIES, WINDOW, left_padded_batch, make_model
 
 GIB = 1 << 30
 NEW = 6
@@ -83,6 +83,24 @@ def test_parts_windows_and_fused_layers_found_per_family(fresh):
     assert found["qwen3_moe"].native_attention == frozenset()  # QK-norm: transformers' attention
     assert found["granite"].fused_layers == []  # its layers scale the residual: not Llama's forward
     assert tuple(found["deepseek_v3"].kv_geometry[0]) == (1, 16, 1, 8)
+
+
+def test_layer_windows_under_both_cache_kwargs_forms(monkeypatch):
+    """transformers 5.24 gives cache kwargs per layer; 5.17 (the H200 machine's) one dict for all
+    layers, whose sliding_window belongs to the windowed layer types only."""
+    import transformers.cache_utils as cu
+
+    from flexplan.executor.families import layer_windows
+
+    config = make_model("gemma3").config
+    expected = [WINDOW, WINDOW, None]
+    assert layer_windows(config) == expected
+    types = ["sliding_attention", "sliding_attention", "full_attention"]
+    monkeypatch.setattr(cu, "get_layer_types_and_kwargs", lambda c: (types, {"sliding_window": WINDOW}))
+    assert layer_windows(config) == expected
+    monkeypatch.setattr(cu, "get_layer_types_and_kwargs",
+                        lambda c: (["chunked_attention", "full_attention"], {"sliding_window": 8}))
+    assert layer_windows(config) == [8, None]
 
 
 def test_sliding_layers_hand_attention_the_window(fresh):

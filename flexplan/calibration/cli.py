@@ -161,6 +161,7 @@ def calibrate(mode: str = "quick", out: str | Path | None = None, threads: int |
     steps = _steps(mode, hw, threads, cpu_dtypes, gpu_dtype)
     measurements: dict[str, object] = {}
     failures: dict[str, str] = {}
+    step_wall_s: dict[str, float] = {}  # where a calibration's time goes (the first-use probe took 19-24 s on a 16-core Xeon)
     memory = memory_state.new_record()  # the host memory state before each step (memory_state.py)
     allocator = keep_freed_memory()  # as the executor runs: freed activations kept, not faulted in afresh
     with mb.torch_threads(threads), tqdm(total=sum(s.units for s in steps), disable=not progress, unit="shape",
@@ -169,6 +170,7 @@ def calibrate(mode: str = "quick", out: str | Path | None = None, threads: int |
             bar.set_postfix_str(step.label)
             memory_state.record_sample(memory, step.label)
             done = [0]
+            t_step = time.perf_counter()
 
             def tick(bar=bar, done=done):
                 done[0] += 1
@@ -185,6 +187,7 @@ def calibrate(mode: str = "quick", out: str | Path | None = None, threads: int |
             except Exception as e:  # noqa: BLE001 - any benchmark failure is reported, the run goes on
                 failures[step.label] = f"{type(e).__name__}: {e}"
             bar.update(step.units - done[0])
+            step_wall_s[step.label] = round(time.perf_counter() - t_step, 2)
         memory_state.record_sample(memory, memory_state.END)
         measurements["memory_state"] = memory
     missing = [f"{n}[{cpu_dtypes[0]}]" for n in ESSENTIAL if f"{n}[{cpu_dtypes[0]}]" in failures]
@@ -197,7 +200,8 @@ def calibrate(mode: str = "quick", out: str | Path | None = None, threads: int |
                 "rotate_bytes": mb.rotate_bytes(mb.MODES[mode]), "cpu_linear_kernel": default_kernel(),
                 "host_allocator": allocator}
     doc = calibration_doc(mode, measurements, settings, hw, identity, failures=failures,
-                          skipped={"gpu": gpu_skip} if gpu_skip else {}, gpu_measured=gb_name() if gpu_dtype else None)
+                          skipped={"gpu": gpu_skip} if gpu_skip else {}, gpu_measured=gb_name() if gpu_dtype else None,
+                          step_wall_s=step_wall_s)
     doc["duration_s"] = round(time.perf_counter() - t_start, 1)
     doc["other_processes_cpu_share"] = _other_share(busy_start, _cpu_seconds(), doc["duration_s"], hw.cpu.cores)
     try:
@@ -209,7 +213,8 @@ def calibrate(mode: str = "quick", out: str | Path | None = None, threads: int |
 
 
 def calibration_doc(mode: str, measurements: dict, settings: dict, hw, identity, failures: dict | None = None,
-                    skipped: dict | None = None, gpu_measured: str | None = None) -> dict:
+                    skipped: dict | None = None, gpu_measured: str | None = None,
+                    step_wall_s: dict | None = None) -> dict:
     """The calibration file's content for ``measurements`` taken on ``hw`` (``identity``) with
     ``settings``; ``derived`` filled in. Raises CalibrationError when they give no factors."""
     import torch
@@ -230,6 +235,7 @@ def calibration_doc(mode: str, measurements: dict, settings: dict, hw, identity,
         "software": _software(),
         "settings": settings,
         "duration_s": 0.0,
+        "step_wall_s": dict(step_wall_s or {}),  # seconds per benchmark step, in the order run
         "other_processes_cpu_share": None,  # of all cores' time during the run: > 0.1 means noisy figures
         "failures": dict(failures or {}),
         "skipped": dict(skipped or {}),

@@ -478,7 +478,8 @@ EXECUTOR_LAYER_KEYS = ("dtype", "hidden", "intermediate", "heads", "kv_heads", "
 
 def executor_extra_s(executor_rows: list[dict], layer_rows: list[dict]) -> float:
     """Seconds per layer the executor's decode step adds to the bare real layer of the same width:
-    the one timed beside it (``layer_time_s``), else the ``cpu_layers`` row at batch 1 and the
+    the one timed beside it (``extra_s``, the median over slope and bare layer pairs timed back to
+    back; in older files ``time_s - layer_time_s``), else the ``cpu_layers`` row at batch 1 and the
     nearest KV length (its hooks, its KV cache, casts; on the AVX-512 development VM, timed
     together, ~0.07-0.13 ms per SmolLM2-sized layer in bfloat16 and ~0-0.05 ms in float32): the
     mean over the executor rows that have such a layer, never below 0."""
@@ -488,7 +489,14 @@ def executor_extra_s(executor_rows: list[dict], layer_rows: list[dict]) -> float
             raise ValueError("`measurements.cpu_executor_layers` has a bad layer_time_s (a positive number of seconds)")
         return t
 
-    extras = [r["time_s"] - beside(r) for r in executor_rows if beside(r)]  # timed together
+    def paired(r):  # the median of differences of pairs timed back to back (None in older files)
+        x = r.get("extra_s")
+        if x is not None and (isinstance(x, bool) or not isinstance(x, (int, float)) or not math.isfinite(x)):
+            raise ValueError("`measurements.cpu_executor_layers` has a bad extra_s (a finite number of seconds)")
+        return x
+
+    extras = [paired(r) if paired(r) is not None else r["time_s"] - beside(r)
+              for r in executor_rows if beside(r)]  # timed together
     for r in (r for r in executor_rows if not beside(r)):
         same = [x for x in layer_rows if x["query_len"] == 1 and x["batch"] == r["batch"]
                 and all(x[k] == r[k] for k in ("hidden", "intermediate", "heads", "kv_heads", "head_dim"))]

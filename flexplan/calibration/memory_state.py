@@ -361,6 +361,10 @@ def _scale_now(meas: dict, probe: str, measure_now, fmt) -> tuple[float, str]:
         return 1.0, f"{name} {fmt(now)} now vs {at_cal} (the same state: x1.00)"
     scale = _clamped(raw)
     clamp = f", clamped from x{raw:.2f}" if scale != raw else ""
+    if cls == "memory" and scale < 1.0:  # StateScaledEfficiency: decode takes part of a faster state
+        from flexplan.estimator.efficiency import FASTER_STATE_ELASTICITY
+
+        clamp += f"; decode streaming x{scale ** FASTER_STATE_ELASTICITY:.2f}"
     return scale, f"{name} {fmt(now)} now vs {at_cal} (x{scale:.2f} {cls} time{clamp})"
 
 

@@ -828,12 +828,19 @@ def _executor_layer(sizes: Sizes, dtype: str, width: tuple[int, int, int, int, i
     # the median of SLOPES slopes: one slope is a difference of differences, and one of them came out
     # 0.456 ms per SmolLM2-sized float32 layer where four in a row minutes later gave 0.35-0.39 and the
     # whole model ran at ~0.40 (its executor extra, 0.087 ms, then priced every decode step 8-10% slow);
-    # a busy host can swamp the difference (tiny layers): a non-positive slope is measured again, then given up
-    slopes = []
+    # a busy host can swamp the difference (tiny layers): a non-positive slope is measured again, then given up.
+    # Each slope is paired with the bare layer timed right after it, and the extra is the median of the
+    # pairs' differences: at the 2048-wide layer both are memory-bound (~1.5-2 ms) and timed minutes
+    # apart a memory-state flip between them is the whole extra (one full calibration's 0.46 ms bf16
+    # priced the random Llama's decode 10-23% slow where a 576-wide extra of 0.095 ms was within 9%)
+    alone = replace(sizes, layer_widths=(width,), layer_shapes=((1, 1),), layer_long_kv_len=None,
+                    prefill_only_widths=())
+    slopes, bare = [], []
     for _ in range(SLOPES + 2):
         per_layer = (step_s(lms[depths[1]]) - step_s(lms[depths[0]])) / (depths[1] - depths[0])
         if per_layer > 0:
             slopes.append(per_layer)
+            bare.append(layers(alone, dtype)[0]["time_s"])  # the layer alone, right after
         if len(slopes) == SLOPES:
             break
     del lms
@@ -841,11 +848,8 @@ def _executor_layer(sizes: Sizes, dtype: str, width: tuple[int, int, int, int, i
         tick()
     if not slopes:  # no row: the executor is taken to add nothing
         return []
-    per_layer = float(statistics.median(slopes))
-    alone = replace(sizes, layer_widths=(width,), layer_shapes=((1, 1),), layer_long_kv_len=None,
-                    prefill_only_widths=())
-    bare = [layers(alone, dtype)[0]["time_s"] for _ in range(2)]  # the layer alone, in the same minutes
     return [{"dtype": dtype, "hidden": hidden, "intermediate": inter, "heads": heads, "kv_heads": kv_heads,
              "head_dim": head_dim, "batch": 1, "query_len": 1, "kv_len": sizes.layer_kv_len + 1 + steps // 2,
-             "depths": list(depths), "steps": steps, "slopes": len(slopes), "time_s": _sig(per_layer),
-             "layer_time_s": _sig(min(bare))}]
+             "depths": list(depths), "steps": steps, "slopes": len(slopes),
+             "time_s": _sig(float(statistics.median(slopes))), "layer_time_s": _sig(float(statistics.median(bare))),
+             "extra_s": _sig(float(statistics.median(a - b for a, b in zip(slopes, bare))))}]
