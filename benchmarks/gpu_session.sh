@@ -5,6 +5,12 @@
 #
 #   bash benchmarks/gpu_session.sh            # STEPS="tests cal val full bench" by default
 #   STEPS="val bench" bash benchmarks/gpu_session.sh
+#
+# A device call may run 600 s: the step limits below add up to more, so the last steps of the
+# default order (full suite, benchmark) are cut first. On the H200 host (2026-11-26) the CUDA tests
+# took 30 s, the first-use probe 19-24 s, the 13.5 GB model's creation ~55 s; calibrate --quick
+# did not finish in 200 s. A first call that fits:
+#   STEPS="tests cal val bench" BENCH_FLAGS=--no-accelerate BENCH_REPEATS=1 bash benchmarks/gpu_session.sh
 set -u
 OUT=${OUT:-/tmp/gpu_out}
 mkdir -p "$OUT/res"
@@ -42,7 +48,7 @@ CAL="$OUT/res/calibration-quick.yaml"
 if has cal; then
   step "calibrate --quick"
   # quick did not finish in 200 s on the H200's 16-core Xeon host (2026-11-26); the file says per step
-  timeout ${CAL_S:-360} $FLEXPLAN calibrate --quick --out "$CAL" --no-progress 2>&1 | tail -30
+  timeout ${CAL_S:-300} $FLEXPLAN calibrate --quick --out "$CAL" --no-progress 2>&1 | tail -30
   pack
 fi
 if has val; then
