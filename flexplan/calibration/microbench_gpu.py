@@ -1,6 +1,6 @@
 """GPU and link micro-benchmarks for ``flexplan calibrate`` (torch.cuda). Only called when
-``torch.cuda.is_available()``. UNTESTED ON A GPU so far (written on a CPU-only machine); see
-calibration/README.md.
+``torch.cuda.is_available()``. UNTESTED ON A GPU but for the pinned link copies (the first-use
+probe's, on an H200); see calibration/README.md.
 
 - GPU GEMV/GEMM at the CPU's shapes in the GPU dtype, weights cycled beyond the L2 cache,
   ``inner`` kernels queued per synchronize so launch latency overlaps.
