@@ -495,8 +495,10 @@ def executor_extra_s(executor_rows: list[dict], layer_rows: list[dict]) -> float
             raise ValueError("`measurements.cpu_executor_layers` has a bad extra_s (a finite number of seconds)")
         return x
 
-    extras = [paired(r) if paired(r) is not None else r["time_s"] - beside(r)
-              for r in executor_rows if beside(r)]  # timed together
+    extras = []
+    for r in (r for r in executor_rows if beside(r)):  # timed together
+        x = paired(r)
+        extras.append(x if x is not None else r["time_s"] - beside(r))
     for r in (r for r in executor_rows if not beside(r)):
         same = [x for x in layer_rows if x["query_len"] == 1 and x["batch"] == r["batch"]
                 and all(x[k] == r[k] for k in ("hidden", "intermediate", "heads", "kv_heads", "head_dim"))]

@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from flexplan.calibration import membw
-from flexplan.estimator.efficiency import STATE_SCALED_TOKENS_MAX
+from flexplan.estimator.efficiency import FASTER_STATE_ELASTICITY, STATE_SCALED_TOKENS_MAX
 
 if TYPE_CHECKING:  # pragma: no cover
     from flexplan.estimator.efficiency import Efficiency
@@ -362,8 +362,6 @@ def _scale_now(meas: dict, probe: str, measure_now, fmt) -> tuple[float, str]:
     scale = _clamped(raw)
     clamp = f", clamped from x{raw:.2f}" if scale != raw else ""
     if cls == "memory" and scale < 1.0:  # StateScaledEfficiency: decode takes part of a faster state
-        from flexplan.estimator.efficiency import FASTER_STATE_ELASTICITY
-
         clamp += f"; decode streaming x{scale ** FASTER_STATE_ELASTICITY:.2f}"
     return scale, f"{name} {fmt(now)} now vs {at_cal} (x{scale:.2f} {cls} time{clamp})"
 

@@ -37,10 +37,9 @@ process), after one untimed warm-up; the median is kept as ``time_median_s``.
 
 from __future__ import annotations
 
-import os
-
 import contextlib
 import math
+import os
 import statistics
 import time
 from collections.abc import Callable
@@ -830,9 +829,9 @@ def _executor_layer(sizes: Sizes, dtype: str, width: tuple[int, int, int, int, i
     # whole model ran at ~0.40 (its executor extra, 0.087 ms, then priced every decode step 8-10% slow);
     # a busy host can swamp the difference (tiny layers): a non-positive slope is measured again, then given up.
     # Each slope is paired with the bare layer timed right after it, and the extra is the median of the
-    # pairs' differences: at the 2048-wide layer both are memory-bound (~1.5-2 ms) and timed minutes
-    # apart a memory-state flip between them is the whole extra (one full calibration's 0.46 ms bf16
-    # priced the random Llama's decode 10-23% slow where a 576-wide extra of 0.095 ms was within 9%)
+    # pairs' differences: at the 2048-wide layer both are memory-bound (~1.5-2 ms), and timed apart a
+    # memory-state flip between them would land in the extra. Paired, run 6's full files still gave
+    # 0.35 ms (bf16) and 0.44 ms (fp32) at 2048 against 0.11 / ~0 at 576: not state noise alone
     alone = replace(sizes, layer_widths=(width,), layer_shapes=((1, 1),), layer_long_kv_len=None,
                     prefill_only_widths=())
     slopes, bare = [], []

@@ -266,7 +266,8 @@ class StateScaledEfficiency(ScaledEfficiency):
     to decode's weight streaming (GEMMs of at most :data:`STATE_SCALED_TOKENS_MAX` rows), the KV
     cache's reads and the LM head; a prefill's GEMMs keep their calibrated factor.
     Faster now (a ``cpu_memory`` scale below 1): every such factor divided by the scale to the
-    power :data:`FASTER_STATE_ELASTICITY` (decode takes part of the speed-up the probe shows). Slower now (above 1): each op streams at most at the state's
+    power :data:`FASTER_STATE_ELASTICITY` (decode takes part of the speed-up the probe shows).
+    Slower now (above 1): each op streams at most at the state's
     bandwidth and at least as fast as it did at calibration, ``min(own factor, best / scale)`` with
     ``best`` the calibration's best weight-streaming factor of that dtype (``stream_best``). An op
     that ran below the stream's best at calibration was held back by something the memory state
@@ -276,7 +277,7 @@ class StateScaledEfficiency(ScaledEfficiency):
 
     stream_best: dict = field(default_factory=dict)  # CPU dtype -> best cpu_memory factor at calibration
 
-    def _slower(self, factor, dtype):
+    def _at_state(self, factor, dtype):
         s = self.scale("cpu_memory")
         best = self.stream_best.get(dtype)
         if s <= 1.0:
@@ -287,20 +288,20 @@ class StateScaledEfficiency(ScaledEfficiency):
 
     def cpu_memory(self, tokens, dtype=None):
         f = self.base.cpu_memory(tokens, dtype)
-        return np.where(np.asarray(tokens) <= STATE_SCALED_TOKENS_MAX, self._slower(f, dtype), f)
+        return np.where(np.asarray(tokens) <= STATE_SCALED_TOKENS_MAX, self._at_state(f, dtype), f)
 
     def cpu_attention(self, context_len, dtype=None):
-        return self._slower(self.base.cpu_attention(context_len, dtype), dtype)
+        return self._at_state(self.base.cpu_attention(context_len, dtype), dtype)
 
     def cpu_attention_for_layout(self, context_len, dtype=None, layout=None, batch=None):
-        return self._slower(cpu_attention_for_layout(self.base, context_len, dtype, layout, batch), dtype)
+        return self._at_state(cpu_attention_for_layout(self.base, context_len, dtype, layout, batch), dtype)
 
     def cpu_head_memory(self, tokens, dtype=None):
-        return self._slower(self.base.cpu_head_memory(tokens, dtype), dtype)
+        return self._at_state(self.base.cpu_head_memory(tokens, dtype), dtype)
 
     def cpu_expert_factors(self, tokens, dtype=None):
         f = self.base.cpu_expert_factors(tokens, dtype) if hasattr(self.base, "cpu_expert_factors") else None
-        return None if f is None else (f[0] / self.scale("cpu_compute"), self._slower(f[1], dtype))
+        return None if f is None else (f[0] / self.scale("cpu_compute"), self._at_state(f[1], dtype))
 
 
 def unwrapped(eff: Efficiency) -> Efficiency:
