@@ -19,11 +19,12 @@ import yaml
 import flexplan
 from flexplan.executor.plans import fixed_plan
 from flexplan.calibration import correction_store, efficiency_for, store
-from flexplan.calibration.correction import (STEP_MAX, TOTAL_MAX, Corrections, Observation, apply, corrections_after,
+from flexplan.calibration.correction import (ELASTICITY_MAX, ELASTICITY_PRIOR_VAR, ELASTICITY_STEP_MAX, STEP_MAX,
+                                             TOTAL_MAX, Corrections, Observation, apply, corrections_after,
                                              phase_time_s, shares, uncorrected, update)
 from flexplan.errors import InvalidInputError
 from flexplan.estimator import DefaultEfficiency
-from flexplan.estimator.efficiency import TERM_CLASSES, ScaledEfficiency
+from flexplan.estimator.efficiency import TERM_CLASSES, ScaledEfficiency, StateScaledEfficiency
 from flexplan.estimator.policies import REGISTRY
 from flexplan.hardware import get_hardware
 from flexplan.hardware.standin import standin_hardware
@@ -124,6 +125,61 @@ def test_small_errors_are_corrected_in_one_run():
         before = abs(math.log(phase_time_s(obs, BASE, phase) / measured))
         after = abs(math.log(phase_time_s(obs, apply(BASE, c), phase) / measured))
         assert after < 0.15 * before
+
+
+def at_state(eff, s, learned=0.0):
+    """``eff`` in a memory state ``s`` times the calibration's memory time (as memory_state scales it)."""
+    return StateScaledEfficiency(eff, {"cpu_memory": s} if s != 1.0 else {}, f"state x{s}",
+                                 stream_best={"bfloat16": 0.45, None: 0.45}, learned_elasticity=learned)
+
+
+@pytest.mark.parametrize("true_e", [0.3, -0.25])
+def test_runs_in_another_memory_state_teach_the_elasticity_and_leave_the_own_state_alone(true_e):
+    """The true machine's decode moves with the memory state by more (or less) than the state
+    scaling assumes: runs in the calibration's state teach the class scales only; runs in a faster
+    state then teach the elasticity, and the next plan in either state predicts the machine."""
+    true = ScaledEfficiency(BASE, {"cpu_memory": 1.2})
+    shapes = ((1, 128), (1, 512), (2, 64), (1, 256))
+    c = corrections_after([observe(true, b, i, 32) for b, i in shapes], at_state(BASE, 1.0))
+    assert c.state_elasticity == 0.0 and "memory_state" not in c.runs  # nothing state-scaled: nothing to learn
+    fast = 0.6
+    seen = []
+    for b, i in shapes * 2:
+        obs = observe(at_state(true, fast, true_e), b, i, 32)
+        seen.append(abs(math.log(phase_time_s(obs, apply(at_state(BASE, fast), c), "decode") / obs.tpot_s)))
+        c = update(c, obs, at_state(BASE, fast))
+    assert abs(c.state_elasticity - true_e) < 0.08, c
+    assert c.runs["memory_state"] == len(shapes) * 2
+    assert seen[-1] < 0.02 < seen[0] and "memory-state elasticity" in c.describe()
+    for s, e in ((fast, true_e), (1.0, 0.0), (0.8, true_e)):  # an unseen shape, in each state
+        obs = observe(at_state(true, s, e), 4, 1024, 64)
+        assert phase_time_s(obs, apply(at_state(BASE, s), c), "decode") == pytest.approx(obs.tpot_s, rel=0.04), s
+    # learned against the uncorrected factors: the elasticity does not stay in what uncorrected() returns
+    assert uncorrected(apply(at_state(BASE, fast), c)).learned_elasticity == 0.0
+
+
+def test_the_elasticity_moves_by_at_most_its_step_and_stays_within_bounds():
+    c = Corrections()
+    for _ in range(20):  # every run 50x faster than predicted: the scales and the elasticity all run to their bounds
+        before = c
+        c = update(c, observe(at_state(BASE, 0.5), 1, 128, 32, factor=0.02), at_state(BASE, 0.5))
+        assert abs(c.state_elasticity - before.state_elasticity) <= ELASTICITY_STEP_MAX + 1e-9
+    assert c.state_elasticity == pytest.approx(ELASTICITY_MAX)
+
+
+def test_corrections_kept_before_the_elasticity_still_load():
+    k = len(TERM_CLASSES)
+    old = {"log_scales": {"cpu_memory": 0.1}, "updates": 3, "covariance": (0.01 * np.eye(k)).tolist()}
+    c = Corrections.from_dict(old)
+    assert c.state_elasticity == 0.0 and c.covariance().shape == (k + 1, k + 1)
+    assert c.covariance()[k, k] == pytest.approx(ELASTICITY_PRIOR_VAR)
+    again = Corrections.from_dict(update(c, observe(at_state(BASE, 0.6), 1, 128, 32, factor=0.8),
+                                         at_state(BASE, 0.6)).to_dict())
+    assert again.state_elasticity != 0.0 and np.array(again.cov).shape == (k + 1, k + 1)
+    with pytest.raises(ValueError, match="state_elasticity"):
+        Corrections.from_dict({**old, "state_elasticity": 5.0})
+    with pytest.raises(ValueError, match="covariance"):
+        Corrections.from_dict({**old, "covariance": np.eye(3).tolist()})
 
 
 @pytest.mark.parametrize("factor", [20.0, 1 / 20])

@@ -48,6 +48,17 @@ nor do non-finite or non-positive measurements or predictions, nor runs during w
 processes took more than ``MAX_OTHER_CPU_SHARE`` (a quarter) of all cores' time (they measured the
 contention, not the machine; ``flexplan calibrate`` warns above 10% for the same reason).
 
+The memory state (issue 14, item 2, learned). Where the plan scaled decode's streaming to the
+memory state of now (``StateScaledEfficiency``, a probe's ratio ``s`` to the calibration's state),
+how much of the state's change the runs take is the machine's and the workload's, not a constant
+(the README demo's SmolLM2 batch-1 decode took nearly all of it, the cycles' grids ~0.7). A sixth
+state of the filter, the elasticity ``e`` (``Corrections.state_elasticity``), multiplies those
+terms' time by ``s ** e``; its regressor is ``d log T / d e`` (``log s`` times their share of the
+phase: 0 in the calibration's own state, so runs there teach it nothing). Runs in one state pin the
+class scales; runs in another then teach ``e``, and the next plan in that state uses it. Prior
+``ELASTICITY_PRIOR_VAR``, one run moves it by at most ``ELASTICITY_STEP_MAX``, and it stays within
+``+-ELASTICITY_MAX``.
+
 Where corrections are kept, and the two calls the library makes (``corrected`` in
 ``calibration.efficiency_for``, ``learn`` after ``FlexModel.generate``): ``correction_store``.
 No torch here.
@@ -61,7 +72,7 @@ from typing import TYPE_CHECKING, Any, Iterable, Mapping
 
 import numpy as np
 
-from flexplan.estimator.efficiency import TERM_CLASSES, ScaledEfficiency
+from flexplan.estimator.efficiency import TERM_CLASSES, ScaledEfficiency, with_learned_elasticity
 
 if TYPE_CHECKING:  # pragma: no cover
     from flexplan.estimator.efficiency import Efficiency
@@ -80,6 +91,11 @@ MAX_OTHER_CPU_SHARE = 0.25  # runs during which other processes took more of all
 MIN_SHARE = 0.02  # a run "informs" a class when the class holds at least this share of a phase's time
 OUTLIER_Z = 2.0  # a phase whose residual lies beyond this many of its predicted standard deviations counts less
 HISTORY = 8  # residuals kept for display
+ELASTICITY_PRIOR_VAR = 0.3 ** 2  # of the learned memory-state elasticity: the grids' ~0.7 vs the demo's ~1
+ELASTICITY_STEP_MAX = 0.25  # one run moves it by at most this
+ELASTICITY_MAX = 0.6  # it stays within +-this (the state scaling's exponent within 0.1 .. 1.3 in a faster state)
+STATE_ELASTICITY = "memory_state"  # its name in ``Corrections.runs`` and in the filter's states
+FILTER_STATES = (*TERM_CLASSES, STATE_ELASTICITY)  # the filter's vector: the classes' log scales, then e
 ACCELERATOR_CLASSES = ("link", "accelerator")
 
 
@@ -137,11 +153,22 @@ class Corrections:
     runs: Mapping[str, int] = field(default_factory=dict)  # per class: runs that informed it
     updates: int = 0  # runs that changed anything
     last: tuple = ()  # up to HISTORY dicts: phase, policy, measured_s, predicted_s
-    cov: tuple = ()  # the filter's covariance of the log scales (rows in TERM_CLASSES order); () = the prior
+    cov: tuple = ()  # the filter's covariance (rows in FILTER_STATES order); () = the prior
+    state_elasticity: float = 0.0  # learned: the memory state's scaled terms' time times scale ** this
 
     def covariance(self) -> np.ndarray:
-        k = len(TERM_CLASSES)
-        return np.array(self.cov, float) if self.cov else PRIOR_VAR * np.eye(k)
+        """The filter's covariance over FILTER_STATES (one kept over the classes alone, before the
+        elasticity was learned, gets the elasticity's prior beside it)."""
+        prior = np.diag([PRIOR_VAR] * len(TERM_CLASSES) + [ELASTICITY_PRIOR_VAR])
+        if not self.cov:
+            return prior
+        m = np.array(self.cov, float)
+        prior[:m.shape[0], :m.shape[1]] = m
+        return prior
+
+    def vector(self) -> np.ndarray:
+        """The filter's state: log scales in TERM_CLASSES order, then the elasticity."""
+        return np.array([self.log_scales.get(c, 0.0) for c in TERM_CLASSES] + [self.state_elasticity])
 
     @property
     def scales(self) -> dict[str, float]:
@@ -151,9 +178,11 @@ class Corrections:
     def describe(self) -> str:
         """'online correction: cpu_memory x1.12, overhead x0.93 from 3 runs' (or 'none')."""
         s = self.scales
-        if not s:
+        e = self.state_elasticity
+        if not s and abs(e) < 0.005:
             return "online correction: none"
-        parts = ", ".join(f"{c} x{s[c]:.3g}" for c in TERM_CLASSES if c in s and abs(math.log(s[c])) >= 0.005)
+        parts = ", ".join([f"{c} x{s[c]:.3g}" for c in TERM_CLASSES if c in s and abs(math.log(s[c])) >= 0.005]
+                          + ([f"memory-state elasticity {e:+.2f}"] if abs(e) >= 0.005 else []))
         runs = f"from {self.updates} run{'s' if self.updates != 1 else ''}"
         return f"online correction: {parts or 'every class within 0.5% of the calibration'} {runs}"
 
@@ -161,7 +190,8 @@ class Corrections:
         return {"log_scales": {c: float(g) for c, g in self.log_scales.items()},
                 "scales": {c: round(v, 6) for c, v in self.scales.items()},  # for the reader; log_scales is read
                 "runs": {c: int(n) for c, n in self.runs.items()}, "updates": int(self.updates),
-                "last": [dict(x) for x in self.last], "covariance": [list(row) for row in self.cov]}
+                "last": [dict(x) for x in self.last], "covariance": [list(row) for row in self.cov],
+                "state_elasticity": float(self.state_elasticity)}
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "Corrections":
@@ -175,11 +205,15 @@ class Corrections:
         last = tuple(dict(x) for x in (d.get("last") or ()))
         cov = tuple(tuple(float(x) for x in row) for row in (d.get("covariance") or ()))
         if cov:
-            m, k = np.array(cov, float), len(TERM_CLASSES)
-            if m.shape != (k, k) or not np.all(np.isfinite(m)) or np.any(np.diag(m) < 0) or \
-                    not np.allclose(m, m.T, atol=1e-9) or np.max(np.diag(m)) > 10 * PRIOR_VAR:
-                raise ValueError(f"covariance is not a symmetric {k}x{k} matrix with a bounded, non-negative diagonal")
-        return cls(g, runs, int(d.get("updates") or 0), last, cov)
+            m, sizes = np.array(cov, float), (len(TERM_CLASSES), len(FILTER_STATES))  # (files before the elasticity)
+            if m.ndim != 2 or m.shape[0] != m.shape[1] or m.shape[0] not in sizes or not np.all(np.isfinite(m)) or \
+                    np.any(np.diag(m) < 0) or not np.allclose(m, m.T, atol=1e-9) or np.max(np.diag(m)) > 10 * PRIOR_VAR:
+                raise ValueError(f"covariance is not a symmetric {sizes[1]}x{sizes[1]} matrix with a bounded, "
+                                 "non-negative diagonal")
+        e = float(d.get("state_elasticity") or 0.0)
+        if not math.isfinite(e) or abs(e) > ELASTICITY_MAX + 1e-9:
+            raise ValueError(f"state_elasticity {e} (within +-{ELASTICITY_MAX})")
+        return cls(g, runs, int(d.get("updates") or 0), last, cov, e)
 
 
 # ----------------------------------------------------------------------------- attribution
@@ -217,14 +251,25 @@ def shares(obs: Observation, eff: "Efficiency", phase: str) -> tuple[float, np.n
     return t0, w
 
 
+def state_share(obs: Observation, eff: "Efficiency", phase: str, elasticity: float, t0: float) -> float:
+    """``d log T / d e`` of the learned memory-state elasticity ``e`` (now ``elasticity``; ``t0``:
+    the phase's time at it): ``log s`` times the share of the state-scaled terms, signed; 0 where
+    nothing is state-scaled (the calibration's own state, or no StateScaledEfficiency)."""
+    step = math.log(PERTURB)
+    t1 = phase_time_s(obs, with_learned_elasticity(eff, elasticity + step), phase)
+    return math.log(t1 / t0) / step if math.isfinite(t1) and t1 > 0 and t0 > 0 else 0.0
+
+
 # ----------------------------------------------------------------------------- the update
 
 
 def apply(eff: "Efficiency", corrections: Corrections | None) -> "Efficiency":
-    """``eff`` with ``corrections`` on top (``eff`` itself when there are none)."""
-    if corrections is None or not corrections.scales:
+    """``eff`` with ``corrections`` on top (``eff`` itself when there are none): the class scales
+    around it, the learned elasticity given to its memory-state scaling."""
+    if corrections is None or (not corrections.scales and not corrections.state_elasticity):
         return eff
-    return CorrectedEfficiency(eff, corrections.scales, corrections.describe())
+    return CorrectedEfficiency(with_learned_elasticity(eff, corrections.state_elasticity), corrections.scales,
+                               corrections.describe())
 
 
 @dataclass(frozen=True)
@@ -234,16 +279,16 @@ class CorrectedEfficiency(ScaledEfficiency):
 
 def uncorrected(eff: "Efficiency") -> "Efficiency":
     """``eff`` without the online correction applied last (itself when it has none)."""
-    return eff.base if isinstance(eff, CorrectedEfficiency) else eff
+    return with_learned_elasticity(eff.base, 0.0) if isinstance(eff, CorrectedEfficiency) else eff
 
 
 def update(corrections: Corrections | None, obs: Observation, base: "Efficiency") -> Corrections:
     """Corrections after one observed run, learned against ``base`` (the efficiency without
     corrections). The rule and its bounds: module docstring. Unchanged when no phase is usable."""
     corrections = corrections if corrections is not None else Corrections()
-    g0 = np.array([corrections.log_scales.get(c, 0.0) for c in TERM_CLASSES])
-    runs = np.array([corrections.runs.get(c, 0) for c in TERM_CLASSES])
-    p = p_prior = corrections.covariance() + DRIFT_VAR * np.eye(len(TERM_CLASSES))
+    g0 = corrections.vector()
+    runs = np.array([corrections.runs.get(c, 0) for c in FILTER_STATES])
+    p = p_prior = corrections.covariance() + DRIFT_VAR * np.eye(len(FILTER_STATES))
     eff = apply(base, corrections)
     g = g0.copy()
     informed = np.zeros(g.shape, bool)
@@ -255,28 +300,30 @@ def update(corrections: Corrections | None, obs: Observation, base: "Efficiency"
         t, w = shares(obs, eff, phase)
         if not (math.isfinite(t) and t > 0) or float(w @ w) < 1e-6:
             continue
+        w = np.append(w, state_share(obs, eff, phase, corrections.state_elasticity, t))
         r = math.log(measured / t) - float(w @ (g - g0))  # residual after the phase before's update
         z = r / math.sqrt(float(w @ p @ w) + NOISE_VAR)
         gain = p @ w / (float(w @ p @ w) + NOISE_VAR / outlier_weight(z, _last_z(corrections, phase)))
         g += gain * r
         p = p - np.outer(gain, w @ p)
         p = (p + p.T) / 2
-        informed |= w >= MIN_SHARE
+        informed |= np.abs(w) >= MIN_SHARE
         history.append({"phase": phase, "policy": policy, "measured_s": measured, "predicted_s": t, "z": round(z, 4)})
     if not history:
         return corrections
     step = g - g0
-    biggest = float(np.max(np.abs(step)))
-    if biggest > math.log(STEP_MAX):  # bounded: the run counts as that fraction of an observation
-        shrink = math.log(STEP_MAX) / biggest
+    step_max = np.array([math.log(STEP_MAX)] * len(TERM_CLASSES) + [ELASTICITY_STEP_MAX])
+    biggest = float(np.max(np.abs(step) / step_max))
+    if biggest > 1.0:  # bounded: the run counts as that fraction of an observation
+        shrink = 1.0 / biggest
         step *= shrink
         p = p_prior + shrink * (p - p_prior)
-    bound = math.log(TOTAL_MAX)
+    bound = np.array([math.log(TOTAL_MAX)] * len(TERM_CLASSES) + [ELASTICITY_MAX])
     g_new = np.clip(g0 + step, -bound, bound)
-    log_scales = {c: float(x) for c, x in zip(TERM_CLASSES, g_new) if abs(x) > 1e-12}
-    new_runs = {c: int(n) for c, n in zip(TERM_CLASSES, runs + informed) if n}
+    log_scales = {c: float(x) for c, x in zip(TERM_CLASSES, g_new[:-1]) if abs(x) > 1e-12}
+    new_runs = {c: int(n) for c, n in zip(FILTER_STATES, runs + informed) if n}
     return Corrections(log_scales, new_runs, corrections.updates + 1, (tuple(corrections.last) + tuple(history))[-HISTORY:],
-                       tuple(tuple(float(x) for x in row) for row in p))
+                       tuple(tuple(float(x) for x in row) for row in p), float(g_new[-1]))
 
 
 def outlier_weight(z: float, z_before: float | None) -> float:
@@ -311,4 +358,4 @@ def corrections_after(observations: Iterable[Observation], base: "Efficiency",
 
 
 __all__ = ["Corrections", "CorrectedEfficiency", "Observation", "apply", "corrections_after", "phase_time_s", "shares",
-           "uncorrected", "update"]
+           "state_share", "uncorrected", "update"]

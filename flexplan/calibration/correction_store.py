@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from flexplan.calibration.correction import Corrections, Observation, apply, uncorrected, update
+from flexplan.calibration.correction import STATE_ELASTICITY, Corrections, Observation, apply, uncorrected, update
 
 if TYPE_CHECKING:  # pragma: no cover
     from flexplan.estimator.efficiency import Efficiency
@@ -239,9 +239,11 @@ def describe_corrections(hw: "Hardware") -> str:
     except FlexplanError:
         return "online correction: none (calibration unusable)"
     c = current(hw, cal)
-    if not c.scales:
+    if not c.scales and not c.state_elasticity:
         return "online correction: none yet (learned from the runs of flexplan.load(...).generate())"
-    per = ", ".join(f"{k} x{v:.3g} ({_runs(c.runs.get(k, 0))})" for k, v in c.scales.items())
+    per = ", ".join([f"{k} x{v:.3g} ({_runs(c.runs.get(k, 0))})" for k, v in c.scales.items()]
+                    + ([f"memory-state elasticity {c.state_elasticity:+.2f} ({_runs(c.runs.get(STATE_ELASTICITY, 0))})"]
+                       if c.state_elasticity else []))
     where = corrections_path(cal) if cal is not None else "this process"
     return f"online correction: {per}; {_runs(c.updates)} in all, kept in {where}"
 

@@ -8,7 +8,7 @@ calibrated (``flexplan calibrate``).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 import numpy as np
@@ -267,6 +267,9 @@ class StateScaledEfficiency(ScaledEfficiency):
     cache's reads and the LM head; a prefill's GEMMs keep their calibrated factor.
     Faster now (a ``cpu_memory`` scale below 1): every such factor divided by the scale to the
     power :data:`FASTER_STATE_ELASTICITY` (decode takes part of the speed-up the probe shows).
+    Either way, the time of these terms is then multiplied by ``scale ** learned_elasticity``: how
+    much more (or less) than that this machine's runs moved with the state, which the online
+    correction learns (``calibration.correction``; 0 until runs in different states taught it).
     Slower now (above 1): each op streams at most at the state's
     bandwidth and at least as fast as it did at calibration, ``min(own factor, best / scale)`` with
     ``best`` the calibration's best weight-streaming factor of that dtype (``stream_best``). An op
@@ -276,15 +279,19 @@ class StateScaledEfficiency(ScaledEfficiency):
     at 32; the large GEMVs 66-78 and 40-50, nearly as the probe says."""
 
     stream_best: dict = field(default_factory=dict)  # CPU dtype -> best cpu_memory factor at calibration
+    # learned from runs (calibration.correction): these terms' time further multiplied by scale ** this
+    learned_elasticity: float = 0.0
 
     def _at_state(self, factor, dtype):
         s = self.scale("cpu_memory")
         best = self.stream_best.get(dtype)
         if s <= 1.0:
-            return factor / s ** FASTER_STATE_ELASTICITY
-        if best is None:
-            return factor / s
-        return np.minimum(factor, best / s)
+            at = factor / s ** FASTER_STATE_ELASTICITY
+        elif best is None:
+            at = factor / s
+        else:
+            at = np.minimum(factor, best / s)
+        return at / s ** self.learned_elasticity if self.learned_elasticity else at
 
     def cpu_memory(self, tokens, dtype=None):
         f = self.base.cpu_memory(tokens, dtype)
@@ -302,6 +309,17 @@ class StateScaledEfficiency(ScaledEfficiency):
     def cpu_expert_factors(self, tokens, dtype=None):
         f = self.base.cpu_expert_factors(tokens, dtype) if hasattr(self.base, "cpu_expert_factors") else None
         return None if f is None else (f[0] / self.scale("cpu_compute"), self._at_state(f[1], dtype))
+
+
+def with_learned_elasticity(eff: Efficiency, elasticity: float) -> Efficiency:
+    """``eff`` with the :class:`StateScaledEfficiency` in its chain of wrappers given
+    ``learned_elasticity`` (``eff`` itself where the chain has none: no state scaling to adjust)."""
+    if isinstance(eff, StateScaledEfficiency):
+        return replace(eff, learned_elasticity=float(elasticity))
+    if isinstance(eff, ScaledEfficiency):
+        inner = with_learned_elasticity(eff.base, elasticity)
+        return eff if inner is eff.base else replace(eff, base=inner)
+    return eff
 
 
 def unwrapped(eff: Efficiency) -> Efficiency:
