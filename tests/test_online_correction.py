@@ -343,6 +343,11 @@ def test_round_trip_beside_the_calibration_and_used_by_efficiency_for(cal_folder
     eff = efficiency_for(hw)
     assert eff.source.endswith(learned.describe()) and uncorrected(eff).source == uncorrected(efficiency_for(hw)).source
     assert f"cpu_memory x{learned.scales['cpu_memory']:.3g}" in correction_store.describe_corrections(hw)
+    with_e = replace(learned, state_elasticity=0.21, runs={**learned.runs, "memory_state": 2})
+    correction_store.save(hw, cal, with_e)
+    assert "memory-state elasticity +0.21 (2 runs)" in correction_store.describe_corrections(hw)
+    assert correction_store.current(hw, cal) == with_e
+    correction_store.save(hw, cal, learned)
     # plans use them: the decode prediction grows with the learned cpu_memory scale
     p1 = flexplan.plan(LLAMA_8B, hardware="local", input_len=64, output_len=16, cpu_dtype="float32")
     assert "online correction" in p1.calibration
