@@ -144,18 +144,32 @@ def test_runs_in_another_memory_state_teach_the_elasticity_and_leave_the_own_sta
     assert c.state_elasticity == 0.0 and "memory_state" not in c.runs  # nothing state-scaled: nothing to learn
     fast = 0.6
     seen = []
-    for b, i in shapes * 2:
-        obs = observe(at_state(true, fast, true_e), b, i, 32)
-        seen.append(abs(math.log(phase_time_s(obs, apply(at_state(BASE, fast), c), "decode") / obs.tpot_s)))
-        c = update(c, obs, at_state(BASE, fast))
+    for k, (b, i) in enumerate(shapes * 3):  # mostly the fast state, now and then the calibration's or between
+        s = (fast, fast, 1.0, 0.75)[k % 4]
+        obs = observe(at_state(true, s, true_e), b, i, 32)
+        if s == fast:
+            seen.append(abs(math.log(phase_time_s(obs, apply(at_state(BASE, s), c), "decode") / obs.tpot_s)))
+        c = update(c, obs, at_state(BASE, s))
     assert abs(c.state_elasticity - true_e) < 0.08, c
-    assert c.runs["memory_state"] == len(shapes) * 2
+    assert c.runs["memory_state"] == 9  # the runs outside the calibration's state
     assert seen[-1] < 0.02 < seen[0] and "memory-state elasticity" in c.describe()
-    for s, e in ((fast, true_e), (1.0, 0.0), (0.8, true_e)):  # an unseen shape, in each state
-        obs = observe(at_state(true, s, e), 4, 1024, 64)
-        assert phase_time_s(obs, apply(at_state(BASE, s), c), "decode") == pytest.approx(obs.tpot_s, rel=0.04), s
+    for s in (fast, 1.0, 0.8, 0.95):  # an unseen shape, in each state (0.95: within the probe's band)
+        obs = observe(at_state(true, s, true_e), 4, 1024, 64)
+        assert phase_time_s(obs, apply(at_state(BASE, s), c), "decode") == pytest.approx(obs.tpot_s, rel=0.03), s
     # learned against the uncorrected factors: the elasticity does not stay in what uncorrected() returns
     assert uncorrected(apply(at_state(BASE, fast), c)).learned_elasticity == 0.0
+
+
+def test_the_learned_elasticity_acts_beyond_the_probes_own_spread_only():
+    from flexplan.estimator.efficiency import ELASTICITY_BAND, state_change
+
+    assert state_change(1.0) == 1.0 and state_change(1 + ELASTICITY_BAND) == 1.0 == state_change(1 - ELASTICITY_BAND)
+    edge = 1e-9
+    assert state_change(1 + ELASTICITY_BAND + edge) == pytest.approx(1.0) == state_change(1 - ELASTICITY_BAND - edge)
+    assert state_change(0.6) == pytest.approx(0.6 / (1 - ELASTICITY_BAND)) and state_change(2.0) > 1.5
+    # runs whose probe read within the band teach it nothing, however far off they are
+    c = corrections_after([observe(at_state(BASE, 1.05), 1, 128, 32, factor=0.7)] * 3, at_state(BASE, 1.05))
+    assert c.state_elasticity == 0.0 and scale(c, "cpu_memory") < 0.9
 
 
 def test_the_elasticity_moves_by_at_most_its_step_and_stays_within_bounds():

@@ -53,8 +53,9 @@ memory state of now (``StateScaledEfficiency``, a probe's ratio ``s`` to the cal
 how much of the state's change the runs take is the machine's and the workload's, not a constant
 (the README demo's SmolLM2 batch-1 decode took nearly all of it, the cycles' grids ~0.7). A sixth
 state of the filter, the elasticity ``e`` (``Corrections.state_elasticity``), multiplies those
-terms' time by ``s ** e``; its regressor is ``d log T / d e`` (``log s`` times their share of the
-phase: 0 in the calibration's own state, so runs there teach it nothing). Runs in one state pin the
+terms' time by ``state_change(s) ** e``, ``s`` beyond the probe's own spread within a state
+(``estimator.efficiency.ELASTICITY_BAND``); its regressor is ``d log T / d e`` (the log of that
+times their share of the phase: 0 in the calibration's own state, so runs there teach it nothing). Runs in one state pin the
 class scales; runs in another then teach ``e``, and the next plan in that state uses it. Prior
 ``ELASTICITY_PRIOR_VAR``, one run moves it by at most ``ELASTICITY_STEP_MAX``, and it stays within
 ``+-ELASTICITY_MAX``.

@@ -291,7 +291,7 @@ class StateScaledEfficiency(ScaledEfficiency):
             at = factor / s
         else:
             at = np.minimum(factor, best / s)
-        return at / s ** self.learned_elasticity if self.learned_elasticity else at
+        return at / state_change(s) ** self.learned_elasticity if self.learned_elasticity else at
 
     def cpu_memory(self, tokens, dtype=None):
         f = self.base.cpu_memory(tokens, dtype)
@@ -309,6 +309,23 @@ class StateScaledEfficiency(ScaledEfficiency):
     def cpu_expert_factors(self, tokens, dtype=None):
         f = self.base.cpu_expert_factors(tokens, dtype) if hasattr(self.base, "cpu_expert_factors") else None
         return None if f is None else (f[0] / self.scale("cpu_compute"), self._at_state(f[1], dtype))
+
+
+# The learned elasticity acts on the part of a probe's ratio beyond this band either way: within a
+# state the GEMV probe's readings spread ~+-10% (the slow state of the AVX-512 VM: 42-53 GB/s over
+# minutes, against a median of 51) while decode held within ~5%; learned on those, the elasticity
+# went negative (-0.2 after 20 slow-state runs) and priced the next real state change short.
+ELASTICITY_BAND = 0.10
+
+
+def state_change(scale: float) -> float:
+    """The part of a memory-state ``scale`` (time multiplier) beyond :data:`ELASTICITY_BAND`:
+    ``scale / (1 +- band)`` outside it, 1 within (continuous at its edges)."""
+    if scale > 1.0 + ELASTICITY_BAND:
+        return scale / (1.0 + ELASTICITY_BAND)
+    if scale < 1.0 - ELASTICITY_BAND:
+        return scale / (1.0 - ELASTICITY_BAND)
+    return 1.0
 
 
 def with_learned_elasticity(eff: Efficiency, elasticity: float) -> Efficiency:
