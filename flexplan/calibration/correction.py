@@ -55,8 +55,9 @@ how much of the state's change the runs take is the machine's and the workload's
 state of the filter, the elasticity ``e`` (``Corrections.state_elasticity``), multiplies those
 terms' time by ``state_change(s) ** e``, ``s`` beyond the probe's own spread within a state
 (``estimator.efficiency.ELASTICITY_BAND``); its regressor is ``d log T / d e`` (the log of that
-times their share of the phase: 0 in the calibration's own state, so runs there teach it nothing). Runs in one state pin the
-class scales; runs in another then teach ``e``, and the next plan in that state uses it. Prior
+times their share of the phase: 0 in the calibration's own state, so runs there teach it nothing).
+Runs in one state pin the class scales; runs in another then teach ``e``, and the next plan in
+that state uses it. Prior
 ``ELASTICITY_PRIOR_VAR``, one run moves it by at most ``ELASTICITY_STEP_MAX``, and it stays within
 ``+-ELASTICITY_MAX``.
 
@@ -254,8 +255,9 @@ def shares(obs: Observation, eff: "Efficiency", phase: str) -> tuple[float, np.n
 
 def state_share(obs: Observation, eff: "Efficiency", phase: str, elasticity: float, t0: float) -> float:
     """``d log T / d e`` of the learned memory-state elasticity ``e`` (now ``elasticity``; ``t0``:
-    the phase's time at it): ``log s`` times the share of the state-scaled terms, signed; 0 where
-    nothing is state-scaled (the calibration's own state, or no StateScaledEfficiency)."""
+    the phase's time at it): ``log state_change(s)`` times the share of the state-scaled terms,
+    signed; 0 where nothing is state-scaled (a state within the probe's band of the calibration's,
+    or no StateScaledEfficiency)."""
     step = math.log(PERTURB)
     t1 = phase_time_s(obs, with_learned_elasticity(eff, elasticity + step), phase)
     return math.log(t1 / t0) / step if math.isfinite(t1) and t1 > 0 and t0 > 0 else 0.0

@@ -267,7 +267,8 @@ class StateScaledEfficiency(ScaledEfficiency):
     cache's reads and the LM head; a prefill's GEMMs keep their calibrated factor.
     Faster now (a ``cpu_memory`` scale below 1): every such factor divided by the scale to the
     power :data:`FASTER_STATE_ELASTICITY` (decode takes part of the speed-up the probe shows).
-    Either way, the time of these terms is then multiplied by ``scale ** learned_elasticity``: how
+    Either way, the time of these terms is then multiplied by ``state_change(scale) **
+    learned_elasticity`` (the ratio beyond the probe's own spread, :data:`ELASTICITY_BAND`): how
     much more (or less) than that this machine's runs moved with the state, which the online
     correction learns (``calibration.correction``; 0 until runs in different states taught it).
     Slower now (above 1): each op streams at most at the state's
@@ -279,7 +280,7 @@ class StateScaledEfficiency(ScaledEfficiency):
     at 32; the large GEMVs 66-78 and 40-50, nearly as the probe says."""
 
     stream_best: dict = field(default_factory=dict)  # CPU dtype -> best cpu_memory factor at calibration
-    # learned from runs (calibration.correction): these terms' time further multiplied by scale ** this
+    # learned from runs (calibration.correction): these terms' time further times state_change(scale) ** this
     learned_elasticity: float = 0.0
 
     def _at_state(self, factor, dtype):
