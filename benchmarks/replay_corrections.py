@@ -112,7 +112,9 @@ def main() -> int:
     print(f"corrections at the end: {c.describe()}")
     med = {k: round(statistics.median(abs(r[f'{k}_ratio'] - 1) for r in rows) * 100, 2) for k in within}
     if args.name:
-        print(f"wrote {write_result(args.name, {'command': 'python benchmarks/replay_corrections.py ' + ' '.join(sys.argv[1:]), 'series': str(args.series), 'within_10pct': within, 'median_abs_error_pct': med, 'runs': rows})}")
+        record = {"command": "python benchmarks/replay_corrections.py " + " ".join(sys.argv[1:]),
+                  "series": str(args.series), "within_10pct": within, "median_abs_error_pct": med, "runs": rows}
+        print(f"wrote {write_result(args.name, record)}")
     return 0
 
 
