@@ -11,6 +11,7 @@ where each layer computes.
 
 from __future__ import annotations
 
+import math
 import os
 import time
 import warnings
@@ -158,6 +159,22 @@ class FlexModel:
                 self.replanned.append(Replanned(key, _choice(old), _choice(new), new.calibration))
                 self._replan_note = self.replanned[-1].describe()
         return self._plans[key]
+
+    def refresh_state(self) -> None:
+        """Probe the memory state afresh and price every state-scaled plan again at its next call,
+        whatever its age: for a caller about to time a call (``flexplan run`` after its warm-up:
+        the plan-time probe was taken before the model loaded, seconds earlier, and on the
+        development VM the state flipped within such gaps: decode ran ~12.5 ms where the probe
+        had read the ~15.5 ms state). A fixed plan (``plan=`` a Plan) is priced again now, the
+        same choice, where it was state-scaled. Costs one probe (and a plan for a fixed one)."""
+        from flexplan.calibration.memory_state import refresh
+
+        refresh()
+        for key in self._planned_at:
+            self._planned_at[key] = -math.inf
+        plan = self.executor.plan
+        if not self._auto and _state_scaled(plan):
+            self.executor.place(self._repriced(plan, (plan.batch_size, plan.input_len, plan.output_len)))
 
     def _repriced(self, old: Plan, key: tuple[int, int, int]) -> Plan:
         """``old``'s choice (policies, GPU layers, CPU dtype) priced again at the memory state of

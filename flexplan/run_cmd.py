@@ -175,6 +175,7 @@ def _run(args: argparse.Namespace) -> int:
         gen_kwargs.update(do_sample=False, temperature=None, top_p=None, top_k=None)
     if not args.no_warmup:
         warm_up(lm, inputs, _pad_id(tokenizer), args.max_new_tokens)
+    lm.refresh_state()  # the timed call is predicted at the state of its moment, as validate prices each point
     if not args.json:
         print(f"\nprompt: {args.prompt}\nanswer: ", end="", flush=True)
         gen_kwargs["streamer"] = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
@@ -293,6 +294,9 @@ def format_measured(plan, stats: Any, memory_rates: dict[str, float] | None = No
         ok = measured and predicted and math.isfinite(measured) and math.isfinite(predicted)
         ratio = f"  (measured/predicted {measured / predicted:.2f})" if ok else ""
         lines.append(f"{label}: measured {_t(measured)}, predicted {_t(predicted)}{ratio}")
+    state_now = getattr(stats, "memory_state", "") or ""
+    if state_now and state_now not in (plan.calibration or ""):  # priced again for the timed call
+        lines.append(f"(predicted right before the call; {state_now})")
     lines.append(f"{stats.new_tokens} new tokens, E2E {_t(stats.e2e_s)}; CPU: {stats.cpu_backend}, "
                  f"{stats.cpu_threads} threads ({stats.cpu_threads_source}), linears via {stats.cpu_linear_kernel}")
     for phase in PHASES:

@@ -424,6 +424,38 @@ def test_a_loaded_model_prices_its_plan_again_for_the_state_of_now_once_it_is_ol
     assert second.predicted_tpot_s > first.predicted_tpot_s  # a tiny model: mostly fixed costs
 
 
+def test_refresh_state_prices_the_next_call_at_a_fresh_probe_whatever_the_plans_age(local, probe, tmp_path,
+                                                                                    monkeypatch, one_thread):
+    """`flexplan run` after its warm-up: the timed call is predicted at the state of its moment."""
+    import torch
+    from conftest import make_model
+
+    meas = FAST.measurements("quick", _dtypes(local))
+    meas["memory_state"] = _record(local)
+    _use(monkeypatch, _write(tmp_path, local, meas, "cal.yaml"))
+    lm = flexplan.load(make_model("llama"), accelerator=None, online_correction=False)
+    ids = torch.tensor([[5, 6, 7, 8]])
+    lm.generate(ids, max_new_tokens=3, do_sample=False)
+    first = lm.last_stats
+    assert "x1.00" in first.memory_state
+    probe(REF / 2)  # the state flips; the plan is young
+    lm.refresh_state()
+    lm.generate(ids, max_new_tokens=3, do_sample=False)
+    second = lm.last_stats
+    assert "x2.00 memory time" in second.memory_state and second.predicted_tpot_s > first.predicted_tpot_s
+    assert (second.plan.cpu_dtype, second.plan.decode.policy) == (first.plan.cpu_dtype, first.plan.decode.policy)
+    lm.generate(ids, max_new_tokens=3, do_sample=False)  # and then young again: kept
+    assert lm.last_stats.predicted_tpot_s == second.predicted_tpot_s
+    # a fixed plan (`flexplan run` loads the plan it printed) is priced again too, the same choice
+    fixed = flexplan.load(make_model("llama"), plan=first.plan, accelerator=None, online_correction=False)
+    fixed.generate(ids, max_new_tokens=3, do_sample=False)
+    assert fixed.last_stats.memory_state == first.memory_state
+    fixed.refresh_state()
+    fixed.generate(ids, max_new_tokens=3, do_sample=False)
+    assert "x2.00 memory time" in fixed.last_stats.memory_state
+    assert fixed.last_stats.predicted_tpot_s == pytest.approx(second.predicted_tpot_s)
+
+
 def test_one_slow_probe_reading_is_confirmed_before_it_scales_anything(local, probe, tmp_path, monkeypatch):
     meas = FAST.measurements("quick", _dtypes(local))
     meas["memory_state"] = _record(local)
