@@ -586,8 +586,8 @@ def test_the_compute_probe_runs_in_torch_where_torch_is_loaded_and_numpy_where_n
 
     import torch
 
-    assert membw.compute_probe_kind() == f"torch, {torch.get_num_threads()} threads"
-    assert "torch.mm" in membw.describe_compute_probe()
+    assert membw.compute_probe_kind() == f"torch burst, {torch.get_num_threads()} threads"
+    assert "torch.nn.functional.linear" in membw.describe_compute_probe()
     assert 1e8 < membw.measure_matmul_flops_per_s() < 1e15
     record = memory_state.new_record()
     assert record["compute_probe_kind"] == membw.compute_probe_kind()

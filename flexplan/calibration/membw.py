@@ -268,9 +268,16 @@ def forget_probe() -> None:
 # hour apart measured the same 256 x 2048 x 2048 GEMM at 88 and 127 GFLOP/s (and a real layer's
 # prefill 35-40% apart) while their memory probes agreed (medians 12.0 and 11.9 GB/s). A short
 # float32 matrix product tells the compute states apart as the copy tells the memory states.
-COMPUTE_PROBE_N = 512  # an n x n by n x n float32 product: 268 MFLOP, ~2 ms at 140 GFLOP/s
+COMPUTE_PROBE_N = 512  # numpy's: an n x n by n x n float32 product, 268 MFLOP, ~2 ms at 140 GFLOP/s
 COMPUTE_PROBE_REPEATS = 5
-_COMPUTE_BUFFERS: dict[str, tuple] = {}  # "numpy" | "torch" -> (a, b, out), kept between probes
+# torch's: a burst of small prefill-shaped products (rows x in by in x out, float32), timed whole.
+# A best-of-5 512^3 product missed the states that slow a prefill's many small multi-threaded ops:
+# on the 2-core VM (benchmarks/results/probe_tracking_compute_0657.json, 4 min, 1214 samples) a state
+# took SmolLM2's 42-token prefill from 40 to 51 ms while the 512^3 probe moved 4% (best of 5 keeps
+# the run a stalled thread spared); the burst moved 13.5% (log-log slope 1.09 against the TTFT,
+# correlation 0.76 against 0.50)
+COMPUTE_BURST = (48, 576, 1536, 32)  # rows, in, out, products: 2.7 GFLOP, ~17 ms at 160 GFLOP/s
+_COMPUTE_BUFFERS: dict[str, tuple] = {}  # "numpy" | "torch" -> buffers, kept between probes
 # Where torch is loaded the product is torch's, in torch's threads: numpy's OpenBLAS leaves its
 # own threads spinning for ~0.1-0.15 s after a product, and on the 2-core development VM a torch
 # GEMM run in that window took 2-5x its time (SmolLM2's prefill right after a plan-time probe:
@@ -278,44 +285,61 @@ _COMPUTE_BUFFERS: dict[str, tuple] = {}  # "numpy" | "torch" -> (a, b, out), kep
 
 
 def compute_probe_kind() -> str:
-    """Which product the compute probe times now: "torch, N threads" where torch is loaded, else
-    "numpy". Figures of different kinds are not compared (memory_state)."""
+    """Which product the compute probe times now: "torch burst, N threads" where torch is loaded,
+    else "numpy". Figures of different kinds are not compared (memory_state)."""
     if gemv_probe_usable():
         import torch
 
-        return f"torch, {int(torch.get_num_threads())} threads"
+        return f"torch burst, {int(torch.get_num_threads())} threads"
     return "numpy"
 
 
 def describe_compute_probe() -> str:
-    n, kind = COMPUTE_PROBE_N, compute_probe_kind()
-    who = f"torch.mm in {kind.split(', ', 1)[1]}" if kind != "numpy" else "numpy matmul, all threads"
-    return f"float32 {n} x {n} x {n} product ({who}), best of {COMPUTE_PROBE_REPEATS}"
+    kind = compute_probe_kind()
+    if kind == "numpy":
+        n = COMPUTE_PROBE_N
+        return f"float32 {n} x {n} x {n} product (numpy matmul, all threads), best of {COMPUTE_PROBE_REPEATS}"
+    rows, k, n, count = COMPUTE_BURST
+    return (f"{count} float32 {rows} x {k} x {n} products timed whole (torch.nn.functional.linear in "
+            f"{kind.split(', ', 1)[1]})")
 
 
 def measure_matmul_flops_per_s(repeats: int = COMPUTE_PROBE_REPEATS) -> float:
-    """One compute probe, uncached: FLOP/s of the best of ``repeats`` float32 products (one
-    untimed first), by torch where it is loaded (:func:`compute_probe_kind`), else by numpy."""
-    n, lib = COMPUTE_PROBE_N, "numpy" if compute_probe_kind() == "numpy" else "torch"
-    if lib not in _COMPUTE_BUFFERS:
-        if lib == "numpy":
-            rng = np.random.default_rng(0)
-            _COMPUTE_BUFFERS[lib] = (rng.random((n, n), dtype=np.float32), rng.random((n, n), dtype=np.float32),
+    """One compute probe, uncached, in FLOP/s: where torch is loaded (:func:`compute_probe_kind`)
+    a burst of :data:`COMPUTE_BURST` small products timed whole (one product untimed first), else
+    the best of ``repeats`` numpy float32 n x n products (one untimed first)."""
+    if compute_probe_kind() != "numpy":
+        return _measure_burst_flops_per_s()
+    n = COMPUTE_PROBE_N
+    if "numpy" not in _COMPUTE_BUFFERS:
+        rng = np.random.default_rng(0)
+        _COMPUTE_BUFFERS["numpy"] = (rng.random((n, n), dtype=np.float32), rng.random((n, n), dtype=np.float32),
                                      np.empty((n, n), dtype=np.float32))
-        else:
-            import torch
-
-            g = torch.Generator().manual_seed(0)
-            _COMPUTE_BUFFERS[lib] = (torch.rand(n, n, generator=g), torch.rand(n, n, generator=g), torch.empty(n, n))
-    a, b, out = _COMPUTE_BUFFERS[lib]
-    mm = np.matmul if lib == "numpy" else sys.modules["torch"].mm  # torch is loaded: compute_probe_kind
-    mm(a, b, out=out)
+    a, b, out = _COMPUTE_BUFFERS["numpy"]
+    np.matmul(a, b, out=out)
     best_s = float("inf")
     for _ in range(max(1, int(repeats))):
         t0 = time.perf_counter()
-        mm(a, b, out=out)
+        np.matmul(a, b, out=out)
         best_s = min(best_s, time.perf_counter() - t0)
     return 2.0 * n ** 3 / best_s
+
+
+def _measure_burst_flops_per_s() -> float:
+    torch = sys.modules["torch"]  # loaded: compute_probe_kind
+    rows, k, n, count = COMPUTE_BURST
+    if "torch" not in _COMPUTE_BUFFERS:
+        g = torch.Generator().manual_seed(0)
+        _COMPUTE_BUFFERS["torch"] = (torch.rand(rows, k, generator=g), torch.rand(n, k, generator=g) - 0.5)
+    x, w = _COMPUTE_BUFFERS["torch"]
+    linear = torch.nn.functional.linear
+    with torch.inference_mode():
+        linear(x, w)
+        t0 = time.perf_counter()
+        for _ in range(count):
+            linear(x, w)
+        elapsed_s = time.perf_counter() - t0
+    return 2.0 * rows * k * n * count / elapsed_s
 
 
 def probe_flops_per_s(max_age_s: float = PROBE_TTL_S, reference: float | None = None) -> float:
