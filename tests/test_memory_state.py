@@ -393,14 +393,11 @@ def test_last_stats_carry_the_memory_state_of_the_plan_they_ran(local, probe, tm
     assert st.memory_state in st.summary() and st.to_dict()["memory_state"] == st.memory_state
 
 
-def test_a_loaded_model_prices_its_plan_again_for_the_state_of_now_once_it_is_old(local, probe, tmp_path, monkeypatch,
-                                                                              one_thread):
-    """A long-running process: a shape's plan is priced again with a new probe once it is older
-    than PLAN_STATE_MAX_AGE_S, not kept at the state of the shape's first call."""
+def _loaded_at_the_calibration_state(local, tmp_path, monkeypatch):
+    """A tiny Llama loaded under a calibration with memory-state samples, run once in its state:
+    (model, input ids, the run's stats)."""
     import torch
     from conftest import make_model
-
-    from flexplan import api
 
     meas = FAST.measurements("quick", _dtypes(local))
     meas["memory_state"] = _record(local)
@@ -408,8 +405,17 @@ def test_a_loaded_model_prices_its_plan_again_for_the_state_of_now_once_it_is_ol
     lm = flexplan.load(make_model("llama"), accelerator=None, online_correction=False)
     ids = torch.tensor([[5, 6, 7, 8]])
     lm.generate(ids, max_new_tokens=3, do_sample=False)
-    first = lm.last_stats
-    assert "x1.00" in first.memory_state
+    assert "x1.00" in lm.last_stats.memory_state
+    return lm, ids, lm.last_stats
+
+
+def test_a_loaded_model_prices_its_plan_again_for_the_state_of_now_once_it_is_old(local, probe, tmp_path, monkeypatch,
+                                                                              one_thread):
+    """A long-running process: a shape's plan is priced again with a new probe once it is older
+    than PLAN_STATE_MAX_AGE_S, not kept at the state of the shape's first call."""
+    from flexplan import api
+
+    lm, ids, first = _loaded_at_the_calibration_state(local, tmp_path, monkeypatch)
     probe(REF / 2)  # the state flips
     lm.generate(ids, max_new_tokens=3, do_sample=False)
     assert lm.last_stats.predicted_tpot_s == first.predicted_tpot_s  # a young plan is kept
@@ -427,17 +433,9 @@ def test_a_loaded_model_prices_its_plan_again_for_the_state_of_now_once_it_is_ol
 def test_refresh_state_prices_the_next_call_at_a_fresh_probe_whatever_the_plans_age(local, probe, tmp_path,
                                                                                     monkeypatch, one_thread):
     """`flexplan run` after its warm-up: the timed call is predicted at the state of its moment."""
-    import torch
     from conftest import make_model
 
-    meas = FAST.measurements("quick", _dtypes(local))
-    meas["memory_state"] = _record(local)
-    _use(monkeypatch, _write(tmp_path, local, meas, "cal.yaml"))
-    lm = flexplan.load(make_model("llama"), accelerator=None, online_correction=False)
-    ids = torch.tensor([[5, 6, 7, 8]])
-    lm.generate(ids, max_new_tokens=3, do_sample=False)
-    first = lm.last_stats
-    assert "x1.00" in first.memory_state
+    lm, ids, first = _loaded_at_the_calibration_state(local, tmp_path, monkeypatch)
     probe(REF / 2)  # the state flips; the plan is young
     lm.refresh_state()
     lm.generate(ids, max_new_tokens=3, do_sample=False)
