@@ -272,6 +272,10 @@ def test_cli_calibrate_then_hw(tmp_path):
     assert r.returncode == 0, r.stderr
     assert r.stdout.startswith("wrote ") and "factors against local" in r.stdout
     [written] = list(tmp_path.iterdir())
+    # --no-progress: a line per step as it ends (a run cut by a time limit still says where its time went)
+    steps = store.load_calibration(written).doc["step_wall_s"]
+    logged = [line.split()[1] for line in r.stderr.splitlines() if line.startswith("calibrate: ")]
+    assert logged == list(steps) and any(label.startswith("cpu_gemv[") for label in logged)
     r = subprocess.run([sys.executable, "-m", "flexplan.cli", "hw"], capture_output=True, text=True, env=env,
                        cwd=REPO, timeout=60)
     assert r.returncode == 0 and f"calibration in use: {written}" in r.stdout

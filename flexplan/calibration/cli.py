@@ -56,12 +56,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="file or folder to write (default: the calibration folder, a name from this machine's "
                         "fingerprint)")
     p.add_argument("--threads", type=int, default=None, help="CPU threads to measure with (default: usable cores)")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--no-progress", action="store_true",
+                   help="no progress bar: a line on stderr as each step ends, with its seconds")
 
 
 def run(args) -> int:
     mode = "tiny" if args.tiny else "probe" if args.probe else "quick" if args.quick else "full"
-    res = calibrate(mode=mode, out=args.out, threads=args.threads, progress=not args.no_progress)
+    res = calibrate(mode=mode, out=args.out, threads=args.threads, progress=not args.no_progress,
+                    step_log=(lambda line: print(line, file=sys.stderr, flush=True)) if args.no_progress else None)
     for name, err in res.failures.items():
         print(f"flexplan calibrate: benchmark {name} failed: {err}", file=sys.stderr)
     print(format_summary(res))
@@ -140,9 +142,11 @@ def _gpu_dtype(hw) -> tuple[str | None, str | None]:
 
 
 def calibrate(mode: str = "quick", out: str | Path | None = None, threads: int | None = None, progress: bool = True,
-              hw=None) -> Result:
+              hw=None, step_log: Callable[[str], None] | None = None) -> Result:
     """Run the benchmarks of ``mode`` ("full", "quick", "probe", "tiny") and write the calibration file
-    (atomically). Raises CalibrationError, writing nothing, when the essential benchmarks fail."""
+    (atomically). Raises CalibrationError, writing nothing, when the essential benchmarks fail.
+    ``step_log`` gets a line as each step ends (its seconds, or its failure): a run cut short by
+    a time limit still says where its time went."""
     from tqdm import tqdm
 
     from flexplan.calibration import memory_state
@@ -189,6 +193,9 @@ def calibrate(mode: str = "quick", out: str | Path | None = None, threads: int |
                 failures[step.label] = f"{type(e).__name__}: {e}"
             bar.update(step.units - done[0])
             step_wall_s[step.label] = round(time.perf_counter() - t_step, 2)
+            if step_log:
+                failed = f" (failed: {failures[step.label]})" if step.label in failures else ""
+                step_log(f"calibrate: {step.label} {step_wall_s[step.label]:.1f} s{failed}")
         memory_state.record_sample(memory, memory_state.END)
         measurements["memory_state"] = memory
     missing = [f"{n}[{cpu_dtypes[0]}]" for n in ESSENTIAL if f"{n}[{cpu_dtypes[0]}]" in failures]

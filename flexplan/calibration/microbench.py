@@ -160,9 +160,10 @@ MODES = {
     # overhead grows with prefill tokens (the earlier
     # VM's full file: 0.36 ms at 1 token, 1.9 at 128, 6.7 at 512, what the linear extrapolation
     # from 8 and 128 gives; the tiny layer's fixed cost alone left SmolLM2's TTFT 20-28% short),
-    # the per-step overhead; with a GPU, pinned copies each way. What it lacks falls back in
+    # the per-step overhead; with a GPU, pinned copies each way and the GPU's GEMV/GEMM at the one
+    # projection, its memory copy and its per-layer overhead (a few seconds). What it lacks falls back in
     # efficiency.py: the overhead of other layer sizes to this one's, the LM head to the GEMV
-    # factors, the thread sweep to all cores, the GPU's GEMMs to defaults. Weights cycle through
+    # factors, the thread sweep to all cores. Weights cycle through
     # 2x the last-level cache (not 4x) and 4 layer copies: in order, each call still misses (a
     # cache that holds 4 SmolLM2-sized layers, ~60 MB, would make the decode overhead come out low).
     # A 2048 x 5632 layer at 128 and 512 prefill tokens sets the prefill factor's level (the random
@@ -176,7 +177,8 @@ MODES = {
                    layer_shapes=((1, 1), (8, 1), (1, 32), (1, 128), (8, 128), (1, 512), (1, 1024)),
                    layer_kv_len=32, layer_long_kv_len=512, rotate_llc_multiple=2.0, layer_copies=4,
                    parts=frozenset({"cpu_stream", "cpu_op_dispatch", "cpu_gemv", "cpu_gemm", "cpu_attention",
-                                    "cpu_layers", "cpu_layer_overhead", "cpu_generate_step", "h2d", "d2h"})),
+                                    "cpu_layers", "cpu_layer_overhead", "cpu_generate_step", "h2d", "d2h",
+                                    "gpu_gemv", "gpu_gemm", "gpu_memory", "gpu_layer_overhead"})),
 }
 
 
