@@ -6,6 +6,7 @@
 # under the device call's 600 s); results land in $OUT (log.txt, gpu_results.tgz).
 #
 #   bash benchmarks/gpu_session.sh            # STEPS="tests probe val quick valq" by default
+#   (also: diag, the GPU layer step's profile; bench; full)
 #   STEPS="val bench" bash benchmarks/gpu_session.sh
 #
 # Seen on the H200 host (16-core Xeon, 2026-11-26): CUDA tests 30 s, the first-use probe 19-24 s,
@@ -58,6 +59,11 @@ if has tests; then
   tail -25 "$OUT/res/cuda_tests.txt"; pack
 fi
 
+if has diag; then
+  step "diag: the GPU layer step"
+  timeout "$(limit 60)" python3 benchmarks/diag_gpu_layer_step.py --out "$OUT/res/diag_gpu_layer_step.json" 2>&1 | tail -40
+fi
+
 if has probe; then
   step "calibrate --probe (the first-use probe, GPU steps included)"
   timeout "$(limit 60)" $FLEXPLAN calibrate --probe --no-progress 2>&1 | tail -45; pack
@@ -65,7 +71,8 @@ if has probe; then
   timeout "$(limit 30)" $FLEXPLAN hw 2>&1 | tail -30
 fi
 PROBE=$(cal_file "")
-has val && [ -n "$PROBE" ] && validate probe "probe=$PROBE" 150
+# EXTRA_CALS: more name=path sets priced beside it (e.g. an earlier call's probe file, re-derived)
+has val && [ -n "$PROBE" ] && validate probe "probe=$PROBE${EXTRA_CALS:+,$EXTRA_CALS}" 150
 
 if has quick; then
   s=$(limit ${QUICK_S:-200})

@@ -51,6 +51,10 @@ from flexplan.workload.model import ModelSpec
 
 EFF_MIN = 1e-4  # a factor below this is a broken measurement, not a slow machine
 MAX_DISPATCH_SHARE = 0.25  # dispatch is a correction: never more than this share of an op's time
+# a GPU layer's kernel launches (~30 of 5-10 us) take well under this; a measured per-layer overhead
+# above it timed something else (an H200 host's one-layer step read 36 ms where the executor's
+# whole 7-layer decode step took 14-20 ms) and would price every GPU layer 100x too slow
+GPU_LAYER_OVERHEAD_MAX_S = 5e-3
 
 
 class Table:
@@ -657,7 +661,11 @@ def from_measurements(meas: dict, settings: dict, hw: Hardware, source: str) -> 
                                       float(hw.gpu.memory_bandwidth_bytes_per_s))
         notes += [f"GPU: {x}" for x in n]
         g_layer = _part(meas, "gpu_layer_overhead", dict)
-        if g_layer:
+        if g_layer and float(g_layer["time_s"]) > GPU_LAYER_OVERHEAD_MAX_S:
+            notes.append(f"GPU per-layer overhead measured {float(g_layer['time_s']) * 1e3:.1f} ms, more than "
+                         f"{GPU_LAYER_OVERHEAD_MAX_S * 1e3:.0f} ms of kernel launches can take: default "
+                         f"{gpu_overhead * 1e6:.0f} us used (re-calibrate)")
+        elif g_layer:
             gpu_overhead = float(g_layer["time_s"])
     elif hw.gpu is not None:
         notes.append("no GPU measurements in this calibration: GPU factors are defaults")

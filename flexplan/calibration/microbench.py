@@ -516,38 +516,44 @@ def cpu_decode_attention_call(heads: int, kv_heads: int, head_dim: int, batch: i
     return sdpa_call, "transformers"
 
 
-def layer_overhead(sizes: Sizes, dtype: str, device: str = "cpu", sync=None, inner: int = 1) -> dict[str, float]:
+def layer_overhead(sizes: Sizes, dtype: str, device: str = "cpu", sync=None, inner: int = 1,
+                   stack: int = 1) -> dict[str, float]:
     """One decode step of a tiny (hidden 64) transformers LlamaDecoderLayer with a KV cache:
-    the fixed per-layer cost (its arithmetic is negligible)."""
+    the fixed per-layer cost (its arithmetic is negligible). With ``stack`` > 1, a step runs
+    that many such layers in turn (each its own cache) and the time is per layer."""
     import torch
-    from transformers import LlamaConfig
     from transformers.cache_utils import DynamicCache
     from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
 
     from flexplan.executor.cpu_linear import LinearKernel, pack_batch_hint, pack_module
     from flexplan.executor.families import CACHE_KWARG
 
-    cfg = LlamaConfig(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
-                      head_dim=16, num_hidden_layers=1, vocab_size=128)
-    cfg._attn_implementation = "sdpa"
+    cfg = _llama_config(64, 128, 4, 2, 16)
     dt = torch_dtype(dtype)
-    layer = LlamaDecoderLayer(cfg, 0).to(device=device, dtype=dt).eval()
+    layers = [LlamaDecoderLayer(cfg, 0).to(device=device, dtype=dt).eval() for _ in range(stack)]
     kernel = LinearKernel(device=device)
     if kernel.packed:  # as the executor computes CPU layers
-        pack_module(layer, pack_batch_hint(1), kernel.name)
+        for layer in layers:
+            pack_module(layer, pack_batch_hint(1), kernel.name)
     rotary = LlamaRotaryEmbedding(cfg).to(device)
-    cache = DynamicCache(config=cfg)
+    caches = [DynamicCache(config=cfg) for _ in layers]
     with torch.inference_mode():
         prompt = torch.full((1, 16, 64), 0.1, dtype=dt, device=device)
         pos = torch.arange(16, device=device)[None]
-        layer(prompt, position_ids=pos, position_embeddings=rotary(prompt, pos), **{CACHE_KWARG: cache}, use_cache=True)
+        pe = rotary(prompt, pos)
+        for layer, cache in zip(layers, caches):
+            layer(prompt, position_ids=pos, position_embeddings=pe, **{CACHE_KWARG: cache}, use_cache=True)
         x = torch.full((1, 1, 64), 0.1, dtype=dt, device=device)
         p = torch.tensor([[16]], device=device)
         pe = rotary(x, p)
-        r = time_call(lambda: layer(x, position_ids=p, position_embeddings=pe, **{CACHE_KWARG: cache}, use_cache=True),
-                      max(3, sizes.layer_calls // inner), 2 * sizes.budget_s, sync, inner)
-    return {"time_s": _sig(r["time_s"]), "time_median_s": _sig(r["time_median_s"]), "runs": r["runs"],
-            "hidden_size": 64, "layer": "transformers LlamaDecoderLayer (sdpa), decode step with DynamicCache"}
+
+        def step():
+            for layer, cache in zip(layers, caches):
+                layer(x, position_ids=p, position_embeddings=pe, **{CACHE_KWARG: cache}, use_cache=True)
+
+        r = time_call(step, max(3, sizes.layer_calls // inner), 2 * sizes.budget_s, sync, inner)
+    return {"time_s": _sig(r["time_s"] / stack), "time_median_s": _sig(r["time_median_s"] / stack), "runs": r["runs"],
+            "stack": stack, "hidden_size": 64, "layer": "transformers LlamaDecoderLayer (sdpa), decode step with DynamicCache"}
 
 
 def _llama_config(hidden: int, inter: int, heads: int, kv_heads: int, head_dim: int, layers: int = 1, vocab: int = 128):

@@ -8,7 +8,8 @@ probe's, on an H200); see calibration/README.md.
 - Link: pinned host <-> device copies over transfer sizes (1 MB .. 1 GB).
 - Contention (Park & Egger 4.1): a CPU prefill GEMM timed alone and while host-to-device
   copies run on another CUDA stream; factor = time with copy / time alone.
-- Per-layer overhead on the GPU: the tiny LlamaDecoderLayer of microbench.py on cuda.
+- Per-layer overhead on the GPU: the tiny LlamaDecoderLayer of microbench.py on cuda, the
+  slope between a step through 8 of them and through one.
 """
 
 from __future__ import annotations
@@ -104,6 +105,15 @@ def cpu_under_copy(sizes: mb.Sizes, cpu_dtype: str) -> dict:
     return out
 
 
-def layer_overhead(sizes: mb.Sizes, dtype: str) -> dict[str, float]:
-    """One decode step of the tiny layer on the GPU, 10 steps queued per synchronize."""
-    return mb.layer_overhead(sizes, dtype, device="cuda", sync=_sync, inner=10)
+def layer_overhead(sizes: mb.Sizes, dtype: str, stack: int = 8) -> dict[str, float]:
+    """What one more layer adds to a decode step on the GPU: the tiny layer's step through
+    ``stack`` layers against through one, 10 steps queued per synchronize. The slope leaves out
+    what a step pays once whatever its layers (the one-layer step is kept beside it: on an H200
+    host, 2026-11-26, a one-layer step timed alone read 36 ms where the executor's whole 7-layer
+    decode step took 14-20 ms)."""
+    one = mb.layer_overhead(sizes, dtype, device="cuda", sync=_sync, inner=10)
+    many = mb.layer_overhead(sizes, dtype, device="cuda", sync=_sync, inner=10, stack=stack)
+    per_layer = max(0.0, (stack * many["time_s"] - one["time_s"]) / (stack - 1))
+    return {**many, "time_s": mb._sig(per_layer), "time_median_s": mb._sig(max(
+        0.0, (stack * many["time_median_s"] - one["time_median_s"]) / (stack - 1))),
+        "one_layer_step_s": one["time_s"], "stack_step_s": mb._sig(stack * many["time_s"])}
