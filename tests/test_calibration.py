@@ -590,3 +590,24 @@ def test_disturbed_gemm_points_are_timed_again():
     assert suspect_points(spread) == [128]
     per_token = {**clean, **pts(t512=(60e-3, 59e-3))}  # 512 tokens slower per token than 4 x 128
     assert suspect_points(per_token) == [512]
+
+
+@pytest.mark.parametrize("one_s,per_layer_s,expected_s", [
+    (0.66e-3, 0.54e-3, (8 * 0.54e-3 - 0.66e-3) / 7),  # the slope: what one more layer adds
+    (37.7e-3, 0.54e-3, 0.54e-3),  # a disturbed one-layer step: the stack's per-layer time, an upper bound
+])
+def test_gpu_layer_overhead_is_the_slope_over_a_stack(monkeypatch, one_s, per_layer_s, expected_s):
+    """Timings as an H200 host gave them (2026-11-26): the first one-layer pass read 37.7 ms."""
+    from flexplan.calibration import microbench as mb, microbench_gpu as gb
+
+    calls = []
+
+    def fake(sizes, dtype, device="cpu", sync=None, inner=1, stack=1, fixed_kv=False):
+        calls.append((device, stack, fixed_kv))
+        t = one_s if stack == 1 else per_layer_s
+        return {"time_s": t, "time_median_s": t, "runs": 3, "stack": stack, "fixed_kv": fixed_kv}
+
+    monkeypatch.setattr(mb, "layer_overhead", fake)
+    r = gb.layer_overhead(mb.MODES["probe"], "bfloat16")
+    assert calls == [("cuda", 1, True), ("cuda", 8, True)]  # every step over the same KV length
+    assert r["time_s"] == pytest.approx(expected_s, rel=1e-3) and r["one_layer_step_s"] == one_s

@@ -205,3 +205,18 @@ def test_a_slow_batch_1_point_does_not_make_batch_1_slower_than_batch_4(tmp_path
         b4 = predict(eff, HW_CPU, SMOLLM2, "cpu", 4, 128, 64, cd)[1]
         assert b1 <= b4
         assert b1 == pytest.approx(predict(clean, HW_CPU, SMOLLM2, "cpu", 1, 128, 64, cd)[1], rel=0.25)
+
+
+@pytest.mark.parametrize("measured_s,used_s", [(5e-4, 5e-4), (0.036, None)])
+def test_an_implausible_gpu_layer_overhead_is_refused(tmp_path, measured_s, used_s):
+    """The H200 probe's one-layer step read 36 ms (each new KV length cost cuDNN a plan) and priced
+    the 7-layer random Llama's gpu-offload at 250 ms against 14-22 ms measured: a per-layer
+    overhead beyond what kernel launches take is refused with a note, the default used."""
+    from flexplan.estimator.efficiency import GPU_LAYER_OVERHEAD_DEFAULT_S
+
+    machine = SyntheticMachine(bytes_per_s=40e9, kv_bytes_per_s=20e9, flops_per_s={"float32": 150e9, "bfloat16": 300e9},
+                               op_s=5e-6, layer_s=200e-6, step_s=1e-3, logit_s=1e-10, gpu=True)
+    layer = {"time_s": measured_s, "time_median_s": measured_s, "runs": 3, "hidden_size": 64, "layer": "synthetic"}
+    eff = calibrated(machine, "probe", HW_GPU, tmp_path, extra={"gpu_layer_overhead": layer})
+    assert eff.gpu_layer_overhead_s() == pytest.approx(used_s or GPU_LAYER_OVERHEAD_DEFAULT_S)
+    assert any("GPU per-layer overhead measured 36.0 ms" in n for n in eff.notes) == (used_s is None)

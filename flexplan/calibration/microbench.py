@@ -517,10 +517,13 @@ def cpu_decode_attention_call(heads: int, kv_heads: int, head_dim: int, batch: i
 
 
 def layer_overhead(sizes: Sizes, dtype: str, device: str = "cpu", sync=None, inner: int = 1,
-                   stack: int = 1) -> dict[str, float]:
+                   stack: int = 1, fixed_kv: bool = False) -> dict[str, float]:
     """One decode step of a tiny (hidden 64) transformers LlamaDecoderLayer with a KV cache:
     the fixed per-layer cost (its arithmetic is negligible). With ``stack`` > 1, a step runs
-    that many such layers in turn (each its own cache) and the time is per layer."""
+    that many such layers in turn (each its own cache) and the time is per layer. With
+    ``fixed_kv`` every step attends the same 17 keys (the cache cropped back after it), not one
+    more than the step before: on an H200, torch's SDPA took cuDNN's kernel for this layer, and
+    each KV length not seen before cost ~36 ms (likely building its plan)."""
     import torch
     from transformers.cache_utils import DynamicCache
     from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
@@ -550,10 +553,12 @@ def layer_overhead(sizes: Sizes, dtype: str, device: str = "cpu", sync=None, inn
         def step():
             for layer, cache in zip(layers, caches):
                 layer(x, position_ids=p, position_embeddings=pe, **{CACHE_KWARG: cache}, use_cache=True)
+                if fixed_kv:
+                    cache.crop(-1)  # back to the 16 keys of the prompt
 
         r = time_call(step, max(3, sizes.layer_calls // inner), 2 * sizes.budget_s, sync, inner)
     return {"time_s": _sig(r["time_s"] / stack), "time_median_s": _sig(r["time_median_s"] / stack), "runs": r["runs"],
-            "stack": stack, "hidden_size": 64, "layer": "transformers LlamaDecoderLayer (sdpa), decode step with DynamicCache"}
+            "stack": stack, "fixed_kv": fixed_kv, "hidden_size": 64, "layer": "transformers LlamaDecoderLayer (sdpa), decode step with DynamicCache"}
 
 
 def _llama_config(hidden: int, inter: int, heads: int, kv_heads: int, head_dim: int, layers: int = 1, vocab: int = 128):
