@@ -228,6 +228,22 @@ def segments(a: PhasePlacement, b: PhasePlacement):
         j += rb[j][1] == 0
 
 
+def prefill_beside(prefill: PhasePlacement, decode: PhasePlacement) -> PhasePlacement:
+    """The prefill placement the executor runs beside ``decode`` (FlexInfer section 5.3): a layer
+    prefill would stream and decode keeps resident is resident in prefill too (``prefill`` itself
+    when no layer is). Concrete placements (int run lengths) only."""
+    if not any(a.streamed and b is RESIDENT for a, b, _ in segments(prefill, decode)):
+        return prefill
+    runs: list[list] = []
+    for a, b, n in segments(prefill, decode):
+        m = RESIDENT if a.streamed and b is RESIDENT else a
+        if runs and runs[-1][0] is m:
+            runs[-1][1] += n
+        else:
+            runs.append([m, n])
+    return PhasePlacement(tuple((m, n) for m, n in runs), prefill.head)
+
+
 @dataclass(frozen=True)
 class Placement:
     """A whole request: the placement of each phase it runs (both, for the executor; one, for a
@@ -247,16 +263,7 @@ class Placement:
            policies: Mapping[str, str] | None = None) -> "Placement":
         phases = dict(phases)
         if "prefill" in phases and "decode" in phases:
-            p, d = phases["prefill"], phases["decode"]
-            if any(a.streamed and b is RESIDENT for a, b, _ in segments(p, d)):
-                runs: list[list] = []
-                for a, b, n in segments(p, d):
-                    m = RESIDENT if a.streamed and b is RESIDENT else a
-                    if runs and runs[-1][0] is m:
-                        runs[-1][1] += n
-                    else:
-                        runs.append([m, n])
-                phases["prefill"] = PhasePlacement(tuple((m, n) for m, n in runs), p.head)
+            phases["prefill"] = prefill_beside(phases["prefill"], phases["decode"])
         return cls(MappingProxyType(phases), dtype, cpu_dtype, MappingProxyType(dict(policies or {})))
 
     def __hash__(self):

@@ -22,7 +22,8 @@ from flexplan import memory
 from flexplan.estimator import REGISTRY, DefaultEfficiency, Efficiency, Shape, phase_costs
 from flexplan.estimator.terms import PhaseCosts, t_link_s
 from flexplan.hardware.spec import Hardware, canonical_dtype
-from flexplan.placement import ACCELERATOR, CPU, EXPERT_GROUP, Placement, PhasePlacement, segments
+from flexplan.placement import (ACCELERATOR, CPU, EXPERT_GROUP, RESIDENT, Placement, PhasePlacement, prefill_beside,
+                                segments)
 from flexplan.plan_types import PHASES, POLICIES, Candidate, PhaseChoice, Plan
 from flexplan.workload import costs, resolve_model
 from flexplan.workload.model import ModelSpec
@@ -303,6 +304,30 @@ def _plan_one(spec: ModelSpec, hw: Hardware, eff: Efficiency, shape: Shape, gpu_
 
     n = spec.num_layers
     scores: dict[tuple, tuple[float, float, float] | None] = {}
+    runs_as_cache: dict[tuple, tuple[str, int]] = {}
+
+    def runs_as(p: str, ip: int, d: str, idx_d: int) -> tuple[str, int]:
+        """The prefill option the executor runs in a pair: (p, ip) itself, or where decode keeps
+        layers resident that prefill would stream (placement.prefill_beside: they stay resident,
+        FlexInfer section 5.3), the prefill option with that placement, the first policy in the
+        registry's order that has it. On an H200, gpu-offload prefill (M = 0) beside split-points
+        decode (M = 10) priced as all streamed predicted 243 ms; it ran 175 (22 streamed), and
+        gpu-offload-partial with M = 10 predicted 181."""
+        key = (p, ip, d, idx_d)
+        if key not in runs_as_cache:
+            m_p, m_d = int(opts["prefill"][p].gpu_layers[ip]), int(opts["decode"][d].gpu_layers[idx_d])
+            mine = REGISTRY[p].placement(n, m_p, "prefill")
+            runs = prefill_beside(mine, REGISTRY[d].placement(n, m_d, "decode"))
+            runs_as_cache[key] = (p, ip)
+            if runs is not mine:
+                m = sum(1 for mode in runs.modes if mode is RESIDENT)
+                for q in dict.fromkeys([p, *opts["prefill"]]):
+                    j = opts["prefill"][q].index_of(m)
+                    theirs = REGISTRY[q].placement(n, m, "prefill") if j is not None else None
+                    if theirs is not None and (theirs.modes, theirs.head_mode) == (runs.modes, runs.head_mode):
+                        runs_as_cache[key] = (q, j)
+                        break
+        return runs_as_cache[key]
 
     def score(p: str, ip: int, d: str, idx_d: int) -> tuple[float, float, float] | None:
         """E2E of a pair, None when both placements together (the executor holds what either phase
@@ -321,9 +346,11 @@ def _plan_one(spec: ModelSpec, hw: Hardware, eff: Efficiency, shape: Shape, gpu_
             if need.host_total_bytes > cpu_budget or need.accelerator_bytes > gpu_budget:
                 scores[key] = None
                 return None
-        ttft = float(op.time_s[ip])
-        sw = switch_s(shape, hw, p, m_p, d, m_d, ttft, include_initial_load, eff)
-        load = float(op.load_s[ip]) if include_initial_load else 0.0
+        q, iq = runs_as(p, ip, d, idx_d)
+        oq = opts["prefill"][q]
+        ttft = float(oq.time_s[iq])
+        sw = switch_s(shape, hw, q, int(oq.gpu_layers[iq]), d, m_d, ttft, include_initial_load, eff)
+        load = float(oq.load_s[iq]) if include_initial_load else 0.0
         scores[key] = (load + ttft + sw + steps * float(od.time_s[idx_d]), load, sw)
         return scores[key]
 
@@ -336,13 +363,40 @@ def _plan_one(spec: ModelSpec, hw: Hardware, eff: Efficiency, shape: Shape, gpu_
         return float(t.min())
 
     floors = {("prefill", p): floor_s(o, 1.0, include_initial_load) for p, o in opts["prefill"].items()}
+    # a prefill that streams may run as another prefill option (runs_as): its floor is the least of all
+    lowest = min(floors.values(), default=math.inf)
+    floors.update({("prefill", p): lowest for p in opts["prefill"]
+                   if any(mode.streamed for mode in REGISTRY[p].placement(n, 0, "prefill").modes)})
     floors.update({("decode", d): floor_s(o, steps, False) for d, o in opts["decode"].items()})
 
-    def best_pair(p_pols, d_pols):
+    # policies whose prefill streams layers: runs_as may price them as another option
+    streams = {p: any(mode.streamed for mode in REGISTRY[p].placement(n, 0, "prefill").modes) for p in opts["prefill"]}
+
+    def best_pair(p_pols, d_pols, every_prefill_m: bool = True):
         """The lowest-E2E pair, pairs taken in the order of their floor (prefill's fastest M with its
         load, plus decode's fastest M over the steps; a switch only adds): once a pair's floor is
-        no lower than the best E2E found, no later pair can beat it and the search stops."""
+        no lower than the best E2E found, no later pair can beat it and the search stops. Decode's
+        M: its fastest, its most, and prefill's; prefill's: with ``every_prefill_m`` every feasible
+        one (beside a decode that keeps layers resident, the best is not the fastest alone: its
+        load and the switch trade against it, and runs_as can move it), else the fastest, the most
+        and decode's."""
         best = None
+
+        def consider(p, ip, d, i_d):
+            nonlocal best
+            s = score(p, ip, d, i_d)
+            if s is None:  # both phases' buffers together: the most decode GPU layers that fit,
+                lo, hi = 0, i_d - 1  # by bisection (fewer decode layers need less accelerator memory)
+                while lo <= hi:
+                    mid = (lo + hi) // 2
+                    s_mid = score(p, ip, d, mid) if opts["decode"][d].feasible[mid] else None
+                    if s_mid is None:
+                        hi = mid - 1
+                    else:
+                        i_d, s, lo = mid, s_mid, mid + 1
+            if s is not None and (best is None or s[0] < best[0]):
+                best = (s[0], s[1], s[2], p, ip, d, i_d)
+
         pairs = sorted(((floors["prefill", p] + floors["decode", d], p, d) for p in p_pols for d in d_pols),
                        key=lambda x: x[0])
         for floor, p, d in pairs:
@@ -364,18 +418,21 @@ def _plan_one(spec: ModelSpec, hw: Hardware, eff: Efficiency, shape: Shape, gpu_
                     ip_set.add(j)
             for ip in ip_set:
                 for i_d in id_set:
-                    s = score(p, ip, d, i_d)
-                    if s is None:  # both phases' buffers together: the most decode GPU layers that fit,
-                        lo, hi = 0, i_d - 1  # by bisection (fewer decode layers need less accelerator memory)
-                        while lo <= hi:
-                            mid = (lo + hi) // 2
-                            s_mid = score(p, ip, d, mid) if od.feasible[mid] else None
-                            if s_mid is None:
-                                hi = mid - 1
-                            else:
-                                i_d, s, lo = mid, s_mid, mid + 1
-                    if s is not None and (best is None or s[0] < best[0]):
-                        best = (s[0], s[1], s[2], p, ip, d, i_d)
+                    consider(p, ip, d, i_d)
+            if not every_prefill_m:
+                continue
+            own = op.time_s + (op.load_s if include_initial_load else 0.0)  # prefill's part of E2E at each M
+            rest = sorted((int(i) for i in np.flatnonzero(op.feasible) if int(i) not in ip_set), key=lambda i: own[i])
+            for i_d in id_set:
+                seen = {runs_as(p, ip, d, i_d) for ip in ip_set} if streams[p] else set()
+                for ip in rest:
+                    if streams[p]:  # priced as the option it runs as: each such option once
+                        if runs_as(p, ip, d, i_d) in seen:
+                            continue
+                        seen.add(runs_as(p, ip, d, i_d))
+                    elif best is not None and own[ip] + steps * float(od.time_s[i_d]) >= best[0]:
+                        break  # a switch only adds: no later M (sorted by own) can beat the best
+                    consider(p, ip, d, i_d)
         return best
 
     p_pols = [prefill] if prefill else list(policies)
@@ -383,7 +440,7 @@ def _plan_one(spec: ModelSpec, hw: Hardware, eff: Efficiency, shape: Shape, gpu_
     chosen = best_pair(p_pols, d_pols)
     baselines = {}
     for pol in policies:
-        b = best_pair([pol], [pol])
+        b = best_pair([pol], [pol], every_prefill_m=False)  # the reason's baselines
         baselines[pol] = b[0] if b else math.inf
     if chosen is None:
         raise DoesNotFitError(_no_fit_message(shape, hw, gpu_budget, cpu_budget, prefill, decode, gpu_layers, candidates))
@@ -391,8 +448,12 @@ def _plan_one(spec: ModelSpec, hw: Hardware, eff: Efficiency, shape: Shape, gpu_
     def build(pair) -> Plan:
         e2e, load_s, sw, p, ip, d, i_d = pair
         op, od = opts["prefill"][p], opts["decode"][d]
-        cp = Candidate("prefill", p, int(op.gpu_layers[ip]), float(op.time_s[ip]), int(op.gpu_bytes[ip]),
-                       int(op.cpu_bytes[ip]), float(op.pcie_bytes[ip]), True)
+        q, iq = runs_as(p, ip, d, i_d)
+        if q == p:  # the same policy at the M it runs with
+            ip = iq
+        oq = opts["prefill"][q]
+        cp = Candidate("prefill", p, int(op.gpu_layers[ip]), float(oq.time_s[iq]), int(oq.gpu_bytes[iq]),
+                       int(oq.cpu_bytes[iq]), float(oq.pcie_bytes[iq]), True)
         cd = Candidate("decode", d, int(od.gpu_layers[i_d]), float(od.time_s[i_d]), int(od.gpu_bytes[i_d]),
                        int(od.cpu_bytes[i_d]), float(od.pcie_bytes[i_d]), True)
         out = Plan(
@@ -403,7 +464,10 @@ def _plan_one(spec: ModelSpec, hw: Hardware, eff: Efficiency, shape: Shape, gpu_
             decode=PhaseChoice.of(cd, REGISTRY[d].split_choice(pcs["decode"], n, cd.gpu_layers)),
             ttft_s=cp.time_s, tpot_s=cd.time_s, load_s=load_s, switch_s=sw, e2e_s=e2e,
             reason=_reason(cp, cd, candidates, baselines, e2e),
-            candidates=tuple(candidates), baselines=baselines, calibration=eff.source, notes=tuple(hw.notes),
+            candidates=tuple(candidates), baselines=baselines, calibration=eff.source,
+            notes=tuple(hw.notes) + ((f"prefill keeps the {int(oq.gpu_layers[iq])} layers decode holds on the GPU "
+                                      f"resident (FlexInfer 5.3): priced as {q} with {int(oq.gpu_layers[iq])} GPU "
+                                      "layers",) if (q, iq) != (p, ip) else ()),
         )
         if curves:
             from flexplan.plan_expert_cache import add_expert_cache
