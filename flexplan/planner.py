@@ -51,8 +51,12 @@ class _Options:
         return None if idx.size == 0 else int(idx[np.argmin(self.time_s[idx])])
 
     def index_of(self, m: int) -> int | None:
-        idx = np.flatnonzero((self.gpu_layers == m) & self.feasible)
-        return int(idx[0]) if idx.size else None
+        """The index of the first feasible option with ``m`` GPU layers, or None."""
+        if "_index" not in self.__dict__:  # built once: the pair search asks thousands of times
+            self.__dict__["_index"] = {}
+            for i in np.flatnonzero(self.feasible)[::-1]:
+                self.__dict__["_index"][int(self.gpu_layers[i])] = int(i)
+        return self.__dict__["_index"].get(int(m))
 
 
 def _check_positive(**kw: Any) -> None:
@@ -305,6 +309,34 @@ def _plan_one(spec: ModelSpec, hw: Hardware, eff: Efficiency, shape: Shape, gpu_
     n = spec.num_layers
     scores: dict[tuple, tuple[float, float, float] | None] = {}
     runs_as_cache: dict[tuple, tuple[str, int]] = {}
+    option_with: dict[tuple, tuple[str, int] | None] = {}  # (policy, canonical placement) -> the option that has it
+    # policies whose prefill streams layers: beside a decode that keeps layers resident they run as another option
+    streams = {p: any(mode.streamed for mode in REGISTRY[p].placement(n, 0, "prefill").modes) for p in opts["prefill"]}
+
+    masks_cache: dict[tuple, tuple[int, int]] = {}
+
+    def masks(phase: str, pol: str, m: int) -> tuple[int, int]:
+        """(streamed, resident) layers of ``pol``'s placement with ``m`` GPU layers, as bit masks."""
+        key = (phase, pol, m)
+        if key not in masks_cache:
+            streamed = resident = first = 0
+            for mode, count in REGISTRY[pol].placement(n, m, phase).runs:
+                bits = ((1 << int(count)) - 1) << first
+                streamed |= bits if mode.streamed else 0
+                resident |= bits if mode is RESIDENT else 0
+                first += int(count)
+            masks_cache[key] = (streamed, resident)
+        return masks_cache[key]
+
+    def canonical(pp: PhasePlacement) -> tuple:
+        """Runs without empty ones, neighbours of one mode merged, and the head's mode."""
+        runs: list[list] = []
+        for mode, count in pp.runs:
+            if int(count) and runs and runs[-1][0] == mode:
+                runs[-1][1] += int(count)
+            elif int(count):
+                runs.append([mode, int(count)])
+        return tuple(map(tuple, runs)), pp.head_mode
 
     def runs_as(p: str, ip: int, d: str, idx_d: int) -> tuple[str, int]:
         """The prefill option the executor runs in a pair: (p, ip) itself, or where decode keeps
@@ -313,25 +345,29 @@ def _plan_one(spec: ModelSpec, hw: Hardware, eff: Efficiency, shape: Shape, gpu_
         registry's order that has it. On an H200, gpu-offload prefill (M = 0) beside split-points
         decode (M = 10) priced as all streamed predicted 243 ms; it ran 175 (22 streamed), and
         gpu-offload-partial with M = 10 predicted 181."""
-        key = (p, ip, d, idx_d)
+        if not streams[p]:
+            return p, ip
+        m_p, m_d = int(opts["prefill"][p].gpu_layers[ip]), int(opts["decode"][d].gpu_layers[idx_d])
+        key = (p, m_p, d, m_d)
         if key not in runs_as_cache:
-            m_p, m_d = int(opts["prefill"][p].gpu_layers[ip]), int(opts["decode"][d].gpu_layers[idx_d])
-            mine = REGISTRY[p].placement(n, m_p, "prefill")
-            runs = prefill_beside(mine, REGISTRY[d].placement(n, m_d, "decode"))
             runs_as_cache[key] = (p, ip)
-            if runs is not mine:
-                m = sum(1 for mode in runs.modes if mode is RESIDENT)
-                for q in dict.fromkeys([p, *opts["prefill"]]):
-                    j = opts["prefill"][q].index_of(m)
-                    theirs = REGISTRY[q].placement(n, m, "prefill") if j is not None else None
-                    if theirs is not None and (theirs.modes, theirs.head_mode) == (runs.modes, runs.head_mode):
-                        runs_as_cache[key] = (q, j)
-                        break
+            if masks("prefill", p, m_p)[0] & masks("decode", d, m_d)[1]:  # a streamed layer decode holds
+                mine = REGISTRY[p].placement(n, m_p, "prefill")
+                runs = prefill_beside(mine, REGISTRY[d].placement(n, m_d, "decode"))
+                want = canonical(runs)
+                if (p, want) not in option_with:  # many (M, decode M) pairs run as one option
+                    m = int(runs.count(lambda mode: mode is RESIDENT))
+                    option_with[p, want] = next(
+                        ((q, j) for q in dict.fromkeys([p, *opts["prefill"]])
+                         if (j := opts["prefill"][q].index_of(m)) is not None
+                         and canonical(REGISTRY[q].placement(n, m, "prefill")) == want), None)
+                runs_as_cache[key] = option_with[p, want] or (p, ip)
         return runs_as_cache[key]
 
     def score(p: str, ip: int, d: str, idx_d: int) -> tuple[float, float, float] | None:
         """E2E of a pair, None when both placements together (the executor holds what either phase
-        needs) do not fit."""
+        needs) do not fit; priced, and cached, as the prefill option it runs as (runs_as)."""
+        p, ip = runs_as(p, ip, d, idx_d)
         key = (p, ip, d, idx_d)
         if key in scores:
             return scores[key]
@@ -346,11 +382,9 @@ def _plan_one(spec: ModelSpec, hw: Hardware, eff: Efficiency, shape: Shape, gpu_
             if need.host_total_bytes > cpu_budget or need.accelerator_bytes > gpu_budget:
                 scores[key] = None
                 return None
-        q, iq = runs_as(p, ip, d, idx_d)
-        oq = opts["prefill"][q]
-        ttft = float(oq.time_s[iq])
-        sw = switch_s(shape, hw, q, int(oq.gpu_layers[iq]), d, m_d, ttft, include_initial_load, eff)
-        load = float(oq.load_s[iq]) if include_initial_load else 0.0
+        ttft = float(op.time_s[ip])
+        sw = switch_s(shape, hw, p, m_p, d, m_d, ttft, include_initial_load, eff)
+        load = float(op.load_s[ip]) if include_initial_load else 0.0
         scores[key] = (load + ttft + sw + steps * float(od.time_s[idx_d]), load, sw)
         return scores[key]
 
@@ -363,14 +397,25 @@ def _plan_one(spec: ModelSpec, hw: Hardware, eff: Efficiency, shape: Shape, gpu_
         return float(t.min())
 
     floors = {("prefill", p): floor_s(o, 1.0, include_initial_load) for p, o in opts["prefill"].items()}
-    # a prefill that streams may run as another prefill option (runs_as): its floor is the least of all
-    lowest = min(floors.values(), default=math.inf)
-    floors.update({("prefill", p): lowest for p in opts["prefill"]
-                   if any(mode.streamed for mode in REGISTRY[p].placement(n, 0, "prefill").modes)})
+    lowest = min(floors.values(), default=math.inf)  # a streaming prefill may run as any other option
+    floors.update({("prefill", p): lowest for p in opts["prefill"] if streams[p]})
     floors.update({("decode", d): floor_s(o, steps, False) for d, o in opts["decode"].items()})
-
-    # policies whose prefill streams layers: runs_as may price them as another option
-    streams = {p: any(mode.streamed for mode in REGISTRY[p].placement(n, 0, "prefill").modes) for p in opts["prefill"]}
+    # prefill's part of E2E (load + TTFT) at each M: with decode's fastest TPOT, a bound on any pair
+    own = {p: o.time_s + (o.load_s if include_initial_load else 0.0) for p, o in opts["prefill"].items()}
+    least_own_at: dict[int, float] = {}  # M -> the least prefill part of any feasible option with M GPU layers
+    for o in opts["prefill"].values():
+        for i in np.flatnonzero(o.feasible):
+            m = int(o.gpu_layers[i])
+            least_own_at[m] = min(least_own_at.get(m, math.inf), float(own[o.policy][i]))
+    def least_own(p: str, ip: int, d: str, idx_d: int) -> float:
+        """A lower bound on the prefill part of the pair's E2E, without runs_as: the option it runs
+        as has as many resident layers as prefill's and the streamed ones decode holds."""
+        if not streams[p]:
+            return float(own[p][ip])
+        streamed, resident = masks("prefill", p, int(opts["prefill"][p].gpu_layers[ip]))
+        _, held = masks("decode", d, int(opts["decode"][d].gpu_layers[idx_d]))
+        m = (resident | (streamed & held)).bit_count()
+        return min(float(own[p][ip]), least_own_at.get(m, math.inf))
 
     def best_pair(p_pols, d_pols, every_prefill_m: bool = True):
         """The lowest-E2E pair, pairs taken in the order of their floor (prefill's fastest M with its
@@ -382,10 +427,10 @@ def _plan_one(spec: ModelSpec, hw: Hardware, eff: Efficiency, shape: Shape, gpu_
         and decode's."""
         best = None
 
-        def consider(p, ip, d, i_d):
+        def consider(p, ip, d, i_d, shrink_decode: bool = True):
             nonlocal best
             s = score(p, ip, d, i_d)
-            if s is None:  # both phases' buffers together: the most decode GPU layers that fit,
+            if s is None and shrink_decode:  # both phases' buffers together: the most decode GPU layers that fit,
                 lo, hi = 0, i_d - 1  # by bisection (fewer decode layers need less accelerator memory)
                 while lo <= hi:
                     mid = (lo + hi) // 2
@@ -399,6 +444,7 @@ def _plan_one(spec: ModelSpec, hw: Hardware, eff: Efficiency, shape: Shape, gpu_
 
         pairs = sorted(((floors["prefill", p] + floors["decode", d], p, d) for p in p_pols for d in d_pols),
                        key=lambda x: x[0])
+        decode_ms: dict[tuple[str, str], set[int]] = {}  # (prefill, decode) -> decode options tried
         for floor, p, d in pairs:
             if not math.isfinite(floor) or (best is not None and floor >= best[0]):
                 break
@@ -419,20 +465,25 @@ def _plan_one(spec: ModelSpec, hw: Hardware, eff: Efficiency, shape: Shape, gpu_
             for ip in ip_set:
                 for i_d in id_set:
                     consider(p, ip, d, i_d)
-            if not every_prefill_m:
+            decode_ms[p, d] = id_set
+        if not every_prefill_m:
+            return best
+        # then every other prefill M of those pairs, against the best found so far (it prunes most)
+        for floor, p, d in pairs:
+            if (p, d) not in decode_ms:
                 continue
-            own = op.time_s + (op.load_s if include_initial_load else 0.0)  # prefill's part of E2E at each M
-            rest = sorted((int(i) for i in np.flatnonzero(op.feasible) if int(i) not in ip_set), key=lambda i: own[i])
-            for i_d in id_set:
-                seen = {runs_as(p, ip, d, i_d) for ip in ip_set} if streams[p] else set()
+            if best is not None and floor >= best[0]:
+                break
+            op, od = opts["prefill"][p], opts["decode"][d]
+            rest = sorted((int(i) for i in np.flatnonzero(op.feasible)), key=lambda i: own[p][i])
+            for i_d in decode_ms[p, d]:
+                decode_s = steps * float(od.time_s[i_d])
                 for ip in rest:
-                    if streams[p]:  # priced as the option it runs as: each such option once
-                        if runs_as(p, ip, d, i_d) in seen:
-                            continue
-                        seen.add(runs_as(p, ip, d, i_d))
-                    elif best is not None and own[ip] + steps * float(od.time_s[i_d]) >= best[0]:
-                        break  # a switch only adds: no later M (sorted by own) can beat the best
-                    consider(p, ip, d, i_d)
+                    if best is not None and least_own(p, ip, d, i_d) + decode_s >= best[0]:  # a switch only adds
+                        if not streams[p]:
+                            break  # every later M (sorted by own) runs as itself: none can beat the best
+                        continue
+                    consider(p, ip, d, i_d, shrink_decode=False)  # decode's M as found above
         return best
 
     p_pols = [prefill] if prefill else list(policies)
@@ -440,7 +491,7 @@ def _plan_one(spec: ModelSpec, hw: Hardware, eff: Efficiency, shape: Shape, gpu_
     chosen = best_pair(p_pols, d_pols)
     baselines = {}
     for pol in policies:
-        b = best_pair([pol], [pol], every_prefill_m=False)  # the reason's baselines
+        b = best_pair([pol], [pol], every_prefill_m=False)  # the reason's baselines: its fastest, most and same M
         baselines[pol] = b[0] if b else math.inf
     if chosen is None:
         raise DoesNotFitError(_no_fit_message(shape, hw, gpu_budget, cpu_budget, prefill, decode, gpu_layers, candidates))
