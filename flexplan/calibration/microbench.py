@@ -136,8 +136,14 @@ MODES = {
     # quick: every decode batch `flexplan validate` runs (1, 4, 8) measured as in full, fewer prefill
     # shapes and less time per shape; the fit's physical constraints (efficiency.py) keep the
     # points it lacks from bending the curve (calibration/README.md, "What --quick measures")
+    # Weights cycle through 2x the last-level cache (full: 4x): on the AVX-512 VM 109 s instead of 147,
+    # no worse over the validate grid (two A/Bs, order alternated, each file judged on the same
+    # validation runs: mean MAPE 7.1% vs 8.1%,
+    # benchmarks/results/quick_rotate_ab_2026-11-26/); on a 16-core host with a 300 MiB L3 the 4x
+    # run's real layers alone took 124 s per dtype
     "quick": Sizes(gemv_tokens=(1, 4, 8, 16), gemm_tokens=(64, 256, 1024), weight_shapes=WEIGHT_SHAPES,
                    attn_kv_lens=(128, 512, 2048, 8192), attn_batches=(1, 8), repeats=7, budget_s=1.0,
+                   rotate_llc_multiple=2.0,
                    stream_bytes=128 * 2**20, layer_calls=100, transfer_bytes=(2**20, 16 * 2**20, 256 * 2**20),
                    expert_tokens=(1, 2, 4, 8),
                    layer_shapes=((1, 1), (4, 1), (8, 1), (1, 32), (1, 128), (8, 128), (1, 512), (4, 512), (8, 512),
