@@ -312,7 +312,6 @@ def _plan_one(spec: ModelSpec, hw: Hardware, eff: Efficiency, shape: Shape, gpu_
     option_with: dict[tuple, tuple[str, int] | None] = {}  # (policy, canonical placement) -> the option that has it
     # policies whose prefill streams layers: beside a decode that keeps layers resident they run as another option
     streams = {p: any(mode.streamed for mode in REGISTRY[p].placement(n, 0, "prefill").modes) for p in opts["prefill"]}
-
     masks_cache: dict[tuple, tuple[int, int]] = {}
 
     def masks(phase: str, pol: str, m: int) -> tuple[int, int]:
@@ -407,6 +406,7 @@ def _plan_one(spec: ModelSpec, hw: Hardware, eff: Efficiency, shape: Shape, gpu_
         for i in np.flatnonzero(o.feasible):
             m = int(o.gpu_layers[i])
             least_own_at[m] = min(least_own_at.get(m, math.inf), float(own[o.policy][i]))
+
     def least_own(p: str, ip: int, d: str, idx_d: int) -> float:
         """A lower bound on the prefill part of the pair's E2E, without runs_as: the option it runs
         as has as many resident layers as prefill's and the streamed ones decode holds."""
