@@ -308,6 +308,7 @@ def _plan_one(spec: ModelSpec, hw: Hardware, eff: Efficiency, shape: Shape, gpu_
 
     n = spec.num_layers
     scores: dict[tuple, tuple[float, float, float] | None] = {}
+    over_gpu: dict[tuple, bool] = {}  # a pair that does not fit: whether the accelerator's budget is what it exceeds
     runs_as_cache: dict[tuple, tuple[str, int]] = {}
     option_with: dict[tuple, tuple[str, int] | None] = {}  # (policy, canonical placement) -> the option that has it
     # policies whose prefill streams layers: beside a decode that keeps layers resident they run as another option
@@ -380,6 +381,7 @@ def _plan_one(spec: ModelSpec, hw: Hardware, eff: Efficiency, shape: Shape, gpu_
                                                 "decode": REGISTRY[d].placement(n, m_d, "decode")})
             if need.host_total_bytes > cpu_budget or need.accelerator_bytes > gpu_budget:
                 scores[key] = None
+                over_gpu[key] = need.accelerator_bytes > gpu_budget
                 return None
         ttft = float(op.time_s[ip])
         sw = switch_s(shape, hw, p, m_p, d, m_d, ttft, include_initial_load, eff)
@@ -478,12 +480,17 @@ def _plan_one(spec: ModelSpec, hw: Hardware, eff: Efficiency, shape: Shape, gpu_
             rest = sorted((int(i) for i in np.flatnonzero(op.feasible)), key=lambda i: own[p][i])
             for i_d in decode_ms[p, d]:
                 decode_s = steps * float(od.time_s[i_d])
+                too_many = math.inf  # the fewest prefill GPU layers found over the accelerator's budget
                 for ip in rest:
                     if best is not None and least_own(p, ip, d, i_d) + decode_s >= best[0]:  # a switch only adds
                         if not streams[p]:
                             break  # every later M (sorted by own) runs as itself: none can beat the best
                         continue
+                    if too_many <= op.gpu_layers[ip] < n:
+                        continue  # more GPU layers need no less accelerator memory (all of them: no stream buffers)
                     consider(p, ip, d, i_d, shrink_decode=False)  # decode's M as found above
+                    if over_gpu.get((*runs_as(p, ip, d, i_d), d, i_d)):
+                        too_many = min(too_many, int(op.gpu_layers[ip]))
         return best
 
     p_pols = [prefill] if prefill else list(policies)
