@@ -1,7 +1,9 @@
 """Where a tiny decoder layer's decode step spends its time on the GPU: the calibration's
-per-layer overhead measurement (one layer, and the slope over a stack of 8), then torch's
-profiler over 10 one-layer steps (top ops by CPU time). The first-use probe on an H200 host
-(2026-11-26) read 36 ms for one step where the executor's whole 7-layer decode step took 14-20 ms.
+per-layer overhead measurement (one layer, and the slope over a stack of 8), then one layer's
+step with its KV cache growing a key per step (as the measurement ran before 7f5b18c), each
+synchronised, and torch's profiler over 10 such steps (top ops by CPU time). The first-use probe on
+an H200 host (2026-11-26) read 36 ms for one step where the executor's whole 7-layer decode step
+took 14-20 ms.
 
     python benchmarks/diag_gpu_layer_step.py [--out FILE.json]
 """
@@ -24,12 +26,8 @@ def main() -> int:
     if not torch.cuda.is_available():
         print("diag_gpu_layer_step: needs a CUDA GPU (torch sees none)", file=sys.stderr)
         return 2
-    from transformers.cache_utils import DynamicCache
-    from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
-
     from flexplan.calibration import microbench as mb
     from flexplan.calibration import microbench_gpu as gb
-    from flexplan.executor.families import CACHE_KWARG
 
     sizes = mb.MODES["probe"]
     out: dict = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__,
@@ -41,21 +39,8 @@ def main() -> int:
             out[f"layer_overhead_threads_{threads}"]["wall_s"] = round(time.perf_counter() - t0, 2)
         print(f"threads {threads}:", out[f"layer_overhead_threads_{threads}"], flush=True)
 
-    cfg = mb._llama_config(64, 128, 4, 2, 16)
-    layer = LlamaDecoderLayer(cfg, 0).to(device="cuda", dtype=torch.bfloat16).eval()
-    rotary = LlamaRotaryEmbedding(cfg).to("cuda")
-    cache = DynamicCache(config=cfg)
+    step = mb.tiny_decode_step("bfloat16", "cuda")  # the KV cache grows a key per step, as before the fix
     with torch.inference_mode():
-        prompt = torch.full((1, 16, 64), 0.1, dtype=torch.bfloat16, device="cuda")
-        pos = torch.arange(16, device="cuda")[None]
-        layer(prompt, position_ids=pos, position_embeddings=rotary(prompt, pos), **{CACHE_KWARG: cache}, use_cache=True)
-        x = torch.full((1, 1, 64), 0.1, dtype=torch.bfloat16, device="cuda")
-        p = torch.tensor([[16]], device="cuda")
-        pe = rotary(x, p)
-
-        def step():
-            layer(x, position_ids=p, position_embeddings=pe, **{CACHE_KWARG: cache}, use_cache=True)
-
         for _ in range(5):
             step()
         torch.cuda.synchronize()

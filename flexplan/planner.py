@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
+from functools import cached_property
 from typing import Any
 
 import numpy as np
@@ -50,13 +51,13 @@ class _Options:
         idx = np.flatnonzero(self.feasible)
         return None if idx.size == 0 else int(idx[np.argmin(self.time_s[idx])])
 
+    @cached_property
+    def _feasible_index(self) -> dict[int, int]:
+        """M -> the first feasible option with M GPU layers (the pair search asks thousands of times)."""
+        return {int(self.gpu_layers[i]): int(i) for i in np.flatnonzero(self.feasible)[::-1]}
+
     def index_of(self, m: int) -> int | None:
-        """The index of the first feasible option with ``m`` GPU layers, or None."""
-        if "_index" not in self.__dict__:  # built once: the pair search asks thousands of times
-            self.__dict__["_index"] = {}
-            for i in np.flatnonzero(self.feasible)[::-1]:
-                self.__dict__["_index"][int(self.gpu_layers[i])] = int(i)
-        return self.__dict__["_index"].get(int(m))
+        return self._feasible_index.get(int(m))
 
 
 def _check_positive(**kw: Any) -> None:
@@ -311,8 +312,11 @@ def _plan_one(spec: ModelSpec, hw: Hardware, eff: Efficiency, shape: Shape, gpu_
     over_gpu: dict[tuple, bool] = {}  # a pair that does not fit: whether the accelerator's budget is what it exceeds
     runs_as_cache: dict[tuple, tuple[str, int]] = {}
     option_with: dict[tuple, tuple[str, int] | None] = {}  # (policy, canonical placement) -> the option that has it
-    # policies whose prefill streams layers: beside a decode that keeps layers resident they run as another option
-    streams = {p: any(mode.streamed for mode in REGISTRY[p].placement(n, 0, "prefill").modes) for p in opts["prefill"]}
+    # policies whose prefill streams layers (at its fewest or most GPU layers): beside a decode that
+    # keeps layers resident they run as another option
+    streams = {p: any(mode.streamed for m in (o.gpu_layers.min(initial=0), o.gpu_layers.max(initial=0))
+                      for mode, count in REGISTRY[p].placement(n, int(m), "prefill").runs if int(count))
+               for p, o in opts["prefill"].items()}
     masks_cache: dict[tuple, tuple[int, int]] = {}
 
     def masks(phase: str, pol: str, m: int) -> tuple[int, int]:
@@ -423,10 +427,10 @@ def _plan_one(spec: ModelSpec, hw: Hardware, eff: Efficiency, shape: Shape, gpu_
         """The lowest-E2E pair, pairs taken in the order of their floor (prefill's fastest M with its
         load, plus decode's fastest M over the steps; a switch only adds): once a pair's floor is
         no lower than the best E2E found, no later pair can beat it and the search stops. Decode's
-        M: its fastest, its most, and prefill's; prefill's: with ``every_prefill_m`` every feasible
-        one (beside a decode that keeps layers resident, the best is not the fastest alone: its
-        load and the switch trade against it, and runs_as can move it), else the fastest, the most
-        and decode's."""
+        M: its fastest, its most, and prefill's; prefill's: first its fastest, its most and
+        decode's, then (``every_prefill_m``) every other feasible one against the best found
+        (beside a decode that keeps layers resident, the best is not the fastest alone: its load
+        and the switch trade against it, and runs_as can move it)."""
         best = None
 
         def consider(p, ip, d, i_d, shrink_decode: bool = True):
@@ -498,7 +502,10 @@ def _plan_one(spec: ModelSpec, hw: Hardware, eff: Efficiency, shape: Shape, gpu_
     chosen = best_pair(p_pols, d_pols)
     baselines = {}
     for pol in policies:
-        b = best_pair([pol], [pol], every_prefill_m=False)  # the reason's baselines: its fastest, most and same M
+        # the single-policy baselines explain compares with: the first round only (with every prefill
+        # M, plan() took 16.8 ms instead of 13.2, catalog median; they came out up to 2% lower in 32
+        # of ~6,500 catalog baselines)
+        b = best_pair([pol], [pol], every_prefill_m=False)
         baselines[pol] = b[0] if b else math.inf
     if chosen is None:
         raise DoesNotFitError(_no_fit_message(shape, hw, gpu_budget, cpu_budget, prefill, decode, gpu_layers, candidates))

@@ -140,7 +140,7 @@ MODES = {
     # no worse over the validate grid (two A/Bs, order alternated, each file judged on the same
     # validation runs: mean MAPE 7.1% vs 8.1%,
     # benchmarks/results/quick_rotate_ab_2026-11-26/); on a 16-core host with a 300 MiB L3 the 4x
-    # run's real layers alone took 124 s per dtype
+    # run's real layers alone took 124 s in bfloat16 (float32 was cut at the step's limit)
     "quick": Sizes(gemv_tokens=(1, 4, 8, 16), gemm_tokens=(64, 256, 1024), weight_shapes=WEIGHT_SHAPES,
                    attn_kv_lens=(128, 512, 2048, 8192), attn_batches=(1, 8), repeats=7, budget_s=1.0,
                    rotate_llc_multiple=2.0,
@@ -531,6 +531,20 @@ def layer_overhead(sizes: Sizes, dtype: str, device: str = "cpu", sync=None, inn
     more than the step before: on an H200, torch's SDPA took cuDNN's kernel for this layer, and
     each KV length not seen before cost ~36 ms (likely building its plan)."""
     import torch
+
+    step = tiny_decode_step(dtype, device, stack, fixed_kv)
+    with torch.inference_mode():
+        r = time_call(step, max(3, sizes.layer_calls // inner), 2 * sizes.budget_s, sync, inner)
+    return {"time_s": _sig(r["time_s"] / stack), "time_median_s": _sig(r["time_median_s"] / stack), "runs": r["runs"],
+            "stack": stack, "fixed_kv": fixed_kv, "hidden_size": 64,
+            "layer": "transformers LlamaDecoderLayer (sdpa), decode step with DynamicCache"}
+
+
+def tiny_decode_step(dtype: str, device: str = "cpu", stack: int = 1, fixed_kv: bool = False) -> Callable[[], None]:
+    """A decode step through ``stack`` tiny (hidden 64) LlamaDecoderLayers, each with its own cache
+    holding a 16-token prompt, packed as the executor packs CPU layers (:func:`layer_overhead`);
+    call it within ``torch.inference_mode()``."""
+    import torch
     from transformers.cache_utils import DynamicCache
     from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
 
@@ -556,15 +570,13 @@ def layer_overhead(sizes: Sizes, dtype: str, device: str = "cpu", sync=None, inn
         p = torch.tensor([[16]], device=device)
         pe = rotary(x, p)
 
-        def step():
-            for layer, cache in zip(layers, caches):
-                layer(x, position_ids=p, position_embeddings=pe, **{CACHE_KWARG: cache}, use_cache=True)
-                if fixed_kv:
-                    cache.crop(-1)  # back to the 16 keys of the prompt
+    def step():
+        for layer, cache in zip(layers, caches):
+            layer(x, position_ids=p, position_embeddings=pe, **{CACHE_KWARG: cache}, use_cache=True)
+            if fixed_kv:
+                cache.crop(-1)  # back to the 16 keys of the prompt
 
-        r = time_call(step, max(3, sizes.layer_calls // inner), 2 * sizes.budget_s, sync, inner)
-    return {"time_s": _sig(r["time_s"] / stack), "time_median_s": _sig(r["time_median_s"] / stack), "runs": r["runs"],
-            "stack": stack, "fixed_kv": fixed_kv, "hidden_size": 64, "layer": "transformers LlamaDecoderLayer (sdpa), decode step with DynamicCache"}
+    return step
 
 
 def _llama_config(hidden: int, inter: int, heads: int, kv_heads: int, head_dim: int, layers: int = 1, vocab: int = 128):
