@@ -593,6 +593,14 @@ def head_gemv(sizes: Sizes, dtype: str, tick: Callable[[], None] | None = None) 
     return gemm(sizes.head_tokens, replace(sizes, weight_shapes=sizes.head_shapes), dtype, tick=tick)
 
 
+# A prefill of at least this many tokens (batch x query length) cycles at most PREFILL_COPIES of a
+# real layer's copies: each weight byte then feeds 512+ FLOPs and the weight read is a small part
+# of the layer, while the timed runs through every copy (up to 64 on a host with a 300 MiB L3)
+# took most of `calibrate --quick`'s real-layer step there (88 s in bfloat16 on an H100's host)
+PREFILL_FEW_COPIES_TOKENS = 512
+PREFILL_COPIES = 4
+
+
 def layers(sizes: Sizes, dtype: str, tick: Callable[[], None] | None = None) -> list[dict]:
     """Seconds per real decoder layer for each width and (batch, query_len) shape: decode steps
     read a KV cache of ``layer_kv_len`` tokens; prefill writes a fresh one."""
@@ -617,30 +625,29 @@ def layers(sizes: Sizes, dtype: str, tick: Callable[[], None] | None = None) -> 
             layer.eval()
         rotary = LlamaRotaryEmbedding(cfg)
         for batch, q_len, past in points:
+            cycled = copies if past or batch * q_len < PREFILL_FEW_COPIES_TOKENS else copies[:PREFILL_COPIES]
             native_attention = []
             if kernel.packed:  # weights as the executor holds them for a plan of this batch
-                for layer in copies:
+                for layer in cycled:
                     pack_module(layer, pack_batch_hint(batch), kernel.name)
-                native_attention = cpu_decode.install(copies, [])[2]  # and its fused decode forwards (where they apply)
+                native_attention = cpu_decode.install(cycled, [])[2]  # and its fused decode forwards (where they apply)
             # a decode step the native ops do not attend gets the executor's all-true mask: transformers'
             # SDPA without one takes PyTorch's unmasked CPU path, which read a bf16 GQA cache ~5x slower
             # here and made SmolLM2's bf16 decode predictions 1.4-2x the executor's measured TPOT
             mask = (torch.ones(batch, 1, q_len, past + q_len, dtype=torch.bool)
                     if past and q_len == 1 and not (native_attention and dt == torch.float32) else None)
             with torch.inference_mode():
-                caches = [DynamicCache(config=cfg) for _ in copies]
-                if past:
-                    prompt = torch.randn(batch, past, hidden, dtype=dt)
-                    pos = torch.arange(past)[None]
-                    pe = rotary(prompt, pos)
-                    for layer, cache in zip(copies, caches):
-                        layer(prompt, position_ids=pos, position_embeddings=pe, **{CACHE_KWARG: cache}, use_cache=True)
+                caches = [DynamicCache(config=cfg) for _ in cycled]
+                for cache in caches if past else ():  # a KV cache of `past` tokens, as a prompt leaves it
+                    # (its values do not change the time; running the prompt through every copy took
+                    # more than the timed steps on a many-core host: 64 copies of a batch-8 1024-token prompt)
+                    cache.update(*(torch.randn(batch, kv_heads, past, head_dim, dtype=dt) for _ in "kv"), 0)
                 x = torch.randn(batch, q_len, hidden, dtype=dt)
                 pos = torch.arange(past, past + q_len)[None]
                 pe = rotary(x, pos)
 
                 def run_all():
-                    for layer, cache in zip(copies, caches):
+                    for layer, cache in zip(cycled, caches):
                         if not past:  # prefill writes a fresh cache
                             cache = DynamicCache(config=cfg)
                         layer(x, attention_mask=mask, position_ids=pos, position_embeddings=pe, **{CACHE_KWARG: cache},
@@ -652,8 +659,8 @@ def layers(sizes: Sizes, dtype: str, tick: Callable[[], None] | None = None) -> 
             rows.append({"dtype": dtype, "kernel": kernel.name, "hidden": hidden, "intermediate": inter, "heads": heads,
                          "kv_heads": kv_heads,
                          "head_dim": head_dim, "batch": batch, "query_len": q_len, "kv_len": past + q_len,
-                         "params": params, "copies": len(copies), **probed(r), "time_s": _sig(r["time_s"] / len(copies)),
-                         "time_median_s": _sig(r["time_median_s"] / len(copies)), "runs": r["runs"]})
+                         "params": params, "copies": len(cycled), **probed(r), "time_s": _sig(r["time_s"] / len(cycled)),
+                         "time_median_s": _sig(r["time_median_s"] / len(cycled)), "runs": r["runs"]})
             if tick:
                 tick()
         del copies
