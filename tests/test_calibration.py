@@ -611,3 +611,17 @@ def test_gpu_layer_overhead_is_the_slope_over_a_stack(monkeypatch, one_s, per_la
     r = gb.layer_overhead(mb.MODES["probe"], "bfloat16")
     assert calls == [("cuda", 1, True), ("cuda", 8, True)]  # every step over the same KV length
     assert r["time_s"] == pytest.approx(expected_s, rel=1e-3) and r["one_layer_step_s"] == one_s
+
+
+def test_the_cpu_slowdown_under_a_copy_is_the_gemvs_in_decode_and_the_gemms_in_prefill():
+    """A decode GEMV shares the DRAM with the copy's reads and slows more than a prefill GEMM: each
+    phase is priced with its own (Park & Egger 4.1); a file with the GEMM's factor alone keeps it
+    everywhere."""
+    from flexplan.calibration.efficiency import under_copy_by_tokens
+
+    measured = {"factor": 1.1, "gemv_factor": 1.6, "gemm": {"tokens": 256}, "gemv": {"tokens": 1}}
+    table = under_copy_by_tokens(measured)
+    assert table(1) == pytest.approx(1.6) and table(256) == pytest.approx(1.1) and table(4096) == pytest.approx(1.1)
+    assert 1.1 < table(8) < 1.6
+    assert under_copy_by_tokens({"factor": 1.3}) is None
+    assert under_copy_by_tokens({**measured, "gemv_factor": 0.9})(1) == 1.0  # never a speed-up

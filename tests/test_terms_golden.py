@@ -57,7 +57,7 @@ class ConstantEfficiency:
     def gpu_memory(self, tokens): return 0.5
     def h2d(self, transfer_bytes): return 0.25
     def d2h(self, transfer_bytes): return 0.25
-    def cpu_under_copy(self): return 1.25
+    def cpu_under_copy(self, tokens=None): return 1.25
     def cpu_threads(self): return None
     def cpu_layer_overhead_s(self, tokens=1, dtype=None, layer_bytes=None): return 0.0
     def cpu_step_overhead_s(self, batch=1, vocab=0): return 0.0

@@ -410,7 +410,7 @@ def format_summary(res: Result) -> str:
         if d.get(key):
             lines.append(f"  {key:<13} " + "  ".join(f"{r[x]:g}:{r['eff']:.3g}" for r in d[key]))
     lines.append(f"  cpu_layer_overhead_s {d['cpu_layer_overhead_s']:.3g}, cpu_threads {d['cpu_threads']}, "
-                 f"cpu_under_copy {d['cpu_under_copy']:.3g}")
+                 f"cpu_under_copy {d['cpu_under_copy']:.3g} (decode GEMV {d.get('cpu_under_copy_gemv', 1.0):.3g})")
     from flexplan.calibration.store import FILE_ENV, calibration_dirs, file_name, local_identity
 
     if (res.path.parent.resolve() not in [d.resolve() for d in calibration_dirs()]

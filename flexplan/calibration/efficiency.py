@@ -254,6 +254,21 @@ def _attention_spec(heads: int, kv_heads: int, head_dim: int, hidden: int | None
                                       vocab_size=128))
 
 
+UNDER_COPY_MAX = 4.0  # a slowdown beyond this timed something else (the GEMM and the copies are one process's)
+
+
+def under_copy_by_tokens(contention: dict) -> Table | None:
+    """The CPU's slowdown while host-to-device copies stream (Park & Egger 4.1) by GEMM rows: the
+    decode GEMV's (1 row, memory-bound: it shares the DRAM with the copy's reads) and the prefill
+    GEMM's (compute-bound), log-linear between, held beyond; None where the file has the GEMM's
+    alone (older files: that one factor everywhere)."""
+    gemv, gemm = contention.get("gemv_factor"), contention.get("gemm") or {}
+    if gemv is None or not gemm.get("tokens"):
+        return None
+    return Table([1.0, float(gemm["tokens"])], [max(1.0, float(gemv)), max(1.0, float(contention["factor"]))],
+                 lo=1.0, hi=UNDER_COPY_MAX)
+
+
 def derive_link(rows: list[dict], bandwidth_bytes_per_s: float) -> Table:
     """Eff_ICN(bytes) = measured rate / link rate, from rows {bytes, time_s}; a larger copy never
     takes less time than a smaller one."""
@@ -315,6 +330,7 @@ class CalibratedEfficiency:
     step_overhead: "StepOverhead"
     source: str
     notes: tuple[str, ...] = field(default_factory=tuple)
+    under_copy_table: Table | None = None  # the slowdown by GEMM rows (1: the decode GEMV's); None: under_copy
 
     def _cpu(self, dtype: str | None) -> CPUFactors | None:
         return self.cpu.get(dtype or self.cpu_dtype)
@@ -390,8 +406,10 @@ class CalibratedEfficiency:
     def d2h(self, transfer_bytes):
         return self.d2h_table(transfer_bytes) if self.d2h_table else self.defaults.d2h(transfer_bytes)
 
-    def cpu_under_copy(self):
-        return self.under_copy
+    def cpu_under_copy(self, tokens=None):
+        if tokens is None or self.under_copy_table is None:
+            return self.under_copy
+        return float(self.under_copy_table(tokens))
 
     def cpu_threads(self):
         return self.threads
@@ -428,7 +446,8 @@ class CalibratedEfficiency:
                                "cpu_step_overhead_s": {"base_s": _num(self.step_overhead.base_s),
                                                        "per_logit_s": _num(self.step_overhead.per_logit_s)},
                                "cpu_layer_overhead_s": _num(self.cpu_overhead_s), "cpu_threads": self.threads,
-                               "cpu_under_copy": _num(self.under_copy)}
+                               "cpu_under_copy": _num(self.under_copy),
+                               "cpu_under_copy_gemv": _num(self.cpu_under_copy(1))}
         for name, t, key in (("gpu_compute", self.gpu_compute_table, "tokens"),
                              ("gpu_memory", self.gpu_memory_table, "tokens"),
                              ("h2d", self.h2d_table, "bytes"), ("d2h", self.d2h_table, "bytes")):
@@ -677,12 +696,16 @@ def from_measurements(meas: dict, settings: dict, hw: Hardware, source: str) -> 
         if h2d is None or d2h is None:
             notes.append("link not measured: Eff_ICN is the default")
     contention = _part(meas, "cpu_under_copy", dict)
+    under_copy_table = None
     if contention:
         under_copy = max(1.0, float(contention["factor"]))
+        under_copy_table = under_copy_by_tokens(contention)
     else:
-        notes.append("CPU slowdown under a host-to-device copy not measured (no GPU): 1.0")
+        notes.append("CPU slowdown under a host-to-device copy not measured"
+                     + (" (no GPU)" if hw.gpu is None else "") + ": 1.0")
     primary = hw.cpu.compute_dtype if hw.cpu.compute_dtype in cpu else next(iter(cpu))
     return CalibratedEfficiency(
         cpu=cpu, cpu_dtype=primary, cpu_overhead_s=cpu_overhead, threads=threads, under_copy=under_copy,
         gpu_compute_table=gpu_c, gpu_memory_table=gpu_m, h2d_table=h2d, d2h_table=d2h, gpu_overhead_s=gpu_overhead,
-        defaults=defaults, step_overhead=step_overhead, source=source, notes=tuple(notes))
+        defaults=defaults, step_overhead=step_overhead, source=source, notes=tuple(notes),
+        under_copy_table=under_copy_table)

@@ -167,7 +167,9 @@ MODES = {
     # VM's full file: 0.36 ms at 1 token, 1.9 at 128, 6.7 at 512, what the linear extrapolation
     # from 8 and 128 gives; the tiny layer's fixed cost alone left SmolLM2's TTFT 20-28% short),
     # the per-step overhead; with a GPU, pinned copies each way and the GPU's GEMV/GEMM at the one
-    # projection, its memory copy and its per-layer overhead (a few seconds). What it lacks falls back in
+    # projection, its memory copy and its per-layer overhead, and the CPU's GEMV and GEMM slowed by
+    # host-to-device copies streaming beside them (what split-points and splitgen overlap; without it
+    # the probe priced them as if the copies cost the CPU nothing) (a few seconds). What it lacks falls back in
     # efficiency.py: the overhead of other layer sizes to this one's, the LM head to the GEMV
     # factors, the thread sweep to all cores. Weights cycle through
     # 2x the last-level cache (not 4x) and 4 layer copies: in order, each call still misses (a
@@ -184,7 +186,7 @@ MODES = {
                    layer_kv_len=32, layer_long_kv_len=512, rotate_llc_multiple=2.0, layer_copies=4,
                    parts=frozenset({"cpu_stream", "cpu_op_dispatch", "cpu_gemv", "cpu_gemm", "cpu_attention",
                                     "cpu_layers", "cpu_layer_overhead", "cpu_generate_step", "h2d", "d2h",
-                                    "gpu_gemv", "gpu_gemm", "gpu_memory", "gpu_layer_overhead"})),
+                                    "gpu_gemv", "gpu_gemm", "gpu_memory", "gpu_layer_overhead", "cpu_under_copy"})),
 }
 
 

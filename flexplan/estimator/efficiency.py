@@ -38,7 +38,9 @@ class Efficiency(Protocol):
     def gpu_memory(self, tokens: float) -> float: ...
     def h2d(self, transfer_bytes: float) -> float: ...  # Eff_ICN host -> device
     def d2h(self, transfer_bytes: float) -> float: ...  # Eff_ICN device -> host
-    def cpu_under_copy(self) -> float: ...  # CPU slowdown factor (>= 1) while an H2D copy runs
+    def cpu_under_copy(self, tokens: float | None = None) -> float: ...  # CPU slowdown factor (>= 1) while an
+    # H2D copy runs, for GEMMs of `tokens` rows (memory-bound GEMVs slow more than compute-bound GEMMs);
+    # None: the prefill GEMM's
     def cpu_threads(self) -> int | None: ...  # best thread count found by calibration, None = all cores
     def cpu_layer_overhead_s(self, tokens: float = 1, dtype: str | None = None,
                              layer_bytes: float | None = None) -> float: ...  # cost of one decoder layer on the
@@ -138,7 +140,7 @@ class DefaultEfficiency:
     def d2h(self, transfer_bytes):
         return self.icn_eff
 
-    def cpu_under_copy(self):
+    def cpu_under_copy(self, tokens=None):
         return 1.0
 
     def cpu_threads(self):
@@ -219,8 +221,8 @@ class ScaledEfficiency:
     def d2h(self, transfer_bytes):
         return self.base.d2h(transfer_bytes) / self.scale("link")
 
-    def cpu_under_copy(self):
-        return self.base.cpu_under_copy()
+    def cpu_under_copy(self, tokens=None):
+        return self.base.cpu_under_copy(tokens)
 
     def cpu_threads(self):
         return self.base.cpu_threads()

@@ -229,7 +229,7 @@ def phase_costs(shape: Shape, hw: Hardware, eff: Efficiency, phase: str) -> Phas
         t_load_head_s=t_link_s(w.head_bytes_gpu, h2d, eff.h2d(w.head_bytes_gpu)),
         weight_bytes_gpu=w.weight_bytes_gpu, kv_read_bytes=kv_read, kv_write_bytes=w.kv_write,
         hidden_bytes=w.hidden_bytes, logits_bytes=w.logits_bytes, head_bytes_gpu=w.head_bytes_gpu,
-        cpu_under_copy=eff.cpu_under_copy(), experts=_expert_split(shape, hw, eff, phase),
+        cpu_under_copy=eff.cpu_under_copy(rows), experts=_expert_split(shape, hw, eff, phase),
         cpu_attention=attention, operators=_operator_costs(shape, hw, eff, phase, attention),
     )
 
