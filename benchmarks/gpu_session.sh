@@ -12,7 +12,10 @@
 # Seen on the H200 host (16-core Xeon, 300 MiB L3, 2026-11-26): CUDA tests 30-40 s, the first-use
 # probe 43-52 s, validate of the three GPU policies ~55 s, the 13.5 GB benchmark model's creation
 # ~55 s; calibrate --quick did not finish in 200 s (its real layers took 124 s per dtype cycling 4x
-# the L3 of weights; quick now cycles 2x, untried there). Steps print their seconds as they end.
+# the L3 of weights). On the H100 host (same CPU, 2026-11-26): CUDA tests 27 s, probe 33-36 s and
+# once 46 s of steps (cut at the old 60 s limit), quick at 2x the L3 still cut at 270 s (bfloat16
+# real layers 88 s, executor layers 51 s; both cut down since, untried there). Steps print their
+# seconds as they end.
 set -u
 OUT=${OUT:-/tmp/gpu_out}
 mkdir -p "$OUT/res"
@@ -67,7 +70,7 @@ fi
 
 if has probe; then
   step "calibrate --probe (the first-use probe, GPU steps included)"
-  timeout "$(limit 60)" $FLEXPLAN calibrate --probe --no-progress 2>&1 | tail -45; pack
+  timeout "$(limit 90)" $FLEXPLAN calibrate --probe --no-progress 2>&1 | tail -45; pack
   step "flexplan hw"
   timeout "$(limit 30)" $FLEXPLAN hw 2>&1 | tail -30
 fi
