@@ -12,7 +12,9 @@ measurements: an A/B of a derivation change that the host's memory states cannot
     python benchmarks/rederive_cycles.py benchmarks/results/calibration_cycles_avx512_run3-files
 
 Only what the calibration file and the probe readings decide is re-derived: a change to the
-executor, or to what calibration measures, needs a new cycles run.
+executor, or to what calibration measures, needs a new cycles run. ``--files-from`` prices the
+runs with another run's calibration files instead (what an older calibration code measured, on
+this run's validation runs: whether a run's figures moved with the code or with the host).
 """
 
 from __future__ import annotations
@@ -105,6 +107,10 @@ def main() -> int:
                          "probe_before_* columns; what validate prices at), right after them, the geometric mean "
                          "of both (not causal: an upper bound of what timing the probe can give), or what each "
                          "prediction's note says (CSVs without those columns use the note)")
+    ap.add_argument("--files-from", type=Path, default=None, metavar="FOLDER",
+                    help="price with another kept run's calibration files (its cycle N's file for this run's "
+                         "cycle N) instead of this run's: calibration code of two runs judged on the same "
+                         "validation runs")
     ap.add_argument("--name", default=None, help="write the result as benchmarks/results/<name>.json")
     args = ap.parse_args()
     import torch  # noqa: F401 - loaded, as in validate: plans read the GEMV and torch compute probes there
@@ -122,7 +128,7 @@ def main() -> int:
             rows = list(csv.DictReader(f))
         sets = sorted({c.split(":")[0] for c in rows[0] if c.endswith(":cold_ttft_s")})
         for name in sets:
-            cal = args.folder / f"cycle{cycle}-{name}.yaml"
+            cal = (args.files_from or args.folder) / f"cycle{cycle}-{name}.yaml"
             if not cal.is_file():
                 print(f"skip {path.name} {name}: no {cal.name}", file=sys.stderr)
                 continue
@@ -138,6 +144,8 @@ def main() -> int:
 
     result = {}
     print("median over cycles of each cycle's MAPE and p90 (as bench_calibration_cycles.py reports them)")
+    if args.files_from:
+        print(f"'re-derived': priced with {args.files_from}'s calibration files")
     print(f"{'model':<13} {'set':<6} {'phase':<8} {'cycles':>6}  MAPE recorded -> re-derived   p90 recorded -> re-derived")
     for (model, name), phases in sorted(errors.items()):
         for phase, d in phases.items():
