@@ -625,3 +625,33 @@ def test_the_cpu_slowdown_under_a_copy_is_the_gemvs_in_decode_and_the_gemms_in_p
     assert 1.1 < table(8) < 1.6
     assert under_copy_by_tokens({"factor": 1.3}) is None
     assert under_copy_by_tokens({**measured, "gemv_factor": 0.9})(1) == 1.0  # never a speed-up
+
+
+def test_real_layers_cycle_few_copies_in_long_prefills_and_start_decode_from_a_filled_cache(monkeypatch):
+    """Decode points read a KV cache of the asked length (filled directly, not by a prompt run
+    through every copy); prefills of 512+ tokens cycle at most PREFILL_COPIES copies (the weight
+    read is a small part of them), shorter ones every copy, as decode does."""
+    from dataclasses import replace
+
+    from flexplan.calibration import microbench as mb
+
+    import transformers.cache_utils as cu
+
+    seen = []  # keys in the cache after each update, by (batch, new tokens)
+
+    class Recording(cu.DynamicCache):
+        def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+            out = super().update(key_states, value_states, layer_idx, *args, **kwargs)
+            seen.append((key_states.shape[0], key_states.shape[2], out[0].shape[2]))
+            return out
+
+    monkeypatch.setattr(cu, "DynamicCache", Recording)
+    sizes = replace(mb.MODES["tiny"], layer_widths=((64, 128, 4, 2, 16),), layer_shapes=((2, 1), (1, 16), (1, 512)),
+                    layer_kv_len=24, layer_long_kv_len=None, rotate_bytes=64 * 2**20, layer_copies=8)
+    with mb.torch_threads(1):
+        rows = {(r["batch"], r["query_len"]): r for r in mb.layers(sizes, "float32")}
+    assert rows[2, 1]["kv_len"] == 25 and rows[2, 1]["copies"] == 8
+    steps = [total for b, new, total in seen if (b, new) == (2, 1)]
+    assert steps and set(steps) == {25}  # every timed decode step attends the 24 cached keys and its own
+    assert rows[1, 16]["copies"] == 8 and rows[1, 512]["copies"] == mb.PREFILL_COPIES < 8
+    assert all(r["time_s"] > 0 for r in rows.values())
