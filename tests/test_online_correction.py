@@ -127,6 +127,29 @@ def test_small_errors_are_corrected_in_one_run():
         assert after < 0.15 * before
 
 
+def test_over_a_calibration_one_run_corrects_part_of_the_way(tmp_path):
+    """Over factors calibrated on this machine the prior is tighter (CALIBRATED_PRIOR_VAR): one call,
+    measured at one shape in whatever state it met, moves its own prediction 0.3-0.75 of the way
+    (run fully, it made warm predictions worse than cold on the kept validations of two cycles
+    runs), in the same direction as over default factors, which move nearly all of the way."""
+    from test_calibration_properties import calibrated
+
+    from flexplan.calibration.correction import CALIBRATED_PRIOR_VAR, PRIOR_VAR, prior_var
+
+    machine = SyntheticMachine(bytes_per_s=5e9, kv_bytes_per_s=2e9, flops_per_s={"float32": 2e10, "bfloat16": 6.7e10},
+                               op_s=6e-06, layer_s=2e-4, step_s=1e-4, logit_s=0.0)
+    cal = calibrated(machine, "quick", HW_CPU, tmp_path)
+    assert prior_var(cal) == CALIBRATED_PRIOR_VAR and prior_var(BASE) == PRIOR_VAR
+    assert prior_var(at_state(cal, 0.8)) == CALIBRATED_PRIOR_VAR  # wrapped (memory state, corrections): the same
+    for base, lo, hi in ((cal, 0.3, 0.75), (BASE, 0.8, 1.0)):
+        true = ScaledEfficiency(base, {"cpu_memory": 1.2})
+        obs = observe(true, 1, 256, 32)
+        c = update(None, obs, base)
+        before = math.log(obs.tpot_s / phase_time_s(obs, base, "decode"))
+        after = math.log(obs.tpot_s / phase_time_s(obs, apply(base, c), "decode"))
+        assert before > 0.1 and lo <= 1 - after / before <= hi, (base, before, after)
+
+
 def at_state(eff, s, learned=0.0):
     """``eff`` in a memory state ``s`` times the calibration's memory time (as memory_state scales it)."""
     return StateScaledEfficiency(eff, {"cpu_memory": s} if s != 1.0 else {}, f"state x{s}",

@@ -21,10 +21,13 @@ the runs seen, with a random-walk drift), one phase after the other. For a usabl
 shares ``w``, residual ``r = log(measured / predicted)`` (the prediction already corrected by
 ``g``, and linearly by the update of the phase before) and covariance ``P``:
 ``k = P w / (w' P w + NOISE_VAR)``, ``g += k r``, ``P -= k w' P``; before each run
-``P += DRIFT_VAR I``. From the prior ``P = PRIOR_VAR I`` this is the normalised LMS step
-``dg = w r / |w|^2`` (times ``|w|^2 / (|w|^2 + NOISE_VAR / PRIOR_VAR)``: 0.83 to 0.96 as
-``|w|^2`` goes from 0.2 to 1): the first run corrects its phases almost fully, each class in
-proportion to its share.
+``P += DRIFT_VAR I``. From the prior ``P = V I`` this is the normalised LMS step
+``dg = w r / |w|^2`` (times ``|w|^2 / (|w|^2 + NOISE_VAR / V)``), each class in proportion to its
+share. Over default factors (``V = PRIOR_VAR``) that is 0.83 to 0.96 as ``|w|^2`` goes from 0.2 to
+1: the first run corrects its phases almost fully. Over a calibration of this machine
+(``V = CALIBRATED_PRIOR_VAR``) 0.37 to 0.66: one call's error, measured in whatever memory state it
+met and at one shape, moves the whole grid's predictions only part of the way (run fully, it made
+warm worse than cold).
 Later runs correct what earlier ones could not tell apart (``P`` remembers which combinations of
 classes the runs so far have pinned down), converge to the least-squares scales over the shapes
 seen, and, with ``DRIFT_VAR``, keep following slow drifts of the machine (its memory state).
@@ -34,7 +37,8 @@ Odd runs (Huber's weighting of the filter): a phase whose residual ``r`` lies be
 counts as ``OUTLIER_Z / |z|`` of an observation (its noise variance divided by that), so it moves
 the scales as a residual of ``OUTLIER_Z`` deviations would. Unless the run before of that phase
 was beyond the bound in the same direction: a new level that shows twice is learned in full. From
-the prior (``w' P w`` ~ ``PRIOR_VAR``) no residual below ~x2 is an outlier; once runs have pinned
+the default prior (``w' P w`` ~ ``PRIOR_VAR``) no residual below ~x2 is an outlier (from the
+calibrated one, none below ~x1.4; a calibration off by more is learned over two runs); once runs have pinned
 the scales down (``P`` small, ``sqrt(w' P w + NOISE_VAR)`` ~ 0.11), one spike of x1.5 counts as about
 0.6 of a run, one of x2 as about 0.35. The README demo at 439db3f saw one prefill spike (TTFT x1.52) move the next runs'
 predictions of TTFT to x1.5-1.7 of what they measured.
@@ -85,6 +89,15 @@ PERTURB = 1.01  # a class's time is scaled by this to measure its share
 STEP_MAX = 1.25  # one run moves a scale by at most this factor
 TOTAL_MAX = 3.0  # scales stay within [1 / TOTAL_MAX, TOTAL_MAX]
 PRIOR_VAR = 0.5 ** 2  # prior variance of each log scale: a class is off by a factor ~1.65 (1 sigma) before any run
+# ... where the factors come from a calibration of this machine (full, quick or the first-use probe):
+# off by ~14% (1 sigma), what their cold MAPE of 5-10% says. At PRIOR_VAR the first call corrected
+# a calibrated machine almost fully (gain 0.83-0.96) and warm came out worse than cold in most
+# figures of cycles runs 7 and 8. `benchmarks/warm_gain.py` over the kept validations of runs 3-8
+# (36 figures each; the first update's direction does not depend on the prior, only its size):
+# half to three quarters of that step gave mean MAPE 9.13-9.14% over the six runs, the full step
+# 9.48, a quarter 9.49 (runs 3-6 favour 0.75, 7 0.5, 8 0.25). This prior takes 0.42-0.69 of it
+# (|w|^2 0.3 to 1).
+CALIBRATED_PRIOR_VAR = 0.14 ** 2
 NOISE_VAR = 0.1 ** 2  # variance of one phase's log(measured / predicted) beyond the model: ~10% run-to-run
 DRIFT_VAR = 0.03 ** 2  # variance added per run: the machine drifts (memory-bandwidth state, other load)
 MIN_TTFT_S = 1e-3  # shorter prefills are not measured reliably
@@ -158,10 +171,10 @@ class Corrections:
     cov: tuple = ()  # the filter's covariance (rows in FILTER_STATES order); () = the prior
     state_elasticity: float = 0.0  # learned: the memory state's scaled terms' time times scale ** this
 
-    def covariance(self) -> np.ndarray:
-        """The filter's covariance over FILTER_STATES (one kept over the classes alone, before the
-        elasticity was learned, gets the elasticity's prior beside it)."""
-        prior = np.diag([PRIOR_VAR] * len(TERM_CLASSES) + [ELASTICITY_PRIOR_VAR])
+    def covariance(self, prior_var: float = PRIOR_VAR) -> np.ndarray:
+        """The filter's covariance over FILTER_STATES, ``prior_var`` per class before any run (one kept
+        over the classes alone, before the elasticity was learned, gets the elasticity's prior beside it)."""
+        prior = np.diag([prior_var] * len(TERM_CLASSES) + [ELASTICITY_PRIOR_VAR])
         if not self.cov:
             return prior
         m = np.array(self.cov, float)
@@ -291,7 +304,7 @@ def update(corrections: Corrections | None, obs: Observation, base: "Efficiency"
     corrections = corrections if corrections is not None else Corrections()
     g0 = corrections.vector()
     runs = np.array([corrections.runs.get(c, 0) for c in FILTER_STATES])
-    p = p_prior = corrections.covariance() + DRIFT_VAR * np.eye(len(FILTER_STATES))
+    p = p_prior = corrections.covariance(prior_var(base)) + DRIFT_VAR * np.eye(len(FILTER_STATES))
     eff = apply(base, corrections)
     g = g0.copy()
     informed = np.zeros(g.shape, bool)
@@ -327,6 +340,15 @@ def update(corrections: Corrections | None, obs: Observation, base: "Efficiency"
     new_runs = {c: int(n) for c, n in zip(FILTER_STATES, runs + informed) if n}
     return Corrections(log_scales, new_runs, corrections.updates + 1, (tuple(corrections.last) + tuple(history))[-HISTORY:],
                        tuple(tuple(float(x) for x in row) for row in p), float(g_new[-1]))
+
+
+def prior_var(base: "Efficiency") -> float:
+    """The prior variance of each class's log scale over ``base``: CALIBRATED_PRIOR_VAR over a
+    calibration of this machine, PRIOR_VAR over default factors (hwdb peaks times guesses)."""
+    from flexplan.calibration.efficiency import CalibratedEfficiency
+    from flexplan.estimator.efficiency import unwrapped
+
+    return CALIBRATED_PRIOR_VAR if isinstance(unwrapped(base), CalibratedEfficiency) else PRIOR_VAR
 
 
 def outlier_weight(z: float, z_before: float | None) -> float:
