@@ -147,13 +147,19 @@ class PhasePlacement:
 
     @classmethod
     def from_modes(cls, modes, head: LayerMode | None = None) -> "PhasePlacement":
-        runs: list[list] = []
-        for m in modes:
-            if runs and runs[-1][0] == m:
-                runs[-1][1] += 1
-            else:
-                runs.append([m, 1])
-        return cls(tuple((m, c) for m, c in runs), head)
+        return cls.merged(((m, 1) for m in modes), head)
+
+    @classmethod
+    def merged(cls, runs, head: LayerMode | None = None) -> "PhasePlacement":
+        """From (mode, int count) runs: empty ones dropped, neighbours of one mode joined (one
+        placement has one such form)."""
+        out: list[list] = []
+        for m, c in runs:
+            if int(c) and out and out[-1][0] == m:
+                out[-1][1] += int(c)
+            elif int(c):
+                out.append([m, int(c)])
+        return cls(tuple((m, c) for m, c in out), head)
 
     @property
     def num_layers(self):
@@ -234,14 +240,8 @@ def prefill_beside(prefill: PhasePlacement, decode: PhasePlacement) -> PhasePlac
     when no layer is). Concrete placements (int run lengths) only."""
     if not any(a.streamed and b is RESIDENT for a, b, _ in segments(prefill, decode)):
         return prefill
-    runs: list[list] = []
-    for a, b, n in segments(prefill, decode):
-        m = RESIDENT if a.streamed and b is RESIDENT else a
-        if runs and runs[-1][0] is m:
-            runs[-1][1] += n
-        else:
-            runs.append([m, n])
-    return PhasePlacement(tuple((m, n) for m, n in runs), prefill.head)
+    return PhasePlacement.merged(((RESIDENT if a.streamed and b is RESIDENT else a, n)
+                                  for a, b, n in segments(prefill, decode)), prefill.head)
 
 
 @dataclass(frozen=True)

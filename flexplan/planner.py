@@ -333,14 +333,8 @@ def _plan_one(spec: ModelSpec, hw: Hardware, eff: Efficiency, shape: Shape, gpu_
         return masks_cache[key]
 
     def canonical(pp: PhasePlacement) -> tuple:
-        """Runs without empty ones, neighbours of one mode merged, and the head's mode."""
-        runs: list[list] = []
-        for mode, count in pp.runs:
-            if int(count) and runs and runs[-1][0] == mode:
-                runs[-1][1] += int(count)
-            elif int(count):
-                runs.append([mode, int(count)])
-        return tuple(map(tuple, runs)), pp.head_mode
+        """The placement's merged runs (PhasePlacement.merged) and its head's mode."""
+        return PhasePlacement.merged(pp.runs).runs, pp.head_mode
 
     def runs_as(p: str, ip: int, d: str, idx_d: int) -> tuple[str, int]:
         """The prefill option the executor runs in a pair: (p, ip) itself, or where decode keeps
