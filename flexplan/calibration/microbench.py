@@ -136,8 +136,9 @@ MODES = {
     # quick: every decode batch `flexplan validate` runs (1, 4, 8) measured as in full, fewer prefill
     # shapes and less time per shape; the fit's physical constraints (efficiency.py) keep the
     # points it lacks from bending the curve (calibration/README.md, "What --quick measures")
-    # Weights cycle through 2x the last-level cache (full: 4x): on the AVX-512 VM 109 s instead of 147,
-    # no worse over the validate grid (two A/Bs, order alternated, each file judged on the same
+    # Weights cycle through 2x the last-level cache (full: 4x): on the AVX-512 VM 109 s instead of 147
+    # (87-103 s since decode caches are filled directly and long prefills cycle 4 copies), no worse
+    # over the validate grid (two A/Bs, order alternated, each file judged on the same
     # validation runs: mean MAPE 7.1% vs 8.1%,
     # benchmarks/results/quick_rotate_ab_2026-11-26/); on a 16-core host with a 300 MiB L3 the 4x
     # run's real layers alone took 124 s in bfloat16 (float32 was cut at the step's limit)
