@@ -247,3 +247,68 @@ def test_cpu_attention_term_golden():
     kv_read, kv_write, flops = 2 * 4096 * 2048 * 2, 2 * 2048 * 2, 2 * 2 * 32 * 256 * 4096
     want = (kv_read + kv_write) / (bw * eff.cpu_memory_eff) + flops / (th * eff.cpu_compute_eff)
     assert t_cpu_attention_s(shape, hw, eff, np.array([5000.0]))[0] == pytest.approx(want, rel=1e-12)
+
+
+@pytest.mark.parametrize("decode", ["cpu-attention", "split-points"])
+def test_cpu_decode_attention_in_bf16_gets_a_mask(fresh, monkeypatch, decode):
+    """A bf16 model (the accelerator dtype on CUDA) attends on the CPU through transformers' SDPA
+    (the native kernel reads float32 only). An unpadded batch decodes with no mask, and PyTorch's
+    unmasked CPU SDPA reads a bf16 grouped-query cache 6-7x slower than its masked path (the VM: 12.3
+    against 2.0 ms at 4096 keys): every CPU decode attention call gets the all-true mask."""
+    import torch
+    import torch.nn.functional as F
+
+    from flexplan.executor.plans import fixed_plan
+
+    model, _ = fresh("llama")
+    model = model.to(torch.bfloat16)
+    calls, real = [], F.scaled_dot_product_attention
+
+    def spy(q, k, v, attn_mask=None, *a, **kw):
+        if q.device.type == "cpu" and q.shape[-2] == 1:
+            calls.append((q.dtype, attn_mask is None))
+        return real(q, k, v, attn_mask, *a, **kw)
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", spy)
+    plan = fixed_plan(model.config, "gpu-offload", decode, 0, dtype="bfloat16", cpu_dtype="float32", batch_size=1,
+                      input_len=9, output_len=NEW, gpu_memory_bytes=1 << 30)
+    lm = flexplan.load(model, plan=plan, accelerator="cpu", gpu_memory_bytes=1 << 30, dtype="bfloat16")
+    ids = torch.randint(3, model.config.vocab_size, (1, 9), generator=torch.Generator().manual_seed(0))
+    lm.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW, do_sample=False)
+    bf16 = [unmasked for dt, unmasked in calls if dt == torch.bfloat16]
+    assert bf16 and not any(bf16), calls
+
+
+def test_host_kv_attention_is_priced_in_the_kv_dtype():
+    """A bf16 KV cache on the host is attended in bf16 (transformers' SDPA: 2.8 GB/s on the H100's
+    host against the native float32 kernel's 51), whatever the plan's CPU dtype: the decode term
+    and split-points' prefill attention core read the bf16 factors; a dtype the CPU has no peak
+    for falls back to the CPU dtype."""
+    from flexplan.estimator.operator_terms import operator_costs
+    from flexplan.estimator.terms import host_kv_attention_dtype, t_cpu_attention_s
+
+    class ByDtype(DefaultEfficiency):
+        def cpu_attention_for_layout(self, context_len, dtype=None, layout=None, batch=None):
+            return np.full(np.shape(context_len), {"bfloat16": 0.05, "float32": 0.5}[dtype])
+
+        def cpu_prefill_attention(self, tokens, dtype=None):
+            return {"bfloat16": 0.02, "float32": 0.4}[dtype]
+
+    spec, hw = resolve_model("meta-llama/Llama-2-7b-hf"), get_hardware(SERVER)
+    base = DefaultEfficiency.for_hardware(hw)
+    eff = ByDtype(**{f: getattr(base, f) for f in base.__dataclass_fields__})
+    ctx = np.array([1024.0])
+    mixed, bf16 = Shape(spec, 1, 1024, 2, "bfloat16", "float32"), Shape(spec, 1, 1024, 2, "bfloat16", "bfloat16")
+    assert host_kv_attention_dtype(mixed, hw) == "bfloat16"
+    assert host_kv_attention_dtype(Shape(spec, 1, 1024, 2, "float8", "float32"), hw) == "float32"
+    # the KV read dominates: priced at the bf16 rate, ~10x the float32 rate's time
+    t_mixed, t_f32 = t_cpu_attention_s(mixed, hw, eff, ctx)[0], t_cpu_attention_s(
+        Shape(spec, 1, 1024, 2, "float32", "float32"), hw, eff, ctx)[0]
+    assert t_mixed == pytest.approx(t_cpu_attention_s(bf16, hw, eff, ctx)[0], rel=0.05)
+    assert t_mixed > 2 * t_f32  # half the bytes of float32 at a tenth of its rate
+    pre = {dt: operator_costs(Shape(spec, 1, 1024, 2, dt[0], dt[1]), hw, eff, "prefill")
+           for dt in (("bfloat16", "float32"), ("bfloat16", "bfloat16"), ("float32", "float32"))}
+    att = pre["bfloat16", "float32"].attention_index
+    core = {dt: c.cpu_s[0, att] for dt, c in pre.items()}
+    assert core["bfloat16", "float32"] == pytest.approx(core["bfloat16", "bfloat16"], rel=0.05)
+    assert core["bfloat16", "float32"] > core["float32", "float32"]  # half the bytes, 1/20 the compute rate

@@ -90,7 +90,8 @@ def operator_costs(shape, hw, eff, phase: str, cpu_attention_s=None) -> Operator
     layout ``workload.operators`` cannot cut. ``cpu_attention_s``: the decode attention on the CPU per
     step when the caller has it (``terms.cpu_attention_costs``), else computed here."""
     from flexplan.estimator.efficiency import cpu_prefill_attention, cpu_split_linear
-    from flexplan.estimator.terms import t_compute_s, t_cpu_attention_s, t_link_s, t_memory_s, t_on_device_s
+    from flexplan.estimator.terms import (host_kv_attention_dtype, t_compute_s, t_cpu_attention_s, t_link_s, t_memory_s,
+                                          t_on_device_s)
 
     m = shape.model
     if hw.gpu is None or hw.link is None or why_not_split(m):
@@ -132,7 +133,9 @@ def operator_costs(shape, hw, eff, phase: str, cpu_attention_s=None) -> Operator
     if phase == "decode":
         C[:, att] = t_cpu_attention_s(shape, hw, eff, ctx) if cpu_attention_s is None else cpu_attention_s
     else:
-        C[:, att] = t_compute_s(attn_flops, th_c, cpu_prefill_attention(eff, rows, cd)) + t_memory_s(kv + act, bw_c, em)
+        ad = host_kv_attention_dtype(shape, hw)  # q, k, v in the accelerator dtype: transformers' SDPA in it
+        C[:, att] = (t_compute_s(attn_flops, hw.cpu.peak_flops_per_s[ad], cpu_prefill_attention(eff, rows, ad))
+                     + t_memory_s(kv + act, bw_c, em))
     G[:, att] = t_compute_s(attn_flops, th_g, eg) + t_memory_s(kv + act, bw_g, egm)
     H[:, att] = t_link_s(kv, h2d, eff.h2d(float(np.mean(kv))))
     in_s = np.array([t_link_s(x, h2d, eff.h2d(x)) for x in in_b])

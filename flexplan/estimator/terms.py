@@ -260,12 +260,22 @@ class CPUAttentionCosts:
     kv_read_bytes: object  # what the CPU attention reads from host memory (instead of the link)
 
 
+def host_kv_attention_dtype(shape: Shape, hw: Hardware) -> str:
+    """The dtype the CPU attends in beside a host KV cache kept in the accelerator's dtype: the
+    KV's own (the executor brings q to it: float32 runs flexplan's native kernel, bfloat16
+    transformers' SDPA with a mask, as calibration times each), where the CPU has a peak for it;
+    else the plan's CPU dtype. A bfloat16 cache priced at the float32 kernel's rate was 2.6x fast
+    on the AVX-512 VM (SDPA read 8 GB/s at 4096 keys, the native kernel 21)."""
+    return shape.dtype if shape.dtype in hw.cpu.peak_flops_per_s else shape.cpu_dtype
+
+
 def t_cpu_attention_s(shape: Shape, hw: Hardware, eff: Efficiency, context_len) -> np.ndarray:
     """Decode attention of one layer on the CPU over a host KV cache in the accelerator's dtype:
     D_KVCache / (BW_CPU x Eff_attn(ctx)) + C_attn / (TH_CPU x Eff_CPU,Comp) + the new K, V written,
     with Eff_attn the calibrated CPU attention factor (``eff.cpu_attention``) and windows, GQA and
-    latent KV as ``costs.d_kv_cache`` / ``costs.c_decode_attention`` count them."""
-    m, b, cd = shape.model, shape.batch, shape.cpu_dtype
+    latent KV as ``costs.d_kv_cache`` / ``costs.c_decode_attention`` count them. The factors are
+    those of the KV's dtype (:func:`host_kv_attention_dtype`), not the plan's CPU dtype."""
+    m, b, cd = shape.model, shape.batch, host_kv_attention_dtype(shape, hw)
     bw, th = hw.cpu.memory_bandwidth_bytes_per_s, hw.cpu.peak_flops_per_s[cd]
     kv_read = costs.d_kv_cache(m, b, context_len, shape.w_bytes)
     kv_write = costs.d_kv_write(m, b, 1, shape.w_bytes)

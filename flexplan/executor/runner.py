@@ -621,7 +621,9 @@ class Executor:
         if core_on_acc is False:  # cut, the core on the CPU: q, the cache and the mask are on the host already
             out = self._native_attention(i, module, query, key, value, attention_mask, kwargs)
             self.cpu_attention_calls["native" if out is not None else "transformers"] += 1
-            return (out, None) if out is not None else inner(module, query, key, value, attention_mask, **kwargs)
+            if out is not None:
+                return out, None
+            return inner(module, query, key, value, self._cpu_decode_mask(query, key, attention_mask), **kwargs)
         dtype = key.dtype if key.device.type == "cpu" else query.dtype
         q = self.link.move(query, False, dtype, "q", i)
         if key.device.type != "cpu":  # a cache that is not flexplan's kept the keys on the accelerator
@@ -636,8 +638,18 @@ class Executor:
         weights = None
         self.cpu_attention_calls["native" if out is not None else "transformers"] += 1
         if out is None:
-            out, weights = inner(module, q, key, value, mask, **kwargs)
+            out, weights = inner(module, q, key, value, self._cpu_decode_mask(q, key, mask), **kwargs)
         return self.link.move(out, True, query.dtype, "attention output", i), weights
+
+    def _cpu_decode_mask(self, q, keys, mask):
+        """``mask``, or for one query position with none under SDPA the step's all-true mask over
+        ``keys``' keys (``StepState.cpu_decode_mask``: the same attention; PyTorch's unmasked CPU
+        SDPA read a bf16 grouped-query cache 6-7x slower than its masked path on the VM, 12.3 vs
+        2.0 ms at 4096 keys, where the native kernel, float32 only, does not attend)."""
+        if (mask is not None or q.shape[2] != 1 or self._step is None
+                or getattr(self.model.config, "_attn_implementation", None) != "sdpa"):
+            return mask
+        return self._step.cpu_decode_mask(keys.shape[2])
 
     def _attends_beside_kv(self, i: int) -> bool:
         st = self._step
