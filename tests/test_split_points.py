@@ -69,9 +69,20 @@ def test_hand_worked_four_operators():
     assert (bi[best[0]], bj[best[0]]) == (1, 2) and t[0] == 100 * 12 + 10
 
 
+def test_the_accelerator_segment_runs_in_the_open():
+    """Two operators, C = [2, 2], G = [0.5, 0.5], H = [4, 4], IN = OUT = 0.1, the one pair (1, 2):
+    the next layer's copy (4) runs beside the CPU's operator (2); the accelerator's segment (input
+    0.1, compute 0.5, output 0.1) waits for the copy engine, in order: 4 + 0.7 = 4.7 (Park & Egger's
+    overlap, max(2 + 0.7, 4 + 0.1), gave 4.1)."""
+    oc = _costs([2, 2], [0.5, 0.5], [4, 4], [0.1, 0.1], [0.1, 0.1])
+    L, cpu, link = eq5_layer_s(oc, 1.0, np.array([1]), np.array([2]))
+    assert L[0, 0] == pytest.approx(4.7) and cpu[0, 0] == 2 and link[0, 0] == 4
+
+
 def test_search_equals_brute_force_loop():
     """Random C, G, H, IN, OUT over 3 steps, shared inputs, glue and overheads: the vectorised search
-    picks what a Python loop over (i, j) writing Eq. 5-7 out picks, for every number of streamed layers."""
+    picks what a Python loop over (i, j) writing Eq. 5-7 out picks, for every number of streamed layers:
+    Eq. 5 as the executor orders it, max(P (CPU + glue), H2D) + IN + G + OUT + overhead."""
     rng = np.random.default_rng(7)
     for trial in range(30):
         n, steps = int(rng.integers(2, 10)), int(rng.integers(1, 4))
@@ -92,10 +103,10 @@ def test_search_equals_brute_force_loop():
                         h2d = sum(H[st, i:j])
                         act_in = sum(IN[st, k] for k in range(i, j) if k == i or not shares[k])
                         act_out = sum(OUT[st, i:j])
-                        chain = u * (cpu + glue) + sum(G[st, i:j]) + ovh + act_in + act_out
-                        link = h2d + act_in
-                        per_step.append(max(chain, link))
-                        fills.append(min(chain, link))
+                        # the next layer's copy beside the CPU's part; the accelerator's segment in the open
+                        segment = act_in + sum(G[st, i:j]) + act_out + ovh
+                        per_step.append(max(u * (cpu + glue), h2d) + segment)
+                        fills.append(min(u * (cpu + glue), h2d))
                     loop[(i, j)] = s * np.mean(per_step) + (np.mean(fills) if s > 0 else 0.0)
             want = min(loop.values())
             assert t[s] == pytest.approx(want, rel=1e-12, abs=1e-12)
@@ -441,3 +452,45 @@ def test_validate_split_ops_cli_writes_rows_and_mape(tmp_path, capsys, monkeypat
     assert all(r["measured_s"] > 0 and r["predicted_s"] > 0 for r in d["rows"]) and d["mape_pct"] > 0
     with pytest.raises(_Invalid, match="MoE"):
         real("Qwen/Qwen3-30B-A3B")
+
+
+@pytest.mark.parametrize("family,points", [("llama3", (1, 7)), ("llama3", (2, 4)), ("llama3", (3, 4)),
+                                           ("qwen3_moe", (1, 6))])
+def test_next_copy_waits_for_the_accelerator_segment(fresh, monkeypatch, family, points):
+    """A split layer issues the next streamed layer's weight copy once its accelerator operators are
+    done (their last output back on the host), not at its start: a copy engine runs host-to-device
+    copies in issue order, so the segment's inputs would wait behind the whole copy (Eq. 5). In every
+    step, each prefetch of layer i + 1 follows layer i's last activation back and precedes its end."""
+    from flexplan.executor.link import D2H, Link
+    from flexplan.executor.plans import fixed_plan
+
+    spec = resolve_model(fresh(family)[1].config)
+    names = tuple(o.name for o in layer_operators(spec))
+    if points[1] > len(names):
+        pytest.skip("fewer operators")
+    real_log = Link.log
+
+    def log(self, direction, kind, layer, nbytes):  # transfers into the host-side order too
+        self.order.append((f"{direction} {kind}", layer))
+        real_log(self, direction, kind, layer, nbytes)
+
+    monkeypatch.setattr(Link, "log", log)
+
+    def plan(model):
+        p = fixed_plan(model.config, "split-points", "split-points", 0, batch_size=3, input_len=9, output_len=NEW,
+                       gpu_memory_bytes=1 << 30)
+        return replace(p, **{ph: replace(getattr(p, ph), split_points=SplitPoints(names, points, 0, 0, 0))
+                             for ph in ("prefill", "decode")})
+
+    lm = _generate(fresh, family, plan)
+    order = lm.executor.link.order
+    checked = 0
+    for k, (what, layer) in enumerate(order):
+        if what != "prefetch" or layer == 0:
+            continue
+        i = layer - 1
+        begun = max(n for n in range(k) if order[n] == ("compute", i))
+        back = [n for n in range(begun, k) if order[n] == (f"{D2H} activation", i)]
+        assert back and all(order[n] != ("computed", i) for n in range(begun, k)), order[begun:k + 1]
+        checked += 1
+    assert checked == NEW * (lm.executor.num_layers - 1)

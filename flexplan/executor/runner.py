@@ -140,6 +140,7 @@ class Executor:
         self.slots: StreamSlots | None = None
         self._cpu_attention_modules: list[nn.Module] = []  # attention modules routed to attend_beside_kv
         self.split = split_layer.SplitLayers(link)  # layers cut by split points (split-points policies)
+        self.split.segment_done = self._deferred_prefetch
         self.cpu_attention_calls: collections.Counter[str] = collections.Counter()  # by kernel: native / transformers
         self.kv_pool = KVPool(link)
         self._cache: FlexCache | None = None  # the last request's cache (its layers learnt the real KV geometry)
@@ -496,6 +497,16 @@ class Executor:
                 kv.prefetch(st.cache.slots[slot], slot)
             self.link.record(self.slots.ready[slot], on_copy_stream=True)
 
+    def _deferred_prefetch(self) -> None:
+        """Issue the prefetch a split layer deferred (``Step.deferred_prefetch``): called when its
+        accelerator operators are done (``SplitLayers.segment_done``), else at the end of the layer.
+        Issued at the start of the layer, the next layer's weights held the copy engine while the
+        segment's inputs waited behind them (host-to-device copies run in issue order)."""
+        st = self._step
+        if st is not None and st.deferred_prefetch is not None:
+            j, st.deferred_prefetch = st.deferred_prefetch, None
+            self._prefetch(j, st)
+
     def _kv_to(self, kv: FlexKVLayer, place: str, on_acc: bool) -> None:
         """Compute layer KV from ``place``: move it there first if the switch has not yet."""
         if kv.home != place:
@@ -538,7 +549,9 @@ class Executor:
             if self.expert_modules[i] is not None:
                 self.expert_modules[i][1].on_cpu = False
             nxt = next((j for j in self.placement.streamed(st.phase) if j > i), None)
-            if nxt is not None:
+            if nxt is not None and split:  # once this layer's accelerator operators are done (estimator
+                st.deferred_prefetch = nxt  # policies/split_points.py, Eq. 5: the copy engine runs in order)
+            elif nxt is not None:
                 self._prefetch(nxt, st)
             if mode.attention_on_cpu and kv is not None:  # the KV cache stays home, in host memory
                 self._kv_to(kv, self.placement.layer_place(i, st.phase), False)
@@ -580,6 +593,7 @@ class Executor:
         cache = _cache_of(kwargs, args)
         kv = cache.layers[i] if isinstance(cache, FlexCache) else None
         if mode.streamed:
+            self._deferred_prefetch()  # a split layer whose segment did not say it was done
             slot = st.slot_of[i]
             self.link.record(self.slots.free[slot])
             self.slots.used[slot] = True

@@ -34,6 +34,7 @@ plan's operators (a fused qkv projection, no ``self_attn``/``mlp``) cannot be cu
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -120,6 +121,9 @@ class SplitLayers:
 
     def __init__(self, link: Link, cpu_dtype: torch.dtype = torch.float32):
         self.link = link
+        # called once the accelerator operators of the layer running split are done (their last
+        # output is back on the host): the runner issues the next layer's weight copy then
+        self.segment_done: Callable[[], None] | None = None
         self.cpu_dtype = cpu_dtype  # what the CPU operators compute in (the plan's CPU dtype)
         self.layers: dict[int, LayerOps] = {}
         self._hooks: list = []
@@ -226,7 +230,14 @@ class SplitLayers:
                 moved[key_] = (mask, link.move(mask, True, None, "aux"))
             mask = moved[key_][1]
         out, weights = inner(module, q, k, v, mask, **kwargs)
-        return link.move(out, False, None, "activation", i), weights
+        out = link.move(out, False, None, "activation", i)
+        self._maybe_done(self.layers[i], self.layers[i].modules.index(None))
+        return out, weights
+
+    def _maybe_done(self, ops: LayerOps, k: int) -> None:
+        """After operator k's output came back: the segment is done when k is its last operator."""
+        if self.segment_done is not None and ops.on_acc and k == max(ops.on_acc):
+            self.segment_done()
 
     def _pre(self, ops: LayerOps, k: int):
         def hook(module, args, kwargs):
@@ -249,5 +260,7 @@ class SplitLayers:
         def hook(module, args, output):
             if ops.on_acc is None or k not in ops.on_acc:
                 return None
-            return _moved(self.link, output, False, "activation", ops.index)
+            out = _moved(self.link, output, False, "activation", ops.index)
+            self._maybe_done(ops, k)
+            return out
         return hook

@@ -26,6 +26,7 @@ class Step:
     moved: dict = field(default_factory=dict)  # (id, on_acc, dtype) -> (original, moved)
     slot_of: dict = field(default_factory=dict)  # streamed layer -> double-buffer slot it was prefetched into
     next_slot: int = 0
+    deferred_prefetch: int | None = None  # the streamed layer whose copy waits for a split layer's segment
     hidden_on_acc: bool = False  # where the hidden state is now
     cache: FlexCache | None = None
 

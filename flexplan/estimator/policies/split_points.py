@@ -17,16 +17,24 @@ Per layer and step, with P the CPU slowdown while a copy runs (``cpu_under_copy`
     Eq. 6   CPU(i, j) = sum C[0, i) + sum C[j, n)                                   :func:`eq6_cpu_s`
     Eq. 7   H2D(i, j) = sum H[i, j)                                                 :func:`eq7_h2d_s`
     Eq. 14  H2D(i, j) = sum H[i, j) + (b - 1) (sum G[i, j) + KV)   with b batches   :func:`eq14_h2d_s`
-    Eq. 5   L(i, j)   = max(P (CPU(i, j) + glue) + sum G[i, j) + IN + OUT + overhead,  H2D(i, j) + IN)
+    Eq. 5   L(i, j)   = max(P (CPU(i, j) + glue),  H2D(i, j)) + IN + sum G[i, j) + OUT + overhead
                                                                                     :func:`eq5_layer_s`
 
-What overlaps: the copy of the next layer's accelerator weights runs during the whole of this
-layer, so the link side of the max is that copy (and this layer's activations going the same way);
-the compute side is one chain, because with one batch every operator needs its predecessor's output
-(Park & Egger's Eq. 5 drops G, IN and OUT, their accelerator being far faster than their link; this
-keeps them). The CPU runs under the copy for all of its part, hence P on all of it. Eq. 14 is the
-multi-batch variant; the executor runs the batch whole, so the policy plans with b = 1, where Eq. 14
-is Eq. 7. The first layer's copy is not hidden (the pipeline fill, as in Eq. 2).
+What overlaps: the copy of the next layer's accelerator weights runs beside the CPU's part (this
+layer's operators after the accelerator's, O[j, n), the glue, and the next layer's first operators,
+O[0, i)), so the max takes the larger of the two; the accelerator's segment (its operators' inputs,
+their compute, their outputs back) runs in the open. The executor issues the next layer's copy only
+once this layer's accelerator operators are done (``split_layer.SplitLayers.segment_done``): a CUDA
+copy engine runs host-to-device copies in the order they were issued, so an input sent while the next
+layer's weights are in flight waits for all of them. Issued at the start of the layer, as Park &
+Egger's Eq. 5 assumes (inputs sharing the link beside the copy: max(P CPU + G + IN + OUT, H2D + IN)),
+the H100's split-points decode ran ~7 ms a streamed layer where that priced 4.5 and the in-order
+copy engine gives 7.1 (max(P CPU[0, i), H2D) + segment + P (CPU[j, n) + glue);
+``benchmarks/results/gpu-h100-2026-11-26/``). Park & Egger's Eq. 5 drops G, IN and OUT, their
+accelerator being far faster than their link; this keeps them. The CPU runs under the copy for all of
+its part, hence P on all of it. Eq. 14 is the multi-batch variant; the executor runs the batch whole,
+so the policy plans with b = 1, where Eq. 14 is Eq. 7. The first layer's copy is not hidden (the
+pipeline fill, as in Eq. 2). **Untested on GPU** since this order (the H100 run had the old one).
 
 Eq. 13: the n(n - 1)/2 candidates (i, j) are searched exhaustively, for every step and every
 candidate M at once with prefix sums and broadcasting (:func:`search`). The pair is chosen per phase
@@ -92,12 +100,13 @@ def boundary_s(oc, i: np.ndarray, j: np.ndarray) -> tuple[np.ndarray, np.ndarray
 
 
 def eq5_layer_s(oc, cpu_under_copy: float, i: np.ndarray, j: np.ndarray):
-    """Eq. 5 with the accelerator and the boundaries kept: (L, compute chain, link) per step and pair."""
+    """Eq. 5 with the accelerator and the boundaries kept: (L, the CPU's part, the next layer's copy)
+    per step and pair."""
     in_s, out_s = boundary_s(oc, i, j)
-    chain = (cpu_under_copy * (eq6_cpu_s(oc.cpu_s, i, j) + oc.cpu_glue_s) + eq7_h2d_s(oc.gpu_s, i, j)
-             + oc.gpu_overhead_s + in_s + out_s)
-    link = eq14_h2d_s(oc.h2d_s, oc.gpu_s, oc.kv_bytes, i, j) + in_s
-    return np.maximum(chain, link), chain, link
+    cpu = cpu_under_copy * (eq6_cpu_s(oc.cpu_s, i, j) + oc.cpu_glue_s)
+    segment = in_s + eq7_h2d_s(oc.gpu_s, i, j) + out_s + oc.gpu_overhead_s
+    link = eq14_h2d_s(oc.h2d_s, oc.gpu_s, oc.kv_bytes, i, j)
+    return np.maximum(cpu, link) + segment, cpu, link
 
 
 def _eq5_all_pairs(oc, cpu_under_copy: float, i: np.ndarray, j: np.ndarray):
@@ -108,10 +117,9 @@ def _eq5_all_pairs(oc, cpu_under_copy: float, i: np.ndarray, j: np.ndarray):
     P = _prefix(stack)
     inside = P[..., j] - P[..., i]  # [5, steps, pairs]: sums over O[i, j)
     in_s = inside[3] + shared[:, i]
-    cpu = P[0, :, -1:] - inside[0]  # Eq. 6
-    chain = cpu_under_copy * (cpu + oc.cpu_glue_s) + inside[1] + oc.gpu_overhead_s + in_s + inside[4]
-    link = inside[2] + in_s  # Eq. 7 (Eq. 14 with one batch) plus the activations sent the same way
-    return np.maximum(chain, link), chain, link
+    cpu = cpu_under_copy * (P[0, :, -1:] - inside[0] + oc.cpu_glue_s)  # Eq. 6, and the glue
+    link = inside[2]  # Eq. 7 (Eq. 14 with one batch): the next layer's accelerator weights
+    return np.maximum(cpu, link) + in_s + inside[1] + inside[4] + oc.gpu_overhead_s, cpu, link
 
 
 def search(oc, cpu_under_copy: float, streamed) -> tuple[np.ndarray, np.ndarray, tuple[np.ndarray, np.ndarray]]:
@@ -119,8 +127,8 @@ def search(oc, cpu_under_copy: float, streamed) -> tuple[np.ndarray, np.ndarray,
     (index of the best pair, time of the streamed layers, the pairs (i, j)). Vectorised: pairs x steps
     in one broadcast, then streamed layers x pairs."""
     i, j = eq13_candidates(oc.n)
-    layer, chain, link = _eq5_all_pairs(oc, cpu_under_copy, i, j)
-    per_layer, fill = layer.mean(axis=0), np.minimum(chain, link).mean(axis=0)
+    layer, cpu, link = _eq5_all_pairs(oc, cpu_under_copy, i, j)
+    per_layer, fill = layer.mean(axis=0), np.minimum(cpu, link).mean(axis=0)
     s = np.asarray(streamed, dtype=float)[..., None]
     total = s * per_layer + np.where(s > 0, fill, 0.0)
     best = np.argmin(total, axis=-1)
@@ -129,20 +137,24 @@ def search(oc, cpu_under_copy: float, streamed) -> tuple[np.ndarray, np.ndarray,
 
 def timeline(oc, cpu_under_copy: float, i: int, j: int) -> tuple[tuple[str, str, float, float], ...]:
     """One streamed layer at split (i, j), mean step: (operator, lane, start_s, end_s), lanes ``cpu``,
-    ``accelerator``, ``h2d`` (activations in; ``next layer weights`` on the same lane from 0) and ``d2h``."""
+    ``accelerator``, ``h2d`` (activations in; ``next layer weights`` on the same lane once the
+    accelerator's operators are done, beside the CPU's rest and the next layer's first operators)
+    and ``d2h``."""
     C, G = oc.cpu_s.mean(axis=0) * cpu_under_copy, oc.gpu_s.mean(axis=0)
     IN, OUT = oc.in_h2d_s.mean(axis=0), oc.out_d2h_s.mean(axis=0)
     rows, t = [], 0.0
-    rows.append(("next layer weights", "h2d", 0.0, float(eq7_h2d_s(oc.h2d_s, np.array([i]), np.array([j])).mean())))
     for k, name in enumerate(oc.names):
         if i <= k < j:
-            if not (oc.shares_input[k] and k > i):  # shares the H2D lane's bandwidth with the weight copy (Eq. 5)
+            if not (oc.shares_input[k] and k > i):  # an input shared with the operator before crossed with it
                 rows.append((name + " input", "h2d", t, t + IN[k]))
                 t += IN[k]
             rows.append((name, "accelerator", t, t + G[k]))
             t += G[k]
             rows.append((name + " output", "d2h", t, t + OUT[k]))
             t += OUT[k]
+            if k == j - 1:  # the segment is done: the next layer's copy is issued (Eq. 5)
+                weights_s = float(eq7_h2d_s(oc.h2d_s, np.array([i]), np.array([j])).mean())
+                rows.append(("next layer weights", "h2d", t, t + weights_s))
         else:
             rows.append((name, "cpu", t, t + C[k]))
             t += C[k]
