@@ -3,6 +3,9 @@ the estimator against hand-worked traffic, the planner's picks, the memory model
 
 from __future__ import annotations
 
+import copy
+from dataclasses import replace
+
 import numpy as np
 import pytest
 
@@ -250,33 +253,44 @@ def test_cpu_attention_term_golden():
 
 
 @pytest.mark.parametrize("decode", ["cpu-attention", "split-points"])
-def test_cpu_decode_attention_in_bf16_gets_a_mask(fresh, monkeypatch, decode):
-    """A bf16 model (the accelerator dtype on CUDA) attends on the CPU through transformers' SDPA
-    (the native kernel reads float32 only). An unpadded batch decodes with no mask, and PyTorch's
-    unmasked CPU SDPA reads a bf16 grouped-query cache 6-7x slower than its masked path (the VM: 12.3
-    against 2.0 ms at 4096 keys): every CPU decode attention call gets the all-true mask."""
+@pytest.mark.parametrize("family,kernel", [("llama", "native"), ("qwen3", "transformers")])
+def test_cpu_decode_attention_over_a_bf16_cache(fresh, monkeypatch, decode, family, kernel):
+    """A bf16 model (the accelerator dtype on CUDA) keeps a bf16 KV cache on the host. Where the
+    native kernel covers the layer it reads that cache as it is (no SDPA call in decode);
+    elsewhere (QK-norm) transformers' SDPA attends, with the all-true mask: an unpadded batch
+    decodes with none, and PyTorch's unmasked CPU SDPA reads a bf16 grouped-query cache 6-7x
+    slower than its masked path (the VM: 12.3 against 2.0 ms at 4096 keys)."""
     import torch
     import torch.nn.functional as F
 
     from flexplan.executor.plans import fixed_plan
 
-    model, _ = fresh("llama")
+    model, _ = fresh(family)
     model = model.to(torch.bfloat16)
     calls, real = [], F.scaled_dot_product_attention
 
     def spy(q, k, v, attn_mask=None, *a, **kw):
-        if q.device.type == "cpu" and q.shape[-2] == 1:
+        if q.device.type == "cpu" and k.shape[-2] > 9:  # a decode step (GQA may fold heads into q's length)
             calls.append((q.dtype, attn_mask is None))
         return real(q, k, v, attn_mask, *a, **kw)
 
     monkeypatch.setattr(F, "scaled_dot_product_attention", spy)
     plan = fixed_plan(model.config, "gpu-offload", decode, 0, dtype="bfloat16", cpu_dtype="float32", batch_size=1,
                       input_len=9, output_len=NEW, gpu_memory_bytes=1 << 30)
+    if decode == "split-points":  # the attention core on the CPU
+        names = plan.decode.split_points.operators
+        plan = replace(plan, decode=replace(plan.decode, split_points=replace(
+            plan.decode.split_points, points=(names.index("attention") + 1, len(names)))))
     lm = flexplan.load(model, plan=plan, accelerator="cpu", gpu_memory_bytes=1 << 30, dtype="bfloat16")
     ids = torch.randint(3, model.config.vocab_size, (1, 9), generator=torch.Generator().manual_seed(0))
     lm.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW, do_sample=False)
     bf16 = [unmasked for dt, unmasked in calls if dt == torch.bfloat16]
-    assert bf16 and not any(bf16), calls
+    n = lm.executor.num_layers
+    assert lm.executor.cpu_attention_calls[kernel] == (NEW - 1) * n
+    if kernel == "native":
+        assert not bf16, calls
+    else:
+        assert bf16 and not any(bf16), calls
 
 
 def test_host_kv_attention_is_priced_in_the_kv_dtype():
@@ -312,3 +326,34 @@ def test_host_kv_attention_is_priced_in_the_kv_dtype():
     core = {dt: c.cpu_s[0, att] for dt, c in pre.items()}
     assert core["bfloat16", "float32"] == pytest.approx(core["bfloat16", "bfloat16"], rel=0.05)
     assert core["bfloat16", "float32"] > core["float32", "float32"]  # half the bytes, 1/20 the compute rate
+
+
+@pytest.mark.parametrize("family", ["llama", "mistral", "llama3"])
+def test_cpu_policy_in_bf16_decodes_with_the_native_kernel(fresh, monkeypatch, family):
+    """The ``cpu`` policy with a bfloat16 CPU dtype: the fused float32 forward does not take its
+    layers, so their decode attention calls reach the executor, and the native kernel reads the
+    bf16 cache (no SDPA call in decode); the tokens are transformers' own (batched, left-padded)."""
+    import torch
+    import torch.nn.functional as F
+
+    from conftest import left_padded_batch
+    from flexplan.executor.plans import fixed_plan
+
+    model, ref = fresh(family)
+    model, ref = model.to(torch.bfloat16), copy.deepcopy(ref).to(torch.bfloat16)
+    ids, mask = left_padded_batch()
+    expected = ref.generate(input_ids=ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False)
+    calls, real = [], F.scaled_dot_product_attention
+
+    def spy(q, k, v, attn_mask=None, *a, **kw):
+        if k.shape[-2] > ids.shape[1]:  # a decode step
+            calls.append(q.dtype)
+        return real(q, k, v, attn_mask, *a, **kw)
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", spy)
+    plan = fixed_plan(model.config, "cpu", "cpu", 0, dtype="bfloat16", cpu_dtype="bfloat16", batch_size=3,
+                      input_len=ids.shape[1], output_len=NEW)
+    lm = flexplan.load(model, plan=plan, accelerator=None, dtype="bfloat16")
+    out = lm.generate(input_ids=ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False)
+    assert not calls
+    assert torch.equal(out, expected)

@@ -85,7 +85,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from flexplan.hardware.spec import Hardware
     from flexplan.workload.model import ModelSpec
 
-PERTURB = 1.01  # a class's time is scaled by this to measure its share
+PERTURB = 1.001  # a class's time is scaled by this (and by its inverse) to measure its share
 STEP_MAX = 1.25  # one run moves a scale by at most this factor
 TOTAL_MAX = 3.0  # scales stay within [1 / TOTAL_MAX, TOTAL_MAX]
 PRIOR_VAR = 0.5 ** 2  # prior variance of each log scale: a class is off by a factor ~1.65 (1 sigma) before any run
@@ -249,7 +249,11 @@ def phase_time_s(obs: Observation, eff: "Efficiency", phase: str) -> float:
 
 def shares(obs: Observation, eff: "Efficiency", phase: str) -> tuple[float, np.ndarray]:
     """(predicted time T, w) with ``w[i] = d log T / d log s`` of class ``TERM_CLASSES[i]``, by
-    scaling that class's time by PERTURB (only the classes the phase's formula reads move it)."""
+    scaling that class's time by PERTURB and by 1 / PERTURB (only the classes the phase's formula
+    reads move it). Central: the formulas take maxima and minima (the best split's CPU part against
+    the next layer's copy, Eq. 5), whose sides the search balances: a one-sided 1% step across such
+    a kink counted both sides whole (shares summing to 1.17 for a split-points prefill whose sides
+    were 0.8% apart; central at 1%: 1.05; central at 0.1%: 1.00)."""
     from flexplan.estimator.policies import REGISTRY
 
     t0 = phase_time_s(obs, eff, phase)
@@ -261,9 +265,10 @@ def shares(obs: Observation, eff: "Efficiency", phase: str) -> tuple[float, np.n
     for i, c in enumerate(TERM_CLASSES):
         if c in ACCELERATOR_CLASSES and not on_accelerator:
             continue  # a placement that never touches the accelerator reads none of its terms
-        t1 = phase_time_s(obs, ScaledEfficiency(eff, {c: PERTURB}), phase)
-        if math.isfinite(t1) and t1 > 0:
-            w[i] = max(0.0, math.log(t1 / t0) / math.log(PERTURB))
+        up = phase_time_s(obs, ScaledEfficiency(eff, {c: PERTURB}), phase)
+        down = phase_time_s(obs, ScaledEfficiency(eff, {c: 1.0 / PERTURB}), phase)
+        if all(math.isfinite(x) and x > 0 for x in (up, down)):
+            w[i] = max(0.0, math.log(up / down) / (2.0 * math.log(PERTURB)))
     return t0, w
 
 

@@ -494,8 +494,9 @@ def cpu_decode_attention_call(heads: int, kv_heads: int, head_dim: int, batch: i
     """(one call, its kernel) of CPU decode attention as the executor runs it beside a host KV
     cache: one query per sequence over ``kv_len`` keys held in the cache's own ``(tokens, batch,
     heads, dim)`` buffers read through strided views (as ``FlexKVLayer`` hands them), with
-    flexplan's native kernel for float32 where it builds ("native"), else transformers' SDPA with an
-    all-true mask ("transformers"); each call reads the next of as many caches as exceed
+    flexplan's native kernel where it builds ("native": float32 or bfloat16 caches, q taken to
+    float32 and the output back, as the executor's ``cpu_decode.native_decode_attention`` does),
+    else transformers' SDPA with an all-true mask ("transformers"); each call reads the next of as many caches as exceed
     ``total_bytes``, as a decode step reads each layer's KV from memory once (one reused buffer
     stayed in the last-level cache below ~16 MB and ran 2x fast). Calibration and ``validate
     --cpu-attention`` time this same call."""
@@ -504,7 +505,7 @@ def cpu_decode_attention_call(heads: int, kv_heads: int, head_dim: int, batch: i
 
     from flexplan.executor import native
 
-    ops = native.decode_status()[0] if dt == torch.float32 else None
+    ops = native.decode_status()[0] if dt in native.ATTENTION_KV_DTYPES else None
     one = 2 * batch * kv_heads * kv_len * head_dim * torch.empty(0, dtype=dt).element_size()
     kvs = Cycle([(torch.full((kv_len, batch, kv_heads, head_dim), 0.1, dtype=dt).permute(1, 2, 0, 3),
                   torch.full((kv_len, batch, kv_heads, head_dim), 0.2, dtype=dt).permute(1, 2, 0, 3))
@@ -514,7 +515,7 @@ def cpu_decode_attention_call(heads: int, kv_heads: int, head_dim: int, batch: i
         q3 = torch.full((batch, heads, head_dim), 0.1, dtype=dt)  # one query per sequence, contiguous
 
         def native_call():
-            return ops.decode_attention(q3, *kvs.next(), None, scale)
+            return ops.decode_attention(q3.to(torch.float32), *kvs.next(), None, scale).to(dt)
         return native_call, "native"
     q = torch.full((batch, heads, 1, head_dim), 0.1, dtype=dt)
     mask = torch.ones(batch, 1, 1, kv_len, dtype=torch.bool)
@@ -611,7 +612,7 @@ def layers(sizes: Sizes, dtype: str, tick: Callable[[], None] | None = None) -> 
     from transformers.cache_utils import DynamicCache
     from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
 
-    from flexplan.executor import cpu_decode
+    from flexplan.executor import cpu_attention, cpu_decode
     from flexplan.executor.cpu_linear import LinearKernel, pack_batch_hint, pack_module
     from flexplan.executor.families import CACHE_KWARG
 
@@ -629,11 +630,15 @@ def layers(sizes: Sizes, dtype: str, tick: Callable[[], None] | None = None) -> 
         rotary = LlamaRotaryEmbedding(cfg)
         for batch, q_len, past in points:
             cycled = copies if past or batch * q_len < PREFILL_FEW_COPIES_TOKENS else copies[:PREFILL_COPIES]
-            native_attention = []
+            native_attention, routed = [], []
             if kernel.packed:  # weights as the executor holds them for a plan of this batch
                 for layer in cycled:
                     pack_module(layer, pack_batch_hint(batch), kernel.name)
                 native_attention = cpu_decode.install(cycled, [])[2]  # and its fused decode forwards (where they apply)
+                # the attention calls the fused float32 forward does not take (a bfloat16 cache) as the
+                # executor routes them: the native kernel (executor.runner.attend_beside_kv)
+                routed = cpu_attention.install({k: cycled[k] for k in native_attention},
+                                               cpu_decode.native_attention_handler, lambda k: False)
             # a decode step the native ops do not attend gets the executor's all-true mask: transformers'
             # SDPA without one takes PyTorch's unmasked CPU path, which read a bf16 GQA cache ~5x slower
             # here and made SmolLM2's bf16 decode predictions 1.4-2x the executor's measured TPOT
@@ -659,6 +664,7 @@ def layers(sizes: Sizes, dtype: str, tick: Callable[[], None] | None = None) -> 
                             cache.crop(-q_len)  # back to the same KV length for the next run
 
                 r = time_call(run_all, max(3, sizes.repeats), sizes.budget_s)
+            cpu_attention.uninstall(routed)
             rows.append({"dtype": dtype, "kernel": kernel.name, "hidden": hidden, "intermediate": inter, "heads": heads,
                          "kv_heads": kv_heads,
                          "head_dim": head_dim, "batch": batch, "query_len": q_len, "kv_len": past + q_len,

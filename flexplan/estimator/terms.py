@@ -262,10 +262,11 @@ class CPUAttentionCosts:
 
 def host_kv_attention_dtype(shape: Shape, hw: Hardware) -> str:
     """The dtype the CPU attends in beside a host KV cache kept in the accelerator's dtype: the
-    KV's own (the executor brings q to it: float32 runs flexplan's native kernel, bfloat16
-    transformers' SDPA with a mask, as calibration times each), where the CPU has a peak for it;
-    else the plan's CPU dtype. A bfloat16 cache priced at the float32 kernel's rate was 2.6x fast
-    on the AVX-512 VM (SDPA read 8 GB/s at 4096 keys, the native kernel 21)."""
+    KV's own (the native kernel reads a float32 or bfloat16 cache as it is, transformers' SDPA
+    where it does not cover the layer; calibration times each dtype as the executor runs it),
+    where the CPU has a peak for it; else the plan's CPU dtype. Priced at the float32 factors,
+    a bfloat16 cache's attention came out at half the native kernel's time on the AVX-512 VM
+    (it reads half the bytes but is bound by its arithmetic there: 11-14 against 18-26 GB/s)."""
     return shape.dtype if shape.dtype in hw.cpu.peak_flops_per_s else shape.cpu_dtype
 
 

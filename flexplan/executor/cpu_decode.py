@@ -161,7 +161,8 @@ def _native_readable(keys: torch.Tensor, values: torch.Tensor, mask: torch.Tenso
                      batch: int) -> tuple[bool, torch.Tensor | None]:
     """(whether the native attention can read this cache view and mask, the mask as [batch, keys]
     bool or None). A mask must be boolean and shared by the heads ([b or 1, 1, 1, keys])."""
-    if not (_cpu_f32(keys, values) and keys.stride() == values.stride() and keys.stride(-1) == 1):
+    if not (keys.device.type == values.device.type == "cpu" and keys.dtype == values.dtype
+            and keys.dtype in native.ATTENTION_KV_DTYPES and keys.stride() == values.stride() and keys.stride(-1) == 1):
         return False, None
     if mask is None:
         return True, None
@@ -170,6 +171,37 @@ def _native_readable(keys: torch.Tensor, values: torch.Tensor, mask: torch.Tenso
             or mask.device.type != "cpu"):
         return False, None
     return True, mask[:, 0, 0, :].expand(batch, n).contiguous()
+
+
+def native_decode_attention(ops: native.NativeDecode | None, module: nn.Module, q: torch.Tensor, keys, values,
+                            mask, kwargs: dict) -> torch.Tensor | None:
+    """transformers' attention call ``(module, q, keys, values, mask, **kwargs)`` for one query
+    per sequence on the CPU, q [b, heads, 1, d], by flexplan's native kernel: the output [b, 1,
+    heads, d] in q's dtype, or None where it does not apply (no ops, not one query, dropout or
+    weights asked for, a cache or mask it does not read). A bfloat16 cache is read as it is, q in
+    float32 (``benchmarks/bench_cpu_attention_bf16.py``, 2 threads of the AVX-512 VM, Llama-3-8B's
+    heads): at batch 1 in 0.45-0.64 of the time of transformers' masked SDPA (11-14 against 6-8
+    GB/s), at batch 8 in 0.83-1.20 of it; calibration measured that SDPA at 2.8 GB/s on an H100's
+    16-core host, where the float32 kernel read 51."""
+    if (ops is None or q.device.type != "cpu" or q.dim() != 4 or q.shape[2] != 1 or kwargs.get("dropout")
+            or kwargs.get("output_attentions")):
+        return None
+    b, hq, _, d = q.shape
+    readable, m = _native_readable(keys, values, mask, b)
+    if not readable:
+        return None
+    scale = kwargs.get("scaling")
+    out = ops.decode_attention(q.reshape(b, hq, d).to(torch.float32).contiguous(), keys, values, m,
+                               float(module.scaling if scale is None else scale))
+    return out.view(b, 1, hq, d).to(q.dtype)
+
+
+def native_attention_handler(layer: int, module: nn.Module, inner, query, key, value, attention_mask, **kwargs):
+    """A ``cpu_attention.install`` handler for layers that compute on the CPU: a decode step's
+    attention by :func:`native_decode_attention` where it applies, else ``inner`` (what the
+    module's attention implementation does)."""
+    out = native_decode_attention(native.decode_status()[0], module, query, key, value, attention_mask, kwargs)
+    return (out, None) if out is not None else inner(module, query, key, value, attention_mask, **kwargs)
 
 
 def _attention_forward(module: nn.Module, ops: native.NativeDecode, *args, **kwargs):

@@ -159,8 +159,12 @@ def _ptr(t: torch.Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
 
 
+ATTENTION_KV_DTYPES = (torch.float32, torch.bfloat16)  # KV caches the native decode attention reads
+
+
 class NativeDecode:
-    """The loaded fused decode ops (``native_decode.c``), float32 CPU tensors only."""
+    """The loaded fused decode ops (``native_decode.c``), float32 CPU tensors only (the decode
+    attention also reads a bfloat16 KV cache)."""
 
     def __init__(self, lib: ctypes.CDLL, path: Path):
         self.path = path
@@ -171,9 +175,11 @@ class NativeDecode:
         self._rope = lib.flexplan_rope_f32
         self._rope.argtypes = [ptr, ptr, ptr, i64, i64, i64]
         self._rope.restype = None
-        self._attention = lib.flexplan_decode_attention_f32
-        self._attention.argtypes = [ptr] * 5 + [i64] * 8 + [f32]
-        self._attention.restype = ctypes.c_int
+        self._attention = {}  # KV dtype -> its kernel
+        for dtype, name in ((torch.float32, "f32"), (torch.bfloat16, "bf16")):
+            fn = getattr(lib, f"flexplan_decode_attention_{name}")
+            fn.argtypes, fn.restype = [ptr] * 5 + [i64] * 8 + [f32], ctypes.c_int
+            self._attention[dtype] = fn
         self._pre = lib.flexplan_layer_pre_attention_f32
         self._pre.argtypes = [ctypes.POINTER(LayerWeights)] + [ptr] * 3 + [i64] + [ptr] * 4
         self._pre.restype = None
@@ -220,14 +226,16 @@ class NativeDecode:
 
     def decode_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
                          scale: float) -> torch.Tensor:
-        """softmax(q k^T * scale) v for one query per sequence: q [b, hq, d] contiguous; k, v
-        [b, hk, T, d] views with the same strides and the last dimension contiguous; mask [b, T]
-        bool (True = attend, contiguous) or None. Returns [b, hq, d]."""
+        """softmax(q k^T * scale) v for one query per sequence: q [b, hq, d] float32 contiguous; k, v
+        [b, hk, T, d] views of one of :data:`ATTENTION_KV_DTYPES` with the same strides and the last
+        dimension contiguous (bfloat16 is read as it is, widened exactly); mask [b, T] bool (True =
+        attend, contiguous) or None. Returns [b, hq, d] float32."""
         b, hq, d = q.shape
         hk, t = k.shape[1], k.shape[2]
         out = torch.empty_like(q)
-        rc = self._attention(q.data_ptr(), k.data_ptr(), v.data_ptr(), None if mask is None else mask.data_ptr(),
-                             out.data_ptr(), b, hq, hk, t, d, k.stride(0), k.stride(1), k.stride(2), scale)
+        rc = self._attention[k.dtype](q.data_ptr(), k.data_ptr(), v.data_ptr(),
+                                      None if mask is None else mask.data_ptr(), out.data_ptr(), b, hq, hk, t, d,
+                                      k.stride(0), k.stride(1), k.stride(2), scale)
         if rc != 0:
             raise MemoryError(f"native decode attention could not allocate scores for {t} keys")
         return out
@@ -385,6 +393,11 @@ def _decode_self_check(ops: NativeDecode) -> None:
     ref = torch.nn.functional.scaled_dot_product_attention(
         q[:, :, None], k.repeat_interleave(2, 1), v.repeat_interleave(2, 1), attn_mask=mask[:, None, None], scale=0.3)
     errs["attention"] = (ops.decode_attention(q, k, v, mask, 0.3) - ref[:, :, 0]).abs().max() / ref.abs().max()
+    kb, vb = (cache.to(torch.bfloat16)[n, :, :, :9] for n in (0, 1))  # a bf16 cache, read as bf16
+    ref = torch.nn.functional.scaled_dot_product_attention(
+        q[:, :, None], kb.float().repeat_interleave(2, 1), vb.float().repeat_interleave(2, 1),
+        attn_mask=mask[:, None, None], scale=0.3)
+    errs["attention bf16 KV"] = (ops.decode_attention(q, kb, vb, mask, 0.3) - ref[:, :, 0]).abs().max() / ref.abs().max()
     errs["moe_silu"] = _moe_silu_error(ops, g)
     bad = {name: float(e) for name, e in errs.items() if not float(e) < 1e-5}
     if bad:

@@ -9,9 +9,10 @@
  * Ops (each a single call; all tensors float32, contiguous unless strides are given):
  *   flexplan_rmsnorm_f32      y = w * x / sqrt(mean(x^2) + eps) per row          (LlamaRMSNorm)
  *   flexplan_rope_f32         x = x cos + rotate_half(x) sin, in place             (apply_rotary_pos_emb)
- *   flexplan_decode_attention_f32
+ *   flexplan_decode_attention_f32 / _bf16
  *                             softmax(q k^T scale, masked) v for ONE query per sequence,
  *                             grouped-query heads, reading the KV cache through its strides
+ *                             (float32, or bfloat16 widened as read: q and the output float32)
  *   flexplan_layer_pre_attention_f32 / flexplan_layer_post_attention_f32
  *                             a whole decoder layer for one decode step, in two halves around
  *                             the KV-cache update (which stays the cache's own Python method):
@@ -24,7 +25,9 @@
  *
  * The GEMVs are native_gemv.c's flexplan_blocked_gemv (compiled into the same library), on
  * weights in its blocked layout [out/64, in, 64], float32 or 16-bit (a layer's seven in one type,
- * flexplan_layer.wtype); activations, norms, biases and the KV cache are float32 throughout.
+ * flexplan_layer.wtype); activations, norms, biases and the KV cache are float32 throughout, but
+ * for the decode attention's bfloat16 variant (a bf16 cache: the executor's bf16 CPU layers and
+ * the host caches of a bf16 model's cpu-attention and split layers).
  *
  * Attention splits the keys of each sequence into chunks of CHUNK_T positions, one work item per
  * (sequence, chunk), so each thread reads a contiguous stretch of the cache (all heads of a
@@ -133,91 +136,114 @@ void flexplan_rope_f32(float* x, const float* cos_, const float* sin_, int64_t r
     }
 }
 
-/* Partial attention of every query head of sequence b over keys [t0, t1): per head its max
- * score m, sum of e^(s - m) l, and unnormalised output o (d floats), into part[h * (d + 2)]. */
-static void attention_chunk(const float* q, const float* k, const float* v, const uint8_t* m, int64_t b,
-                            int64_t hq, int64_t hk, int64_t d, int64_t sb, int64_t sh, int64_t st, float scale,
-                            int64_t t0, int64_t t1, float* part, float* s /* hq * CHUNK_T */) {
-    const int64_t group = hq / hk, n = t1 - t0;
-    for (int64_t t = t0; t < t1; t++) {
-        const int64_t i = t - t0;
-        if (m && !m[t]) {
-            for (int64_t h = 0; h < hq; h++) s[h * CHUNK_T + i] = -INFINITY;
-            continue;
-        }
-        for (int64_t h = 0; h < hq; h++) {
-            const float* kt = k + b * sb + (h / group) * sh + t * st;
-            const float* qh = q + (b * hq + h) * d;
-            s[h * CHUNK_T + i] = dot_f32(qh, kt, d) * scale;
-        }
-    }
-    for (int64_t h = 0; h < hq; h++) {
-        float* sh_ = s + h * CHUNK_T;
-        float* ph = part + h * (d + 2);
-        float mx = -INFINITY, l = 0.0f;
-        for (int64_t i = 0; i < n; i++) mx = sh_[i] > mx ? sh_[i] : mx;
-        if (mx != -INFINITY) {
-#pragma omp simd reduction(+ : l)
-            for (int64_t i = 0; i < n; i++) {
-                sh_[i] = sh_[i] == -INFINITY ? 0.0f : exp_f32(sh_[i] - mx);
-                l += sh_[i];
-            }
-        }
-        ph[0] = mx, ph[1] = l;
-        float* o = ph + 2;
-        const float* vh = v + b * sb + (h / group) * sh + t0 * st;
-        if (mx == -INFINITY) {
-            for (int64_t j = 0; j < d; j++) o[j] = 0.0f;
-            continue;
-        }
-        int64_t j0 = 0;
-        for (; j0 + 4 * LANES <= d; j0 += 4 * LANES) { /* 4 x LANES outputs in registers: 4 FMA chains */
-            v16 a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
-            for (int64_t i = 0; i < n; i++) {
-                const float p = sh_[i], *vt = vh + i * st + j0;
-                a0 += p * *(const v16*)vt, a1 += p * *(const v16*)(vt + LANES);
-                a2 += p * *(const v16*)(vt + 2 * LANES), a3 += p * *(const v16*)(vt + 3 * LANES);
-            }
-            *(v16*)(o + j0) = a0, *(v16*)(o + j0 + LANES) = a1;
-            *(v16*)(o + j0 + 2 * LANES) = a2, *(v16*)(o + j0 + 3 * LANES) = a3;
-        }
-        for (; j0 + LANES <= d; j0 += LANES) { /* LANES outputs in a register over the chunk */
-            v16 acc = {0};
-            for (int64_t i = 0; i < n; i++) acc += sh_[i] * *(const v16*)(vh + i * st + j0);
-            *(v16*)(o + j0) = acc;
-        }
-        for (; j0 < d; j0++) {
-            float acc = 0.0f;
-            for (int64_t i = 0; i < n; i++) acc += sh_[i] * vh[i * st + j0];
-            o[j0] = acc;
-        }
-    }
+/* bfloat16 -> float32, exact: the 16 high bits of the float. */
+static inline float bf16_f32(uint16_t h) {
+    union { uint32_t i; float f; } u = {.i = (uint32_t)h << 16};
+    return u.f;
 }
 
-/* One query position per sequence against T cached keys.
- *   q    [batch, hq, d];  out [batch, hq, d]
- *   k, v element (b, h, t, j) at b*sb + h*sh + t*st + j   (j contiguous)
- *   mask [batch, T] bytes, nonzero = attend, or NULL (attend to all T)
- * Query head i reads key/value head i / (hq / hk). A row with every key masked gets zeros.
- * Returns 0, or -1 when the partials could not be allocated. */
-int flexplan_decode_attention_f32(const float* q, const float* k, const float* v, const uint8_t* mask,
-                                  float* out, int64_t batch, int64_t hq, int64_t hk, int64_t T, int64_t d,
-                                  int64_t sb, int64_t sh, int64_t st, float scale) {
-    const int64_t chunks = (T + CHUNK_T - 1) / CHUNK_T;
-    float* part = (float*)malloc(sizeof(float) * (size_t)(batch * chunks * hq * (d + 2)));
-    float* scores = (float*)malloc(sizeof(float) * (size_t)(batch * chunks * hq * CHUNK_T));
-    if (!part || !scores) {
-        free(part), free(scores);
-        return -1;
+typedef uint16_t u16x16 __attribute__((vector_size(32), aligned(2)));
+typedef uint32_t u32x16 __attribute__((vector_size(64)));
+
+static inline v16 load16_f32(const float* p) { return *(const v16*)p; }
+
+static inline v16 load16_bf16(const uint16_t* p) { /* 16 bf16 widened to float32 in a register */
+    u16x16 h;
+    memcpy(&h, p, sizeof h);
+    const u32x16 w = __builtin_convertvector(h, u32x16) << 16;
+    v16 f;
+    memcpy(&f, &w, sizeof f);
+    return f;
+}
+
+static inline float load1_f32(const float* p) { return *p; }
+static inline float load1_bf16(const uint16_t* p) { return bf16_f32(*p); }
+
+/* sum_j a[j] b[j] with b bfloat16 (the keys of a bf16 cache). */
+static inline float dot_bf16(const float* a, const uint16_t* b, int64_t n) {
+    v16 acc = {0}, acc2 = {0};
+    int64_t j = 0;
+    for (; j + 2 * LANES <= n; j += 2 * LANES) {
+        acc += *(const v16*)(a + j) * load16_bf16(b + j);
+        acc2 += *(const v16*)(a + j + LANES) * load16_bf16(b + j + LANES);
     }
-#pragma omp parallel for schedule(static)
-    for (int64_t item = 0; item < batch * chunks; item++) {
-        const int64_t b = item / chunks, c = item % chunks;
-        const int64_t t0 = c * CHUNK_T, t1 = t0 + CHUNK_T < T ? t0 + CHUNK_T : T;
-        attention_chunk(q, k, v, mask ? mask + b * T : NULL, b, hq, hk, d, sb, sh, st, scale, t0, t1,
-                        part + item * hq * (d + 2), scores + item * hq * CHUNK_T);
-    }
-    for (int64_t b = 0; b < batch; b++) /* merge the chunks' partial softmaxes */
+    acc += acc2;
+    for (; j + LANES <= n; j += LANES) acc += *(const v16*)(a + j) * load16_bf16(b + j);
+    float tail = 0.0f;
+    for (; j < n; j++) tail += a[j] * bf16_f32(b[j]);
+    return hsum16(acc) + tail;
+}
+
+/* Partial attention of every query head of sequence b over keys [t0, t1): per head its max
+ * score m, sum of e^(s - m) l, and unnormalised output o (d floats), into part[h * (d + 2)].
+ * One definition per KV element type KT (float32, bfloat16 widened as read). */
+#define DEFINE_ATTENTION_CHUNK(SUFFIX, KT)                                                                   \
+static void attention_chunk_##SUFFIX(const float* q, const KT* k, const KT* v, const uint8_t* m, int64_t b,  \
+                                     int64_t hq, int64_t hk, int64_t d, int64_t sb, int64_t sh, int64_t st,   \
+                                     float scale, int64_t t0, int64_t t1, float* part, float* s) {            \
+    const int64_t group = hq / hk, n = t1 - t0;                                                               \
+    for (int64_t t = t0; t < t1; t++) {                                                                       \
+        const int64_t i = t - t0;                                                                             \
+        if (m && !m[t]) {                                                                                     \
+            for (int64_t h = 0; h < hq; h++) s[h * CHUNK_T + i] = -INFINITY;                                  \
+            continue;                                                                                         \
+        }                                                                                                     \
+        for (int64_t h = 0; h < hq; h++) {                                                                    \
+            const KT* kt = k + b * sb + (h / group) * sh + t * st;                                            \
+            const float* qh = q + (b * hq + h) * d;                                                           \
+            s[h * CHUNK_T + i] = dot_##SUFFIX(qh, kt, d) * scale;                                             \
+        }                                                                                                     \
+    }                                                                                                         \
+    for (int64_t h = 0; h < hq; h++) {                                                                        \
+        float* sh_ = s + h * CHUNK_T;                                                                         \
+        float* ph = part + h * (d + 2);                                                                       \
+        float mx = -INFINITY, l = 0.0f;                                                                       \
+        for (int64_t i = 0; i < n; i++) mx = sh_[i] > mx ? sh_[i] : mx;                                       \
+        if (mx != -INFINITY) {                                                                                \
+            _Pragma("omp simd reduction(+ : l)")                                                              \
+            for (int64_t i = 0; i < n; i++) {                                                                 \
+                sh_[i] = sh_[i] == -INFINITY ? 0.0f : exp_f32(sh_[i] - mx);                                   \
+                l += sh_[i];                                                                                  \
+            }                                                                                                 \
+        }                                                                                                     \
+        ph[0] = mx, ph[1] = l;                                                                                \
+        float* o = ph + 2;                                                                                    \
+        const KT* vh = v + b * sb + (h / group) * sh + t0 * st;                                               \
+        if (mx == -INFINITY) {                                                                                \
+            for (int64_t j = 0; j < d; j++) o[j] = 0.0f;                                                      \
+            continue;                                                                                         \
+        }                                                                                                     \
+        int64_t j0 = 0;                                                                                       \
+        for (; j0 + 4 * LANES <= d; j0 += 4 * LANES) { /* 4 x LANES outputs in registers: 4 FMA chains */    \
+            v16 a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};                                                       \
+            for (int64_t i = 0; i < n; i++) {                                                                 \
+                const float p = sh_[i];                                                                       \
+                const KT* vt = vh + i * st + j0;                                                              \
+                a0 += p * load16_##SUFFIX(vt), a1 += p * load16_##SUFFIX(vt + LANES);                         \
+                a2 += p * load16_##SUFFIX(vt + 2 * LANES), a3 += p * load16_##SUFFIX(vt + 3 * LANES);         \
+            }                                                                                                 \
+            *(v16*)(o + j0) = a0, *(v16*)(o + j0 + LANES) = a1;                                               \
+            *(v16*)(o + j0 + 2 * LANES) = a2, *(v16*)(o + j0 + 3 * LANES) = a3;                               \
+        }                                                                                                     \
+        for (; j0 + LANES <= d; j0 += LANES) { /* LANES outputs in a register over the chunk */              \
+            v16 acc = {0};                                                                                    \
+            for (int64_t i = 0; i < n; i++) acc += sh_[i] * load16_##SUFFIX(vh + i * st + j0);               \
+            *(v16*)(o + j0) = acc;                                                                            \
+        }                                                                                                     \
+        for (; j0 < d; j0++) {                                                                                \
+            float acc = 0.0f;                                                                                 \
+            for (int64_t i = 0; i < n; i++) acc += sh_[i] * load1_##SUFFIX(vh + i * st + j0);                \
+            o[j0] = acc;                                                                                      \
+        }                                                                                                     \
+    }                                                                                                         \
+}
+
+DEFINE_ATTENTION_CHUNK(f32, float)
+DEFINE_ATTENTION_CHUNK(bf16, uint16_t)
+
+/* Merge the chunks' partial softmaxes of every (sequence, head) into out [batch, hq, d]. */
+static void merge_chunks(const float* part, float* out, int64_t batch, int64_t chunks, int64_t hq, int64_t d) {
+    for (int64_t b = 0; b < batch; b++)
         for (int64_t h = 0; h < hq; h++) {
             float mx = -INFINITY, l = 0.0f;
             for (int64_t c = 0; c < chunks; c++) {
@@ -239,9 +265,40 @@ int flexplan_decode_attention_f32(const float* q, const float* k, const float* v
 #pragma omp simd
             for (int64_t j = 0; j < d; j++) o[j] *= inv;
         }
-    free(part), free(scores);
-    return 0;
 }
+
+/* One query position per sequence against T cached keys.
+ *   q    [batch, hq, d] float32;  out [batch, hq, d] float32
+ *   k, v element (b, h, t, j) at b*sb + h*sh + t*st + j   (j contiguous), float32 (_f32) or
+ *        bfloat16 (_bf16: a bf16 cache read as it is, each element widened exactly in a register)
+ *   mask [batch, T] bytes, nonzero = attend, or NULL (attend to all T)
+ * Query head i reads key/value head i / (hq / hk). A row with every key masked gets zeros.
+ * Returns 0, or -1 when the partials could not be allocated. */
+#define DEFINE_DECODE_ATTENTION(SUFFIX, KT)                                                                  \
+int flexplan_decode_attention_##SUFFIX(const float* q, const KT* k, const KT* v, const uint8_t* mask,        \
+                                       float* out, int64_t batch, int64_t hq, int64_t hk, int64_t T,          \
+                                       int64_t d, int64_t sb, int64_t sh, int64_t st, float scale) {          \
+    const int64_t chunks = (T + CHUNK_T - 1) / CHUNK_T;                                                       \
+    float* part = (float*)malloc(sizeof(float) * (size_t)(batch * chunks * hq * (d + 2)));                    \
+    float* scores = (float*)malloc(sizeof(float) * (size_t)(batch * chunks * hq * CHUNK_T));                  \
+    if (!part || !scores) {                                                                                   \
+        free(part), free(scores);                                                                             \
+        return -1;                                                                                            \
+    }                                                                                                         \
+    _Pragma("omp parallel for schedule(static)")                                                              \
+    for (int64_t item = 0; item < batch * chunks; item++) {                                                   \
+        const int64_t b = item / chunks, c = item % chunks;                                                   \
+        const int64_t t0 = c * CHUNK_T, t1 = t0 + CHUNK_T < T ? t0 + CHUNK_T : T;                             \
+        attention_chunk_##SUFFIX(q, k, v, mask ? mask + b * T : NULL, b, hq, hk, d, sb, sh, st, scale, t0, t1, \
+                                 part + item * hq * (d + 2), scores + item * hq * CHUNK_T);                   \
+    }                                                                                                         \
+    merge_chunks(part, out, batch, chunks, hq, d);                                                            \
+    free(part), free(scores);                                                                                 \
+    return 0;                                                                                                 \
+}
+
+DEFINE_DECODE_ATTENTION(f32, float)
+DEFINE_DECODE_ATTENTION(bf16, uint16_t)
 
 /* The blocked weights (and biases or NULL) of one decoder layer, and its sizes. */
 typedef struct {

@@ -263,9 +263,15 @@ class Executor:
         if streamed and self.slots is None:
             self.slots = StreamSlots(self.link, slot_bytes)
         beside = sorted({i for ph in placement.phases for i in placement.attention_on_cpu(ph)})
+        # layers the CPU computes whole in decode whose attention the native kernel covers: their calls
+        # come here too where the fused float32 forward does not take them (a bfloat16 CPU dtype)
+        cpu_decode_layers = [i for i in sorted(self.native_attention) if i not in beside and DECODE in placement.phases
+                             and placement.modes[DECODE][i].on_cpu
+                             and cpu_attention.attention_modules(self.parts.layers[i])]
         cpu_attention.uninstall(self._cpu_attention_modules)
+        routed = {i: self.parts.layers[i] for i in beside + cpu_decode_layers}
         self._cpu_attention_modules = cpu_attention.install(
-            {i: self.parts.layers[i] for i in beside}, self.attend_beside_kv, self._attends_beside_kv) if beside else []
+            routed, self.attend_beside_kv, self._attends_beside_kv) if routed else []
         self.split.uninstall()
         self.split.cpu_dtype = self._dtype(HOST_MEMORY, placement)  # what its CPU operators compute in
         for ph, pp in placement.phases.items():
@@ -625,9 +631,15 @@ class Executor:
         """Layer i's attention call (cpu_attention routes it here): in a phase that places its
         attention on the CPU, q crosses to the host, the CPU attends over the host KV cache the
         cache's ``update`` just appended to (the native kernel where it covers the layer,
-        transformers' own function otherwise) and the output crosses back; else ``inner`` as is."""
+        transformers' own function otherwise) and the output crosses back. A decode step of a layer
+        the CPU computes whole: the native kernel where it covers the layer and reads its cache (a
+        bfloat16 one: the fused float32 forward takes the others). Else ``inner`` as is."""
         st = self._step
         if not self._attends_beside_kv(i):
+            if st is not None and st.phase == DECODE and self.placement.modes[DECODE][i].on_cpu:
+                out = self._native_attention(i, module, query, key, value, attention_mask, kwargs)
+                if out is not None:
+                    return out, None
             return inner(module, query, key, value, attention_mask, **kwargs)
         core_on_acc = self.split.attention_on_acc(i)  # None: not a layer cut by split points
         if core_on_acc:  # cut by split points, the core on the accelerator: q and the KV the cache returned cross
@@ -671,19 +683,10 @@ class Executor:
 
     def _native_attention(self, i: int, module, q, keys, values, mask, kwargs):
         """flexplan's native decode attention for one query per sequence, [b, 1, heads, d], where it
-        covers the layer (cpu_decode.covered_attention) and reads this cache and mask; else None."""
+        covers the layer (cpu_decode.covered_attention) and reads this cache (float32 or bfloat16)
+        and mask; else None."""
         ops = native.decode_status()[0] if i in self.native_attention else None
-        if ops is None or q.shape[2] != 1 or q.dtype != torch.float32 or kwargs.get("dropout") or \
-                kwargs.get("output_attentions"):
-            return None
-        b, hq, _, d = q.shape
-        readable, m = cpu_decode._native_readable(keys, values, mask, b)
-        if not readable:
-            return None
-        scale = kwargs.get("scaling")
-        out = ops.decode_attention(q.reshape(b, hq, d).contiguous(), keys, values, m,
-                                   float(module.scaling if scale is None else scale))
-        return out.view(b, 1, hq, d)
+        return cpu_decode.native_decode_attention(ops, module, q, keys, values, mask, kwargs)
 
     def _before_head(self, module, args):
         st = self._step
