@@ -6,7 +6,8 @@
 # under the device call's 600 s); results land in $OUT (log.txt, gpu_results.tgz).
 #
 #   bash benchmarks/gpu_session.sh            # STEPS="tests probe val quick valq" by default
-#   (also: diag, the GPU layer step's profile; bench; full)
+#   (also: diag, the GPU layer step's profile; attn, the CPU's bf16 decode attention, native
+#   kernel against SDPA, ~20 s; bench; full)
 #   STEPS="val bench" bash benchmarks/gpu_session.sh
 #
 # Seen on the H200 host (16-core Xeon, 300 MiB L3, 2026-11-26): CUDA tests 30-40 s, the first-use
@@ -66,6 +67,12 @@ fi
 if has diag; then
   step "diag: the GPU layer step"
   timeout "$(limit 60)" python3 benchmarks/diag_gpu_layer_step.py --out "$OUT/res/diag_gpu_layer_step.json" 2>&1 | tail -40
+fi
+
+if has attn; then
+  step "bench_cpu_attention_bf16 (the host CPU's decode attention over a bf16 cache)"
+  timeout "$(limit 60)" python3 benchmarks/bench_cpu_attention_bf16.py --rounds 3 2>&1 | tail -12
+  cp benchmarks/results/bench_cpu_attention_bf16.json "$OUT/res/" 2>/dev/null; pack
 fi
 
 if has probe; then
