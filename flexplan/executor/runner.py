@@ -669,9 +669,9 @@ class Executor:
 
     def _cpu_decode_mask(self, q, keys, mask):
         """``mask``, or for one query position with none under SDPA the step's all-true mask over
-        ``keys``' keys (``StepState.cpu_decode_mask``: the same attention; PyTorch's unmasked CPU
-        SDPA read a bf16 grouped-query cache 6-7x slower than its masked path on the VM, 12.3 vs
-        2.0 ms at 4096 keys, where the native kernel, float32 only, does not attend)."""
+        ``keys``' keys (``Step.cpu_decode_mask``: the same attention) for a layer the native kernel
+        does not attend: PyTorch's unmasked CPU SDPA read a bf16 grouped-query cache 6-7x slower
+        than its masked path on the VM (12.3 against 2.0 ms at 4096 keys)."""
         if (mask is not None or q.shape[2] != 1 or self._step is None
                 or getattr(self.model.config, "_attn_implementation", None) != "sdpa"):
             return mask
