@@ -45,7 +45,7 @@ def one_run(flexplan: Path, extra: list[str]) -> dict:
     if r.returncode != 0:
         return {"utc": t0, "error": r.stderr.strip().splitlines()[-1:] or ["exit %d" % r.returncode]}
     rec = json.loads(r.stdout)
-    med = rec["median"]
+    med = rec["median"]  # per phase the timed run of the median ratio (flexplan.run_cmd.medians)
     return {"utc": t0, "triad_gb_per_s": float(triad.stdout.strip() or "nan"),
             "median": med, "ttft_ratio": ratio(med["ttft_s"], med["predicted_ttft_s"]),
             "tpot_ratio": ratio(med["tpot_s"], med["predicted_tpot_s"]),

@@ -49,7 +49,7 @@ def test_run_prints_plan_answer_and_measured_vs_predicted(cache_dir):
     assert "prefill  cpu" in out and "decode   cpu" in out and "predicted TTFT" in out and "predicted TPOT" in out
     answer = out.split("answer: ", 1)[1].split("\n", 1)[0]
     assert answer.strip(), out  # the streamed text
-    assert "TTFT: median of 3 runs: measured" in out and "TPOT: median of 3 runs: measured" in out
+    assert "TTFT: the median of 3 runs: measured" in out and "TPOT: the median of 3 runs: measured" in out
     assert "predicted" in out and out.count("runs: ") >= 2
     assert "prefill achieved: memory" in out and "decode achieved: memory" in out
 
@@ -65,8 +65,8 @@ def test_run_json_record(cache_dir, capsys, monkeypatch):
     assert record["plan"]["prefill"]["policy"] == "cpu" and record["plan"]["output_len"] == 3
     assert record["stats"]["ttft_s"] > 0 and record["stats"]["predicted_ttft_s"] > 0
     assert record["median"]["runs"] == len(record["runs"]) == 3  # the default repeats, well within the budget
-    ttfts = sorted(r["ttft_s"] for r in record["runs"])
-    assert record["median"]["ttft_s"] == ttfts[1]
+    ratios = sorted(r["ttft_s"] / r["predicted_ttft_s"] for r in record["runs"])
+    assert record["median"]["ttft_ratio"] == pytest.approx(ratios[1])
     assert set(record["achieved_memory_bytes_per_s"]) == {"prefill", "decode"}
 
 
@@ -78,9 +78,13 @@ def test_medians_and_the_repeats_budget(monkeypatch):
     def stats(ttft, pred):
         return SimpleNamespace(ttft_s=ttft, predicted_ttft_s=pred, tpot_s=ttft / 4, predicted_tpot_s=float("nan"))
 
+    # ratios 1.25, 1.8, 1.2 (each run its own prediction): the median run is the first, not 0.06 / 0.05
     med = run_cmd.medians([stats(0.05, 0.04), stats(0.09, 0.05), stats(0.06, 0.05)])
-    assert med["runs"] == 3 and med["ttft_s"] == 0.06 and med["predicted_ttft_s"] == 0.05
-    assert med["tpot_s"] == 0.015 and med["predicted_tpot_s"] != med["predicted_tpot_s"]  # no prediction: nan
+    assert med["runs"] == 3 and (med["ttft_s"], med["predicted_ttft_s"]) == (0.05, 0.04)
+    assert med["ttft_ratio"] == pytest.approx(1.25)
+    assert med["tpot_s"] != med["tpot_s"] and med["tpot_ratio"] != med["tpot_ratio"]  # no prediction: nan
+    two = run_cmd.medians([stats(0.05, 0.05), stats(0.06, 0.05)])  # even count: the lower middle
+    assert two["ttft_ratio"] == pytest.approx(1.0)
 
     class FakeLM:  # each generate() takes 6 s of the clock: the budget (10 s) stops the third run
         last_stats, calls, refreshed = None, 0, 0
