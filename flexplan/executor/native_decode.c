@@ -88,20 +88,48 @@ static inline float hsum16(v16 a) { /* pairwise: halves, quarters, then four lan
     return (s4[0] + s4[2]) + (s4[1] + s4[3]);
 }
 
-/* sum_j a[j] b[j]: LANES partial sums, folded pairwise at the end. */
-static inline float dot_f32(const float* a, const float* b, int64_t n) {
-    v16 acc = {0}, acc2 = {0};
-    int64_t j = 0;
-    for (; j + 2 * LANES <= n; j += 2 * LANES) {
-        acc += *(const v16*)(a + j) * *(const v16*)(b + j);
-        acc2 += *(const v16*)(a + j + LANES) * *(const v16*)(b + j + LANES);
-    }
-    acc += acc2;
-    for (; j + LANES <= n; j += LANES) acc += *(const v16*)(a + j) * *(const v16*)(b + j);
-    float tail = 0.0f;
-    for (; j < n; j++) tail += a[j] * b[j];
-    return hsum16(acc) + tail;
+/* bfloat16 -> float32, exact: the 16 high bits of the float. */
+static inline float bf16_f32(uint16_t h) {
+    union { uint32_t i; float f; } u = {.i = (uint32_t)h << 16};
+    return u.f;
 }
+
+typedef uint16_t u16x16 __attribute__((vector_size(32), aligned(2)));
+typedef uint32_t u32x16 __attribute__((vector_size(64)));
+
+static inline v16 load16_f32(const float* p) { return *(const v16*)p; }
+
+static inline v16 load16_bf16(const uint16_t* p) { /* 16 bf16 widened to float32 in a register */
+    u16x16 h;
+    memcpy(&h, p, sizeof h);
+    const u32x16 w = __builtin_convertvector(h, u32x16) << 16;
+    v16 f;
+    memcpy(&f, &w, sizeof f);
+    return f;
+}
+
+static inline float load1_f32(const float* p) { return *p; }
+static inline float load1_bf16(const uint16_t* p) { return bf16_f32(*p); }
+
+/* sum_j a[j] b[j], b float32 (_f32) or bfloat16 widened as read (_bf16: the keys of a bf16 cache):
+ * LANES partial sums, folded pairwise at the end. */
+#define DEFINE_DOT(SUFFIX, KT)                                                                               \
+static inline float dot_##SUFFIX(const float* a, const KT* b, int64_t n) {                                   \
+    v16 acc = {0}, acc2 = {0};                                                                               \
+    int64_t j = 0;                                                                                           \
+    for (; j + 2 * LANES <= n; j += 2 * LANES) {                                                             \
+        acc += *(const v16*)(a + j) * load16_##SUFFIX(b + j);                                                \
+        acc2 += *(const v16*)(a + j + LANES) * load16_##SUFFIX(b + j + LANES);                               \
+    }                                                                                                        \
+    acc += acc2;                                                                                             \
+    for (; j + LANES <= n; j += LANES) acc += *(const v16*)(a + j) * load16_##SUFFIX(b + j);                 \
+    float tail = 0.0f;                                                                                       \
+    for (; j < n; j++) tail += a[j] * load1_##SUFFIX(b + j);                                                 \
+    return hsum16(acc) + tail;                                                                               \
+}
+
+DEFINE_DOT(f32, float)
+DEFINE_DOT(bf16, uint16_t)
 
 /* y[r, :] = w * (x[r, :] / sqrt(mean(x[r, :]^2) + eps)); x, y [rows, n] (y may be x). */
 void flexplan_rmsnorm_f32(const float* x, const float* w, float* y, int64_t rows, int64_t n, float eps) {
@@ -134,44 +162,6 @@ void flexplan_rope_f32(float* x, const float* cos_, const float* sin_, int64_t r
             v[j + half] = b * c[j + half] + a * s[j + half];
         }
     }
-}
-
-/* bfloat16 -> float32, exact: the 16 high bits of the float. */
-static inline float bf16_f32(uint16_t h) {
-    union { uint32_t i; float f; } u = {.i = (uint32_t)h << 16};
-    return u.f;
-}
-
-typedef uint16_t u16x16 __attribute__((vector_size(32), aligned(2)));
-typedef uint32_t u32x16 __attribute__((vector_size(64)));
-
-static inline v16 load16_f32(const float* p) { return *(const v16*)p; }
-
-static inline v16 load16_bf16(const uint16_t* p) { /* 16 bf16 widened to float32 in a register */
-    u16x16 h;
-    memcpy(&h, p, sizeof h);
-    const u32x16 w = __builtin_convertvector(h, u32x16) << 16;
-    v16 f;
-    memcpy(&f, &w, sizeof f);
-    return f;
-}
-
-static inline float load1_f32(const float* p) { return *p; }
-static inline float load1_bf16(const uint16_t* p) { return bf16_f32(*p); }
-
-/* sum_j a[j] b[j] with b bfloat16 (the keys of a bf16 cache). */
-static inline float dot_bf16(const float* a, const uint16_t* b, int64_t n) {
-    v16 acc = {0}, acc2 = {0};
-    int64_t j = 0;
-    for (; j + 2 * LANES <= n; j += 2 * LANES) {
-        acc += *(const v16*)(a + j) * load16_bf16(b + j);
-        acc2 += *(const v16*)(a + j + LANES) * load16_bf16(b + j + LANES);
-    }
-    acc += acc2;
-    for (; j + LANES <= n; j += LANES) acc += *(const v16*)(a + j) * load16_bf16(b + j);
-    float tail = 0.0f;
-    for (; j < n; j++) tail += a[j] * bf16_f32(b[j]);
-    return hsum16(acc) + tail;
 }
 
 /* Partial attention of every query head of sequence b over keys [t0, t1): per head its max
