@@ -264,9 +264,10 @@ def host_kv_attention_dtype(shape: Shape, hw: Hardware) -> str:
     """The dtype the CPU attends in beside a host KV cache kept in the accelerator's dtype: the
     KV's own (the native kernel reads a float32 or bfloat16 cache as it is, transformers' SDPA
     where it does not cover the layer; calibration times each dtype as the executor runs it),
-    where the CPU has a peak for it; else the plan's CPU dtype. Priced at the float32 factors,
-    a bfloat16 cache's attention came out at half the native kernel's time on the AVX-512 VM
-    (it reads half the bytes but is bound by its arithmetic there: 11-14 against 18-26 GB/s)."""
+    where the CPU has a peak for it; else the plan's CPU dtype. Priced at the float32 factors, a
+    bfloat16 cache's attention would come out at about 0.5-0.6 of what the native kernel takes on
+    the AVX-512 VM: it reads half the bytes, but at 11-14 GB/s where the float32 cache reads 18-26
+    (bound by its arithmetic there; ``benchmarks/bench_cpu_attention_bf16.py``)."""
     return shape.dtype if shape.dtype in hw.cpu.peak_flops_per_s else shape.cpu_dtype
 
 

@@ -159,7 +159,7 @@ def _ptr(t: torch.Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
 
 
-ATTENTION_KV_DTYPES = (torch.float32, torch.bfloat16)  # KV caches the native decode attention reads
+ATTENTION_KV_DTYPES = {torch.float32: "f32", torch.bfloat16: "bf16"}  # caches the decode attention reads: its suffix
 
 
 class NativeDecode:
@@ -176,7 +176,7 @@ class NativeDecode:
         self._rope.argtypes = [ptr, ptr, ptr, i64, i64, i64]
         self._rope.restype = None
         self._attention = {}  # KV dtype -> its kernel
-        for dtype, name in ((torch.float32, "f32"), (torch.bfloat16, "bf16")):
+        for dtype, name in ATTENTION_KV_DTYPES.items():
             fn = getattr(lib, f"flexplan_decode_attention_{name}")
             fn.argtypes, fn.restype = [ptr] * 5 + [i64] * 8 + [f32], ctypes.c_int
             self._attention[dtype] = fn
