@@ -62,7 +62,6 @@ def main() -> int:
 
     from flexplan.calibration.stream import stream_triad_bytes_per_s
 
-    torch.set_num_threads(torch.get_num_threads())
     built = {shape: kernels(*shape) for shape in SHAPES}
     times: dict = {shape: {k: [] for k in ks} for shape, ks in built.items()}
     triads = []

@@ -839,8 +839,9 @@ def executor_widths(sizes: Sizes) -> list[tuple[int, int, int, int, int]]:
 
 
 def _executor_layer(sizes: Sizes, dtype: str, width: tuple[int, int, int, int, int],
-                    tick: Callable[[], None] | None) -> list[dict]:
-    """:func:`executor_layers` at one width."""
+                    tick: Callable[[], None] | None, batch: int = 1) -> list[dict]:
+    """:func:`executor_layers` at one width, at decode ``batch`` (calibration: 1;
+    ``benchmarks/diag_executor_extra_by_batch.py`` times others)."""
     import torch
     from transformers import LlamaForCausalLM
 
@@ -856,12 +857,12 @@ def _executor_layer(sizes: Sizes, dtype: str, width: tuple[int, int, int, int, i
     low = min(32, max(2, math.ceil(2 * llc_bytes() / (spec.params_per_layer * dtype_bytes(dtype)))))
     depths, steps = (low, low + 12), 16
     repeats = max(3, min(5, sizes.repeats))
-    ids = torch.ones(1, sizes.layer_kv_len, dtype=torch.long)
+    ids = torch.ones(batch, sizes.layer_kv_len, dtype=torch.long)
     lms = {}
     for depth in depths:
         model = LlamaForCausalLM(_llama_config(hidden, inter, heads, kv_heads, head_dim, layers=depth)).eval()
         lms[depth] = load(model, plan=fixed_plan(model.config, "cpu", "cpu", cpu_dtype=dtype, input_len=ids.shape[1],
-                                                 output_len=steps + 1),
+                                                 output_len=steps + 1, batch_size=batch),
                           accelerator=None, online_correction=False)
 
     def step_s(lm) -> float:  # one decode step, the prompt and the first token taken out
@@ -879,7 +880,7 @@ def _executor_layer(sizes: Sizes, dtype: str, width: tuple[int, int, int, int, i
     # pairs' differences: at the 2048-wide layer both are memory-bound (~1.5-2 ms), and timed apart a
     # memory-state flip between them would land in the extra. Paired, run 6's full files still gave
     # 0.35 ms (bf16) and 0.44 ms (fp32) at 2048 against 0.11 / ~0 at 576: not state noise alone
-    alone = replace(sizes, layer_widths=(width,), layer_shapes=((1, 1),), layer_long_kv_len=None,
+    alone = replace(sizes, layer_widths=(width,), layer_shapes=((batch, 1),), layer_long_kv_len=None,
                     prefill_only_widths=())
     slopes, bare = [], []
     for _ in range(SLOPES + 2):
@@ -895,7 +896,7 @@ def _executor_layer(sizes: Sizes, dtype: str, width: tuple[int, int, int, int, i
     if not slopes:  # no row: the executor is taken to add nothing
         return []
     return [{"dtype": dtype, "hidden": hidden, "intermediate": inter, "heads": heads, "kv_heads": kv_heads,
-             "head_dim": head_dim, "batch": 1, "query_len": 1, "kv_len": sizes.layer_kv_len + 1 + steps // 2,
+             "head_dim": head_dim, "batch": batch, "query_len": 1, "kv_len": sizes.layer_kv_len + 1 + steps // 2,
              "depths": list(depths), "steps": steps, "slopes": len(slopes),
              "time_s": _sig(float(statistics.median(slopes))), "layer_time_s": _sig(float(statistics.median(bare))),
              "extra_s": _sig(float(statistics.median(a - b for a, b in zip(slopes, bare))))}]
