@@ -7,7 +7,7 @@
 #
 #   bash benchmarks/gpu_session.sh            # STEPS="tests probe val quick valq" by default
 #   (also: diag, the GPU layer step's profile; attn, the CPU's bf16 decode attention, native
-#   kernel against SDPA, ~20 s; bench; full)
+#   kernel against SDPA, ~20 s; bench (after val); valsp, split-points validated alone; full)
 #   STEPS="val bench" bash benchmarks/gpu_session.sh
 #
 # Seen on the H200 host (16-core Xeon, 300 MiB L3, 2026-11-26): CUDA tests 30-40 s, the first-use
@@ -38,11 +38,11 @@ step() { echo; echo "=== $(date +%T) (+$(( $(date +%s) - T0 )) s) $*"; }
 # limit LIMIT_S: the step's limit, cut to what the deadline leaves (at least 1: `timeout 0` never stops)
 limit() { local left=$(( DEADLINE_S - ($(date +%s) - T0) )); (( left < $1 )) && echo $(( left > 1 ? left : 1 )) || echo "$1"; }
 cal_file() { ls -t "$FLEXPLAN_CALIBRATION_DIR"/*.yaml 2>/dev/null | grep -v corrections | grep "$1" | head -1; }
-validate() {  # validate NAME SETS LIMIT
-  local s; s=$(limit "$3"); (( s < 20 )) && { echo "validate $1 skipped: $s s left"; return; }
-  step "validate $POLICIES, GPU budget $GPU_GIB GiB, calibrations $2 (limit $s s)"
+validate() {  # validate NAME SETS LIMIT [POLICIES]
+  local s pol=${4:-$POLICIES}; s=$(limit "$3"); (( s < 20 )) && { echo "validate $1 skipped: $s s left"; return; }
+  step "validate $pol, GPU budget $GPU_GIB GiB, calibrations $2 (limit $s s)"
   timeout "$s" $FLEXPLAN validate --model random-llama-1gb --accelerator cuda --gpu-memory "$GPU_GIB" \
-    --policies "$POLICIES" --grid "$GRID" --repeats 2 --calibrations "$2" \
+    --policies "$pol" --grid "$GRID" --repeats 2 --calibrations "$2" \
     --out "$OUT/res/validate-$1" --no-plot > "$OUT/res/validate-$1.txt" 2>&1
   echo "rc $?"; tail -45 "$OUT/res/validate-$1.txt"; pack
 }
@@ -85,6 +85,14 @@ PROBE=$(cal_file "")
 # EXTRA_CALS: more name=path sets priced beside it (e.g. an earlier call's probe file, re-derived)
 has val && [ -n "$PROBE" ] && validate probe "probe=$PROBE${EXTRA_CALS:+,$EXTRA_CALS}" 150
 
+if has bench; then
+  s=$(limit 200); step "bench_gpu_offload (limit $s s)"
+  (( s >= 20 )) && timeout "$s" python3 benchmarks/bench_gpu_offload.py --repeats 1 $BENCH_FLAGS 2>&1 | tail -30
+  cp benchmarks/results/bench_gpu_offload*.json "$OUT/res/" 2>/dev/null; pack
+fi
+# valsp: split-points on its own (its own run, so a failure there leaves the other policies' figures)
+has valsp && [ -n "$PROBE" ] && validate split-points "probe=$PROBE" 90 split-points
+
 if has quick; then
   s=$(limit ${QUICK_S:-280})
   step "calibrate --quick (limit $s s)"
@@ -93,11 +101,6 @@ fi
 QUICK=$(cal_file ""); [ "$QUICK" = "$PROBE" ] && QUICK=""
 has valq && [ -n "$QUICK" ] && validate quick "quick=$QUICK${PROBE:+,probe=$PROBE}" 150
 
-if has bench; then
-  s=$(limit 200); step "bench_gpu_offload (limit $s s)"
-  (( s >= 20 )) && timeout "$s" python3 benchmarks/bench_gpu_offload.py --repeats 1 $BENCH_FLAGS 2>&1 | tail -30
-  cp benchmarks/results/bench_gpu_offload*.json "$OUT/res/" 2>/dev/null; pack
-fi
 if has full; then
   s=$(limit 100); step "full test suite (xdist, limit $s s)"
   # -v: each result named as it ends (a run cut at its limit still names its failures)

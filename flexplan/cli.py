@@ -10,8 +10,8 @@ import json
 import sys
 
 from flexplan.errors import FlexplanError, InvalidInputError
+from flexplan.inputs import gib_bytes
 
-GiB = 1 << 30
 
 
 def _int_list(text: str) -> list[int]:
@@ -31,16 +31,6 @@ def _int_list(text: str) -> list[int]:
         except ValueError:
             raise argparse.ArgumentTypeError(f"expected an integer, a list 1,2,4 or a range 1-32, got {text!r}") from None
     return out
-
-
-def _gib(text: str) -> float:
-    try:
-        v = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected GiB as a number, got {text!r}") from None
-    if v < 0:
-        raise argparse.ArgumentTypeError(f"memory must be >= 0 GiB, got {text}")
-    return v * GiB
 
 
 def cmd_explain(args) -> int:
@@ -126,8 +116,8 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     ex.add_argument("-i", "--input-len", type=_int_list, default=[512])
     ex.add_argument("-o", "--output-len", type=_int_list, default=[32])
     ex.add_argument("--dtype", default="bfloat16")
-    ex.add_argument("--gpu-memory", type=_gib, default=None, metavar="GiB", help="GPU memory budget")
-    ex.add_argument("--cpu-memory", type=_gib, default=None, metavar="GiB", help="host memory budget")
+    ex.add_argument("--gpu-memory", type=gib_bytes, default=None, metavar="GiB", help="GPU memory budget")
+    ex.add_argument("--cpu-memory", type=gib_bytes, default=None, metavar="GiB", help="host memory budget")
     ex.add_argument("--prefill", choices=POLICIES, default=None, help="force the prefill policy")
     ex.add_argument("--decode", choices=POLICIES, default=None, help="force the decode policy")
     ex.add_argument("--gpu-layers", type=int, default=None, help="force M, the GPU-resident layers")

@@ -84,6 +84,19 @@ def check_byte_budget(name: str, value: Any) -> None:
                                 f"got {value!r}")
 
 
+def gib_bytes(text: str) -> int:
+    """argparse type of the commands' --gpu-memory / --cpu-memory: GiB as typed, whole bytes returned."""
+    import argparse
+
+    try:
+        gib = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected GiB as a number (e.g. 1.5), got {text!r}") from None
+    if not math.isfinite(gib) or gib < 0:
+        raise argparse.ArgumentTypeError(f"memory must be a finite number of GiB >= 0, got {text}")
+    return round(gib * (1 << 30))
+
+
 def check_cpu_threads(value: Any) -> None:
     if value is not None and (not _is_int(value) or value < 1):
         raise InvalidInputError(f"cpu_threads must be a positive int (or None: the calibrated count, else all "

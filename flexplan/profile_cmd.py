@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 from flexplan.errors import FlexplanError, InvalidInputError
+from flexplan.inputs import gib_bytes
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -20,7 +21,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="greedy tokens generated per prompt, their decode steps counted too (default 16)")
     parser.add_argument("--accelerator", default=None, metavar="{cuda,cpu,none}",
                         help="run the model with flexplan on this device (default: cuda if available)")
-    parser.add_argument("--gpu-memory", type=float, default=None, metavar="GiB", help="GPU memory budget in GiB")
+    parser.add_argument("--gpu-memory", type=gib_bytes, default=None, metavar="GiB", help="GPU memory budget in GiB")
 
 
 def read_prompts(path) -> list[str]:
@@ -66,8 +67,7 @@ def _run(args: argparse.Namespace) -> int:
 
     tokenizer = AutoTokenizer.from_pretrained(folder)
     accelerator = None if args.accelerator == "none" else args.accelerator
-    gpu = None if args.gpu_memory is None else int(args.gpu_memory * (1 << 30))
-    lm = load(folder, accelerator=accelerator, gpu_memory_bytes=gpu)
+    lm = load(folder, accelerator=accelerator, gpu_memory_bytes=args.gpu_memory)
 
     def one(ids):
         lm.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=max(1, args.new_tokens),

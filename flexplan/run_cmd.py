@@ -23,9 +23,9 @@ from pathlib import Path
 from typing import Any
 
 from flexplan.errors import DeviceUnavailableError, FlexplanError, InvalidInputError, UnknownModelError, suggest
+from flexplan.inputs import gib_bytes
 from flexplan.plan_types import PHASES, POLICIES
 
-GiB = 1 << 30
 DEFAULT_PROMPT = "What is the capital of France? Answer in one sentence."
 DEFAULT_MAX_NEW_TOKENS = 64
 ACCELERATORS = ("cuda", "cpu", "none")
@@ -48,7 +48,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prefill", default=None, metavar="POLICY", help=f"force the prefill policy: {', '.join(POLICIES)}")
     parser.add_argument("--decode", default=None, metavar="POLICY", help=f"force the decode policy: {', '.join(POLICIES)}")
     parser.add_argument("--gpu-layers", type=int, default=None, metavar="M", help="force M, the GPU-resident layers")
-    parser.add_argument("--gpu-memory", type=float, default=None, metavar="GiB", help="GPU memory budget in GiB")
+    parser.add_argument("--gpu-memory", type=gib_bytes, default=None, metavar="GiB", help="GPU memory budget in GiB")
     parser.add_argument("--accelerator", default=None, metavar="{cuda,cpu,none}",
                         help="device that runs the GPU side of a plan: cuda, cpu (a stand-in that runs GPU "
                              "policies on the CPU, for testing) or none (default: cuda if available)")
@@ -88,8 +88,6 @@ def _check_args(args: argparse.Namespace) -> None:
         raise InvalidInputError(f"--max-new-tokens must be positive, got {args.max_new_tokens}")
     if args.gpu_layers is not None and args.gpu_layers < 0:
         raise InvalidInputError(f"--gpu-layers must be >= 0, got {args.gpu_layers}")
-    if args.gpu_memory is not None and args.gpu_memory < 0:
-        raise InvalidInputError(f"--gpu-memory must be >= 0 GiB, got {args.gpu_memory}")
     if args.temperature < 0 or not math.isfinite(args.temperature):
         raise InvalidInputError(f"--temperature must be >= 0 (0 = greedy), got {args.temperature}")
     if args.repeats < 1:
@@ -168,7 +166,7 @@ def _run(args: argparse.Namespace) -> int:
     tokenizer = AutoTokenizer.from_pretrained(folder)
     inputs = chat_inputs(tokenizer, args.prompt)
     input_len = int(inputs["input_ids"].shape[1])
-    gpu_memory_bytes = None if args.gpu_memory is None else int(args.gpu_memory * GiB)
+    gpu_memory_bytes = args.gpu_memory
     if accelerator == "cpu" and gpu_memory_bytes is None:
         from flexplan.api import _host_memory_bytes
 

@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from flexplan.errors import InvalidInputError
+from flexplan.inputs import gib_bytes
 from flexplan.plan_types import POLICIES
 
 CSV_COLUMNS = [
@@ -438,7 +439,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--policies", default="cpu", help="policies or prefill:decode pairs, comma separated (default cpu)")
     p.add_argument("--hw", default="local")
     p.add_argument("--accelerator", choices=["cuda", "cpu", "none"], default=None)
-    p.add_argument("--gpu-memory", type=float, default=None, metavar="GiB", help="cap the GPU budget")
+    p.add_argument("--gpu-memory", type=gib_bytes, default=None, metavar="GiB", help="cap the GPU budget")
     p.add_argument("--repeats", type=int, default=1, help="runs per point; the median E2E run is kept")
     p.add_argument("--calibrations", default=None, metavar="NAME=FILE,...",
                    help="judge these calibration files (cold and warm) against the same runs, e.g. "
@@ -517,7 +518,7 @@ def run(args) -> int:
         raise InvalidInputError("--repeats must be >= 1")
     model_dir = resolve_model_dir(args.model)
     acc = None if args.accelerator in (None, "none") else args.accelerator
-    gpu_mem = args.gpu_memory * (1 << 30) if args.gpu_memory else None
+    gpu_mem = args.gpu_memory
     stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ")
     out_dir = Path(args.out).expanduser() if args.out else default_out_dir(model_dir.name, stamp)
     sets = calibration_sets(args.calibrations)

@@ -83,6 +83,23 @@ def test_bad_input_is_one_line(args, needle):
     assert needle in r.stderr
 
 
+@pytest.mark.parametrize("text, expected", [("1.5", 3 << 29), ("0.15", round(0.15 * (1 << 30))), ("0", 0)])
+def test_gib_arguments_become_whole_bytes(text, expected):
+    """--gpu-memory 0.15 once reached the planner as 161061273.6 bytes and was refused as not whole."""
+    from flexplan.inputs import gib_bytes
+
+    assert gib_bytes(text) == expected and isinstance(gib_bytes(text), int)
+    r = flexplan("explain", "facebook/opt-13b", "--hw", "flexinfer-server2", "--gpu-memory", text)
+    assert r.returncode == 0, r.stderr
+
+
+@pytest.mark.parametrize("cmd", ["explain", "run", "validate"])
+@pytest.mark.parametrize("text", ["-1", "nan", "lots"])
+def test_bad_gib_argument_is_one_line(cmd, text):
+    r = flexplan(cmd, *(["facebook/opt-13b"] if cmd == "explain" else []), "--gpu-memory", text)
+    assert r.returncode == 2 and "Traceback" not in r.stderr and "--gpu-memory" in r.stderr, r.stderr
+
+
 def test_malformed_config_file(tmp_path):
     bad = tmp_path / "config.json"
     bad.write_text("{not json")
