@@ -141,6 +141,9 @@ class Executor:
         self._cpu_attention_modules: list[nn.Module] = []  # attention modules routed to attend_beside_kv
         self.split = split_layer.SplitLayers(link)  # layers cut by split points (split-points policies)
         self.split.segment_done = self._deferred_prefetch
+        # False: a split layer issues the next layer's copy at its start, as before 2026-11-26 (kept to
+        # time both orders in one run: benchmarks/diag_split_points_order.py)
+        self.defer_split_prefetch = True
         self.cpu_attention_calls: collections.Counter[str] = collections.Counter()  # by kernel: native / transformers
         self.kv_pool = KVPool(link)
         self._cache: FlexCache | None = None  # the last request's cache (its layers learnt the real KV geometry)
@@ -555,8 +558,8 @@ class Executor:
             if self.expert_modules[i] is not None:
                 self.expert_modules[i][1].on_cpu = False
             nxt = next((j for j in self.placement.streamed(st.phase) if j > i), None)
-            if nxt is not None and split:  # once this layer's accelerator operators are done (estimator
-                st.deferred_prefetch = nxt  # policies/split_points.py, Eq. 5: the copy engine runs in order)
+            if nxt is not None and split and self.defer_split_prefetch:  # once its accelerator operators
+                st.deferred_prefetch = nxt  # are done (estimator policies/split_points.py, Eq. 5: in-order copies)
             elif nxt is not None:
                 self._prefetch(nxt, st)
             if mode.attention_on_cpu and kv is not None:  # the KV cache stays home, in host memory
