@@ -87,6 +87,7 @@ def run_flexplan(folder, accelerator: str, cap_bytes: int, shape: dict, repeats:
         stats.append({"plan": st.plan.to_dict(), "placement": st.placement, "decode_time_s": dec.time_s,
                       "decode_steps": dec.steps, "decode_weight_h2d_bytes": weight_bytes,
                       "decode_h2d_bytes": dec.h2d_bytes, "predicted_ttft_s": st.predicted_ttft_s,
+                      "split_prefetch_issued": dict(lm.executor.split_prefetch_issued),
                       "predicted_tpot_s": st.predicted_tpot_s,
                       "decode_weight_bytes_per_s": weight_bytes / dec.time_s if dec.time_s > 0 else float("nan")})
     out = {k: median([r[k] for r in runs]) for k in ("ttft_s", "tpot_s", "e2e_s")}

@@ -170,7 +170,9 @@ def main(argv: list[str] | None = None) -> int:
                  "split_points": dataclasses.asdict(sp) if dataclasses.is_dataclass(sp) else sp,
                  "setup_s": round(time.perf_counter() - t0, 1)}
     print(f"{res['device']}: {st.placement}; predicted TPOT {1e3 * st.predicted_tpot_s:.1f} ms", flush=True)
+    lm.executor.split_prefetch_issued.clear()
     res["tpot_s"] = decode_orders(lm, inputs, args.new_tokens, args.rounds)
+    res["split_prefetch_issued"] = dict(lm.executor.split_prefetch_issued)
     for order, xs in res["tpot_s"].items():
         print(f"  {order:9s} TPOT ms " + ", ".join(f"{1e3 * x:.1f}" for x in xs), flush=True)
     try:  # a diagnostic: one part failing leaves the others' figures

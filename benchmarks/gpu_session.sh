@@ -7,7 +7,8 @@
 #
 #   bash benchmarks/gpu_session.sh            # STEPS="tests probe val quick valq" by default
 #   (also: diag, the GPU layer step's profile; attn, the CPU's bf16 decode attention, native
-#   kernel against SDPA, ~20 s; bench (after val); valsp, split-points validated alone; full)
+#   kernel against SDPA, ~20 s; bench (after val); order, split-points'
+#   copy orders timed (~65 s); valsp, split-points validated alone; full)
 #   STEPS="val bench" bash benchmarks/gpu_session.sh
 #
 # Seen on the H200 host (16-core Xeon, 300 MiB L3, 2026-11-26): CUDA tests 30-40 s, the first-use
@@ -89,6 +90,10 @@ if has bench; then
   s=$(limit 200); step "bench_gpu_offload (limit $s s)"
   (( s >= 20 )) && timeout "$s" python3 benchmarks/bench_gpu_offload.py --repeats 1 $BENCH_FLAGS 2>&1 | tail -30
   cp benchmarks/results/bench_gpu_offload*.json "$OUT/res/" 2>/dev/null; pack
+fi
+if has order; then  # split-points' decode with the next copy after the segment and at the layer's start
+  step "diag_split_points_order (8 layers of Llama-2-7B's shape)"
+  timeout "$(limit 100)" python3 benchmarks/diag_split_points_order.py --out "$OUT/res/diag_order" 2>&1 | grep -v USDT | tail -12; pack
 fi
 # valsp: split-points on its own (its own run, so a failure there leaves the other policies' figures)
 has valsp && [ -n "$PROBE" ] && validate split-points "probe=$PROBE" 90 split-points

@@ -494,3 +494,4 @@ def test_next_copy_waits_for_the_accelerator_segment(fresh, monkeypatch, family,
         assert back and all(order[n] != ("computed", i) for n in range(begun, k)), order[begun:k + 1]
         checked += 1
     assert checked == NEW * (lm.executor.num_layers - 1)
+    assert dict(lm.executor.split_prefetch_issued) == {"segment_done": checked}

@@ -140,10 +140,13 @@ class Executor:
         self.slots: StreamSlots | None = None
         self._cpu_attention_modules: list[nn.Module] = []  # attention modules routed to attend_beside_kv
         self.split = split_layer.SplitLayers(link)  # layers cut by split points (split-points policies)
-        self.split.segment_done = self._deferred_prefetch
+        self.split.segment_done = lambda: self._deferred_prefetch("segment_done")
         # False: a split layer issues the next layer's copy at its start, as before 2026-11-26 (kept to
         # time both orders in one run: benchmarks/diag_split_points_order.py)
         self.defer_split_prefetch = True
+        # where split layers issued the next layer's copy: segment_done / end_of_layer (the fallback) /
+        # at_start (defer_split_prefetch False); benchmarks record it beside their timings
+        self.split_prefetch_issued: collections.Counter[str] = collections.Counter()
         self.cpu_attention_calls: collections.Counter[str] = collections.Counter()  # by kernel: native / transformers
         self.kv_pool = KVPool(link)
         self._cache: FlexCache | None = None  # the last request's cache (its layers learnt the real KV geometry)
@@ -506,7 +509,7 @@ class Executor:
                 kv.prefetch(st.cache.slots[slot], slot)
             self.link.record(self.slots.ready[slot], on_copy_stream=True)
 
-    def _deferred_prefetch(self) -> None:
+    def _deferred_prefetch(self, where: str) -> None:
         """Issue the prefetch a split layer deferred (``Step.deferred_prefetch``): called when its
         accelerator operators are done (``SplitLayers.segment_done``), else at the end of the layer.
         Issued at the start of the layer, the next layer's weights held the copy engine while the
@@ -514,6 +517,7 @@ class Executor:
         st = self._step
         if st is not None and st.deferred_prefetch is not None:
             j, st.deferred_prefetch = st.deferred_prefetch, None
+            self.split_prefetch_issued[where] += 1
             self._prefetch(j, st)
 
     def _kv_to(self, kv: FlexKVLayer, place: str, on_acc: bool) -> None:
@@ -561,6 +565,8 @@ class Executor:
             if nxt is not None and split and self.defer_split_prefetch:  # once its accelerator operators
                 st.deferred_prefetch = nxt  # are done (estimator policies/split_points.py, Eq. 5: in-order copies)
             elif nxt is not None:
+                if split:
+                    self.split_prefetch_issued["at_start"] += 1
                 self._prefetch(nxt, st)
             if mode.attention_on_cpu and kv is not None:  # the KV cache stays home, in host memory
                 self._kv_to(kv, self.placement.layer_place(i, st.phase), False)
@@ -602,7 +608,7 @@ class Executor:
         cache = _cache_of(kwargs, args)
         kv = cache.layers[i] if isinstance(cache, FlexCache) else None
         if mode.streamed:
-            self._deferred_prefetch()  # a split layer whose segment did not say it was done
+            self._deferred_prefetch("end_of_layer")  # a split layer whose segment did not say it was done
             slot = st.slot_of[i]
             self.link.record(self.slots.free[slot])
             self.slots.used[slot] = True

@@ -34,7 +34,9 @@ copy engine gives 7.1 (max(P CPU[0, i), H2D) + segment + P (CPU[j, n) + glue);
 accelerator being far faster than their link; this keeps them. The CPU runs under the copy for all of
 its part, hence P on all of it. Eq. 14 is the multi-batch variant; the executor runs the batch whole,
 so the policy plans with b = 1, where Eq. 14 is Eq. 7. The first layer's copy is not hidden (the
-pipeline fill, as in Eq. 2). **Untested on GPU** since this order (the H100 run had the old one).
+pipeline fill, as in Eq. 2). On the H100 this order ran a Llama-2-7B-shaped decode ([1, 7], 22 layers
+split) at TPOT 162-166 ms against 196-204 issued at the layer's start, predicted 173
+(``benchmarks/results/gpu-h100-2026-11-26c/``).
 
 Eq. 13: the n(n - 1)/2 candidates (i, j) are searched exhaustively, for every step and every
 candidate M at once with prefix sums and broadcasting (:func:`search`). The pair is chosen per phase
