@@ -347,6 +347,27 @@ def test_compute_hidden_goes_to_memory_factor():
     assert c / (TH * comp(16)) + d / (BW * mem(16)) == pytest.approx(measured, rel=1e-6)
 
 
+def test_compute_between_a_hidden_row_and_a_measured_one_grows_with_the_tokens():
+    """Rows at 1 and 8 tokens only (the LM head's, in full and quick files) on a compute-bound op:
+    the factor at 1 token is a placeholder (its compute sits in the memory factor), and a power law
+    from it to the factor at 8 priced 4 tokens at a quarter of their compute. Between them the
+    compute time now grows linearly from nothing at 1 token to the measured one at 8."""
+    eff_c = {1: 1.0, 8: 0.05}
+    rows = _gemm_rows(eff_c, 0.5)
+    comp, mem, _ = derive_gemm(rows, TH, BW)
+
+    def compute_s(t):
+        return sum(2.0 * t * k * n for k, n in SHAPES) / (TH * comp(t))
+    at_8 = compute_s(8)
+    for t in (2, 3, 4, 6):
+        assert compute_s(t) == pytest.approx(at_8 * (t - 1) / 7, rel=0.12), t  # linear between, at the ramp's points
+    assert compute_s(1) < compute_s(2) < compute_s(4) < at_8
+    measured = {t: sum(r["time_s"] for r in rows if r["tokens"] == t) for t in (1, 8)}
+    for t in (1, 8):  # the rows themselves are still reproduced
+        d = sum((k * n + t * (k + n)) * 4 for k, n in SHAPES)
+        assert compute_s(t) + d / (BW * mem(t)) == pytest.approx(measured[t], rel=1e-6)
+
+
 def test_attention_factor_after_its_compute():
     eff = Table([1, 8], [1.0, 1.0])
     rows = []

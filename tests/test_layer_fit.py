@@ -126,3 +126,24 @@ def test_every_calibrated_prefill_width_is_reproduced_the_widest_included(hw):
         for batch, q_len in ((1, 128), (1, 512), (8, 128)):
             true_s = machine.layer_time_s("float32", spec, batch, q_len, 0)
             assert _layer_s(eff, hw, spec, batch, q_len) == pytest.approx(true_s, rel=0.03), (hidden, q_len)
+
+
+def test_widths_lifted_by_the_largest_shared_token_count_when_few_are_shared():
+    """The H100 host's bf16 probe: the narrow layer's 128-token row was an outlier (0.019 against
+    0.13 at 512 tokens); a median of the two ratios (their mean) lifted every narrow point 4.2x and
+    priced long prefills 4x too fast. With two shared counts the ratio at the larger one is taken."""
+    from flexplan.calibration.layer_fit import _at_the_widest
+
+    by_t = {32: {7e6: 0.0694}, 128: {7e6: 0.019, 90e6: 0.1403}, 512: {7e6: 0.13, 90e6: 0.1244},
+            1024: {7e6: 0.1261}}
+    out = _at_the_widest(by_t)
+    lift = 0.1244 / 0.13
+    assert out[1024.0] == pytest.approx(0.1261 * lift)
+    assert out[512.0] == pytest.approx(0.1244, rel=1e-3)  # both widths agree there
+    assert max(out.values()) < 0.15  # nothing lifted above what the layers measured
+    # three or more shared counts: the median ratio, robust to one outlier
+    by_t[2048] = {7e6: 0.12, 90e6: 0.12}
+    by_t[32][90e6] = 0.07
+    lift3 = sorted([0.1403 / 0.019, 0.1244 / 0.13, 1.0, 0.07 / 0.0694])
+    out = _at_the_widest(by_t)
+    assert out[1024.0] == pytest.approx(0.1261 * (lift3[1] + lift3[2]) / 2)

@@ -170,18 +170,48 @@ def derive_gemm(rows: list[dict], peak_flops_per_s: float, bandwidth_bytes_per_s
     # grow with tokens only as fast as the tokens do (compute time never falls as tokens grow);
     # where the measured time leaves no room for compute, it is hidden at that largest factor.
     eff_c: list[float] = []
+    hidden: list[bool] = []  # no compute seen beyond the memory term: the factor is a placeholder
     for i, t in enumerate(tokens):
         c, d, tt = by_t[t]
         cap = EFF_MAX if i == 0 else min(EFF_MAX, eff_c[-1] * t / tokens[i - 1])
         rest = tt - t_memory_s(d, bandwidth_bytes_per_s, eff_m0)
-        eff_c.append(min(cap, t_compute_s(c, peak_flops_per_s, 1.0) / rest) if rest > 0 else cap)
+        seen = t_compute_s(c, peak_flops_per_s, 1.0) / rest if rest > 0 else cap
+        eff_c.append(min(cap, seen))
+        # the first row gave the memory factor with its compute at the peak: what it computes is in there
+        hidden.append(seen >= cap * (1 - 1e-9) or (i == 0 and left > 0))
+    x_c, eff_c = _hidden_compute_ramps(tokens, eff_c, hidden)
     eff_m = [eff_m0] * len(tokens)
     above = [t for t in tokens if by_t[t][0] / by_t[t][2] > peak_flops_per_s * 1.02]
     if above:
         best = max(by_t[t][0] / by_t[t][2] for t in above)
         notes.append(f"GEMM at {', '.join(map(str, above))} tokens measured up to {best / 1e9:.4g} GFLOP/s, above "
                      f"the hardware's peak {peak_flops_per_s / 1e9:.4g}: factors above 1 (is the peak right?)")
-    return Table(tokens, eff_c, log_y=True), Table(tokens, eff_m), notes
+    return Table(x_c, eff_c, log_y=True), Table(tokens, eff_m), notes
+
+
+HIDDEN_RAMP_STEPS = 4  # points between a hidden row and the next measured one (geometric in tokens)
+
+
+def _hidden_compute_ramps(tokens: list[int], eff_c: list[float], hidden: list[bool]) -> tuple[list, list]:
+    """The compute factor's points, with a ramp after each row whose compute was hidden in its
+    memory term (its factor a placeholder as large as allowed) up to the next row that shows it:
+    the compute time grows linearly in tokens from nothing at the hidden row (whose time the memory
+    term already holds) to the measured row's. A power law between the placeholder and the measured
+    factor instead priced a batch-4 LM head at a quarter of its compute between head rows at 1 and 8
+    tokens (on a slow-compute machine, TPOT 2.4x under its GEMV rows at 4 tokens)."""
+    xs: list[float] = []
+    ys: list[float] = []
+    for i, t in enumerate(tokens):
+        if i > 0 and hidden[i - 1] and not hidden[i]:
+            lo, e = float(tokens[i - 1]), eff_c[i]
+            for k in range(1, HIDDEN_RAMP_STEPS):
+                x = lo * (t / lo) ** (k / HIDDEN_RAMP_STEPS)
+                # C(x) = C(t) (x - lo) / (t - lo) with C(x) = work(x) / (peak eff(x)), work in proportion to x
+                ys.append(min(eff_c[i - 1], e * (x / t) * (t - lo) / (x - lo)))
+                xs.append(x)
+        xs.append(float(t))
+        ys.append(eff_c[i])
+    return xs, ys
 
 
 def derive_attention(rows: list[dict], peak_flops_per_s: float, bandwidth_bytes_per_s: float,
