@@ -194,20 +194,21 @@ HIDDEN_RAMP_STEPS = 4  # points between a hidden row and the next measured one (
 
 def _hidden_compute_ramps(tokens: list[int], eff_c: list[float], hidden: list[bool]) -> tuple[list, list]:
     """The compute factor's points, with a ramp after each row whose compute was hidden in its
-    memory term (its factor a placeholder as large as allowed) up to the next row that shows it:
-    the compute time grows linearly in tokens from nothing at the hidden row (whose time the memory
-    term already holds) to the measured row's. A power law between the placeholder and the measured
-    factor instead priced a batch-4 LM head at a quarter of its compute between head rows at 1 and 8
-    tokens (on a slow-compute machine, TPOT 2.4x under its GEMV rows at 4 tokens)."""
+    memory term (its factor a placeholder: the largest allowed) up to the next row that shows it:
+    the compute time grows linearly in tokens from what the table gives at the hidden row (nothing
+    much at the first row, whose compute the memory factor holds; the row before's at a later one,
+    carried by the growth cap) to the measured row's. A power law between the placeholder and the
+    measured factor instead priced a batch-4 LM head at a quarter of its compute between head rows
+    at 1 and 8 tokens (on a slow-compute machine, TPOT 2.4x under its GEMV rows at 4 tokens)."""
     xs: list[float] = []
     ys: list[float] = []
     for i, t in enumerate(tokens):
         if i > 0 and hidden[i - 1] and not hidden[i]:
-            lo, e = float(tokens[i - 1]), eff_c[i]
+            lo = float(tokens[i - 1])
+            at_lo, at_t = lo / eff_c[i - 1], t / eff_c[i]  # compute time / (work per token / peak)
             for k in range(1, HIDDEN_RAMP_STEPS):
                 x = lo * (t / lo) ** (k / HIDDEN_RAMP_STEPS)
-                # C(x) = C(t) (x - lo) / (t - lo) with C(x) = work(x) / (peak eff(x)), work in proportion to x
-                ys.append(min(eff_c[i - 1], e * (x / t) * (t - lo) / (x - lo)))
+                ys.append(x / (at_lo + (at_t - at_lo) * (x - lo) / (t - lo)))
                 xs.append(x)
         xs.append(float(t))
         ys.append(eff_c[i])
