@@ -495,3 +495,22 @@ def test_next_copy_waits_for_the_accelerator_segment(fresh, monkeypatch, family,
         checked += 1
     assert checked == NEW * (lm.executor.num_layers - 1)
     assert dict(lm.executor.split_prefetch_issued) == {"segment_done": checked}
+
+
+def test_the_earlier_copy_order_still_gives_the_same_tokens(fresh):
+    """``Executor.defer_split_prefetch = False`` (the order before the deferral, kept so that a
+    benchmark can time both in one process) issues each next copy at the layer's start, and says so."""
+    import torch
+
+    from conftest import left_padded_batch
+
+    lm = _generate(fresh, "llama3", ("split-points", "split-points"), gpu_layers=0)
+    first = lm.executor.split_prefetch_issued["segment_done"]
+    assert first > 0 and set(lm.executor.split_prefetch_issued) == {"segment_done"}
+    lm.executor.defer_split_prefetch = False
+    lm.executor.split_prefetch_issued.clear()
+    ids, mask = left_padded_batch()
+    again = lm.generate(input_ids=ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False)
+    _, ref = fresh("llama3")
+    assert torch.equal(again, ref.generate(input_ids=ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False))
+    assert dict(lm.executor.split_prefetch_issued) == {"at_start": first}
