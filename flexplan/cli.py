@@ -13,7 +13,6 @@ from flexplan.errors import FlexplanError, InvalidInputError
 from flexplan.inputs import gib_bytes
 
 
-
 def _int_list(text: str) -> list[int]:
     """'1,2,4' or '1-32' (powers of two) or '8' -> list of ints."""
     out: list[int] = []
