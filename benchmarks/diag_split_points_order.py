@@ -32,8 +32,7 @@ from pathlib import Path
 
 from bench_cpu_vs_transformers import timed_generate  # noqa: E402  (puts the repo on sys.path via common)
 
-GIB = 1 << 30
-
+from flexplan.inputs import gib_bytes  # noqa: E402
 
 def model_folder(layers: int, smoke: bool):
     from flexplan.synthetic import LLAMA2_7B_CONFIG, random_model_dir
@@ -135,7 +134,8 @@ def copy_and_cpu_contention(nbytes: int, hidden: int, inter: int, repeats: int =
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--layers", type=int, default=8)
-    ap.add_argument("--gpu-memory", type=float, default=2.5, help="GPU budget in GiB (default 2.5: 1 of 8 layers resident)")
+    ap.add_argument("--gpu-memory", type=gib_bytes, default=5 << 29, metavar="GiB",
+                    help="GPU budget in GiB (default 2.5: 1 of 8 layers resident)")
     ap.add_argument("--input-len", type=int, default=128)
     ap.add_argument("--new-tokens", type=int, default=16)
     ap.add_argument("--rounds", type=int, default=3)
@@ -153,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
     out_dir.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
     folder = model_folder(args.layers, args.smoke)
-    cap = round(args.gpu_memory * GIB) if not args.smoke else 8 << 20
+    cap = args.gpu_memory if not args.smoke else 8 << 20
     lm = flexplan.load(str(folder), plan={"prefill": "gpu-offload", "decode": "split-points"},
                        accelerator="cpu" if args.smoke else "cuda", dtype="bfloat16", gpu_memory_bytes=cap,
                        online_correction=False)
