@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from flexplan.calibration import membw
-from flexplan.estimator.efficiency import FASTER_STATE_ELASTICITY, STATE_SCALED_TOKENS_MAX
+from flexplan.estimator.efficiency import COMPUTE_STATE_ELASTICITY, FASTER_STATE_ELASTICITY, STATE_SCALED_TOKENS_MAX
 
 if TYPE_CHECKING:  # pragma: no cover
     from flexplan.estimator.efficiency import Efficiency
@@ -241,7 +241,9 @@ def normalised(meas: dict) -> dict:
     The rest of the time, ``1 - w`` (compute, and the fixed costs that run at the CPU's speed),
     is brought to the reference compute state the same way, by the compute probe taken around the
     row's own runs (files from this version on), else its sample before the step, where the file
-    has one: ``t x ((1 - w) x r_compute + w x r)``.
+    has one: ``t x ((1 - w) x r_compute + w x r)``, ``r_compute`` the probe's ratio to the power
+    :data:`~flexplan.estimator.efficiency.COMPUTE_STATE_ELASTICITY` (work this size moves with the
+    short probe by less than the probe does).
 
     The probe is the GEMV probe where the file recorded it (:func:`row_probe_kind`), else the copy.
 
@@ -263,7 +265,7 @@ def normalised(meas: dict) -> dict:
 
     def compute_ratio(part: str, r: dict) -> float:
         rate_c = _row_probe(r, "compute") or before_c.get(f"{part}[{r.get('dtype')}]", before_c.get(part))
-        return _clamped(rate_c / ref_c) if rate_c is not None and ref_c else 1.0
+        return _clamped(rate_c / ref_c) ** COMPUTE_STATE_ELASTICITY if rate_c is not None and ref_c else 1.0
 
     sized: dict[str, list] = {}  # part -> [(row, ratio or None, bytes, time_s) or (row, None, None, None)]
     best: dict[tuple[str, str], float] = {}  # (stream, dtype) -> bytes/s at the reference state
@@ -363,6 +365,9 @@ def _scale_now(meas: dict, probe: str, measure_now, fmt) -> tuple[float, str]:
     clamp = f", clamped from x{raw:.2f}" if scale != raw else ""
     if cls == "memory" and scale < 1.0:  # StateScaledEfficiency: decode takes part of a faster state
         clamp += f"; decode streaming x{scale ** FASTER_STATE_ELASTICITY:.2f}"
+    if cls == "compute":  # at_state_now: compute takes part of the ratio, fixed costs all of it
+        return scale, (f"{name} {fmt(now)} now vs {at_cal} (x{scale:.2f} fixed costs{clamp}, "
+                       f"x{scale ** COMPUTE_STATE_ELASTICITY:.2f} compute time)")
     return scale, f"{name} {fmt(now)} now vs {at_cal} (x{scale:.2f} {cls} time{clamp})"
 
 
@@ -379,8 +384,9 @@ def memory_probe_now(meas: dict) -> str:
 def at_state_now(eff: "Efficiency", meas: dict) -> "Efficiency":
     """``eff`` (the factors of a calibration whose ``measurements`` are ``meas``) with the time of
     the CPU memory class scaled to the memory state of now, ``reference / probe now``, and, where
-    the calibration recorded the compute probe, the CPU compute and overhead classes to the
-    compute state of now the same way; each clamped to :data:`SCALE_RANGE`, and 1 within
+    the calibration recorded the compute probe, the overhead class to the compute state of now the
+    same way and the CPU compute class by that ratio to the power
+    :data:`~flexplan.estimator.efficiency.COMPUTE_STATE_ELASTICITY`; each clamped to :data:`SCALE_RANGE`, and 1 within
     :data:`SAME_STATE` (a probe's own spread on a quiet machine is not a state). No scaling, with
     the reason in the note, when the file recorded no samples, the probe is off
     (``$FLEXPLAN_MEMORY_PROBE=0``) or failed."""
@@ -417,7 +423,7 @@ def at_state_now(eff: "Efficiency", meas: dict) -> "Efficiency":
                                      lambda x: f"{x / 1e9:.0f} GFLOP/s")
     scales = {"cpu_memory": mem} if mem != 1.0 else {}
     if comp != 1.0:
-        scales.update(cpu_compute=comp, overhead=comp)
+        scales.update(cpu_compute=comp ** COMPUTE_STATE_ELASTICITY, overhead=comp)
     return StateScaledEfficiency(eff, scales, f"{NOTE_PREFIX} " + "; ".join(x for x in (mem_note, comp_note) if x),
                                  stream_best=_stream_best(eff) if mem > 1.0 else {})
 
