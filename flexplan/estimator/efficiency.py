@@ -265,13 +265,14 @@ FASTER_STATE_ELASTICITY = 0.7
 # where a plan scales to the state of now (memory_state.at_state_now); fixed per-layer and per-step
 # costs take all of it. On the AVX-512 VM the random Llama's prefill TTFT moved with the compute
 # probe at a log-log slope of 0.13-0.38 per grid point (SmolLM2's 0.4-0.9, noisier; 576 kept
-# validation points of runs 3-11): the probe, a short burst, swings more than a long prefill does.
+# validation points of runs 3-11, benchmarks/diag_compute_probe_elasticity.py): the probe, a short
+# burst, swings more than a long prefill does.
 # Re-deriving the kept runs 7-11 (benchmarks/rederive_cycles.py, the same measurements): 1 -> 0.5
 # took the prefill MAPE of 19 of 30 (run, model, calibration) sets down, 7 up, 4 level (the Llama's
 # mean 8.1 -> 6.6%, its worst 18.1 -> 12.1; SmolLM2's 7.5 -> 7.6); decode level (8.6 -> 8.7,
 # 9.2 -> 9.2). 0.25 and 0 did worse on SmolLM2's prefill (8.4, 9.3); scaling the fixed costs by 0.5
 # as well did worse on decode. Chosen on those runs, so not independent evidence:
-# benchmarks/results/rederive_compute_elasticity.json.
+# benchmarks/results/rederive_compute_elasticity/.
 COMPUTE_STATE_ELASTICITY = 0.5
 
 
