@@ -557,6 +557,24 @@ def test_time_call_records_the_state_around_its_runs_only_while_probing():
         assert "probe_bytes_per_s" not in mb.time_call(lambda: None, 3, 0.01)
 
 
+def test_a_row_reuses_the_last_rows_after_reading_only_while_it_is_fresh(monkeypatch):
+    """Back-to-back rows: the second's "before" is the first's "after" (one probe saved a row);
+    once that reading is older than PROBE_REUSE_S, or a new probing_state began, it probes again."""
+    from flexplan.calibration import microbench as mb
+
+    readings = iter([40e9, 90e9, 60e9, 30e9, 50e9, 20e9, 80e9])
+    with mb.probing_state(lambda: next(readings)):
+        first = mb.time_call(lambda: None, 3, 0.01)  # probes 40, 90
+        second = mb.time_call(lambda: None, 3, 0.01)  # reuses 90, probes 60
+        monkeypatch.setattr(mb, "PROBE_REUSE_S", 0.0)
+        third = mb.time_call(lambda: None, 3, 0.01)  # probes 30, 50
+    assert [r["probe_bytes_per_s"] for r in (first, second, third)] == pytest.approx(
+        [(40e9 * 90e9) ** 0.5, (90e9 * 60e9) ** 0.5, (30e9 * 50e9) ** 0.5])
+    monkeypatch.setattr(mb, "PROBE_REUSE_S", 60.0)
+    with mb.probing_state(lambda: next(readings)):  # another step's probes: its own readings
+        assert mb.time_call(lambda: None, 3, 0.01)["probe_bytes_per_s"] == pytest.approx((20e9 * 80e9) ** 0.5)
+
+
 # ----------------------------------------------------------------------------- the GEMV probe
 
 

@@ -244,6 +244,12 @@ def dtype_bytes(name: str) -> int:
 
 
 _state_probes: dict[str, Callable[[], float]] = {}  # set by `flexplan calibrate` (:func:`probing_state`)
+# A row's "before" readings reuse the last row's "after" ones when those finished at most this long
+# ago (the next shape's set-up between them): a state lasts seconds to minutes, and the three
+# probes (copy, GEMV, compute burst) cost ~35-60 ms a reading on the 2-core VM, a quarter of the
+# first-use probe's time taken twice per row.
+PROBE_REUSE_S = 0.25
+_last_reading: dict = {"at": -math.inf, "values": {}}
 
 
 @contextlib.contextmanager
@@ -257,14 +263,19 @@ def probing_state(probes: "Callable[[], float] | dict[str, Callable[[], float]]"
     global _state_probes
     before = _state_probes
     _state_probes = dict(probes) if isinstance(probes, dict) else {"probe_bytes_per_s": probes}
+    _last_reading.update(at=-math.inf, values={})
     try:
         yield
     finally:
         _state_probes = before
+        _last_reading.update(at=-math.inf, values={})
 
 
-def _probe_now() -> dict[str, float]:
-    """{row field: figure} of each probe that read a positive, finite figure now."""
+def _probe_now(reuse_s: float = 0.0) -> dict[str, float]:
+    """{row field: figure} of each probe that read a positive, finite figure now; the last
+    reading instead when it finished at most ``reuse_s`` seconds ago."""
+    if reuse_s > 0 and time.perf_counter() - _last_reading["at"] <= reuse_s:
+        return dict(_last_reading["values"])
     out = {}
     for key, probe in _state_probes.items():
         try:
@@ -273,6 +284,7 @@ def _probe_now() -> dict[str, float]:
             continue
         if math.isfinite(x) and x > 0:
             out[key] = x
+    _last_reading.update(at=time.perf_counter(), values=dict(out))
     return out
 
 
@@ -288,8 +300,9 @@ def time_call(fn: Callable[[], object], repeats: int, budget_s: float, sync: Cal
     ``sync`` after them, e.g. torch.cuda.synchronize), after one untimed warm-up run. Stops after
     ``repeats`` runs, or earlier (never before 3) once ``budget_s`` is spent. Within
     :func:`probing_state`, also the memory state around the runs (``probe_bytes_per_s`` and the
-    other probes' fields)."""
-    state_before = _probe_now()
+    other probes' fields; the readings before them may be the last call's after its runs,
+    :data:`PROBE_REUSE_S`)."""
+    state_before = _probe_now(PROBE_REUSE_S) if _state_probes else {}
 
     def run():
         t0 = time.perf_counter()
