@@ -62,7 +62,9 @@ def main() -> int:
     pooled = -float(np.polyfit(pooled_x, pooled_y, 1)[0])
     print(f"pooled over {len(pooled_x)} points of {len(files)} CSVs: elasticity {pooled:.2f}")
     if args.name:
-        print(f"wrote {write_result(args.name, {'command': ' '.join(['python', *sys.argv]), 'csvs': len(files), 'points': out, 'pooled_elasticity': round(pooled, 3)})}")
+        payload = {"command": " ".join(["python", *sys.argv]), "csvs": len(files), "points": out,
+                   "pooled_elasticity": round(pooled, 3)}
+        print(f"wrote {write_result(args.name, payload)}")
     return 0
 
 

@@ -386,10 +386,10 @@ def at_state_now(eff: "Efficiency", meas: dict) -> "Efficiency":
     the CPU memory class scaled to the memory state of now, ``reference / probe now``, and, where
     the calibration recorded the compute probe, the overhead class to the compute state of now the
     same way and the CPU compute class by that ratio to the power
-    :data:`~flexplan.estimator.efficiency.COMPUTE_STATE_ELASTICITY`; each clamped to :data:`SCALE_RANGE`, and 1 within
-    :data:`SAME_STATE` (a probe's own spread on a quiet machine is not a state). No scaling, with
-    the reason in the note, when the file recorded no samples, the probe is off
-    (``$FLEXPLAN_MEMORY_PROBE=0``) or failed."""
+    :data:`~flexplan.estimator.efficiency.COMPUTE_STATE_ELASTICITY`; each clamped to
+    :data:`SCALE_RANGE`, and 1 within :data:`SAME_STATE` (a probe's own spread on a quiet machine
+    is not a state). No scaling, with the reason in the note, when the file recorded no samples,
+    the probe is off (``$FLEXPLAN_MEMORY_PROBE=0``) or failed."""
     from flexplan.estimator.efficiency import ScaledEfficiency, StateScaledEfficiency
 
     try:
