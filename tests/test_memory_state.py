@@ -540,6 +540,26 @@ def test_a_row_timed_in_another_state_than_its_step_began_in_is_normalised_by_it
     assert out[0]["time_s"] == gemv[0]["time_s"]
 
 
+def test_gemvs_timed_in_a_slow_state_are_normalised_when_only_prefill_gemms_ran_in_the_reference(local):
+    """A prefill GEMM's bytes per second is its compute's pace, not a streaming rate the state
+    sets: with every GEMV of a dtype in the slow state and only its GEMMs in the reference one, the
+    GEMVs are brought to the reference (the state flipped between the two steps)."""
+    meas = FAST.measurements("quick", _dtypes(local))
+    slow = SLOW.measurements("quick", _dtypes(local))
+    row_steps = [lab for lab in _record(local)["at_step"] if lab.split("[")[0] in memory_state.ROW_PARTS]
+    record = {"probe_bytes_per_s": [REF] * (len(row_steps) + 1), "at_step": row_steps + [memory_state.END]}
+    gemv = [{**r, "probe_bytes_per_s": REF / 2} for r in slow["cpu_gemv"]]
+    head = [{**r, "probe_bytes_per_s": REF / 2} for r in slow["cpu_head_gemv"]]  # GEMVs too
+    gemm = [{**r, "probe_bytes_per_s": REF} for r in meas["cpu_gemm"]]
+    streamed = [r for r in gemv if r["tokens"] == 1]
+    assert max(memory_state.work("cpu_gemm", r)[1] / r["time_s"] for r in gemm) < \
+        min(memory_state.work("cpu_gemv", r)[1] / r["time_s"] for r in streamed)  # the GEMMs' pace is slower
+    out = memory_state.normalised({**meas, "cpu_gemv": gemv, "cpu_head_gemv": head, "cpu_gemm": gemm,
+                                   "memory_state": record})
+    ratios = [o["time_s"] / r["time_s"] for o, r in zip(out["cpu_gemv"], gemv) if r["tokens"] == 1]
+    assert ratios and all(0.5 <= x < 0.56 for x in ratios), ratios  # memory-bound: nearly halved
+
+
 def test_time_call_records_the_state_around_its_runs_only_while_probing():
     from flexplan.calibration import microbench as mb
 

@@ -295,10 +295,16 @@ def normalised(meas: dict) -> dict:
     # row), so its ratio is at least its rate over that best, and at most 1. Normalised by the probe
     # alone, the AVX-512 VM's fp32 2048 x 5632 GEMV, 75.5 GB/s beside a 42.5 GB/s probe (reference
     # 65.8, the reference rows' best 69.0), came out at 117 GB/s and priced decode ~25% fast.
+    # Only rows that stream (decode attention, GEMMs of up to STATE_SCALED_TOKENS_MAX rows) set that
+    # best: a prefill GEMM's bytes per second is its compute's pace. Counted, a first-use probe whose
+    # bf16 GEMVs ran in the slow state (GEMV probe ~50 GB/s) and the rest in the fast one (median
+    # 94.6) kept its GEMVs as measured (the 128-token GEMM's 19 GB/s "best" held their ratio at 1)
+    # and priced the random Llama's decode 1.65x in the slow state.
     at_ref: dict[tuple[str, str], float] = {}
     for part, rows in sized.items():
         for r, ratio, n_bytes, t in rows:
-            if ratio is not None and part != "cpu_layers" and abs(ratio - 1.0) <= SAME_STATE:
+            streams = part == "cpu_attention" or int(r.get("tokens", 0)) <= STATE_SCALED_TOKENS_MAX
+            if ratio is not None and part != "cpu_layers" and streams and abs(ratio - 1.0) <= SAME_STATE:
                 key = (_stream(part), r["dtype"])
                 at_ref[key] = max(at_ref.get(key, 0.0), n_bytes / t)
     for part, rows in sized.items():
