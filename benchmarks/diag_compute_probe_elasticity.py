@@ -14,16 +14,11 @@ from __future__ import annotations
 import argparse
 import collections
 import csv
-import math
 import sys
 
 import numpy as np
 from common import RESULTS_DIR, write_result  # noqa: E402
-
-
-def _geo(row: dict, what: str) -> float | None:
-    a, b = row.get(f"probe_before_{what}"), row.get(f"probe_after_{what}")
-    return math.sqrt(float(a) * float(b)) if a and b else None
+from rederive_cycles import readings  # noqa: E402
 
 
 def main() -> int:
@@ -37,7 +32,7 @@ def main() -> int:
     for path in files:
         with open(path, newline="") as f:
             for row in csv.DictReader(f):
-                flops = _geo(row, "compute_flops_per_s")
+                flops = readings(row, "", "mean").get("compute")  # geometric mean of before and after
                 if flops:
                     points[(row["model"], int(row["batch_size"]), int(row["input_len"]))].append(
                         (float(row["measured_ttft_s"]), flops))

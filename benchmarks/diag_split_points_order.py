@@ -34,6 +34,7 @@ from bench_cpu_vs_transformers import timed_generate  # noqa: E402  (puts the re
 
 from flexplan.inputs import gib_bytes  # noqa: E402
 
+
 def model_folder(layers: int, smoke: bool):
     from flexplan.synthetic import LLAMA2_7B_CONFIG, random_model_dir
 
