@@ -7,7 +7,8 @@
 #
 #   bash benchmarks/gpu_session.sh            # STEPS="tests probe val quick valq" by default
 #   (also: diag, the GPU layer step's profile; attn, the CPU's bf16 decode attention, native
-#   kernel against SDPA, ~20 s; bench (after val); order, split-points'
+#   kernel against SDPA, ~20 s; bench (after val); probeprof, a second first-use probe under
+#   cProfile (~50 s); order, split-points'
 #   copy orders timed (~65 s); valsp, split-points validated alone; full)
 #   STEPS="val bench" bash benchmarks/gpu_session.sh
 #
@@ -97,6 +98,15 @@ if has order; then  # split-points' decode with the next copy after the segment 
 fi
 # valsp: split-points on its own (its own run, so a failure there leaves the other policies' figures)
 has valsp && [ -n "$PROBE" ] && validate split-points "probe=$PROBE" 90 split-points
+
+if has probeprof; then  # where the first-use probe's seconds go on this host (a second probe, profiled)
+  step "calibrate --probe under cProfile (a file apart from the one in use)"
+  timeout "$(limit 90)" python3 -m cProfile -o "$OUT/res/probe.prof" -m flexplan.cli calibrate --probe --no-progress \
+    --out "$OUT/res/probe_profiled.yaml" 2>&1 | grep -E "^calibrate:|^wrote"
+  python3 -c "import pstats, sys; s = pstats.Stats(sys.argv[1]); s.sort_stats('cumulative').print_stats(60); s.sort_stats('tottime').print_stats(25)" \
+    "$OUT/res/probe.prof" > "$OUT/res/probe_profile.txt" 2>&1
+  grep -E "microbench|membw|first_use|pack|__init__|import|linear|gemv|cpu_decode|time_call|_probe_now" "$OUT/res/probe_profile.txt" | head -40; pack
+fi
 
 if has quick; then
   s=$(limit ${QUICK_S:-280})
