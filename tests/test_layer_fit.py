@@ -131,19 +131,45 @@ def test_every_calibrated_prefill_width_is_reproduced_the_widest_included(hw):
 def test_widths_lifted_by_the_largest_shared_token_count_when_few_are_shared():
     """The H100 host's bf16 probe: the narrow layer's 128-token row was an outlier (0.019 against
     0.13 at 512 tokens); a median of the two ratios (their mean) lifted every narrow point 4.2x and
-    priced long prefills 4x too fast. With two shared counts the ratio at the larger one is taken."""
+    priced long prefills 4x too fast. With two shared counts the ratio at the larger one is taken;
+    with two widths at a count the widest's own factor, and past the widest's largest count no
+    factor below its own there."""
     from flexplan.calibration.layer_fit import _at_the_widest
 
     by_t = {32: {7e6: 0.0694}, 128: {7e6: 0.019, 90e6: 0.1403}, 512: {7e6: 0.13, 90e6: 0.1244},
             1024: {7e6: 0.1261}}
     out = _at_the_widest(by_t)
     lift = 0.1244 / 0.13
-    assert out[1024.0] == pytest.approx(0.1261 * lift)
-    assert out[512.0] == pytest.approx(0.1244, rel=1e-3)  # both widths agree there
+    assert out[32.0] == pytest.approx(0.0694 * lift)  # below the widest's span: the narrow's lifted
+    assert out[128.0] == 0.1403  # the narrow's lifted 0.018 is an outlier: the widest's own
+    assert out[512.0] == pytest.approx((0.1244 + 0.13 * lift) / 2)  # both agree: their median
+    assert out[1024.0] == pytest.approx(0.1244)  # the narrow's lifted 0.1207 held at the widest's 512
     assert max(out.values()) < 0.15  # nothing lifted above what the layers measured
-    # three or more shared counts: the median ratio, robust to one outlier
+    # three or more shared counts: the median ratio, robust to one outlier, and three widths' median
     by_t[2048] = {7e6: 0.12, 90e6: 0.12}
     by_t[32][90e6] = 0.07
+    for t in (128, 512):
+        by_t[t][20e6] = by_t[t][90e6]
     lift3 = sorted([0.1403 / 0.019, 0.1244 / 0.13, 1.0, 0.07 / 0.0694])
     out = _at_the_widest(by_t)
     assert out[1024.0] == pytest.approx(0.1261 * (lift3[1] + lift3[2]) / 2)
+    assert out[128.0] == pytest.approx(0.1403)  # 0.1403 twice, the narrow's lifted left out
+
+
+def test_a_narrow_outlier_at_the_largest_shared_count_cannot_drag_long_prefills_down():
+    """The H200 host's bf16 probe (AMX, 16 cores): the narrow layer ran 512 tokens in 2.6 ms and
+    128 in 4.6, so its factor at 512 (0.75) was 5.6x the widest's (0.13); lifted by that, its
+    1024-token factor came out 0.043 and the mean of two widths took 128 tokens from 0.21 to 0.11:
+    splitgen's 2048-token CPU prefill was priced at 1345 ms, measured 306."""
+    from flexplan.calibration.layer_fit import _at_the_widest
+
+    by_t = {128: {7e6: 0.0457, 90e6: 0.2124}, 512: {7e6: 0.7451, 90e6: 0.1321}, 1024: {7e6: 0.2409}}
+    out = _at_the_widest(by_t)
+    assert out[128.0] == 0.2124 and out[512.0] == 0.1321  # the narrow's lifted: 26x and 5.6x off
+    assert out[1024.0] == pytest.approx(0.1321)
+    # the VM's probe (run 13, cycle 1): the narrow layer within 3% of the widest once lifted, kept
+    vm = {32: {7e6: 1.0092}, 128: {7e6: 1.0217, 90e6: 1.5134}, 512: {7e6: 0.8995, 90e6: 1.2968}, 1024: {7e6: 0.918}}
+    lift = 1.2968 / 0.8995
+    out = _at_the_widest(vm)
+    assert out[128.0] == pytest.approx((1.5134 + 1.0217 * lift) / 2)
+    assert out[1024.0] == pytest.approx(0.918 * lift)  # above the widest's 512: lifted, not held

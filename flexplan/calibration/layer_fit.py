@@ -264,6 +264,11 @@ def layer_attention_table(decode: dict, peak_flops_per_s: float, bandwidth_bytes
     return Table(eff_a.x, eff_a.y * min(max(k, 1 / MAX_ATTENTION_RESCALE), MAX_ATTENTION_RESCALE))
 
 
+# a narrower width's factor, lifted to the widest's level, further than this either way from the
+# widest's own at the same tokens is noise (a 576-wide layer's few milliseconds on a 16-core host)
+OUTLIER_RATIO = 2.0
+
+
 def _at_the_widest(by_t: dict[int, dict[float, float]]) -> dict[float, float]:
     """Tokens -> compute factor at the widest layer's level, from every width's: each width's
     factors lifted by its ratio to the widest's, then the median over the widths at each token count
@@ -272,14 +277,37 @@ def _at_the_widest(by_t: dict[int, dict[float, float]]) -> dict[float, float]:
     the ratio at the largest shared count (the most compute-bound: the decode overhead and the glue
     weigh least there). A median of two is their mean: on the H100's host one narrow bf16 row at 128
     tokens (6.0 ms where 512 tokens took 3.1) made its ratio 7.4 beside 0.96 at 512, lifted every
-    narrow point 4.2x and priced a 2048-token bf16 prefill at 18 TFLOP/s (it ran 2-5x slower)."""
+    narrow point 4.2x and priced a 2048-token bf16 prefill at 18 TFLOP/s (it ran 2-5x slower).
+
+    At a count the widest has, a lifted width more than :data:`OUTLIER_RATIO` off the widest's own
+    factor is left out of the median; above the widest's largest count a lifted narrow factor is
+    held no lower than the widest's there (at one width, more rows per weight byte never make the
+    GEMMs slower; below its smallest count no such bound: the VM's 32-token rows came out faster
+    per FLOP than 128, and a ceiling there took run 13's random-Llama probe prefill 6.3 -> 7.0%). On
+    the H200's host (AMX, 16 cores) the probe's narrow bf16 layer ran 512 tokens in 2.6 ms and 128
+    in 4.6: its ratio at 512 (0.18) priced the 1024-token factor at 0.043 where the widest layer
+    measured 0.13 at 512, and the mean with it dragged 128 tokens from 0.21 to 0.11: splitgen's
+    2048-token CPU prefill came out 4.4x its measured 306 ms (re-derived: 1.3x). On the AVX-512 VM
+    the lifted narrow layers stay within 20% of the widest and are kept: runs 12 and 13 re-derive
+    unchanged (the widest's own alone, with a ceiling below its span, took run 13's random-Llama
+    probe prefill 6.3 -> 8.2%)."""
     widest = max(lb for v in by_t.values() for lb in v)
     lift = {}
     for lb in {lb for v in by_t.values() for lb in v}:
         shared = sorted(t for t, v in by_t.items() if lb in v and widest in v)
         ratios = [by_t[t][widest] / by_t[t][lb] for t in shared]
         lift[lb] = float(np.median(ratios)) if len(ratios) >= 3 else ratios[-1] if ratios else 1.0
-    return {float(t): float(np.median([eff * lift[lb] for lb, eff in v.items()])) for t, v in by_t.items()}
+    own = sorted(t for t, v in by_t.items() if widest in v)
+    out = {}
+    for t, v in by_t.items():
+        lifted = [eff * lift[lb] for lb, eff in v.items()]
+        if widest in v:  # a lifted width more than OUTLIER_RATIO off the widest's own is an outlier
+            lifted = [x for x in lifted if 1 / OUTLIER_RATIO <= x / v[widest] <= OUTLIER_RATIO]
+        f = float(np.median(lifted))
+        if t > own[-1]:
+            f = max(f, float(by_t[own[-1]][widest]))
+        out[float(t)] = f
+    return out
 
 
 def layer_compute_table(prefill: list, peak_flops_per_s: float, bandwidth_bytes_per_s: float, eff_c, eff_m,
