@@ -17,8 +17,9 @@
 # ~55 s; calibrate --quick did not finish in 200 s (its real layers took 124 s per dtype cycling 4x
 # the L3 of weights). On the H100 host (same CPU, 2026-11-26): CUDA tests 27 s, probe 33-36 s and
 # once 46 s of steps (cut at the old 60 s limit), quick at 2x the L3 still cut at 270 s (bfloat16
-# real layers 88 s, executor layers 51 s; both cut down since, untried there). Steps print their
-# seconds as they end.
+# real layers 88 s, executor layers 51 s). H200 again (session 8): CUDA tests 37 s, probe 35-53 s,
+# the benchmark 131 s, quick cut at 191 s after its bfloat16 steps (real layers 71 s, executor
+# layers 89 s); a machine starts in ~30 s. Steps print their seconds as they end.
 set -u
 OUT=${OUT:-/tmp/gpu_out}
 mkdir -p "$OUT/res"
