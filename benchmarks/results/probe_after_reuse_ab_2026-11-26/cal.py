@@ -1,6 +1,6 @@
 """python cal.py on|off OUT [--check]: the first-use probe with microbench.PROBE_REUSE_AFTER on
 (a row's after-readings are its before-readings when those are at most PROBE_REUSE_S old) or off
-(every row reads the probes after its runs). --check: where a reading is reused, also probe afresh
+(every row reads the probes after its runs); needs `knob.diff` applied (not in the code). --check: where a reading is reused, also probe afresh
 and print the ratio fresh / reused per probe."""
 import math
 import statistics
