@@ -132,8 +132,8 @@ def test_widths_lifted_by_the_largest_shared_token_count_when_few_are_shared():
     """The H100 host's bf16 probe: the narrow layer's 128-token row was an outlier (0.019 against
     0.13 at 512 tokens); a median of the two ratios (their mean) lifted every narrow point 4.2x and
     priced long prefills 4x too fast. With two shared counts the ratio at the larger one is taken;
-    with two widths at a count the widest's own factor, and past the widest's largest count no
-    factor below its own there."""
+    a lifted width more than 2x off the widest's own at a count is left out, and past the widest's
+    largest count no factor falls below its own there."""
     from flexplan.calibration.layer_fit import _at_the_widest
 
     by_t = {32: {7e6: 0.0694}, 128: {7e6: 0.019, 90e6: 0.1403}, 512: {7e6: 0.13, 90e6: 0.1244},
