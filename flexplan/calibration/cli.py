@@ -47,7 +47,7 @@ class Result:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quick", action="store_true",
-                   help="fewer shapes and repeats (about 2 minutes on the 2-core development VM; the full set 4-5)")
+                   help="fewer shapes and repeats (68-71 s on the 2-core development VM; the full set 3-4 minutes)")
     p.add_argument("--probe", action="store_true",
                    help="the first-use probe: seconds, not minutes (what the first local plan "
                         "measures when no calibration exists)")

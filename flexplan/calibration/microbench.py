@@ -613,9 +613,13 @@ def head_gemv(sizes: Sizes, dtype: str, tick: Callable[[], None] | None = None) 
 # A prefill of at least this many tokens (batch x query length) cycles at most PREFILL_COPIES of a
 # real layer's copies: each weight byte then feeds 512+ FLOPs and the weight read is a small part
 # of the layer, while the timed runs through every copy (up to 64 on a host with a 300 MiB L3)
-# took most of `calibrate --quick`'s real-layer step there (88 s in bfloat16 on an H100's host)
+# took most of `calibrate --quick`'s real-layer step there (88 s in bfloat16 on an H100's host).
+# One copy, not four: `--quick` 68-71 s instead of 77-88 on the AVX-512 VM, the validate grid's
+# prefill MAPE no worse (two alternated A/B rounds, each pair judged on the same runs:
+# benchmarks/results/prefill_copies_ab_2026-11-26/); with a 300 MiB L3 simulated there, these rows
+# took 30 of the real-layer step's 39 s at four copies.
 PREFILL_FEW_COPIES_TOKENS = 512
-PREFILL_COPIES = 4
+PREFILL_COPIES = 1
 
 
 def layers(sizes: Sizes, dtype: str, tick: Callable[[], None] | None = None) -> list[dict]:
