@@ -132,8 +132,8 @@ def test_widths_lifted_by_the_largest_shared_token_count_when_few_are_shared():
     """The H100 host's bf16 probe: the narrow layer's 128-token row was an outlier (0.019 against
     0.13 at 512 tokens); a median of the two ratios (their mean) lifted every narrow point 4.2x and
     priced long prefills 4x too fast. With two shared counts the ratio at the larger one is taken;
-    a lifted width more than 2x off the widest's own at a count is left out, and past the widest's
-    largest count no factor falls below its own there."""
+    with two widths at a count, one lifted more than 2x off the widest's own is left out, and past
+    the widest's largest count no factor falls below its own there."""
     from flexplan.calibration.layer_fit import _at_the_widest
 
     by_t = {32: {7e6: 0.0694}, 128: {7e6: 0.019, 90e6: 0.1403}, 512: {7e6: 0.13, 90e6: 0.1244},
@@ -153,7 +153,20 @@ def test_widths_lifted_by_the_largest_shared_token_count_when_few_are_shared():
     lift3 = sorted([0.1403 / 0.019, 0.1244 / 0.13, 1.0, 0.07 / 0.0694])
     out = _at_the_widest(by_t)
     assert out[1024.0] == pytest.approx(0.1261 * (lift3[1] + lift3[2]) / 2)
-    assert out[128.0] == pytest.approx(0.1403)  # 0.1403 twice, the narrow's lifted left out
+    assert out[128.0] == pytest.approx(0.1403)  # the median of 0.1403 twice and the narrow's lifted
+
+
+def test_three_widths_outvote_an_outlier_of_the_widest():
+    """With three widths at a count the median decides, whichever row is the outlier: the two-width
+    rule (drop what is 2x off the widest's own) would keep a noisy widest row and drop the two that
+    agree."""
+    from flexplan.calibration.layer_fit import _at_the_widest
+
+    by_t = {t: {7e6: 0.5, 20e6: 0.5, 90e6: 0.5} for t in (128, 512, 1024, 2048)}
+    by_t[512][90e6] = 1.6  # the widest's 512-token row 3.2x the others
+    out = _at_the_widest(by_t)
+    assert out[512.0] == pytest.approx(0.5)
+    assert all(out[float(t)] == pytest.approx(0.5) for t in (128, 1024, 2048))
 
 
 def test_a_narrow_outlier_at_the_largest_shared_count_cannot_drag_long_prefills_down():

@@ -279,18 +279,15 @@ def _at_the_widest(by_t: dict[int, dict[float, float]]) -> dict[float, float]:
     tokens (6.0 ms where 512 tokens took 3.1) made its ratio 7.4 beside 0.96 at 512, lifted every
     narrow point 4.2x and priced a 2048-token bf16 prefill at 18 TFLOP/s (it ran 2-5x slower).
 
-    At a count the widest has, a lifted width more than :data:`OUTLIER_RATIO` off the widest's own
-    factor is left out of the median; above the widest's largest count a lifted narrow factor is
-    held no lower than the widest's there (at one width, more rows per weight byte never make the
-    GEMMs slower; below its smallest count no such bound: the VM's 32-token rows came out faster
-    per FLOP than 128, and a ceiling there took run 13's random-Llama probe prefill 6.3 -> 7.0%). On
-    the H200's host (AMX, 16 cores) the probe's narrow bf16 layer ran 512 tokens in 2.6 ms and 128
-    in 4.6: its ratio at 512 (0.18) priced the 1024-token factor at 0.043 where the widest layer
-    measured 0.13 at 512, and the mean with it dragged 128 tokens from 0.21 to 0.11: splitgen's
-    2048-token CPU prefill came out 4.4x its measured 306 ms (re-derived: 1.3x). On the AVX-512 VM
-    the lifted narrow layers stay within 20% of the widest and are kept: runs 12 and 13 re-derive
-    unchanged (the widest's own alone, with a ceiling below its span, took run 13's random-Llama
-    probe prefill 6.3 -> 8.2%)."""
+    Where fewer than three widths were measured at a count the widest has (a median of two cannot
+    outvote either's noise), a lifted width more than :data:`OUTLIER_RATIO` off the widest's own
+    factor is left out; three or more keep their median. Above the widest's largest count a lifted
+    narrow factor is held no lower than the widest's there (at one width, more rows per weight
+    byte never make the GEMMs slower; no such bound below its smallest count, where the VM's
+    32-token rows ran faster per FLOP than 128). On the H200's host the probe's narrow bf16 layer
+    ran 512 tokens in 2.6 ms and 128 in 4.6: lifted by its ratio at 512 (0.18) it priced a 2048-token
+    splitgen prefill 4.4x its measured 306 ms (re-derived with this rule: 1.4x; the VM's runs 12-13
+    re-derive unchanged: benchmarks/results/gpu-h200-2026-11-26c/)."""
     widest = max(lb for v in by_t.values() for lb in v)
     lift = {}
     for lb in {lb for v in by_t.values() for lb in v}:
@@ -301,7 +298,7 @@ def _at_the_widest(by_t: dict[int, dict[float, float]]) -> dict[float, float]:
     out = {}
     for t, v in by_t.items():
         lifted = [eff * lift[lb] for lb, eff in v.items()]
-        if widest in v:  # a lifted width more than OUTLIER_RATIO off the widest's own is an outlier
+        if widest in v and len(v) < 3:  # two widths: one more than OUTLIER_RATIO off the widest's is noise
             lifted = [x for x in lifted if 1 / OUTLIER_RATIO <= x / v[widest] <= OUTLIER_RATIO]
         f = float(np.median(lifted))
         if t > own[-1]:
