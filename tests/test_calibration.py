@@ -440,15 +440,40 @@ def test_a_file_of_another_isa_is_refused_naming_the_isa(use_dir, tmp_path, monk
         efficiency_for(get_hardware("local"))
 
 
+def test_microarchitecture_is_part_of_the_identity(use_dir, tmp_path, monkeypatch):
+    """A Zen 5 file (cpu family 26) matched a Zen 4 VM (family 25) of the same name, flags and cores,
+    and priced its demo prefill 1.6x fast: the family and model are part of the fingerprint, a file
+    of another one is refused naming it, and a file from before they were recorded matches none."""
+    zen4 = store.MachineIdentity("AMD EPYC", 2, isa="avx512_bf16", cpu_arch=store.cpu_arch(25, 17))
+    zen5 = store.MachineIdentity("AMD EPYC", 2, isa="avx512_bf16", cpu_arch=store.cpu_arch(26, 2))
+    assert zen4.fingerprint != zen5.fingerprint and store.file_name(zen4) != store.file_name(zen5)
+    assert "family 25 model 17" in zen4.describe() and store.cpu_arch(None, 17) == ""
+    legacy = store.MachineIdentity.from_machine_dict({"cpu_model": "AMD EPYC", "cores": 2, "isa": "avx512_bf16"})
+    assert legacy.cpu_arch == "?" and legacy.fingerprint != zen4.fingerprint
+    doc = _valid_doc(use_dir)
+    here = store.local_identity()
+    for theirs_arch, said in (("family 1 model 2", "microarchitecture family 1 model 2 vs "),
+                              (None, "microarchitecture not recorded")):
+        theirs = store.MachineIdentity(here.cpu_model, here.cores, here.gpus, here.pcie, here.isa,
+                                       theirs_arch if theirs_arch else "?")
+        doc["fingerprint"] = theirs.fingerprint
+        doc["machine"] = {k: v for k, v in doc["machine"].items() if k != "cpu_arch"}
+        if theirs_arch:
+            doc["machine"]["cpu_arch"] = theirs_arch
+        monkeypatch.setenv(store.FILE_ENV, str(_write(tmp_path / "other-arch.yaml", doc)))
+        with pytest.raises(CalibrationError, match=said):
+            efficiency_for(get_hardware("local"))
+
+
 def test_shipped_file_records_the_isa_it_was_measured_on():
-    """The shipped file of the earlier 2-core EPYC VM (AVX-512 BF16) carries that ISA in its identity:
+    """The shipped file of the 2-core EPYC VM carries its ISA and microarchitecture in its identity:
     its fingerprint is the one its machine section gives, and its name carries that fingerprint."""
     for path in (REPO / "calibration").glob("*.yaml"):
         if path.name.endswith(".corrections.yaml"):  # online corrections a local run wrote (git-ignored)
             continue
         cal = store.load_calibration(path)
         ident = store.MachineIdentity.from_machine_dict(cal.doc["machine"])
-        assert cal.doc["machine"]["isa"] == ident.isa != "?"
+        assert cal.doc["machine"]["isa"] == ident.isa != "?" and ident.cpu_arch != "?"
         assert ident.fingerprint == cal.fingerprint and path.name == store.file_name(ident)
 
 

@@ -182,3 +182,17 @@ def test_cli_calibrate_probe_writes_a_probe_file_with_finite_positive_factors(re
     assert math.isfinite(eff.cpu_step_overhead_s(4, 49152)) and eff.cpu_step_overhead_s(4, 49152) > 0
     p = plan(MODEL, hardware=hw, efficiency=eff, batch_size=4, input_len=128, output_len=16)
     assert math.isfinite(p.ttft_s) and p.ttft_s > 0 and math.isfinite(p.tpot_s) and p.tpot_s > 0
+
+
+def test_a_calibration_run_measures_no_first_use_probe_inside_it(probe_env, capsys):
+    """`flexplan calibrate`'s executor-layer step loads toy models on this machine: with no file yet,
+    their plans measured a first-use probe in the middle of the full calibration (8 s) and cached it.
+    Inside a calibration lookups get none; after it the probe is on again."""
+    with first_use.measuring():
+        assert isinstance(efficiency_for(get_hardware("local")), DefaultEfficiency)
+    assert _probe_files(probe_env) == [] and capsys.readouterr().err == ""
+    from flexplan.calibration.cli import calibrate
+
+    res = calibrate(mode="tiny", out=probe_env / "cal" / "tiny.yaml", progress=False)
+    assert _probe_files(probe_env) == [res.path] and "first-use probe" not in capsys.readouterr().err
+    assert isinstance(unwrapped(efficiency_for(get_hardware("local"))), CalibratedEfficiency)

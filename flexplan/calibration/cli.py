@@ -149,7 +149,7 @@ def calibrate(mode: str = "quick", out: str | Path | None = None, threads: int |
     a time limit still says where its time went."""
     from tqdm import tqdm
 
-    from flexplan.calibration import memory_state
+    from flexplan.calibration import first_use, memory_state
     from flexplan.calibration import microbench as mb
     from flexplan.calibration import store
     from flexplan.executor.host_allocator import keep_freed_memory
@@ -169,8 +169,9 @@ def calibrate(mode: str = "quick", out: str | Path | None = None, threads: int |
     step_wall_s: dict[str, float] = {}  # where a calibration's time goes (the first-use probe took 19-24 s on a 16-core Xeon)
     memory = memory_state.new_record()  # the host memory state before each step (memory_state.py)
     allocator = keep_freed_memory()  # as the executor runs: freed activations kept, not faulted in afresh
-    with mb.torch_threads(threads), tqdm(total=sum(s.units for s in steps), disable=not progress, unit="shape",
-                                         desc="calibrate", leave=False) as bar:
+    with first_use.measuring(), mb.torch_threads(threads), \
+            tqdm(total=sum(s.units for s in steps), disable=not progress, unit="shape", desc="calibrate",
+                 leave=False) as bar:
         for step in steps:
             bar.set_postfix_str(step.label)
             memory_state.record_sample(memory, step.label)

@@ -11,8 +11,9 @@ cache it, and say so in one line on stderr.
 - Once per process: a probe that failed (no torch, a benchmark error, an unwritable cache) is not
   retried; the planner uses the defaults, their ``source`` saying why.
 - Opt-out: ``FLEXPLAN_AUTO_CALIBRATE=0`` (the defaults, ``source`` saying how to calibrate).
-- Re-entrance: while the probe runs, lookups made from inside it get no calibration (and no
-  second probe).
+- Re-entrance: while the probe, or any ``flexplan calibrate``, runs (:func:`measuring`), lookups
+  made from inside it get no first-use probe (a full calibration's executor-layer step loads toy
+  models: it measured an 8 s probe in the middle of its own benchmarks and cached it).
 
 torch is imported only when the probe runs.
 """
@@ -23,6 +24,7 @@ import os
 import sys
 import threading
 import time
+from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -51,6 +53,18 @@ def probe_dir() -> Path:
 
     explicit = os.environ.get(store.DIR_ENV)
     return Path(explicit).expanduser() if explicit else store.user_cache_dir()
+
+
+@contextmanager
+def measuring():
+    """While a calibration runs: no first-use probe from lookups made inside it."""
+    with _lock:
+        before, _state["running"] = _state["running"], True
+    try:
+        yield
+    finally:
+        with _lock:
+            _state["running"] = before
 
 
 def first_use_calibration() -> "Calibration | None":

@@ -2,8 +2,9 @@
 
 A calibration file is YAML (``format: flexplan-calibration``, ``version: 1``) holding the raw
 measurements of ``flexplan calibrate`` (see ``calibration/README.md`` for the schema). It
-belongs to one machine, identified by a fingerprint: a hash of the CPU model name, the usable
-physical core count, the GPU names and their PCIe generation/width. Files are named
+belongs to one machine, identified by a fingerprint: a hash of the CPU model name, its ISA class and
+microarchitecture (``/proc/cpuinfo`` cpu family and model), the usable physical core count, the GPU
+names and their PCIe generation/width. Files are named
 ``<short-cpu>-<cores>c-<short-gpu|nogpu>-<hash8>.yaml``.
 
 Directories, in lookup order (writing goes to the first that applies):
@@ -61,51 +62,70 @@ REQUIRED = {
 
 @dataclass(frozen=True)
 class MachineIdentity:
-    """What makes calibration numbers transferable: same CPU model, ISA class and usable cores,
-    same GPUs on the same PCIe links. The ISA class matters on its own: VMs of one model name
-    ("AMD EPYC") may or may not expose AVX-512, and the CPU kernels (and their speed) differ."""
+    """What makes calibration numbers transferable: same CPU model, ISA class, microarchitecture
+    and usable cores, same GPUs on the same PCIe links. The ISA class matters on its own: VMs of one
+    model name ("AMD EPYC") may or may not expose AVX-512, and the CPU kernels (and their speed)
+    differ. So does the microarchitecture (``cpu_arch``, "family 25 model 17"): a hypervisor that
+    names every EPYC "AMD EPYC" shows a Zen 4 (family 25) and a Zen 5 (family 26) with the same
+    flags, and a Zen 5 file priced the Zen 4 VM's demo prefill 1.6x fast. "" where the CPU does not
+    say (no family in /proc/cpuinfo); "?" for files written before it was recorded (they match no
+    machine: re-calibrate)."""
 
     cpu_model: str
     cores: int
     gpus: tuple[str, ...] = ()
     pcie: tuple[str, ...] = ()  # "gen4x16" per GPU, "unknown" when NVML does not say
     isa: str = "other"  # flexplan.hardware.introspect.isa_class of the CPU's flags
+    cpu_arch: str = ""  # cpu_arch(family, model): "family 25 model 17"
 
     @property
     def fingerprint(self) -> str:
         """16 hex digits of sha256 over the canonical JSON of the identity."""
         canon = json.dumps({"cpu_model": " ".join(self.cpu_model.split()).lower(), "cores": int(self.cores),
-                            "isa": self.isa, "gpus": [" ".join(g.split()).lower() for g in self.gpus],
+                            "isa": self.isa, "cpu_arch": self.cpu_arch, "gpus": [" ".join(g.split()).lower() for g in self.gpus],
                             "pcie": list(self.pcie)}, sort_keys=True)
         return hashlib.sha256(canon.encode()).hexdigest()[:16]
 
     def to_dict(self) -> dict[str, Any]:
-        return {"cpu_model": self.cpu_model, "isa": self.isa, "cores": self.cores, "gpus": list(self.gpus),
+        return {"cpu_model": self.cpu_model, "isa": self.isa, "cpu_arch": self.cpu_arch, "cores": self.cores, "gpus": list(self.gpus),
                 "pcie": list(self.pcie)}
 
     def describe(self) -> str:
         gpus = ", ".join(f"{g} ({p})" for g, p in zip(self.gpus, self.pcie)) or "no GPU"
-        return f"{self.cpu_model} ({self.isa}), {self.cores} cores, {gpus}"
+        arch = f", {self.cpu_arch}" if self.cpu_arch else ""
+        return f"{self.cpu_model} ({self.isa}{arch}), {self.cores} cores, {gpus}"
 
     @classmethod
     def from_machine_dict(cls, m: dict) -> "MachineIdentity":
         """The identity a file's ``machine`` section records (files written before the ISA class
-        was part of it: derived from their ``cpu_isa`` flags, "?" when they have none)."""
+        was part of it: derived from their ``cpu_isa`` flags, "?" when they have none; before the
+        microarchitecture was: "?")."""
         from flexplan.hardware.introspect import isa_class
 
         isa = m.get("isa") or (isa_class(m["cpu_isa"]) if isinstance(m.get("cpu_isa"), list) else "?")
+        arch = m.get("cpu_arch", "?")
         return cls(str(m.get("cpu_model", "?")), int(m.get("cores", 0) or 0), tuple(m.get("gpus") or ()),
-                   tuple(m.get("pcie") or ()), str(isa))
+                   tuple(m.get("pcie") or ()), str(isa), str(arch) if arch is not None else "?")
 
     def differences(self, other: "MachineIdentity") -> list[str]:
         """What tells ``self`` from ``other``: 'ISA avx512_bf16 vs avx2', 'cores 4 vs 2', ..."""
         out = []
         for what, a, b in (("CPU model", self.cpu_model, other.cpu_model), ("ISA", self.isa, other.isa),
+                           ("microarchitecture", _arch_text(self.cpu_arch), _arch_text(other.cpu_arch)),
                            ("cores", self.cores, other.cores), ("GPUs", list(self.gpus), list(other.gpus)),
                            ("PCIe", list(self.pcie), list(other.pcie))):
             if a != b:
                 out.append(f"{what} {a or 'none'} vs {b or 'none'}")
         return out
+
+
+def _arch_text(arch: str) -> str:
+    return "not recorded (a file from before it was)" if arch == "?" else arch or "unknown"
+
+
+def cpu_arch(family: int | None, model: int | None) -> str:
+    """The identity's microarchitecture: "family 25 model 17" (/proc/cpuinfo), "" when unknown."""
+    return f"family {family} model {model}" if family is not None and model is not None else ""
 
 
 @lru_cache(maxsize=1)
@@ -117,7 +137,8 @@ def local_identity() -> MachineIdentity:
     pcie = tuple(f"gen{g.pcie_max_generation}x{g.pcie_max_width}" if g.pcie_max_generation and g.pcie_max_width
                  else "unknown" for g in m.gpus)
     return MachineIdentity(cpu_model=m.cpu.model_name, cores=int(m.cpu.usable_physical_cores),
-                           gpus=tuple(g.name for g in m.gpus), pcie=pcie, isa=isa_class(m.cpu.isa))
+                           gpus=tuple(g.name for g in m.gpus), pcie=pcie, isa=isa_class(m.cpu.isa),
+                           cpu_arch=cpu_arch(m.cpu.cpu_family, m.cpu.cpu_model))
 
 
 _DROP_WORDS = {"intel", "amd", "cpu", "processor", "nvidia", "geforce", "tesla", "with", "radeon", "graphics",
