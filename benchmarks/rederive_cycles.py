@@ -79,12 +79,13 @@ def predict(model_dir: Path, cal_path: Path, row: dict, values: dict[str, float]
     """Cold (TTFT, TPOT) of one grid point from one calibration file, the probes at ``values``."""
     import flexplan
     from flexplan.calibration import _at_state_now, _calibrated
-    from flexplan.calibration.store import check_belongs_here, load_calibration
+    from flexplan.calibration.store import load_calibration
     from flexplan.hardware import get_hardware
 
     if cal_path not in _LOADED:  # loaded once: its factors are derived once (calibration._calibrated)
+        # not checked against this machine: a kept run of another VM is re-derived offline (the
+        # factors are measured rates over this machine's hwdb peaks, and priced over the same peaks)
         _LOADED[cal_path] = load_calibration(cal_path)
-        check_belongs_here(_LOADED[cal_path])
     cal = _LOADED[cal_path]
     patched_probes(values)
     hw = get_hardware("local")
