@@ -183,6 +183,9 @@ def blocked_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     gemv = native.status()[0]
     if x2.dtype == torch.float32 and gemv is not None and (bias is None or bias.dtype == torch.float32):
         y = gemv.gemv(weight, x2.contiguous(), None if bias is None else bias.contiguous())
+    elif x2.dtype == weight.dtype and x2.dtype in (torch.bfloat16, torch.float16) and gemv is not None:
+        # a tied head blocked for a 16-bit CPU (_head_blockable): the float32 GEMV, cast back
+        y = gemv.gemv(weight, x2.float().contiguous(), None if bias is None else bias.float().contiguous()).to(x2.dtype)
     else:
         y = torch.matmul(x2, weight.to(x2.dtype)).permute(1, 0, 2).reshape(x2.shape[0], out)
         if bias is not None:
@@ -211,21 +214,35 @@ def pack_embedding(weight: torch.Tensor, compute_dtype: torch.dtype | None = Non
     compute = compute_dtype or weight.dtype
     with torch.no_grad():
         w = weight.detach().contiguous()
-        if blockable(w, compute) and blocking_available():
+        if (blockable(w, compute) or _head_blockable(w, compute)) and blocking_available():
             return block(w)
         return w.to(compute, copy=True)
 
 
-def embedding_rows(ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+def _head_blockable(weight: torch.Tensor, compute_dtype: torch.dtype) -> bool:
+    """A tied head's 16-bit weight for a CPU computing in that 16-bit dtype: blocked too, the native
+    kernel reading it into a float32 GEMV whose result is cast back (:func:`blocked_linear`; the
+    lookup's rows likewise, :func:`embedding_rows`). Left dense, such a head ran as a dense bf16
+    ``aten::mm``: SmolLM2's 57 MB head took 4.4-4.8 ms a decode step on the Zen 4 VM, ~13 GB/s,
+    where the calibration had priced its GEMV at ~2 ms."""
+    return (compute_dtype in (torch.bfloat16, torch.float16) and weight.dtype == compute_dtype
+            and _blockable(tuple(weight.shape), weight.dtype, torch.float32))
+
+
+def embedding_rows(ids: torch.Tensor, weight: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """``F.embedding(ids, W)`` for W in the blocked layout: row r is ``P[r // 64, :, r % 64]``,
-    in float32 (what the CPU computes in when it holds 16-bit blocked weights)."""
+    in ``dtype``, what the CPU computes in (float32 where it holds 16-bit blocked weights for a
+    float32 computation; the 16-bit dtype itself for a tied head blocked for a 16-bit CPU)."""
     block_cols = weight.shape[2]
-    return weight.permute(0, 2, 1)[torch.div(ids, block_cols, rounding_mode="floor"), ids % block_cols].float()
+    return weight.permute(0, 2, 1)[torch.div(ids, block_cols, rounding_mode="floor"), ids % block_cols].to(dtype)
+
+
+ROWS_DTYPE_ATTR = "_flexplan_rows_dtype"  # set on a blocked embedding: the dtype its lookups return
 
 
 def _embedding_forward(module: nn.Embedding, ids: torch.Tensor) -> torch.Tensor:
     if is_blocked(module.weight):
-        return embedding_rows(ids, module.weight)
+        return embedding_rows(ids, module.weight, getattr(module, ROWS_DTYPE_ATTR, torch.float32))
     return nn.Embedding.forward(module, ids)
 
 

@@ -228,6 +228,7 @@ class GroupWeights:
                     w = self.dense(name, src(name)).to(self.packed_dtype(name, dtype, weight_dtype))
                     if isinstance(self.params[name][0], nn.Embedding):
                         w = cpu_linear.pack_embedding(w, dtype)
+                        setattr(self.params[name][0], cpu_linear.ROWS_DTYPE_ATTR, dtype)
                     else:
                         w = cpu_linear.pack(w, pack_batch, self.pack_kernel, dtype)
                     packed.append(link.adopt(w, HOST_MEMORY, f"{self.name} {name} ({cpu_linear.layout_name(w)})"))
