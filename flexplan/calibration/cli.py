@@ -47,7 +47,8 @@ class Result:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quick", action="store_true",
-                   help="fewer shapes and repeats (68-71 s on the 2-core Zen 5 VM, 107-109 s on the Zen 4 one; the full set 3-5 minutes)")
+                   help="fewer shapes and repeats (68-71 s on the 2-core Zen 5 VM, 107-109 s on the Zen 4 "
+                        "one; the full set 3-5 minutes)")
     p.add_argument("--probe", action="store_true",
                    help="the first-use probe: seconds, not minutes (what the first local plan "
                         "measures when no calibration exists)")

@@ -82,13 +82,14 @@ class MachineIdentity:
     def fingerprint(self) -> str:
         """16 hex digits of sha256 over the canonical JSON of the identity."""
         canon = json.dumps({"cpu_model": " ".join(self.cpu_model.split()).lower(), "cores": int(self.cores),
-                            "isa": self.isa, "cpu_arch": self.cpu_arch, "gpus": [" ".join(g.split()).lower() for g in self.gpus],
-                            "pcie": list(self.pcie)}, sort_keys=True)
+                            "isa": self.isa, "cpu_arch": self.cpu_arch,
+                            "gpus": [" ".join(g.split()).lower() for g in self.gpus], "pcie": list(self.pcie)},
+                           sort_keys=True)
         return hashlib.sha256(canon.encode()).hexdigest()[:16]
 
     def to_dict(self) -> dict[str, Any]:
-        return {"cpu_model": self.cpu_model, "isa": self.isa, "cpu_arch": self.cpu_arch, "cores": self.cores, "gpus": list(self.gpus),
-                "pcie": list(self.pcie)}
+        return {"cpu_model": self.cpu_model, "isa": self.isa, "cpu_arch": self.cpu_arch, "cores": self.cores,
+                "gpus": list(self.gpus), "pcie": list(self.pcie)}
 
     def describe(self) -> str:
         gpus = ", ".join(f"{g} ({p})" for g, p in zip(self.gpus, self.pcie)) or "no GPU"
