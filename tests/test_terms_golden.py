@@ -51,8 +51,8 @@ class ConstantEfficiency:
     def cpu_compute(self, tokens, dtype=None): return 0.5
     def cpu_memory(self, tokens, dtype=None): return 0.25
     def cpu_attention(self, context_len, dtype=None): return np.full(np.shape(context_len), 0.125)
-    def cpu_head_compute(self, tokens, dtype=None): return 0.5
-    def cpu_head_memory(self, tokens, dtype=None): return 0.25
+    def cpu_head_compute(self, tokens, dtype=None, tied=False): return 0.5
+    def cpu_head_memory(self, tokens, dtype=None, tied=False): return 0.25
     def gpu_compute(self, tokens): return 0.5
     def gpu_memory(self, tokens): return 0.5
     def h2d(self, transfer_bytes): return 0.25

@@ -96,7 +96,7 @@ def _steps(mode: str, hw, threads: int, cpu_dtypes: list[str], gpu_dtype: str | 
                           lambda tick, dt=dt: mb.layers(s, dt, tick=tick), dt))
         steps.append(Step("cpu_executor_layers", 2 * len(mb.executor_widths(s)),
                           lambda tick, dt=dt: mb.executor_layers(s, dt, tick=tick), dt))
-        steps.append(Step("cpu_head_gemv", len(s.head_shapes) * len(s.head_tokens),
+        steps.append(Step("cpu_head_gemv", (len(s.head_shapes) + len(mb.tied_head_shapes(s, dt))) * len(s.head_tokens),
                           lambda tick, dt=dt: mb.head_gemv(s, dt, tick=tick), dt))
         steps.append(Step("cpu_experts", len(s.expert_tokens), lambda tick, dt=dt: mb.expert_gemv(s, dt, tick=tick), dt))
         steps.append(Step("cpu_split_linear", len(set(s.gemv_tokens) | set(s.gemm_tokens)),
@@ -378,6 +378,13 @@ def format_summary(res: Result) -> str:
                          "by (batch, kv_len) " + ", ".join(
                              f"({r['batch']},{r['kv_len']}):{r['kv_bytes_per_s'] / 1e9:.1f}" for r in attn
                              if (r["heads"], r["kv_heads"], r["head_dim"]) == layout))
+        heads = [r for r in m.get("cpu_head_gemv", []) if r["dtype"] == dt]
+        for k, n in dict.fromkeys((r["k"], r["n"]) for r in heads):
+            lines.append(f"  {dt} LM head {k}x{n}: weight GB/s by tokens " + "; ".join(
+                f"{'tied' if tied else 'untied'} " + ", ".join(
+                    f"{r['tokens']}:{r['weight_bytes_per_s'] / 1e9:.1f}" for r in heads
+                    if (r["k"], r["n"]) == (k, n) and bool(r.get("tied")) == tied)
+                for tied in dict.fromkeys(bool(r.get("tied")) for r in heads if (r["k"], r["n"]) == (k, n))))
         experts = [r for r in m.get("cpu_experts", []) if r["dtype"] == dt]
         if experts:
             r0 = experts[0]

@@ -332,6 +332,8 @@ class CPUFactors:
     overhead: "LayerOverhead | None" = None  # seconds per real layer beyond the factors (tokens, layer size)
     head_compute: Table | None = None  # the LM head's tall GEMV (hidden x vocab)
     head_memory: Table | None = None
+    tied_head_compute: Table | None = None  # a tied head's, where it runs another kernel (16-bit CPUs)
+    tied_head_memory: Table | None = None
     attention_by_layout: dict | None = None  # (heads, kv_heads, head_dim) -> Eff_attn(ctx), where measured
     attention_by_layout_batch: dict | None = None  # ... -> {batch: Eff_attn(ctx)}
     expert_compute: Table | None = None  # the CPU routed-expert path, by rows per expert (cpu_experts rows)
@@ -374,9 +376,18 @@ class CalibratedEfficiency:
         f = self._cpu(dtype)
         return f.memory(tokens) if f else self.defaults.cpu_memory(tokens, dtype)
 
-    def cpu_head_compute(self, tokens, dtype=None):
+    def _head(self, dtype, tied: bool) -> tuple[Table | None, Table | None]:
+        """(compute, memory) tables of the LM head: a tied head's where measured apart, else the
+        untied head's (older files, float32, or a kernel that does not differ)."""
         f = self._cpu(dtype)
-        return f.head_compute(tokens) if f and f.head_compute else self.cpu_compute(tokens, dtype)
+        if f is None:
+            return None, None
+        return ((f.tied_head_compute, f.tied_head_memory) if tied and f.tied_head_compute
+                else (f.head_compute, f.head_memory))
+
+    def cpu_head_compute(self, tokens, dtype=None, tied=False):
+        table = self._head(dtype, tied)[0]
+        return table(tokens) if table else self.cpu_compute(tokens, dtype)
 
     def cpu_prefill_attention(self, tokens, dtype=None):
         """Eff of a prefill layer's attention core, fitted from real layers of the same GEMM rows
@@ -390,9 +401,9 @@ class CalibratedEfficiency:
         f = self._cpu(dtype)
         return f.split_linear(tokens) if f and f.split_linear else 1.0
 
-    def cpu_head_memory(self, tokens, dtype=None):
-        f = self._cpu(dtype)
-        return f.head_memory(tokens) if f and f.head_memory else self.cpu_memory(tokens, dtype)
+    def cpu_head_memory(self, tokens, dtype=None, tied=False):
+        table = self._head(dtype, tied)[1]
+        return table(tokens) if table else self.cpu_memory(tokens, dtype)
 
     def cpu_expert_factors(self, tokens, dtype=None):
         """(Eff_comp, Eff_mem) of the CPU routed-expert path at ``tokens`` rows per expert, measured
@@ -639,11 +650,15 @@ def cpu_factors(meas: dict, dtype: str, hw: Hardware, notes: list[str]) -> CPUFa
     by_layout_batch = {k: tables for k, (_, tables) in derived.items()}
     if eff_a is None:
         notes.append(f"CPU {dtype} attention not measured: KV reads use the weight-streaming factor")
-    head_rows = _of_dtype(check_rows(meas.get("cpu_head_gemv"), GEMM_KEYS, "measurements.cpu_head_gemv"), dtype)
-    head_c = head_m = None
-    if head_rows:
-        head_c, head_m, n = derive_gemm(head_rows, th, bw, float(disp.get("linear_call_s", 0.0)))
-        notes += [f"CPU {dtype} LM head: {x}" for x in n]
+    all_head_rows = _of_dtype(check_rows(meas.get("cpu_head_gemv"), GEMM_KEYS, "measurements.cpu_head_gemv"), dtype)
+    heads = {}  # False: an untied head's kernel; True: a tied one's, where it differs (rows marked `tied`)
+    for tied in (False, True):
+        head_rows = [r for r in all_head_rows if bool(r.get("tied")) == tied]
+        if head_rows:
+            head_c, head_m, n = derive_gemm(head_rows, th, bw, float(disp.get("linear_call_s", 0.0)))
+            heads[tied] = (head_c, head_m)
+            notes += [f"CPU {dtype} {'tied ' if tied else ''}LM head: {x}" for x in n]
+    head_c, head_m = heads.get(False, (None, None))
     expert_c = expert_m = None
     expert_rows = _of_dtype(check_rows(meas.get("cpu_experts"), EXPERT_KEYS, "measurements.cpu_experts"), dtype)
     if expert_rows:
@@ -662,7 +677,8 @@ def cpu_factors(meas: dict, dtype: str, hw: Hardware, notes: list[str]) -> CPUFa
         overhead, eff_layers, attn_layers, prefill_attention = derive_layers(layer_rows, th, bw, eff_c, eff_m, eff_a,
                                                                              float(DTYPE_BYTES[dtype]))
         eff_c, eff_a = eff_layers or eff_c, attn_layers or eff_a
-    return CPUFactors(eff_c, eff_m, eff_a, overhead, head_c, head_m, attention_by_layout=by_layout or None,
+    return CPUFactors(eff_c, eff_m, eff_a, overhead, head_c, head_m, *heads.get(True, (None, None)),
+                      attention_by_layout=by_layout or None,
                       attention_by_layout_batch=by_layout_batch or None, expert_compute=expert_c,
                       expert_memory=expert_m, prefill_attention=prefill_attention, split_linear=split_linear,
                       executor_extra_s=executor_extra_s(exec_rows, layer_rows),

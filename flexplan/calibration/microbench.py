@@ -155,7 +155,7 @@ MODES = {
                   attn_batches=(1, 2), attn_heads=(4, 2, 32), attn_layouts=((4, 1, 32),), repeats=3, budget_s=0.2, rotate_bytes=4 * 2**20,
                   stream_bytes=4 * 2**20, layer_calls=10, sweep_prefill_tokens=16,
                   transfer_bytes=(2**16, 2**20), layer_widths=((64, 128, 4, 2, 16), (128, 256, 4, 2, 32)),
-                  layer_shapes=((1, 1), (1, 16)), layer_kv_len=16, layer_long_kv_len=64, head_shapes=((64, 1000),), head_tokens=(1, 2),
+                  layer_shapes=((1, 1), (1, 16)), layer_kv_len=16, layer_long_kv_len=64, head_shapes=((64, 1024),), head_tokens=(1, 2),
                   expert_tokens=(1, 4), expert_shape=(128, 64, 2)),
     # first use (flexplan/calibration/first_use.py): seconds (target: a few). STREAM, op dispatch, on one
     # 1B-class projection (2048 x 2048) the GEMV at the decode batches validate runs (1, 4, 8)
@@ -376,17 +376,19 @@ def op_dispatch(sizes: Sizes, dtype: str, device: str = "cpu", sync=None) -> dic
 
 
 def gemm(tokens: tuple[int, ...], sizes: Sizes, dtype: str, device: str = "cpu", sync=None,
-         tick: Callable[[], None] | None = None, total_bytes: int | None = None, inner: int = 1) -> list[dict]:
+         tick: Callable[[], None] | None = None, total_bytes: int | None = None, inner: int = 1,
+         linear=None) -> list[dict]:
     """One row per (tokens, k, n): ``time_s`` per call, achieved ``flops_per_s`` and the
     ``weight_bytes_per_s`` the weights streamed at. ``inner`` calls per timed run (GPU: kernels
-    queue back to back, one synchronize per run)."""
+    queue back to back, one synchronize per run). ``linear``: the kernel (default: the executor's
+    for a linear layer on ``device``; on the CPU oneDNN-packed or blocked weights)."""
     import torch
 
     from flexplan.executor.cpu_linear import LinearKernel, pack_batch_hint
 
     dt, nbytes = torch_dtype(dtype), dtype_bytes(dtype)
     total_bytes = total_bytes or rotate_bytes(sizes)
-    linear = LinearKernel(device=device)  # on the CPU: the executor's kernel (oneDNN-packed weights)
+    linear = linear or LinearKernel(device=device)
     rows = []
     with torch.inference_mode():
         for k, n in sizes.weight_shapes:
@@ -606,8 +608,27 @@ def _llama_config(hidden: int, inter: int, heads: int, kv_heads: int, head_dim: 
 
 
 def head_gemv(sizes: Sizes, dtype: str, tick: Callable[[], None] | None = None) -> list[dict]:
-    """The LM head's GEMV (hidden x vocab) at decode batch sizes, weights streamed from DRAM."""
-    return gemm(sizes.head_tokens, replace(sizes, weight_shapes=sizes.head_shapes), dtype, tick=tick)
+    """The LM head's GEMV (hidden x vocab) at decode batch sizes, weights streamed from DRAM; and
+    where a tied head runs another kernel (``cpu_linear.TiedHeadKernel``), that one too, in rows
+    marked ``tied``."""
+    heads = replace(sizes, weight_shapes=sizes.head_shapes)
+    rows = gemm(sizes.head_tokens, heads, dtype, tick=tick)
+    tied = replace(heads, weight_shapes=tied_head_shapes(sizes, dtype))
+    if tied.weight_shapes:
+        from flexplan.executor.cpu_linear import TiedHeadKernel
+
+        rows += [dict(r, tied=True) for r in gemm(sizes.head_tokens, tied, dtype, tick=tick, linear=TiedHeadKernel())]
+    return rows
+
+
+def tied_head_shapes(sizes: Sizes, dtype: str) -> tuple[tuple[int, int], ...]:
+    """The head shapes whose tied head runs another kernel than an untied one in ``dtype``."""
+    import torch
+
+    from flexplan.executor.cpu_linear import TiedHeadKernel
+
+    return tuple((k, n) for k, n in sizes.head_shapes
+                 if TiedHeadKernel.differs(torch.empty((n, k), dtype=torch_dtype(dtype), device="meta")))
 
 
 # A prefill of at least this many tokens (batch x query length) cycles at most PREFILL_COPIES of a

@@ -30,8 +30,9 @@ class Efficiency(Protocol):
     # layer (QK^T, softmax, AV over the causal pairs) on `tokens` rows; where not calibrated: cpu_compute
     def cpu_split_linear(self, tokens: float, dtype: str) -> float: ...  # split layers' CPU linear (dense
     # weights) time over the packed kernel's, by rows (1: as fast)
-    def cpu_head_compute(self, tokens: float, dtype: str) -> float: ...  # the LM head (hidden x vocab GEMV)
-    def cpu_head_memory(self, tokens: float, dtype: str) -> float: ...
+    def cpu_head_compute(self, tokens: float, dtype: str, tied: bool = False) -> float: ...  # the LM head
+    # (hidden x vocab GEMV); tied: the embedding's weight, which a 16-bit CPU reads with another kernel
+    def cpu_head_memory(self, tokens: float, dtype: str, tied: bool = False) -> float: ...
     def cpu_expert_factors(self, tokens: float, dtype: str): ...  # (Eff_comp, Eff_mem) of the CPU routed-
     # expert path at `tokens` rows per expert, fixed per-expert costs included; None: not calibrated
     def gpu_compute(self, tokens: float) -> float: ...
@@ -119,10 +120,10 @@ class DefaultEfficiency:
     def cpu_split_linear(self, tokens, dtype=None):
         return 1.0
 
-    def cpu_head_compute(self, tokens, dtype=None):
+    def cpu_head_compute(self, tokens, dtype=None, tied=False):
         return self.cpu_compute_eff
 
-    def cpu_head_memory(self, tokens, dtype=None):
+    def cpu_head_memory(self, tokens, dtype=None, tied=False):
         return self.cpu_memory_eff
 
     def cpu_expert_factors(self, tokens, dtype=None):
@@ -187,8 +188,8 @@ class ScaledEfficiency:
     def cpu_compute(self, tokens, dtype=None):
         return self.base.cpu_compute(tokens, dtype) / self.scale("cpu_compute")
 
-    def cpu_head_compute(self, tokens, dtype=None):
-        return self.base.cpu_head_compute(tokens, dtype) / self.scale("cpu_compute")
+    def cpu_head_compute(self, tokens, dtype=None, tied=False):
+        return self.base.cpu_head_compute(tokens, dtype, tied) / self.scale("cpu_compute")
 
     def cpu_prefill_attention(self, tokens, dtype=None):
         return cpu_prefill_attention(self.base, tokens, dtype) / self.scale("cpu_compute")
@@ -202,8 +203,8 @@ class ScaledEfficiency:
     def cpu_attention_for_layout(self, context_len, dtype=None, layout=None, batch=None):
         return cpu_attention_for_layout(self.base, context_len, dtype, layout, batch) / self.scale("cpu_memory")
 
-    def cpu_head_memory(self, tokens, dtype=None):
-        return self.base.cpu_head_memory(tokens, dtype) / self.scale("cpu_memory")
+    def cpu_head_memory(self, tokens, dtype=None, tied=False):
+        return self.base.cpu_head_memory(tokens, dtype, tied) / self.scale("cpu_memory")
 
     def cpu_expert_factors(self, tokens, dtype=None):
         f = self.base.cpu_expert_factors(tokens, dtype) if hasattr(self.base, "cpu_expert_factors") else None
@@ -321,8 +322,8 @@ class StateScaledEfficiency(ScaledEfficiency):
     def cpu_attention_for_layout(self, context_len, dtype=None, layout=None, batch=None):
         return self._at_state(cpu_attention_for_layout(self.base, context_len, dtype, layout, batch), dtype)
 
-    def cpu_head_memory(self, tokens, dtype=None):
-        return self._at_state(self.base.cpu_head_memory(tokens, dtype), dtype)
+    def cpu_head_memory(self, tokens, dtype=None, tied=False):
+        return self._at_state(self.base.cpu_head_memory(tokens, dtype, tied), dtype)
 
     def cpu_expert_factors(self, tokens, dtype=None):
         f = self.base.cpu_expert_factors(tokens, dtype) if hasattr(self.base, "cpu_expert_factors") else None

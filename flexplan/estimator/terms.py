@@ -203,8 +203,9 @@ def phase_costs(shape: Shape, hw: Hardware, eff: Efficiency, phase: str) -> Phas
                            overhead_s=eff.cpu_layer_overhead_s(rows, cd, w.weight_bytes_cpu))
              + t_cpu_prefill_attention_s(w, th_cpu, eff, cd))
     step_overhead = eff.cpu_step_overhead_s(b, shape.model.vocab_size)  # the host runs generate()'s loop, whatever the policy
-    t_cpu_head = t_on_device_s(w.head_flops, w.head_bytes_cpu, th_cpu, bw_cpu, eff.cpu_head_compute(b, cd),
-                               eff.cpu_head_memory(b, cd), overhead_s=step_overhead)
+    tied = shape.model.tie_word_embeddings
+    t_cpu_head = t_on_device_s(w.head_flops, w.head_bytes_cpu, th_cpu, bw_cpu, eff.cpu_head_compute(b, cd, tied),
+                               eff.cpu_head_memory(b, cd, tied), overhead_s=step_overhead)
     if gpu is None or link is None:
         inf = float("inf")
         return PhaseCosts(phase, w.tokens_per_seq, t_cpu, inf, inf, inf, inf, inf, inf, t_cpu_head, inf, inf,
