@@ -675,23 +675,23 @@ def test_the_cpu_slowdown_under_a_copy_is_the_gemvs_in_decode_and_the_gemms_in_p
 
 def test_real_layers_cycle_few_copies_in_long_prefills_and_start_decode_from_a_filled_cache(monkeypatch):
     """Decode points read a KV cache of the asked length (filled directly, not by a prompt run
-    through every copy); prefills of 512+ tokens cycle at most PREFILL_COPIES copies (the weight
-    read is a small part of them), shorter ones every copy, as decode does."""
+    through every copy), the executor's own (token-major) cache; prefills of 512+ tokens cycle at
+    most PREFILL_COPIES copies (the weight read is a small part of them), shorter ones every copy,
+    as decode does."""
     from dataclasses import replace
 
     from flexplan.calibration import microbench as mb
+    from flexplan.executor.kv_cache import FlexKVLayer
 
-    import transformers.cache_utils as cu
+    seen = []  # keys in the cache after each step, by (batch, new tokens)
+    advance = FlexKVLayer.advance
 
-    seen = []  # keys in the cache after each update, by (batch, new tokens)
+    def recording(self, tokens):
+        out = advance(self, tokens)
+        seen.append((self.batch, tokens, out[0].shape[2]))
+        return out
 
-    class Recording(cu.DynamicCache):
-        def update(self, key_states, value_states, layer_idx, *args, **kwargs):
-            out = super().update(key_states, value_states, layer_idx, *args, **kwargs)
-            seen.append((key_states.shape[0], key_states.shape[2], out[0].shape[2]))
-            return out
-
-    monkeypatch.setattr(cu, "DynamicCache", Recording)
+    monkeypatch.setattr(FlexKVLayer, "advance", recording)
     sizes = replace(mb.MODES["tiny"], layer_widths=((64, 128, 4, 2, 16),), layer_shapes=((2, 1), (1, 16), (1, 512)),
                     layer_kv_len=24, layer_long_kv_len=None, rotate_bytes=64 * 2**20, layer_copies=8)
     with mb.torch_threads(1):
