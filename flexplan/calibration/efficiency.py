@@ -44,7 +44,7 @@ import numpy as np
 from flexplan.calibration.layer_fit import LayerOverhead, derive_layers
 from flexplan.calibration.memory_state import normalised
 from flexplan.estimator.efficiency import DefaultEfficiency
-from flexplan.estimator.terms import c_gemm, d_gemm, t_compute_s, t_memory_s, t_on_device_s
+from flexplan.estimator.terms import c_gemm, d_gemm, t_compute_s, t_memory_s
 from flexplan.hardware.spec import DTYPE_BYTES, Hardware
 from flexplan.workload import costs
 from flexplan.workload.model import ModelSpec

@@ -647,7 +647,6 @@ def layers(sizes: Sizes, dtype: str, tick: Callable[[], None] | None = None) -> 
     """Seconds per real decoder layer for each width and (batch, query_len) shape: decode steps
     read a KV cache of ``layer_kv_len`` tokens; prefill writes a fresh one."""
     import torch
-    from transformers.cache_utils import DynamicCache
     from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
 
     from flexplan.executor import cpu_attention, cpu_decode

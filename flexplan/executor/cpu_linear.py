@@ -307,14 +307,8 @@ class TiedHeadKernel(LinearKernel):
     stream differently (on the Zen 4 VM, SmolLM2's 576 x 49152 bf16 head: 1.5 ms tied against
     2.1 oneDNN at 1 token, 2.5 against 2.1 at 8), so calibration times both."""
 
-    name = "tied-head"
-
     def __init__(self):
-        pass
-
-    @property
-    def packed(self) -> bool:
-        return True
+        super().__init__(kernel="tied-head")
 
     @staticmethod
     def differs(weight: torch.Tensor) -> bool:
