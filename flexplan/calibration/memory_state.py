@@ -431,7 +431,7 @@ def at_state_now(eff: "Efficiency", meas: dict) -> "Efficiency":
     if comp != 1.0:
         scales.update(cpu_compute=comp ** COMPUTE_STATE_ELASTICITY, overhead=comp)
     return StateScaledEfficiency(eff, scales, f"{NOTE_PREFIX} " + "; ".join(x for x in (mem_note, comp_note) if x),
-                                 stream_best=_stream_best(eff) if mem > 1.0 else {})
+                                 stream_best=_stream_best(eff) if mem != 1.0 else {})
 
 
 # the decode rows whose weight-streaming factor bounds the state's: those the state scales

@@ -261,6 +261,17 @@ STATE_SCALED_TOKENS_MAX = 16
 # full 6.4 -> 12.1, SmolLM2's full 8.3 -> 15.3), 1 level, 1 better (SmolLM2 quick 9.6 -> 9.0). The README
 # demo's SmolLM2 batch-1 decode took more (~0.85-1). A slower state stays bounded by stream_best (below).
 FASTER_STATE_ELASTICITY = 0.7
+# ... times (the op's streaming factor / the best of any CPU dtype at calibration) ** this: an op
+# streaming below the machine's best was held back by something the memory state does not set
+# (the slower state's rule, below, keeps such an op at its own factor). On the Zen 4 VM, oneDNN's
+# bfloat16 GEMVs stream at ~27 GB/s beside float32's 36-53 and the random Llama's bf16 decode
+# barely moves with the state (38.8 ms fast, 43-45 slow). Re-derived on the same measurements
+# (benchmarks/rederive_cycles.py; chosen on the Zen 4 run 2 between 1 and 2, then run 1 and the
+# AVX-512 VM's run 14): median decode MAPE summed over the 6 (model, file) figures 67.2 -> 64.7,
+# 77.3 -> 70.8, 60.0 -> 58.6; better in 4, 4 and 2 figures, worse in 2, 1 and 0 (the random
+# Llama's full file 10.2 -> 11.0 and 8.6 -> 9.6; SmolLM2's quick 11.0 -> 12.5):
+# benchmarks/results/faster_state_share_2026-11-27/.
+FASTER_STATE_SHARE_POWER = 2.0
 # How much of the compute probe's ratio (median at calibration / now) CPU compute time takes, both
 # where calibration brings its rows to one compute state (calibration.memory_state.normalised) and
 # where a plan scales to the state of now (memory_state.at_state_now); fixed per-layer and per-step
@@ -284,7 +295,9 @@ class StateScaledEfficiency(ScaledEfficiency):
     to decode's weight streaming (GEMMs of at most :data:`STATE_SCALED_TOKENS_MAX` rows), the KV
     cache's reads and the LM head; a prefill's GEMMs keep their calibrated factor.
     Faster now (a ``cpu_memory`` scale below 1): every such factor divided by the scale to the
-    power :data:`FASTER_STATE_ELASTICITY` (decode takes part of the speed-up the probe shows).
+    power :data:`FASTER_STATE_ELASTICITY` (decode takes part of the speed-up the probe shows),
+    times the op's share of the best streaming factor of any dtype at calibration to the power
+    :data:`FASTER_STATE_SHARE_POWER` (an op held below the best takes less of it).
     Either way, the time of these terms is then multiplied by ``state_change(scale) **
     learned_elasticity`` (the ratio beyond the probe's own spread, :data:`ELASTICITY_BAND`): how
     much more (or less) than that this machine's runs moved with the state, which the online
@@ -297,15 +310,21 @@ class StateScaledEfficiency(ScaledEfficiency):
     in the fast state (triad ~73) and 44 in the slow one (~45), where the probe's x1.72 priced them
     at 32; the large GEMVs 66-78 and 40-50, nearly as the probe says."""
 
-    stream_best: dict = field(default_factory=dict)  # CPU dtype -> best cpu_memory factor at calibration
+    stream_best: dict = field(default_factory=dict)  # CPU dtype (None: the default) -> best cpu_memory factor at calibration
     # learned from runs (calibration.correction): these terms' time further times state_change(scale) ** this
     learned_elasticity: float = 0.0
+
+    def _stream_share(self, factor):
+        """``factor`` over the best weight-streaming factor of any CPU dtype at calibration (at most
+        1; 1 where not known)."""
+        top = max(self.stream_best.values()) if self.stream_best else None
+        return 1.0 if not top else np.minimum(1.0, np.asarray(factor) / top)
 
     def _at_state(self, factor, dtype):
         s = self.scale("cpu_memory")
         best = self.stream_best.get(dtype)
         if s <= 1.0:
-            at = factor / s ** FASTER_STATE_ELASTICITY
+            at = factor / s ** (FASTER_STATE_ELASTICITY * self._stream_share(factor) ** FASTER_STATE_SHARE_POWER)
         elif best is None:
             at = factor / s
         else:
