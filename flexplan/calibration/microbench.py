@@ -683,7 +683,7 @@ def layers(sizes: Sizes, dtype: str, tick: Callable[[], None] | None = None) -> 
                     if past and q_len == 1 and not (native_attention and dt == torch.float32) else None)
             with torch.inference_mode():
                 # the executor's cache (token-major, preallocated: a DynamicCache is sequence-major,
-                # which the native decode attention read ~1.4x faster at batch 4-8 than the executor's,
+                # which the native decode attention read 1.2-2x faster at batch 4-8 than the executor's,
                 # and SmolLM2's decode over 1024 keys came out 1.1-1.25x slower than predicted)
                 caches = [_executor_cache(batch, past + q_len, kv_heads, head_dim, dt) for _ in cycled]
                 for cache in caches if past else ():  # a KV cache of `past` tokens, as a prompt leaves it

@@ -184,8 +184,8 @@ static void attention_chunk_##SUFFIX(const float* q, const KT* k, const KT* v, c
         const int64_t i = t - t0;                                                                             \
         /* the keys a few positions on, and this position's values (the second pass reads them): the \
          * rows of one sequence in a token-major cache are strided, and left to the hardware         \
-         * prefetcher they ran at 0.55-0.6 of a sequence-major cache's rate at batch 4-8 (2 Zen 4     \
-         * cores, SmolLM2's heads, 1040 keys; with this, 0.65-0.85; grouping a chunk's sequences into one \
+         * prefetcher they ran at 0.47-0.63 of a sequence-major cache's rate at batch 4-8 (2 Zen 4    \
+         * cores, SmolLM2's heads, 1040 keys; with this, 0.61-0.82; grouping a chunk's sequences into one \
          * work item did not help, nor prefetching 8 or 16 positions ahead) */                                \
         if (t + PREFETCH_T < t1)                                                                              \
             prefetch_rows(k + b * sb + (t + PREFETCH_T) * st, hk, sh * (int64_t)sizeof(KT), d * (int64_t)sizeof(KT)); \
