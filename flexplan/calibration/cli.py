@@ -380,11 +380,13 @@ def format_summary(res: Result) -> str:
                              if (r["heads"], r["kv_heads"], r["head_dim"]) == layout))
         heads = [r for r in m.get("cpu_head_gemv", []) if r["dtype"] == dt]
         for k, n in dict.fromkeys((r["k"], r["n"]) for r in heads):
-            lines.append(f"  {dt} LM head {k}x{n}: weight GB/s by tokens " + "; ".join(
-                f"{'tied' if tied else 'untied'} " + ", ".join(
-                    f"{r['tokens']}:{r['weight_bytes_per_s'] / 1e9:.1f}" for r in heads
-                    if (r["k"], r["n"]) == (k, n) and bool(r.get("tied")) == tied)
-                for tied in dict.fromkeys(bool(r.get("tied")) for r in heads if (r["k"], r["n"]) == (k, n))))
+            kinds = []
+            for tied in (False, True):
+                rows = [r for r in heads if (r["k"], r["n"]) == (k, n) and bool(r.get("tied")) == tied]
+                if rows:
+                    kinds.append(("tied " if tied else "untied ") + ", ".join(
+                        f"{r['tokens']}:{r['weight_bytes_per_s'] / 1e9:.1f}" for r in rows))
+            lines.append(f"  {dt} LM head {k}x{n}: weight GB/s by tokens " + "; ".join(kinds))
         experts = [r for r in m.get("cpu_experts", []) if r["dtype"] == dt]
         if experts:
             r0 = experts[0]

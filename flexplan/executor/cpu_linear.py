@@ -181,10 +181,9 @@ def blocked_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     out = n_blocks * block_cols
     x2 = x.reshape(-1, k)
     gemv = native.status()[0]
-    if x2.dtype == torch.float32 and gemv is not None and (bias is None or bias.dtype == torch.float32):
-        y = gemv.gemv(weight, x2.contiguous(), None if bias is None else bias.contiguous())
-    elif x2.dtype == weight.dtype and x2.dtype in (torch.bfloat16, torch.float16) and gemv is not None:
-        # a tied head blocked for a 16-bit CPU (_head_blockable): the float32 GEMV, cast back
+    # float32 x; or a tied head blocked for a 16-bit CPU (_head_blockable): the float32 GEMV, cast back
+    half_head = x2.dtype == weight.dtype and x2.dtype in (torch.bfloat16, torch.float16)
+    if gemv is not None and (half_head or x2.dtype == torch.float32 and (bias is None or bias.dtype == torch.float32)):
         y = gemv.gemv(weight, x2.float().contiguous(), None if bias is None else bias.float().contiguous()).to(x2.dtype)
     else:
         y = torch.matmul(x2, weight.to(x2.dtype)).permute(1, 0, 2).reshape(x2.shape[0], out)
