@@ -55,6 +55,21 @@ def test_weights_that_cannot_be_blocked_take_onednn_or_stay_dense():
         assert p.is_mkldnn == cpu_linear.packing_available(w.dtype)
 
 
+@pytest.mark.skipif(not cpu_linear.packing_available(torch.bfloat16), reason="oneDNN cannot pack bf16 here")
+@pytest.mark.parametrize("shape", [(1, None), (2, None), (3, None), (2, 1, None), (1, 2, None), (5, None)])
+def test_padded_bf16_gemv_gives_the_unpadded_rows_exactly(shape):
+    """1-2 bf16 rows are zero-padded for oneDNN on a large weight (``packed_linear``): the rows that
+    come back, in the input's shape, are F.linear's bit for bit."""
+    out, k = 1024, cpu_linear.BF16_PAD_MIN_WEIGHT_BYTES // 2 // 1024
+    g = torch.Generator().manual_seed(len(shape) * 10 + shape[0])
+    w = torch.randn(out, k, generator=g).to(torch.bfloat16)
+    b = torch.randn(out, generator=g).to(torch.bfloat16)
+    x = torch.randn(*shape[:-1], k, generator=g).to(torch.bfloat16)
+    y = cpu_linear.linear(x, cpu_linear.pack(w, 1, cpu_linear.KERNEL_PACKED), b)
+    assert y.shape == (*shape[:-1], out)
+    assert torch.equal(y, F.linear(x, w, b))
+
+
 def test_disabled_native_kernel_falls_back_with_its_reason(monkeypatch, fresh_status):
     monkeypatch.setenv("FLEXPLAN_NATIVE", "0")
     gemv, why = native.status()

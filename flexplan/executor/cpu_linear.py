@@ -169,8 +169,28 @@ def is_packed(t: torch.Tensor | None) -> bool:
     return t is not None and (t.is_mkldnn or is_blocked(t))
 
 
+BF16_PAD_MAX_ROWS = 2  # a bf16 input of at most this many rows ...
+BF16_PADDED_ROWS = 4  # ... is zero-padded to this many for oneDNN ...
+BF16_PAD_MIN_WEIGHT_BYTES = 4 << 20  # ... where the weight holds at least this much
+
+
 def packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [None], "")
+    """oneDNN's inner product on a packed weight. A bf16 ``x`` of up to ``BF16_PAD_MAX_ROWS`` rows is
+    zero-padded to ``BF16_PADDED_ROWS`` for a weight of ``BF16_PAD_MIN_WEIGHT_BYTES`` or more: oneDNN (torch
+    2.13) takes a slower bf16 GEMV at 1-2 rows than at 3-6. ``python benchmarks/bench_bf16_gemv_rows.py``
+    (Zen 4 VM, 2 threads, 512 MB of packed copies cycled; ``benchmarks/results/bench_bf16_gemv_rows.json``):
+    padded / unpadded 0.82-0.90 at 1 row and 0.72-0.85 at 2 for 2048 x 2048 .. 5632 x 2048 weights
+    (triad 55-65 GB/s) and 0.89 / 0.82 for 8192 x 8192 (triad 36-39); 0.99-1.02 at 3 rows; SmolLM2's
+    576-wide weights (1.7 MB, not padded) cost as much either way within the noise.
+    Besides the speed, the cost then never falls as the batch grows, which the estimator's fits
+    assume. The result is the unpadded one bit for bit (rows are independent)."""
+    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    if (x.dtype != torch.bfloat16 or not 0 < rows <= BF16_PAD_MAX_ROWS
+            or weight.shape[0] * weight.shape[1] * 2 < BF16_PAD_MIN_WEIGHT_BYTES):
+        return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [None], "")
+    padded = F.pad(x.reshape(rows, x.shape[-1]), (0, 0, 0, BF16_PADDED_ROWS - rows))
+    y = torch.ops.mkldnn._linear_pointwise(padded, weight, bias, "none", [None], "")[:rows]
+    return y.reshape(*x.shape[:-1], y.shape[-1])
 
 
 def blocked_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
