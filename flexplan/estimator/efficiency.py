@@ -9,6 +9,7 @@ calibrated (``flexplan calibrate``).
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
+from functools import cached_property
 from typing import Protocol
 
 import numpy as np
@@ -314,10 +315,14 @@ class StateScaledEfficiency(ScaledEfficiency):
     # learned from runs (calibration.correction): these terms' time further times state_change(scale) ** this
     learned_elasticity: float = 0.0
 
+    @cached_property
+    def _stream_top(self) -> float | None:
+        """The best weight-streaming factor of any CPU dtype at calibration (None: not known)."""
+        return max(self.stream_best.values()) if self.stream_best else None
+
     def _stream_share(self, factor):
-        """``factor`` over the best weight-streaming factor of any CPU dtype at calibration (at most
-        1; 1 where not known)."""
-        top = max(self.stream_best.values()) if self.stream_best else None
+        """``factor`` over :attr:`_stream_top` (at most 1; 1 where not known)."""
+        top = self._stream_top
         return 1.0 if not top else np.minimum(1.0, np.asarray(factor) / top)
 
     def _at_state(self, factor, dtype):
