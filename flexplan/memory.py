@@ -10,7 +10,8 @@ Sizes are what the executor allocates (``executor/weights.py``, ``executor/kv_ca
 - in host memory, plain linear weights are packed tensors of their own (no padding) when the CPU
   linear kernel packs (``flexplan-blocked`` or ``onednn-packed``), held in the weight dtype where
   the blocked kernel reads it (a 16-bit model under float32 compute: spec.cpu_weight_dtype) and in
-  the CPU dtype otherwise; a tied embedding is blocked likewise and the LM head's host copy IS it;
+  the CPU dtype otherwise; a tied embedding is blocked likewise (any vocabulary: its last block
+  zero-filled) and the LM head's host copy IS it;
 - one KV buffer per place a layer's KV uses, in that place's dtype; a host copy is pinned when the
   layer is also accelerator-resident (it crosses the link at the phase switch);
 - two accelerator weight slots and two KV slots when any layer is streamed (double buffering);
@@ -169,14 +170,22 @@ def _packed(t: Tensor, kernel: str | None) -> bool:
     if t.kind == LINEAR:
         return kernel in (KERNEL_BLOCKED, KERNEL_PACKED)
     if t.kind == TIED_EMBEDDING:
-        return kernel == KERNEL_BLOCKED and t.shape[0] % BLOCK == 0
+        return kernel == KERNEL_BLOCKED
     return False
+
+
+def _packed_rows(t: Tensor, kernel: str | None) -> int:
+    """Rows of a packed host weight: a tied embedding is blocked in whole blocks, the last one
+    zero-filled past its vocabulary (cpu_linear.pack_embedding); a linear holds its own rows."""
+    if t.kind == TIED_EMBEDDING and kernel == KERNEL_BLOCKED:
+        return -(-t.shape[0] // BLOCK) * BLOCK
+    return t.shape[0]
 
 
 def packed_dtype(t: Tensor, weight_dtype: str, cpu_dtype: str, kernel: str | None) -> str:
     """cpu_linear.stored_dtype: the weight dtype where the blocked kernel reads it, else the CPU's."""
-    if (kernel == KERNEL_BLOCKED and len(t.shape) == 2 and t.shape[0] % BLOCK == 0 and cpu_dtype == "float32"
-            and weight_dtype in BLOCKED_WEIGHT_DTYPES):
+    if (kernel == KERNEL_BLOCKED and len(t.shape) == 2 and (t.kind == TIED_EMBEDDING or t.shape[0] % BLOCK == 0)
+            and cpu_dtype == "float32" and weight_dtype in BLOCKED_WEIGHT_DTYPES):
         return weight_dtype
     return cpu_dtype
 
@@ -192,7 +201,7 @@ def unit_bytes(tensors: tuple[Tensor, ...], place: str, dtype: str, cpu_dtype: s
         if t.kind == ALIAS:
             continue
         if _packed(t, kernel):
-            packed += math.prod(t.shape) * DTYPE_BYTES[packed_dtype(t, wdt, cpu_dtype, kernel)]
+            packed += _packed_rows(t, kernel) * math.prod(t.shape[1:]) * DTYPE_BYTES[packed_dtype(t, wdt, cpu_dtype, kernel)]
         else:
             flat += _padded(math.prod(t.shape) * DTYPE_BYTES[cpu_dtype])
     return max(1, flat) + packed  # a flat buffer is allocated even when empty (Link.alloc(max(n, 1)))

@@ -46,6 +46,42 @@ def test_blocked_weights_read_back_exactly_and_refuse_stock_f_linear():
 
 
 @needs_native
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_padded_last_block_gives_the_weights_rows_and_reads_back_exactly(dtype):
+    """A [100, 40] weight blocked in two blocks (the second zero-filled past row 100): the linear
+    with ``out_features`` gives 100 columns, bias added, and ``dense`` with the row count is W."""
+    g = torch.Generator().manual_seed(7)
+    w = torch.randn(100, 40, generator=g).to(dtype)
+    b = torch.randn(100, generator=g)
+    x = torch.randn(2, 3, 40, generator=g)
+    p = cpu_linear.block(w)
+    assert p.shape == (2, 40, 64) and not p[1, :, 36:].any()
+    assert torch.equal(cpu_linear.dense(p, 100), w)
+    y = cpu_linear.linear(x, p, b, out_features=100)
+    assert y.shape == (2, 3, 100)
+    assert torch.allclose(y, F.linear(x, w.float(), b), rtol=1e-5, atol=1e-5)
+
+
+@needs_native
+def test_a_blocked_embedding_subclass_keeps_its_own_forward():
+    """Gemma's embedding scales the rows it looks up (``super().forward(ids) * embed_scale``); held
+    blocked, the lookup was answered without the scale and Gemma's tokens differed from
+    transformers'. The subclass's forward runs now, its lookup read out of the blocks."""
+
+    class Scaled(torch.nn.Embedding):
+        def forward(self, ids):
+            return super().forward(ids) * 3.0
+
+    torch.manual_seed(0)
+    m = Scaled(130, 16)
+    ids = torch.tensor([[0, 5, 129], [64, 7, 7]])
+    expected = m(ids)
+    m.weight = torch.nn.Parameter(cpu_linear.pack_embedding(m.weight.detach(), torch.float32), requires_grad=False)
+    cpu_linear.install_embedding(m)
+    assert cpu_linear.is_blocked(m.weight) and torch.equal(m(ids), expected)
+
+
+@needs_native
 def test_weights_that_cannot_be_blocked_take_onednn_or_stay_dense():
     odd = torch.randn(48, 40)  # rows not a multiple of 64
     half = torch.randn(128, 40).to(torch.bfloat16)
@@ -123,10 +159,12 @@ def test_every_isa_path_passes_the_self_check(tmp_path, march, isa):
 
 
 @needs_native
-def test_tied_embedding_and_head_share_one_blocked_weight():
+@pytest.mark.parametrize("vocab", [192, 200])
+def test_tied_embedding_and_head_share_one_blocked_weight(vocab):
     """A tied LM head streams from the blocked layout too: the embedding's weight is blocked once
-    (its lookup reads rows out of the blocks), the head computes from the same tensor, no second
-    copy is made, and greedy tokens match transformers."""
+    (its lookup reads rows out of the blocks; a vocabulary that is not a multiple of 64 fills the
+    last block with zeros), the head computes from the same tensor and gives the vocabulary's
+    logits, no second copy is made, and greedy tokens match transformers."""
     import copy
 
     import transformers
@@ -136,10 +174,10 @@ def test_tied_embedding_and_head_share_one_blocked_weight():
 
     torch.manual_seed(0)
     cfg = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                                   num_key_value_heads=2, vocab_size=192, tie_word_embeddings=True,
+                                   num_key_value_heads=2, vocab_size=vocab, tie_word_embeddings=True,
                                    pad_token_id=0, bos_token_id=1, eos_token_id=2)
     ref = transformers.LlamaForCausalLM(cfg).eval()
-    ids = torch.randint(3, 192, (2, 7))
+    ids = torch.randint(3, vocab, (2, 7))
     mask = torch.ones_like(ids)
     mask[1, :2] = 0
     expected = ref.generate(input_ids=ids, attention_mask=mask, max_new_tokens=6, do_sample=False)
@@ -148,14 +186,19 @@ def test_tied_embedding_and_head_share_one_blocked_weight():
     assert torch.equal(lm.generate(input_ids=ids, attention_mask=mask, max_new_tokens=6, do_sample=False), expected)
     emb = lm.model.get_input_embeddings().weight
     assert cpu_linear.is_blocked(emb) and lm.model.lm_head.weight.data_ptr() == emb.data_ptr()
-    assert torch.equal(cpu_linear.dense(emb), ref.get_input_embeddings().weight)
+    assert torch.equal(cpu_linear.dense(emb, vocab), ref.get_input_embeddings().weight)
+    with torch.inference_mode():
+        x = torch.randn(3, 64)
+        assert torch.allclose(lm.model.lm_head(x), ref.lm_head(x), rtol=1e-5, atol=1e-5)
     weights = sum(b.nbytes for b in lm.executor.link.live_buffers("host") if not b.tag.startswith("KV"))
     model_bytes = sum(p.numel() * p.element_size() for p in ref.parameters())  # the tied weight once
-    assert model_bytes <= weights < model_bytes + 64 * len(list(ref.parameters()))  # alignment only
+    zero_rows = (cpu_linear.blocked_rows(vocab) - vocab) * 64 * 4  # the last block's fill
+    assert model_bytes + zero_rows <= weights < model_bytes + zero_rows + 64 * len(list(ref.parameters()))
 
 
 @needs_native
-def test_tied_head_of_a_16bit_cpu_is_blocked_and_read_by_the_native_gemv():
+@pytest.mark.parametrize("vocab", [192, 200])
+def test_tied_head_of_a_16bit_cpu_is_blocked_and_read_by_the_native_gemv(vocab):
     """A CPU computing in bfloat16 held a tied head dense (oneDNN's layout cannot be indexed for the
     lookup) and ran it as a dense bf16 matmul: 4.4-4.8 ms a step for SmolLM2's 57 MB head on the
     Zen 4 VM. It is blocked now, in bfloat16 (the same bytes): lookups return the bf16 rows as they
@@ -170,10 +213,10 @@ def test_tied_head_of_a_16bit_cpu_is_blocked_and_read_by_the_native_gemv():
 
     torch.manual_seed(0)
     cfg = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                                   num_key_value_heads=2, vocab_size=192, tie_word_embeddings=True,
+                                   num_key_value_heads=2, vocab_size=vocab, tie_word_embeddings=True,
                                    pad_token_id=0, bos_token_id=1, eos_token_id=2)
     ref = transformers.LlamaForCausalLM(cfg).eval().to(torch.bfloat16)
-    ids = torch.randint(3, 192, (2, 7))
+    ids = torch.randint(3, vocab, (2, 7))
     plan = fixed_plan(cfg, "cpu", "cpu", 0, batch_size=2, input_len=7, output_len=4, cpu_dtype="bfloat16")
     lm = api.load(copy.deepcopy(ref), plan=plan, accelerator="cpu", gpu_memory_bytes=2**30)
     emb_module = lm.model.get_input_embeddings()

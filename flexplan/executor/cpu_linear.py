@@ -103,17 +103,19 @@ def blockable(weight: torch.Tensor, compute_dtype: torch.dtype | None = None) ->
     return _blockable(tuple(weight.shape), weight.dtype, compute_dtype or weight.dtype)
 
 
-def _blockable(shape: tuple[int, ...], dtype: torch.dtype, compute_dtype: torch.dtype) -> bool:
-    return (len(shape) == 2 and shape[0] % BLOCK == 0 and compute_dtype == torch.float32
+def _blockable(shape: tuple[int, ...], dtype: torch.dtype, compute_dtype: torch.dtype, padded: bool = False) -> bool:
+    """``padded``: the last block may be zero-filled (a tied embedding's, :func:`pack_embedding`)."""
+    return (len(shape) == 2 and (padded or shape[0] % BLOCK == 0) and compute_dtype == torch.float32
             and dtype in BLOCKED_WEIGHT_DTYPES)
 
 
 def stored_dtype(shape: tuple[int, ...], weight_dtype: torch.dtype, compute_dtype: torch.dtype,
-                 kernel: str | None) -> torch.dtype:
-    """The dtype :func:`pack` gives a weight of ``shape`` asked for in ``weight_dtype`` for a CPU
-    computing in ``compute_dtype``: ``weight_dtype`` where the blocked kernel reads it, else the
-    compute dtype (oneDNN and F.linear take one dtype)."""
-    if kernel == KERNEL_BLOCKED and blocking_available() and _blockable(tuple(shape), weight_dtype, compute_dtype):
+                 kernel: str | None, embedding: bool = False) -> torch.dtype:
+    """The dtype :func:`pack` (``embedding``: :func:`pack_embedding`) gives a weight of ``shape``
+    asked for in ``weight_dtype`` for a CPU computing in ``compute_dtype``: ``weight_dtype`` where
+    the blocked kernel reads it, else the compute dtype (oneDNN and F.linear take one dtype)."""
+    if (kernel == KERNEL_BLOCKED and blocking_available()
+            and _blockable(tuple(shape), weight_dtype, compute_dtype, padded=embedding)):
         return weight_dtype
     return compute_dtype
 
@@ -121,10 +123,19 @@ def stored_dtype(shape: tuple[int, ...], weight_dtype: torch.dtype, compute_dtyp
 BLOCK = 64  # columns per block of the blocked layout (native_gemv.c's BLOCK)
 
 
+def blocked_rows(rows: int) -> int:
+    """Rows a blocked weight of ``rows`` rows holds: whole blocks (the last one zero-filled)."""
+    return -(-int(rows) // BLOCK) * BLOCK
+
+
 def block(weight: torch.Tensor) -> torch.Tensor:
-    """A dense [out, in] weight as [out/64, in, 64] (``P[k, i, c] = W[64 k + c, i]``), a new tensor."""
+    """A dense [out, in] weight as [ceil(out/64), in, 64] (``P[k, i, c] = W[64 k + c, i]``, zero past
+    ``out``), a new tensor."""
     out, k = weight.shape
-    return weight.detach().reshape(out // BLOCK, BLOCK, k).transpose(1, 2).contiguous()
+    w = weight.detach()
+    if blocked_rows(out) != out:
+        w = F.pad(w, (0, 0, 0, blocked_rows(out) - out))
+    return w.reshape(-1, BLOCK, k).transpose(1, 2).contiguous()
 
 
 def is_blocked(t: torch.Tensor | None) -> bool:
@@ -156,12 +167,13 @@ def pack(weight: torch.Tensor, batch_hint: int | None = None, kernel: str = KERN
         return torch.ops.mkldnn._reorder_linear_weight(w)
 
 
-def dense(t: torch.Tensor) -> torch.Tensor:
-    """The dense tensor behind ``t`` (a packed or blocked weight is reordered back, exactly)."""
+def dense(t: torch.Tensor, rows: int | None = None) -> torch.Tensor:
+    """The dense tensor behind ``t`` (a packed or blocked weight is reordered back, exactly; a
+    blocked one to its first ``rows`` rows, past which its last block is zero-filled)."""
     if t.is_mkldnn:
         return t.to_dense()
     if is_blocked(t):
-        return t.transpose(1, 2).reshape(t.shape[0] * t.shape[2], t.shape[1])
+        return t.transpose(1, 2).reshape(t.shape[0] * t.shape[2], t.shape[1])[:rows]
     return t
 
 
@@ -193,11 +205,16 @@ def packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     return y.reshape(*x.shape[:-1], y.shape[-1])
 
 
-def blocked_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def blocked_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                   out_features: int | None = None) -> torch.Tensor:
     """``F.linear`` on a blocked weight with the native kernel (float32 ``x``, any token count:
     decode GEMVs and prefill GEMMs alike; the weight float32 or 16-bit, widened as it is read);
-    ``torch.matmul`` on the blocks, in ``x``'s dtype, for anything else."""
+    ``torch.matmul`` on the blocks, in ``x``'s dtype, for anything else. ``out_features``: the
+    weight's rows where its last block is zero-filled (the result keeps those columns)."""
     n_blocks, k, block_cols = weight.shape
+    if out_features is not None and out_features < n_blocks * block_cols:
+        y = blocked_linear(x, weight, None)[..., :out_features].contiguous()
+        return y if bias is None else y.add_(bias)
     out = n_blocks * block_cols
     x2 = x.reshape(-1, k)
     gemv = native.status()[0]
@@ -212,40 +229,50 @@ def blocked_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     return y.reshape(*x.shape[:-1], out)
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear`` for a weight in any of the layouts (oneDNN-packed, blocked or dense)."""
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+           out_features: int | None = None) -> torch.Tensor:
+    """``F.linear`` for a weight in any of the layouts (oneDNN-packed, blocked or dense);
+    ``out_features``: its rows (a blocked weight's last block may be zero-filled past them)."""
     if weight.is_mkldnn:
         return packed_linear(x, weight, bias)
     if weight.dim() == 3:
-        return blocked_linear(x, weight, bias)
+        return blocked_linear(x, weight, bias, out_features)
     return F.linear(x, weight, bias)
 
 
 def _forward(module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    return linear(x, module.weight, module.bias)
+    return linear(x, module.weight, module.bias, module.out_features)
 
 
 def pack_embedding(weight: torch.Tensor, compute_dtype: torch.dtype | None = None) -> torch.Tensor:
     """A tied embedding / LM head weight [vocab, hidden] for the host, for a CPU computing in
-    ``compute_dtype`` (default: the weight's dtype): blocked where it can be (the head's GEMV then
-    streams like the other linears and the lookup reads rows out of the blocks), else a dense copy
-    in the compute dtype (oneDNN's opaque layout cannot be indexed for the lookup)."""
+    ``compute_dtype`` (default: the weight's dtype): blocked where it can be, the last block
+    zero-filled past a vocabulary that is not a multiple of 64 (the head's GEMV then streams like
+    the other linears and the lookup reads rows out of the blocks), else a dense copy in the compute
+    dtype (oneDNN's opaque layout cannot be indexed for the lookup)."""
     compute = compute_dtype or weight.dtype
     with torch.no_grad():
         w = weight.detach().contiguous()
-        if (blockable(w, compute) or _head_blockable(w, compute)) and blocking_available():
+        if embedding_blockable(tuple(w.shape), w.dtype, compute):
             return block(w)
         return w.to(compute, copy=True)
 
 
-def _head_blockable(weight: torch.Tensor, compute_dtype: torch.dtype) -> bool:
+def embedding_blockable(shape: tuple[int, ...], dtype: torch.dtype, compute_dtype: torch.dtype) -> bool:
+    """Whether :func:`pack_embedding` blocks a tied weight of ``shape`` held in ``dtype`` for a CPU
+    computing in ``compute_dtype`` (any vocabulary: the last block is zero-filled)."""
+    return blocking_available() and (_blockable(tuple(shape), dtype, compute_dtype, padded=True)
+                                     or _head_blockable(tuple(shape), dtype, compute_dtype))
+
+
+def _head_blockable(shape: tuple[int, ...], dtype: torch.dtype, compute_dtype: torch.dtype) -> bool:
     """A tied head's 16-bit weight for a CPU computing in that 16-bit dtype: blocked too, the native
     kernel reading it into a float32 GEMV whose result is cast back (:func:`blocked_linear`; the
     lookup's rows likewise, :func:`embedding_rows`). Left dense, such a head ran as a dense bf16
     ``aten::mm``: SmolLM2's 57 MB head took 4.4-4.8 ms a decode step on the Zen 4 VM, ~13 GB/s,
     where the calibration had priced its GEMV at ~2 ms."""
-    return (compute_dtype in (torch.bfloat16, torch.float16) and weight.dtype == compute_dtype
-            and _blockable(tuple(weight.shape), weight.dtype, torch.float32))
+    return (compute_dtype in (torch.bfloat16, torch.float16) and dtype == compute_dtype
+            and _blockable(tuple(shape), dtype, torch.float32, padded=True))
 
 
 def embedding_rows(ids: torch.Tensor, weight: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -259,10 +286,31 @@ def embedding_rows(ids: torch.Tensor, weight: torch.Tensor, dtype: torch.dtype =
 ROWS_DTYPE_ATTR = "_flexplan_rows_dtype"  # set on a blocked embedding: the dtype its lookups return
 
 
+class _BlockedLookup(torch.overrides.TorchFunctionMode):
+    """Answers ``F.embedding`` on one blocked weight with :func:`embedding_rows`, for an embedding
+    subclass's own forward (Gemma's scaled embedding: ``super().forward(ids) * embed_scale``)."""
+
+    def __init__(self, weight: torch.Tensor, dtype: torch.dtype):
+        super().__init__()
+        self.weight, self.dtype = weight, dtype
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is F.embedding and (args[1] if len(args) > 1 else kwargs.get("weight")) is self.weight:
+            return embedding_rows(args[0] if args else kwargs["input"], self.weight, self.dtype)
+        return func(*args, **kwargs)
+
+
 def _embedding_forward(module: nn.Embedding, ids: torch.Tensor) -> torch.Tensor:
-    if is_blocked(module.weight):
-        return embedding_rows(ids, module.weight, getattr(module, ROWS_DTYPE_ATTR, torch.float32))
-    return nn.Embedding.forward(module, ids)
+    """The module's own forward (its class's: a subclass may scale the rows), its lookups read out
+    of the blocks where the weight is blocked."""
+    if not is_blocked(module.weight):
+        return type(module).forward(module, ids)
+    dtype = getattr(module, ROWS_DTYPE_ATTR, torch.float32)
+    if type(module).forward is nn.Embedding.forward:
+        return embedding_rows(ids, module.weight, dtype)
+    with _BlockedLookup(module.weight, dtype):
+        return type(module).forward(module, ids)
 
 
 def install_embedding(module: nn.Embedding) -> None:
@@ -295,7 +343,8 @@ def pack_module(root: nn.Module, batch_hint: int | None = None, kernel: str = KE
         if is_packed(m.weight) and getattr(m, "_flexplan_pack_key", None) == (kernel, batch_hint):
             continue
         install(m)
-        m._parameters["weight"] = nn.Parameter(pack(dense(m.weight), batch_hint, kernel), requires_grad=False)
+        m._parameters["weight"] = nn.Parameter(pack(dense(m.weight, m.out_features), batch_hint, kernel),
+                                               requires_grad=False)
         m._flexplan_pack_key = (kernel, batch_hint)
         n += 1
     return n
@@ -333,7 +382,7 @@ class TiedHeadKernel(LinearKernel):
     def differs(weight: torch.Tensor) -> bool:
         """Whether a tied head of this weight (in the dtype the CPU computes in) runs another
         kernel than an untied one."""
-        return blocking_available() and _head_blockable(weight, weight.dtype)
+        return blocking_available() and _head_blockable(tuple(weight.shape), weight.dtype, weight.dtype)
 
     def prepare(self, weight: torch.Tensor, batch: int = 1) -> torch.Tensor:
         return pack_embedding(weight, weight.dtype)

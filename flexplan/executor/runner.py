@@ -79,8 +79,7 @@ class Executor:
         pack = self.backend.linear_kernel if self.backend.packs_weights else None
         tied = self._tied_embedding()
         # a tied embedding is packed too (blocked, so the LM head's GEMV streams like the others)
-        tied_packed = (frozenset({tied}) if tied and pack == cpu_linear.KERNEL_BLOCKED
-                       and self.parts.lm_head.weight.shape[0] % cpu_linear.BLOCK == 0 else frozenset())
+        tied_packed = frozenset({tied}) if tied and pack == cpu_linear.KERNEL_BLOCKED else frozenset()
         self.embed = GroupWeights("embedding", None, _params(self.parts.embedding), packed_embeddings=tied_packed)
         prefix = self.parts.layers_prefix
         # each MoE layer's routed experts module: its parameters may live apart from the layer (cpu-experts)

@@ -144,15 +144,27 @@ class GroupWeights:
     def packed_dtype(self, name: str, dtype: torch.dtype, weight_dtype: torch.dtype | None) -> torch.dtype:
         """The dtype the packed host weight ``name`` is held in when the CPU computes in ``dtype``
         and the weights are asked for in ``weight_dtype`` (None: ``dtype``): cpu_linear.stored_dtype."""
-        kernel = cpu_linear.KERNEL_BLOCKED if isinstance(self.params[name][0], nn.Embedding) else self.pack_kernel
-        return cpu_linear.stored_dtype(self.shape_of[name], weight_dtype or dtype, dtype, kernel)
+        if isinstance(self.params[name][0], nn.Embedding):
+            return cpu_linear.stored_dtype(self.shape_of[name], weight_dtype or dtype, dtype, cpu_linear.KERNEL_BLOCKED,
+                                           embedding=True)
+        return cpu_linear.stored_dtype(self.shape_of[name], weight_dtype or dtype, dtype, self.pack_kernel)
+
+    def packed_rows(self, name: str, dtype: torch.dtype, weight_dtype: torch.dtype | None) -> int:
+        """Rows the packed host weight ``name`` holds: a tied embedding blocked for the CPU's
+        ``dtype`` holds whole blocks (cpu_linear.pack_embedding), any other its own rows."""
+        rows = self.shape_of[name][0]
+        if isinstance(self.params[name][0], nn.Embedding) and cpu_linear.embedding_blockable(
+                self.shape_of[name], self.packed_dtype(name, dtype, weight_dtype), dtype):
+            return cpu_linear.blocked_rows(rows)
+        return rows
 
     def nbytes(self, place: str, dtype: torch.dtype, weight_dtype: torch.dtype | None = None, part: str = ALL) -> int:
         """Bytes this unit's weights (``part`` of them) take in ``place`` (flat buffer plus packed
         weights, these asked for in ``weight_dtype``)."""
         n = self.layout(place, dtype, part).nbytes
         if place == HOST_MEMORY:
-            n += sum(math.prod(self.shape_of[name]) * self.packed_dtype(name, dtype, weight_dtype).itemsize
+            n += sum(self.packed_rows(name, dtype, weight_dtype) * math.prod(self.shape_of[name][1:])
+                     * self.packed_dtype(name, dtype, weight_dtype).itemsize
                      for name in self.packed if name in self.names(part))
         return n
 
@@ -163,7 +175,9 @@ class GroupWeights:
             from flexplan.executor.cpu_experts import unblock_experts
 
             return unblock_experts(t, self.blocked_experts[name])
-        return cpu_linear.dense(t) if isinstance(self.params[name][0], (nn.Linear, nn.Embedding)) else t
+        if isinstance(self.params[name][0], (nn.Linear, nn.Embedding)):
+            return cpu_linear.dense(t, self.shape_of[name][0])
+        return t
 
     def param_tensor(self, name: str) -> torch.Tensor:
         m, leaf = self.params[name]
