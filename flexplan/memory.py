@@ -39,7 +39,7 @@ from flexplan.placement import (
 ALIGN_BYTES = 64  # executor.weights.FlatLayout: each tensor's offset in a flat buffer
 CPU_MEMORY_USABLE_FRACTION = 0.90  # leave 10% of host memory to the OS and the Python process
 KERNEL_BLOCKED, KERNEL_PACKED = "flexplan-blocked", "onednn-packed"  # executor.cpu_linear's names
-BLOCK = 64  # rows per block of the blocked layout
+BLOCK = 64  # rows per block of the blocked layout (native_gemv.c's BLOCK; executor.cpu_linear reads it here)
 BLOCKED_WEIGHT_DTYPES = ("float32", "bfloat16", "float16")  # what the native GEMV reads
 
 # Tensor kinds, for how the host holds them.
@@ -174,12 +174,16 @@ def _packed(t: Tensor, kernel: str | None) -> bool:
     return False
 
 
+def blocked_rows(rows: int) -> int:
+    """Rows a blocked weight of ``rows`` rows holds: whole blocks, the last one zero-filled
+    (executor.cpu_linear.block)."""
+    return -(-int(rows) // BLOCK) * BLOCK
+
+
 def _packed_rows(t: Tensor, kernel: str | None) -> int:
     """Rows of a packed host weight: a tied embedding is blocked in whole blocks, the last one
     zero-filled past its vocabulary (cpu_linear.pack_embedding); a linear holds its own rows."""
-    if t.kind == TIED_EMBEDDING and kernel == KERNEL_BLOCKED:
-        return -(-t.shape[0] // BLOCK) * BLOCK
-    return t.shape[0]
+    return blocked_rows(t.shape[0]) if t.kind == TIED_EMBEDDING and kernel == KERNEL_BLOCKED else t.shape[0]
 
 
 def packed_dtype(t: Tensor, weight_dtype: str, cpu_dtype: str, kernel: str | None) -> str:

@@ -39,6 +39,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from flexplan.executor import native
+from flexplan.memory import BLOCK, blocked_rows  # noqa: F401 - blocked_rows is part of this module's interface
 
 KERNEL_BLOCKED = "flexplan-blocked"
 KERNEL_PACKED = "onednn-packed"
@@ -118,14 +119,6 @@ def stored_dtype(shape: tuple[int, ...], weight_dtype: torch.dtype, compute_dtyp
             and _blockable(tuple(shape), weight_dtype, compute_dtype, padded=embedding)):
         return weight_dtype
     return compute_dtype
-
-
-BLOCK = 64  # columns per block of the blocked layout (native_gemv.c's BLOCK)
-
-
-def blocked_rows(rows: int) -> int:
-    """Rows a blocked weight of ``rows`` rows holds: whole blocks (the last one zero-filled)."""
-    return -(-int(rows) // BLOCK) * BLOCK
 
 
 def block(weight: torch.Tensor) -> torch.Tensor:
