@@ -469,6 +469,15 @@ def test_hwdb_hardware_is_never_corrected(cal_folder):
 # ----------------------------------------------------------------------------- generate() feeds it
 
 
+# What generate() measured, TTFT and TPOT in seconds, in six calls in turn of the tiny Llama below
+# (float32, one thread) on the 2-core development VM, the synthetic calibration of write_local_calibration
+# in use; the plan before any correction predicted 1.03 and 0.94 ms. Each run is off in both phases
+# in the same direction (prefill 5-10x: the tiny model's per-layer overhead, which the synthetic
+# calibration prices low), by varying amounts.
+RECORDED_RUNS = ((10.52e-3, 2.097e-3), (9.384e-3, 1.558e-3), (5.496e-3, 1.255e-3), (5.362e-3, 1.209e-3),
+                 (5.390e-3, 2.060e-3), (9.745e-3, 1.639e-3))
+
+
 @pytest.fixture
 def quiet(monkeypatch):
     """Runs count as taken on a quiet machine: the tests do not depend on what else this machine runs."""
@@ -477,19 +486,41 @@ def quiet(monkeypatch):
     monkeypatch.setattr(flexplan.api, "_cpu_seconds", lambda: None)
 
 
+@pytest.fixture
+def recorded(quiet, monkeypatch):
+    """generate() runs the model but reports the times of RECORDED_RUNS (in turn, cycled), not its
+    clock's, on a quiet machine: what the corrections learn does not depend on how fast this
+    machine ran the model this time (one real run in five moved a class shared by both phases
+    past decode's measurement on a prefill spike)."""
+    import itertools
+
+    import flexplan.api
+
+    real, runs = flexplan.api.collect, itertools.cycle(RECORDED_RUNS)
+
+    def collect(*args, **kwargs):
+        stats = real(*args, **kwargs)
+        stats.ttft_s, stats.tpot_s = next(runs)
+        stats.e2e_s = stats.ttft_s + (stats.new_tokens - 1) * stats.tpot_s
+        return stats
+
+    monkeypatch.setattr(flexplan.api, "collect", collect)
+
+
 def _run(lm, new=12, lengths=(40,)):
     ids, mask = left_padded_batch(lengths)
     lm.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new, do_sample=False)
     return lm.last_stats
 
 
-def test_a_real_run_writes_corrections_and_the_next_plan_moves_toward_it(cal_folder, one_thread, quiet):
+def test_a_real_run_writes_corrections_and_the_next_plan_moves_toward_it(cal_folder, one_thread, recorded):
     folder, cal_path = cal_folder
     lm = flexplan.load(make_model("llama"), hardware="local", dtype="float32")
     path = folder / f"{cal_path.stem}.corrections.yaml"
     warm_up = _run(lm)  # the first run after placing the weights pays one-time costs: not learned from
     assert not path.exists() and "not learned from: the first run" in warm_up.correction
     first = _run(lm)
+    assert (first.ttft_s, first.tpot_s) == RECORDED_RUNS[1]
     assert path.exists(), first.correction
     doc = yaml.safe_load(path.read_text())
     assert doc["fingerprint"] == store.local_identity().fingerprint and doc["hardware"]["local"]["updates"] == 1
@@ -499,21 +530,19 @@ def test_a_real_run_writes_corrections_and_the_next_plan_moves_toward_it(cal_fol
     again = lm.plan_for(*key)
     assert "online correction" in again.calibration
     # The filter (a Kalman update per phase, Huber-weighted, step-bounded) moves the classes toward
-    # the run. One phase alone can move away when both are nearly all one class (this tiny model:
-    # ~90% per-layer overhead in each) and the run measured them off in opposite directions; at
-    # least one phase always comes closer.
+    # the run: both phases were measured slower than predicted (prefill 9x, decode 1.7x), and the
+    # next plan predicts each closer to its measurement, from the side it was on (one step moves a
+    # class by at most STEP_MAX: not past decode's 1.7x)
     rows = ((first.ttft_s, first.predicted_ttft_s, again.ttft_s), (first.tpot_s, first.predicted_tpot_s, again.tpot_s))
-    assert max(abs(math.log(before / measured)) for measured, before, _ in rows) > 0.02, rows  # something was off
-    assert any(abs(math.log(after / measured)) < abs(math.log(before / measured)) for measured, before, after in rows), rows
-    for measured, before, after in rows:  # a phase off in the same direction as the other moves toward its measurement
-        if all(math.log(b / m) * math.log(before / measured) > 0 for m, b, _ in rows):
-            assert abs(math.log(after / measured)) < abs(math.log(before / measured)), rows
+    for measured, before, after in rows:
+        assert before < after < measured, rows
     second = _run(lm)
     assert second.plan is again and yaml.safe_load(path.read_text())["hardware"]["local"]["updates"] == 2
     assert "online correction" in second.summary()
+    assert second.predicted_tpot_s < second.tpot_s  # still short of the machine: a step at a time
 
 
-def test_the_first_run_after_each_placement_is_not_learned_from(cal_folder, one_thread, quiet):
+def test_the_first_run_after_each_placement_is_not_learned_from(cal_folder, one_thread, recorded):
     """Its time holds one-time costs (on an H200 the first gpu-offload call taught the link x1.25:
     the next TPOT predictions 29% high). A new placement starts the count again."""
     folder, cal_path = cal_folder
@@ -551,7 +580,7 @@ def test_opting_out_by_load_flag_or_environment(cal_folder, one_thread, monkeypa
         flexplan.load(make_model("llama"), hardware="local", online_correction="no")
 
 
-def test_a_correction_that_changes_the_best_policy_is_recorded(cal_folder, one_thread, quiet):
+def test_a_correction_that_changes_the_best_policy_is_recorded(cal_folder, one_thread, recorded):
     """On the CPU stand-in the planner picks between CPU and "accelerator" placements; corrections
     that make the chosen side slow make the next call re-plan to the other."""
     lm = flexplan.load(make_model("llama"), accelerator="cpu", hardware="local", dtype="float32",
