@@ -6,10 +6,9 @@
 # under the device call's 600 s); results land in $OUT (log.txt, gpu_results.tgz).
 #
 #   bash benchmarks/gpu_session.sh            # STEPS="tests probe val quick valq" by default
-#   (also: diag, the GPU layer step's profile; attn, the CPU's bf16 decode attention, native
-#   kernel against SDPA, ~20 s; bench (after val); probeprof, a second first-use probe under
-#   cProfile (~50 s); order, split-points'
-#   copy orders timed (~65 s); valsp, split-points validated alone; full)
+#   (also: attn, the CPU's bf16 decode attention, native kernel against SDPA, ~20 s; bench
+#   (after val); probeprof, a second first-use probe under cProfile (~50 s); valsp, split-points
+#   validated alone; full)
 #   STEPS="val bench" bash benchmarks/gpu_session.sh
 #
 # Seen on the H200 host (16-core Xeon, 300 MiB L3, 2026-11-26): CUDA tests 30-40 s, the first-use
@@ -68,11 +67,6 @@ if has tests; then
   tail -25 "$OUT/res/cuda_tests.txt"; pack
 fi
 
-if has diag; then
-  step "diag: the GPU layer step"
-  timeout "$(limit 60)" python3 benchmarks/diag_gpu_layer_step.py --out "$OUT/res/diag_gpu_layer_step.json" 2>&1 | tail -40
-fi
-
 if has attn; then
   step "bench_cpu_attention_bf16 (the host CPU's decode attention over a bf16 cache)"
   timeout "$(limit 60)" python3 benchmarks/bench_cpu_attention_bf16.py --rounds 3 2>&1 | tail -12
@@ -93,10 +87,6 @@ if has bench; then
   s=$(limit 200); step "bench_gpu_offload (limit $s s)"
   (( s >= 20 )) && timeout "$s" python3 benchmarks/bench_gpu_offload.py --repeats 1 $BENCH_FLAGS 2>&1 | tail -30
   cp benchmarks/results/bench_gpu_offload*.json "$OUT/res/" 2>/dev/null; pack
-fi
-if has order; then  # split-points' decode with the next copy after the segment and at the layer's start
-  step "diag_split_points_order (8 layers of Llama-2-7B's shape)"
-  timeout "$(limit 100)" python3 benchmarks/diag_split_points_order.py --out "$OUT/res/diag_order" 2>&1 | grep -v USDT | tail -12; pack
 fi
 # valsp: split-points on its own (its own run, so a failure there leaves the other policies' figures)
 has valsp && [ -n "$PROBE" ] && validate split-points "probe=$PROBE" 90 split-points
