@@ -1,9 +1,0 @@
-import sys, time
-from dataclasses import replace
-from flexplan.calibration import microbench as mb
-from flexplan.calibration.cli import calibrate
-rows = sys.argv[1] == "on"; out = sys.argv[2]
-mb.MODES["probe"] = replace(mb.MODES["probe"], row_probes=rows)
-t = time.perf_counter()
-res = calibrate("probe", out=out, progress=False)
-print(out, "row probes", rows, "wall", round(time.perf_counter() - t, 1), res.doc["step_wall_s"])
