@@ -7,8 +7,7 @@ gives, to first order, warm predictions ``exp((1 - g) log cold + g log warm)``. 
 mean MAPE over every (model, set, phase, cycle) figure of kept calibration-cycles runs for a few
 ``g`` (0: cold; 1: the warm of the code that ran).
 
-    python benchmarks/warm_gain.py benchmarks/results/calibration_cycles_avx512_run7-files \\
-        benchmarks/results/calibration_cycles_avx512_run8-files
+    python benchmarks/warm_gain.py benchmarks/results/calibration_cycles_zen4_run4-files
 """
 
 from __future__ import annotations
