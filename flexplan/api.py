@@ -29,6 +29,7 @@ from flexplan.executor.cpu_backend import local_cpu_cores, local_cpu_dtype
 from flexplan.executor.families import CACHE_KWARG, cache_in, check_supported
 from flexplan.executor.link import Link
 from flexplan.executor.loading import is_model_folder, load_streaming, read_config
+from flexplan.executor.loading import own_module_tree, refuse_placed_tree
 from flexplan.executor.placement import Placement, require_accelerator
 from flexplan.executor.plans import check_overrides, fixed_plan
 from flexplan.executor.runner import Executor
@@ -266,23 +267,28 @@ class FlexModel:
 
 def _make_plan(plan: Any, config, *, accelerator: str | None, hardware: Any, dtype: str, cpu_dtype: str,
                gpu_memory_bytes: int | None, batch_size: int, input_len: int, output_len: int,
-               online_correction: bool = True, routing_profile: Any = None) -> Plan:
+               online_correction: bool = True, routing_profile: Any = None, cpu_dtype_from: str | None = None) -> Plan:
     """A Plan from "auto", a Plan or a dict of overrides, for what exists. Policies forced with
     per-phase M, or while the planner has no hardware model, give a fixed plan (no estimate).
-    ``online_correction=False``: planned on the calibration alone, without the runs' corrections."""
+    ``online_correction=False``: planned on the calibration alone, without the runs' corrections.
+    ``cpu_dtype_from``: which argument of ``load`` gave ``cpu_dtype`` ("cpu_dtype", or "dtype": an
+    explicit dtype holds on the CPU too); None: the CPU's own, and the planner may choose float32.
+    In a dict of overrides, its "cpu_dtype" wins, then load's ``cpu_dtype``, then its "dtype"."""
     if isinstance(plan, Plan):
         return plan
     shape = dict(batch_size=batch_size, input_len=input_len, output_len=output_len)
     overrides: dict[str, Any] = {}
-    forced_cpu_dtype = None
     if isinstance(plan, dict):
         check_overrides(plan)
         overrides = dict(plan)
         for k in ("batch_size", "input_len", "output_len"):
             shape[k] = overrides.pop(k, shape[k])
-        dtype = canonical_dtype(overrides.pop("dtype", dtype))
+        if "dtype" in overrides:
+            dtype = canonical_dtype(overrides.pop("dtype"))
+            if cpu_dtype_from != "cpu_dtype":
+                cpu_dtype, cpu_dtype_from = dtype, "dtype"
         if "cpu_dtype" in overrides:
-            forced_cpu_dtype = cpu_dtype = canonical_dtype(overrides.pop("cpu_dtype"))
+            cpu_dtype, cpu_dtype_from = canonical_dtype(overrides.pop("cpu_dtype")), "cpu_dtype"
     elif plan != "auto":
         raise InvalidInputError(f"plan must be 'auto', a flexplan.Plan or a dict of overrides, got {plan!r}")
     if accelerator is None:  # nothing to plan: the CPU computes everything
@@ -302,6 +308,15 @@ def _make_plan(plan: Any, config, *, accelerator: str | None, hardware: Any, dty
                           **shape)
     if per_phase_m:
         raise InvalidInputError("prefill_gpu_layers / decode_gpu_layers need both 'prefill' and 'decode' policies")
+    forced_cpu_dtype = cpu_dtype if cpu_dtype_from else None
+    if cpu_dtype_from == "dtype":  # the caller's dtype on the CPU: where it cannot be planned, say what to pass
+        hw = hardware if isinstance(hardware, Hardware) else _hardware_or_none(hardware)
+        if hw is not None and hw.cpu.peak_flops_per_s.get(cpu_dtype, 0) <= 0:
+            usable = ", ".join(d for d, f in hw.cpu.peak_flops_per_s.items() if f > 0)
+            raise InvalidInputError(
+                f"dtype={dtype!r} holds on the CPU too, but {hw.cpu.name} has no {cpu_dtype} figure to plan its part "
+                f"with; pass cpu_dtype= one of {usable} for the part the CPU computes")
+
     from flexplan.planner import plan as plan_fn
 
     hardware = hardware if hardware is not None else "local"
@@ -343,6 +358,16 @@ def _uses_accelerator(policy: str) -> bool:
     return any(pol.placement(2, int(m), ph).uses_accelerator for m in pol.gpu_layer_options(2) for ph in ("prefill", "decode"))
 
 
+def _hardware_or_none(hardware: Any) -> Hardware | None:
+    """The Hardware ``hardware`` names ("local" where None), or None where it cannot be described."""
+    try:
+        from flexplan.hardware import get_hardware
+
+        return get_hardware(str(hardware if hardware is not None else "local"))
+    except Exception:  # noqa: BLE001 - no hardware model: the planner says so itself
+        return None
+
+
 def _planner_available() -> bool:
     try:
         from flexplan.hardware import get_hardware
@@ -356,21 +381,33 @@ def _planner_available() -> bool:
 def load(model_or_path, plan: Any = "auto", accelerator: str | None = None, hardware: Any = "local",
          dtype: str | None = None, gpu_memory_bytes: int | None = None,
          pinned_memory_budget_bytes: int | None = None, cpu_linear_kernel: str | None = None,
-         cpu_threads: int | None = None, online_correction: bool = True, routing_profile: Any = None) -> FlexModel:
+         cpu_threads: int | None = None, online_correction: bool = True, routing_profile: Any = None,
+         cpu_dtype: str | None = None, keep_model: bool = True) -> FlexModel:
     """Load (or take over) a decoder-only transformers causal LM and run it under a plan.
 
     ``model_or_path``: a folder with config.json + *.safetensors (streamed tensor by tensor into
-    place), or a loaded ``*ForCausalLM`` (its weights are re-placed in place; keep a copy if you
-    need the original). ``plan``: "auto" (planned per request shape), a Plan, or overrides such
-    as ``{"prefill": "splitgen", "decode": "cpu", "gpu_layers": 4}``. ``accelerator``: "cuda",
-    "cpu" (the CPU stands in for the GPU, every path runs) or None (CUDA if available, else the
-    CPU alone). ``gpu_memory_bytes``: accelerator budget (default: free CUDA memory; the stand-in:
-    a quarter of available host memory). ``pinned_memory_budget_bytes``: bound on pinned host
-    memory (default: half of physical memory). ``cpu_linear_kernel``: how the CPU computes its
-    linears: ``"flexplan-blocked"`` (default where flexplan's native kernel builds: float32 weights
-    blocked once for it, the rest as below), ``"onednn-packed"`` (default otherwise: weights
-    reordered once for oneDNN) or ``"F.linear"`` (stock kernel, bit-identical to transformers in
-    fp32 too). Packed kernels read decode weights near memory bandwidth (cpu_linear).
+    place), or a loaded ``*ForCausalLM``: it is left as it was and usable (the executor runs a module
+    tree of its own, filled from its tensors without writing to them), so the same model may be
+    loaded again under another plan; host memory then holds its weights and the placed copies while
+    the caller keeps it (a folder streams without that first copy). ``keep_model=False`` hands the
+    model over instead: its own modules and Parameters are re-placed, unit by unit (peak memory near
+    the placed size, not the model's plus it), it then runs only through the returned FlexModel, and
+    loading it again is refused with an error that says what to pass. ``plan``: "auto" (planned per
+    request shape), a Plan, or overrides such as ``{"prefill": "splitgen", "decode": "cpu",
+    "gpu_layers": 4}``. ``dtype``: what the weights are held and computed in, on every device,
+    unless ``cpu_dtype`` gives the CPU's part its own (e.g. ``dtype="bfloat16", cpu_dtype="float32"``);
+    default: bfloat16 (float16 without it) on CUDA, the CPU's own on the stand-in, the checkpoint's
+    on the CPU alone, with the CPU's dtype left to the planner. ``cpu_dtype``: what the CPU's part
+    is held and computed in (a plan dict's "cpu_dtype" wins over it). A Plan carries both dtypes
+    itself. ``accelerator``: "cuda", "cpu" (the CPU stands in for the GPU, every path runs) or None
+    (CUDA if available, else the CPU alone). ``gpu_memory_bytes``: accelerator budget (default: free
+    CUDA memory; the stand-in: a quarter of available host memory). ``pinned_memory_budget_bytes``:
+    bound on pinned host memory (default: half of physical memory). ``cpu_linear_kernel``: how the
+    CPU computes its linears: ``"flexplan-blocked"`` (default where flexplan's native kernel builds:
+    float32 weights blocked once for it, the rest as below), ``"onednn-packed"`` (default otherwise:
+    weights reordered once for oneDNN) or ``"F.linear"`` (stock kernel, bit-identical to
+    transformers in fp32 too). Packed kernels read decode weights near memory bandwidth
+    (cpu_linear).
     ``cpu_threads``: intra-op threads of the CPU side (default: the count ``flexplan calibrate``
     found fastest on this machine, else all usable cores); ``last_stats`` says which.
     ``online_correction``: learn from each run's measured TTFT/TPOT and re-plan with the corrected
@@ -383,6 +420,9 @@ def load(model_or_path, plan: Any = "auto", accelerator: str | None = None, hard
                          hardware)
     if not isinstance(online_correction, bool):
         raise InvalidInputError(f"online_correction must be True or False, got {online_correction!r}")
+    if not isinstance(keep_model, bool):
+        raise InvalidInputError(f"keep_model must be True (the model passed in is left as it was) or False "
+                                f"(handed over to flexplan), got {keep_model!r}")
     acc = _resolve_accelerator(accelerator)
     from_path = isinstance(model_or_path, (str, os.PathLike))
     if from_path:
@@ -392,19 +432,29 @@ def load(model_or_path, plan: Any = "auto", accelerator: str | None = None, hard
                 "folder or a loaded transformers model")
         config = read_config(model_or_path)
     else:
-        config = getattr(model_or_path, "config", None)
+        config = getattr(refuse_placed_tree(model_or_path), "config", None)
     check_supported(config)
     check_plan_argument(plan, int(getattr(config, "num_hidden_layers")))
     gpu_memory_bytes = None if gpu_memory_bytes is None else int(gpu_memory_bytes)
-    cpu_dtype = local_cpu_dtype()
+    local_dtype = local_cpu_dtype()
+    cpu_dtype_from = None  # an explicit dtype holds on the CPU too, unless cpu_dtype is given
+    if cpu_dtype is not None:
+        try:
+            cpu_dtype, cpu_dtype_from = canonical_dtype(cpu_dtype), "cpu_dtype"
+        except InvalidInputError as e:
+            raise InvalidInputError(f"cpu_dtype: {e}") from None
     if dtype:
         dtype = canonical_dtype(dtype)
+        if cpu_dtype_from is None:
+            cpu_dtype, cpu_dtype_from = dtype, "dtype"
     elif acc and acc.startswith("cuda"):
         dtype = "bfloat16" if torch.cuda.is_bf16_supported() else "float16"
     elif acc is None:  # the CPU alone: the weights keep their own dtype where the CPU can read it as is
-        dtype = _checkpoint_dtype(model_or_path, config) or cpu_dtype  # (spec.cpu_weight_dtype)
+        dtype = _checkpoint_dtype(model_or_path, config) or local_dtype  # (spec.cpu_weight_dtype)
     else:
-        dtype = cpu_dtype
+        dtype = local_dtype
+    if cpu_dtype_from is None:
+        cpu_dtype = local_dtype
     if acc == "cpu" and gpu_memory_bytes is None:
         gpu_memory_bytes = _host_memory_bytes() // 4
     elif acc and acc.startswith("cuda") and gpu_memory_bytes is None:
@@ -417,7 +467,7 @@ def load(model_or_path, plan: Any = "auto", accelerator: str | None = None, hard
 
         hw = _lazy_standin(standin_hardware, gpu_memory_bytes, hardware if isinstance(hardware, Hardware) else None)
     planner_args = dict(accelerator=acc, hardware=hw, dtype=dtype, cpu_dtype=cpu_dtype, gpu_memory_bytes=gpu_memory_bytes,
-                        online_correction=online_correction)
+                        online_correction=online_correction, cpu_dtype_from=cpu_dtype_from)
     if routing_profile is not None:  # read and checked once, not at every re-plan
         from flexplan.plan_expert_cache import resolve_profile
         from flexplan.workload.model import ModelSpec
@@ -437,10 +487,11 @@ def load(model_or_path, plan: Any = "auto", accelerator: str | None = None, hard
         executor = model.flexplan_executor
         tokenizer = _tokenizer(model_or_path)
     else:
-        model = model_or_path
-        previous = getattr(model, "flexplan_executor", None)
-        if previous is not None:  # loaded again: the new executor takes over from the old one
-            previous.remove_hooks()
+        # the executor's own module tree over the caller's tensors: placing, packing and hooks leave
+        # the caller's model as it was, and a second load of it (another plan) starts from it again
+        # (keep_model=False: handed over, the executor re-places the caller's own modules, freeing its
+        # tensors unit by unit)
+        model = own_module_tree(model_or_path) if keep_model else model_or_path
         executor = Executor(model, p, link, accelerator_budget_bytes=budget,
                             pinned_budget_bytes=pinned_memory_budget_bytes, cpu_cores=cores,
                             cpu_linear_kernel=cpu_linear_kernel)

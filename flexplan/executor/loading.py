@@ -9,6 +9,7 @@ a full model loaded first and copied again.
 
 from __future__ import annotations
 
+import copy
 import json
 from pathlib import Path
 
@@ -35,6 +36,34 @@ def read_config(path):
         return AutoConfig.from_pretrained(str(p))
     except (ValueError, KeyError, OSError, json.JSONDecodeError) as e:
         raise MalformedDataError(f"cannot read {p / 'config.json'}: {e}") from None
+
+
+def own_module_tree(model: torch.nn.Module) -> torch.nn.Module:
+    """A module tree of its own for the executor that runs ``model``: every module, Parameter and
+    attribute object new (a deep copy), every parameter's and buffer's data ``model``'s own (shared,
+    not copied). The executor fills its buffers from those tensors without writing to them, then
+    rebinds, packs, re-forwards and hooks only the copy: ``model`` stays as it was and usable, and
+    can be loaded again under another plan. A flexplan-placed tree is refused (:func:`refuse_placed_tree`)."""
+    refuse_placed_tree(model)
+    memo: dict[int, object] = {}
+    for p in model.parameters():
+        memo[id(p)] = torch.nn.Parameter(p.detach(), requires_grad=False)  # a tied weight stays one Parameter
+    for b in model.buffers():
+        memo[id(b)] = b
+    return copy.deepcopy(model, memo)
+
+
+def refuse_placed_tree(model: torch.nn.Module) -> torch.nn.Module:
+    """``model``, unless an executor already placed it (``FlexModel.model``, a model handed over with
+    ``flexplan.load(..., keep_model=False)``, the result of :func:`load_streaming`): its weights are
+    then in flexplan's layouts and dtypes, not as loaded, so it cannot be placed again."""
+    if getattr(model, "flexplan_executor", None) is not None:
+        raise InvalidInputError(
+            f"this {type(model).__name__} is a module tree flexplan already placed for a plan (FlexModel.model, a "
+            "model loaded with keep_model=False, or load_streaming's result): its weights are held in flexplan's "
+            "layouts and dtypes, not as loaded; pass the model you gave flexplan.load (with keep_model=True, the "
+            "default, it is left as it was) or the model folder to load it under another plan")
+    return model
 
 
 def build_skeleton(config) -> torch.nn.Module:
