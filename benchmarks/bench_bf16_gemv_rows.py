@@ -41,7 +41,7 @@ def main() -> int:
     args = ap.parse_args()
     import torch
 
-    from flexplan.calibration.microbench import llc_bytes
+    from flexplan.measure.microbench import llc_bytes
     from flexplan.executor import cpu_linear
 
     if not cpu_linear.packing_available(torch.bfloat16):

@@ -45,7 +45,7 @@ TARGET_P90_FULL = 10.0
 
 
 def triad_gbs() -> float:
-    from flexplan.calibration.stream import stream_triad_bytes_per_s
+    from flexplan.measure.stream import stream_triad_bytes_per_s
 
     return round(stream_triad_bytes_per_s(128 * 2**20, repeats=3) / 1e9, 2)
 

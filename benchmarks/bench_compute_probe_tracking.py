@@ -30,7 +30,7 @@ def measure(seconds: float) -> list[dict]:
     import torch
 
     import flexplan
-    from flexplan.calibration import membw
+    from flexplan.measure import membw
     from flexplan.executor.cpu_linear import LinearKernel
     from flexplan.validate import resolve_model_dir
 

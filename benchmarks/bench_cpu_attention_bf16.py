@@ -28,7 +28,7 @@ def kernels(batch: int, keys: int):
     import torch
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    from flexplan.calibration.microbench import _SDPAModule, Cycle, beyond_llc_bytes, copies_for
+    from flexplan.measure.microbench import _SDPAModule, Cycle, beyond_llc_bytes, copies_for
     from flexplan.executor import native
 
     ops = native.decode_status()[0]
@@ -60,7 +60,7 @@ def main() -> int:
     args = ap.parse_args()
     import torch
 
-    from flexplan.calibration.stream import stream_triad_bytes_per_s
+    from flexplan.measure.stream import stream_triad_bytes_per_s
 
     built = {shape: kernels(*shape) for shape in SHAPES}
     times: dict = {shape: {k: [] for k in ks} for shape, ks in built.items()}

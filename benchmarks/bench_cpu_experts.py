@@ -47,7 +47,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
     import transformers
 
-    from flexplan.calibration.stream import stream_triad_bytes_per_s
+    from flexplan.measure.stream import stream_triad_bytes_per_s
     from flexplan.executor import cpu_experts, cpu_linear, native
 
     if not native.available():

@@ -60,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
     import torch.nn.functional as F
 
-    from flexplan.calibration.stream import stream_triad_bytes_per_s
+    from flexplan.measure.stream import stream_triad_bytes_per_s
     from flexplan.executor import cpu_linear, native
     from flexplan.executor.split_layer import cpu_operator_linear
 

@@ -222,7 +222,7 @@ def stream_sample() -> float:
     """STREAM triad bytes/s now, with the benchmark's threads (about 0.5 s)."""
     import torch
 
-    from flexplan.calibration.stream import stream_triad_bytes_per_s
+    from flexplan.measure.stream import stream_triad_bytes_per_s
 
     return stream_triad_bytes_per_s(threads=torch.get_num_threads())
 

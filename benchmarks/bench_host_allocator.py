@@ -70,7 +70,7 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--name", default="bench_host_allocator")
     args = ap.parse_args()
-    from flexplan.calibration.stream import stream_triad_bytes_per_s
+    from flexplan.measure.stream import stream_triad_bytes_per_s
 
     runs: dict[str, list[dict]] = {v: [] for v in VARIANTS}
     triads = []

@@ -34,8 +34,8 @@ def main() -> None:
 
     import torch
 
-    from flexplan.calibration import membw
-    from flexplan.calibration.stream import stream_triad_bytes_per_s
+    from flexplan.measure import membw
+    from flexplan.measure.stream import stream_triad_bytes_per_s
     from flexplan.executor.cpu_linear import LinearKernel
 
     lin = LinearKernel(device="cpu")

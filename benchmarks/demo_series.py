@@ -2,7 +2,7 @@
 
 Runs ``FLEXPLAN run --json`` (the executable of the environment under test: a fresh clone's
 fresh venv, as README's first command leaves it) ``--runs`` times, ``--gap-s`` apart, with a
-STREAM triad sample (``flexplan.calibration.stream``, in that same environment) right before
+STREAM triad sample (``flexplan.measure.stream``, in that same environment) right before
 each, and writes ``benchmarks/results/<name>.json`` with every run's record: the medians the
 demo prints (of its ``--repeats`` timed runs, each predicted right before it), each timed run's
 measured and predicted TTFT and TPOT, the memory state each prediction used, and the triad.
@@ -25,7 +25,7 @@ from pathlib import Path
 
 from common import machine_description, write_result  # noqa: E402
 
-TRIAD = "from flexplan.calibration.stream import stream_triad_bytes_per_s as t; print(t() / 1e9)"
+TRIAD = "from flexplan.measure.stream import stream_triad_bytes_per_s as t; print(t() / 1e9)"
 WITHIN = (0.90, 1.10)
 
 

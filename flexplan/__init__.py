@@ -21,10 +21,10 @@ from flexplan.errors import (
     UnknownModelError,
     UnsupportedModelError,
 )
-from flexplan.plan_types import POLICIES, Candidate, PhaseChoice, Plan
+from flexplan.estimator.policies import POLICIES
+from flexplan.plan_types import Candidate, PhaseChoice, Plan
 from flexplan.planner import plan
-
-__version__ = "0.1.0"
+from flexplan.version import __version__
 
 __all__ = [
     "POLICIES", "CalibrationError", "Candidate", "DeviceUnavailableError", "DoesNotFitError", "FlexplanError",
@@ -34,6 +34,8 @@ __all__ = [
 
 
 def __getattr__(name):
+    # load imports torch and the executor: imported on first use so that `import flexplan` and
+    # plan() stay torch-free (a second of import time for users who only plan)
     if name == "load":
         from flexplan.api import load
 

@@ -21,22 +21,31 @@ from typing import Any
 import torch
 from torch import nn
 
-from flexplan.calibration import calibrated_cpu_threads
-from flexplan.calibration.cli import _cpu_seconds, _other_share  # CPU time other processes took (/proc/stat)
-from flexplan.calibration.memory_state import refresh as refresh_memory_probe
 from flexplan.errors import DeviceUnavailableError, FlexplanError, InvalidInputError
+from flexplan.estimator.policies import REGISTRY, placement_of
 from flexplan.executor.cpu_backend import local_cpu_cores, local_cpu_dtype
 from flexplan.executor.families import CACHE_KWARG, cache_in, check_supported
 from flexplan.executor.link import Link
 from flexplan.executor.loading import is_model_folder, load_streaming, read_config
 from flexplan.executor.loading import own_module_tree, refuse_placed_tree
-from flexplan.executor.placement import Placement, require_accelerator
+from flexplan.executor.placement import require_accelerator
 from flexplan.executor.plans import check_overrides, fixed_plan
 from flexplan.executor.runner import Executor
 from flexplan.executor.stats import RunStats, collect
+from flexplan.factors import calibrated_cpu_threads
+from flexplan.factors.correction import uncorrected
+from flexplan.factors.correction_store import learn
+from flexplan.hardware import get_hardware
 from flexplan.hardware.spec import DTYPE_BYTES, Hardware, canonical_dtype
+from flexplan.hardware.standin import standin_hardware
 from flexplan.inputs import check_generate_arguments, check_kv_fits_host, check_load_arguments, check_plan_argument
+from flexplan.measure.hostload import cpu_seconds as _cpu_seconds  # CPU time other processes took
+from flexplan.measure.hostload import other_share as _other_share
+from flexplan.measure.state import efficiency_now, refresh
+from flexplan.plan_expert_cache import resolve_profile
 from flexplan.plan_types import Plan
+from flexplan.planner import plan as plan_fn
+from flexplan.workload.model import ModelSpec
 
 DEFAULT_SHAPE = {"batch_size": 1, "input_len": 128, "output_len": 32}
 
@@ -62,9 +71,8 @@ PLAN_STATE_MAX_AGE_S = 10.0
 
 def _state_scaled(plan: Plan) -> bool:
     """Whether ``plan``'s factors were scaled by a probe of its time (its note reads "... now vs ...")."""
-    from flexplan.calibration.memory_state import note_in
 
-    return " now vs " in note_in(plan.calibration)
+    return plan.factors.state_probed
 
 
 def _choice(plan: Plan) -> str:
@@ -168,7 +176,6 @@ class FlexModel:
         development VM the state flipped within such gaps: decode ran ~12.5 ms where the probe
         had read the ~15.5 ms state). A fixed plan (``plan=`` a Plan) is priced again now, the
         same choice, where it was state-scaled. Costs one probe (and a plan for a fixed one)."""
-        from flexplan.calibration.memory_state import refresh
 
         refresh()
         for key in self._planned_at:
@@ -245,7 +252,6 @@ class FlexModel:
     def _learn(self) -> None:
         """Feed ``last_stats`` to the online correction (local hardware only); when the
         corrections change, plans are made again at their next use."""
-        from flexplan.calibration.correction_store import learn
 
         stats, note, self._replan_note = self.last_stats, self._replan_note, ""
         # the first run after placing the weights holds one-time costs (CUDA kernels loaded at first
@@ -253,7 +259,9 @@ class FlexModel:
         # the link x1.25 and put the next TPOT predictions 29% high where the uncorrected were 3% off
         skip = "the first run after placing the weights (one-time costs)" if self.executor.runs_since_place == 1 else ""
         try:
-            learned = learn(stats, self.executor.spec, self._planner_args.get("hardware"), skip)
+            hardware = self._planner_args.get("hardware")
+            base = _efficiency_now(hardware, online_correction=False) if hardware is not None else None
+            learned = learn(stats, self.executor.spec, hardware, skip, base=base)
         except (FlexplanError, OSError, ValueError, KeyError) as e:
             warnings.warn(f"online correction skipped for this run ({type(e).__name__}: {e})", stacklevel=3)
             return
@@ -317,23 +325,19 @@ def _make_plan(plan: Any, config, *, accelerator: str | None, hardware: Any, dty
                 f"dtype={dtype!r} holds on the CPU too, but {hw.cpu.name} has no {cpu_dtype} figure to plan its part "
                 f"with; pass cpu_dtype= one of {usable} for the part the CPU computes")
 
-    from flexplan.planner import plan as plan_fn
-
     hardware = hardware if hardware is not None else "local"
     return plan_fn(config, hardware=hardware, dtype=dtype,
                    gpu_memory_bytes=gpu_memory_bytes if accelerator else None, prefill=overrides.get("prefill"),
                    decode=overrides.get("decode"), gpu_layers=overrides.get("gpu_layers"),
-                   cpu_dtype=forced_cpu_dtype, efficiency=None if online_correction else _uncorrected(hardware),
+                   cpu_dtype=forced_cpu_dtype, efficiency=_efficiency_now(hardware, online_correction),
                    routing_profile=routing_profile, **shape)
 
 
-def _uncorrected(hardware: Any):
-    """The efficiency ``hardware`` plans with, without the online corrections."""
-    from flexplan.calibration import efficiency_for
-    from flexplan.calibration.correction import uncorrected
-    from flexplan.hardware import get_hardware
-
-    return uncorrected(efficiency_for(hardware if isinstance(hardware, Hardware) else get_hardware(str(hardware))))
+def _efficiency_now(hardware: Any, online_correction: bool = True):
+    """The factors ``hardware`` plans with at the memory state of now (a probe: ``measure.state``),
+    with the online corrections or, ``online_correction=False``, without."""
+    eff = efficiency_now(hardware if isinstance(hardware, Hardware) else get_hardware(str(hardware)))
+    return eff if online_correction else uncorrected(eff)
 
 
 def _checkpoint_dtype(model_or_path, config) -> str | None:
@@ -352,7 +356,6 @@ def _checkpoint_dtype(model_or_path, config) -> str | None:
 
 def _uses_accelerator(policy: str) -> bool:
     """Whether a registered policy computes anything on an accelerator (asked of its placement rule)."""
-    from flexplan.estimator.policies import REGISTRY
 
     pol = REGISTRY[policy]
     return any(pol.placement(2, int(m), ph).uses_accelerator for m in pol.gpu_layer_options(2) for ph in ("prefill", "decode"))
@@ -361,8 +364,6 @@ def _uses_accelerator(policy: str) -> bool:
 def _hardware_or_none(hardware: Any) -> Hardware | None:
     """The Hardware ``hardware`` names ("local" where None), or None where it cannot be described."""
     try:
-        from flexplan.hardware import get_hardware
-
         return get_hardware(str(hardware if hardware is not None else "local"))
     except Exception:  # noqa: BLE001 - no hardware model: the planner says so itself
         return None
@@ -370,8 +371,6 @@ def _hardware_or_none(hardware: Any) -> Hardware | None:
 
 def _planner_available() -> bool:
     try:
-        from flexplan.hardware import get_hardware
-
         get_hardware("local")
         return True
     except Exception:  # noqa: BLE001 - no hardware model: placements must be given in full
@@ -463,20 +462,16 @@ def load(model_or_path, plan: Any = "auto", accelerator: str | None = None, hard
         pinned_memory_budget_bytes = _host_memory_bytes("MemTotal") // 2
     hw = hardware
     if acc == "cpu" and not (isinstance(hardware, Hardware) and hardware.has_gpu):
-        from flexplan.hardware.standin import standin_hardware
-
         hw = _lazy_standin(standin_hardware, gpu_memory_bytes, hardware if isinstance(hardware, Hardware) else None)
     planner_args = dict(accelerator=acc, hardware=hw, dtype=dtype, cpu_dtype=cpu_dtype, gpu_memory_bytes=gpu_memory_bytes,
                         online_correction=online_correction, cpu_dtype_from=cpu_dtype_from)
     if routing_profile is not None:  # read and checked once, not at every re-plan
-        from flexplan.plan_expert_cache import resolve_profile
-        from flexplan.workload.model import ModelSpec
 
         planner_args["routing_profile"] = resolve_profile(routing_profile, ModelSpec.from_config(config))
-    refresh_memory_probe()  # plans made now use the host memory state of now (calibration/memory_state.py)
+    refresh()  # plans made now use the host memory state of now (calibration/memory_state.py)
     p = _make_plan(plan, config, **planner_args, **DEFAULT_SHAPE)
     n = int(getattr(config, "num_hidden_layers"))
-    require_accelerator(Placement.from_plan(p, n), acc is not None, torch.version.cuda is not None)
+    require_accelerator(placement_of(p, n), acc is not None, torch.version.cuda is not None)
     link = Link(acc or "cpu")
     budget = gpu_memory_bytes if acc else None
     cores, threads_source = _cpu_threads(cpu_threads)

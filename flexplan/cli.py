@@ -9,8 +9,17 @@ import argparse
 import json
 import sys
 
-from flexplan.errors import FlexplanError, InvalidInputError
+from flexplan.errors import FlexplanError
+from flexplan.estimator.policies import POLICIES
+from flexplan.explain import format_plan, format_sweep
+from flexplan.factors.correction_store import describe_corrections
+from flexplan.hardware import get_hardware, report
+from flexplan.hardware.hwdb import is_local_name
+from flexplan.hardware.introspect import introspect, local_hardware
 from flexplan.inputs import gib_bytes
+from flexplan.measure.first_use import describe_calibration, measured_efficiency
+from flexplan.planner import plan
+from flexplan.workload import catalog_names, resolve_model
 
 
 def _int_list(text: str) -> list[int]:
@@ -33,9 +42,9 @@ def _int_list(text: str) -> list[int]:
 
 
 def cmd_explain(args) -> int:
-    from flexplan.explain import format_plan, format_sweep
-    from flexplan.planner import plan
-
+    # the user runs explain on this machine: it measures a first-use probe and the memory state of
+    # now before planning (plan() itself never measures)
+    eff = measured_efficiency(get_hardware(args.hw)) if is_local_name(args.hw) else None
     plans = []
     for b in args.batch_size:
         for i in args.input_len:
@@ -44,7 +53,7 @@ def cmd_explain(args) -> int:
                                   dtype=args.dtype, gpu_memory_bytes=args.gpu_memory, cpu_memory_bytes=args.cpu_memory,
                                   prefill=args.prefill, decode=args.decode, gpu_layers=args.gpu_layers,
                                   routing_profile=args.routing_profile,
-                                  policies=args.policies.split(",") if args.policies else None))
+                                  policies=args.policies.split(",") if args.policies else None, efficiency=eff))
     if args.json:
         out = plans[0].to_dict() if len(plans) == 1 else [p.to_dict() for p in plans]
         print(json.dumps(out, indent=2))
@@ -56,37 +65,24 @@ def cmd_explain(args) -> int:
 
 
 def cmd_hw(args) -> int:
-    from flexplan.hardware import report
-
     if args.list:
         print(report.format_list())
         return 0
     if args.hw == "local":
-        from flexplan.hardware.introspect import introspect, local_hardware
-
         machine = introspect()
         hw = local_hardware()
         print(report.format_hw(machine, hw=hw, calibration_line=_calibration_line(hw)))
     else:
-        from flexplan.hardware import get_hardware
-
         hw = get_hardware(args.hw)
         print(report.format_hw(hw, calibration_line=_calibration_line(hw)))
     return 0
 
 
 def _calibration_line(hw) -> str | None:
-    try:
-        from flexplan.calibration import describe_calibration
-        from flexplan.calibration.correction_store import describe_corrections
-    except ImportError:
-        return None
     return f"{describe_calibration(hw)}\n{describe_corrections(hw)}"
 
 
 def cmd_models(args) -> int:
-    from flexplan.workload import catalog_names, resolve_model
-
     print(f"{'model':<38} {'family':<12} {'layers':>6} {'hidden':>7} {'heads/kv':>9} {'params':>9} "
           f"{'active':>8}  attention")
     for name in catalog_names():
@@ -103,7 +99,6 @@ def cmd_models(args) -> int:
 
 def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     """``command``: the subcommand about to run; only its module is imported (keeps `flexplan hw` fast)."""
-    from flexplan.plan_types import POLICIES
 
     ap = argparse.ArgumentParser(prog="flexplan", description="Plan and run LLM inference over CPU + GPU (FlexInfer).")
     sub = ap.add_subparsers(dest="command", required=True)
@@ -144,7 +139,7 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
 # Commands whose modules import torch: imported only when that command runs.
 LAZY_COMMANDS = {
     "run": ("flexplan.run_cmd", "run a model under a plan (default: the embedded SmolLM2)"),
-    "calibrate": ("flexplan.calibration.cli", "measure this machine's efficiency factors"),
+    "calibrate": ("flexplan.measure.calibrate", "measure this machine's efficiency factors"),
     "validate": ("flexplan.validate", "predicted vs measured TTFT/TPOT over a grid"),
     "profile-experts": ("flexplan.profile_cmd", "count a MoE model's router choices on a few prompts (for --routing-profile)"),
 }

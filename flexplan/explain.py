@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import math
 
-from flexplan.estimator.policies import REGISTRY
+from flexplan.estimator.policies import REGISTRY, placement_of
 from flexplan.hardware.spec import cpu_weight_dtype
-from flexplan.placement import Placement
+from flexplan.plan_expert_cache import NO_CACHE
 from flexplan.plan_types import PHASES, Plan
 
 GiB = 1 << 30
@@ -30,7 +30,7 @@ def _cpu_side(p: Plan) -> str:
 def _placement(p: Plan) -> str:
     """Layer by layer as the executor would run it (each phase's policy rule, FlexInfer 5.3 applied)."""
     try:
-        return Placement.from_plan(p, p.num_layers).describe()
+        return placement_of(p, p.num_layers).describe()
     except Exception as e:  # noqa: BLE001 - a plan of a policy no longer registered: say so, print the rest
         return f"unknown ({e})"
 
@@ -41,7 +41,6 @@ def _expert_cache_lines(p: Plan) -> list[str]:
     if c is None:
         if "cpu-experts" not in (p.prefill.policy, p.decode.policy):
             return []
-        from flexplan.plan_expert_cache import NO_CACHE
 
         why = next((n[len(NO_CACHE):] for n in p.notes if n.startswith(NO_CACHE)),
                    "plan with a routing profile (`flexplan profile-experts`, then --routing-profile) to cache the "

@@ -14,7 +14,12 @@ from pathlib import Path
 from typing import Any
 
 from flexplan.errors import DoesNotFitError, InvalidInputError, UnsupportedModelError, suggest
-from flexplan.plan_types import POLICIES
+from flexplan.estimator.policies import POLICIES
+from flexplan.executor.plans import check_overrides
+from flexplan.hardware import get_hardware
+from flexplan.hardware.spec import Hardware, canonical_dtype
+from flexplan.plan_types import Plan
+from flexplan.workload import costs
 
 PHASE_KEYS = ("prefill", "decode")
 LAYER_KEYS = ("gpu_layers", "prefill_gpu_layers", "decode_gpu_layers")
@@ -106,9 +111,6 @@ def check_cpu_threads(value: Any) -> None:
 def check_plan_argument(plan: Any, num_layers: int) -> None:
     """'auto', a flexplan.Plan, or a dict of overrides with known keys, known policy names, whole
     layer counts in [0, num_layers] and positive shapes."""
-    from flexplan.executor.plans import check_overrides
-    from flexplan.hardware.spec import canonical_dtype
-    from flexplan.plan_types import Plan
 
     if isinstance(plan, Plan):
         return
@@ -144,14 +146,12 @@ def check_plan_argument(plan: Any, num_layers: int) -> None:
 def check_hardware(hardware: Any) -> None:
     """None, "local", a hwdb name or composition (resolved now: UnknownHardwareError names the
     close ones), or a flexplan Hardware."""
-    from flexplan.hardware.spec import Hardware
 
     if hardware is None or hardware == "local" or isinstance(hardware, Hardware):
         return
     if not isinstance(hardware, str):
         raise InvalidInputError(f"hardware must be 'local', a hwdb name such as 'flexinfer-server2' or a "
                                 f"flexplan Hardware, got {_type(hardware)}")
-    from flexplan.hardware import get_hardware
 
     get_hardware(hardware)
 
@@ -160,7 +160,6 @@ def check_load_arguments(model_or_path: Any, accelerator: Any, dtype: Any, gpu_m
                          pinned_memory_budget_bytes: Any, cpu_threads: Any, hardware: Any = "local") -> None:
     """Everything ``load`` can check before it reads a config (the plan is checked against the
     config's layer count by :func:`check_plan_argument`)."""
-    from flexplan.hardware.spec import canonical_dtype
 
     check_model_argument(model_or_path)
     check_accelerator(accelerator)
@@ -276,7 +275,6 @@ def check_kv_fits_host(spec, batch: int, tokens: int, kv_elem_bytes: int, host_m
     """Refuse a request whose KV cache alone, all layers in host memory, exceeds the machine's
     physical memory (it could never run; the accelerator and pinned budgets are checked by the
     executor). ``spec``: the model's ModelSpec."""
-    from flexplan.workload import costs
 
     need = spec.num_layers * costs.kv_cache_bytes_per_layer(spec, batch, tokens, kv_elem_bytes)
     if need > host_memory_bytes:

@@ -34,7 +34,16 @@ import numpy as np
 
 from flexplan.hardware.spec import DTYPE_BYTES, cpu_weight_dtype
 from flexplan.placement import (
-    ACCELERATOR, EXPERT_GROUP, HOST, ON_ACCELERATOR, ON_CPU, PINNED, SPLIT_POINTS, PhasePlacement, Placement)
+    ACCELERATOR,
+    EXPERT_GROUP,
+    HOST,
+    ON_ACCELERATOR,
+    ON_CPU,
+    PINNED,
+    SPLIT_POINTS,
+    PhasePlacement,
+    Placement,
+)
 
 ALIGN_BYTES = 64  # executor.weights.FlatLayout: each tensor's offset in a flat buffer
 CPU_MEMORY_USABLE_FRACTION = 0.90  # leave 10% of host memory to the OS and the Python process

@@ -36,6 +36,8 @@ from functools import cached_property
 from types import MappingProxyType
 from typing import Mapping
 
+from flexplan.hardware.spec import cpu_weight_dtype
+
 # Where weights / KV live.
 HOST = "host"  # pageable host memory, the CPU's dtype
 PINNED = "pinned"  # page-locked host memory, the accelerator's dtype (source of async copies)
@@ -127,7 +129,7 @@ MODES = (CPU, STREAMED, RESIDENT)
 # routed experts (a dense layer of an MoE model) in this mode is simply resident.
 CPU_EXPERTS = LayerMode("cpu experts", ACCELERATOR, ON_ACCELERATOR, (("mlp", Where(HOST, ON_CPU)),))
 EXPERT_GROUP = "mlp"  # the operator group that holds an MoE layer's routed experts
-# the split modes the memory model and the executor place (others are refused by Placement.from_plan)
+# the split modes the memory model and the executor place (others are refused by estimator.policies.placement_of)
 SPLIT_MODES = (CPU_EXPERTS, SPLIT_POINTS)
 
 
@@ -274,32 +276,6 @@ class Placement:
                 and (self.dtype, self.cpu_dtype) == (other.dtype, other.cpu_dtype)
                 and dict(self.policies) == dict(other.policies))
 
-    @classmethod
-    def from_plan(cls, plan, num_layers: int) -> "Placement":
-        """Both phases of a :class:`~flexplan.plan_types.Plan`, each from its policy's placement rule."""
-        from flexplan.errors import InvalidInputError
-        from flexplan.estimator.policies import REGISTRY
-
-        if plan.num_layers != num_layers:
-            raise InvalidInputError(
-                f"the plan is for a {plan.num_layers}-layer model but this model has {num_layers} decoder layers; "
-                f"plan for this model (flexplan.plan(model, ...)) or pass plan='auto'")
-        phases = {}
-        for ph, c in plan.phases.items():
-            if c.policy not in REGISTRY:
-                raise InvalidInputError(f"unknown policy {c.policy!r}; use one of {', '.join(REGISTRY)}")
-            if not 0 <= c.gpu_layers <= num_layers:
-                raise InvalidInputError(
-                    f"gpu_layers must be between 0 and {num_layers} for a {num_layers}-layer model, got {c.gpu_layers}")
-            phases[ph] = REGISTRY[c.policy].placement(num_layers, int(c.gpu_layers), ph)
-            if phases[ph].num_layers != num_layers:
-                raise InvalidInputError(f"policy {c.policy} placed {phases[ph].num_layers} of {num_layers} layers")
-            split = [m.name for m, n in phases[ph].runs if n and not m.runnable and m not in SPLIT_MODES]
-            if split:
-                raise InvalidInputError(f"policy {c.policy} places operator groups of a layer apart ({split[0]}); "
-                                        "the memory model and the executor place whole layers, or streamed layers "
-                                        "with their attention on the CPU")
-        return cls.of(phases, plan.dtype, plan.cpu_dtype, {ph: c.policy for ph, c in plan.phases.items()})
 
     @property
     def num_layers(self) -> int:
@@ -406,7 +382,6 @@ class Placement:
     @property
     def cpu_weight_dtype(self) -> str:
         """What the CPU's packed linear weights are asked for in (spec.cpu_weight_dtype)."""
-        from flexplan.hardware.spec import cpu_weight_dtype
 
         return cpu_weight_dtype(self.dtype, self.cpu_dtype)
 

@@ -27,6 +27,9 @@ from dataclasses import replace
 
 import numpy as np
 
+from flexplan import routing_profile
+from flexplan.estimator.policies import REGISTRY
+from flexplan.estimator.terms import t_link_s
 from flexplan.placement import ACCELERATOR, Placement
 from flexplan.plan_types import PHASES, ExpertCache, Plan
 
@@ -38,7 +41,6 @@ def resolve_profile(profile, spec):
     """A RoutingProfile of ``spec``'s shape from a profile or a path to one (None stays None)."""
     if profile is None:
         return None
-    from flexplan import routing_profile
 
     if isinstance(profile, routing_profile.RoutingProfile):
         profile.check(spec)
@@ -78,11 +80,9 @@ def add_expert_cache(p: Plan, shape, hw, eff, curves_by_phase: dict, need_accele
                      include_initial_load: bool, profile_name: str = "") -> Plan:
     """``p`` with the expert cache of lowest predicted E2E (the module docstring); ``p`` itself when
     no cache lowers it, the plan keeps no expert on the CPU, or no expert fits."""
-    from flexplan.estimator.terms import t_link_s
 
     if not curves_by_phase or CPU_EXPERTS_POLICY not in (p.prefill.policy, p.decode.policy):
         return p
-    from flexplan.estimator.policies import REGISTRY
 
     n = p.num_layers
     placement = Placement.of({ph: REGISTRY[c.policy].placement(n, c.gpu_layers, ph) for ph, c in p.phases.items()},

@@ -2,8 +2,9 @@
 
 A plan names one policy and its M (``gpu_layers``) per phase; what that means layer by layer
 (where each operator group's weights live and where it computes) is the policy's placement
-rule, ``flexplan.placement`` (read by estimator, planner, explain and executor alike). The
-policies are those of the registry, ``flexplan.estimator.policies``.
+rule, ``flexplan.placement`` (read by estimator, planner, explain and executor alike); the plan
+carries it (``placement``), built by the policies of the registry,
+``flexplan.estimator.policies`` (``placement_of``).
 """
 
 from __future__ import annotations
@@ -12,38 +13,14 @@ import json
 import math
 from dataclasses import asdict, dataclass, field
 from types import MappingProxyType
-from typing import Any, Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Mapping
+
+from flexplan.estimator.efficiency import FactorSource
+
+if TYPE_CHECKING:  # pragma: no cover
+    from flexplan.placement import Placement
 
 PHASES = ("prefill", "decode")
-
-
-def _registry():
-    from flexplan.estimator.policies import REGISTRY
-
-    return REGISTRY
-
-
-class _PolicyNames(Sequence):
-    """The registered policy names, read live from the registry (a policy registered at run time
-    appears here at once)."""
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(tuple(_registry()))
-
-    def __len__(self) -> int:
-        return len(_registry())
-
-    def __getitem__(self, i):
-        return tuple(_registry())[i]
-
-    def __contains__(self, name) -> bool:
-        return name in _registry()
-
-    def __repr__(self) -> str:
-        return repr(tuple(self))
-
-
-POLICIES: Sequence[str] = _PolicyNames()
 
 
 def _num(x: float) -> float | None:
@@ -138,7 +115,7 @@ class PhaseChoice:
                    split_points)
 
     def to_dict(self) -> dict[str, Any]:
-        d = {k: getattr(self, k) for k in self.__dataclass_fields__}
+        d = {k: getattr(self, k) for k in self.__dataclass_fields__ if k != "placement"}
         d["split_points"] = self.split_points.to_dict() if self.split_points is not None else None
         return d
 
@@ -208,9 +185,13 @@ class Plan:
     reason: str
     candidates: tuple[Candidate, ...] = ()
     baselines: Mapping[str, float | None] = field(default_factory=dict)
-    calibration: str = "defaults"
+    calibration: str = "defaults"  # the factors' source, for people (explain, last_stats print it)
+    factors: FactorSource = FactorSource()  # ... as fields: which file, how old, whether state-probed
     notes: tuple[str, ...] = ()
     expert_cache: ExpertCache | None = None  # issue 15 item 3; None: no routed expert cached
+    # both phases' placement as the policies built it (not serialised: a plan read back from JSON
+    # has None, and estimator.policies.placement_of builds it again from the policy names)
+    placement: "Placement | None" = field(default=None, compare=False, repr=False)
 
     def __post_init__(self):
         object.__setattr__(self, "baselines", MappingProxyType(dict(self.baselines)))
@@ -220,12 +201,13 @@ class Plan:
         return {"prefill": self.prefill, "decode": self.decode}
 
     def to_dict(self) -> dict[str, Any]:
-        d = {k: getattr(self, k) for k in self.__dataclass_fields__}
+        d = {k: getattr(self, k) for k in self.__dataclass_fields__ if k != "placement"}
         d["prefill"] = self.prefill.to_dict()
         d["decode"] = self.decode.to_dict()
         d["candidates"] = [c.to_dict() for c in self.candidates]
         d["baselines"] = {k: _num(v) for k, v in self.baselines.items()}
         d["notes"] = list(self.notes)
+        d["factors"] = asdict(self.factors)
         d["expert_cache"] = self.expert_cache.to_dict() if self.expert_cache is not None else None
         return d
 
@@ -241,6 +223,7 @@ class Plan:
             Candidate(**{**c, "time_s": math.inf if c["time_s"] is None else c["time_s"]}) for c in d.get("candidates", ())
         )
         d["notes"] = tuple(d.get("notes", ()))
+        d["factors"] = FactorSource(**d["factors"]) if d.get("factors") else FactorSource()
         d["baselines"] = {k: (math.inf if v is None else v) for k, v in d.get("baselines", {}).items()}
         if d.get("expert_cache") is not None:
             d["expert_cache"] = ExpertCache.from_dict(d["expert_cache"])

@@ -18,14 +18,29 @@ from typing import Any
 
 import numpy as np
 
-from flexplan.errors import DoesNotFitError, InvalidInputError
 from flexplan import memory
+from flexplan.errors import DoesNotFitError, InvalidInputError
 from flexplan.estimator import REGISTRY, DefaultEfficiency, Efficiency, Shape, phase_costs
+from flexplan.estimator.efficiency import FactorSource
+from flexplan.estimator.expert_cache import profile_curves, with_profile
+from flexplan.estimator.policies import POLICIES, placement_of
 from flexplan.estimator.terms import PhaseCosts, t_link_s
+from flexplan.factors import efficiency_for
+from flexplan.hardware import get_hardware
 from flexplan.hardware.spec import Hardware, canonical_dtype
-from flexplan.placement import (ACCELERATOR, CPU, EXPERT_GROUP, RESIDENT, Placement, PhasePlacement, prefill_beside,
-                                segments)
-from flexplan.plan_types import PHASES, POLICIES, Candidate, PhaseChoice, Plan
+from flexplan.placement import (
+    ACCELERATOR,
+    CPU,
+    EXPERT_GROUP,
+    RESIDENT,
+    PhasePlacement,
+    Placement,
+    prefill_beside,
+    segments,
+)
+from flexplan.plan_expert_cache import CPU_EXPERTS_POLICY as X
+from flexplan.plan_expert_cache import add_expert_cache, resolve_profile
+from flexplan.plan_types import PHASES, Candidate, PhaseChoice, Plan
 from flexplan.workload import costs, resolve_model
 from flexplan.workload.model import ModelSpec
 
@@ -67,18 +82,12 @@ def _check_positive(**kw: Any) -> None:
 
 
 def _resolve_hardware(hardware: Any) -> Hardware:
-    from flexplan.hardware import get_hardware
-
     return hardware if isinstance(hardware, Hardware) else get_hardware(str(hardware))
 
 
 def _efficiency(hw: Hardware, efficiency: Efficiency | None) -> Efficiency:
     if efficiency is not None:
         return efficiency
-    try:
-        from flexplan.calibration import efficiency_for
-    except ImportError:
-        return DefaultEfficiency.for_hardware(hw)
     return efficiency_for(hw)
 
 
@@ -235,7 +244,6 @@ def plan(model: Any, hardware: Any = "local", batch_size: int = 1, input_len: in
     if hw.gpu is not None and dtype not in hw.gpu.peak_flops_per_s:
         raise InvalidInputError(f"{hw.gpu.name} has no {dtype} figure in hwdb; use one of {', '.join(hw.gpu.peak_flops_per_s)}")
     eff = _efficiency(hw, efficiency)
-    from flexplan.plan_expert_cache import resolve_profile
 
     profile = resolve_profile(routing_profile, spec)
     if cpu_dtype is not None:
@@ -278,8 +286,6 @@ def _plan_one(spec: ModelSpec, hw: Hardware, eff: Efficiency, shape: Shape, gpu_
     pcs = {ph: phase_costs(shape, hw, eff, ph) for ph in PHASES}
     curves = {}  # phase -> MoE layer -> estimator.expert_cache.LayerCacheCurve, from the routing profile
     if profile is not None:
-        from flexplan.estimator.expert_cache import profile_curves, with_profile
-
         for ph in PHASES:
             if pcs[ph].experts is not None:
                 curves[ph] = profile_curves(shape, hw, eff, ph, profile, pcs[ph].experts)
@@ -523,14 +529,13 @@ def _plan_one(spec: ModelSpec, hw: Hardware, eff: Efficiency, shape: Shape, gpu_
             decode=PhaseChoice.of(cd, REGISTRY[d].split_choice(pcs["decode"], n, cd.gpu_layers)),
             ttft_s=cp.time_s, tpot_s=cd.time_s, load_s=load_s, switch_s=sw, e2e_s=e2e,
             reason=_reason(cp, cd, candidates, baselines, e2e),
-            candidates=tuple(candidates), baselines=baselines, calibration=eff.source,
+            candidates=tuple(candidates), baselines=baselines, calibration=eff.source, factors=getattr(eff, "origin", FactorSource()),
             notes=tuple(hw.notes) + ((f"prefill keeps the {int(oq.gpu_layers[iq])} layers decode holds on the GPU "
                                       f"resident (FlexInfer 5.3): priced as {q} with {int(oq.gpu_layers[iq])} GPU "
                                       "layers",) if (q, iq) != (p, ip) else ()),
         )
+        out = replace(out, placement=placement_of(out, n))  # the Plan carries what its policies place
         if curves:
-            from flexplan.plan_expert_cache import add_expert_cache
-
             need = placement_memory(shape, hw, {"prefill": REGISTRY[p].placement(n, cp.gpu_layers, "prefill"),
                                                 "decode": REGISTRY[d].placement(n, cd.gpu_layers, "decode")})
             out = add_expert_cache(out, shape, hw, eff, curves, need.accelerator_bytes, include_initial_load,
@@ -539,7 +544,6 @@ def _plan_one(spec: ModelSpec, hw: Hardware, eff: Efficiency, shape: Shape, gpu_
 
     best = build(chosen)
     if curves:  # a cache can make a cpu-experts pair the better one: the best pair with it in either phase
-        from flexplan.plan_expert_cache import CPU_EXPERTS_POLICY as X
 
         alts = ([best_pair(p_pols, [X])] if X in d_pols else []) + ([best_pair([X], d_pols)] if X in p_pols else [])
         for alt in alts:

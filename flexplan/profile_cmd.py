@@ -9,8 +9,13 @@ import argparse
 import sys
 from pathlib import Path
 
+from flexplan import routing_profile
+from flexplan.api import load
 from flexplan.errors import FlexplanError, InvalidInputError
 from flexplan.inputs import gib_bytes
+from flexplan.measure import routing
+from flexplan.run_cmd import model_folder
+from flexplan.workload.model import ModelSpec
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -48,22 +53,17 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from flexplan import routing_profile
-    from flexplan.run_cmd import model_folder
-
     if args.new_tokens < 0:
         raise InvalidInputError(f"--new-tokens must be >= 0, got {args.new_tokens}")
     prompts = read_prompts(args.prompts)
     folder = model_folder(args.model)
     from transformers import AutoConfig, AutoTokenizer
 
-    from flexplan.workload.model import ModelSpec
 
     if not ModelSpec.from_config(AutoConfig.from_pretrained(folder)).is_moe:
         raise InvalidInputError(f"{folder} is a dense model: it has no routers to profile")
     import torch
 
-    from flexplan.api import load
 
     tokenizer = AutoTokenizer.from_pretrained(folder)
     accelerator = None if args.accelerator == "none" else args.accelerator
@@ -73,7 +73,7 @@ def _run(args: argparse.Namespace) -> int:
         lm.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=max(1, args.new_tokens),
                     do_sample=False, pad_token_id=tokenizer.pad_token_id or tokenizer.eos_token_id)
 
-    profile = routing_profile.take(lm.model, prompts, tokenizer, run=one)
+    profile = routing.take(lm.model, prompts, tokenizer, run=one)
     profile = routing_profile.RoutingProfile(folder.name, profile.num_layers, profile.num_experts,
                                              profile.experts_per_token, profile.counts, profile.tokens, profile.prompts)
     path = routing_profile.save(profile, args.out)

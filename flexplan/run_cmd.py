@@ -22,9 +22,20 @@ import time
 from pathlib import Path
 from typing import Any
 
+from flexplan.api import _host_memory_bytes, load
 from flexplan.errors import DeviceUnavailableError, FlexplanError, InvalidInputError, UnknownModelError, suggest
+from flexplan.estimator.policies import POLICIES, placement_of
+from flexplan.estimator.terms import Shape, phase_work
+from flexplan.hardware import get_hardware
+from flexplan.hardware.spec import Hardware
+from flexplan.hardware.standin import standin_hardware
 from flexplan.inputs import gib_bytes
-from flexplan.plan_types import PHASES, POLICIES
+from flexplan.measure.first_use import measured_efficiency
+from flexplan.placement import ON_ACCELERATOR
+from flexplan.plan_types import PHASES
+from flexplan.planner import plan as make_plan
+from flexplan.smollm import default_model_dir
+from flexplan.workload import resolve_model
 
 DEFAULT_PROMPT = "What is the capital of France? Answer in one sentence."
 DEFAULT_MAX_NEW_TOKENS = 64
@@ -99,8 +110,6 @@ def _check_args(args: argparse.Namespace) -> None:
 def model_folder(model: str | None) -> Path:
     """``--model`` as a folder holding config.json, or the embedded SmolLM2 (converted once)."""
     if model is None:
-        from flexplan.smollm import default_model_dir
-
         return default_model_dir()
     path = Path(model).expanduser()
     if not (path / "config.json").is_file():
@@ -136,8 +145,6 @@ def plan_hardware(hw: str, accelerator: str | None, gpu_memory_bytes: int):
     """What to plan against: ``--hw``, except that the CPU stand-in on the local machine is
     planned as the local CPU plus a stand-in "GPU" made of that same CPU and memory."""
     if accelerator == "cpu" and hw == "local":
-        from flexplan.hardware.standin import standin_hardware
-
         return standin_hardware(gpu_memory_bytes)
     return hw
 
@@ -160,19 +167,17 @@ def _run(args: argparse.Namespace) -> int:
 
     from transformers import AutoTokenizer, TextStreamer
 
-    from flexplan.api import load
-    from flexplan.planner import plan as make_plan
 
     tokenizer = AutoTokenizer.from_pretrained(folder)
     inputs = chat_inputs(tokenizer, args.prompt)
     input_len = int(inputs["input_ids"].shape[1])
     gpu_memory_bytes = args.gpu_memory
     if accelerator == "cpu" and gpu_memory_bytes is None:
-        from flexplan.api import _host_memory_bytes
-
         gpu_memory_bytes = _host_memory_bytes() // 4  # flexplan.load's stand-in default, planned with too
     cpu_only = accelerator is None
-    plan = make_plan(folder, hardware=plan_hardware(args.hw, accelerator, gpu_memory_bytes), batch_size=1,
+    hw = plan_hardware(args.hw, accelerator, gpu_memory_bytes)
+    hw = hw if isinstance(hw, Hardware) else get_hardware(str(hw))
+    plan = make_plan(folder, hardware=hw, efficiency=measured_efficiency(hw), batch_size=1,
                      input_len=input_len, output_len=args.max_new_tokens,
                      dtype="bfloat16" if accelerator == "cuda" else "float32", gpu_memory_bytes=gpu_memory_bytes,
                      prefill="cpu" if cpu_only else args.prefill, decode="cpu" if cpu_only else args.decode,
@@ -275,11 +280,9 @@ def phase_memory_bytes(spec, plan, phase: str, new_tokens: int) -> float:
     Prefill: one pass over the prompt. Decode: the sum over its new_tokens - 1 steps."""
     import numpy as np
 
-    from flexplan.estimator.terms import Shape, phase_work
-    from flexplan.placement import ON_ACCELERATOR, Placement
 
     n = plan.num_layers
-    placed = Placement.from_plan(plan, n).phases[phase]
+    placed = placement_of(plan, n).phases[phase]
     shape = Shape(spec, plan.batch_size, plan.input_len, max(new_tokens, 1), plan.dtype, plan.cpu_dtype)
     work = phase_work(shape, phase)
     steps = 1 if phase == "prefill" else shape.decode_steps
@@ -296,7 +299,6 @@ def phase_memory_bytes(spec, plan, phase: str, new_tokens: int) -> float:
 def _memory_rates(folder: Path, plan, stats) -> dict[str, float] | None:
     if stats is None:
         return None
-    from flexplan.workload import resolve_model
 
     spec = resolve_model(folder)
     out = {}

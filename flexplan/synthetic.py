@@ -20,6 +20,10 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from flexplan.executor.loading import build_skeleton
+from flexplan.smollm import cache_dir
+from flexplan.workload import ModelSpec
+
 RANDOM_LLAMA_CONFIG: dict[str, Any] = dict(
     model_type="llama", architectures=["LlamaForCausalLM"], hidden_size=2048, intermediate_size=5632,
     num_hidden_layers=8, num_attention_heads=32, num_key_value_heads=8, vocab_size=32000,
@@ -30,8 +34,6 @@ RANDOM_LLAMA_NAME = "random-llama-1GB-fp32"
 
 
 def llama_params(cfg: dict[str, Any]) -> int:
-    from flexplan.workload import ModelSpec
-
     return ModelSpec.from_config(cfg, name="random-llama").total_params
 
 
@@ -58,7 +60,6 @@ def random_llama_bf16_dir(seed: int = 0) -> Path:
 def random_model_dir(name: str, config: dict[str, Any], seed: int = 0) -> Path:
     """``<cache>/models/<name>``: an HF folder with random weights for ``config`` (its
     ``torch_dtype``), written on first use, shard by shard (host memory: one tensor at a time)."""
-    from flexplan.smollm import cache_dir
 
     target = cache_dir() / "models" / name
     if (target / "config.json").is_file() and any(target.glob("*.safetensors")):
@@ -85,7 +86,6 @@ def write_random_model(config: dict[str, Any], target: Path, seed: int = 0, shar
     from safetensors.torch import save_file
     from transformers import AutoConfig, GenerationConfig
 
-    from flexplan.executor.loading import build_skeleton
 
     cfg_args = {k: v for k, v in config.items() if k != "architectures"}
     dtype_name = cfg_args.pop("torch_dtype", "float32")

@@ -35,9 +35,26 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+from flexplan import validate_cpu_attention as vca
+from flexplan import validate_experts as ve
+from flexplan import validate_split_ops as vs
+from flexplan.api import load
 from flexplan.errors import InvalidInputError
+from flexplan.estimator import DefaultEfficiency
+from flexplan.estimator.policies import POLICIES
+from flexplan.factors import efficiency_for, efficiency_from_file
+from flexplan.factors.correction import Observation, apply, corrections_after, uncorrected
+from flexplan.factors.memory_state import PROBE_UNITS
+from flexplan.hardware import get_hardware
+from flexplan.hardware.introspect import introspect
+from flexplan.hardware.standin import standin_hardware
 from flexplan.inputs import gib_bytes
-from flexplan.plan_types import POLICIES
+from flexplan.measure import membw
+from flexplan.measure.state import at_state_now, readings_now
+from flexplan.measure.stream import stream_triad_bytes_per_s
+from flexplan.planner import plan as make_plan
+from flexplan.smollm import default_model_dir
+from flexplan.synthetic import random_llama_dir
 
 CSV_COLUMNS = [
     "model", "hardware", "prefill_policy", "decode_policy", "prefill_gpu_layers", "decode_gpu_layers",
@@ -276,12 +293,8 @@ def format_summary(s: dict[str, Any]) -> str:
 # ---- running ------------------------------------------------------------------------------
 def resolve_model_dir(name: str) -> Path:
     if name in ("smollm2", "default"):
-        from flexplan.smollm import default_model_dir
-
         return default_model_dir()
     if name.startswith("random-llama"):
-        from flexplan.synthetic import random_llama_dir
-
         return random_llama_dir()
     path = Path(name).expanduser()
     if not (path / "config.json").is_file():
@@ -314,16 +327,12 @@ def calibration_sets(spec: str | None) -> dict[str, Path | None]:
 def _cold_efficiency(path: Path | None, hw):
     """The efficiency of one calibration set now: the file's factors (the one in use when None),
     scaled to the memory state of this moment, without online corrections."""
-    from flexplan.calibration import efficiency_for, efficiency_from_file
-    from flexplan.calibration.correction import uncorrected
 
-    return uncorrected(efficiency_for(hw)) if path is None else efficiency_from_file(path, hw)
+    return uncorrected(efficiency_for(hw, at_state_now)) if path is None else efficiency_from_file(path, hw, at_state_now)
 
 
 def _predict(lm, hw, eff, b: int, i: int, o: int, p_pol: str, d_pol: str, plan) -> dict[str, float]:
-    import flexplan
-
-    q = flexplan.plan(lm.config, hw, batch_size=b, input_len=i, output_len=o, dtype=plan.dtype, prefill=p_pol,
+    q = make_plan(lm.config, hw, batch_size=b, input_len=i, output_len=o, dtype=plan.dtype, prefill=p_pol,
                       decode=d_pol, gpu_layers=plan.decode.gpu_layers or None,
                       gpu_memory_bytes=lm._planner_args.get("gpu_memory_bytes"), efficiency=eff,
                       cpu_dtype=plan.cpu_dtype)
@@ -343,24 +352,16 @@ def run_grid(model_dir: Path, grid: dict[str, list[int]], pairs: list[tuple[str,
              progress=None, sets: dict[str, Path | None] | None = None, warm: bool = True) -> list[dict[str, Any]]:
     import torch
 
-    import flexplan
-    from flexplan.calibration.correction import Observation, apply, corrections_after
-    from flexplan.calibration import membw
-    from flexplan.calibration.memory_state import PROBE_UNITS, note_in, readings_now
-    from flexplan.estimator import DefaultEfficiency
-    from flexplan.hardware import get_hardware
 
     hw = get_hardware(hardware)
     if accelerator == "cpu":
-        from flexplan.hardware.standin import standin_hardware
-
         hw = standin_hardware(int(gpu_memory_bytes or 4 << 30), base=hw)
     sets = sets or {"in use": None}
     default_eff = DefaultEfficiency.for_hardware(hw)
     rows = []
     shapes = [(b, i, o) for b in grid["b"] for i in grid["i"] for o in grid["o"]]
     for p_pol, d_pol in pairs:
-        lm = flexplan.load(str(model_dir), plan={"prefill": p_pol, "decode": d_pol}, accelerator=accelerator,
+        lm = load(str(model_dir), plan={"prefill": p_pol, "decode": d_pol}, accelerator=accelerator,
                            hardware=hw, gpu_memory_bytes=gpu_memory_bytes, online_correction=False)  # calibration alone
         vocab = lm.config.vocab_size
         gen = torch.Generator().manual_seed(0)
@@ -393,7 +394,7 @@ def run_grid(model_dir: Path, grid: dict[str, list[int]], pairs: list[tuple[str,
                 for name, path in sets.items():
                     cold_eff = _cold_efficiency(path, hw)
                     by_set[name] = {"cold": {**_predict(lm, hw, cold_eff, b, i, o, p_pol, d_pol, p),
-                                             "memory_state": note_in(cold_eff.source)}}
+                                             "memory_state": cold_eff.origin.state_note}}
                     if name in learned:
                         by_set[name]["warm"] = _predict(lm, hw, apply(cold_eff, learned[name]), b, i, o, p_pol, d_pol,
                                                         p)
@@ -426,8 +427,6 @@ def default_out_dir(model_name: str, stamp: str) -> Path:
 def memory_state_gbs() -> float | None:
     """STREAM triad now (GB/s, 128 MB arrays, best of 3): the memory state a validation ran in."""
     try:
-        from flexplan.calibration.stream import stream_triad_bytes_per_s
-
         return round(stream_triad_bytes_per_s(128 * 2**20, repeats=3) / 1e9, 2)
     except Exception:  # noqa: BLE001 - a record, not a result: never fail the validation over it
         return None
@@ -481,7 +480,6 @@ def run_cpu_term(args, name: str, result: dict, text: str) -> int:
 
 def run_cpu_attention(args) -> int:
     """``--cpu-attention``: flexplan.validate_cpu_attention's check of the cpu-attention policies' CPU term."""
-    from flexplan import validate_cpu_attention as vca
 
     s = vca.run_check(args.hw)
     return run_cpu_term(args, "cpu_attention", s, vca.format_check(s))
@@ -490,7 +488,6 @@ def run_cpu_attention(args) -> int:
 def run_cpu_experts(args) -> int:
     """``--cpu-experts [MODEL]``: flexplan.validate_experts' check of the cpu-experts policy's CPU
     term on MODEL's expert shape (at most 32 experts held, so that the float32 copy fits a small machine)."""
-    from flexplan import validate_experts as ve
 
     s = ve.validate_cpu_experts(args.cpu_experts, hardware=args.hw, max_experts=32)
     return run_cpu_term(args, "cpu_experts", s, ve.format_check(s))
@@ -499,7 +496,6 @@ def run_cpu_experts(args) -> int:
 def run_split_ops(args) -> int:
     """``--split-ops [MODEL]``: flexplan.validate_split_ops' check of the split-points policy's CPU
     operator terms on MODEL's dense layer shape."""
-    from flexplan import validate_split_ops as vs
 
     s = vs.validate_split_ops(args.split_ops, hardware=args.hw)
     return run_cpu_term(args, "split_ops", s, vs.format_check(s))
@@ -536,7 +532,6 @@ def run(args) -> int:
     rows = run_grid(model_dir, grid, pairs, hardware=args.hw, accelerator=acc, gpu_memory_bytes=gpu_mem,
                     repeats=args.repeats, progress=progress, sets=sets, warm=not args.no_warm)
     triad_after = memory_state_gbs()
-    from flexplan.hardware.introspect import introspect
 
     m = introspect()
     meta = {"model": model_dir.name, "grid": args.grid, "policies": args.policies, "hardware": args.hw,

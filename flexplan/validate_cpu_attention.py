@@ -17,6 +17,14 @@ from typing import Any
 
 import numpy as np
 
+from flexplan.estimator.terms import Shape, t_cpu_attention_s
+from flexplan.executor.weights import torch_dtype
+from flexplan.factors import efficiency_for
+from flexplan.hardware import get_hardware
+from flexplan.hardware.spec import canonical_dtype
+from flexplan.measure.microbench import cpu_decode_attention_call, llc_bytes, time_call
+from flexplan.workload.model import ModelSpec
+
 # (query heads, KV heads, head dim): MHA, GQA 4:1, MQA
 LAYOUTS = ((32, 32, 128), (32, 8, 128), (16, 1, 64))
 BATCHES = (1, 8)
@@ -24,8 +32,6 @@ CONTEXTS = (256, 1024, 4096)
 
 
 def _layout_spec(heads: int, kv_heads: int, head_dim: int):
-    from flexplan.workload.model import ModelSpec
-
     return ModelSpec.from_config(dict(model_type="llama", hidden_size=heads * head_dim, intermediate_size=1,
                                       num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim,
                                       num_hidden_layers=1, vocab_size=128))
@@ -36,9 +42,6 @@ def measure(layout: tuple[int, int, int], batch: int, context: int, dtype: str =
     """(seconds per call, kernel) of the executor's CPU decode attention for one layer."""
     import torch
 
-    from flexplan.calibration.microbench import cpu_decode_attention_call, llc_bytes, time_call
-    from flexplan.executor.weights import torch_dtype
-    from flexplan.hardware.spec import canonical_dtype
 
     heads, kv_heads, d = layout
     dt = torch_dtype(canonical_dtype(dtype))
@@ -49,7 +52,6 @@ def measure(layout: tuple[int, int, int], batch: int, context: int, dtype: str =
 
 def predict(layout: tuple[int, int, int], batch: int, context: int, hw, eff, dtype: str = "float32") -> float:
     """The estimator's CPU attention term for one layer attending over ``context`` keys."""
-    from flexplan.estimator.terms import Shape, t_cpu_attention_s
 
     shape = Shape(_layout_spec(*layout), batch, context, 2, dtype, dtype)
     return float(t_cpu_attention_s(shape, hw, eff, np.array([float(context)]))[0])
@@ -58,8 +60,6 @@ def predict(layout: tuple[int, int, int], batch: int, context: int, hw, eff, dty
 def run_check(hardware: str = "local", dtype: str = "float32", layouts=LAYOUTS, batches=BATCHES,
               contexts=CONTEXTS, progress=None) -> dict[str, Any]:
     """Rows (layout, batch, context, measured, predicted, kernel) and the MAPE per layout and overall."""
-    from flexplan.calibration import efficiency_for
-    from flexplan.hardware import get_hardware
 
     hw = get_hardware(hardware)
     eff = efficiency_for(hw)

@@ -14,13 +14,19 @@ import statistics
 import time
 from typing import Any
 
+from flexplan.errors import InvalidInputError
+from flexplan.estimator.expert_terms import t_cpu_experts_s
+from flexplan.executor import cpu_experts, cpu_linear
+from flexplan.executor.cpu_experts import routed_experts_forward
+from flexplan.planner import _efficiency, _resolve_hardware
+from flexplan.workload import costs, resolve_model
+
 
 def _experts_module(m, seed: int):
     """A transformers-interface experts module of ``m``'s expert shape, blocked as the executor holds it."""
     import torch
     from torch import nn
 
-    from flexplan.executor import cpu_experts, cpu_linear
 
     g = torch.Generator().manual_seed(seed)
     mod = nn.Module()
@@ -45,10 +51,6 @@ def validate_cpu_experts(model: Any, batches=(1, 2, 4, 8, 16), hardware: Any = "
     float32 on this CPU; ``max_experts`` caps the experts held (the expert shape stays)."""
     import torch
 
-    from flexplan.errors import InvalidInputError
-    from flexplan.estimator.expert_terms import t_cpu_experts_s
-    from flexplan.planner import _efficiency, _resolve_hardware
-    from flexplan.workload import costs, resolve_model
 
     m = resolve_model(model)
     if not m.is_moe:
@@ -60,7 +62,6 @@ def validate_cpu_experts(model: Any, batches=(1, 2, 4, 8, 16), hardware: Any = "
     hw = _resolve_hardware(hardware)
     eff = _efficiency(hw, efficiency)
     mod = _experts_module(m, seed)
-    from flexplan.executor.cpu_experts import routed_experts_forward
 
     g = torch.Generator().manual_seed(seed + 1)
     rows = []

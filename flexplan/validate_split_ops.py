@@ -17,6 +17,17 @@ import statistics
 import time
 from typing import Any
 
+from flexplan.errors import InvalidInputError
+from flexplan.estimator.operator_terms import operator_costs
+from flexplan.estimator.terms import Shape
+from flexplan.executor.split_layer import cpu_operator_linear
+from flexplan.hardware import get_hardware
+from flexplan.measure.microbench import MODES, Cycle, _SDPAModule, copies_for, rotate_bytes
+from flexplan.planner import _efficiency, _resolve_hardware
+from flexplan.validate_cpu_attention import measure as measure_decode_attention
+from flexplan.workload import resolve_model
+from flexplan.workload.operators import ATTENTION, LINEAR, layer_operators, why_not_split
+
 
 def _time(fn, repeats: int) -> float:
     fn()  # warm
@@ -38,16 +49,6 @@ def validate_split_ops(model: Any = "meta-llama/Meta-Llama-3-8B", batches=(1, 4,
     import torch
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    from flexplan.calibration.microbench import MODES, Cycle, _SDPAModule, copies_for, rotate_bytes
-    from flexplan.executor.split_layer import cpu_operator_linear
-    from flexplan.errors import InvalidInputError
-    from flexplan.estimator.operator_terms import operator_costs
-    from flexplan.estimator.terms import Shape
-    from flexplan.hardware import get_hardware
-    from flexplan.planner import _efficiency, _resolve_hardware
-    from flexplan.validate_cpu_attention import measure as measure_decode_attention
-    from flexplan.workload import resolve_model
-    from flexplan.workload.operators import ATTENTION, LINEAR, layer_operators, why_not_split
 
     m = resolve_model(model)
     if m.is_moe:

@@ -11,7 +11,7 @@ import os
 import pytest
 
 # Planning for hardware "local" probes the host memory state and scales the memory-bound factors
-# to it (flexplan/calibration/memory_state.py): predictions would follow the machine's state from
+# to it (flexplan/factors/memory_state.py): predictions would follow the machine's state from
 # one call to the next. Off for every test (and the subprocesses they start); the tests of the
 # probe (tests/test_memory_state.py) turn it on.
 os.environ["FLEXPLAN_MEMORY_PROBE"] = "0"

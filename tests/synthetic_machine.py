@@ -2,7 +2,7 @@
 
 ``SyntheticMachine`` holds the true rates of a machine (weight-streaming and KV-read bandwidth,
 FLOP rate per dtype, fixed costs per op, per layer and per generate() step). ``measurements``
-times every shape a calibration mode's grid (``flexplan.calibration.microbench.MODES``) holds,
+times every shape a calibration mode's grid (``flexplan.measure.microbench.MODES``) holds,
 in the same row format the real benchmarks write, with multiplicative noise when asked. The
 property tests feed these rows to the real derivation, writer and reader.
 
@@ -17,8 +17,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from flexplan.calibration.efficiency import _attention_spec
-from flexplan.calibration.microbench import MODES, Sizes, thread_counts
+from flexplan.factors.efficiency import _attention_spec
+from flexplan.measure.microbench import MODES, Sizes, thread_counts
 from flexplan.estimator.terms import Shape, c_gemm, d_gemm, phase_work
 from flexplan.hardware.spec import DTYPE_BYTES, CPUSpec, GPUSpec, Hardware, LinkSpec
 from flexplan.workload import costs

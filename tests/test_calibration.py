@@ -1,9 +1,12 @@
 """Calibration: the file it writes, how it is read back, refused, and turned into factors.
 
-One tiny calibration run (seconds; its numbers mean little) feeds the round-trip tests; the
+A file of this machine written by the real writer from synthetic measurements of the tiny mode's
+shapes (tests/synthetic_machine.py) feeds the reading and refusing tests; one real tiny calibration
+run (~20 s; its numbers mean little) feeds the slow round-trip tests of what it measures. The
 derivation is checked on synthetic measurements whose factors are known.
 """
 
+import itertools
 import os
 import subprocess
 import sys
@@ -11,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
-from flexplan.calibration.efficiency import EFF_MAX
+from flexplan.factors.efficiency import EFF_MAX
 import pytest
 
 from flexplan.estimator.efficiency import unwrapped
@@ -20,8 +23,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import flexplan
-from flexplan.calibration import describe_calibration, efficiency_for, efficiency_from_file, store
-from flexplan.calibration.efficiency import CalibratedEfficiency, Table, best_threads, derive_attention, derive_gemm
+from flexplan.factors import efficiency_for, efficiency_from_file, store
+from flexplan.measure import state
+from flexplan.measure.first_use import describe_calibration
+from flexplan.factors.efficiency import CalibratedEfficiency, Table, best_threads, derive_attention, derive_gemm
 from flexplan.errors import CalibrationError
 from flexplan.estimator import DefaultEfficiency
 from flexplan.hardware import get_hardware
@@ -31,8 +36,40 @@ REPO = Path(__file__).resolve().parent.parent
 
 @pytest.fixture(scope="module")
 def cal_dir(tmp_path_factory):
-    """A calibration folder holding one tiny calibration of this machine."""
-    from flexplan.calibration.cli import calibrate
+    """A calibration folder holding one file of this machine: synthetic measurements of the tiny
+    mode's shapes (and a thread sweep fastest at all cores) through the real writer."""
+    from flexplan.hardware.spec import DTYPE_BYTES
+    from flexplan.measure.calibrate import Result, calibration_doc
+    from flexplan.measure.microbench import MODES, thread_counts
+    from synthetic_machine import SyntheticMachine
+
+    d = tmp_path_factory.mktemp("calibration")
+    hw, ident = get_hardware("local"), store.local_identity()
+    machine = SyntheticMachine(bytes_per_s=40e9, kv_bytes_per_s=20e9, flops_per_s={"float32": 150e9, "bfloat16": 50e9},
+                               op_s=5e-6, layer_s=100e-6, step_s=0.5e-3, logit_s=1e-10, noise=0.05, seed=3)
+    dtypes = list(dict.fromkeys([hw.cpu.compute_dtype, "float32"]))
+    meas = machine.measurements("tiny", dtypes)
+    tiny = MODES["tiny"]
+    for (h, kvh, hd), dt, b, kv_len in itertools.product(tiny.attn_layouts, dtypes, tiny.attn_batches,
+                                                         tiny.attn_kv_lens):  # the layouts beside attn_heads
+        t = machine.attention_s(dt, b, kv_len, h, kvh, hd) * (1 + 0.01 * b)
+        meas["cpu_attention"].append({"dtype": dt, "batch": b, "kv_len": kv_len, "heads": h, "kv_heads": kvh,
+                                      "head_dim": hd, "dtype_bytes": DTYPE_BYTES[dt], "time_s": t,
+                                      "time_median_s": t, "runs": tiny.repeats})
+    sweep = [{"threads": t, "prefill_time_s": 1e-3 / t, "decode_time_s": 1e-4 / t ** 0.5}
+             for t in thread_counts(hw.cpu.cores)]
+    meas["cpu_threads"] = {"sweep": sweep, "best_prefill_threads": sweep[-1]["threads"],
+                           "best_decode_threads": sweep[-1]["threads"]}
+    doc = calibration_doc("tiny", meas, {"cpu_dtypes": dtypes, "cpu_threads": hw.cpu.cores, "rotate_bytes": 2**22,
+                                         "cpu_linear_kernel": "synthetic"}, hw, ident)
+    path = store.write_atomic(store.plain(doc), d / store.file_name(ident))
+    return d, Result(path, yaml.safe_load(path.read_text()), {}, 0.0)
+
+
+@pytest.fixture(scope="module")
+def real_cal_dir(tmp_path_factory):
+    """A calibration folder holding one real tiny calibration of this machine (~20 s)."""
+    from flexplan.measure.calibrate import calibrate
 
     d = tmp_path_factory.mktemp("calibration")
     with pytest.MonkeyPatch.context() as mp:
@@ -43,14 +80,25 @@ def cal_dir(tmp_path_factory):
     return d, res
 
 
-@pytest.fixture
-def use_dir(cal_dir, monkeypatch):
-    """Only the tiny calibration is visible (not a real one in the checkout's calibration/)."""
-    d, res = cal_dir
+def _only(d: Path, monkeypatch) -> None:
+    """Only ``d`` is looked up (not a real calibration in the checkout's calibration/)."""
     monkeypatch.setenv(store.DIR_ENV, str(d))
     monkeypatch.delenv(store.FILE_ENV, raising=False)
     monkeypatch.setattr(store, "calibration_dirs", lambda: [d])
-    return d, res
+
+
+@pytest.fixture
+def use_dir(cal_dir, monkeypatch):
+    """Only the synthetic calibration is visible."""
+    _only(cal_dir[0], monkeypatch)
+    return cal_dir
+
+
+@pytest.fixture
+def use_real_dir(real_cal_dir, monkeypatch):
+    """Only the real tiny calibration is visible."""
+    _only(real_cal_dir[0], monkeypatch)
+    return real_cal_dir
 
 
 def _valid_doc(cal_dir) -> dict:
@@ -65,8 +113,9 @@ def _write(path: Path, doc) -> Path:
 # ----------------------------------------------------------------------------- round trip
 
 
-def test_tiny_run_writes_a_valid_file(use_dir):
-    d, res = use_dir
+@pytest.mark.slow
+def test_tiny_run_writes_a_valid_file(use_real_dir):
+    d, res = use_real_dir
     ident = store.local_identity()
     assert res.path.name == store.file_name(ident)
     assert res.path.name.endswith(f"-{ident.fingerprint[:8]}.yaml")
@@ -185,9 +234,14 @@ def test_crash_during_write_leaves_old_file_intact(tmp_path, monkeypatch):
 
 
 def test_failed_essential_benchmark_writes_nothing(tmp_path, monkeypatch):
-    from flexplan.calibration import cli, microbench
+    from dataclasses import replace
+
+    from flexplan.measure import calibrate as cli, microbench
 
     monkeypatch.setenv(store.DIR_ENV, str(tmp_path))
+    # the tiny mode's STREAM, op dispatch, GEMV and GEMM steps alone (its real layers take seconds)
+    monkeypatch.setitem(microbench.MODES, "tiny", replace(microbench.MODES["tiny"], parts=frozenset(
+        {"cpu_stream", "cpu_op_dispatch", "cpu_gemv", "cpu_gemm"})))
 
     def broken(*a, **k):
         raise MemoryError("no room for weights")
@@ -264,6 +318,7 @@ def test_cli_hw_with_corrupt_file_prints_one_line(tmp_path):
     assert len(lines) == 1 and "bad.yaml" in lines[0] and "flexplan calibrate" in lines[0]
 
 
+@pytest.mark.slow
 def test_cli_calibrate_then_hw(tmp_path):
     env = {**os.environ, store.DIR_ENV: str(tmp_path)}
     env.pop(store.FILE_ENV, None)
@@ -282,7 +337,7 @@ def test_cli_calibrate_then_hw(tmp_path):
 
 
 def test_unwritable_target_fails_before_measuring(monkeypatch):
-    from flexplan.calibration import cli, microbench
+    from flexplan.measure import calibrate as cli, microbench
 
     monkeypatch.setattr(microbench, "gemm", lambda *a, **k: pytest.fail("measured before checking the target"))
     with pytest.raises(CalibrationError, match="cannot write"):
@@ -290,7 +345,7 @@ def test_unwritable_target_fails_before_measuring(monkeypatch):
 
 
 def test_import_is_light():
-    code = ("import sys, flexplan.calibration as c, flexplan.calibration.store, flexplan.calibration.efficiency; "
+    code = ("import sys, flexplan.factors as c, flexplan.factors.store, flexplan.factors.efficiency; "
             "assert 'torch' not in sys.modules, 'torch imported'")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO, timeout=60)
 
@@ -382,7 +437,7 @@ def test_attention_factor_after_its_compute():
 
 
 def test_calibrated_thread_count_for_the_executor(use_dir, tmp_path, monkeypatch):
-    from flexplan.calibration import calibrated_cpu_threads
+    from flexplan.factors import calibrated_cpu_threads
 
     d, res = use_dir
     threads, why = calibrated_cpu_threads()
@@ -480,7 +535,7 @@ def test_shipped_file_records_the_isa_it_was_measured_on():
 def test_attention_factor_per_head_layout():
     """Two layouts read their KV at different rates: each gets its own Eff_attn(ctx), and the
     estimator's CPU attention term (cpu-attention policies) uses the one of the model's layout."""
-    from flexplan.calibration.efficiency import derive_attention_by_layout
+    from flexplan.factors.efficiency import derive_attention_by_layout
 
     eff = Table([1, 8], [1.0, 1.0])
     rows = []
@@ -499,7 +554,7 @@ def test_attention_factor_per_batch_of_a_layout():
     """A layout whose cache reads at 0.6 of the bandwidth at batch 1 and 0.2 at batch 8: the
     estimator's term for that layout uses the batch's own factor (log-interpolated between), not
     their mean, which was 40-80% off the native kernel's either batch on the AVX-512 VM."""
-    from flexplan.calibration.efficiency import _by_batch, derive_attention_by_layout
+    from flexplan.factors.efficiency import _by_batch, derive_attention_by_layout
 
     eff = Table([1, 8], [1.0, 1.0])
     h, kvh, d = 32, 8, 128
@@ -541,14 +596,15 @@ def test_calibrated_attention_per_layout_reaches_the_estimator(use_dir):
         assert scaled.cpu_attention_for_layout(100.0, "float32", (4, 1, 32), b) == pytest.approx(at_b / 2)
 
 
-def test_tiny_run_times_the_expert_path(use_dir):
+@pytest.mark.slow
+def test_tiny_run_times_the_expert_path(use_real_dir):
     """Issue 15 item 4: the run times the CPU expert path at the rows per expert of its mode, stored
     per dtype; the calibrated Efficiency answers the expert factors from them (an older file
     without them: None, expert_terms then prices the experts as GEMVs plus a layer overhead)."""
-    from flexplan.calibration import microbench as mb
-    from flexplan.calibration.cli import format_summary
+    from flexplan.measure import microbench as mb
+    from flexplan.measure.calibrate import format_summary
 
-    _, res = use_dir
+    _, res = use_real_dir
     rows = [r for r in res.doc["measurements"]["cpu_experts"] if r["dtype"] == "float32"]
     assert [r["tokens_per_expert"] for r in rows] == list(mb.MODES["tiny"].expert_tokens)
     eff = unwrapped(efficiency_for(get_hardware("local")))
@@ -558,13 +614,14 @@ def test_tiny_run_times_the_expert_path(use_dir):
     assert DefaultEfficiency.for_hardware(get_hardware("local")).cpu_expert_factors(1, "float32") is None
 
 
-def test_tiny_run_times_the_executor_layer_and_split_linear(use_dir):
+@pytest.mark.slow
+def test_tiny_run_times_the_executor_layer_and_split_linear(use_real_dir):
     """The run times a decode layer through the executor beside the bare layer, and split layers'
     CPU linear beside the packed kernel, per dtype; the summary names both."""
-    from flexplan.calibration import microbench as mb
-    from flexplan.calibration.cli import format_summary
+    from flexplan.measure import microbench as mb
+    from flexplan.measure.calibrate import format_summary
 
-    _, res = use_dir
+    _, res = use_real_dir
     m = res.doc["measurements"]
     (row,) = [r for r in m["cpu_executor_layers"] if r["dtype"] == "float32"]
     assert row["time_s"] > 0 and row["layer_time_s"] > 0 and row["depths"][1] > row["depths"][0]
@@ -579,7 +636,7 @@ def test_tiny_run_times_the_executor_layer_and_split_linear(use_dir):
 def test_executor_extra_timed_at_two_widths_is_priced_by_layer_bytes(monkeypatch):
     """Where the executor was timed at two widths, a layer between them pays an extra between
     theirs (in log bytes), one beyond them the nearest width's; one width: one figure for all."""
-    from flexplan.calibration.efficiency import _attention_spec, executor_extra_by_bytes
+    from flexplan.factors.efficiency import _attention_spec, executor_extra_by_bytes
     from flexplan.workload import costs
 
     narrow = {"hidden": 576, "intermediate": 1536, "heads": 9, "kv_heads": 3, "head_dim": 64}
@@ -599,7 +656,7 @@ def test_executor_extra_is_what_the_executor_adds_to_the_bare_layer():
     """The per-layer decode overhead grows by what the executor's step took beyond the bare layer
     timed beside it (else the cpu_layers row of its width, batch 1, nearest KV length); never
     below zero, and nothing without executor rows (an older file prices as before)."""
-    from flexplan.calibration.efficiency import executor_extra_s
+    from flexplan.factors.efficiency import executor_extra_s
 
     width = {"hidden": 576, "intermediate": 1536, "heads": 9, "kv_heads": 3, "head_dim": 64}
     row = {"dtype": "bfloat16", **width, "batch": 1, "query_len": 1, "kv_len": 137, "time_s": 7e-4}
@@ -622,7 +679,7 @@ def test_executor_extra_is_what_the_executor_adds_to_the_bare_layer():
 def test_disturbed_gemm_points_are_timed_again():
     """A point slower than more tokens, slower per token than fewer, or with spread-out runs is
     re-measured; a clean curve (per-token cost falling, then roughly flat) is left alone."""
-    from flexplan.calibration.microbench import suspect_points
+    from flexplan.measure.microbench import suspect_points
 
     def pts(**med_best):
         return {int(t[1:]): {"time_median_s": m, "time_s": b} for t, (m, b) in med_best.items()}
@@ -644,7 +701,7 @@ def test_disturbed_gemm_points_are_timed_again():
 ])
 def test_gpu_layer_overhead_is_the_slope_over_a_stack(monkeypatch, one_s, per_layer_s, expected_s):
     """Timings as an H200 host gave them (2026-11-26): the first one-layer pass read 37.7 ms."""
-    from flexplan.calibration import microbench as mb, microbench_gpu as gb
+    from flexplan.measure import microbench as mb, microbench_gpu as gb
 
     calls = []
 
@@ -663,7 +720,7 @@ def test_the_cpu_slowdown_under_a_copy_is_the_gemvs_in_decode_and_the_gemms_in_p
     """A decode GEMV shares the DRAM with the copy's reads and slows more than a prefill GEMM: each
     phase is priced with its own (Park & Egger 4.1); a file with the GEMM's factor alone keeps it
     everywhere."""
-    from flexplan.calibration.efficiency import under_copy_by_tokens
+    from flexplan.factors.efficiency import under_copy_by_tokens
 
     measured = {"factor": 1.1, "gemv_factor": 1.6, "gemm": {"tokens": 256}, "gemv": {"tokens": 1}}
     table = under_copy_by_tokens(measured)
@@ -680,7 +737,7 @@ def test_real_layers_cycle_few_copies_in_long_prefills_and_start_decode_from_a_f
     as decode does."""
     from dataclasses import replace
 
-    from flexplan.calibration import microbench as mb
+    from flexplan.measure import microbench as mb
     from flexplan.executor.kv_cache import FlexKVLayer
 
     seen = []  # keys in the cache after each step, by (batch, new tokens)

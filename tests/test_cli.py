@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from flexplan.plan_types import POLICIES
+from flexplan.estimator.policies import POLICIES
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

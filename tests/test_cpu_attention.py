@@ -15,6 +15,7 @@ from flexplan.hardware import get_hardware
 from flexplan.placement import STREAMED_CPU_ATTENTION, Placement
 from flexplan.planner import placement_memory
 from flexplan.workload import resolve_model
+from flexplan.estimator.policies import placement_of
 
 SERVER = "flexinfer-server2"
 
@@ -61,7 +62,7 @@ def test_planner_picks_it_where_kv_dominates():
         assert "attention" in p.decode.split_points.on_cpu
     else:
         assert p.decode.policy.startswith("cpu-attention")
-        assert "attention on CPU" in Placement.from_plan(p, 40).describe()
+        assert "attention on CPU" in placement_of(p, 40).describe()
     assert _decode(p, "cpu-attention").time_s < 0.5 * _decode(p, "gpu-offload").time_s
 
 

@@ -10,7 +10,7 @@ import torch
 import flexplan.api as api
 from flexplan.executor.link import PINNED
 from flexplan.executor.plans import fixed_plan
-from flexplan.plan_types import POLICIES
+from flexplan.estimator.policies import POLICIES
 
 from conftest import left_padded_batch
 

@@ -15,7 +15,7 @@ from flexplan.executor.link import ACCELERATOR, PINNED
 from flexplan.estimator.policies import REGISTRY
 from flexplan.estimator.terms import Shape
 from flexplan.executor.plans import fixed_plan
-from flexplan.plan_types import POLICIES
+from flexplan.estimator.policies import POLICIES
 from flexplan.planner import placement_memory
 from flexplan.workload.model import ModelSpec
 

@@ -278,8 +278,8 @@ def _expert_spec(hidden=1024, inter=512, experts=64, k=4):
 def test_expert_microbench_rows_and_modes():
     """The tiny mode times the executor's expert path at each rows-per-expert; quick and full take
     it, the first-use probe does not (it stays a few seconds)."""
-    from flexplan.calibration import cli as cal_cli
-    from flexplan.calibration import microbench as mb
+    from flexplan.measure import calibrate as cal_cli
+    from flexplan.measure import microbench as mb
 
     rows = mb.expert_gemv(mb.MODES["tiny"], "float32")
     assert [r["tokens_per_expert"] for r in rows] == list(mb.MODES["tiny"].expert_tokens)
@@ -294,7 +294,7 @@ def test_calibrated_expert_path_reproduces_its_measurement():
     per call): the derived expert factors make t_cpu_experts_s of a model with that expert shape,
     at batch 1 (1 row per expert, k = 4 experts read), come out at the measured time; without the
     rows (an older calibration file) the GEMV factors and the layer overhead price it as before."""
-    from flexplan.calibration.efficiency import derive_gemm, expert_gemm_row
+    from flexplan.factors.efficiency import derive_gemm, expert_gemm_row
     from flexplan.estimator.expert_terms import cpu_expert_rates
 
     hw = get_hardware("local")

@@ -85,7 +85,7 @@ def test_load_with_a_routing_profile_plans_and_runs_the_cache(fresh, tmp_path, m
     synthetic calibration of this machine: whether a cache pays depends on the machine's measured
     rates, and the checkout ships a real file for some machines."""
     from flexplan import routing_profile as rp
-    from flexplan.calibration import store
+    from flexplan.factors import store
     from test_online_correction import write_local_calibration
 
     monkeypatch.setenv(store.FILE_ENV, str(write_local_calibration(tmp_path)))

@@ -1,4 +1,4 @@
-"""Calibrated on first use (issue 14, item 4; flexplan/calibration/first_use.py).
+"""Calibrated on first use (issue 14, item 4; flexplan/measure/first_use.py).
 
 tests/conftest.py turns the automatic probe off for every test; these turn it back on, with the
 calibration folders pointed at a temporary directory (no checkout or shipped file visible), and
@@ -20,9 +20,12 @@ import pytest
 from flexplan.estimator.efficiency import unwrapped
 
 from flexplan import plan
-from flexplan.calibration import calibration_for, describe_calibration, efficiency_for, first_use, store
-from flexplan.calibration import microbench as mb
-from flexplan.calibration.efficiency import CalibratedEfficiency
+from flexplan.factors import calibration_for, efficiency_for, store
+from flexplan.measure import state
+from flexplan.measure.first_use import describe_calibration
+from flexplan.measure import first_use
+from flexplan.measure import microbench as mb
+from flexplan.factors.efficiency import CalibratedEfficiency
 from flexplan.estimator.efficiency import DefaultEfficiency
 from flexplan.hardware import get_hardware
 
@@ -46,6 +49,39 @@ def probe_env(tmp_path, monkeypatch):
     first_use.reset()
 
 
+@pytest.fixture
+def synthetic_probe(probe_env, monkeypatch):
+    """The probe writes, through the real writer, a file of synthetic measurements of the probe
+    mode's shapes (tests/synthetic_machine.py) instead of measuring: for the tests of where its file
+    goes and when it runs, not of what it measures (test_first_local_plan_... runs the real one)."""
+    from flexplan.measure import calibrate as cli
+    from synthetic_machine import SyntheticMachine
+
+    machine = SyntheticMachine(bytes_per_s=40e9, kv_bytes_per_s=20e9, flops_per_s={"float32": 150e9, "bfloat16": 50e9},
+                               op_s=5e-6, layer_s=100e-6, step_s=0.5e-3, logit_s=1e-10)
+
+    def calibrate(mode, out, progress=True, **kw):
+        assert mode == first_use.MODE and not kw
+        hw = get_hardware("local")
+        dtypes = list(dict.fromkeys([hw.cpu.compute_dtype, "float32"]))
+        doc = cli.calibration_doc(mode, machine.measurements(mode, dtypes),
+                                  {"cpu_dtypes": dtypes, "cpu_threads": hw.cpu.cores, "cpu_linear_kernel": "synthetic"},
+                                  hw, store.local_identity())
+        return cli.Result(store.write_atomic(store.plain(doc), Path(out)), doc, {}, 0.0)
+
+    use_calibrate(monkeypatch, calibrate)
+    return probe_env
+
+
+def use_calibrate(monkeypatch, fake) -> None:
+    """``fake`` runs where the first-use probe calls ``calibrate`` (imported into first_use, or
+    looked up in flexplan.measure.calibrate at the call)."""
+    from flexplan.measure import calibrate as cli
+
+    monkeypatch.setattr(cli, "calibrate", fake)
+    monkeypatch.setattr(first_use, "calibrate", fake, raising=False)
+
+
 def _probe_files(d: Path) -> list[Path]:
     return sorted(p for p in d.rglob("*.yaml") if not p.name.startswith("."))
 
@@ -53,7 +89,7 @@ def _probe_files(d: Path) -> list[Path]:
 def test_first_local_plan_measures_once_caches_and_says_so_in_one_line(probe_env, capsys):
     assert describe_calibration(get_hardware("local")).startswith("calibration: none yet: the first local plan")
     assert _probe_files(probe_env) == []  # `flexplan hw` does not measure
-    p = plan(MODEL, hardware="local", batch_size=1, input_len=32, output_len=8)
+    p = plan(MODEL, hardware="local", batch_size=1, input_len=32, output_len=8, efficiency=first_use.measured_efficiency(get_hardware("local")))
     err = capsys.readouterr().err.strip().splitlines()
     files = _probe_files(probe_env)
     assert [f.parent for f in files] == [probe_env / "cal"] and files[0].name == store.file_name(store.local_identity())
@@ -64,45 +100,45 @@ def test_first_local_plan_measures_once_caches_and_says_so_in_one_line(probe_env
     assert cal.doc["mode"] == "probe" and cal.doc["machine"]["isa"] == store.local_identity().isa
     # later plans find the file: nothing measured again, nothing printed, even in a new "process"
     mtime = files[0].stat().st_mtime_ns
-    plan(MODEL, hardware="local", batch_size=4, input_len=64, output_len=8)
+    plan(MODEL, hardware="local", batch_size=4, input_len=64, output_len=8, efficiency=first_use.measured_efficiency(get_hardware("local")))
     first_use.reset()
-    assert isinstance(unwrapped(efficiency_for(get_hardware("local"))), CalibratedEfficiency)
+    assert isinstance(unwrapped(first_use.measured_efficiency(get_hardware("local"))), CalibratedEfficiency)
     assert capsys.readouterr().err == "" and _probe_files(probe_env) == files
     assert files[0].stat().st_mtime_ns == mtime
     assert describe_calibration(get_hardware("local")).startswith("calibration in use:")
 
 
-def test_without_calibration_dir_the_probe_goes_to_the_user_cache(probe_env, monkeypatch, capsys):
+def test_without_calibration_dir_the_probe_goes_to_the_user_cache(synthetic_probe, monkeypatch, capsys):
     monkeypatch.delenv(store.DIR_ENV)
-    eff = efficiency_for(get_hardware("local"))
-    files = _probe_files(probe_env)
+    eff = first_use.measured_efficiency(get_hardware("local"))
+    files = _probe_files(synthetic_probe)
     assert isinstance(unwrapped(eff), CalibratedEfficiency)
-    assert [f.parent for f in files] == [probe_env / "xdg" / "flexplan" / "calibration"]
+    assert [f.parent for f in files] == [synthetic_probe / "xdg" / "flexplan" / "calibration"]
     assert len(capsys.readouterr().err.strip().splitlines()) == 1
 
 
-def test_a_later_full_or_quick_calibration_supersedes_the_probe(probe_env, capsys):
-    efficiency_for(get_hardware("local"))
-    probe_file = _probe_files(probe_env)[0]
+def test_a_later_full_or_quick_calibration_supersedes_the_probe(synthetic_probe, capsys):
+    first_use.measured_efficiency(get_hardware("local"))
+    probe_file = _probe_files(synthetic_probe)[0]
     doc = store.load_calibration(probe_file).doc
     later = {**doc, "mode": "quick", "created_utc": "2099-01-01T00:00:00Z"}
-    other = store.write_atomic(later, probe_env / "xdg" / "flexplan" / "calibration" / probe_file.name)
+    other = store.write_atomic(later, synthetic_probe / "xdg" / "flexplan" / "calibration" / probe_file.name)
     assert store.find_calibration().path == other
     assert calibration_for(get_hardware("local")).doc["mode"] == "quick"
 
 
 def test_opt_out_gives_the_defaults_saying_how_to_calibrate(probe_env, monkeypatch, capsys):
     monkeypatch.setenv(first_use.ENV, "0")
-    eff = efficiency_for(get_hardware("local"))
+    eff = first_use.measured_efficiency(get_hardware("local"))
     assert isinstance(eff, DefaultEfficiency)
     assert "FLEXPLAN_AUTO_CALIBRATE=0" in eff.source and "flexplan calibrate" in eff.source
     assert _probe_files(probe_env) == [] and capsys.readouterr().err == ""
     assert describe_calibration(get_hardware("local")) == "calibration: none: run `flexplan calibrate --quick`"
-    assert "FLEXPLAN_AUTO_CALIBRATE=0" in plan(MODEL, hardware="local").calibration
+    assert "FLEXPLAN_AUTO_CALIBRATE=0" in plan(MODEL, hardware="local", efficiency=first_use.measured_efficiency(get_hardware("local"))).calibration
 
 
 def test_a_failing_probe_gives_the_defaults_with_the_reason_once(probe_env, monkeypatch, capsys):
-    from flexplan.calibration import cli
+    from flexplan.measure import calibrate as cli
 
     calls = []
 
@@ -110,35 +146,35 @@ def test_a_failing_probe_gives_the_defaults_with_the_reason_once(probe_env, monk
         calls.append(kw)
         raise ImportError("No module named 'torch'")
 
-    monkeypatch.setattr(cli, "calibrate", broken)
-    eff = efficiency_for(get_hardware("local"))
+    use_calibrate(monkeypatch, broken)
+    eff = first_use.measured_efficiency(get_hardware("local"))
     assert isinstance(eff, DefaultEfficiency)
     assert "first-use probe failed (ImportError: No module named 'torch')" in eff.source
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "probe failed" in err[0] and "default factors" in err[0]
     assert describe_calibration(get_hardware("local")).startswith("calibration: none: the first-use probe failed")
-    p = plan(MODEL, hardware="local")  # no second attempt in this process
+    p = plan(MODEL, hardware="local", efficiency=first_use.measured_efficiency(get_hardware("local")))  # no second attempt in this process
     assert len(calls) == 1 and "probe failed" in p.calibration and capsys.readouterr().err == ""
     assert _probe_files(probe_env) == []
 
 
-def test_lookups_from_inside_the_probe_do_not_probe_again(probe_env, monkeypatch):
-    from flexplan.calibration import cli
+def test_lookups_from_inside_the_probe_do_not_probe_again(synthetic_probe, monkeypatch):
+    from flexplan.measure import calibrate as cli
 
-    real, inner = cli.calibrate, []
+    real, inner = getattr(first_use, "calibrate", cli.calibrate), []
 
     def calibrate_that_plans(**kw):  # the calibration asks for this machine's factors itself
-        inner.append(efficiency_for(get_hardware("local")))
+        inner.append(first_use.measured_efficiency(get_hardware("local")))
         return real(**kw)
 
-    monkeypatch.setattr(cli, "calibrate", calibrate_that_plans)
-    assert isinstance(unwrapped(efficiency_for(get_hardware("local"))), CalibratedEfficiency)
+    use_calibrate(monkeypatch, calibrate_that_plans)
+    assert isinstance(unwrapped(first_use.measured_efficiency(get_hardware("local"))), CalibratedEfficiency)
     assert len(inner) == 1 and isinstance(inner[0], DefaultEfficiency)
-    assert len(_probe_files(probe_env)) == 1
+    assert len(_probe_files(synthetic_probe)) == 1
 
 
 def test_hwdb_hardware_never_probes(probe_env, capsys):
-    eff = efficiency_for(get_hardware("flexinfer-server2"))
+    eff = first_use.measured_efficiency(get_hardware("flexinfer-server2"))
     assert isinstance(eff, DefaultEfficiency) and "not calibrated" in eff.source
     assert _probe_files(probe_env) == [] and capsys.readouterr().err == ""
 
@@ -154,6 +190,7 @@ def real_probe(tmp_path_factory):
     return d, r
 
 
+@pytest.mark.slow
 def test_cli_calibrate_probe_writes_a_probe_file_with_finite_positive_factors(real_probe):
     d, r = real_probe
     assert r.returncode == 0, r.stderr
@@ -163,7 +200,7 @@ def test_cli_calibrate_probe_writes_a_probe_file_with_finite_positive_factors(re
     assert cal.doc["mode"] == "probe"
     assert set(cal.measurements) - {"memory_state"} <= mb.MODES["probe"].parts  # memory_state: every mode
     assert {"cpu_stream", "cpu_gemv", "cpu_gemm", "cpu_layer_overhead"} <= set(cal.measurements)
-    from flexplan.calibration import efficiency_from_file
+    from flexplan.factors import efficiency_from_file
 
     hw = get_hardware("local")
     eff = unwrapped(efficiency_from_file(files[0], hw))
@@ -184,15 +221,16 @@ def test_cli_calibrate_probe_writes_a_probe_file_with_finite_positive_factors(re
     assert math.isfinite(p.ttft_s) and p.ttft_s > 0 and math.isfinite(p.tpot_s) and p.tpot_s > 0
 
 
+@pytest.mark.slow
 def test_a_calibration_run_measures_no_first_use_probe_inside_it(probe_env, capsys):
     """`flexplan calibrate`'s executor-layer step loads toy models on this machine: with no file yet,
     their plans measured a first-use probe in the middle of the full calibration (8 s) and cached it.
     Inside a calibration lookups get none; after it the probe is on again."""
     with first_use.measuring():
-        assert isinstance(efficiency_for(get_hardware("local")), DefaultEfficiency)
+        assert isinstance(first_use.measured_efficiency(get_hardware("local")), DefaultEfficiency)
     assert _probe_files(probe_env) == [] and capsys.readouterr().err == ""
-    from flexplan.calibration.cli import calibrate
+    from flexplan.measure.calibrate import calibrate
 
     res = calibrate(mode="tiny", out=probe_env / "cal" / "tiny.yaml", progress=False)
     assert _probe_files(probe_env) == [res.path] and "first-use probe" not in capsys.readouterr().err
-    assert isinstance(unwrapped(efficiency_for(get_hardware("local"))), CalibratedEfficiency)
+    assert isinstance(unwrapped(first_use.measured_efficiency(get_hardware("local"))), CalibratedEfficiency)

@@ -1,4 +1,4 @@
-"""Real decoder layers in the fit (flexplan/calibration/layer_fit.py): the prefill layers' compute
+"""Real decoder layers in the fit (flexplan/factors/layer_fit.py): the prefill layers' compute
 factor, the decode layers' attention factor over a longer cache, the pooled decode overhead."""
 
 from __future__ import annotations
@@ -6,10 +6,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from flexplan.calibration.efficiency import _attention_spec, from_measurements
-from flexplan.calibration.layer_fit import non_decreasing_fit
-from flexplan.calibration.microbench import MODES
-from flexplan.estimator.terms import Shape, phase_costs
+from flexplan.factors.efficiency import _attention_spec, from_measurements
+from flexplan.factors.layer_fit import non_decreasing_fit
+from flexplan.measure.microbench import MODES
+from flexplan.estimator.phase_costs import phase_costs
+from flexplan.estimator.terms import Shape
 from flexplan.hardware import get_hardware
 from synthetic_machine import SyntheticMachine
 
@@ -134,7 +135,7 @@ def test_widths_lifted_by_the_largest_shared_token_count_when_few_are_shared():
     priced long prefills 4x too fast. With two shared counts the ratio at the larger one is taken;
     with two widths at a count, one lifted more than 2x off the widest's own is left out, and past
     the widest's largest count no factor falls below its own there."""
-    from flexplan.calibration.layer_fit import _at_the_widest
+    from flexplan.factors.layer_fit import _at_the_widest
 
     by_t = {32: {7e6: 0.0694}, 128: {7e6: 0.019, 90e6: 0.1403}, 512: {7e6: 0.13, 90e6: 0.1244},
             1024: {7e6: 0.1261}}
@@ -160,7 +161,7 @@ def test_three_widths_outvote_an_outlier_of_the_widest():
     """With three widths at a count the median decides, whichever row is the outlier: the two-width
     rule (drop what is 2x off the widest's own) would keep a noisy widest row and drop the two that
     agree."""
-    from flexplan.calibration.layer_fit import _at_the_widest
+    from flexplan.factors.layer_fit import _at_the_widest
 
     by_t = {t: {7e6: 0.5, 20e6: 0.5, 90e6: 0.5} for t in (128, 512, 1024, 2048)}
     by_t[512][90e6] = 1.6  # the widest's 512-token row 3.2x the others
@@ -174,7 +175,7 @@ def test_a_narrow_outlier_at_the_largest_shared_count_cannot_drag_long_prefills_
     128 in 4.6, so its factor at 512 (0.75) was 5.6x the widest's (0.13); lifted by that, its
     1024-token factor came out 0.043 and the mean of two widths took 128 tokens from 0.21 to 0.11:
     splitgen's 2048-token CPU prefill was priced at 1345 ms, measured 306."""
-    from flexplan.calibration.layer_fit import _at_the_widest
+    from flexplan.factors.layer_fit import _at_the_widest
 
     by_t = {128: {7e6: 0.0457, 90e6: 0.2124}, 512: {7e6: 0.7451, 90e6: 0.1321}, 1024: {7e6: 0.2409}}
     out = _at_the_widest(by_t)

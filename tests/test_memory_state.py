@@ -13,7 +13,10 @@ import time
 import pytest
 
 import flexplan
-from flexplan.calibration import _derive, describe_calibration, efficiency_for, membw, memory_state, store
+from flexplan.factors import _derive, efficiency_for, memory_state, store
+from flexplan.measure import state
+from flexplan.measure.first_use import describe_calibration
+from flexplan.measure import membw
 from flexplan.errors import CalibrationError
 from flexplan.explain import format_plan
 from flexplan.estimator.efficiency import COMPUTE_STATE_ELASTICITY
@@ -56,7 +59,7 @@ def _with_compute(record: dict, slow_steps=(), slow_rate=REF_FLOPS / 2) -> dict:
 
 
 def _write(tmp_path, hw, meas: dict, name: str):
-    from flexplan.calibration.cli import calibration_doc
+    from flexplan.measure.calibrate import calibration_doc
 
     settings = {"cpu_dtypes": _dtypes(hw), "cpu_threads": hw.cpu.cores, "gpu_dtype": None, "rotate_bytes": 2**27,
                 "cpu_linear_kernel": "synthetic"}
@@ -94,6 +97,8 @@ def _use(monkeypatch, path):
 
 
 def _cpu_plan(**kw):
+    """A CPU plan as a measuring caller makes it (flexplan.load, run): at a probe of the state of now."""
+    kw.setdefault("efficiency", state.efficiency_now(get_hardware("local")))
     return flexplan.plan(MODEL, hardware="local", batch_size=kw.pop("batch_size", 1), input_len=128, output_len=32,
                          prefill="cpu", decode="cpu", **kw)
 
@@ -119,15 +124,6 @@ def test_the_probe_returns_a_positive_rate_quickly_and_is_reused_for_a_while(mon
     with pytest.raises(RuntimeError, match="no memory to probe"):
         membw.probe_bytes_per_s()
     membw.forget_probe()
-
-
-def test_plan_does_not_import_torch_to_probe():
-    import subprocess
-    import sys
-
-    code = ("import sys; from flexplan.calibration import membw; membw.probe_bytes_per_s(); "
-            "assert 'torch' not in sys.modules, 'torch imported'")
-    subprocess.run([sys.executable, "-c", code], check=True)
 
 
 # ----------------------------------------------------------------------------- scaling to the state of now
@@ -223,7 +219,7 @@ def test_the_opt_out_runs_no_probe_and_says_so(local, probe, tmp_path, monkeypat
     _use(monkeypatch, _write(tmp_path, local, meas, "cal.yaml"))
     probe(REF / 2)
     monkeypatch.setenv(membw.PROBE_ENV, "0")
-    eff = efficiency_for(local)
+    eff = state.efficiency_now(local)
     assert probe.state["calls"] == 0
     assert "memory state: probe off ($FLEXPLAN_MEMORY_PROBE=0)" in eff.source and eff.scale("cpu_memory") == 1.0
     assert "now: off" in describe_calibration(local)
@@ -236,7 +232,7 @@ def test_a_file_without_memory_state_loads_unscaled(local, probe, tmp_path, monk
     assert "memory_state" not in store.load_calibration(path).measurements
     _use(monkeypatch, path)
     probe(REF / 2)
-    eff = efficiency_for(local)
+    eff = state.efficiency_now(local)
     assert eff.scale("cpu_memory") == 1.0 and probe.state["calls"] == 0
     assert "memory state: not recorded by this calibration" in eff.source
     p = _cpu_plan()
@@ -255,7 +251,7 @@ def test_a_malformed_record_is_refused_with_the_file_named(local, probe, tmp_pat
     bad.write_text(yaml.safe_dump(doc, sort_keys=False))
     _use(monkeypatch, bad)
     with pytest.raises(CalibrationError, match="bad.yaml.*memory_state.*positive numbers"):
-        efficiency_for(local)
+        state.efficiency_now(local)
 
 
 # ----------------------------------------------------------------------------- normalising the calibration
@@ -321,7 +317,7 @@ def test_a_slower_compute_state_now_scales_compute_and_overhead_not_memory(local
     assert "compute probe 100 GFLOP/s now vs 100 GFLOP/s median at calibration (the same state: x1.00)" in same.calibration
     probe.state["flops_now"] = REF_FLOPS / 2
     membw.forget_probe()
-    eff = efficiency_for(local)
+    eff = state.efficiency_now(local)
     # fixed costs take the probe's whole ratio, compute time the elasticity's part of it
     assert (eff.scale("cpu_compute"), eff.scale("overhead"), eff.scale("cpu_memory")) == \
         pytest.approx((2.0 ** COMPUTE_STATE_ELASTICITY, 2.0, 1.0))
@@ -332,7 +328,7 @@ def test_a_slower_compute_state_now_scales_compute_and_overhead_not_memory(local
     assert slow.tpot_s < 1.5 * same.tpot_s  # decode is mostly memory
     probe.state["flops_now"] = REF_FLOPS * 1.05  # within the probe's own spread: the same state
     membw.forget_probe()
-    assert efficiency_for(local).scale("cpu_compute") == 1.0
+    assert state.efficiency_now(local).scale("cpu_compute") == 1.0
 
 
 def test_a_step_measured_in_a_slow_compute_state_is_normalised_in_its_compute_share(local):
@@ -353,7 +349,7 @@ def test_a_step_measured_in_a_slow_compute_state_is_normalised_in_its_compute_sh
     out = memory_state.normalised({**own, "memory_state": _with_compute(record, slow_steps)})
     ratios = [o["time_s"] / r["time_s"] for o, r in zip(out["cpu_gemm"], own["cpu_gemm"])]
     assert ratios[-2] == pytest.approx(1.0) and k * 0.99 <= ratios[-1] < k * 1.15, ratios
-    assert memory_state.ROW_PROBES["compute"] in memory_state.row_probes(_with_compute(record))
+    assert memory_state.ROW_PROBES["compute"] in state.row_probes(_with_compute(record))
 
 
 # ----------------------------------------------------------------------------- what users see
@@ -372,22 +368,6 @@ def test_explain_and_hw_say_which_state_was_used(local, probe, tmp_path, monkeyp
     assert "memory probe min 4.0 GB/s / median 10.0 GB/s / max 10.0 GB/s" in hw_text
     assert "STREAM triad" in hw_text and "now 8.0 GB/s" in hw_text
 
-
-
-def test_the_state_note_keeps_its_compute_part(local, probe, tmp_path, monkeypatch):
-    """What last_stats and validate's CSV keep of a plan's source: the memory and the compute
-    probes' readings, and nothing of the source's other parts."""
-    meas = FAST.measurements("quick", _dtypes(local))
-    meas["memory_state"] = _with_compute(_record(local))
-    _use(monkeypatch, _write(tmp_path, local, meas, "cal.yaml"))
-    probe.state["flops_now"] = REF_FLOPS / 2
-    probe(REF / 2)
-    note = memory_state_of(_cpu_plan())
-    assert note.startswith("memory state: memory probe 5.0 GB/s now vs 10.0 GB/s")
-    assert note.endswith("compute probe 50 GFLOP/s now vs 100 GFLOP/s median at calibration "
-                         f"(x2.00 fixed costs, x{2.0 ** COMPUTE_STATE_ELASTICITY:.2f} compute time)")
-    assert memory_state.note_in("cal.yaml, 2 min old; memory state: memory probe x; compute probe y; corrected") == \
-        "memory state: memory probe x; compute probe y"
 
 
 def test_last_stats_carry_the_memory_state_of_the_plan_they_ran(local, probe, tmp_path, monkeypatch, one_thread):
@@ -475,10 +455,10 @@ def test_one_slow_probe_reading_is_confirmed_before_it_scales_anything(local, pr
     readings = iter([REF / 3, REF])  # a neighbour's burst, then the state as it is
     monkeypatch.setattr(membw, "measure_copy_bytes_per_s", lambda *a, **k: next(readings))
     membw.forget_probe()
-    assert efficiency_for(local).scale("cpu_memory") == 1.0
+    assert state.efficiency_now(local).scale("cpu_memory") == 1.0
     readings = iter([REF / 2, REF / 2])  # a state that lasts: scaled
     membw.forget_probe()
-    assert efficiency_for(local).scale("cpu_memory") == pytest.approx(2.0)
+    assert state.efficiency_now(local).scale("cpu_memory") == pytest.approx(2.0)
 
 
 def test_one_fast_probe_reading_must_show_twice_before_it_scales_anything(local, probe, tmp_path, monkeypatch):
@@ -488,10 +468,10 @@ def test_one_fast_probe_reading_must_show_twice_before_it_scales_anything(local,
     readings = iter([REF * 1.3, REF])  # a fast burst, then the state as it is
     monkeypatch.setattr(membw, "measure_copy_bytes_per_s", lambda *a, **k: next(readings))
     membw.forget_probe()
-    assert efficiency_for(local).scale("cpu_memory") == 1.0
+    assert state.efficiency_now(local).scale("cpu_memory") == 1.0
     readings = iter([REF * 1.6, REF * 1.5])  # a faster state that lasts: the reading nearer the reference
     membw.forget_probe()
-    assert efficiency_for(local).scale("cpu_memory") == pytest.approx(1 / 1.5)
+    assert state.efficiency_now(local).scale("cpu_memory") == pytest.approx(1 / 1.5)
 
 
 def test_a_calibration_probed_in_another_thread_count_is_not_scaled(local, probe, tmp_path, monkeypatch):
@@ -507,8 +487,8 @@ def test_a_calibration_probed_in_another_thread_count_is_not_scaled(local, probe
     probe(REF / 2)  # a reading that would double memory time
     p = _cpu_plan()
     assert "came from a copy in 1 thread" in p.calibration and "re-run `flexplan calibrate`" in p.calibration
-    assert efficiency_for(local).scale("cpu_memory") == 1.0
-    assert "not comparable with today's probe" in memory_state.describe(meas)
+    assert state.efficiency_now(local).scale("cpu_memory") == 1.0
+    assert "not comparable with today's probe" in state.describe(meas)
 
 
 def test_the_memory_probe_copies_in_threads_and_measures_the_whole_buffer():
@@ -569,7 +549,7 @@ def test_gemvs_timed_in_a_slow_state_are_normalised_when_only_prefill_gemms_ran_
 
 
 def test_time_call_records_the_state_around_its_runs_only_while_probing():
-    from flexplan.calibration import microbench as mb
+    from flexplan.measure import microbench as mb
 
     readings = iter([40e9, 90e9])
     with mb.probing_state(lambda: next(readings)):
@@ -588,7 +568,7 @@ def test_time_call_records_the_state_around_its_runs_only_while_probing():
 def test_a_row_reuses_the_last_rows_after_reading_only_while_it_is_fresh(monkeypatch):
     """Back-to-back rows: the second's "before" is the first's "after" (one probe saved a row);
     once that reading is older than PROBE_REUSE_S, or a new probing_state began, it probes again."""
-    from flexplan.calibration import microbench as mb
+    from flexplan.measure import microbench as mb
 
     readings = iter([40e9, 90e9, 60e9, 30e9, 50e9, 20e9, 80e9])
     with mb.probing_state(lambda: next(readings)):
@@ -621,11 +601,11 @@ def test_the_gemv_probe_reads_a_positive_rate_and_is_what_calibrate_records():
     assert membw.gemv_probe_usable()
     rate = membw.measure_gemv_bytes_per_s()
     assert 1e8 < rate < 1e13
-    record = memory_state.new_record()
-    memory_state.record_sample(record, "cpu_stream")
+    record = state.new_record()
+    state.record_sample(record, "cpu_stream")
     assert record["gemv_at_step"] == ["cpu_stream"] and record["gemv_probe_bytes_per_s"][0] > 0
-    assert set(memory_state.row_probes(record)) == {"probe_bytes_per_s", "gemv_probe_bytes_per_s", "probe_flops_per_s"}
-    assert "GEMV" in memory_state.describe({"memory_state": record})
+    assert set(state.row_probes(record)) == {"probe_bytes_per_s", "gemv_probe_bytes_per_s", "probe_flops_per_s"}
+    assert "GEMV" in state.describe({"memory_state": record})
 
 
 def test_the_compute_probe_runs_in_torch_where_torch_is_loaded_and_numpy_where_not():
@@ -639,9 +619,9 @@ def test_the_compute_probe_runs_in_torch_where_torch_is_loaded_and_numpy_where_n
     assert membw.compute_probe_kind() == f"torch burst, {torch.get_num_threads()} threads"
     assert "torch.nn.functional.linear" in membw.describe_compute_probe()
     assert 1e8 < membw.measure_matmul_flops_per_s() < 1e15
-    record = memory_state.new_record()
+    record = state.new_record()
     assert record["compute_probe_kind"] == membw.compute_probe_kind()
-    code = ("import sys; from flexplan.calibration import membw; "
+    code = ("import sys; from flexplan.measure import membw; "
             "assert membw.compute_probe_kind() == 'numpy', membw.compute_probe_kind(); "
             "assert membw.measure_matmul_flops_per_s() > 1e8; assert 'torch' not in sys.modules")
     subprocess.run([sys.executable, "-c", code], check=True)
@@ -656,14 +636,14 @@ def test_compute_samples_of_another_probe_kind_are_not_compared(local, probe, tm
     _use(monkeypatch, _write(tmp_path, local, meas, "cal.yaml"))
     probe.state["flops_now"] = REF_FLOPS / 2
     probe(REF / 2)
-    eff = efficiency_for(local)
+    eff = state.efficiency_now(local)
     assert (eff.scale("cpu_compute"), eff.scale("cpu_memory")) == (1.0, 2.0)
     assert "compute probe: this calibration's samples came from a numpy product" in eff.source
-    assert "not comparable with today's probe" in memory_state.describe(meas)
+    assert "not comparable with today's probe" in state.describe(meas)
     meas["memory_state"]["compute_probe_kind"] = membw.compute_probe_kind()  # the same kind: compared
     _use(monkeypatch, _write(tmp_path, local, meas, "cal2.yaml"))
     membw.forget_probe()
-    assert efficiency_for(local).scale("cpu_compute") == pytest.approx(2.0 ** COMPUTE_STATE_ELASTICITY)
+    assert state.efficiency_now(local).scale("cpu_compute") == pytest.approx(2.0 ** COMPUTE_STATE_ELASTICITY)
 
 
 def test_plans_read_the_gemv_probe_where_the_calibration_recorded_it(local, probe, tmp_path, monkeypatch):
@@ -709,7 +689,7 @@ def test_rows_are_normalised_by_the_gemv_probe_where_the_file_has_it(local):
 
 
 def test_time_call_records_every_probe_of_a_dict():
-    from flexplan.calibration import microbench as mb
+    from flexplan.measure import microbench as mb
 
     a, b, c = iter([40e9, 90e9]), iter([20e9, 80e9]), iter([100e9, 400e9])
     with mb.probing_state({"probe_bytes_per_s": lambda: next(a), "gemv_probe_bytes_per_s": lambda: next(b),
@@ -741,7 +721,7 @@ def test_validate_prices_each_point_at_the_state_probed_right_before_its_runs(lo
     meas["memory_state"] = _record(local)
     _use(monkeypatch, _write(tmp_path, local, meas, "cal.yaml"))
     make_model("llama").save_pretrained(tmp_path / "m")
-    real_generate, real_readings = validate._generate, memory_state.readings_now
+    real_generate, real_readings = validate._generate, state.readings_now
 
     def readings_now(keep=True):
         if keep:  # the probe right before the timed runs: a slow state
@@ -765,8 +745,8 @@ def test_validate_prices_each_point_at_the_state_probed_right_before_its_runs(lo
 def test_probe_and_stream_buffers_outgrow_a_big_last_level_cache(monkeypatch):
     """On a host with a 300 MB LLC (the H200's 16-core Xeon VM) fixed 128/256 MB caps measured the
     cache; the buffers follow the LLC, within 1/64 of the host's memory."""
-    from flexplan.calibration import membw
-    from flexplan.calibration import microbench as mb
+    from flexplan.measure import membw
+    from flexplan.measure import microbench as mb
 
     llc = 300 * 2**20
     monkeypatch.setattr(mb, "llc_bytes", lambda: llc)

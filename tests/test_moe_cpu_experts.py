@@ -13,6 +13,7 @@ from flexplan.hardware import get_hardware
 from flexplan.placement import ACCELERATOR, CPU_EXPERTS, HOST, ON_CPU, RESIDENT, Placement
 from flexplan.planner import placement_memory
 from flexplan.workload import resolve_model
+from flexplan.estimator.policies import placement_of
 
 GIB = 1 << 30
 QWEN = "Qwen/Qwen3-30B-A3B"
@@ -135,7 +136,7 @@ def test_estimate_terms_follow_the_experts_read():
 
 def test_forced_plan_places_split_layers():
     p = _plan(1, 128, prefill="cpu-experts", decode="cpu-experts", gpu_layers=10)
-    pl = Placement.from_plan(p, 48)
+    pl = placement_of(p, 48)
     assert pl.expert_places(0) == frozenset({HOST}) and pl.layer_places(0) == frozenset({ACCELERATOR})
     assert pl.expert_places(47) == frozenset({ACCELERATOR}) and pl.experts_on_cpu(0, "decode")
     assert not pl.experts_on_cpu(47, "decode")
@@ -148,7 +149,7 @@ import torch  # noqa: E402
 import flexplan.api as api  # noqa: E402
 from flexplan.executor.link import D2H, H2D  # noqa: E402
 from flexplan.executor.plans import fixed_plan  # noqa: E402
-from flexplan.plan_types import POLICIES  # noqa: E402
+from flexplan.estimator.policies import POLICIES  # noqa: E402
 from flexplan.workload.model import ModelSpec  # noqa: E402
 
 from conftest import left_padded_batch  # noqa: E402

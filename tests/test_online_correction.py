@@ -18,8 +18,8 @@ import yaml
 
 import flexplan
 from flexplan.executor.plans import fixed_plan
-from flexplan.calibration import correction_store, efficiency_for, store
-from flexplan.calibration.correction import (ELASTICITY_MAX, ELASTICITY_PRIOR_VAR, ELASTICITY_STEP_MAX, STEP_MAX,
+from flexplan.factors import correction_store, efficiency_for, store
+from flexplan.factors.correction import (ELASTICITY_MAX, ELASTICITY_PRIOR_VAR, ELASTICITY_STEP_MAX, STEP_MAX,
                                              TOTAL_MAX, Corrections, Observation, apply, corrections_after,
                                              phase_time_s, shares, uncorrected, update)
 from flexplan.errors import InvalidInputError
@@ -134,7 +134,7 @@ def test_over_a_calibration_one_run_corrects_part_of_the_way(tmp_path):
     runs), in the same direction as over default factors, which move nearly all of the way."""
     from test_calibration_properties import calibrated
 
-    from flexplan.calibration.correction import CALIBRATED_PRIOR_VAR, PRIOR_VAR, prior_var
+    from flexplan.factors.correction import CALIBRATED_PRIOR_VAR, PRIOR_VAR, prior_var
 
     machine = SyntheticMachine(bytes_per_s=5e9, kv_bytes_per_s=2e9, flops_per_s={"float32": 2e10, "bfloat16": 6.7e10},
                                op_s=6e-06, layer_s=2e-4, step_s=1e-4, logit_s=0.0)
@@ -240,7 +240,7 @@ def test_one_odd_run_after_settled_ones_counts_as_less_than_a_run(monkeypatch):
     """Huber's weighting: once runs have pinned the scales down, one run x2 off (a prefill spike)
     moves the next predictions by much less than the plain filter would, and a wilder one by
     hardly more than a milder one (bounded influence); a normal run is learned as before."""
-    from flexplan.calibration import correction
+    from flexplan.factors import correction
 
     true = ScaledEfficiency(BASE, {"cpu_memory": 1.2, "cpu_compute": 0.9})
     runs = [observe(true, 1, s, 32) for s in (64, 128, 256, 512, 128, 64, 256, 128)]
@@ -270,7 +270,7 @@ def test_one_odd_run_after_settled_ones_counts_as_less_than_a_run(monkeypatch):
 def test_a_new_level_that_shows_twice_is_learned_in_full(monkeypatch):
     """The machine really changed (a slower memory state for good): the second run off in the same
     direction counts fully, so the scales follow within a few runs."""
-    from flexplan.calibration import correction
+    from flexplan.factors import correction
 
     true = ScaledEfficiency(BASE, {"cpu_memory": 1.2})
     settled = corrections_after([observe(true, 1, s, 32) for s in (64, 128, 256, 512, 128, 64, 256, 128)], BASE)
@@ -336,7 +336,7 @@ def _machine():
 
 def write_local_calibration(folder, created="2026-01-01T00:00:00Z"):
     """A synthetic calibration file of this machine (its fingerprint) in ``folder``."""
-    from flexplan.calibration.cli import calibration_doc
+    from flexplan.measure.calibrate import calibration_doc
 
     hw = get_hardware("local")
     dtypes = list(dict.fromkeys([hw.cpu.compute_dtype, "float32"]))

@@ -7,6 +7,7 @@ import numpy as np
 from flexplan import memory
 from flexplan.memory import LINEAR, PLAIN, Inventory, Tensor, footprint
 from flexplan.placement import ACCELERATOR, CPU, HOST, PINNED, RESIDENT, STREAMED, PhasePlacement, Placement
+from flexplan.estimator.policies import placement_of
 
 
 def test_runs_expand_to_layers_and_head_follows_the_last_layer():
@@ -95,6 +96,6 @@ def test_operator_groups_placed_apart_are_described_but_refused_by_the_executor_
         plan = fixed_plan({"model_type": "llama", "num_hidden_layers": 2, "hidden_size": 8, "intermediate_size": 8,
                            "num_attention_heads": 2, "vocab_size": 16}, "neo-toy", "neo-toy", 1)
         with pytest.raises(InvalidInputError, match="whole layers"):
-            Placement.from_plan(plan, 2)
+            placement_of(plan, 2)
     finally:
         unregister("neo-toy")

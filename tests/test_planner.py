@@ -13,7 +13,8 @@ import flexplan
 from flexplan.errors import DoesNotFitError, InvalidInputError, UnknownModelError
 from flexplan.estimator import REGISTRY, DefaultEfficiency, Shape, phase_costs
 from flexplan.hardware.spec import CPUSpec, GPUSpec, Hardware, LinkSpec
-from flexplan.plan_types import POLICIES, Plan
+from flexplan.estimator.policies import POLICIES
+from flexplan.plan_types import Plan
 from flexplan.planner import placement_memory
 from flexplan.workload import resolve_model
 

@@ -11,7 +11,7 @@ import flexplan.api as api
 from flexplan.estimator.policies import REGISTRY, register, unregister
 from flexplan.estimator.terms import Shape
 from flexplan.explain import format_plan
-from flexplan.plan_types import POLICIES
+from flexplan.estimator.policies import POLICIES
 from flexplan.placement import CPU, RESIDENT
 from flexplan.planner import placement_memory
 from flexplan.workload.model import ModelSpec

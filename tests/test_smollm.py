@@ -139,8 +139,12 @@ PROMPTS = ["What is the capital of France?", "Write one sentence about the sea, 
 NEW_TOKENS = 8
 # (prefill, decode, gpu_layers, accelerator): the CPU stands in for the accelerator.
 # Every prefill x decode pair of the five policies; M = 10 of 30 layers where a policy takes one.
+# The default run keeps three (~2 s each: every policy once, all on the CPU and both mixed kinds of
+# placement); the rest is marked slow (tests/test_executor.py runs every pair on tiny models).
+FAST = {("cpu", "cpu"), ("gpu", "gpu-offload"), ("gpu-offload-partial", "splitgen")}
 COMBINATIONS = [
-    (p, d, 10 if {p, d} & {"splitgen", "gpu-offload-partial"} else None, None if p == d == "cpu" else "cpu")
+    pytest.param(p, d, 10 if {p, d} & {"splitgen", "gpu-offload-partial"} else None, None if p == d == "cpu" else "cpu",
+                 marks=() if (p, d) in FAST else pytest.mark.slow)
     for p in ("cpu", "gpu", "gpu-offload", "gpu-offload-partial", "splitgen")
     for d in ("cpu", "gpu", "gpu-offload", "gpu-offload-partial", "splitgen")
 ]

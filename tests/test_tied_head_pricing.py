@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import pytest
 
-from flexplan.calibration import _derive, store
-from flexplan.calibration.cli import calibration_doc
-from flexplan.calibration.microbench import MODES, head_gemv
+from flexplan.factors import _derive, store
+from flexplan.measure.calibrate import calibration_doc
+from flexplan.measure.microbench import MODES, head_gemv
 from flexplan.executor import cpu_linear
 from test_calibration_properties import IDENTITY, LLAMA_8B, SMOLLM2, predict
 from synthetic_machine import HW_CPU, SyntheticMachine

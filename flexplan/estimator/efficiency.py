@@ -8,6 +8,7 @@ calibrated (``flexplan calibrate``).
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field, replace
 from functools import cached_property
 from typing import Protocol
@@ -17,8 +18,28 @@ import numpy as np
 from flexplan.hardware.spec import Hardware
 
 
+@dataclass(frozen=True)
+class FactorSource:
+    """Where a set of efficiency factors comes from, as fields a caller reads (``source``, the
+    prose beside it, is for people: explain and last_stats print it)."""
+
+    kind: str = "defaults"  # "defaults" (documented constants) | "calibration" (a file of this machine)
+    path: str | None = None  # the calibration file
+    mode: str | None = None  # its run: "full" | "quick" | "probe"
+    written_at_s: float | None = None  # when the file was written (Unix time)
+    state_probed: bool = False  # scaled to a memory-state probe taken when the plan was made
+    state_note: str = ""  # what that scaling did ("" where none was asked for)
+
+    def age_s(self, now_s: float | None = None) -> float | None:
+        """Seconds since the calibration was written (None for the defaults)."""
+        if self.written_at_s is None:
+            return None
+        return (time.time() if now_s is None else now_s) - self.written_at_s
+
+
 class Efficiency(Protocol):
     source: str
+    origin: FactorSource
 
     # CPU factors depend on the dtype the CPU computes in (PyTorch's bf16 GEMV path can be far
     # slower than its fp32 one on the same CPU, while bf16 GEMMs are faster): `dtype` is canonical.
@@ -96,6 +117,7 @@ class DefaultEfficiency:
     cpu_overhead_s: float = CPU_LAYER_OVERHEAD_DEFAULT_S
     gpu_overhead_s: float = GPU_LAYER_OVERHEAD_DEFAULT_S
     source: str = "defaults"
+    origin: FactorSource = FactorSource()
 
     @classmethod
     def for_hardware(cls, hw: Hardware) -> "DefaultEfficiency":
@@ -173,6 +195,8 @@ class ScaledEfficiency:
     base: Efficiency
     scales: dict
     note: str = ""
+    state: bool = False  # a scaling to the memory state of now (memory_state): origin.state_note says so
+    probed: bool = False  # ... read from a probe taken now (not: the probe off, failed or not comparable)
 
     def __post_init__(self):
         bad = {k: v for k, v in self.scales.items() if k not in TERM_CLASSES or not (np.isfinite(v) and v > 0)}
@@ -182,6 +206,11 @@ class ScaledEfficiency:
     @property
     def source(self) -> str:
         return "; ".join(x for x in (self.base.source, self.note) if x)
+
+    @property
+    def origin(self) -> FactorSource:
+        base = self.base.origin
+        return replace(base, state_probed=self.probed, state_note=self.note) if self.state else base
 
     def scale(self, term_class: str) -> float:
         return float(self.scales.get(term_class, 1.0))

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from flexplan.estimator.terms import t_link_s, t_on_device_s
 from flexplan.workload import costs
 from flexplan.workload.model import ModelSpec
 
@@ -88,7 +89,6 @@ def cpu_expert_rates(eff, rows_per_expert: float, cpu_dtype: str, weight_bytes_r
 def t_cpu_experts_s(m: ModelSpec, rows: int, cpu, eff, cpu_dtype: str, weight_bytes: float, act_bytes: float) -> float:
     """The routed experts of one MoE layer for ``rows`` tokens on the CPU ``cpu`` (a hardware
     CPUSpec), weights held at ``weight_bytes`` per element: t_cpu_experts of the module docstring."""
-    from flexplan.estimator.terms import t_on_device_s
 
     distinct = costs.expected_experts_read(m, rows)
     per_expert = rows * m.experts_per_token / distinct
@@ -101,7 +101,6 @@ def t_cpu_experts_s(m: ModelSpec, rows: int, cpu, eff, cpu_dtype: str, weight_by
 def expert_split_costs(shape, hw, eff, phase: str) -> ExpertSplit | None:
     """The :class:`ExpertSplit` of ``phase`` for the request ``shape`` (estimator.terms.Shape) on
     ``hw``; None for a dense model or a machine without an accelerator and link."""
-    from flexplan.estimator.terms import t_link_s, t_on_device_s
 
     m = shape.model
     if not m.is_moe or hw.gpu is None or hw.link is None:

@@ -33,6 +33,16 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from flexplan.estimator.efficiency import cpu_prefill_attention, cpu_split_linear
+from flexplan.estimator.expert_terms import expert_flops, t_cpu_experts_s
+from flexplan.estimator.terms import (
+    host_kv_attention_dtype,
+    t_compute_s,
+    t_cpu_attention_s,
+    t_link_s,
+    t_memory_s,
+    t_on_device_s,
+)
 from flexplan.workload import costs
 from flexplan.workload.operators import ATTENTION, LINEAR, MLP, layer_operators, why_not_split
 
@@ -71,8 +81,6 @@ class OperatorCosts:
 def _moe_cpu_s(m, rows, hw, eff, shape, flops, params) -> float:
     """An MoE block on the CPU: its routed experts (calibrated expert path), router and shared
     experts as GEMMs, mean over layers (a dense layer of the model: its MLP as GEMMs)."""
-    from flexplan.estimator.expert_terms import expert_flops, t_cpu_experts_s
-    from flexplan.estimator.terms import t_on_device_s
 
     cd, wb = shape.cpu_dtype, shape.w_bytes
     th, bw = hw.cpu.peak_flops_per_s[cd], hw.cpu.memory_bandwidth_bytes_per_s
@@ -89,9 +97,6 @@ def operator_costs(shape, hw, eff, phase: str, cpu_attention_s=None) -> Operator
     """The per-operator terms of ``phase`` (module docstring); None without an accelerator or for a
     layout ``workload.operators`` cannot cut. ``cpu_attention_s``: the decode attention on the CPU per
     step when the caller has it (``terms.cpu_attention_costs``), else computed here."""
-    from flexplan.estimator.efficiency import cpu_prefill_attention, cpu_split_linear
-    from flexplan.estimator.terms import (host_kv_attention_dtype, t_compute_s, t_cpu_attention_s, t_link_s, t_memory_s,
-                                          t_on_device_s)
 
     m = shape.model
     if hw.gpu is None or hw.link is None or why_not_split(m):

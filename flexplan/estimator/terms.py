@@ -1,8 +1,8 @@
 """The time terms of FlexInfer's Equations 1-3, one small function each.
 
 :func:`phase_work` gathers, for one phase, the per-layer Table 2 quantities (from
-``flexplan/workload/costs.py``) at the dtypes of each device; :func:`phase_costs` turns them into
-the time each device takes for one layer. Decode quantities are numpy arrays with one entry per
+``flexplan/workload/costs.py``) at the dtypes of each device; ``phase_costs.phase_costs`` turns
+them into the time each device takes for one layer. Decode quantities are numpy arrays with one entry per
 decode step (the KV cache grows by one token per step); prefill quantities are scalars.
 Calibration (``calibration/efficiency.py``), the executor's FLOP count (``executor/stats.py``)
 and ``flexplan run``'s achieved bandwidth (``run_cmd.py``) call these functions rather than
@@ -190,61 +190,6 @@ class PhaseCosts:
     cpu_attention: "CPUAttentionCosts | None" = None  # decode attention beside a host KV cache (decode only)
     experts: object = None  # expert_terms.ExpertSplit: an MoE layer's routed experts on the CPU (None: dense / no GPU)
     operators: object = None  # operator_terms.OperatorCosts: C, G, H per operator of a split layer (None: no GPU)
-
-
-def phase_costs(shape: Shape, hw: Hardware, eff: Efficiency, phase: str) -> PhaseCosts:
-    w = phase_work(shape, phase)
-    cpu, gpu, link = hw.cpu, hw.gpu, hw.link
-    cd, rows, b = shape.cpu_dtype, w.rows, shape.batch
-    th_cpu, bw_cpu = cpu.peak_flops_per_s[cd], cpu.memory_bandwidth_bytes_per_s
-    eff_kv = eff.cpu_attention(w.context_len, cd) if phase == "decode" else 1.0
-    t_cpu = (t_on_device_s(w.flops - w.prefill_attention_flops, w.d_cpu + w.kv_write_cpu, th_cpu, bw_cpu,
-                           eff.cpu_compute(rows, cd), eff.cpu_memory(rows, cd), kv_bytes=w.kv_read_cpu, eff_kv=eff_kv,
-                           overhead_s=eff.cpu_layer_overhead_s(rows, cd, w.weight_bytes_cpu))
-             + t_cpu_prefill_attention_s(w, th_cpu, eff, cd))
-    step_overhead = eff.cpu_step_overhead_s(b, shape.model.vocab_size)  # the host runs generate()'s loop, whatever the policy
-    tied = shape.model.tie_word_embeddings
-    t_cpu_head = t_on_device_s(w.head_flops, w.head_bytes_cpu, th_cpu, bw_cpu, eff.cpu_head_compute(b, cd, tied),
-                               eff.cpu_head_memory(b, cd, tied), overhead_s=step_overhead)
-    if gpu is None or link is None:
-        inf = float("inf")
-        return PhaseCosts(phase, w.tokens_per_seq, t_cpu, inf, inf, inf, inf, inf, inf, t_cpu_head, inf, inf,
-                          w.weight_bytes_gpu, w.kv_read, w.kv_write, w.hidden_bytes, w.logits_bytes,
-                          w.head_bytes_gpu, 1.0)
-    th_gpu, bw_gpu = gpu.peak_flops_per_s[shape.dtype], gpu.memory_bandwidth_bytes_per_s
-    t_gpu = t_on_device_s(w.flops, w.gpu_memory_bytes, th_gpu, bw_gpu, eff.gpu_compute(rows), eff.gpu_memory(rows),
-                          overhead_s=eff.gpu_layer_overhead_s())
-    t_gpu_head = t_on_device_s(w.head_flops, w.head_bytes_gpu, th_gpu, bw_gpu, eff.gpu_compute(b), eff.gpu_memory(b),
-                               overhead_s=step_overhead)
-    h2d, d2h = link.h2d_bandwidth_bytes_per_s, link.d2h_bandwidth_bytes_per_s
-    kv_read = w.kv_read
-    attention = cpu_attention_costs(shape, hw, eff) if phase == "decode" else None
-    return PhaseCosts(
-        phase=phase, tokens_per_seq=w.tokens_per_seq, t_cpu_layer_s=t_cpu, t_gpu_layer_s=t_gpu,
-        t_load_weights_s=t_link_s(w.weight_bytes_gpu, h2d, eff.h2d(w.weight_bytes_gpu)),
-        t_load_kv_s=t_link_s(kv_read, h2d, eff.h2d(np.mean(kv_read) if np.ndim(kv_read) else kv_read)),
-        t_store_kv_s=t_link_s(w.kv_write, d2h, eff.d2h(w.kv_write)),
-        t_hidden_h2d_s=t_link_s(w.hidden_bytes, h2d, eff.h2d(w.hidden_bytes)),
-        t_logits_d2h_s=t_link_s(w.logits_bytes, d2h, eff.d2h(w.logits_bytes)),
-        t_cpu_head_s=t_cpu_head, t_gpu_head_s=t_gpu_head,
-        t_load_head_s=t_link_s(w.head_bytes_gpu, h2d, eff.h2d(w.head_bytes_gpu)),
-        weight_bytes_gpu=w.weight_bytes_gpu, kv_read_bytes=kv_read, kv_write_bytes=w.kv_write,
-        hidden_bytes=w.hidden_bytes, logits_bytes=w.logits_bytes, head_bytes_gpu=w.head_bytes_gpu,
-        cpu_under_copy=eff.cpu_under_copy(rows), experts=_expert_split(shape, hw, eff, phase),
-        cpu_attention=attention, operators=_operator_costs(shape, hw, eff, phase, attention),
-    )
-
-
-def _expert_split(shape: Shape, hw: Hardware, eff: Efficiency, phase: str):
-    from flexplan.estimator.expert_terms import expert_split_costs  # it uses this module's t_* functions
-
-    return expert_split_costs(shape, hw, eff, phase)
-
-
-def _operator_costs(shape: Shape, hw: Hardware, eff: Efficiency, phase: str, attention):
-    from flexplan.estimator.operator_terms import operator_costs  # it uses this module's t_* functions
-
-    return operator_costs(shape, hw, eff, phase, None if attention is None else attention.t_cpu_attention_s)
 
 
 @dataclass(frozen=True)

@@ -10,22 +10,19 @@ hooks that run each step under the plan), ``loading`` (safetensors straight into
 """
 
 from flexplan.executor.link import Link
+from flexplan.executor.loading import load_streaming
 from flexplan.executor.placement import Placement
+from flexplan.executor.plans import fixed_plan
+from flexplan.executor.runner import Executor
 
 __all__ = ["Executor", "Link", "Placement", "fixed_plan", "load_streaming"]
 
 
 def __getattr__(name):
     if name == "Executor":
-        from flexplan.executor.runner import Executor
-
         return Executor
     if name == "load_streaming":
-        from flexplan.executor.loading import load_streaming
-
         return load_streaming
     if name == "fixed_plan":
-        from flexplan.executor.plans import fixed_plan
-
         return fixed_plan
     raise AttributeError(f"module 'flexplan.executor' has no attribute {name!r}")

@@ -19,6 +19,7 @@ import torch
 from flexplan.errors import InvalidInputError
 from flexplan.executor import cpu_linear
 from flexplan.executor.host_allocator import keep_freed_memory
+from flexplan.hardware import get_hardware
 
 
 @dataclass(frozen=True)
@@ -89,8 +90,6 @@ def local_cpu_dtype() -> str:
     """The dtype this CPU computes fast: the hardware model's answer when it can introspect,
     else float32 (bf16 GEMMs are only fast with AMX or AVX-512 BF16)."""
     try:
-        from flexplan.hardware import get_hardware
-
         return get_hardware("local").cpu.compute_dtype
     except Exception:  # noqa: BLE001 - introspection unavailable: the safe choice
         return "float32"
@@ -98,8 +97,6 @@ def local_cpu_dtype() -> str:
 
 def local_cpu_cores() -> int | None:
     try:
-        from flexplan.hardware import get_hardware
-
         return int(get_hardware("local").cpu.cores)
     except Exception:  # noqa: BLE001
         return None

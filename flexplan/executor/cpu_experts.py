@@ -39,6 +39,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from flexplan.executor import cpu_linear, native
+from flexplan.executor.expert_cache import CachedExperts
 
 
 def find_routed_experts(layer: nn.Module, num_experts: int) -> tuple[str, nn.Module] | None:
@@ -238,6 +239,23 @@ def routed_experts_forward(module: nn.Module, x: torch.Tensor, top_k_index: torc
     return out
 
 
+def split_forward(cached: CachedExperts, x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
+                  host_forward, place) -> torch.Tensor:
+    """The routed experts' output for ``x`` on the accelerator: cached pairs computed here, the rest
+    by ``host_forward(x, index, weights)`` (the CPU path, its output back on the accelerator)."""
+
+    slot = cached.slot_of[top_k_index]
+    hit = slot >= 0
+    hits = int(hit.sum())  # one synchronisation: the count says both how many and whether all hit
+    place.cache_pairs += hits
+    place.routed_pairs += int(top_k_index.numel())
+    out = routed_experts_forward(cached.module, x.to(cached.dtype), slot, top_k_weights).to(x.dtype)
+    if hits == top_k_index.numel():
+        return out
+    miss = torch.where(hit, torch.full_like(top_k_index, cached.num_experts), top_k_index)
+    return out + host_forward(x, miss, top_k_weights)
+
+
 class ExpertsPlace:
     """Per experts module: whether the current step computes it on the CPU, and the link that
     moves its inputs and output (set by the executor before the layer runs)."""
@@ -269,8 +287,6 @@ def _forward(module: nn.Module, place: ExpertsPlace, *args, **kwargs):
     if not place.on_cpu:
         return own(module, *args, **kwargs)
     if place.cached is not None and takes_routing(module):
-        from flexplan.executor.expert_cache import split_forward
-
         return split_forward(place.cached, *_routing_args(module, args, kwargs),
                              lambda *a: _host_forward(module, place, a, {}), place)
     return _host_forward(module, place, args, kwargs)

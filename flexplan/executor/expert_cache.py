@@ -5,7 +5,7 @@ A layer whose routed experts compute on the CPU (``executor.cpu_experts``) keeps
 them in accelerator memory, in the accelerator dtype, as a second experts module of the same class
 whose expert-indexed parameters hold only those K ([K, ...], ascending expert id). A step then
 maps each (token, choice) to its cache slot: the pairs whose expert is cached compute on the
-accelerator (``routed_experts_forward`` of the cached module, the others skipped as sentinels),
+accelerator (``cpu_experts.split_forward``: ``routed_experts_forward`` of the cached module, the others skipped as sentinels),
 the rest go to the host as before, the cached ones there replaced by a sentinel; the two partial
 outputs add up on the accelerator. A step whose every pair hits does not go to the host at all.
 """
@@ -17,7 +17,8 @@ import copy
 import torch
 from torch import nn
 
-from flexplan.errors import UnsupportedModelError
+from flexplan.errors import InvalidInputError, UnsupportedModelError
+from flexplan.executor.link import ACCELERATOR, H2D
 
 
 class CachedExperts:
@@ -27,7 +28,6 @@ class CachedExperts:
         """``ids``: the expert ids to cache; ``dense_of(leaf)``: the [E, ...] host tensor of the
         module's parameter ``leaf`` in its stored (unblocked) layout; ``link``: allocates the
         accelerator buffer and logs the copies."""
-        from flexplan.executor.link import ACCELERATOR, H2D
 
         num_experts = int(module.down_proj.shape[0])
         self.ids = tuple(sorted(int(e) for e in ids))
@@ -67,30 +67,10 @@ class CachedExperts:
         self.buffer = None
 
 
-def split_forward(cached: CachedExperts, x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
-                  host_forward, place) -> torch.Tensor:
-    """The routed experts' output for ``x`` on the accelerator: cached pairs computed here, the rest
-    by ``host_forward(x, index, weights)`` (the CPU path, its output back on the accelerator)."""
-    from flexplan.executor.cpu_experts import routed_experts_forward
-
-    slot = cached.slot_of[top_k_index]
-    hit = slot >= 0
-    hits = int(hit.sum())  # one synchronisation: the count says both how many and whether all hit
-    place.cache_pairs += hits
-    place.routed_pairs += int(top_k_index.numel())
-    out = routed_experts_forward(cached.module, x.to(cached.dtype), slot, top_k_weights).to(x.dtype)
-    if hits == top_k_index.numel():
-        return out
-    miss = torch.where(hit, torch.full_like(top_k_index, cached.num_experts), top_k_index)
-    return out + host_forward(x, miss, top_k_weights)
-
-
 def place_caches(expert_modules: list, layers: list, placement, cache, link, dtype: torch.dtype) -> None:
     """Give each layer ``cache`` (a Plan's ExpertCache; None: none) names a :class:`CachedExperts`
     built from its host copy (``layers[i]``: its GroupWeights); the previous caches are freed first.
     ``expert_modules[i]``: (experts module, cpu_experts.ExpertsPlace) or None."""
-    from flexplan.errors import InvalidInputError
-    from flexplan.executor.link import ACCELERATOR
 
     for found in expert_modules:
         if found is not None and found[1].cached is not None:

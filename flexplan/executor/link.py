@@ -25,8 +25,10 @@ HOST = torch.device("cpu")
 # Where a buffer lives (flexplan.placement's names): accelerator memory (the stand-in: host memory
 # playing the part), page-locked host memory (the source/target of asynchronous copies), ordinary
 # pageable host memory (stationary CPU-computed weights).
+from flexplan.errors import InvalidInputError
 from flexplan.placement import ACCELERATOR, PINNED  # noqa: E402
 from flexplan.placement import HOST as HOST_MEMORY  # noqa: E402
+
 WHERE = (ACCELERATOR, PINNED, HOST_MEMORY)
 
 # Directions of a copy. Host-to-host conversions do not cross the link but are logged too.
@@ -78,8 +80,6 @@ class Link:
         if self.is_cuda and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
         if self.device.type not in ("cuda", "cpu"):
-            from flexplan.errors import InvalidInputError
-
             raise InvalidInputError(f"accelerator {accelerator!r} is not supported; use 'cuda' or 'cpu' (the stand-in)")
         self.copy_stream = torch.cuda.Stream(self.device) if self.is_cuda else None
         self.transfers: list[Transfer] = []

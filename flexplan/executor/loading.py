@@ -18,6 +18,7 @@ import torch
 from flexplan.errors import InvalidInputError, MalformedDataError
 from flexplan.executor.families import check_supported
 from flexplan.executor.link import Link
+from flexplan.executor.runner import Executor
 from flexplan.plan_types import Plan
 
 
@@ -193,7 +194,6 @@ def load_streaming(path, plan: Plan, accelerator: str | Link = "cuda", *, gpu_me
     """A ``*ForCausalLM`` whose weights were streamed from ``path`` into the places ``plan``
     needs, with the executor installed (``model.flexplan_executor``); its ``generate()`` runs
     the plan (use ``flexplan.load`` for per-request KV caches and statistics)."""
-    from flexplan.executor.runner import Executor
 
     link = accelerator if isinstance(accelerator, Link) else Link(accelerator)
     config = read_config(path)

@@ -30,6 +30,8 @@ from pathlib import Path
 
 import torch
 
+from flexplan.smollm import cache_dir
+
 SOURCE = Path(__file__).with_name("native_gemv.c")
 DECODE_SOURCES = (SOURCE, Path(__file__).with_name("native_decode.c"))  # the fused layer calls the GEMV
 CFLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11")
@@ -275,8 +277,6 @@ class NativeDecode:
 
 
 def _cache_root() -> Path:
-    from flexplan.smollm import cache_dir
-
     return cache_dir() / "native"
 
 

@@ -8,9 +8,11 @@ with NaN predictions and a reason that says so.
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 from typing import Any
 
 from flexplan.errors import InvalidInputError
+from flexplan.estimator.policies import REGISTRY, placement_of
 from flexplan.hardware.spec import canonical_dtype
 from flexplan.plan_types import PhaseChoice, Plan
 from flexplan.workload.model import ModelSpec
@@ -21,7 +23,6 @@ _OVERRIDE_KEYS = {"prefill", "decode", "gpu_layers", "prefill_gpu_layers", "deco
 
 def gpu_layers_for(policy: str, num_layers: int, gpu_layers: int | None) -> int:
     """M a forced ``policy`` runs with (the policy's rule: its only option, or the caller's M)."""
-    from flexplan.estimator.policies import REGISTRY
 
     if policy not in REGISTRY:
         raise InvalidInputError(f"unknown policy {policy!r}; use one of {', '.join(REGISTRY)}")
@@ -30,7 +31,6 @@ def gpu_layers_for(policy: str, num_layers: int, gpu_layers: int | None) -> int:
 
 def _split(policy: str, spec: ModelSpec):
     """The policy's split for a plan fixed by hand (a split-points policy: its documented default)."""
-    from flexplan.estimator.policies import REGISTRY
 
     return REGISTRY[policy].fixed_split(spec)
 
@@ -52,7 +52,7 @@ def fixed_plan(model: Any, prefill: str, decode: str, gpu_layers: int | None = N
     m_p = gpu_layers_for(prefill, n, prefill_gpu_layers if prefill_gpu_layers is not None else gpu_layers)
     m_d = gpu_layers_for(decode, n, decode_gpu_layers if decode_gpu_layers is not None else gpu_layers)
     nan = math.nan
-    return Plan(
+    plan = Plan(
         model=spec.name, hardware=hardware, batch_size=int(batch_size), input_len=int(input_len),
         output_len=int(output_len), dtype=canonical_dtype(dtype), cpu_dtype=canonical_dtype(cpu_dtype), num_layers=n,
         gpu_memory_bytes=int(gpu_memory_bytes), cpu_memory_bytes=int(cpu_memory_bytes),
@@ -60,3 +60,4 @@ def fixed_plan(model: Any, prefill: str, decode: str, gpu_layers: int | None = N
         decode=PhaseChoice(decode, m_d, nan, 0, 0, nan, _split(decode, spec)),
         ttft_s=nan, tpot_s=nan, load_s=nan, switch_s=nan, e2e_s=nan,
         reason="placement fixed by the caller; no estimate", calibration="none")
+    return replace(plan, placement=placement_of(plan, n))

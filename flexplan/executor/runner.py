@@ -24,18 +24,31 @@ import torch
 from torch import nn
 from transformers.cache_utils import Cache
 
+from flexplan.errors import InvalidInputError, UnsupportedModelError
+from flexplan.estimator.policies import placement_of
 from flexplan.executor import cpu_attention, cpu_decode, cpu_experts, cpu_linear, families, native, split_layer
 from flexplan.executor.cpu_backend import configure
+from flexplan.executor.expert_cache import place_caches
 from flexplan.executor.families import decoder_parts, layer_windows, text_config
 from flexplan.executor.kv_cache import FlexCache, FlexKVLayer, KVPool, kv_bytes, kv_geometry
 from flexplan.executor.link import ACCELERATOR, HOST_MEMORY, PINNED, Link
 from flexplan.executor.placement import Placement, check_fits
-from flexplan.memory import (
-    ALIAS, EXPERTS, LINEAR, PLAIN, TIED_EMBEDDING, Inventory, MemoryNeed, Tensor, activation_elems_per_row, footprint)
 from flexplan.executor.stats import PhaseStats, step_flops
 from flexplan.executor.step import Step, generic_kv_to
 from flexplan.executor.weights import GroupWeights, StreamSlots, torch_dtype
-from flexplan.placement import SPLIT_POINTS
+from flexplan.memory import (
+    ALIAS,
+    EXPERTS,
+    LINEAR,
+    PLAIN,
+    TIED_EMBEDDING,
+    Inventory,
+    MemoryNeed,
+    Tensor,
+    activation_elems_per_row,
+    footprint,
+)
+from flexplan.placement import SPLIT_POINTS, STREAMED, PhasePlacement
 from flexplan.plan_types import Plan
 from flexplan.workload.model import ModelSpec
 
@@ -128,7 +141,6 @@ class Executor:
         covered = {id(m._parameters[leaf]) for g in (self.embed, *self.layers, self.head) for m, leaf in g.params.values()}
         missing = [n for n, p in model.named_parameters() if id(p) not in covered]
         if missing:
-            from flexplan.errors import UnsupportedModelError
             raise UnsupportedModelError(
                 f"model_type {self.parts.family!r} has parameters outside its embedding, decoder layers and head "
                 f"({', '.join(missing[:5])}): the executor cannot place them, so it cannot run it layer by layer")
@@ -230,7 +242,7 @@ class Executor:
     def place(self, plan: Plan, source=None) -> None:
         """Put every unit's weights where ``plan`` needs them (refusing before any allocation
         when it does not fit). A no-op when the placement is unchanged."""
-        placement = self._splittable(Placement.from_plan(plan, self.num_layers), plan)
+        placement = self._splittable(placement_of(plan, self.num_layers), plan)
         self.check(placement, plan.batch_size, plan.input_len + plan.output_len, plan.input_len, plan)
         pack_batch = cpu_linear.pack_batch_hint(plan.batch_size) if self.backend.packs_weights else None
         if placement == self.placement and pack_batch == self.pack_batch and source is None:
@@ -291,7 +303,6 @@ class Executor:
 
     def _place_expert_cache(self, plan: Plan) -> None:
         """The routed experts ``plan.expert_cache`` names, copied onto the accelerator (executor.expert_cache)."""
-        from flexplan.executor.expert_cache import place_caches
 
         place_caches(self.expert_modules, self.layers, self.placement, getattr(plan, "expert_cache", None), self.link,
                      self._dtype(ACCELERATOR))
@@ -307,8 +318,6 @@ class Executor:
         call transformers' attention interface: cpu_attention.attention_modules), or which split
         points cannot cut (split_layer.operator_modules), streamed whole, its KV cache with it, as
         gpu-offload streams it; said in ``cpu_decode_ops``."""
-        from flexplan.errors import InvalidInputError
-        from flexplan.placement import STREAMED, PhasePlacement
 
         phases, kept = {}, []
         for ph, pp in placement.phases.items():

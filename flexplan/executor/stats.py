@@ -12,6 +12,7 @@ import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from flexplan.executor.link import D2H, H2D
 from flexplan.plan_types import Plan
 from flexplan.workload import costs
 from flexplan.workload.model import ModelSpec
@@ -138,7 +139,6 @@ class RunStats:
 def collect(executor, t_start_s: float, t_end_s: float, batch: int, input_len: int, new_tokens: int,
             allocations_before: dict[str, int], cpu_threads_source: str = "") -> RunStats:
     """RunStats of the request that ran between ``t_start_s`` and ``t_end_s`` on ``executor``."""
-    from flexplan.executor.link import D2H, H2D
 
     link, plan = executor.link, executor.plan
     e2e = t_end_s - t_start_s
@@ -169,6 +169,5 @@ def collect(executor, t_start_s: float, t_end_s: float, batch: int, input_len: i
 def memory_state_of(plan: Plan) -> str:
     """The "memory state: ..." part of the plan's efficiency source (calibration/memory_state.py
     writes it when planning on a calibrated local machine); "" when the plan has none."""
-    from flexplan.calibration.memory_state import note_in
 
-    return note_in(plan.calibration)
+    return plan.factors.state_note

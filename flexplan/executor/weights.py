@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from flexplan.executor import cpu_linear
+from flexplan.executor.cpu_experts import block_experts_into, unblock_experts
 from flexplan.executor.link import ACCELERATOR, H2D, H2H, HOST_MEMORY, PINNED, Buffer, Link
 
 ALIGN_BYTES = 64
@@ -82,8 +83,6 @@ def on_host(t: torch.Tensor) -> torch.Tensor:
 
 
 def cpu_experts_block(dense: torch.Tensor, transposed: bool, view: torch.Tensor) -> torch.Tensor:
-    from flexplan.executor.cpu_experts import block_experts_into
-
     return block_experts_into(dense, transposed, view)
 
 
@@ -172,8 +171,6 @@ class GroupWeights:
         """``t`` (tensor ``name``) as a dense tensor: a packed linear or embedding weight, or a
         blocked routed-expert weight, reordered back; any other tensor as is."""
         if name in self.blocked_experts and t.dim() == 4:
-            from flexplan.executor.cpu_experts import unblock_experts
-
             return unblock_experts(t, self.blocked_experts[name])
         if isinstance(self.params[name][0], (nn.Linear, nn.Embedding)):
             return cpu_linear.dense(t, self.shape_of[name][0])

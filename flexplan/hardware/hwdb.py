@@ -312,17 +312,18 @@ def link_spec(entry: dict, bandwidth_bytes_per_s: float | None = None) -> LinkSp
 # ----------------------------------------------------------------------------- resolve
 
 
-def resolve(name: str = "local", **overrides) -> Hardware:
-    """A server id, ``"local"`` (introspected), a composition ``CPU[xS]+GPU[+LINK]`` (parts in
-    any order, link defaulting to the GPU's PCIe generation and width) or a bare CPU id
-    (CPU-only). Case-insensitive. ``overrides``: gpu_memory_bytes, cpu_memory_bytes, cpu_cores,
-    no_gpu=True."""
+def is_local_name(name: str) -> bool:
+    """Whether ``name`` asks for this machine (introspected) rather than an hwdb entry."""
+    return " ".join(str(name).split()).lower() in ("", "local")
+
+
+def resolve(name: str, **overrides) -> Hardware:
+    """A server id, a composition ``CPU[xS]+GPU[+LINK]`` (parts in any order, link defaulting to
+    the GPU's PCIe generation and width) or a bare CPU id (CPU-only). Case-insensitive.
+    ``overrides``: gpu_memory_bytes, cpu_memory_bytes, cpu_cores, no_gpu=True. The local machine
+    ("local") is introspect.local_hardware's: ``flexplan.hardware.get_hardware`` picks."""
     opts = check_overrides(overrides)
     key = " ".join(str(name).split()).lower()
-    if key in ("", "local"):
-        from flexplan.hardware.introspect import local_hardware
-
-        return local_hardware(**opts)
     db = load()
     if key in db["servers"]:
         hw = _server_hardware(db, db["servers"][key])

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from flexplan.errors import InvalidInputError
+
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 DTYPE_ALIASES = {
     "fp32": "float32", "float": "float32", "float32": "float32",
@@ -19,7 +21,6 @@ DTYPE_ALIASES = {
 
 def canonical_dtype(name: str) -> str:
     """'bf16' -> 'bfloat16'; raises InvalidInputError for an unknown dtype."""
-    from flexplan.errors import InvalidInputError
 
     try:
         return DTYPE_ALIASES[str(name).replace("torch.", "").lower()]

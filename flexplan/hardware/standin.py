@@ -9,12 +9,11 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from flexplan.hardware import get_hardware
 from flexplan.hardware.spec import GPUSpec, Hardware, LinkSpec
 
 
 def standin_hardware(gpu_memory_bytes: int, base: Hardware | None = None) -> Hardware:
-    from flexplan.hardware import get_hardware
-
     base = base or get_hardware("local")
     cpu = base.cpu
     flops = {d: cpu.peak_flops_per_s.get(cpu.compute_dtype, 0.0) if d == cpu.compute_dtype else v

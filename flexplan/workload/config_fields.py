@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from flexplan.errors import MalformedDataError, UnsupportedModelError
+from flexplan.errors import UnsupportedModelError
 
 # Attention kinds a decoder layer may have (``layer_types`` entries); all keep a KV cache.
 ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention")

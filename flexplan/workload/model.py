@@ -20,6 +20,7 @@ from typing import Any
 from flexplan.errors import MalformedDataError
 from flexplan.workload.config_fields import reject_non_layerwise, spec_fields, text_config
 
+
 @dataclass(frozen=True)
 class ModelSpec:
     """Shapes of a decoder-only causal LM, as its transformers modules hold them.

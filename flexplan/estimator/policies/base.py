@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from flexplan.errors import InvalidInputError
 from flexplan.estimator.terms import PhaseCosts
 from flexplan.placement import RESIDENT, LayerMode, PhasePlacement
 
@@ -58,7 +59,6 @@ class Policy:
         """M a forced plan runs with: the caller's (checked) when the policy takes one, else its only option."""
         if not self.needs_gpu_layers:
             return int(self.gpu_layer_options(num_layers)[0])
-        from flexplan.errors import InvalidInputError
 
         if gpu_layers is None:
             raise InvalidInputError(f"policy {self.name} needs gpu_layers (how many layers sit on the GPU), "

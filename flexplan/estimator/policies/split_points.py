@@ -59,6 +59,7 @@ from flexplan.estimator.policies.base import PhaseTime, Policy, gpu_ends, mean_o
 from flexplan.estimator.terms import PhaseCosts
 from flexplan.placement import SPLIT_POINTS
 from flexplan.plan_types import SplitPoints
+from flexplan.workload.operators import layer_operators, why_not_split
 
 
 def eq13_candidates(n: int) -> tuple[np.ndarray, np.ndarray]:
@@ -176,8 +177,6 @@ class SplitPointsPolicy(Policy):
         return np.arange(0, num_layers)
 
     def not_applicable(self, model) -> str:
-        from flexplan.workload.operators import why_not_split
-
         why = why_not_split(model)
         return f"cannot cut its layers into operators: {why}" if why else ""
 
@@ -212,7 +211,6 @@ class SplitPointsPolicy(Policy):
     def fixed_split(self, model) -> SplitPoints:
         """A plan fixed by hand (``executor.fixed_plan``) without an estimate: the CPU computes the first
         operator and the last one, the accelerator the rest (1, n - 1)."""
-        from flexplan.workload.operators import layer_operators
 
         names = tuple(o.name for o in layer_operators(model))
         return SplitPoints(names, (1, len(names) - 1), float("nan"), float("nan"), float("nan"), (),

@@ -39,14 +39,24 @@ from __future__ import annotations
 
 import contextlib
 import math
-import os
 import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
-from flexplan.calibration.stream import torch_threads  # noqa: F401  (used by callers of this module)
 from flexplan.estimator.terms import c_gemm
+from flexplan.executor import cpu_attention, cpu_decode, cpu_experts, cpu_linear, native
+from flexplan.executor.cpu_linear import LinearKernel, TiedHeadKernel, pack_batch_hint, pack_module
+from flexplan.executor.families import CACHE_KWARG
+from flexplan.executor.kv_cache import FlexCache, FlexKVLayer, KVGeometry, kv_bytes
+from flexplan.executor.link import HOST_MEMORY, Link
+from flexplan.executor.split_layer import cpu_operator_linear, dense_kernel
+from flexplan.measure.membw import beyond_llc_bytes, llc_bytes  # noqa: F401  (callers read them here too)
+from flexplan.measure.stream import (
+    copy_bytes_per_s,
+    stream_triad_bytes_per_s,
+    torch_threads,  # noqa: F401  (used by callers of this module)
+)
 
 # Attention heads of a real model: Llama-3-8B (32 query heads, 8 KV heads, head_dim 128).
 ATTN_HEADS, ATTN_KV_HEADS, ATTN_HEAD_DIM = 32, 8, 128
@@ -157,7 +167,7 @@ MODES = {
                   transfer_bytes=(2**16, 2**20), layer_widths=((64, 128, 4, 2, 16), (128, 256, 4, 2, 32)),
                   layer_shapes=((1, 1), (1, 16)), layer_kv_len=16, layer_long_kv_len=64, head_shapes=((64, 1024),), head_tokens=(1, 2),
                   expert_tokens=(1, 4), expert_shape=(128, 64, 2)),
-    # first use (flexplan/calibration/first_use.py): seconds (target: a few). STREAM, op dispatch, on one
+    # first use (flexplan/measure/first_use.py): seconds (target: a few). STREAM, op dispatch, on one
     # 1B-class projection (2048 x 2048) the GEMV at the decode batches validate runs (1, 4, 8)
     # and prefill GEMMs at 32, 128 and 512 tokens (one GEMM at 256 alone left prefill at 32 and
     # 4096 tokens to interpolation: up to 34% off full files of synthetic machines), one
@@ -192,33 +202,6 @@ MODES = {
 
 
 # ----------------------------------------------------------------------------- helpers
-
-
-def llc_bytes() -> int:
-    """Size of the last-level cache (one instance), from sysfs; 32 MiB when unknown."""
-    import glob
-
-    best = 0
-    for d in glob.glob("/sys/devices/system/cpu/cpu0/cache/index*"):
-        try:
-            size = open(f"{d}/size").read().strip().upper()
-            mult = {"K": 2**10, "M": 2**20, "G": 2**30}.get(size[-1], 1)
-            best = max(best, int(size.rstrip("KMG")) * mult)
-        except (OSError, ValueError):
-            continue
-    return best or 32 * 2**20
-
-
-def beyond_llc_bytes(llc_multiple: float, floor_bytes: int, cap_bytes: int) -> int:
-    """A buffer ``llc_multiple`` times the last-level cache, at least ``floor_bytes``, at most
-    ``cap_bytes`` or 1/64 of the host's memory if that is more. Fixed caps measured the cache on
-    big-LLC hosts: a 16-core Xeon VM beside an H200 reports 300 MB of LLC, where 64 MB STREAM
-    arrays read 174 GB/s and a 256 MB GEMV probe read 34-67 GB/s from one minute to the next."""
-    try:
-        host = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (AttributeError, OSError, ValueError):
-        host = 0
-    return int(min(max(llc_multiple * llc_bytes(), floor_bytes), max(cap_bytes, host // 64)))
 
 
 def stream_array_bytes(sizes: Sizes) -> int:
@@ -351,8 +334,7 @@ class Cycle:
 
 
 def stream(sizes: Sizes, threads: int) -> dict[str, float]:
-    """STREAM triad and copy (flexplan/calibration/stream.py)."""
-    from flexplan.calibration.stream import copy_bytes_per_s, stream_triad_bytes_per_s
+    """STREAM triad and copy (flexplan/measure/stream.py)."""
 
     n = stream_array_bytes(sizes)
     return {"triad_bytes_per_s": _sig(stream_triad_bytes_per_s(n, threads=threads)),
@@ -384,7 +366,6 @@ def gemm(tokens: tuple[int, ...], sizes: Sizes, dtype: str, device: str = "cpu",
     for a linear layer on ``device``; on the CPU oneDNN-packed or blocked weights)."""
     import torch
 
-    from flexplan.executor.cpu_linear import LinearKernel, pack_batch_hint
 
     dt, nbytes = torch_dtype(dtype), dtype_bytes(dtype)
     total_bytes = total_bytes or rotate_bytes(sizes)
@@ -518,7 +499,6 @@ def cpu_decode_attention_call(heads: int, kv_heads: int, head_dim: int, batch: i
     import torch
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    from flexplan.executor import native
 
     ops = native.decode_status()[0] if dt in native.ATTENTION_KV_DTYPES else None
     one = 2 * batch * kv_heads * kv_len * head_dim * torch.empty(0, dtype=dt).element_size()
@@ -567,8 +547,6 @@ def tiny_decode_step(dtype: str, device: str = "cpu", stack: int = 1, fixed_kv: 
     from transformers.cache_utils import DynamicCache
     from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
 
-    from flexplan.executor.cpu_linear import LinearKernel, pack_batch_hint, pack_module
-    from flexplan.executor.families import CACHE_KWARG
 
     cfg = _llama_config(64, 128, 4, 2, 16)
     dt = torch_dtype(dtype)
@@ -615,8 +593,6 @@ def head_gemv(sizes: Sizes, dtype: str, tick: Callable[[], None] | None = None) 
     rows = gemm(sizes.head_tokens, heads, dtype, tick=tick)
     tied = replace(heads, weight_shapes=tied_head_shapes(sizes, dtype))
     if tied.weight_shapes:
-        from flexplan.executor.cpu_linear import TiedHeadKernel
-
         rows += [dict(r, tied=True) for r in gemm(sizes.head_tokens, tied, dtype, tick=tick, linear=TiedHeadKernel())]
     return rows
 
@@ -625,7 +601,6 @@ def tied_head_shapes(sizes: Sizes, dtype: str) -> tuple[tuple[int, int], ...]:
     """The head shapes whose tied head runs another kernel than an untied one in ``dtype``."""
     import torch
 
-    from flexplan.executor.cpu_linear import TiedHeadKernel
 
     return tuple((k, n) for k, n in sizes.head_shapes
                  if TiedHeadKernel.differs(torch.empty((n, k), dtype=torch_dtype(dtype), device="meta")))
@@ -649,9 +624,6 @@ def layers(sizes: Sizes, dtype: str, tick: Callable[[], None] | None = None) -> 
     import torch
     from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
 
-    from flexplan.executor import cpu_attention, cpu_decode
-    from flexplan.executor.cpu_linear import LinearKernel, pack_batch_hint, pack_module
-    from flexplan.executor.families import CACHE_KWARG
 
     dt = torch_dtype(dtype)
     kernel = LinearKernel()
@@ -718,8 +690,6 @@ def _executor_cache(batch: int, capacity: int, kv_heads: int, head_dim: int, dty
     (``executor.kv_cache``: [capacity, batch, kv heads, d] buffers, written in place)."""
     import torch
 
-    from flexplan.executor.kv_cache import FlexCache, FlexKVLayer, KVGeometry, kv_bytes
-    from flexplan.executor.link import HOST_MEMORY, Link
 
     geometry = KVGeometry(kv_heads, head_dim, kv_heads, head_dim)
     raw = torch.empty(kv_bytes(batch, capacity, geometry, dtype), dtype=torch.uint8)
@@ -784,7 +754,6 @@ def expert_gemv(sizes: Sizes, dtype: str, tick: Callable[[], None] | None = None
     experts that they exceed the last-level cache (every call reads its experts from DRAM)."""
     import torch
 
-    from flexplan.executor import cpu_experts, cpu_linear
 
     hidden, inter, k = sizes.expert_shape
     dt, nbytes = torch_dtype(dtype), dtype_bytes(dtype)
@@ -828,8 +797,6 @@ def split_linear(sizes: Sizes, dtype: str, tick: Callable[[], None] | None = Non
     moves both alike)."""
     import torch
 
-    from flexplan.executor.cpu_linear import LinearKernel, pack_batch_hint
-    from flexplan.executor.split_layer import cpu_operator_linear, dense_kernel
 
     dt, nbytes = torch_dtype(dtype), dtype_bytes(dtype)
     k, n = sizes.weight_shapes[-1]
@@ -862,91 +829,3 @@ def split_linear(sizes: Sizes, dtype: str, tick: Callable[[], None] | None = Non
             if tick:
                 tick()
     return rows
-
-
-SLOPES = 3  # executor_layers: slopes measured, their median kept
-
-
-def executor_layers(sizes: Sizes, dtype: str, tick: Callable[[], None] | None = None) -> list[dict]:
-    """Seconds per decoder layer of a decode step run by flexplan's executor itself (plan cpu/cpu
-    in ``dtype``, batch 1, after a ``layer_kv_len``-token prompt), from toy Llamas of the first of
-    ``sizes.layer_widths`` (and the widest, where ``sizes.executor_widths`` is 2) at two depths: the
-    slope is one layer's cost there with everything the executor adds to the bare layer that
-    ``layers`` times (its hooks, its KV cache, casts, the mask); the head, the embedding and the
-    generate loop cancel; ``layer_time_s``: the bare layer of that width (``layers`` at batch 1)
-    timed right after. One row per dtype and width; none where the slope comes out non-positive
-    (noise swamping tiny layers on a busy host: such a row failed the whole calibration's row checks)."""
-    rows = []
-    for width in executor_widths(sizes):
-        rows += _executor_layer(sizes, dtype, width, tick)
-    return rows
-
-
-def executor_widths(sizes: Sizes) -> list[tuple[int, int, int, int, int]]:
-    """The layer widths :func:`executor_layers` times: the first, and the widest where
-    ``sizes.executor_widths`` is 2."""
-    return list(dict.fromkeys(sizes.layer_widths[:1] + (sizes.layer_widths[-1:] if sizes.executor_widths > 1 else ())))
-
-
-def _executor_layer(sizes: Sizes, dtype: str, width: tuple[int, int, int, int, int],
-                    tick: Callable[[], None] | None, batch: int = 1) -> list[dict]:
-    """:func:`executor_layers` at one width, at decode ``batch`` (calibration: 1;
-    ``benchmarks/diag_executor_extra_by_batch.py`` times others)."""
-    import torch
-    from transformers import LlamaForCausalLM
-
-    from flexplan.api import load
-    from flexplan.executor.plans import fixed_plan
-    from flexplan.workload.model import ModelSpec
-
-    hidden, inter, heads, kv_heads, head_dim = width
-    # both depths' weights more than twice the last-level cache, as a real model's layers and the
-    # bare layers' cycled copies are (a 2-layer float32 model sat in the cache and made the slope
-    # 0.52 ms where the layer takes 0.31)
-    spec = ModelSpec.from_config(_llama_config(hidden, inter, heads, kv_heads, head_dim))
-    low = min(32, max(2, math.ceil(2 * llc_bytes() / (spec.params_per_layer * dtype_bytes(dtype)))))
-    depths, steps = (low, low + 12), 16
-    repeats = max(3, min(5, sizes.repeats))
-    ids = torch.ones(batch, sizes.layer_kv_len, dtype=torch.long)
-    lms = {}
-    for depth in depths:
-        model = LlamaForCausalLM(_llama_config(hidden, inter, heads, kv_heads, head_dim, layers=depth)).eval()
-        lms[depth] = load(model, plan=fixed_plan(model.config, "cpu", "cpu", cpu_dtype=dtype, input_len=ids.shape[1],
-                                                 output_len=steps + 1, batch_size=batch),
-                          accelerator=None, online_correction=False)
-
-    def step_s(lm) -> float:  # one decode step, the prompt and the first token taken out
-        def gen(n):
-            return lambda: lm.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=n,
-                                       min_new_tokens=n, do_sample=False, pad_token_id=0)
-        return (time_call(gen(steps + 1), repeats, 2 * sizes.budget_s)["time_s"]
-                - time_call(gen(1), repeats, sizes.budget_s)["time_s"]) / steps
-
-    # the median of SLOPES slopes: one slope is a difference of differences, and one of them came out
-    # 0.456 ms per SmolLM2-sized float32 layer where four in a row minutes later gave 0.35-0.39 and the
-    # whole model ran at ~0.40 (its executor extra, 0.087 ms, then priced every decode step 8-10% slow);
-    # a busy host can swamp the difference (tiny layers): a non-positive slope is measured again, then given up.
-    # Each slope is paired with the bare layer timed right after it, and the extra is the median of the
-    # pairs' differences: at the 2048-wide layer both are memory-bound (~1.5-2 ms), and timed apart a
-    # memory-state flip between them would land in the extra. Paired, run 6's full files still gave
-    # 0.35 ms (bf16) and 0.44 ms (fp32) at 2048 against 0.11 / ~0 at 576: not state noise alone
-    alone = replace(sizes, layer_widths=(width,), layer_shapes=((batch, 1),), layer_long_kv_len=None,
-                    prefill_only_widths=())
-    slopes, bare = [], []
-    for _ in range(SLOPES + 2):
-        per_layer = (step_s(lms[depths[1]]) - step_s(lms[depths[0]])) / (depths[1] - depths[0])
-        if per_layer > 0:
-            slopes.append(per_layer)
-            bare.append(layers(alone, dtype)[0]["time_s"])  # the layer alone, right after
-        if len(slopes) == SLOPES:
-            break
-    del lms
-    for _ in depths if tick else ():
-        tick()
-    if not slopes:  # no row: the executor is taken to add nothing
-        return []
-    return [{"dtype": dtype, "hidden": hidden, "intermediate": inter, "heads": heads, "kv_heads": kv_heads,
-             "head_dim": head_dim, "batch": batch, "query_len": 1, "kv_len": sizes.layer_kv_len + 1 + steps // 2,
-             "depths": list(depths), "steps": steps, "slopes": len(slopes),
-             "time_s": _sig(float(statistics.median(slopes))), "layer_time_s": _sig(float(statistics.median(bare))),
-             "extra_s": _sig(float(statistics.median(a - b for a, b in zip(slopes, bare))))}]

@@ -21,25 +21,26 @@ torch is imported only when the probe runs.
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 import sys
-import threading
 import time
-from contextlib import contextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:  # pragma: no cover
-    from flexplan.calibration.store import Calibration
-    from flexplan.estimator.efficiency import DefaultEfficiency
-    from flexplan.hardware.spec import Hardware
+from flexplan.estimator.efficiency import DefaultEfficiency, Efficiency, cpu_path
+from flexplan.factors import store
+from flexplan.factors.calibrated import _calibrated, calibration_for, is_local
+from flexplan.factors.store import Calibration
+from flexplan.hardware.spec import Hardware
+from flexplan.measure.calibrate import calibrate
+from flexplan.measure.running import _lock, _state, measuring  # noqa: F401  (calibrate enters measuring())
+from flexplan.measure.state import describe, efficiency_now
 
 ENV = "FLEXPLAN_AUTO_CALIBRATE"
 MODE = "probe"
 OFF_VALUES = ("0", "false", "no", "off")
 HOW_TO = "run `flexplan calibrate --quick` (about 2 minutes on 2 cores) or `flexplan calibrate` (the full set)"
 
-_lock = threading.RLock()
-_state: dict = {"running": False, "tried": False, "cal": None, "why_not": None}
+
 
 
 def enabled() -> bool:
@@ -49,22 +50,9 @@ def enabled() -> bool:
 
 def probe_dir() -> Path:
     """Where the probe's file goes: ``$FLEXPLAN_CALIBRATION_DIR`` when set, else the user cache."""
-    from flexplan.calibration import store
 
     explicit = os.environ.get(store.DIR_ENV)
     return Path(explicit).expanduser() if explicit else store.user_cache_dir()
-
-
-@contextmanager
-def measuring():
-    """While a calibration runs: no first-use probe from lookups made inside it."""
-    with _lock:
-        before, _state["running"] = _state["running"], True
-    try:
-        yield
-    finally:
-        with _lock:
-            _state["running"] = before
 
 
 def first_use_calibration() -> "Calibration | None":
@@ -88,12 +76,9 @@ def first_use_calibration() -> "Calibration | None":
 
 def _measure() -> "tuple[Calibration | None, str | None]":
     """(the loaded probe file, None), or (None, why it failed); one line on stderr either way."""
-    from flexplan.calibration import store
 
     t0 = time.perf_counter()
     try:
-        from flexplan.calibration.cli import calibrate
-
         path = probe_dir() / store.file_name(store.local_identity())
         res = calibrate(mode=MODE, out=path, progress=False)
         cal = store.load_calibration(res.path)
@@ -130,17 +115,34 @@ def describe_none() -> str:
     return "calibration: none: run `flexplan calibrate --quick`"
 
 
-def uncalibrated_defaults(hw: "Hardware") -> "DefaultEfficiency":
-    """DefaultEfficiency of ``hw`` whose ``source`` says why no calibration is used."""
-    from dataclasses import replace
-
-    from flexplan.estimator.efficiency import DefaultEfficiency, cpu_path
-
-    eff = DefaultEfficiency.for_hardware(hw)
-    return replace(eff, source=f"defaults ({cpu_path(hw)} CPU; not calibrated: {why_uncalibrated()})")
-
-
 def reset() -> None:
     """Forget this process's attempt (tests)."""
     with _lock:
         _state.update(running=False, tried=False, cal=None, why_not=None)
+
+
+def measured_efficiency(hw: Hardware) -> Efficiency:
+    """The factors a caller about to run on ``hw`` plans with (``flexplan run``, ``explain`` on the
+    local machine): this machine calibrated on first use (:func:`first_use_calibration`) when no
+    file of it exists, then scaled to the memory state of now (``state.efficiency_now``)."""
+    if not (is_local(hw) and calibration_for(hw) is None):
+        return efficiency_now(hw)
+    first_use_calibration()
+    eff = efficiency_now(hw)
+    if isinstance(eff, DefaultEfficiency):  # still none: the source says why (opted out, or the probe failed)
+        eff = replace(eff, source=f"defaults ({cpu_path(hw)} CPU; not calibrated: {why_uncalibrated()})")
+    return eff
+
+
+def describe_calibration(hw: Hardware) -> str:
+    """One line for ``flexplan hw``: the calibration in use and its age, or how to make one, with
+    the recorded probe distributions and the probes now."""
+    if not is_local(hw):
+        return "calibration: none for hwdb hardware (defaults; calibrations describe the local machine)"
+    cal = calibration_for(hw)
+    if cal is None:
+        return describe_none()
+    eff = _calibrated(cal, hw)
+    mode = cal.doc.get("mode", "?")
+    return (f"calibration in use: {cal.describe()} ({mode} run, CPU threads {eff.cpu_threads()})\n"
+            f"  {describe(cal.measurements)}")

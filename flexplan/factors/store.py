@@ -32,6 +32,7 @@ from typing import Any
 
 from flexplan.atomic_file import write_text_atomic
 from flexplan.errors import CalibrationError
+from flexplan.hardware.introspect import introspect, isa_class
 
 FORMAT = "flexplan-calibration"
 VERSION = 1
@@ -101,7 +102,6 @@ class MachineIdentity:
         """The identity a file's ``machine`` section records (files written before the ISA class
         was part of it: derived from their ``cpu_isa`` flags, "?" when they have none; before the
         microarchitecture was: "?")."""
-        from flexplan.hardware.introspect import isa_class
 
         isa = m.get("isa") or (isa_class(m["cpu_isa"]) if isinstance(m.get("cpu_isa"), list) else "?")
         arch = m.get("cpu_arch", "?")
@@ -132,7 +132,6 @@ def cpu_arch(family: int | None, model: int | None) -> str:
 @lru_cache(maxsize=1)
 def local_identity() -> MachineIdentity:
     """This machine's identity from :func:`flexplan.hardware.introspect.introspect` (cached)."""
-    from flexplan.hardware.introspect import introspect, isa_class
 
     m = introspect()
     pcie = tuple(f"gen{g.pcie_max_generation}x{g.pcie_max_width}" if g.pcie_max_generation and g.pcie_max_width
@@ -171,9 +170,8 @@ def file_name(identity: MachineIdentity) -> str:
 
 def source_checkout_dir() -> Path | None:
     """The checkout's top-level ``calibration/`` when flexplan runs from a source tree."""
-    import flexplan
 
-    d = Path(flexplan.__file__).resolve().parent.parent / "calibration"
+    d = Path(__file__).resolve().parents[2] / "calibration"
     return d if d.is_dir() else None
 
 

@@ -28,6 +28,7 @@ factors); ``flexplan calibrate`` records its samples whatever it says.
 
 from __future__ import annotations
 
+import glob
 import os
 import sys
 import time
@@ -35,6 +36,8 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 
 import numpy as np
+
+from flexplan.executor.cpu_linear import LinearKernel
 
 PROBE_ENV = "FLEXPLAN_MEMORY_PROBE"
 PROBE_TTL_S = 5.0  # a probe this recent is reused: a loop of plan() calls does not re-probe each time
@@ -50,6 +53,31 @@ _BUFFERS: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # n_bytes -> (a, b), pa
 _LAST: dict[str, tuple[float, float | None, str]] = {}  # probe -> (time.monotonic(), figure or None, why it failed)
 
 
+def llc_bytes() -> int:
+    """Size of the last-level cache (one instance), from sysfs; 32 MiB when unknown."""
+    best = 0
+    for d in glob.glob("/sys/devices/system/cpu/cpu0/cache/index*"):
+        try:
+            size = open(f"{d}/size").read().strip().upper()
+            mult = {"K": 2**10, "M": 2**20, "G": 2**30}.get(size[-1], 1)
+            best = max(best, int(size.rstrip("KMG")) * mult)
+        except (OSError, ValueError):
+            continue
+    return best or 32 * 2**20
+
+
+def beyond_llc_bytes(llc_multiple: float, floor_bytes: int, cap_bytes: int) -> int:
+    """A buffer ``llc_multiple`` times the last-level cache, at least ``floor_bytes``, at most
+    ``cap_bytes`` or 1/64 of the host's memory if that is more. Fixed caps measured the cache on
+    big-LLC hosts: a 16-core Xeon VM beside an H200 reports 300 MB of LLC, where 64 MB STREAM
+    arrays read 174 GB/s and a 256 MB GEMV probe read 34-67 GB/s from one minute to the next."""
+    try:
+        host = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (AttributeError, OSError, ValueError):
+        host = 0
+    return int(min(max(llc_multiple * llc_bytes(), floor_bytes), max(cap_bytes, host // 64)))
+
+
 def probe_enabled() -> bool:
     """False when ``$FLEXPLAN_MEMORY_PROBE`` is 0, false, no or off."""
     return os.environ.get(PROBE_ENV, "1").strip().lower() not in ("0", "false", "no", "off")
@@ -58,7 +86,6 @@ def probe_enabled() -> bool:
 def probe_buffer_bytes() -> int:
     """Each of the probe's two buffers: twice the last-level cache, at least 16 MB, at most 128 MB
     or 1/64 of the host's memory (microbench.beyond_llc_bytes)."""
-    from flexplan.calibration.microbench import beyond_llc_bytes
 
     return beyond_llc_bytes(2, MIN_BUFFER_BYTES, MAX_BUFFER_BYTES)
 
@@ -220,7 +247,6 @@ def gemv_probe_bytes() -> int:
     1/64 of the host's memory (at twice the cache, part of them stayed cached between repeats: on
     the AVX-512 VM a 64 MB probe read up to 118 GB/s where decode's GEMVs never passed 83; a fixed
     256 MB cap left the probe inside a 300 MB LLC on the H200's host)."""
-    from flexplan.calibration.microbench import beyond_llc_bytes
 
     return beyond_llc_bytes(4, 2 * MIN_BUFFER_BYTES, 2 * MAX_BUFFER_BYTES)
 
@@ -235,7 +261,6 @@ def measure_gemv_bytes_per_s(repeats: int = GEMV_PROBE_REPEATS) -> float:
     :func:`gemv_probe_bytes`, kept between probes. Imports torch."""
     import torch
 
-    from flexplan.executor.cpu_linear import LinearKernel
 
     if not _GEMV:
         kernel = LinearKernel(device="cpu")

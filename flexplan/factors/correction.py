@@ -78,7 +78,11 @@ from typing import TYPE_CHECKING, Any, Iterable, Mapping
 
 import numpy as np
 
-from flexplan.estimator.efficiency import TERM_CLASSES, ScaledEfficiency, with_learned_elasticity
+from flexplan.estimator.efficiency import TERM_CLASSES, ScaledEfficiency, unwrapped, with_learned_elasticity
+from flexplan.estimator.phase_costs import phase_costs
+from flexplan.estimator.policies import REGISTRY
+from flexplan.estimator.terms import Shape
+from flexplan.factors.efficiency import CalibratedEfficiency
 
 if TYPE_CHECKING:  # pragma: no cover
     from flexplan.estimator.efficiency import Efficiency
@@ -238,8 +242,6 @@ class Corrections:
 def phase_time_s(obs: Observation, eff: "Efficiency", phase: str) -> float:
     """The estimator's time of ``phase`` for the placement the run used (TTFT or mean TPOT): the
     policy's own ``estimate`` over Table 2's per-layer costs, for its single M."""
-    from flexplan.estimator.policies import REGISTRY
-    from flexplan.estimator.terms import Shape, phase_costs
 
     shape = Shape(obs.model, obs.batch, obs.input_len, max(obs.new_tokens, 2), obs.dtype, obs.cpu_dtype)
     policy, m = (obs.prefill, obs.prefill_gpu_layers) if phase == "prefill" else (obs.decode, obs.decode_gpu_layers)
@@ -254,7 +256,6 @@ def shares(obs: Observation, eff: "Efficiency", phase: str) -> tuple[float, np.n
     the next layer's copy, Eq. 5), whose sides the search balances: a one-sided 1% step across such
     a kink counted both sides whole (shares summing to 1.17 for a split-points prefill whose sides
     were 0.8% apart; central at 1%: 1.05; central at 0.1%: 1.00)."""
-    from flexplan.estimator.policies import REGISTRY
 
     t0 = phase_time_s(obs, eff, phase)
     w = np.zeros(len(TERM_CLASSES))
@@ -351,8 +352,6 @@ def update(corrections: Corrections | None, obs: Observation, base: "Efficiency"
 def prior_var(base: "Efficiency") -> float:
     """The prior variance of each class's log scale over ``base``: CALIBRATED_PRIOR_VAR over a
     calibration of this machine, PRIOR_VAR over default factors (hwdb peaks times guesses)."""
-    from flexplan.calibration.efficiency import CalibratedEfficiency
-    from flexplan.estimator.efficiency import unwrapped
 
     return CALIBRATED_PRIOR_VAR if isinstance(unwrapped(base), CalibratedEfficiency) else PRIOR_VAR
 

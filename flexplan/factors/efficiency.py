@@ -41,59 +41,19 @@ from typing import Any
 
 import numpy as np
 
-from flexplan.calibration.layer_fit import LayerOverhead, derive_layers
-from flexplan.calibration.memory_state import normalised
-from flexplan.estimator.efficiency import DefaultEfficiency
+from flexplan.estimator.efficiency import DefaultEfficiency, FactorSource
 from flexplan.estimator.terms import c_gemm, d_gemm, t_compute_s, t_memory_s
+from flexplan.factors.layer_fit import LayerOverhead, derive_layers
+from flexplan.factors.memory_state import normalised
+from flexplan.factors.tables import EFF_MAX, Table, _attention_spec, _num, _stat_s, capped_growth
 from flexplan.hardware.spec import DTYPE_BYTES, Hardware
 from flexplan.workload import costs
-from flexplan.workload.model import ModelSpec
 
-EFF_MIN = 1e-4  # a factor below this is a broken measurement, not a slow machine
 MAX_DISPATCH_SHARE = 0.25  # dispatch is a correction: never more than this share of an op's time
 # a GPU layer's kernel launches (~30 of 5-10 us) take well under this; a measured per-layer overhead
 # above it timed something else (an H200 host's one-layer step read 36 ms where the executor's
 # whole 7-layer decode step took 14-20 ms) and would price every GPU layer 100x too slow
 GPU_LAYER_OVERHEAD_MAX_S = 5e-3
-
-
-class Table:
-    """A factor as a function of one positive quantity, piecewise linear in log(x) (``log_y``:
-    log(y) linear in log(x), a power law between points), held constant beyond the ends, clamped."""
-
-    def __init__(self, x, y, lo: float | None = None, hi: float | None = None, log_y: bool = False):
-        order = np.argsort(np.asarray(x, dtype=float))
-        self.x = np.asarray(x, dtype=float)[order]
-        self.y = np.clip(np.asarray(y, dtype=float)[order], EFF_MIN if lo is None else lo, EFF_MAX if hi is None else hi)
-        if self.x.size == 0 or np.any(self.x <= 0) or not np.all(np.isfinite(self.y)):
-            raise ValueError("a factor table needs positive x and finite y")
-        if log_y and np.any(self.y <= 0):
-            raise ValueError("a power-law table needs positive y")
-        self._logx = np.log(self.x)
-        self.log_y = log_y
-
-    def __call__(self, v):
-        lv = np.log(np.maximum(np.asarray(v, dtype=float), 1e-30))
-        out = np.exp(np.interp(lv, self._logx, np.log(self.y))) if self.log_y else np.interp(lv, self._logx, self.y)
-        return float(out) if np.ndim(out) == 0 else out
-
-    def rows(self, key: str) -> list[dict[str, float]]:
-        return [{key: _num(x), "eff": _num(y)} for x, y in zip(self.x, self.y)]
-
-
-# Factors are measured / nominal. The nominal peak of a machine whose SKU is hidden (a VM) is an
-# assumption and can be below what the machine does; the factor then exceeds 1 so that the
-# estimator reproduces the measurement. Bounded, to catch nonsense.
-EFF_MAX = 4.0
-
-
-def _num(x: float) -> float:
-    return float(f"{float(x):.4g}")
-
-
-def _stat_s(row: dict) -> float:
-    """The median run when recorded: predictions are for typical runs, not the luckiest one."""
-    return float(row.get("time_median_s") or row["time_s"])
 
 
 def no_faster_with_more_work(rows: list[dict], group, work) -> list[float]:
@@ -113,18 +73,6 @@ def no_faster_with_more_work(rows: list[dict], group, work) -> list[float]:
             fastest = min(fastest, times[i])
             times[i] = fastest
     return times
-
-
-def capped_growth(x, y, power_law: bool) -> list[float]:
-    """``y`` (a factor by x, x ascending) with each point at most the previous one times the
-    growth that keeps x / y(x) non-decreasing between the points as the Table interpolates
-    them: x[i]/x[i-1] for a power law, 1 + ln(x[i]/x[i-1]) for linear in log(x). The term
-    work(x) / (rate x y(x)) with work proportional to x then never falls as x grows."""
-    out = [float(v) for v in y]
-    for i in range(1, len(out)):
-        r = float(x[i]) / float(x[i - 1])
-        out[i] = min(out[i], out[i - 1] * (r if power_law else 1.0 + float(np.log(r))))
-    return out
 
 
 def _less_dispatch(t: float, dispatch_s: float, capped: list) -> float:
@@ -275,16 +223,6 @@ def _by_batch(tables: dict, batch: float, context_len):
     return np.exp((1 - w) * np.log(vals[j - 1]) + w * np.log(vals[j]))
 
 
-def _attention_spec(heads: int, kv_heads: int, head_dim: int, hidden: int | None = None,
-                    intermediate: int = 1) -> ModelSpec:
-    """A one-layer Llama-layout ModelSpec with these attention heads (and, for real layers, this
-    hidden and intermediate size): what workload/costs.py needs to size a calibrated op."""
-    return ModelSpec.from_config(dict(model_type="llama", hidden_size=hidden or heads * head_dim,
-                                      intermediate_size=intermediate, num_attention_heads=heads,
-                                      num_key_value_heads=kv_heads, head_dim=head_dim, num_hidden_layers=1,
-                                      vocab_size=128))
-
-
 UNDER_COPY_MAX = 4.0  # a slowdown beyond this timed something else (the GEMM and the copies are one process's)
 
 
@@ -363,6 +301,7 @@ class CalibratedEfficiency:
     step_overhead: "StepOverhead"
     source: str
     notes: tuple[str, ...] = field(default_factory=tuple)
+    origin: FactorSource = FactorSource()
     under_copy_table: Table | None = None  # the slowdown by GEMM rows (1: the decode GEMV's); None: under_copy
 
     def _cpu(self, dtype: str | None) -> CPUFactors | None:
@@ -577,7 +516,6 @@ def executor_extra_by_bytes(executor_rows: list[dict], layer_rows: list[dict], d
     """What the executor adds per layer (:func:`executor_extra_s`) at each width it was timed at,
     by the layer's weight bytes in ``dtype`` (interpolated in log bytes, held beyond the ends);
     None where fewer than two widths were timed (one figure for every width, as before)."""
-    from flexplan.workload import costs
 
     keys = ("hidden", "intermediate", "heads", "kv_heads", "head_dim")
     by_width: dict[tuple, list[dict]] = {}

@@ -27,7 +27,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from flexplan.calibration.correction import STATE_ELASTICITY, Corrections, Observation, apply, uncorrected, update
+from flexplan.errors import FlexplanError
+from flexplan.factors import store
+from flexplan.factors.calibrated import calibrated_factors, calibration_for, is_local
+from flexplan.factors.correction import STATE_ELASTICITY, Corrections, Observation, apply, uncorrected, update
+from flexplan.hardware import get_hardware
+from flexplan.hardware.spec import Hardware
 
 if TYPE_CHECKING:  # pragma: no cover
     from flexplan.estimator.efficiency import Efficiency
@@ -62,7 +67,6 @@ def corrections_path(cal) -> Path:
     """``<calibration-stem>.corrections.yaml`` beside the calibration file, or in the user cache
     folder when that folder is the installed package's or not writable (decided once per folder
     per process)."""
-    from flexplan.calibration import store
 
     name = f"{cal.path.stem}.corrections.yaml"
     folder = str(cal.path.parent)
@@ -131,7 +135,6 @@ def current(hw: "Hardware", cal=None) -> Corrections:
 def save(hw: "Hardware", cal, corrections: Corrections) -> Path | None:
     """Keep ``corrections`` for ``hw``: in its calibration's corrections file (atomically, other
     hardware names' entries kept), or in process memory when there is no calibration file."""
-    from flexplan.calibration import store
 
     if cal is None:
         _MEMORY[(_key(None), hw.name)] = corrections
@@ -160,7 +163,6 @@ def corrected(eff: "Efficiency", hw: "Hardware", cal=None) -> "Efficiency":
     """``eff`` (the calibration's factors for ``hw``) with the corrections learned for ``hw``
     applied last; ``eff`` itself when disabled, not local hardware, or nothing learned.
     ``calibration.efficiency_for`` calls this."""
-    from flexplan.calibration import is_local
 
     if not enabled() or not is_local(hw):
         return eff
@@ -191,15 +193,12 @@ class Learned:
         return f"{self.after.describe()} ({res}{where})"
 
 
-def learn(stats, model: "ModelSpec", hardware: Any, skip: str = "") -> Learned | None:
+def learn(stats, model: "ModelSpec", hardware: Any, skip: str = "", base: "Efficiency | None" = None) -> Learned | None:
     """Feed one run's :class:`~flexplan.executor.stats.RunStats` to the corrections of its
     hardware and keep them. None when disabled or the hardware is not this machine's. Never
     raises for a file it cannot write: it warns and keeps the corrections in memory. ``skip``:
-    why this run is not to be observed (it is then only described)."""
-    from flexplan.calibration import calibration_for, efficiency_for, is_local
-    from flexplan.errors import FlexplanError
-    from flexplan.hardware import get_hardware
-    from flexplan.hardware.spec import Hardware
+    why this run is not to be observed (it is then only described). ``base``: the uncorrected
+    factors the run was planned with (default: the calibration's, unscaled)."""
 
     if not enabled() or hardware is None:
         return None
@@ -213,7 +212,7 @@ def learn(stats, model: "ModelSpec", hardware: Any, skip: str = "") -> Learned |
     before = current(hw, cal)
     if skip:
         return Learned(before, before, None, skip)
-    after = update(before, Observation.from_stats(stats, model, hw), uncorrected(efficiency_for(hw)))
+    after = update(before, Observation.from_stats(stats, model, hw), uncorrected(base if base is not None else calibrated_factors(hw)))
     if after is before:
         return Learned(before, after, None)
     try:
@@ -227,8 +226,6 @@ def learn(stats, model: "ModelSpec", hardware: Any, skip: str = "") -> Learned |
 
 def describe_corrections(hw: "Hardware") -> str:
     """For ``flexplan hw``: the corrections in use per class with the runs behind each, or why none."""
-    from flexplan.calibration import calibration_for, is_local
-    from flexplan.errors import FlexplanError
 
     if not is_local(hw):
         return "online correction: none (hwdb hardware)"

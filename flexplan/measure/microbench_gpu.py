@@ -18,7 +18,7 @@ import math
 from collections.abc import Callable
 from dataclasses import replace
 
-from flexplan.calibration import microbench as mb
+from flexplan.measure import microbench as mb
 
 GPU_ROTATE_BYTES = 512 * 2**20  # > 4 x the largest L2 (H100: 50 MB, B200: 126 MB)
 GEMM_INNER = 10

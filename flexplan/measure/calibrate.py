@@ -21,6 +21,18 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from flexplan.errors import CalibrationError
+from flexplan.executor.cpu_linear import default_kernel
+from flexplan.executor.host_allocator import keep_freed_memory
+from flexplan.factors import memory_state, store
+from flexplan.factors.efficiency import from_measurements
+from flexplan.factors.store import DIR_ENV, FILE_ENV, calibration_dirs, display_path, file_name, local_identity
+from flexplan.hardware import get_hardware
+from flexplan.measure import executor_layers, running, state
+from flexplan.measure import microbench as mb
+from flexplan.measure import microbench_gpu as gb
+from flexplan.measure.hostload import cpu_seconds as _cpu_seconds
+from flexplan.measure.hostload import other_share as _other_share
+from flexplan.version import __version__
 
 ESSENTIAL = ("cpu_gemv", "cpu_gemm")  # in the CPU's compute dtype: without them no factor exists
 
@@ -72,14 +84,10 @@ def run(args) -> int:
 
 
 def _local_hardware():
-    from flexplan.hardware import get_hardware
-
     return get_hardware("local")
 
 
 def _steps(mode: str, hw, threads: int, cpu_dtypes: list[str], gpu_dtype: str | None) -> list[Step]:
-    from flexplan.calibration import microbench as mb
-
     s = mb.MODES[mode]
     per_shape = len(s.weight_shapes)
     steps = [Step("cpu_stream", 1, lambda tick: mb.stream(s, threads))]
@@ -94,8 +102,8 @@ def _steps(mode: str, hw, threads: int, cpu_dtypes: list[str], gpu_dtype: str | 
     for dt in cpu_dtypes:
         steps.append(Step("cpu_layers", s.layer_units(),
                           lambda tick, dt=dt: mb.layers(s, dt, tick=tick), dt))
-        steps.append(Step("cpu_executor_layers", 2 * len(mb.executor_widths(s)),
-                          lambda tick, dt=dt: mb.executor_layers(s, dt, tick=tick), dt))
+        steps.append(Step("cpu_executor_layers", 2 * len(executor_layers.executor_widths(s)),
+                          lambda tick, dt=dt: executor_layers.executor_layers(s, dt, tick=tick), dt))
         steps.append(Step("cpu_head_gemv", (len(s.head_shapes) + len(mb.tied_head_shapes(s, dt))) * len(s.head_tokens),
                           lambda tick, dt=dt: mb.head_gemv(s, dt, tick=tick), dt))
         steps.append(Step("cpu_experts", len(s.expert_tokens), lambda tick, dt=dt: mb.expert_gemv(s, dt, tick=tick), dt))
@@ -108,8 +116,6 @@ def _steps(mode: str, hw, threads: int, cpu_dtypes: list[str], gpu_dtype: str | 
              lambda tick: mb.thread_sweep(s, cpu_dtypes[0], hw.cpu.cores, tick=tick)),
     ]
     if gpu_dtype is not None:
-        from flexplan.calibration import microbench_gpu as gb
-
         steps += [
             Step("gpu_gemv", len(s.gemv_tokens) * per_shape, lambda tick: gb.gemm(s.gemv_tokens, s, gpu_dtype, tick=tick)),
             Step("gpu_gemm", len(s.gemm_tokens) * per_shape, lambda tick: gb.gemm(s.gemm_tokens, s, gpu_dtype, tick=tick)),
@@ -150,10 +156,6 @@ def calibrate(mode: str = "quick", out: str | Path | None = None, threads: int |
     a time limit still says where its time went."""
     from tqdm import tqdm
 
-    from flexplan.calibration import first_use, memory_state
-    from flexplan.calibration import microbench as mb
-    from flexplan.calibration import store
-    from flexplan.executor.host_allocator import keep_freed_memory
 
     t_start = time.perf_counter()
     busy_start = _cpu_seconds()
@@ -168,14 +170,14 @@ def calibrate(mode: str = "quick", out: str | Path | None = None, threads: int |
     measurements: dict[str, object] = {}
     failures: dict[str, str] = {}
     step_wall_s: dict[str, float] = {}  # where a calibration's time goes (the first-use probe took 19-24 s on a 16-core Xeon)
-    memory = memory_state.new_record()  # the host memory state before each step (memory_state.py)
+    memory = state.new_record()  # the host memory state before each step (memory_state.py)
     allocator = keep_freed_memory()  # as the executor runs: freed activations kept, not faulted in afresh
-    with first_use.measuring(), mb.torch_threads(threads), \
+    with running.measuring(), mb.torch_threads(threads), \
             tqdm(total=sum(s.units for s in steps), disable=not progress, unit="shape", desc="calibrate",
                  leave=False) as bar:
         for step in steps:
             bar.set_postfix_str(step.label)
-            memory_state.record_sample(memory, step.label)
+            state.record_sample(memory, step.label)
             done = [0]
             t_step = time.perf_counter()
 
@@ -184,7 +186,7 @@ def calibrate(mode: str = "quick", out: str | Path | None = None, threads: int |
                 bar.update(1)
 
             # the rows memory_state.normalised brings to one state carry the state each was timed in
-            probing = (mb.probing_state(memory_state.row_probes(memory)) if step.key in memory_state.ROW_PARTS
+            probing = (mb.probing_state(state.row_probes(memory)) if step.key in memory_state.ROW_PARTS
                        else contextlib.nullcontext())
             try:
                 with probing:
@@ -198,13 +200,12 @@ def calibrate(mode: str = "quick", out: str | Path | None = None, threads: int |
             if step_log:
                 failed = f" (failed: {failures[step.label]})" if step.label in failures else ""
                 step_log(f"calibrate: {step.label} {step_wall_s[step.label]:.1f} s{failed}")
-        memory_state.record_sample(memory, memory_state.END)
+        state.record_sample(memory, memory_state.END)
         measurements["memory_state"] = memory
     missing = [f"{n}[{cpu_dtypes[0]}]" for n in ESSENTIAL if f"{n}[{cpu_dtypes[0]}]" in failures]
     if missing:
         raise CalibrationError("calibration failed, nothing written: " + "; ".join(f"{n}: {failures[n]}" for n in missing))
 
-    from flexplan.executor.cpu_linear import default_kernel
 
     settings = {"cpu_dtypes": cpu_dtypes, "cpu_threads": threads, "gpu_dtype": gpu_dtype,
                 "rotate_bytes": mb.rotate_bytes(mb.MODES[mode]), "cpu_linear_kernel": default_kernel(),
@@ -229,8 +230,6 @@ def calibration_doc(mode: str, measurements: dict, settings: dict, hw, identity,
     ``settings``; ``derived`` filled in. Raises CalibrationError when they give no factors."""
     import torch
 
-    from flexplan.calibration import microbench as mb
-    from flexplan.calibration import store
 
     now = dt.datetime.now(dt.timezone.utc)
     doc = {
@@ -257,38 +256,12 @@ def calibration_doc(mode: str, measurements: dict, settings: dict, hw, identity,
     return doc
 
 
-def _cpu_seconds() -> tuple[float, float] | None:
-    """(CPU seconds all processes spent busy, CPU seconds this process spent), or None."""
-    import resource
-
-    try:
-        with open("/proc/stat") as f:
-            fields = [float(x) for x in f.readline().split()[1:]]
-    except (OSError, ValueError):
-        return None
-    busy = sum(fields[:3]) + sum(fields[5:8])  # user nice system irq softirq steal (not idle, iowait)
-    me = resource.getrusage(resource.RUSAGE_SELF)
-    return busy / os.sysconf("SC_CLK_TCK"), me.ru_utime + me.ru_stime
-
-
-def _other_share(start, end, wall_s: float, cores: int) -> float | None:
-    """Share of all cores' time that other processes used during the run."""
-    if start is None or end is None or wall_s <= 0:
-        return None
-    others = (end[0] - start[0]) - (end[1] - start[1])
-    return round(max(0.0, others) / (wall_s * max(1, os.cpu_count() or cores)), 3)
-
-
 def gb_name() -> str:
-    from flexplan.calibration import microbench_gpu as gb
-
     return gb.device_name()
 
 
 def _software() -> dict[str, str]:
-    import flexplan
-
-    out = {"python": platform.python_version(), "flexplan": getattr(flexplan, "__version__", "?")}
+    out = {"python": platform.python_version(), "flexplan": __version__}
     try:
         import transformers
 
@@ -301,7 +274,6 @@ def _software() -> dict[str, str]:
 def _derived(doc: dict, hw) -> dict:
     """The factors these measurements give against ``hw``'s peak figures (informational: the
     estimator recomputes them at load time against the Hardware it plans for)."""
-    from flexplan.calibration.efficiency import from_measurements
 
     try:
         eff = from_measurements(doc["measurements"], doc["settings"], hw, source="this run")
@@ -320,7 +292,6 @@ def _derived(doc: dict, hw) -> dict:
 
 def _check_writable(path: Path) -> None:
     """Fail before minutes of benchmarks, not after."""
-    from flexplan.calibration.store import DIR_ENV
 
     import tempfile
 
@@ -335,8 +306,6 @@ def _check_writable(path: Path) -> None:
 
 
 def _target(out: str | Path | None, identity) -> Path:
-    from flexplan.calibration import store
-
     if out is None:
         return store.write_dir() / store.file_name(identity)
     p = Path(out).expanduser()
@@ -345,8 +314,6 @@ def _target(out: str | Path | None, identity) -> Path:
 
 def format_summary(res: Result) -> str:
     """What the run measured and the factors it gives, in a few lines."""
-    from flexplan.calibration import memory_state
-    from flexplan.calibration.store import display_path
 
     m, d, st = res.doc["measurements"], res.doc["derived"], res.doc["settings"]
     lines = [f"wrote {display_path(res.path)} ({res.doc['mode']} run, {res.wall_s:.0f} s, "
@@ -422,7 +389,6 @@ def format_summary(res: Result) -> str:
             lines.append(f"  {key:<13} " + "  ".join(f"{r[x]:g}:{r['eff']:.3g}" for r in d[key]))
     lines.append(f"  cpu_layer_overhead_s {d['cpu_layer_overhead_s']:.3g}, cpu_threads {d['cpu_threads']}, "
                  f"cpu_under_copy {d['cpu_under_copy']:.3g} (decode GEMV {d.get('cpu_under_copy_gemv', 1.0):.3g})")
-    from flexplan.calibration.store import FILE_ENV, calibration_dirs, file_name, local_identity
 
     if (res.path.parent.resolve() not in [d.resolve() for d in calibration_dirs()]
             or res.path.name != file_name(local_identity())):

@@ -50,9 +50,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from flexplan.hardware.spec import DTYPE_BYTES
 from flexplan.estimator.terms import Shape, phase_work, t_compute_s, t_memory_s, t_on_device_s
-
+from flexplan.factors.tables import EFF_MAX, Table, _attention_spec, _stat_s, capped_growth
+from flexplan.hardware.spec import DTYPE_BYTES
 
 MIN_CONTEXT_SHARE = 0.25  # long-cache decode rows used where the extra keys cost >= this share of the short row
 # a prefill pair's time difference below this share of the layer is noise, not attention
@@ -115,7 +115,6 @@ def no_faster_with_more_work(rows: list[dict]) -> list[float]:
     width that does at least as much work in BOTH respects, tokens and KV length (noise only adds
     time). Work is a partial order here: batch 8 over 129 keys is not more work than batch 4 over
     1025, so neither may lower the other."""
-    from flexplan.calibration.efficiency import _stat_s
 
     kind = lambda r: (int(r["query_len"]) == 1,  # noqa: E731
                       *(int(r[k]) for k in ("hidden", "intermediate", "heads", "kv_heads", "head_dim")))
@@ -127,7 +126,6 @@ def no_faster_with_more_work(rows: list[dict]) -> list[float]:
 
 def _row_work(r: dict, dtype_bytes: float):
     """(phase work of one calibrated layer row, its attention factor's kv_len or None, tokens)."""
-    from flexplan.calibration.efficiency import _attention_spec
 
     batch, q_len = int(r["batch"]), int(r["query_len"])
     m = _attention_spec(int(r["heads"]), int(r["kv_heads"]), int(r["head_dim"]), int(r["hidden"]),
@@ -203,7 +201,6 @@ def prefill_attention_factor(prefill: list, peak_flops_per_s: float) -> float | 
     between them. The median over the widths; None without such a pair, or where the pairs'
     difference is within :data:`MIN_ATTENTION_SHARE` of the layer (noise, or an attention too
     cheap to matter: it stays with the compute factor)."""
-    from flexplan.calibration.efficiency import EFF_MAX
 
     by_key: dict[tuple[float, int], list] = {}
     for tokens, w, time_s in prefill:
@@ -230,8 +227,6 @@ def _pooled(residuals: dict[int, dict[float, float]]) -> dict[int, dict[float, f
 
 
 def _table(residuals: dict[int, dict[float, float]]) -> LayerOverhead:
-    from flexplan.calibration.efficiency import Table
-
     return LayerOverhead({t: Table(list(d), list(d.values()), lo=0.0, hi=10.0) for t, d in residuals.items()})
 
 
@@ -241,7 +236,6 @@ def layer_attention_table(decode: dict, peak_flops_per_s: float, bandwidth_bytes
     factor), the median over widths and batches; the SDPA micro-benchmark's ctx curve scaled to
     it where there is one (its shape kept, so ctx / Eff_attn(ctx) still never falls), else
     constant. None without such pairs."""
-    from flexplan.calibration.efficiency import EFF_MAX, Table
 
     effs, ctxs = [], []
     for (tokens, _), runs in decode.items():
@@ -317,7 +311,6 @@ def layer_compute_table(prefill: list, peak_flops_per_s: float, bandwidth_bytes_
     activations weigh more per FLOP, and :func:`derive_layers` gives what they take beyond this
     factor to that width's overhead); the whole table capped so that it grows no faster than the
     tokens do."""
-    from flexplan.calibration.efficiency import EFF_MAX, Table, capped_growth
 
     by_t: dict[int, dict[float, float]] = {}  # tokens -> layer bytes -> factor
     for tokens, w, time_s in prefill:

@@ -1,0 +1,99 @@
+"""Calibration's executor-layer rows: a decode step of toy Llama models run by flexplan's own
+executor (``flexplan.load`` with plan cpu/cpu), so the estimator prices what the executor adds
+around a bare layer (hooks, its KV cache, casts, the mask). Above ``api``: it drives the loader."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+import statistics
+from collections.abc import Callable
+
+from flexplan.api import load
+from flexplan.executor.plans import fixed_plan
+from flexplan.measure.microbench import Sizes, _llama_config, _sig, dtype_bytes, layers, llc_bytes, time_call
+from flexplan.workload.model import ModelSpec
+
+SLOPES = 3  # executor_layers: slopes measured, their median kept
+
+
+def executor_layers(sizes: Sizes, dtype: str, tick: Callable[[], None] | None = None) -> list[dict]:
+    """Seconds per decoder layer of a decode step run by flexplan's executor itself (plan cpu/cpu
+    in ``dtype``, batch 1, after a ``layer_kv_len``-token prompt), from toy Llamas of the first of
+    ``sizes.layer_widths`` (and the widest, where ``sizes.executor_widths`` is 2) at two depths: the
+    slope is one layer's cost there with everything the executor adds to the bare layer that
+    ``layers`` times (its hooks, its KV cache, casts, the mask); the head, the embedding and the
+    generate loop cancel; ``layer_time_s``: the bare layer of that width (``layers`` at batch 1)
+    timed right after. One row per dtype and width; none where the slope comes out non-positive
+    (noise swamping tiny layers on a busy host: such a row failed the whole calibration's row checks)."""
+    rows = []
+    for width in executor_widths(sizes):
+        rows += _executor_layer(sizes, dtype, width, tick)
+    return rows
+
+
+def executor_widths(sizes: Sizes) -> list[tuple[int, int, int, int, int]]:
+    """The layer widths :func:`executor_layers` times: the first, and the widest where
+    ``sizes.executor_widths`` is 2."""
+    return list(dict.fromkeys(sizes.layer_widths[:1] + (sizes.layer_widths[-1:] if sizes.executor_widths > 1 else ())))
+
+
+def _executor_layer(sizes: Sizes, dtype: str, width: tuple[int, int, int, int, int],
+                    tick: Callable[[], None] | None, batch: int = 1) -> list[dict]:
+    """:func:`executor_layers` at one width, at decode ``batch`` (calibration: 1;
+    ``benchmarks/diag_executor_extra_by_batch.py`` times others)."""
+    import torch
+    from transformers import LlamaForCausalLM
+
+
+    hidden, inter, heads, kv_heads, head_dim = width
+    # both depths' weights more than twice the last-level cache, as a real model's layers and the
+    # bare layers' cycled copies are (a 2-layer float32 model sat in the cache and made the slope
+    # 0.52 ms where the layer takes 0.31)
+    spec = ModelSpec.from_config(_llama_config(hidden, inter, heads, kv_heads, head_dim))
+    low = min(32, max(2, math.ceil(2 * llc_bytes() / (spec.params_per_layer * dtype_bytes(dtype)))))
+    depths, steps = (low, low + 12), 16
+    repeats = max(3, min(5, sizes.repeats))
+    ids = torch.ones(batch, sizes.layer_kv_len, dtype=torch.long)
+    lms = {}
+    for depth in depths:
+        model = LlamaForCausalLM(_llama_config(hidden, inter, heads, kv_heads, head_dim, layers=depth)).eval()
+        lms[depth] = load(model, plan=fixed_plan(model.config, "cpu", "cpu", cpu_dtype=dtype, input_len=ids.shape[1],
+                                                 output_len=steps + 1, batch_size=batch),
+                          accelerator=None, online_correction=False)
+
+    def step_s(lm) -> float:  # one decode step, the prompt and the first token taken out
+        def gen(n):
+            return lambda: lm.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=n,
+                                       min_new_tokens=n, do_sample=False, pad_token_id=0)
+        return (time_call(gen(steps + 1), repeats, 2 * sizes.budget_s)["time_s"]
+                - time_call(gen(1), repeats, sizes.budget_s)["time_s"]) / steps
+
+    # the median of SLOPES slopes: one slope is a difference of differences, and one of them came out
+    # 0.456 ms per SmolLM2-sized float32 layer where four in a row minutes later gave 0.35-0.39 and the
+    # whole model ran at ~0.40 (its executor extra, 0.087 ms, then priced every decode step 8-10% slow);
+    # a busy host can swamp the difference (tiny layers): a non-positive slope is measured again, then given up.
+    # Each slope is paired with the bare layer timed right after it, and the extra is the median of the
+    # pairs' differences: at the 2048-wide layer both are memory-bound (~1.5-2 ms), and timed apart a
+    # memory-state flip between them would land in the extra. Paired, run 6's full files still gave
+    # 0.35 ms (bf16) and 0.44 ms (fp32) at 2048 against 0.11 / ~0 at 576: not state noise alone
+    alone = replace(sizes, layer_widths=(width,), layer_shapes=((batch, 1),), layer_long_kv_len=None,
+                    prefill_only_widths=())
+    slopes, bare = [], []
+    for _ in range(SLOPES + 2):
+        per_layer = (step_s(lms[depths[1]]) - step_s(lms[depths[0]])) / (depths[1] - depths[0])
+        if per_layer > 0:
+            slopes.append(per_layer)
+            bare.append(layers(alone, dtype)[0]["time_s"])  # the layer alone, right after
+        if len(slopes) == SLOPES:
+            break
+    del lms
+    for _ in depths if tick else ():
+        tick()
+    if not slopes:  # no row: the executor is taken to add nothing
+        return []
+    return [{"dtype": dtype, "hidden": hidden, "intermediate": inter, "heads": heads, "kv_heads": kv_heads,
+             "head_dim": head_dim, "batch": batch, "query_len": 1, "kv_len": sizes.layer_kv_len + 1 + steps // 2,
+             "depths": list(depths), "steps": steps, "slopes": len(slopes),
+             "time_s": _sig(float(statistics.median(slopes))), "layer_time_s": _sig(float(statistics.median(bare))),
+             "extra_s": _sig(float(statistics.median(a - b for a, b in zip(slopes, bare))))}]
