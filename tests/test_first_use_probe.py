@@ -138,8 +138,6 @@ def test_opt_out_gives_the_defaults_saying_how_to_calibrate(probe_env, monkeypat
 
 
 def test_a_failing_probe_gives_the_defaults_with_the_reason_once(probe_env, monkeypatch, capsys):
-    from flexplan.measure import calibrate as cli
-
     calls = []
 
     def broken(**kw):
