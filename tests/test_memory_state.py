@@ -734,7 +734,7 @@ def test_validate_prices_each_point_at_the_state_probed_right_before_its_runs(lo
         return st
 
     monkeypatch.setattr(validate, "_generate", generate)
-    monkeypatch.setattr(memory_state, "readings_now", readings_now)
+    monkeypatch.setattr(validate, "readings_now", readings_now)
     rows = validate.run_grid(tmp_path / "m", {"b": [1], "i": [4], "o": [2]}, [("cpu", "cpu")], warm=False)
     (row,) = rows
     assert row["probe_before_memory_bytes_per_s"] == REF / 2 and row["probe_after_memory_bytes_per_s"] == REF
@@ -749,9 +749,9 @@ def test_probe_and_stream_buffers_outgrow_a_big_last_level_cache(monkeypatch):
     from flexplan.measure import microbench as mb
 
     llc = 300 * 2**20
-    monkeypatch.setattr(mb, "llc_bytes", lambda: llc)
+    monkeypatch.setattr(membw, "llc_bytes", lambda: llc)
     pages = {"SC_PHYS_PAGES": (128 << 30) // 4096, "SC_PAGE_SIZE": 4096}
-    monkeypatch.setattr(mb.os, "sysconf", lambda k: pages[k])
+    monkeypatch.setattr(membw.os, "sysconf", lambda k: pages[k])
     assert membw.probe_buffer_bytes() == 2 * llc
     assert membw.gemv_probe_bytes() == 4 * llc
     assert mb.stream_array_bytes(mb.MODES["probe"]) == 4 * llc
@@ -759,6 +759,6 @@ def test_probe_and_stream_buffers_outgrow_a_big_last_level_cache(monkeypatch):
     pages["SC_PHYS_PAGES"] = (8 << 30) // 4096  # a small host keeps the fixed caps
     assert membw.probe_buffer_bytes() == membw.MAX_BUFFER_BYTES
     assert membw.gemv_probe_bytes() == 2 * membw.MAX_BUFFER_BYTES
-    monkeypatch.setattr(mb, "llc_bytes", lambda: 8 * 2**20)  # a small cache: the floors
+    monkeypatch.setattr(membw, "llc_bytes", lambda: 8 * 2**20)  # a small cache: the floors
     assert membw.probe_buffer_bytes() == membw.MIN_BUFFER_BYTES
     assert mb.stream_array_bytes(mb.MODES["full"]) == mb.MODES["full"].stream_bytes

@@ -37,7 +37,6 @@ from contextlib import contextmanager
 
 import numpy as np
 
-from flexplan.executor.cpu_linear import LinearKernel
 
 PROBE_ENV = "FLEXPLAN_MEMORY_PROBE"
 PROBE_TTL_S = 5.0  # a probe this recent is reused: a loop of plan() calls does not re-probe each time
@@ -263,6 +262,9 @@ def measure_gemv_bytes_per_s(repeats: int = GEMV_PROBE_REPEATS) -> float:
 
 
     if not _GEMV:
+        # torch (and so the executor's kernel) only where the caller loaded it: a numpy-only probe stays torch-free
+        from flexplan.executor.cpu_linear import LinearKernel
+
         kernel = LinearKernel(device="cpu")
         in_f = _gemv_in_features()
         _GEMV.update(kernel=kernel, weight=kernel.prepare(torch.full((GEMV_PROBE_ROWS, in_f), 1e-3), 1),
