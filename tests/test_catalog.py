@@ -313,6 +313,7 @@ def _smollm2_gguf() -> Path | None:
     return None
 
 
+@pytest.mark.slow  # transformers' GGUF reader takes seconds over the file's metadata
 def test_smollm2_entry_matches_the_real_gguf_weights():
     """The bundled SmolLM2 config agrees with the config read from the real GGUF file."""
     gguf_path = _smollm2_gguf()
