@@ -9,6 +9,14 @@ import copy
 import os
 
 import pytest
+from hypothesis import settings
+
+# Property tests draw the same examples on every run (seeded from each test's own code, no example
+# database): the suite passes or fails alike on any machine, run after run. `pytest
+# --hypothesis-profile=explore` draws fresh ones.
+settings.register_profile("deterministic", derandomize=True, database=None)
+settings.register_profile("explore", derandomize=False)
+settings.load_profile("deterministic")
 
 # Planning for hardware "local" probes the host memory state and scales the memory-bound factors
 # to it (flexplan/factors/memory_state.py): predictions would follow the machine's state from

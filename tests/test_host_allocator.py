@@ -3,6 +3,7 @@ process-wide, so each case runs in a child process."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import platform
@@ -36,8 +37,21 @@ print(json.dumps({"state": state, "faults_after_first": sum(faults[1:])}))
 """
 
 
-def _child(mode: str, **env) -> dict:
-    r = subprocess.run([sys.executable, "-c", CHILD, mode], capture_output=True, text=True, check=True,
+# what keep_freed_memory() says it did, and nothing else (the state tests: no workload); the module
+# (ctypes and os only) loaded from its file, without the executor package, which imports torch (~2 s)
+STATE_CHILD = r"""
+import importlib.util, json, sys
+spec = importlib.util.spec_from_file_location("host_allocator", sys.argv[2])
+module = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(module)
+print(json.dumps({"state": module.keep_freed_memory()}))
+"""
+MODULE = os.path.join(importlib.util.find_spec("flexplan").submodule_search_locations[0], "executor",
+                      "host_allocator.py")
+
+
+def _child(mode: str, code: str = CHILD, **env) -> dict:
+    r = subprocess.run([sys.executable, "-c", code, mode, MODULE], capture_output=True, text=True, check=True,
                        env={**os.environ, **env})
     return json.loads(r.stdout.strip().splitlines()[-1])
 
@@ -46,6 +60,12 @@ glibc_only = pytest.mark.skipif(platform.system() != "Linux" or platform.libc_ve
                                 reason="glibc's malloc only")
 
 
+@glibc_only
+def test_glibc_malloc_is_tuned_to_keep_freed_memory():
+    assert _child("tune", STATE_CHILD, LD_PRELOAD="")["state"].startswith("glibc malloc keeping freed memory")
+
+
+@pytest.mark.slow  # two processes of 50 MLP passes each
 @glibc_only
 def test_freed_activations_are_not_faulted_in_again():
     """With glibc left as it is, memory freed within a round often goes back to the kernel and is
@@ -62,7 +82,7 @@ def test_freed_activations_are_not_faulted_in_again():
 
 
 def test_opt_out_leaves_malloc_alone():
-    got = _child("tune", FLEXPLAN_HOST_ALLOCATOR="default")
+    got = _child("tune", STATE_CHILD, FLEXPLAN_HOST_ALLOCATOR="default")
     assert got["state"] == "malloc as the C library sets it ($FLEXPLAN_HOST_ALLOCATOR=default)"
 
 
@@ -80,5 +100,5 @@ def test_another_malloc_is_left_alone(tmp_path):
                    "void* malloc(size_t n) { return __libc_malloc(n); }\n")
     lib = tmp_path / "libshim.so"
     subprocess.run([cc, "-shared", "-fPIC", str(src), "-o", str(lib)], check=True, capture_output=True)
-    got = _child("tune", LD_PRELOAD=str(lib))
+    got = _child("tune", STATE_CHILD, LD_PRELOAD=str(lib))
     assert got["state"] == f"another malloc than glibc's, left as it is (LD_PRELOAD={lib})"

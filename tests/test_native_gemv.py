@@ -137,7 +137,8 @@ def test_unknown_kernel_is_refused_with_the_choices():
         cpu_backend.configure(linear_kernel="mkl")
 
 
-@pytest.mark.parametrize("march,isa", [("x86-64-v4", "avx512f"), ("x86-64-v3", "avx2"), ("x86-64", "generic")])
+@pytest.mark.parametrize("march,isa", [("x86-64-v4", "avx512f"), ("x86-64-v3", "avx2"),
+                                       pytest.param("x86-64", "generic", marks=pytest.mark.slow)])  # ~4 s to build
 def test_every_isa_path_passes_the_self_check(tmp_path, march, isa):
     """The AVX-512, AVX2 and plain-C paths of native_gemv.c, each built for its own ISA level and
     checked against F.linear (the build for this CPU takes only one of them)."""

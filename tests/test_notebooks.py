@@ -12,7 +12,10 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NOTEBOOKS = sorted(glob.glob(os.path.join(REPO, "notebooks", "*.ipynb")))
 
 
-@pytest.mark.parametrize("path", NOTEBOOKS, ids=os.path.basename)
+# the policy maps (two sweeps of the planner, ~9 s) run in the slow set; the default run executes one
+# notebook (a kernel started, cells run, outputs read)
+@pytest.mark.parametrize("path", [pytest.param(p, marks=pytest.mark.slow) if "policy_maps" in p else p
+                                  for p in NOTEBOOKS], ids=os.path.basename)
 def test_notebook_runs(path, tmp_path):
     nb = nbformat.read(path, as_version=4)
     # the policy maps save their figures where they run: a temporary folder, not the checkout
