@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 import flexplan
+from flexplan.measure import routing
 from flexplan import routing_profile as rp
 from flexplan.errors import InvalidInputError, MalformedDataError
 from flexplan.estimator import REGISTRY, DefaultEfficiency, Shape, phase_costs
@@ -94,11 +95,11 @@ def test_take_counts_the_routers_choices(more_models):
     import torch
 
     model = more_models["qwen3_moe"]
-    p = rp.take(model, [torch.arange(3, 12), [5, 6, 7]])
+    p = routing.take(model, [torch.arange(3, 12), [5, 6, 7]])
     assert p.prompts == 2 and set(p.tokens.values()) == {12}
     assert all(sum(c) == 12 * p.experts_per_token for c in p.counts.values())
     with pytest.raises(InvalidInputError, match="dense"):
-        rp.take(more_models["llama3"], [[1, 2]])
+        routing.take(more_models["llama3"], [[1, 2]])
 
 
 # ---- the estimator ---------------------------------------------------------------------------------

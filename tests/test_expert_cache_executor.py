@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import flexplan.api as api
+from flexplan.measure import routing
 from flexplan.estimator import REGISTRY, Shape
 from flexplan.executor.plans import fixed_plan
 from flexplan.plan_types import ExpertCache, Plan
@@ -91,7 +92,7 @@ def test_load_with_a_routing_profile_plans_and_runs_the_cache(fresh, tmp_path, m
     monkeypatch.setenv(store.FILE_ENV, str(write_local_calibration(tmp_path)))
 
     model, ref = fresh("qwen3_moe")
-    profile = rp.take(ref, [torch.arange(3, 40)], max_new_tokens=4)
+    profile = routing.take(ref, [torch.arange(3, 40)], max_new_tokens=4)
     lm = api.load(model, accelerator="cpu", routing_profile=profile,
                   plan={"prefill": "cpu-experts", "decode": "cpu-experts", "gpu_layers": 0})
     ids, mask = left_padded_batch()

@@ -328,7 +328,7 @@ def test_introspection_of_this_machine():
     assert hw.cpu.memory_bytes > 0 and hw.cpu.peak_flops_per_s["float32"] > 0
     if not m.gpus:  # this dev machine: no GPU, and the notes say why
         assert hw.gpu is None and any(n.startswith("no GPU") for n in hw.notes)
-    assert hwdb.resolve("local", no_gpu=True).gpu is None
+    assert get_hardware("local", no_gpu=True).gpu is None
 
 
 def test_introspect_module_does_not_import_torch():

@@ -93,9 +93,8 @@ def test_operator_groups_placed_apart_are_described_but_refused_by_the_executor_
 
     register("neo-toy", Neo())
     try:
-        plan = fixed_plan({"model_type": "llama", "num_hidden_layers": 2, "hidden_size": 8, "intermediate_size": 8,
-                           "num_attention_heads": 2, "vocab_size": 16}, "neo-toy", "neo-toy", 1)
-        with pytest.raises(InvalidInputError, match="whole layers"):
-            placement_of(plan, 2)
+        with pytest.raises(InvalidInputError, match="whole layers"):  # refused when the plan is made
+            fixed_plan({"model_type": "llama", "num_hidden_layers": 2, "hidden_size": 8, "intermediate_size": 8,
+                        "num_attention_heads": 2, "vocab_size": 16}, "neo-toy", "neo-toy", 1)
     finally:
         unregister("neo-toy")
