@@ -180,8 +180,8 @@ class DefaultEfficiency:
         return self.gpu_overhead_s
 
 
-# The classes of time terms that a run can tell apart (issue 14: the memory state of now, online
-# correction). Each Efficiency method belongs to one; a scale is a TIME multiplier for its class.
+# The classes of time terms that a run can tell apart (what the memory state of now and the online
+# correction scale). Each Efficiency method belongs to one; a scale is a TIME multiplier for its class.
 TERM_CLASSES = ("cpu_memory", "cpu_compute", "overhead", "link", "accelerator")
 
 
@@ -273,55 +273,31 @@ class ScaledEfficiency:
         return getattr(self.base, name)
 
 
-# rows per GEMM up to which the memory state of now scales the weight-streaming time: decode's
-# (the calibration's GEMV rows reach 16). A prefill's GEMMs stream their weights while they compute,
-# and moved with the state far less than their memory term: on run 4's kept cycles
-# (benchmarks/rederive_cycles.py) leaving them unscaled took the prefill MAPE of 5 of 6
-# (model, calibration) sets down 0.1-2.0 points (the Llama's full calibration 6.6 -> 4.6%) and one up
-# 0.6; the README demo's prefill had run no faster in the fast state (TTFT 1.16 measured/predicted)
+# Rows per GEMM up to which the memory state of now scales the weight-streaming time: decode's
+# (the calibration's GEMV rows reach 16). A prefill's GEMMs keep their calibrated factor: they
+# stream their weights while they compute, so the memory state moves them little.
 STATE_SCALED_TOKENS_MAX = 16
 # How much of a faster memory state decode's streaming takes: its factors divided by scale ** this.
-# Decode has sped up by less than the GEMV probe in the fast state (SmolLM2's TPOT ~ probe^-0.4..-0.5;
-# run 5's fast-state cycle: decode 10-25% slower than priced at the full ratio). Chosen by re-deriving
-# kept runs offline (benchmarks/rederive_cycles.py, the same measurements): 1 -> 0.7 took the decode
-# MAPE of 14 of 18 (model, calibration) sets of runs 3-5 down or level (mean 11.3 -> 10.3%; run 5's
-# random Llama probe 13.1 -> 6.5, quick 11.8 -> 8.0) and 4 up (run 4's SmolLM2 quick 9.6 -> 13.0, full
-# 8.4 -> 10.0, probe 15.2 -> 15.3; run 3's Llama probe 7.5 -> 11.3). Chosen on those same runs; on
-# run 6, measured afterwards at 0.7, re-deriving at 1 gave decode MAPE 4 of 6 sets worse (the Llama's
-# full 6.4 -> 12.1, SmolLM2's full 8.3 -> 15.3), 1 level, 1 better (SmolLM2 quick 9.6 -> 9.0). The README
-# demo's SmolLM2 batch-1 decode took more (~0.85-1). A slower state stays bounded by stream_best (below).
+# Decode speeds up by less than the GEMV probe shows (its TPOT follows ~probe^-0.4..-0.5): a step
+# does more than stream weights. A slower state stays bounded by stream_best (below). Fitted on
+# recorded runs, not measured per machine (docs/calibration.md, "The machine state").
 FASTER_STATE_ELASTICITY = 0.7
 # ... times (the op's streaming factor / the best of any CPU dtype at calibration) ** this: an op
-# streaming below the machine's best was held back by something the memory state does not set
-# (the slower state's rule, below, keeps such an op at its own factor). On the Zen 4 VM, oneDNN's
-# bfloat16 GEMVs stream at ~27 GB/s beside float32's 36-53 and the random Llama's bf16 decode
-# barely moves with the state (38.8 ms fast, 43-45 slow). Re-derived on the same measurements
-# (benchmarks/rederive_cycles.py; chosen on the Zen 4 run 2 between 1 and 2, then run 1 and the
-# AVX-512 VM's run 14): median decode MAPE summed over the 6 (model, file) figures 67.2 -> 64.7,
-# 77.3 -> 70.8, 60.0 -> 58.6; better in 4, 4 and 2 figures, worse in 2, 1 and 0 (the random
-# Llama's full file 10.2 -> 11.0 and 8.6 -> 9.6; SmolLM2's quick 11.0 -> 12.5):
-# benchmarks/results/faster_state_share_2026-11-27/.
+# streaming below the machine's best is held back by something the memory state does not set
+# (oneDNN's bfloat16 GEMVs stream well below float32's and barely move with the state), so it
+# takes less of a faster state; the slower state's rule, below, keeps such an op at its own factor.
 FASTER_STATE_SHARE_POWER = 2.0
 # How much of the compute probe's ratio (median at calibration / now) CPU compute time takes, both
-# where calibration brings its rows to one compute state (calibration.memory_state.normalised) and
-# where a plan scales to the state of now (memory_state.at_state_now); fixed per-layer and per-step
-# costs take all of it. On the AVX-512 VM the random Llama's prefill TTFT moved with the compute
-# probe at a log-log slope of 0.13-0.38 per grid point (SmolLM2's 0.4-0.9, noisier; 576 kept
-# validation points of runs 3-11, benchmarks/diag_compute_probe_elasticity.py): the probe, a short
-# burst, swings more than a long prefill does.
-# Re-deriving the kept runs 7-11 (benchmarks/rederive_cycles.py, the same measurements): 1 -> 0.5
-# took the prefill MAPE of 19 of 30 (run, model, calibration) sets down, 7 up, 4 level (the Llama's
-# mean 8.1 -> 6.6%, its worst 18.1 -> 12.1; SmolLM2's 7.5 -> 7.6); decode level (8.6 -> 8.7,
-# 9.2 -> 9.2). 0.25 and 0 did worse on SmolLM2's prefill (8.4, 9.3); scaling the fixed costs by 0.5
-# as well did worse on decode. Chosen on those runs; out of sample, run 12 (measured at 0.5) re-priced
-# at 1 came out worse in all 6 of its prefill sets (the Llama's full 3.7 -> 5.8%):
-# benchmarks/results/rederive_compute_elasticity/.
+# where calibration brings its rows to one compute state (flexplan.factors.memory_state.normalised)
+# and where a plan scales to the state of now (flexplan.measure.state.at_state_now); fixed per-layer
+# and per-step costs take all of it. The probe, a short burst, swings more than a long prefill
+# does, so compute time follows it by less than its full ratio.
 COMPUTE_STATE_ELASTICITY = 0.5
 
 
 @dataclass(frozen=True)
 class StateScaledEfficiency(ScaledEfficiency):
-    """The memory state of now applied to a calibration (``calibration.memory_state.at_state_now``),
+    """The memory state of now applied to a calibration (``flexplan.measure.state.at_state_now``),
     to decode's weight streaming (GEMMs of at most :data:`STATE_SCALED_TOKENS_MAX` rows), the KV
     cache's reads and the LM head; a prefill's GEMMs keep their calibrated factor.
     Faster now (a ``cpu_memory`` scale below 1): every such factor divided by the scale to the
@@ -331,17 +307,16 @@ class StateScaledEfficiency(ScaledEfficiency):
     Either way, the time of these terms is then multiplied by ``state_change(scale) **
     learned_elasticity`` (the ratio beyond the probe's own spread, :data:`ELASTICITY_BAND`): how
     much more (or less) than that this machine's runs moved with the state, which the online
-    correction learns (``calibration.correction``; 0 until runs in different states taught it).
+    correction learns (``flexplan.factors.correction``; 0 until runs in different states taught it).
     Slower now (above 1): each op streams at most at the state's
     bandwidth and at least as fast as it did at calibration, ``min(own factor, best / scale)`` with
     ``best`` the calibration's best weight-streaming factor of that dtype (``stream_best``). An op
     that ran below the stream's best at calibration was held back by something the memory state
-    does not set (its size, its latencies): on the AVX-512 VM the routed experts streamed 55 GB/s
-    in the fast state (triad ~73) and 44 in the slow one (~45), where the probe's x1.72 priced them
-    at 32; the large GEMVs 66-78 and 40-50, nearly as the probe says."""
+    does not set (its size, its latencies), so a slower state slows it less than the probe's
+    ratio (small routed experts, for one), while the large GEMVs follow the probe."""
 
     stream_best: dict = field(default_factory=dict)  # CPU dtype (None: the default) -> best cpu_memory factor at calibration
-    # learned from runs (calibration.correction): these terms' time further times state_change(scale) ** this
+    # learned from runs (flexplan.factors.correction): these terms' time further times state_change(scale) ** this
     learned_elasticity: float = 0.0
 
     @cached_property
@@ -384,9 +359,8 @@ class StateScaledEfficiency(ScaledEfficiency):
 
 
 # The learned elasticity acts on the part of a probe's ratio beyond this band either way: within a
-# state the GEMV probe's readings spread ~+-10% (the slow state of the AVX-512 VM: 42-53 GB/s over
-# minutes, against a median of 51) while decode held within ~5%; learned on those, the elasticity
-# went negative (-0.2 after 20 slow-state runs) and priced the next real state change short.
+# state the GEMV probe's readings spread ~+-10% while decode holds within ~5%, so learning from
+# that noise would drive the elasticity negative and price the next real state change short.
 ELASTICITY_BAND = 0.10
 
 

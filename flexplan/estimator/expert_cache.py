@@ -1,5 +1,5 @@
 """The routed experts of a CPU-experts layer priced from a routing profile, with the K most-used
-of them cached on the accelerator (issue 15, item 3; ``flexplan.routing_profile``).
+of them cached on the accelerator (the profile: ``flexplan.routing_profile``).
 
 Per MoE layer, q_e is the fraction of profiled tokens whose router picked expert e (sum_e q_e = k).
 Assumptions: the b rows of a step (batch in decode, batch x prompt in prefill) route independently

@@ -48,8 +48,9 @@ def t_on_device_s(flops, n_bytes, peak_flops_per_s: float, bandwidth_bytes_per_s
 def t_cpu_prefill_attention_s(w: "PhaseWork", peak_flops_per_s: float, eff: Efficiency, dtype: str) -> float:
     """The attention core of a CPU prefill layer (scores, mask, softmax, weighted values over the
     causal pairs), apart from its GEMMs: C_attn / (TH x Eff_attn,prefill). Its FLOPs grow with
-    s^2 and run far below the GEMMs' rate (the AVX-512 VM: ~0.3 of it), so one compute factor by
-    tokens could not price a 1 x 512 prompt and a 4 x 128 batch (same GEMM rows) at once."""
+    s^2 and run far below the GEMMs' rate (per-head products a head dim deep, a mask and a softmax
+    between them), so one compute factor by tokens could not price a 1 x 512 prompt and a 4 x 128
+    batch (same GEMM rows) at once."""
     if not w.prefill_attention_flops:
         return 0.0
     return t_compute_s(w.prefill_attention_flops, peak_flops_per_s, cpu_prefill_attention(eff, w.rows, dtype))
@@ -210,10 +211,9 @@ def host_kv_attention_dtype(shape: Shape, hw: Hardware) -> str:
     """The dtype the CPU attends in beside a host KV cache kept in the accelerator's dtype: the
     KV's own (the native kernel reads a float32 or bfloat16 cache as it is, transformers' SDPA
     where it does not cover the layer; calibration times each dtype as the executor runs it),
-    where the CPU has a peak for it; else the plan's CPU dtype. Priced at the float32 factors, a
-    bfloat16 cache's attention would come out at about 0.5-0.6 of what the native kernel takes on
-    the AVX-512 VM: it reads half the bytes, but at 11-14 GB/s where the float32 cache reads 18-26
-    (bound by its arithmetic there; ``benchmarks/bench_cpu_attention_bf16.py``)."""
+    where the CPU has a peak for it; else the plan's CPU dtype. Not priced at the float32 factors:
+    a bfloat16 cache reads half the bytes but converts each on the way, so it is bound by its
+    arithmetic and reads at a lower rate (``benchmarks/bench_cpu_attention_bf16.py`` compares)."""
     return shape.dtype if shape.dtype in hw.cpu.peak_flops_per_s else shape.cpu_dtype
 
 

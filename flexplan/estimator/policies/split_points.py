@@ -27,16 +27,14 @@ their compute, their outputs back) runs in the open. The executor issues the nex
 once this layer's accelerator operators are done (``split_layer.SplitLayers.segment_done``): a CUDA
 copy engine runs host-to-device copies in the order they were issued, so an input sent while the next
 layer's weights are in flight waits for all of them. Issued at the start of the layer, as Park &
-Egger's Eq. 5 assumes (inputs sharing the link beside the copy: max(P CPU + G + IN + OUT, H2D + IN)),
-the H100's split-points decode ran ~7 ms a streamed layer where that priced 4.5 and the in-order
-copy engine gives 7.1 (max(P CPU[0, i), H2D) + segment + P (CPU[j, n) + glue);
-``benchmarks/results/gpu-h100-2026-11-26/``). Park & Egger's Eq. 5 drops G, IN and OUT, their
+Egger's Eq. 5 assumes, the next layer's copy would hold this layer's inputs back behind it: the
+in-order copy engine then gives max(P CPU[0, i), H2D) + segment + P (CPU[j, n) + glue), not the
+max(P CPU + G + IN + OUT, H2D + IN) that Eq. 5 prices, so the executor waits for the segment and the
+estimate follows the order it runs. Park & Egger's Eq. 5 drops G, IN and OUT, their
 accelerator being far faster than their link; this keeps them. The CPU runs under the copy for all of
 its part, hence P on all of it. Eq. 14 is the multi-batch variant; the executor runs the batch whole,
 so the policy plans with b = 1, where Eq. 14 is Eq. 7. The first layer's copy is not hidden (the
-pipeline fill, as in Eq. 2). On the H100 this order ran a Llama-2-7B-shaped decode ([1, 7], 22 layers
-split) at TPOT 162-166 ms against 196-204 issued at the layer's start, predicted 173
-(``benchmarks/results/gpu-h100-2026-11-26c/``).
+pipeline fill, as in Eq. 2). Both orders timed on a GPU: docs/results.md, "On a GPU".
 
 Eq. 13: the n(n - 1)/2 candidates (i, j) are searched exhaustively, for every step and every
 candidate M at once with prefix sums and broadcasting (:func:`search`). The pair is chosen per phase
