@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
-from functools import cached_property
+from functools import cached_property, lru_cache
 from typing import Any
 
 import numpy as np
@@ -23,7 +23,7 @@ from flexplan.errors import DoesNotFitError, InvalidInputError
 from flexplan.estimator import REGISTRY, DefaultEfficiency, Efficiency, Shape, phase_costs
 from flexplan.estimator.efficiency import FactorSource
 from flexplan.estimator.expert_cache import profile_curves, with_profile
-from flexplan.estimator.policies import POLICIES, placement_of
+from flexplan.estimator.policies import POLICIES, Policy, placement_of
 from flexplan.estimator.terms import PhaseCosts, t_link_s
 from flexplan.factors import efficiency_for
 from flexplan.hardware import get_hardware
@@ -75,6 +75,21 @@ class _Options:
         return self._feasible_index.get(int(m))
 
 
+@lru_cache(maxsize=8192)
+def _placed(policy: Policy, num_layers: int, gpu_layers: int, phase: str) -> PhasePlacement:
+    """``policy``'s placement with ``gpu_layers`` layers on the GPU: a pure function of these four,
+    asked thousands of times per plan by the pair search (and again for each CPU dtype and shape)."""
+    return policy.placement(num_layers, gpu_layers, phase)
+
+
+@lru_cache(maxsize=8192)
+def _beside(prefill: Policy, m_p: int, decode: Policy, m_d: int, num_layers: int) -> tuple[tuple, int]:
+    """(canonical runs and head mode, resident layers) of the prefill placement the executor runs
+    beside that decode placement (placement.prefill_beside): shape-independent, so kept across plans."""
+    runs = prefill_beside(_placed(prefill, num_layers, m_p, "prefill"), _placed(decode, num_layers, m_d, "decode"))
+    return (PhasePlacement.merged(runs.runs).runs, runs.head_mode), int(runs.count(lambda mode: mode is RESIDENT))
+
+
 def _check_positive(**kw: Any) -> None:
     for k, v in kw.items():
         if not isinstance(v, (int, np.integer)) or isinstance(v, bool) or v <= 0:
@@ -121,7 +136,7 @@ def _phase_memory(shape: Shape, hw: Hardware, policy: str, ms: np.ndarray, phase
         need = placement_memory(shape, hw, {phase: pol.placement(n, ms, phase)})
         return (np.broadcast_to(need.accelerator_bytes, ms.shape).astype(float),
                 np.broadcast_to(need.host_total_bytes, ms.shape).astype(float))
-    needs = [placement_memory(shape, hw, {phase: pol.placement(n, int(m), phase)}) for m in ms]
+    needs = [placement_memory(shape, hw, {phase: _placed(pol, n, int(m), phase)}) for m in ms]
     return (np.array([x.accelerator_bytes for x in needs], float), np.array([x.host_total_bytes for x in needs], float))
 
 
@@ -170,7 +185,7 @@ def switch_s(shape: Shape, hw: Hardware, prefill: str, m_p: int, decode: str, m_
     m, n = shape.model, shape.model.num_layers
     w_layer = costs.d_weights(m, shape.w_bytes)
     kv_prompt = float(costs.kv_cache_bytes_per_layer(m, shape.batch, shape.input_len, shape.w_bytes))
-    pp, dp = REGISTRY[prefill].placement(n, m_p, "prefill"), REGISTRY[decode].placement(n, m_d, "decode")
+    pp, dp = _placed(REGISTRY[prefill], n, m_p, "prefill"), _placed(REGISTRY[decode], n, m_d, "decode")
     h2d = d2h = h2d_weights = 0.0
     first = 0
     for a, b, count in segments(pp, dp):
@@ -321,7 +336,7 @@ def _plan_one(spec: ModelSpec, hw: Hardware, eff: Efficiency, shape: Shape, gpu_
     # policies whose prefill streams layers (at its fewest or most GPU layers): beside a decode that
     # keeps layers resident they run as another option
     streams = {p: any(mode.streamed for m in (o.gpu_layers.min(initial=0), o.gpu_layers.max(initial=0))
-                      for mode, count in REGISTRY[p].placement(n, int(m), "prefill").runs if int(count))
+                      for mode, count in _placed(REGISTRY[p], n, int(m), "prefill").runs if int(count))
                for p, o in opts["prefill"].items()}
     masks_cache: dict[tuple, tuple[int, int]] = {}
 
@@ -330,7 +345,7 @@ def _plan_one(spec: ModelSpec, hw: Hardware, eff: Efficiency, shape: Shape, gpu_
         key = (phase, pol, m)
         if key not in masks_cache:
             streamed = resident = first = 0
-            for mode, count in REGISTRY[pol].placement(n, m, phase).runs:
+            for mode, count in _placed(REGISTRY[pol], n, m, phase).runs:
                 bits = ((1 << int(count)) - 1) << first
                 streamed |= bits if mode.streamed else 0
                 resident |= bits if mode is RESIDENT else 0
@@ -356,15 +371,12 @@ def _plan_one(spec: ModelSpec, hw: Hardware, eff: Efficiency, shape: Shape, gpu_
         if key not in runs_as_cache:
             runs_as_cache[key] = (p, ip)
             if masks("prefill", p, m_p)[0] & masks("decode", d, m_d)[1]:  # a streamed layer decode holds
-                mine = REGISTRY[p].placement(n, m_p, "prefill")
-                runs = prefill_beside(mine, REGISTRY[d].placement(n, m_d, "decode"))
-                want = canonical(runs)
+                want, m = _beside(REGISTRY[p], m_p, REGISTRY[d], m_d, n)
                 if (p, want) not in option_with:  # many (M, decode M) pairs run as one option
-                    m = int(runs.count(lambda mode: mode is RESIDENT))
                     option_with[p, want] = next(
                         ((q, j) for q in dict.fromkeys([p, *opts["prefill"]])
                          if (j := opts["prefill"][q].index_of(m)) is not None
-                         and canonical(REGISTRY[q].placement(n, m, "prefill")) == want), None)
+                         and canonical(_placed(REGISTRY[q], n, m, "prefill")) == want), None)
                 runs_as_cache[key] = option_with[p, want] or (p, ip)
         return runs_as_cache[key]
 
@@ -381,8 +393,8 @@ def _plan_one(spec: ModelSpec, hw: Hardware, eff: Efficiency, shape: Shape, gpu_
         surely_fits = (op.gpu_bytes[ip] + od.gpu_bytes[idx_d] <= gpu_budget
                        and op.cpu_bytes[ip] + od.cpu_bytes[idx_d] <= cpu_budget)
         if not surely_fits:
-            need = placement_memory(shape, hw, {"prefill": REGISTRY[p].placement(n, m_p, "prefill"),
-                                                "decode": REGISTRY[d].placement(n, m_d, "decode")})
+            need = placement_memory(shape, hw, {"prefill": _placed(REGISTRY[p], n, m_p, "prefill"),
+                                                "decode": _placed(REGISTRY[d], n, m_d, "decode")})
             if need.host_total_bytes > cpu_budget or need.accelerator_bytes > gpu_budget:
                 scores[key] = None
                 over_gpu[key] = need.accelerator_bytes > gpu_budget
