@@ -2,9 +2,8 @@
 
 A decode step at batch 1 reads every weight once; what it does besides the GEMVs is a few dozen
 small PyTorch ops per layer, each a dispatch from Python on caches the GEMVs have just flushed:
-RMSNorm is 7 ops, rotary embedding 14, SDPA's CPU kernel ~150 us for 160 keys. On the development
-machine, timed ad hoc, everything that was not a GEMV cost ~8-10 ms of a ~40 ms step of a 2 GB
-model. Here they are replaced, per module instance, by flexplan's native ops (``native_decode.c``,
+RMSNorm is 7 ops, rotary embedding 14, SDPA's CPU kernel ~150 us for 160 keys. Together they
+take about a fifth of a small model's step. Here they are replaced, per module instance, by flexplan's native ops (``native_decode.c``,
 through :func:`flexplan.executor.native.decode_status`):
 
 - the decoder stack, when every layer is a :class:`FusedLayer` and the executor has put every
@@ -179,10 +178,8 @@ def native_decode_attention(ops: native.NativeDecode | None, module: nn.Module, 
     per sequence on the CPU, q [b, heads, 1, d], by flexplan's native kernel: the output [b, 1,
     heads, d] in q's dtype, or None where it does not apply (no ops, not one query, dropout or
     weights asked for, a cache or mask it does not read). A bfloat16 cache is read as it is, q in
-    float32 (``benchmarks/bench_cpu_attention_bf16.py``, 2 threads of the AVX-512 VM, Llama-3-8B's
-    heads): at batch 1 in 0.45-0.64 of the time of transformers' masked SDPA (11-14 against 6-8
-    GB/s), at batch 8 in 0.83-1.20 of it; calibration measured that SDPA at 2.8 GB/s on an H100's
-    16-core host, where the float32 kernel read 51."""
+    float32: one pass over the cache with no converted copy, about twice as fast as transformers'
+    masked SDPA at batch 1 and about as fast at batch 8 (``benchmarks/bench_cpu_attention_bf16.py``)."""
     if (ops is None or q.device.type != "cpu" or q.dim() != 4 or q.shape[2] != 1 or kwargs.get("dropout")
             or kwargs.get("output_attentions")):
         return None

@@ -21,10 +21,10 @@ and the weighted scatter (``flexplan_scatter_experts``, eager's roundings and or
 Where the module gates as transformers' default does, SiLU(gate) * up (Mixtral, Qwen2/3-MoE,
 DeepSeek; not gpt-oss's clamped SwiGLU), all of it is ONE native call with SiLU computed natively
 (``native_decode.c``'s ``flexplan_moe_silu_f32``, as the dense decode layer computes it: within
-1e-5 of eager, no longer bit for bit; ``fused=False`` keeps the torch activation). A decode step
-of a Qwen3-30B-A3B-shaped layer made ~8 x 6 small calls (two OpenMP regions and a few torch ops
-per expert) at first, then ~20 torch ops around two grouped calls, ~100-190 us per layer outside
-the GEMVs on the 2-core VM (``benchmarks/bench_cpu_experts.py`` compares the paths). An experts
+1e-5 of eager, no longer bit for bit; ``fused=False`` keeps the torch activation). One call per
+layer, not OpenMP regions and torch ops per expert: a decode step's experts are small GEMVs, beside
+which the dispatch of a few calls per expert is a large share of the layer
+(``benchmarks/bench_cpu_experts.py`` compares the paths). An experts
 module of another interface
 (Llama 4's, which runs every expert on every routed row) runs its own forward on the host.
 """

@@ -1,9 +1,8 @@
 """Packed weights for the linear layers the CPU computes: flexplan's blocked layout, or oneDNN's.
 
 Decode on the CPU is a GEMV per weight matrix: it should stream the weights at memory bandwidth.
-Stock ``F.linear`` does not: on the development machine (2 cores of an AMD EPYC Zen 4) it reads a
-TinyLlama-sized fp32 weight at ~20 GB/s at batch 1 and ~10 GB/s at batch 8, against a measured
-STREAM triad of ~39 GB/s (this VM's memory also runs at ~66-70 GB/s for minutes at a time).
+Stock ``F.linear`` does not: at batch 1 it reads an fp32 weight at about half the STREAM triad,
+and less at batch 8, because its kernel is built for GEMMs rather than one long sequential read.
 Two packed layouts, each REPLACING the dense weight (it is the ``weight`` Parameter of the
 ``nn.Linear``), so a CPU layer holds one copy:
 
@@ -18,9 +17,8 @@ Two packed layouts, each REPLACING the dense weight (it is the ``weight`` Parame
   (``torch.ops.mkldnn._reorder_linear_weight``, the kernel torch.compile's CPU freezing pass
   uses), an opaque tensor of the same shape; batch-1 decode plans use batch hint 1.
 
-Figures (GB/s of weights at batch 1 and 8, GFLOP/s at 512 tokens, against F.linear and the
-STREAM triad) come from ``python benchmarks/bench_cpu_linear.py``
-(``benchmarks/results/bench_cpu_linear.json``); README quotes them.
+``python benchmarks/bench_cpu_linear.py`` measures both layouts against F.linear and the STREAM
+triad (GB/s of weights at batch 1 and 8, GFLOP/s at 512 tokens).
 
 Calling stock ``F.linear`` on a packed weight raises (a 3-D or an opaque tensor; it never
 silently computes garbage); ``install`` gives each linear a forward that uses the kernel of its
@@ -87,10 +85,8 @@ def kernel_unavailable(kernel: str) -> str | None:
 
 def pack_batch_hint(decode_batch: int) -> int | None:
     """The batch size oneDNN is told when it picks the packed layout: 1 for batch-1 decode, else
-    none. ``benchmarks/bench_cpu_linear.py`` on the development machine (TinyLlama-shaped layers,
-    fp32): packed for batch 1, a batch-1 GEMV streams 31.8 GB/s against 28.3 with the generic
-    layout; but that layout drops batch 8 to 18.2 GB/s, where the generic one gives 25.8. bf16:
-    within 4% either way (26.6 vs 27.6 at batch 1)."""
+    none: the layout packed for batch 1 streams a batch-1 GEMV ~10% faster than the generic one,
+    but slows batch 8 by about a third; bf16 barely differs (``benchmarks/bench_cpu_linear.py``)."""
     return 1 if int(decode_batch) == 1 else None
 
 
@@ -181,12 +177,10 @@ BF16_PAD_MIN_WEIGHT_BYTES = 4 << 20  # ... where the weight holds at least this 
 
 def packed_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """oneDNN's inner product on a packed weight. A bf16 ``x`` of up to ``BF16_PAD_MAX_ROWS`` rows is
-    zero-padded to ``BF16_PADDED_ROWS`` for a weight of ``BF16_PAD_MIN_WEIGHT_BYTES`` or more: oneDNN (torch
-    2.13) takes a slower bf16 GEMV at 1-2 rows than at 3-6. ``python benchmarks/bench_bf16_gemv_rows.py``
-    (Zen 4 VM, 2 threads, 512 MB of packed copies cycled; ``benchmarks/results/bench_bf16_gemv_rows.json``):
-    padded / unpadded 0.82-0.90 at 1 row and 0.72-0.85 at 2 for 2048 x 2048 .. 5632 x 2048 weights
-    (triad 55-65 GB/s) and 0.89 / 0.82 for 8192 x 8192 (triad 36-39); 0.99-1.02 at 3 rows; SmolLM2's
-    576-wide weights (1.7 MB, not padded) cost as much either way within the noise.
+    zero-padded to ``BF16_PADDED_ROWS`` for a weight of ``BF16_PAD_MIN_WEIGHT_BYTES`` or more: oneDNN
+    takes a slower bf16 GEMV at 1-2 rows than at 3-6, so the padded call is 10-25% faster for
+    weights of a few MB and up (``python benchmarks/bench_bf16_gemv_rows.py`` times both); a small
+    weight costs as much either way and is left alone.
     Besides the speed, the cost then never falls as the batch grows, which the estimator's fits
     assume. The result is the unpadded one bit for bit (rows are independent)."""
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
@@ -261,9 +255,8 @@ def embedding_blockable(shape: tuple[int, ...], dtype: torch.dtype, compute_dtyp
 def _head_blockable(shape: tuple[int, ...], dtype: torch.dtype, compute_dtype: torch.dtype) -> bool:
     """A tied head's 16-bit weight for a CPU computing in that 16-bit dtype: blocked too, the native
     kernel reading it into a float32 GEMV whose result is cast back (:func:`blocked_linear`; the
-    lookup's rows likewise, :func:`embedding_rows`). Left dense, such a head ran as a dense bf16
-    ``aten::mm``: SmolLM2's 57 MB head took 4.4-4.8 ms a decode step on the Zen 4 VM, ~13 GB/s,
-    where the calibration had priced its GEMV at ~2 ms."""
+    lookup's rows likewise, :func:`embedding_rows`). Left dense, such a head runs as a dense bf16
+    ``aten::mm``, which streams it at a fraction of the bandwidth the calibrated GEMV prices."""
     return (compute_dtype in (torch.bfloat16, torch.float16) and dtype == compute_dtype
             and _blockable(tuple(shape), dtype, torch.float32, padded=True))
 
@@ -365,8 +358,7 @@ class TiedHeadKernel(LinearKernel):
     """A tied embedding / LM head as the executor holds it (:func:`pack_embedding`), for benchmarks:
     on a CPU computing in 16 bits it is blocked in that dtype and read by the native float32 GEMV
     (:func:`_head_blockable`), where an untied head of the same shape is oneDNN-packed. The two
-    stream differently (on the Zen 4 VM, SmolLM2's 576 x 49152 bf16 head: 1.5 ms tied against
-    2.1 oneDNN at 1 token, 2.5 against 2.1 at 8), so calibration times both."""
+    kernels stream differently (which is faster depends on the rows), so calibration times both."""
 
     def __init__(self):
         super().__init__(kernel="tied-head")

@@ -1,5 +1,5 @@
-"""The accelerator's cache of a CPU-experts layer's most-used routed experts (issue 15 item 3;
-``Plan.expert_cache``, chosen by ``flexplan.plan_expert_cache``).
+"""The accelerator's cache of a CPU-experts layer's most-used routed experts (``Plan.expert_cache``,
+chosen by ``flexplan.plan_expert_cache``).
 
 A layer whose routed experts compute on the CPU (``executor.cpu_experts``) keeps a copy of K of
 them in accelerator memory, in the accelerator dtype, as a second experts module of the same class

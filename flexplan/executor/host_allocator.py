@@ -5,11 +5,10 @@ cache that ``torch.cat`` grows) and frees them a few milliseconds later. glibc's
 thresholds as it goes: blocks above the mmap threshold (128 KiB, rising to the largest block freed)
 are mapped and unmapped per call, and the heap is trimmed back to the kernel whenever its free top
 exceeds twice that threshold. Either way the next call touches fresh pages, and each 4 KiB page
-costs a fault and a zeroing in the kernel. On the development VM (2 Zen 5 cores, SmolLM2-135M,
-float32, 8 x 128-token prefill) a prefill took ~175,000 minor faults and ~0.3 s of system time:
-TTFT 850-880 ms, against 590-660 ms with the thresholds fixed here (no faults after the first call);
-the calibration's bare layers, which reuse their buffers, had measured the faster figure, so the
-estimator's prediction (592 ms) missed the executor by 30% (``benchmarks/bench_host_allocator.py``).
+costs a fault and a zeroing in the kernel: a batched prefill of a small model can spend a third
+of its time there. The calibration's bare layers reuse their buffers and never pay it, so without
+the thresholds fixed here (no faults after the first call) the estimator would price the executor
+that much fast (``benchmarks/bench_host_allocator.py`` times both).
 
 :func:`keep_freed_memory` sets, once per process, the mmap threshold to glibc's maximum (32 MiB on
 64-bit: larger blocks, e.g. weights, are still mapped) and the trim threshold to :data:`TRIM_BYTES`

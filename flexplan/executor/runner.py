@@ -152,8 +152,8 @@ class Executor:
         self._cpu_attention_modules: list[nn.Module] = []  # attention modules routed to attend_beside_kv
         self.split = split_layer.SplitLayers(link)  # layers cut by split points (split-points policies)
         self.split.segment_done = lambda: self._deferred_prefetch("segment_done")
-        # False: a split layer issues the next layer's copy at its start, as before 2026-11-26 (kept to
-        # time both orders in one run: benchmarks/diag_split_points_order.py)
+        # False: a split layer issues the next layer's copy at its start (Park & Egger's order), kept
+        # so that both orders can be timed in one process
         self.defer_split_prefetch = True
         # where split layers issued the next layer's copy: segment_done / end_of_layer (the fallback) /
         # at_start (defer_split_prefetch False); benchmarks record it beside their timings
@@ -687,8 +687,8 @@ class Executor:
     def _cpu_decode_mask(self, q, keys, mask):
         """``mask``, or for one query position with none under SDPA the step's all-true mask over
         ``keys``' keys (``Step.cpu_decode_mask``: the same attention) for a layer the native kernel
-        does not attend: PyTorch's unmasked CPU SDPA read a bf16 grouped-query cache 6-7x slower
-        than its masked path on the VM (12.3 against 2.0 ms at 4096 keys)."""
+        does not attend: PyTorch's unmasked CPU SDPA takes a far slower path than its masked one
+        on a bf16 grouped-query cache (several times, at thousands of keys)."""
         if (mask is not None or q.shape[2] != 1 or self._step is None
                 or getattr(self.model.config, "_attn_implementation", None) != "sdpa"):
             return mask

@@ -17,9 +17,9 @@ A Linear operator the plan leaves on the CPU computes as the plan's CPU does (it
 its dense pinned weight (the layout its accelerator copy needs, kept as the one host copy):
 :func:`cpu_operator_linear`, the native dense kernel (``native_gemv.c``): 4 weight rows per pass for
 decode-sized batches, 64-row panels packed chunk by chunk into the blocked layout above 32 rows.
-On the development VM (Zen 5, 2 threads, Llama-3-8B's MLP shape, float32) stock ``F.linear`` read
-the weights at 10 GB/s at 4 rows where this kernel reads 41 (the blocked kernel 48), and computed
-128 rows at 130-180 GFLOP/s where it computes 340 (blocked 440-460; ``benchmarks/bench_cpu_linear.py``).
+Stock ``F.linear`` on the same dense weights streams a few decode rows at a fraction of this
+kernel's rate and computes prefill rows at about half of it; the kernel comes within ~15-25% of the
+blocked one (``benchmarks/bench_cpu_linear.py`` compares them).
 The estimator prices these operators at the dense kernel's own calibrated rates (``flexplan validate --split-ops``).
 
 Only the accelerator operators' weights are prefetched into the slot (:func:`load`). The operators
