@@ -1,4 +1,4 @@
-"""Online correction: what each run measured, fed back into the estimator (issue 14, item 3).
+"""Online correction: what each run measured, fed back into the estimator.
 
 APEX (section 6, "Improving Performance Predictability with Online Profiling") notes that offline
 profiles miss some shapes and proposes watching real computation times to rebalance. flexplan
@@ -40,8 +40,8 @@ was beyond the bound in the same direction: a new level that shows twice is lear
 the default prior (``w' P w`` ~ ``PRIOR_VAR``) no residual below ~x2 is an outlier (from the
 calibrated one, none below ~x1.4; a calibration off by more is learned over two runs); once runs have pinned
 the scales down (``P`` small, ``sqrt(w' P w + NOISE_VAR)`` ~ 0.11), one spike of x1.5 counts as about
-0.6 of a run, one of x2 as about 0.35. The README demo at 439db3f saw one prefill spike (TTFT x1.52) move the next runs'
-predictions of TTFT to x1.5-1.7 of what they measured.
+0.6 of a run, one of x2 as about 0.35. While the first few runs are still learned nearly in full, one spike
+among them moves the next predictions by up to ``STEP_MAX``: the filter cannot yet tell it from a new level.
 
 Bounds, so one odd run cannot swing the planner: the step of one run is scaled down as a whole
 (direction kept) until no class moves by more than ``x STEP_MAX`` (1.25), and the run then
@@ -52,10 +52,10 @@ nor do non-finite or non-positive measurements or predictions, nor runs during w
 processes took more than ``MAX_OTHER_CPU_SHARE`` (a quarter) of all cores' time (they measured the
 contention, not the machine; ``flexplan calibrate`` warns above 10% for the same reason).
 
-The memory state (issue 14, item 2, learned). Where the plan scaled decode's streaming to the
+The memory state, learned. Where the plan scaled decode's streaming to the
 memory state of now (``StateScaledEfficiency``, a probe's ratio ``s`` to the calibration's state),
 how much of the state's change the runs take is the machine's and the workload's, not a constant
-(the README demo's SmolLM2 batch-1 decode took nearly all of it, the cycles' grids ~0.7). A sixth
+(a small model's batch-1 decode, nearly all weight streaming, takes nearly all of it). A sixth
 state of the filter, the elasticity ``e`` (``Corrections.state_elasticity``), multiplies those
 terms' time by ``state_change(s) ** e``, ``s`` beyond the probe's own spread within a state
 (``estimator.efficiency.ELASTICITY_BAND``); its regressor is ``d log T / d e`` (the log of that
@@ -66,7 +66,7 @@ that state uses it. Prior
 ``+-ELASTICITY_MAX``.
 
 Where corrections are kept, and the two calls the library makes (``corrected`` in
-``calibration.efficiency_for``, ``learn`` after ``FlexModel.generate``): ``correction_store``.
+``flexplan.factors.efficiency_for``, ``learn`` after ``FlexModel.generate``): ``correction_store``.
 No torch here.
 """
 
@@ -94,14 +94,10 @@ STEP_MAX = 1.25  # one run moves a scale by at most this factor
 TOTAL_MAX = 3.0  # scales stay within [1 / TOTAL_MAX, TOTAL_MAX]
 PRIOR_VAR = 0.5 ** 2  # prior variance of each log scale: a class is off by a factor ~1.65 (1 sigma) before any run
 # ... where the factors come from a calibration of this machine (full, quick or the first-use probe):
-# off by ~14% (1 sigma), what their cold MAPE of 5-10% says. At PRIOR_VAR the first call corrected
-# a calibrated machine almost fully (gain 0.83-0.96) and warm came out worse than cold in most
-# figures of cycles runs 7 and 8. `benchmarks/warm_gain.py` over the kept validations of runs 3-8
-# (36 figures each; the first update's direction does not depend on the prior, only its size):
-# half to three quarters of that step gave mean MAPE 9.13-9.14% over the six runs, the full step
-# 9.48, a quarter 9.49 (runs 3-6 favour 0.75, 7 0.5, 8 0.25). This prior's first step is 0.37-0.66
-# of the residual, 0.42-0.69 of the old step (|w|^2 0.3 to 1); run 9, the first cycles run with it:
-# warm 6.94% against cold 8.25%.
+# off by ~14% (1 sigma), what their cold MAPE of 5-10% says. The first run then corrects 0.37-0.66
+# of its residual, not nearly all of it as at PRIOR_VAR: one call's error, met in one memory state
+# at one shape, taken in full makes the rest of the grid's predictions worse than not correcting
+# (`benchmarks/warm_gain.py` replays recorded validations at other step sizes).
 CALIBRATED_PRIOR_VAR = 0.14 ** 2
 NOISE_VAR = 0.1 ** 2  # variance of one phase's log(measured / predicted) beyond the model: ~10% run-to-run
 DRIFT_VAR = 0.03 ** 2  # variance added per run: the machine drifts (memory-bandwidth state, other load)
@@ -111,7 +107,7 @@ MAX_OTHER_CPU_SHARE = 0.25  # runs during which other processes took more of all
 MIN_SHARE = 0.02  # a run "informs" a class when the class holds at least this share of a phase's time
 OUTLIER_Z = 2.0  # a phase whose residual lies beyond this many of its predicted standard deviations counts less
 HISTORY = 8  # residuals kept for display
-ELASTICITY_PRIOR_VAR = 0.3 ** 2  # of the learned memory-state elasticity: the grids' ~0.7 vs the demo's ~1
+ELASTICITY_PRIOR_VAR = 0.3 ** 2  # of the learned memory-state elasticity: workloads differ by about this (~0.7 to ~1)
 ELASTICITY_STEP_MAX = 0.25  # one run moves it by at most this
 ELASTICITY_MAX = 0.6  # it stays within +-this (the state scaling's exponent within 0.1 .. 1.3 in a faster state)
 STATE_ELASTICITY = "memory_state"  # its name in ``Corrections.runs`` and in the filter's states

@@ -1,8 +1,8 @@
-"""Where online corrections live, and the library's two calls (issue 14, item 3).
+"""Where online corrections live, and the library's two calls.
 
 The rule itself (attribution by elasticity, the bounded update) is ``correction``; this module
 keeps its result and hooks it in: :func:`corrected` (called last by
-``calibration.efficiency_for``) and :func:`learn` (called by ``FlexModel.generate`` after each run).
+``flexplan.factors.efficiency_for``) and :func:`learn` (called by ``FlexModel.generate`` after each run).
 
 Corrections belong to one calibration: ``<calibration-stem>.corrections.yaml`` beside its file,
 or in ``store.user_cache_dir()`` when that folder is not writable or is the package's shipped
@@ -162,7 +162,7 @@ def save(hw: "Hardware", cal, corrections: Corrections) -> Path | None:
 def corrected(eff: "Efficiency", hw: "Hardware", cal=None) -> "Efficiency":
     """``eff`` (the calibration's factors for ``hw``) with the corrections learned for ``hw``
     applied last; ``eff`` itself when disabled, not local hardware, or nothing learned.
-    ``calibration.efficiency_for`` calls this."""
+    ``flexplan.factors.efficiency_for`` calls this."""
 
     if not enabled() or not is_local(hw):
         return eff

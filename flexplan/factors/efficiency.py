@@ -51,8 +51,8 @@ from flexplan.workload import costs
 
 MAX_DISPATCH_SHARE = 0.25  # dispatch is a correction: never more than this share of an op's time
 # a GPU layer's kernel launches (~30 of 5-10 us) take well under this; a measured per-layer overhead
-# above it timed something else (an H200 host's one-layer step read 36 ms where the executor's
-# whole 7-layer decode step took 14-20 ms) and would price every GPU layer 100x too slow
+# above it timed something else (a one-off cost: cuDNN planning its attention per new shape) and would price
+# every GPU layer orders of magnitude too slow
 GPU_LAYER_OVERHEAD_MAX_S = 5e-3
 
 
@@ -60,9 +60,9 @@ def no_faster_with_more_work(rows: list[dict], group, work) -> list[float]:
     """Each row's time (:func:`_stat_s`), lowered to the fastest time of any row of its ``group``
     that does at least as much ``work``: the same op on more tokens (a longer KV cache, a larger
     batch) cannot be faster, so a row slower than a larger one met interference (on a shared
-    2-core VM a 2-thread op can wait a whole scheduler slice). Noise only ever adds time, so the
-    lower figure is the one kept. Without this a single slow point at batch 1 (the fewest-token
-    GEMV, the batch-1 layer) made batch 1 predict slower than batch 4."""
+    few-core machine a multi-threaded op can wait a whole scheduler slice). Noise only ever adds
+    time, so the lower figure is the one kept; else a single slow point at batch 1 (the
+    fewest-token GEMV, the batch-1 layer) would make batch 1 predict slower than batch 4."""
     times = [_stat_s(r) for r in rows]
     groups: dict[Any, list[int]] = {}
     for i, r in enumerate(rows):
@@ -364,8 +364,8 @@ class CalibratedEfficiency:
     def cpu_attention_for_layout(self, context_len, dtype=None, layout=None, batch=None):
         """Eff_attn(ctx) measured at this (query heads, KV heads, head dim) layout, at ``batch``
         where the layout was measured per batch (interpolated in log(batch) between the two
-        nearest, held beyond them: on the AVX-512 VM the native kernel read a GQA cache at 27 GB/s
-        at batch 1 and 15 at batch 8, so their mean was 40-80% off either), else the mean over the
+        nearest, held beyond them: a grouped-query cache reads at a rate that falls by nearly half
+        from batch 1 to 8, so one mean would be far off at either end), else the mean over the
         batches; else :meth:`cpu_attention` (the mean over the layouts measured)."""
         f = self._cpu(dtype)
         key = tuple(int(x) for x in layout) if f and layout else None
@@ -484,9 +484,9 @@ def executor_extra_s(executor_rows: list[dict], layer_rows: list[dict]) -> float
     """Seconds per layer the executor's decode step adds to the bare real layer of the same width:
     the one timed beside it (``extra_s``, the median over slope and bare layer pairs timed back to
     back; in older files ``time_s - layer_time_s``), else the ``cpu_layers`` row at batch 1 and the
-    nearest KV length (its hooks, its KV cache, casts; on the AVX-512 development VM, timed
-    together, ~0.07-0.13 ms per SmolLM2-sized layer in bfloat16 and ~0-0.05 ms in float32): the
-    mean over the executor rows that have such a layer, never below 0."""
+    nearest KV length (its hooks, its KV cache, casts: a tenth of a millisecond or so per small
+    layer, more in bfloat16 than in float32): the mean over the executor rows that have such a
+    layer, never below 0."""
     def beside(r):  # the bare layer timed with it: a positive number, else none
         t = r.get("layer_time_s")
         if t is not None and (isinstance(t, bool) or not isinstance(t, (int, float)) or not t > 0):

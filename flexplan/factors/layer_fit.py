@@ -15,30 +15,26 @@ reproduces each calibrated layer:
   seconds per layer (dispatch, norms, rotary, the cache update), by tokens and layer size
   (:class:`LayerOverhead`), fitted non-decreasing in tokens. Above the most decode tokens it is held.
 - **Decode rows over a longer KV cache** (the same shapes, ``layer_long_kv_len``): what the extra
-  keys cost a real layer, the attention factor of decode (:func:`layer_attention_table`). The
-  development VM's SmolLM2 decode slowed 5 ms per step from 128 to 512 keys where the SDPA
-  micro-benchmark's factor gave under 2.
+  keys cost a real layer, the attention factor of decode (:func:`layer_attention_table`): a real
+  layer's extra keys cost more than the SDPA micro-benchmark's factor says, so its own rows set it.
 - **Prefill rows** (hundreds of tokens, compute-bound): the layer's own compute factor,
   ``C / (TH x (t - D / (BW x Eff_mem) - overhead))`` with the decode overhead held, at the widest
-  measured layer's level at each token count (:func:`layer_compute_table`; the plain median over
-  the widths before, which priced the 2 GB random Llama's prefill, exactly the widest calibrated
-  layer, 12-25% slow: its time beyond the median factor could only be added, never taken off). It replaces the
+  measured layer's level at each token count (:func:`layer_compute_table`; not the median over
+  the widths: a model as wide as the widest layer would then be priced slow, its time beyond the
+  median factor only ever added as overhead, never taken off). It replaces the
   GEMM micro-benchmark's factor over the tokens the layers span: a real layer can be faster than
-  the isolated GEMM of another weight shape (the development VM's SmolLM2-sized layers ran
-  their prefill GEMMs ~10-20% faster than the 2048 x 2048 GEMM, and an overhead that could only
-  add time made every prefill 20-35% slow), or slower (attention and elementwise work per token).
+  the isolated GEMM of another weight shape, which an overhead that can only add time could not
+  express, or slower (attention and elementwise work per token).
   Eff_comp keeps its one constraint: it grows no faster than the tokens do, so the compute term
   never falls as tokens grow. What each narrower width's prefill takes beyond that factor (a small
   layer's norms, rotary and activations weigh more per token) joins the overhead at those tokens,
-  so each calibrated prefill layer is reproduced (SmolLM2's layer at 128 tokens: 9.0 ms measured,
-  7.3 ms from the median factor alone; the demo's 42-token prompt came out 40% short).
+  so each calibrated prefill layer is reproduced, a small model's short prompt included.
 
 - **Prefill rows of the same b x s at two prompt lengths** (8 x 128 beside 1 x 1024): the same
   GEMMs, weight reads and per-layer costs, eight times the causal (query, key) pairs apart, so
-  their difference is the attention core's own factor (:func:`prefill_attention_factor`). The
-  AVX-512 VM's SmolLM2 layers ran those pairs at ~0.3 of the GEMMs' rate: with one factor by
-  tokens, a batch of short prompts (4 x 128: 311 ms measured) was priced as one long prompt of
-  the same tokens (352 ms predicted; 1 x 512 layers measured 13 ms each). The estimator prices
+  their difference is the attention core's own factor (:func:`prefill_attention_factor`). Those
+  pairs run far below the GEMMs' rate, so with one factor by tokens a batch of short prompts
+  would be priced as one long prompt of the same tokens, too slow. The estimator prices
   ``c_prefill_attention`` at it and the rest of C_Prefill at the compute factor, which is fitted
   on what is left once the attention is taken out. Files without such a pair price the whole of
   C_Prefill at the compute factor, as before.
@@ -91,9 +87,9 @@ class LayerOverhead:
             return float(t(layer_bytes)) if layer_bytes else float(np.median(t.y))
 
         # each token count's value raised to the largest at fewer tokens: the tables are fitted one
-        # token count at a time, and a probe file's (SmolLM2-sized rows, interpolated to a MoE's
-        # layer size) fell from 2.15 ms at 32 tokens to 1.95 at 64, which made a Qwen3-30B-A3B
-        # prefill of 2 x 32 tokens cheaper than 1 x 32 (tests/test_calibration_properties.py)
+        # token count at a time, and interpolated to another layer size they can dip as tokens grow,
+        # which would price a larger batch's prefill cheaper than a smaller one's
+        # (tests/test_calibration_properties.py)
         values = np.maximum.accumulate([at(i) for i in range(len(self.tables))])
         lt = np.log(max(float(tokens), 1e-9))
         logs = np.log(self.tokens)
@@ -216,8 +212,8 @@ def prefill_attention_factor(prefill: list, peak_flops_per_s: float) -> float | 
 def _pooled(residuals: dict[int, dict[float, float]]) -> dict[int, dict[float, float]]:
     """Residuals (tokens -> layer bytes -> seconds) fitted non-decreasing in tokens at each layer
     size, least squares (pooling adjacent violators): a layer's own cost does not shrink with more
-    tokens. The running maximum used before let one slow batch-4 row add 0.6 ms to every batch-8
-    layer, whose factors already explained its time."""
+    tokens. Not a running maximum: that would let one slow row add its excess to every larger
+    token count, whose factors already explain its time."""
     out = {t: dict(d) for t, d in residuals.items()}
     for lb in {lb for d in out.values() for lb in d}:
         ts = sorted(t for t in out if lb in out[t])
@@ -269,19 +265,18 @@ def _at_the_widest(by_t: dict[int, dict[float, float]]) -> dict[float, float]:
     (the widest's own row alone would carry all its noise into every larger model's prefill). The
     ratio is the median over the token counts both have when they share three or more; with fewer,
     the ratio at the largest shared count (the most compute-bound: the decode overhead and the glue
-    weigh least there). A median of two is their mean: on the H100's host one narrow bf16 row at 128
-    tokens (6.0 ms where 512 tokens took 3.1) made its ratio 7.4 beside 0.96 at 512, lifted every
-    narrow point 4.2x and priced a 2048-token bf16 prefill at 18 TFLOP/s (it ran 2-5x slower).
+    weigh least there). Not a median of two, which is their mean: one disturbed narrow row (slower
+    at 128 tokens than at 512) would then lift every narrow point several times over and price a
+    long prefill several times fast.
 
     Where fewer than three widths were measured at a count the widest has (a median of two cannot
     outvote either's noise), a lifted width more than :data:`OUTLIER_RATIO` off the widest's own
     factor is left out; three or more keep their median. Above the widest's largest count a lifted
     narrow factor is held no lower than the widest's there (at one width, more rows per weight
-    byte never make the GEMMs slower; no such bound below its smallest count, where the VM's
-    32-token rows ran faster per FLOP than 128). On the H200's host the probe's narrow bf16 layer
-    ran 512 tokens in 2.6 ms and 128 in 4.6: lifted by its ratio at 512 (0.18) it priced a 2048-token
-    splitgen prefill 4.4x its measured 306 ms (re-derived with this rule: 1.4x; the VM's runs 12-13
-    re-derive unchanged: benchmarks/results/gpu-h200-2026-11-26c/)."""
+    byte never make the GEMMs slower; no such bound below its smallest count, where few rows can
+    run faster per FLOP than more). Without that floor, a narrow layer whose ratio at its largest
+    count is small (a disturbed or cache-favoured row) would price a long prefill several times
+    fast."""
     widest = max(lb for v in by_t.values() for lb in v)
     lift = {}
     for lb in {lb for v in by_t.values() for lb in v}:

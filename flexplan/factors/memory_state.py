@@ -1,7 +1,7 @@
-"""The memory state of now, not of calibration day (issue 14, item 2).
+"""The memory state of now, not of calibration day.
 
-Where the host's memory bandwidth flips between states (the development VM: STREAM triad ~38
-against ~66 GB/s, minute to minute), a calibration records whichever state each benchmark met.
+Where the host's memory bandwidth flips between states (on some VMs the STREAM triad moves by
+nearly 2x, minute to minute), a calibration records whichever state each benchmark met.
 Three steps keep the predictions of memory-bound work (CPU decode) on the state of now:
 
 1. ``flexplan calibrate`` runs the probe of :mod:`~flexplan.measure.membw` before each
@@ -48,9 +48,9 @@ if TYPE_CHECKING:  # pragma: no cover
 
 NOTE_PREFIX = "memory state:"  # the note's first words: stats.py finds the line by them
 SCALE_RANGE = (1 / 3, 3.0)  # memory time is scaled by at most this much either way (a probe gone wrong)
-# a probe within this fraction of the calibration's median is the same state: on the quiet
-# development VM the copy probe spread +-8% and the matmul probe +-4% over minutes, while the
-# runs they would scale held within 3%; scaling by that noise made predictions worse
+# a probe within this fraction of the calibration's median is the same state: on a quiet machine
+# the probes spread more (+-4-8%) than the runs they would scale (within ~3%), so scaling by that
+# noise makes predictions worse
 SAME_STATE = 0.06
 END = "end"  # the label of the sample taken after the last step
 ROW_PARTS = ("cpu_gemv", "cpu_gemm", "cpu_head_gemv", "cpu_attention", "cpu_layers")  # rows normalised
@@ -180,7 +180,7 @@ def normalised(meas: dict) -> dict:
     the best streaming rate any row of that dtype reached (weights: GEMV/GEMM rows; KV: attention
     rows), itself brought to the reference state. A GEMV or decode attention is all memory
     (w ~ 1), a large GEMM or a prefill layer hardly any, a real decode layer all but its fixed
-    per-layer cost. Achieved rates, not the Hardware's nominal peaks (assumptions on a VM).
+    per-layer cost. Achieved rates, not the Hardware's nominal peaks (guesses where a VM hides the SKU).
 
     The rest of the time, ``1 - w`` (compute, and the fixed costs that run at the CPU's speed),
     is brought to the reference compute state the same way, by the compute probe taken around the
@@ -237,13 +237,10 @@ def normalised(meas: dict) -> dict:
     # probe within SAME_STATE of it) reached in its stream: a row whose probe read a slower state
     # but that streamed that fast ran in the reference state (the state flipped between probe and
     # row), so its ratio is at least its rate over that best, and at most 1. Normalised by the probe
-    # alone, the AVX-512 VM's fp32 2048 x 5632 GEMV, 75.5 GB/s beside a 42.5 GB/s probe (reference
-    # 65.8, the reference rows' best 69.0), came out at 117 GB/s and priced decode ~25% fast.
+    # alone, such a row would come out faster than the machine ever streams and price decode fast.
     # Only rows that stream (decode attention, GEMMs of up to STATE_SCALED_TOKENS_MAX rows) set that
-    # best: a prefill GEMM's bytes per second is its compute's pace. Counted, a first-use probe whose
-    # bf16 GEMVs ran in the slow state (GEMV probe ~50 GB/s) and the rest in the fast one (median
-    # 94.6) kept its GEMVs as measured (the 128-token GEMM's 19 GB/s "best" held their ratio at 1)
-    # and priced the random Llama's decode 1.65x in the slow state.
+    # best: a prefill GEMM's bytes per second is its compute's pace, far below any stream, and as a
+    # "best" it would hold slow-state GEMVs' ratio at 1 (their slow times kept as the reference's).
     at_ref: dict[tuple[str, str], float] = {}
     for part, rows in sized.items():
         for r, ratio, n_bytes, t in rows:

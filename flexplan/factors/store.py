@@ -1,7 +1,7 @@
 """Calibration files: which machine they belong to, where they live, atomic write, checked load.
 
 A calibration file is YAML (``format: flexplan-calibration``, ``version: 1``) holding the raw
-measurements of ``flexplan calibrate`` (see ``calibration/README.md`` for the schema). It
+measurements of ``flexplan calibrate`` (see ``docs/calibration.md``, "Format", for the schema). It
 belongs to one machine, identified by a fingerprint: a hash of the CPU model name, its ISA class and
 microarchitecture (``/proc/cpuinfo`` cpu family and model), the usable physical core count, the GPU
 names and their PCIe generation/width. Files are named
@@ -68,7 +68,7 @@ class MachineIdentity:
     model name ("AMD EPYC") may or may not expose AVX-512, and the CPU kernels (and their speed)
     differ. So does the microarchitecture (``cpu_arch``, "family 25 model 17"): a hypervisor that
     names every EPYC "AMD EPYC" shows a Zen 4 (family 25) and a Zen 5 (family 26) with the same
-    flags, and a Zen 5 file priced the Zen 4 VM's demo prefill 1.6x fast. "" where the CPU does not
+    flags, and one's factors price the other's prefill far off. "" where the CPU does not
     say (no family in /proc/cpuinfo); "?" for files written before it was recorded (they match no
     machine: re-calibrate)."""
 
