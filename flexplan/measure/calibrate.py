@@ -169,7 +169,7 @@ def calibrate(mode: str = "quick", out: str | Path | None = None, threads: int |
     steps = _steps(mode, hw, threads, cpu_dtypes, gpu_dtype)
     measurements: dict[str, object] = {}
     failures: dict[str, str] = {}
-    step_wall_s: dict[str, float] = {}  # where a calibration's time goes (the first-use probe took 19-24 s on a 16-core Xeon)
+    step_wall_s: dict[str, float] = {}  # where a calibration's time goes, step by step (recorded in the file)
     memory = state.new_record()  # the host memory state before each step (memory_state.py)
     allocator = keep_freed_memory()  # as the executor runs: freed activations kept, not faulted in afresh
     with running.measuring(), mb.torch_threads(threads), \

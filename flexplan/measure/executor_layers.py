@@ -40,16 +40,16 @@ def executor_widths(sizes: Sizes) -> list[tuple[int, int, int, int, int]]:
 
 def _executor_layer(sizes: Sizes, dtype: str, width: tuple[int, int, int, int, int],
                     tick: Callable[[], None] | None, batch: int = 1) -> list[dict]:
-    """:func:`executor_layers` at one width, at decode ``batch`` (calibration: 1;
-    ``benchmarks/diag_executor_extra_by_batch.py`` times others)."""
+    """:func:`executor_layers` at one width, at decode ``batch`` (calibration: 1; other batches
+    for diagnostics)."""
     import torch
     from transformers import LlamaForCausalLM
 
 
     hidden, inter, heads, kv_heads, head_dim = width
     # both depths' weights more than twice the last-level cache, as a real model's layers and the
-    # bare layers' cycled copies are (a 2-layer float32 model sat in the cache and made the slope
-    # 0.52 ms where the layer takes 0.31)
+    # bare layers' cycled copies are (a model that fits the cache gives a slope that is not a real
+    # layer's)
     spec = ModelSpec.from_config(_llama_config(hidden, inter, heads, kv_heads, head_dim))
     low = min(32, max(2, math.ceil(2 * llc_bytes() / (spec.params_per_layer * dtype_bytes(dtype)))))
     depths, steps = (low, low + 12), 16
@@ -69,14 +69,12 @@ def _executor_layer(sizes: Sizes, dtype: str, width: tuple[int, int, int, int, i
         return (time_call(gen(steps + 1), repeats, 2 * sizes.budget_s)["time_s"]
                 - time_call(gen(1), repeats, sizes.budget_s)["time_s"]) / steps
 
-    # the median of SLOPES slopes: one slope is a difference of differences, and one of them came out
-    # 0.456 ms per SmolLM2-sized float32 layer where four in a row minutes later gave 0.35-0.39 and the
-    # whole model ran at ~0.40 (its executor extra, 0.087 ms, then priced every decode step 8-10% slow);
-    # a busy host can swamp the difference (tiny layers): a non-positive slope is measured again, then given up.
+    # the median of SLOPES slopes: one slope is a difference of differences, noisy enough alone to
+    # price every decode step several percent off; a busy host can swamp the difference (tiny
+    # layers): a non-positive slope is measured again, then given up.
     # Each slope is paired with the bare layer timed right after it, and the extra is the median of the
-    # pairs' differences: at the 2048-wide layer both are memory-bound (~1.5-2 ms), and timed apart a
-    # memory-state flip between them would land in the extra. Paired, run 6's full files still gave
-    # 0.35 ms (bf16) and 0.44 ms (fp32) at 2048 against 0.11 / ~0 at 576: not state noise alone
+    # pairs' differences: at a wide layer both are memory-bound, and timed apart a memory-state flip
+    # between them would land in the extra
     alone = replace(sizes, layer_widths=(width,), layer_shapes=((batch, 1),), layer_long_kv_len=None,
                     prefill_only_widths=())
     slopes, bare = [], []

@@ -1,4 +1,4 @@
-"""Calibrated on first use (issue 14, item 4): when the planner needs this machine's factors and no
+"""Calibrated on first use: when the planner needs this machine's factors and no
 calibration file of it exists, measure the few-second probe (``microbench.MODES["probe"]``) once,
 cache it, and say so in one line on stderr.
 
@@ -13,7 +13,7 @@ cache it, and say so in one line on stderr.
 - Opt-out: ``FLEXPLAN_AUTO_CALIBRATE=0`` (the defaults, ``source`` saying how to calibrate).
 - Re-entrance: while the probe, or any ``flexplan calibrate``, runs (:func:`measuring`), lookups
   made from inside it get no first-use probe (a full calibration's executor-layer step loads toy
-  models: it measured an 8 s probe in the middle of its own benchmarks and cached it).
+  models, which would otherwise measure and cache a probe in the middle of its own benchmarks).
 
 torch is imported only when the probe runs.
 """

@@ -1,7 +1,7 @@
 """Probes of tens of milliseconds: what state the host memory (and, below, the CPU's compute) is in now.
 
-On some machines (the 2-core development VM among them) the memory bandwidth flips between
-states, STREAM triad ~38 against ~66 GB/s, from minute to minute. A calibration records whichever
+On some machines (VMs sharing a host, among them) the memory bandwidth flips between states, the
+STREAM triad moving by up to ~2x from minute to minute. A calibration records whichever
 state it met; this probe tells the states apart, cheaply enough to run before each calibration
 step and again whenever the planner plans for ``hardware="local"``.
 
@@ -16,11 +16,11 @@ and fast); only RATIOS of probe figures (now against calibration time) are used.
 loaded anyway, a second probe times decode's own GEMV (:func:`measure_gemv_bytes_per_s`, below),
 which follows decode more closely.
 
-Why threads: on the AVX-512 development VM the host flips between two states in which decode's
-2-thread GEMV reads ~50 and ~80 GB/s; a one-thread copy read ~42 GB/s in both (correlation 0.25
-with the GEMV over 300 s), the same copy in 2 threads 46 and 72 (correlation 0.91, the GEMV's
-ratio followed with exponent 0.88; ``benchmarks/bench_probe_tracking.py``). A calibration whose
-samples came from another thread count is not compared with this probe (``memory_state``).
+Why threads: decode's GEMV runs in all of torch's threads, and a state change shows in what
+several threads together can draw from memory; one thread alone reads about the same in either
+state, so a one-thread copy barely follows decode (``benchmarks/bench_probe_tracking.py`` measures
+how well each probe tracks the GEMV). A calibration whose samples came from another thread count
+is not compared with this probe (``memory_state``).
 
 ``FLEXPLAN_MEMORY_PROBE=0`` turns the plan-time probe off (tests and benchmarks that want fixed
 factors); ``flexplan calibrate`` records its samples whatever it says.
@@ -67,9 +67,8 @@ def llc_bytes() -> int:
 
 def beyond_llc_bytes(llc_multiple: float, floor_bytes: int, cap_bytes: int) -> int:
     """A buffer ``llc_multiple`` times the last-level cache, at least ``floor_bytes``, at most
-    ``cap_bytes`` or 1/64 of the host's memory if that is more. Fixed caps measured the cache on
-    big-LLC hosts: a 16-core Xeon VM beside an H200 reports 300 MB of LLC, where 64 MB STREAM
-    arrays read 174 GB/s and a 256 MB GEMV probe read 34-67 GB/s from one minute to the next."""
+    ``cap_bytes`` or 1/64 of the host's memory if that is more. A fixed cap would measure the cache
+    on big-LLC hosts (some report a few hundred MB of LLC), not the memory."""
     try:
         host = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     except (AttributeError, OSError, ValueError):
@@ -189,11 +188,11 @@ def _cached(kind: str, measure, unit: str, max_age_s: float) -> float:
 def confirmed(measure, reference: float | None = None) -> float:
     """``measure()``, measured once more after a short pause when it reads slower than
     ``reference`` by more than :data:`CONFIRM_BELOW` (or always, without a reference), keeping the
-    faster reading: a state lasts minutes, a neighbour's burst milliseconds. One slow probe
-    scaled a whole plan by x2.7 on the development VM before this. A reading faster than
+    faster reading: a state lasts minutes, a neighbour's burst milliseconds, and one slow reading
+    alone can scale a whole plan by several times. A reading faster than
     ``reference`` by more than :data:`CONFIRM_ABOVE` is measured once more too, keeping the reading
-    nearer the reference: a new state must show twice. The README demo's first run read 22.9 GB/s
-    against 17.3 (x0.76 memory time) and then decoded no faster than the next run at 17.9."""
+    nearer the reference: a new state must show twice (a one-off fast reading, such as a process's
+    first, does not mean decode will run faster)."""
     first = measure()
     if reference is not None and reference * (1 - CONFIRM_BELOW) <= first <= reference * (1 + CONFIRM_ABOVE):
         return first
@@ -211,13 +210,11 @@ def probe_bytes_per_s(max_age_s: float = PROBE_TTL_S, reference: float | None = 
 
 
 # ---- the GEMV probe: what decode itself does ------------------------------------------------
-# The copy above tracks decode's bandwidth only loosely on the AVX-512 development VM on some days:
-# over 2 minutes of a noisy state (interleaved, ``benchmarks/bench_probe_tracking.py``), its
-# correlation with the mean bandwidth of the next 300 ms of decode GEMVs was 0.56-0.73 (the
-# error left after scaling by its ratio: 11-21% in log), the executor's own GEMV, best of 3,
-# 0.78-0.92 (7-8%). So where torch is loaded (calibration, ``flexplan.load``, ``run``,
-# ``validate``), the plan-time state is read by that kernel over weights that stream from memory;
-# a torch-free ``plan()`` keeps the copy.
+# The copy above tracks decode's bandwidth only loosely: a copy is not the kernel decode runs, and
+# in a noisy state the executor's own GEMV follows the next decode GEMVs markedly better
+# (``benchmarks/bench_probe_tracking.py`` compares them). So where torch is loaded (calibration,
+# ``flexplan.load``, ``run``, ``validate``), the plan-time state is read by that kernel over weights
+# that stream from memory; a torch-free ``plan()`` keeps the copy.
 GEMV_PROBE_ROWS = 4096  # fp32 weights of GEMV_PROBE_ROWS x in, in sized to gemv_probe_bytes()
 GEMV_PROBE_REPEATS = 3
 _GEMV: dict[str, object] = {}  # "kernel", "weight", "x", "bytes": the probe's weights, kept (gemv_probe_bytes())
@@ -243,9 +240,8 @@ def describe_gemv_probe() -> str:
 
 def gemv_probe_bytes() -> int:
     """The GEMV probe's weights: four times the last-level cache, at least 32 MB, at most 256 MB or
-    1/64 of the host's memory (at twice the cache, part of them stayed cached between repeats: on
-    the AVX-512 VM a 64 MB probe read up to 118 GB/s where decode's GEMVs never passed 83; a fixed
-    256 MB cap left the probe inside a 300 MB LLC on the H200's host)."""
+    1/64 of the host's memory (at twice the cache, part of them stays cached between repeats and
+    the probe reads faster than decode ever streams; a fixed cap would leave it inside a big LLC)."""
 
     return beyond_llc_bytes(4, 2 * MIN_BUFFER_BYTES, 2 * MAX_BUFFER_BYTES)
 
@@ -291,24 +287,21 @@ def forget_probe() -> None:
 
 
 # ---- the compute probe: the CPU's arithmetic speed of now --------------------------------------
-# The same VM's compute speed moves too, apart from its memory bandwidth: two full calibrations an
-# hour apart measured the same 256 x 2048 x 2048 GEMM at 88 and 127 GFLOP/s (and a real layer's
-# prefill 35-40% apart) while their memory probes agreed (medians 12.0 and 11.9 GB/s). A short
+# A machine's compute speed can move too, apart from its memory bandwidth (on a shared VM the same
+# GEMM can run ~1.4x apart an hour later while the memory probes agree). A short
 # float32 matrix product tells the compute states apart as the copy tells the memory states.
 COMPUTE_PROBE_N = 512  # numpy's: an n x n by n x n float32 product, 268 MFLOP, ~2 ms at 140 GFLOP/s
 COMPUTE_PROBE_REPEATS = 5
 # torch's: a burst of small prefill-shaped products (rows x in by in x out, float32), timed whole.
-# A best-of-5 512^3 product missed the states that slow a prefill's many small multi-threaded ops:
-# on the 2-core VM (benchmarks/results/probe_tracking_compute_0657.json, 4 min, 1214 samples) a state
-# took SmolLM2's 42-token prefill from 40 to 51 ms while the 512^3 probe moved 4% (best of 5 keeps
-# the run a stalled thread spared); the burst moved 13.5% (log-log slope 1.09 against the TTFT,
-# correlation 0.76 against 0.50)
+# Not a best-of-5 512^3 product: best of 5 keeps the run a stalled thread spared, so it misses the
+# states that slow a prefill's many small multi-threaded ops, which a burst timed whole sees
+# (``benchmarks/bench_compute_probe_tracking.py`` compares them against a prefill)
 COMPUTE_BURST = (48, 576, 1536, 32)  # rows, in, out, products: 2.7 GFLOP, ~17 ms at 160 GFLOP/s
 _COMPUTE_BUFFERS: dict[str, tuple] = {}  # "numpy" | "torch" -> buffers, kept between probes
 # Where torch is loaded the product is torch's, in torch's threads: numpy's OpenBLAS leaves its
-# own threads spinning for ~0.1-0.15 s after a product, and on the 2-core development VM a torch
-# GEMM run in that window took 2-5x its time (SmolLM2's prefill right after a plan-time probe:
-# 53-135 ms against 25-30). A torch-free ``plan()`` keeps numpy (nothing of torch's runs after it).
+# own threads spinning for ~0.1-0.15 s after a product, and on a machine of few cores a torch GEMM
+# run in that window competes with them for the cores and takes several times as long. A
+# torch-free ``plan()`` keeps numpy (nothing of torch's runs after it).
 
 
 def compute_probe_kind() -> str:

@@ -20,7 +20,7 @@ in its key names; none of them derives a factor (that is ``calibration/efficienc
 - Generate step: transformers ``generate()`` on a one-layer toy model: the per-step cost of the
   generation loop outside the layers (logits processing, stopping criteria, cache bookkeeping).
 - Thread sweep (Park & Egger 4.1): a prefill GEMM and a decode GEMV at 1..cores threads.
-- Routed experts (issue 15 item 4): the executor's CPU expert path (``cpu_experts.
+- Routed experts: the executor's CPU expert path (``cpu_experts.
   routed_experts_forward``, blocked float32 where the native kernel builds) on k experts of a
   gated MoE layer, each given the same number of rows, at the rows per expert routing produces
   (1, 2, 4, ...), expert weights cycled from DRAM (``expert_gemv``).
@@ -88,7 +88,7 @@ class Sizes:
     # (hidden, intermediate, heads, kv_heads, head_dim) of real layers, and (batch, query_len) shapes; two
     # prefill shapes of the same b x s (8 x 128 beside 1 x 1024) give the attention core's own factor
     # (layer_fit.prefill_attention_factor): same GEMMs, 8x the causal pairs; a 32-token prompt pins short
-    # prefills (chat turns: the README demo's 42 tokens came out 18% slow when 128 was the fewest measured)
+    # prefills (chat turns: extrapolated down from 128 tokens, a short prompt's prefill prices slow)
     layer_widths: tuple[tuple[int, int, int, int, int], ...] = (
         (576, 1536, 9, 3, 64), (1024, 2816, 16, 4, 64), (2048, 5632, 32, 8, 64))
     layer_shapes: tuple[tuple[int, int], ...] = ((1, 1), (8, 1), (1, 128), (1, 512))
@@ -101,8 +101,8 @@ class Sizes:
     layer_long_kv_len: int | None = None
     layer_copies: int = 64  # at most this many copies of a real layer (each one built and packed)
     # widths the executor's own decode step is timed at (executor_layers): the first of layer_widths,
-    # and with 2 the widest too (what the executor adds grows with the width: on the AVX-512 VM
-    # 0.136 ms per 576-wide bfloat16 layer, 0.279 ms per 2048-wide one; float32 0.029 and 0.159)
+    # and with 2 the widest too (what the executor adds grows with the width: ~2-5x from a 576- to a
+    # 2048-wide layer, so one width cannot price the other)
     executor_widths: int = 1
     # (hidden, vocab) of LM heads: a tall GEMV that streams differently from a layer's projections
     head_shapes: tuple[tuple[int, int], ...] = ((576, 49152), (2048, 32000))
@@ -145,13 +145,10 @@ MODES = {
                   layer_long_kv_len=1024, executor_widths=2),
     # quick: every decode batch `flexplan validate` runs (1, 4, 8) measured as in full, fewer prefill
     # shapes and less time per shape; the fit's physical constraints (efficiency.py) keep the
-    # points it lacks from bending the curve (calibration/README.md, "What --quick measures")
-    # Weights cycle through 2x the last-level cache (full: 4x): on the AVX-512 VM 109 s instead of 147
-    # (87-103 s since decode caches are filled directly and long prefills cycle 4 copies), no worse
-    # over the validate grid (two A/Bs, order alternated, each file judged on the same
-    # validation runs: mean MAPE 7.1% vs 8.1%,
-    # benchmarks/results/quick_rotate_ab_2026-11-26/); on a 16-core host with a 300 MiB L3 the 4x
-    # run's real layers alone took 124 s in bfloat16 (float32 was cut at the step's limit)
+    # points it lacks from bending the curve (docs/calibration.md, "What `--quick` and `--probe` measure").
+    # Weights cycle through 2x the last-level cache (full: 4x): still beyond the cache, so each call
+    # streams from memory, in about a quarter less time and no worse over the validate grid; at 4x a
+    # big-L3 host's real layers alone take minutes
     "quick": Sizes(gemv_tokens=(1, 4, 8, 16), gemm_tokens=(64, 256, 1024), weight_shapes=WEIGHT_SHAPES,
                    attn_kv_lens=(128, 512, 2048, 8192), attn_batches=(1, 8), repeats=7, budget_s=1.0,
                    rotate_llc_multiple=2.0,
@@ -172,21 +169,20 @@ MODES = {
     # and prefill GEMMs at 32, 128 and 512 tokens (one GEMM at 256 alone left prefill at 32 and
     # 4096 tokens to interpolation: up to 34% off full files of synthetic machines), one
     # decode-attention point, one real SmolLM2-sized layer in decode (batch 1, 8) and prefill (128
-    # and 512 tokens, where GEMMs are measured; the real layer's compute factor at 512 took the
-    # random Llama's 1024-token prefill from 17% short to 4%, one A/B run) shape: the per-layer
-    # overhead grows with prefill tokens (the earlier
-    # VM's full file: 0.36 ms at 1 token, 1.9 at 128, 6.7 at 512, what the linear extrapolation
-    # from 8 and 128 gives; the tiny layer's fixed cost alone left SmolLM2's TTFT 20-28% short),
+    # and 512 tokens, where GEMMs are measured: the real layer's compute factor at 512 prices a long
+    # prefill, which the isolated GEMM prices short) shape: the per-layer overhead grows with
+    # prefill tokens (about linearly; the tiny layer's fixed cost alone prices a small model's TTFT
+    # short),
     # the per-step overhead; with a GPU, pinned copies each way and the GPU's GEMV/GEMM at the one
     # projection, its memory copy and its per-layer overhead, and the CPU's GEMV and GEMM slowed by
     # host-to-device copies streaming beside them (what split-points and splitgen overlap; without it
-    # the probe priced them as if the copies cost the CPU nothing) (a few seconds). What it lacks falls back in
+    # they would be priced as if the copies cost the CPU nothing) (a few seconds). What it lacks falls back in
     # efficiency.py: the overhead of other layer sizes to this one's, the LM head to the GEMV
     # factors, the thread sweep to all cores. Weights cycle through
     # 2x the last-level cache (not 4x) and 4 layer copies: in order, each call still misses (a
     # cache that holds 4 SmolLM2-sized layers, ~60 MB, would make the decode overhead come out low).
-    # A 2048 x 5632 layer at 128 and 512 prefill tokens sets the prefill factor's level (the random
-    # Llama's prefill from SmolLM2's width alone: 25-29% MAPE; with it 7-10%, ~1-2 s more).
+    # A 2048 x 5632 layer at 128 and 512 prefill tokens sets the prefill factor's level (a small
+    # layer's width alone prices a 1B-class model's prefill far off; this costs ~1-2 s more).
     "probe": Sizes(gemv_tokens=(1, 4, 8), gemm_tokens=(32, 128, 512), weight_shapes=((2048, 2048),),
                    attn_kv_lens=(1024,),
                    attn_batches=(1,), repeats=3, budget_s=0.25, stream_bytes=64 * 2**20, layer_calls=20,
@@ -229,8 +225,8 @@ def dtype_bytes(name: str) -> int:
 _state_probes: dict[str, Callable[[], float]] = {}  # set by `flexplan calibrate` (:func:`probing_state`)
 # A row's "before" readings reuse the last row's "after" ones when those finished at most this long
 # ago (the next shape's set-up between them): a state lasts seconds to minutes, and the three
-# probes (copy, GEMV, compute burst) cost ~35-60 ms a reading on the 2-core VM, a quarter of the
-# first-use probe's time taken twice per row.
+# probes (copy, GEMV, compute burst) cost tens of ms a reading: taken twice per row they would add
+# about a quarter to the first-use probe's time.
 PROBE_REUSE_S = 0.25
 _last_reading: dict = {"at": -math.inf, "values": {}}
 
@@ -241,8 +237,8 @@ def probing_state(probes: "Callable[[], float] | dict[str, Callable[[], float]]"
     callable, recorded as ``probe_bytes_per_s``, or ``{row field: callable}``) just before and
     just after its runs, and returns the geometric mean of each as that field: the memory state
     its row was measured in, which memory_state.normalised prefers to the sample taken before the
-    whole step (a step of real layers lasts tens of seconds, and the development VM's memory
-    flips between ~40 and ~75 GB/s within one)."""
+    whole step (a step of real layers lasts tens of seconds, and the memory state can flip within
+    one)."""
     global _state_probes
     before = _state_probes
     _state_probes = dict(probes) if isinstance(probes, dict) else {"probe_bytes_per_s": probes}
@@ -417,9 +413,9 @@ NOISY_SPREAD = 1.25  # a point whose median run is this far above its fastest me
 def suspect_points(timed: dict[int, dict]) -> list[int]:
     """Token counts of one weight shape whose typical (median) time looks disturbed: its runs spread
     (median over NOISY_SPREAD x the fastest), or it took longer than a larger token count, or longer
-    per token than a smaller one (which chunks would match). The development VM's first-use probe
-    timed its 2048 x 2048 GEMM at 32 tokens 3.4x slower than usual in two of three cycles (slower
-    than at 128 tokens), which made every short prompt's prefill predict 2.4x slow."""
+    per token than a smaller one (which chunks would match). Kept, one disturbed short-GEMM point
+    (slower at 32 tokens than at 128) would make every short prompt's prefill predict several
+    times slow."""
     ts = sorted(timed)
     med = {t: timed[t]["time_median_s"] for t in ts}
     out = []
@@ -448,8 +444,9 @@ def attention(sizes: Sizes, dtype: str, device: str = "cpu", sync=None,
     executor runs it with (``kernel``): on the CPU :func:`cpu_decode_attention_call` (flexplan's
     native kernel in float32 where it builds, transformers' SDPA with a mask otherwise, over the
     KV cache's own strided buffers); on a GPU transformers' SDPA. Achieved
-    ``kv_bytes_per_s`` (K and V read once). (Timing SDPA while the executor ran the native kernel
-    left the cpu-attention policy's CPU term 2-5x slow on the AVX-512 VM.)"""
+    ``kv_bytes_per_s`` (K and V read once). (Timed with another kernel than the executor's, the
+    factor would price the cpu-attention policy's CPU term for a kernel that does not run, several
+    times off.)"""
     import torch
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
@@ -527,8 +524,8 @@ def layer_overhead(sizes: Sizes, dtype: str, device: str = "cpu", sync=None, inn
     the fixed per-layer cost (its arithmetic is negligible). With ``stack`` > 1, a step runs
     that many such layers in turn (each its own cache) and the time is per layer. With
     ``fixed_kv`` every step attends the same 17 keys (the cache cropped back after it), not one
-    more than the step before: on an H200, torch's SDPA took cuDNN's kernel for this layer, and
-    each KV length not seen before cost ~36 ms (likely building its plan)."""
+    more than the step before: on a GPU torch's SDPA may take cuDNN's kernel for this layer,
+    which builds a plan for each KV length it has not seen (tens of ms each)."""
     import torch
 
     step = tiny_decode_step(dtype, device, stack, fixed_kv)
@@ -608,12 +605,9 @@ def tied_head_shapes(sizes: Sizes, dtype: str) -> tuple[tuple[int, int], ...]:
 
 # A prefill of at least this many tokens (batch x query length) cycles at most PREFILL_COPIES of a
 # real layer's copies: each weight byte then feeds 512+ FLOPs and the weight read is a small part
-# of the layer, while the timed runs through every copy (up to 64 on a host with a 300 MiB L3)
-# took most of `calibrate --quick`'s real-layer step there (88 s in bfloat16 on an H100's host).
-# One copy, not four: `--quick` 68-71 s instead of 77-88 on the AVX-512 VM, the validate grid's
-# prefill MAPE no worse (two alternated A/B rounds, each pair judged on the same runs:
-# benchmarks/results/prefill_copies_ab_2026-11-26/); with a 300 MiB L3 simulated there, these rows
-# took 30 of the real-layer step's 39 s at four copies.
+# of the layer, while timed runs through every copy (up to 64 on a host with a big L3) would take
+# most of the real-layer step. One copy, not four: the validate grid's prefill predictions come
+# out no worse, and `--quick` takes 10-20% less time.
 PREFILL_FEW_COPIES_TOKENS = 512
 PREFILL_COPIES = 1
 
@@ -649,14 +643,14 @@ def layers(sizes: Sizes, dtype: str, tick: Callable[[], None] | None = None) -> 
                 routed = cpu_attention.install({k: cycled[k] for k in native_attention},
                                                cpu_decode.native_attention_handler, lambda k: False)
             # a decode step the native ops do not attend gets the executor's all-true mask: transformers'
-            # SDPA without one takes PyTorch's unmasked CPU path, which read a bf16 GQA cache ~5x slower
-            # here and made SmolLM2's bf16 decode predictions 1.4-2x the executor's measured TPOT
+            # SDPA without one takes PyTorch's unmasked CPU path, which reads a bf16 GQA cache several
+            # times slower: timed that way, decode would be priced for a path the executor does not take
             mask = (torch.ones(batch, 1, q_len, past + q_len, dtype=torch.bool)
                     if past and q_len == 1 and not (native_attention and dt == torch.float32) else None)
             with torch.inference_mode():
-                # the executor's cache (token-major, preallocated: a DynamicCache is sequence-major,
-                # which the native decode attention read 1.2-2x faster at batch 4-8 than the executor's,
-                # and SmolLM2's decode over 1024 keys came out 1.1-1.25x slower than predicted)
+                # the executor's cache (token-major, preallocated: the native decode attention reads a
+                # sequence-major DynamicCache up to 2x faster at batch 4-8, so timing one would price
+                # the executor's decode fast)
                 caches = [_executor_cache(batch, past + q_len, kv_heads, head_dim, dt) for _ in cycled]
                 for cache in caches if past else ():  # a KV cache of `past` tokens, as a prompt leaves it
                     # (its values do not change the time; running the prompt through every copy took
@@ -793,8 +787,8 @@ def split_linear(sizes: Sizes, dtype: str, tick: Callable[[], None] | None = Non
     (``split_layer.cpu_operator_linear`` on dense weights; ``split_kernel``) and the executor's
     packed kernel (``kernel``, what ``gemm`` measures) on the last of ``sizes.weight_shapes``, each
     call in turn on weights cycled from DRAM: ``time_s`` the split kernel's fastest run,
-    ``reference_time_s`` the packed kernel's, taken in the same minutes (this VM's memory state
-    moves both alike)."""
+    ``reference_time_s`` the packed kernel's, taken in the same minutes (a memory state moves
+    both alike)."""
     import torch
 
 

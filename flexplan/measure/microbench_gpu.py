@@ -1,6 +1,6 @@
 """GPU and link micro-benchmarks for ``flexplan calibrate`` (torch.cuda). Only called when
-``torch.cuda.is_available()``. UNTESTED ON A GPU but for the pinned link copies (the first-use
-probe's, on an H200); see calibration/README.md.
+``torch.cuda.is_available()``; the tests run their arithmetic on fakes, so they are checked on a
+GPU only by a calibration there. What they measure and why: docs/calibration.md ("GPU part").
 
 - GPU GEMV/GEMM at the CPU's shapes in the GPU dtype, weights cycled beyond the L2 cache,
   ``inner`` kernels queued per synchronize so launch latency overlaps.
@@ -113,11 +113,9 @@ def layer_overhead(sizes: mb.Sizes, dtype: str, stack: int = 8) -> dict[str, flo
     one-layer step came out slower than the stack's per-layer share allows (a disturbed timing),
     the stack's time per layer, an upper bound, stands instead.
 
-    Seen on an H200 host (2026-11-26), with the cache growing a key per step: a one-layer step
-    read 36-41 ms on the first pass over KV lengths 17-56 and 0.6 ms on later passes over the
-    same lengths (torch's SDPA ran cuDNN's attention here, likely building a plan per new
-    shape); the 8-layer step 4.2-4.3 ms, 0.52 ms per layer by the slope. The executor's whole
-    7-layer gpu-offload decode step took 14-22 ms, weights streamed included."""
+    Every step runs over the same KV length (``fixed_kv``): with the cache growing a key per step,
+    torch's SDPA may take cuDNN's attention, which builds a plan per new shape, so a step's first
+    pass over a length costs tens of ms and would swamp the per-layer figure."""
     one = mb.layer_overhead(sizes, dtype, device="cuda", sync=_sync, inner=10, fixed_kv=True)
     many = mb.layer_overhead(sizes, dtype, device="cuda", sync=_sync, inner=10, stack=stack, fixed_kv=True)
     out = {**many, "one_layer_step_s": one["time_s"], "stack_step_s": mb._sig(stack * many["time_s"])}

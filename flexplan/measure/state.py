@@ -1,5 +1,5 @@
 """The memory and compute state of now: the probes that calibration records beside each step
-and that a caller asks for before planning (issue 14, item 2; the law itself, a pure function
+and that a caller asks for before planning (the law itself, a pure function
 of the recorded and the probed figures, is ``flexplan.factors.memory_state``).
 
 ``efficiency_now(hw)`` is what a measuring caller (``flexplan.load``, ``flexplan run``,
@@ -89,10 +89,9 @@ def record_sample(record: dict[str, Any], label: str) -> None:
 def row_probes(record: dict[str, Any]) -> dict[str, Any]:
     """{row field: probe} that ``flexplan calibrate`` times around each row of :data:`ROW_PARTS`
     (microbench.probing_state): the copy, the GEMV probe where ``record`` keeps its samples, and
-    the compute probe where it keeps those (a step's first sample is not its rows' state: in one
-    full calibration the compute probe read 111 GFLOP/s before the float32 layers, median 188, the
-    step's first, narrow layers ran slow and its wide ones at the usual speed, and normalising
-    them all by 111 priced every float32 prefill ~2x fast)."""
+    the compute probe where it keeps those (a step's first sample is not its rows' state: the
+    state can change within a step, and normalising all of a step's rows by a sample that caught
+    a brief slow state would price every row's kind ~2x fast)."""
     probes = {ROW_PROBES["memory"]: membw.measure_copy_bytes_per_s}
     if "gemv_probe_bytes_per_s" in record:
         probes[ROW_PROBES["gemv"]] = membw.measure_gemv_bytes_per_s
