@@ -63,9 +63,9 @@ class Replanned:
         return f"re-planned batch {self.shape[0]}, {self.shape[1]}+{self.shape[2]} tokens: {self.before} -> {self.after}"
 
 
-# a plan scaled to the host's memory state (calibration/memory_state.py) is priced again, with a new
-# probe, once this old: the state flips minute to minute on some hosts; it costs a probe (~40-90 ms
-# on the 2-core VM) and the planner's few ms, at most once per this many seconds and shape
+# a plan scaled to the host's memory state (flexplan.measure.state) is priced again, with a new
+# probe, once this old: the state flips minute to minute on some hosts; it costs a probe (tens of
+# ms) and the planner's few ms, at most once per this many seconds and shape
 PLAN_STATE_MAX_AGE_S = 10.0
 
 
@@ -172,9 +172,8 @@ class FlexModel:
     def refresh_state(self) -> None:
         """Probe the memory state afresh and price every state-scaled plan again at its next call,
         whatever its age: for a caller about to time a call (``flexplan run`` after its warm-up:
-        the plan-time probe was taken before the model loaded, seconds earlier, and on the
-        development VM the state flipped within such gaps: decode ran ~12.5 ms where the probe
-        had read the ~15.5 ms state). A fixed plan (``plan=`` a Plan) is priced again now, the
+        the plan-time probe was taken before the model loaded, seconds earlier, and the memory
+        state can flip within such a gap). A fixed plan (``plan=`` a Plan) is priced again now, the
         same choice, where it was state-scaled. Costs one probe (and a plan for a fixed one)."""
 
         refresh()
@@ -255,8 +254,8 @@ class FlexModel:
 
         stats, note, self._replan_note = self.last_stats, self._replan_note, ""
         # the first run after placing the weights holds one-time costs (CUDA kernels loaded at first
-        # launch, allocator growth, oneDNN primitives): on an H200 the first gpu-offload call taught
-        # the link x1.25 and put the next TPOT predictions 29% high where the uncorrected were 3% off
+        # launch, allocator growth, oneDNN primitives): learned from, they would teach a slowdown
+        # (the link's, say) that the next runs do not have
         skip = "the first run after placing the weights (one-time costs)" if self.executor.runs_since_place == 1 else ""
         try:
             hardware = self._planner_args.get("hardware")

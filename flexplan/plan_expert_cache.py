@@ -1,4 +1,4 @@
-"""The planner's expert cache (issue 15, item 3): with a routing profile and memory left in the
+"""The planner's expert cache: with a routing profile and memory left in the
 accelerator budget by a plan that keeps some layers' routed experts on the CPU (``cpu-experts``),
 keep the most-used of those experts on the accelerator.
 

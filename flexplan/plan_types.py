@@ -49,7 +49,7 @@ class Candidate:
         return d
 
 
-# ---- issue 15 item 2: split points inside a streamed layer (estimator/policies/split_points.py) ----
+# ---- split points inside a streamed layer (estimator/policies/split_points.py) ---------------------
 @dataclass(frozen=True)
 class SplitPoints:
     """Where Park & Egger's split points cut each streamed layer of a phase: the CPU computes
@@ -127,7 +127,7 @@ class PhaseChoice:
         return cls(**d)
 
 
-# ---- issue 15 item 3: the expert cache of a cpu-experts plan (flexplan.plan_expert_cache) --------
+# ---- the expert cache of a cpu-experts plan (flexplan.plan_expert_cache) -------------------------
 @dataclass(frozen=True)
 class ExpertCache:
     """The most-used routed experts of the layers whose experts compute on the CPU, kept on the
@@ -188,7 +188,7 @@ class Plan:
     calibration: str = "defaults"  # the factors' source, for people (explain, last_stats print it)
     factors: FactorSource = FactorSource()  # ... as fields: which file, how old, whether state-probed
     notes: tuple[str, ...] = ()
-    expert_cache: ExpertCache | None = None  # issue 15 item 3; None: no routed expert cached
+    expert_cache: ExpertCache | None = None  # None: no routed expert cached on the accelerator
     # both phases' placement as the policies built it (not serialised: a plan read back from JSON
     # has None, and estimator.policies.placement_of builds it again from the policy names)
     placement: "Placement | None" = field(default=None, compare=False, repr=False)

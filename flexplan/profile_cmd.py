@@ -1,5 +1,5 @@
-"""`flexplan profile-experts MODEL --prompts FILE --out FILE`: take a routing profile (issue 15
-item 3; ``flexplan.routing_profile``) by running a MoE model's routers on a few prompts, for
+"""`flexplan profile-experts MODEL --prompts FILE --out FILE`: take a routing profile
+(``flexplan.routing_profile``) by running a MoE model's routers on a few prompts, for
 ``flexplan explain --routing-profile`` / ``flexplan run --routing-profile`` to size and price the
 cache of most-used CPU experts from."""
 

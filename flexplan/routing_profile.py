@@ -1,6 +1,6 @@
 """A routing profile: per MoE layer, how often its router picked each routed expert on a few
-prompts (issue 15, item 3: the expert cache of the ``cpu-experts`` policy is sized and priced
-from it, ``flexplan.expert_cache``).
+prompts: the expert cache of the ``cpu-experts`` policy is sized and priced from it
+(``flexplan.plan_expert_cache``, ``flexplan.estimator.expert_cache``).
 
 Taken by running the model on the prompts with a forward pre-hook on each MoE layer's routed
 experts module (``executor.cpu_experts.find_routed_experts``: transformers 5's fused-experts

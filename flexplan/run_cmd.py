@@ -41,10 +41,9 @@ DEFAULT_PROMPT = "What is the capital of France? Answer in one sentence."
 DEFAULT_MAX_NEW_TOKENS = 64
 ACCELERATORS = ("cuda", "cpu", "none")
 # timed runs: the median of 3 (as `flexplan validate` takes per point) sets one run's noise apart
-# from the prediction's error: on the 2-core development VM, 12 runs in a row of the default
-# prompt came within 10% of their predictions on both phases 9 times, every median of 3 in a row
-# did (TTFT 0.80-1.05, TPOT 0.82-1.11 single; medians 0.91-1.00, 0.93-1.01). Runs after the first
-# stop once this much time went to timed runs: a big model's long answer is not run thrice
+# from the prediction's error: a single run can land 10-20% off its prediction where the median of
+# three stays within 10%. Runs after the first stop once this much time went to timed runs: a big
+# model's long answer is not run thrice
 DEFAULT_REPEATS = 3
 REPEATS_BUDGET_S = 10.0
 

@@ -377,9 +377,9 @@ def run_grid(model_dir: Path, grid: dict[str, list[int]], pairs: list[tuple[str,
         for b, i, o in shapes:
             ids = torch.randint(3, vocab, (b, i), generator=gen)
             # warm this shape with its own output length: the plan, and with it the CPU dtype the
-            # weights are placed in, depends on it (a 2-token warm-up was planned in float32 where the
-            # 16-token run picked bfloat16, and the measured run's TTFT then held the re-placement:
-            # the random Llama's b=1, i=32 measured 152 ms against 40 ms warm); oneDNN caches kernels
+            # weights are placed in, depends on it (a warm-up of another length can be planned in
+            # another CPU dtype, and the timed run's TTFT would then hold the weights' re-placement,
+            # several times a warm prefill); oneDNN caches kernels
             _generate(lm, ids, o)
             # every prediction of this point is priced at the state probed right before its timed runs
             # (as a plan made just before them would be); the state right after them is kept beside it

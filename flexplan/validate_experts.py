@@ -1,5 +1,5 @@
-"""Predicted vs measured time of the ``cpu-experts`` policy's CPU part on this machine (issue 15
-item 4): the routed experts of one MoE layer, on the CPU, at the batch sizes decode routing
+"""Predicted vs measured time of the ``cpu-experts`` policy's CPU part on this machine: the routed
+experts of one MoE layer, on the CPU, at the batch sizes decode routing
 produces. Needs no accelerator: it runs the executor's CPU expert path
 (``executor.cpu_experts.routed_experts_forward`` on blocked float32 copies, as the executor holds
 them) on random weights of the model's expert shape, with uniform random routing, and compares

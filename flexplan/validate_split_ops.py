@@ -1,5 +1,5 @@
-"""Predicted vs measured CPU time of each operator the ``split-points`` policy can leave on the CPU
-(issue 15 item 4): the C array of ``estimator.operator_terms`` (q/k/v projections, the attention
+"""Predicted vs measured CPU time of each operator the ``split-points`` policy can leave on the CPU:
+the C array of ``estimator.operator_terms`` (q/k/v projections, the attention
 core over a KV cache, the output projection, the MLP's projections) against each operator timed on
 this CPU as the split executor runs it there: ``executor.split_layer.cpu_operator_linear`` (the native dense
 kernel) on weights in host memory; the decode attention core as ``validate --cpu-attention`` times it
