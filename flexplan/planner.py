@@ -361,9 +361,8 @@ def _plan_one(spec: ModelSpec, hw: Hardware, eff: Efficiency, shape: Shape, gpu_
         """The prefill option the executor runs in a pair: (p, ip) itself, or where decode keeps
         layers resident that prefill would stream (placement.prefill_beside: they stay resident,
         FlexInfer section 5.3), the prefill option with that placement, the first policy in the
-        registry's order that has it. On an H200, gpu-offload prefill (M = 0) beside split-points
-        decode (M = 10) priced as all streamed predicted 243 ms; it ran 175 (22 streamed), and
-        gpu-offload-partial with M = 10 predicted 181."""
+        registry's order that has it: priced as all streamed, such a prefill is priced at layers it
+        never streams."""
         if not streams[p]:
             return p, ip
         m_p, m_d = int(opts["prefill"][p].gpu_layers[ip]), int(opts["decode"][d].gpu_layers[idx_d])
@@ -514,9 +513,8 @@ def _plan_one(spec: ModelSpec, hw: Hardware, eff: Efficiency, shape: Shape, gpu_
     chosen = best_pair(p_pols, d_pols)
     baselines = {}
     for pol in policies:
-        # the single-policy baselines explain compares with: the first round only (with every prefill
-        # M, plan() took 16.8 ms instead of 13.2, catalog median; they came out up to 2% lower in 32
-        # of ~6,500 catalog baselines)
+        # the single-policy baselines explain compares with: the first round only (every prefill M
+        # would cost the plan a quarter more time for a baseline that is only a comparison)
         b = best_pair([pol], [pol], every_prefill_m=False)
         baselines[pol] = b[0] if b else math.inf
     if chosen is None:
