@@ -1,5 +1,10 @@
-"""The `flexplan` command line: explain, hw, models; bad input gives one clear line, no traceback."""
+"""The `flexplan` command line: explain, hw, models; bad input gives one clear line, no traceback.
 
+Most cases call the CLI's main() in this process (a new interpreter costs seconds of imports each);
+a few run `python -m flexplan` itself: the console entry point, and settings read once per process."""
+
+import contextlib
+import io
 import json
 import os
 import subprocess
@@ -7,16 +12,30 @@ import sys
 
 import pytest
 
+from flexplan.cli import main
 from flexplan.estimator.policies import POLICIES
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def flexplan(*args, env=None, timeout=120):
+def flexplan_process(*args, env=None, timeout=120):
+    """`python -m flexplan *args` in a process of its own."""
     e = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
     e.update(env or {})
     return subprocess.run([sys.executable, "-m", "flexplan", *args], capture_output=True, text=True, env=e,
                           timeout=timeout, cwd=REPO)
+
+
+def flexplan(*args):
+    """`flexplan *args` through the CLI's main() in this process: exit code, stdout and stderr as a
+    process would give them (argparse's refusals exit with 2; any other exception fails the test)."""
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = main(list(args))
+        except SystemExit as e:
+            code = e.code if isinstance(e.code, int) else 1
+    return subprocess.CompletedProcess(args, code, out.getvalue(), err.getvalue())
 
 
 def test_explain_paper_setting():
@@ -54,11 +73,11 @@ def test_gpu_memory_cap_changes_the_plan():
 
 
 def test_models_and_hw_list():
-    r = flexplan("models")
+    r = flexplan_process("models")
     assert r.returncode == 0 and "facebook/opt-66b" in r.stdout and "HuggingFaceTB/SmolLM2-135M-Instruct" in r.stdout
     moe = next(line for line in r.stdout.splitlines() if line.startswith("Qwen/Qwen3-30B-A3B "))
     assert "3.35B" in moe and "MoE 8 of 128 experts" in moe  # active parameters of an MoE entry
-    r = flexplan("hw", "--list")
+    r = flexplan_process("hw", "--list")
     assert r.returncode == 0 and "flexinfer-server1" in r.stdout and "flexinfer-server2" in r.stdout
 
 
@@ -111,7 +130,8 @@ def test_malformed_hwdb(tmp_path):
     for f in ("cpus.yaml", "gpus.yaml", "links.yaml", "servers.yaml"):
         (tmp_path / f).write_text((open(os.path.join(REPO, "hwdb", f)).read()))
     (tmp_path / "gpus.yaml").write_text("gpus: [ {id: x, : }")
-    r = flexplan("explain", "facebook/opt-66b", "--hw", "flexinfer-server2", env={"FLEXPLAN_HWDB_DIR": str(tmp_path)})
+    r = flexplan_process("explain", "facebook/opt-66b", "--hw", "flexinfer-server2",
+                         env={"FLEXPLAN_HWDB_DIR": str(tmp_path)})  # the hwdb is read once per process
     assert r.returncode == 2 and "Traceback" not in r.stderr and "gpus.yaml" in r.stderr
 
 

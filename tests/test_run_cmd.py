@@ -176,8 +176,8 @@ def test_medians_and_the_repeats_budget(monkeypatch):
     assert len(runs) == 2 and lm.calls == 2 and lm.refreshed == 2 and out == [1]
 
 
-def test_bad_repeats_is_one_line(tmp_path):  # through the console entry point, in a process of its own
-    line = one_line_error(flexplan("run", "--repeats", "0", cache=tmp_path))
+def test_bad_repeats_is_one_line(tmp_path, capsys, monkeypatch):
+    line = one_line_error(run_main("run", "--repeats", "0", capsys=capsys, monkeypatch=monkeypatch, cache=tmp_path))
     assert "--repeats must be at least 1" in line
 
 
