@@ -117,14 +117,15 @@ def _non_decreasing(x: np.ndarray, axis: int) -> bool:
     return bool(np.all(d >= -1e-9 * np.take(scale, range(1, x.shape[axis]), axis=axis)))
 
 
-# Machines (and the mode and model) that once made a prediction fall: the default run checks these,
-# the slow run random machines in every mode.
+# Machines (and the mode and model) that once made a prediction fall: the default run checks two
+# (~3 s each), the slow run all of them in every mode, and random machines.
 FOUND = [
     # found while split-points spread the prefill residual by each step's shares (the attention core's grew
     # with the context, the projections' fell): TPOT fell as the input grew
     pytest.param("quick", SyntheticMachine(
         bytes_per_s=5e9, kv_bytes_per_s=2e9, flops_per_s={"float32": 2e10, "bfloat16": 6.7e10}, op_s=6.05e-06,
-        layer_s=2.06e-4, step_s=1e-4, logit_s=0.0, gpu=False, noise=0.133, seed=0), "qwen3-moe", id="split-residual"),
+        layer_s=2.06e-4, step_s=1e-4, logit_s=0.0, gpu=False, noise=0.133, seed=0), "qwen3-moe", id="split-residual",
+        marks=pytest.mark.slow),
     # found by a fresh clone's run: a probe file's layer overhead fell from 32 to 64 tokens per GEMM, and the
     # Qwen3 MoE's prefill of 2 x 32 tokens came out cheaper than 1 x 32
     pytest.param("probe", SyntheticMachine(

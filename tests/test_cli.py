@@ -1,7 +1,7 @@
 """The `flexplan` command line: explain, hw, models; bad input gives one clear line, no traceback.
 
 Most cases call the CLI's main() in this process (a new interpreter costs seconds of imports each);
-a few run `python -m flexplan` itself: the console entry point, and settings read once per process."""
+one runs `python -m flexplan` itself, the console entry point."""
 
 import contextlib
 import io
@@ -73,11 +73,11 @@ def test_gpu_memory_cap_changes_the_plan():
 
 
 def test_models_and_hw_list():
-    r = flexplan_process("models")
+    r = flexplan("models")
     assert r.returncode == 0 and "facebook/opt-66b" in r.stdout and "HuggingFaceTB/SmolLM2-135M-Instruct" in r.stdout
     moe = next(line for line in r.stdout.splitlines() if line.startswith("Qwen/Qwen3-30B-A3B "))
     assert "3.35B" in moe and "MoE 8 of 128 experts" in moe  # active parameters of an MoE entry
-    r = flexplan_process("hw", "--list")
+    r = flexplan_process("hw", "--list")  # the console entry point itself, once
     assert r.returncode == 0 and "flexinfer-server1" in r.stdout and "flexinfer-server2" in r.stdout
 
 
@@ -126,12 +126,12 @@ def test_malformed_config_file(tmp_path):
     assert r.returncode == 2 and "Traceback" not in r.stderr and "config" in r.stderr
 
 
-def test_malformed_hwdb(tmp_path):
+def test_malformed_hwdb(tmp_path, monkeypatch):
     for f in ("cpus.yaml", "gpus.yaml", "links.yaml", "servers.yaml"):
         (tmp_path / f).write_text((open(os.path.join(REPO, "hwdb", f)).read()))
     (tmp_path / "gpus.yaml").write_text("gpus: [ {id: x, : }")
-    r = flexplan_process("explain", "facebook/opt-66b", "--hw", "flexinfer-server2",
-                         env={"FLEXPLAN_HWDB_DIR": str(tmp_path)})  # the hwdb is read once per process
+    monkeypatch.setenv("FLEXPLAN_HWDB_DIR", str(tmp_path))  # read at each lookup, cached per folder
+    r = flexplan("explain", "facebook/opt-66b", "--hw", "flexinfer-server2")
     assert r.returncode == 2 and "Traceback" not in r.stderr and "gpus.yaml" in r.stderr
 
 

@@ -361,14 +361,29 @@ def test_a_cache_can_change_the_chosen_pair():
     assert after.e2e_s < old_pair.e2e_s
 
 
-from hypothesis import given, settings  # noqa: E402
+from hypothesis import Phase, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
+CACHED_PLANS = dict(gib=st.integers(8, 64), batch=st.sampled_from([1, 2, 8, 32]),
+                    input_len=st.sampled_from([16, 256, 2048]), output_len=st.sampled_from([2, 64, 512]),
+                    skew=st.floats(0.0, 1.0))
 
-@settings(max_examples=25, deadline=None)
-@given(gib=st.integers(8, 64), batch=st.sampled_from([1, 2, 8, 32]), input_len=st.sampled_from([16, 256, 2048]),
-       output_len=st.sampled_from([2, 64, 512]), skew=st.floats(0.0, 1.0))
+
+@settings(max_examples=6, deadline=None)  # the slow run draws 25 more
+@given(**CACHED_PLANS)
 def test_a_plan_with_a_cache_never_exceeds_its_accelerator_budget(gib, batch, input_len, output_len, skew):
+    cache_within_budget(gib, batch, input_len, output_len, skew)
+
+
+@pytest.mark.slow
+@settings(max_examples=25, deadline=None, phases=(Phase.generate, Phase.target, Phase.shrink))
+@given(**CACHED_PLANS)
+def test_a_plan_with_a_cache_never_exceeds_its_accelerator_budget_more_shapes(gib, batch, input_len, output_len,
+                                                                              skew):
+    cache_within_budget(gib, batch, input_len, output_len, skew)
+
+
+def cache_within_budget(gib, batch, input_len, output_len, skew):
     """Whatever the budget, shape and profile skew: the pair's placements plus the cache fit the
     budget, the cache's E2E saving is what the plan gained, and its layers are CPU-expert layers."""
     hw, eff, spec, _ = _setup()
