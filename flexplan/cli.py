@@ -6,6 +6,7 @@ Every error flexplan raises on purpose is printed as one line on stderr with exi
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import sys
 
@@ -17,9 +18,15 @@ from flexplan.hardware import get_hardware, report
 from flexplan.hardware.hwdb import is_local_name
 from flexplan.hardware.introspect import introspect, local_hardware
 from flexplan.inputs import gib_bytes
-from flexplan.measure.first_use import describe_calibration, measured_efficiency
 from flexplan.planner import plan
 from flexplan.workload import catalog_names, resolve_model
+
+
+def _measuring():
+    """flexplan.measure.first_use, imported when a command measures or describes this machine: it
+    brings torch and the executor (seconds of imports), which `flexplan --help`, `models` and an
+    explain on hwdb hardware do without (the same rule as LAZY_COMMANDS below)."""
+    return importlib.import_module("flexplan.measure.first_use")
 
 
 def _int_list(text: str) -> list[int]:
@@ -44,7 +51,7 @@ def _int_list(text: str) -> list[int]:
 def cmd_explain(args) -> int:
     # the user runs explain on this machine: it measures a first-use probe and the memory state of
     # now before planning (plan() itself never measures)
-    eff = measured_efficiency(get_hardware(args.hw)) if is_local_name(args.hw) else None
+    eff = _measuring().measured_efficiency(get_hardware(args.hw)) if is_local_name(args.hw) else None
     plans = []
     for b in args.batch_size:
         for i in args.input_len:
@@ -79,7 +86,7 @@ def cmd_hw(args) -> int:
 
 
 def _calibration_line(hw) -> str | None:
-    return f"{describe_calibration(hw)}\n{describe_corrections(hw)}"
+    return f"{_measuring().describe_calibration(hw)}\n{describe_corrections(hw)}"
 
 
 def cmd_models(args) -> int:

@@ -131,3 +131,11 @@ def test_a_plan_carries_its_placement_and_its_factors_source_as_fields():
     again = flexplan.Plan.from_dict(p.to_dict())  # JSON has no placement: rebuilt from the policies, equal
     assert again.placement is None and placement_of(again, p.num_layers) == p.placement
     assert again.factors == p.factors
+
+
+def test_the_cli_and_an_explain_on_hwdb_hardware_import_no_torch():
+    code = ("import sys; from flexplan.cli import main; "
+            "assert main(['explain', 'meta-llama/Llama-3.1-8B', '--hw', 'flexinfer-server2']) == 0; "
+            "assert 'torch' not in sys.modules, 'torch imported'")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]

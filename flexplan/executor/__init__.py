@@ -9,20 +9,5 @@ hooks that run each step under the plan), ``loading`` (safetensors straight into
 ``stats`` (measured vs predicted), ``plans`` (placements fixed by hand).
 """
 
-from flexplan.executor.link import Link
-from flexplan.executor.loading import load_streaming
-from flexplan.executor.placement import Placement
-from flexplan.executor.plans import fixed_plan
-from flexplan.executor.runner import Executor
-
-__all__ = ["Executor", "Link", "Placement", "fixed_plan", "load_streaming"]
-
-
-def __getattr__(name):
-    if name == "Executor":
-        return Executor
-    if name == "load_streaming":
-        return load_streaming
-    if name == "fixed_plan":
-        return fixed_plan
-    raise AttributeError(f"module 'flexplan.executor' has no attribute {name!r}")
+# no re-exports: `flexplan.executor.plans` (torch-free) is imported by input checks and the CLI,
+# which must not pay for torch; import the room you need (`flexplan.executor.runner.Executor`, ...)
