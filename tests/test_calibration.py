@@ -617,7 +617,7 @@ def test_tiny_run_times_the_expert_path(use_real_dir):
 def test_tiny_run_times_the_executor_layer_and_split_linear(use_real_dir):
     """The run times a decode layer through the executor beside the bare layer, and split layers'
     CPU linear beside the packed kernel, per dtype; the summary names both."""
-    from flexplan.measure import microbench as mb
+    from flexplan.measure import executor_layers, microbench as mb
     from flexplan.measure.calibrate import format_summary
 
     _, res = use_real_dir
@@ -626,7 +626,7 @@ def test_tiny_run_times_the_executor_layer_and_split_linear(use_real_dir):
     assert row["time_s"] > 0 and row["layer_time_s"] > 0 and row["depths"][1] > row["depths"][0]
     assert isinstance(row["extra_s"], float)  # the median of slope - bare layer over pairs timed back to back
     assert res.doc["step_wall_s"]["cpu_executor_layers[float32]"] > 0  # where the calibration's time went
-    assert 1 <= row["slopes"] <= mb.SLOPES  # the median of up to SLOPES positive slopes
+    assert 1 <= row["slopes"] <= executor_layers.SLOPES  # the median of up to SLOPES positive slopes
     tiny = mb.MODES["tiny"]
     assert {r["tokens"] for r in m["cpu_split_linear"] if r["dtype"] == "float32"} == {*tiny.gemv_tokens, *tiny.gemm_tokens}
     assert "run by the executor" in format_summary(res) and "split layers" in format_summary(res)
