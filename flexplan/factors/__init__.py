@@ -20,6 +20,7 @@ from flexplan.factors.calibrated import (
     calibrated_factors,
     calibration_for,
     factors_from_file,
+    factors_of,
     is_local,
     uncalibrated_defaults,
 )
@@ -36,7 +37,7 @@ def efficiency_for(hw: Hardware, at_state: AtState | None = None) -> Efficiency:
     and one exists (defaults otherwise, ``source`` saying why), ``at_state`` applied when the
     caller measured a state (``measure.state.efficiency_now``), the runs' online corrections last."""
     cal = calibration_for(hw)
-    return corrected(calibrated_factors(hw, at_state), hw, cal)
+    return corrected(factors_of(cal, hw, at_state), hw, cal)  # the file looked up once
 
 
 def efficiency_from_file(path, hw: Hardware, at_state: AtState | None = None) -> Efficiency:

@@ -53,7 +53,11 @@ def uncalibrated_defaults(hw: Hardware) -> DefaultEfficiency:
 def calibrated_factors(hw: Hardware, at_state: AtState | None = None) -> Efficiency:
     """The factors of ``hw`` before online corrections: from this machine's calibration file when
     ``hw`` is local and one exists (``at_state`` applied to them when given), else the defaults."""
-    cal = calibration_for(hw)
+    return factors_of(calibration_for(hw), hw, at_state)
+
+
+def factors_of(cal: Calibration | None, hw: Hardware, at_state: AtState | None = None) -> Efficiency:
+    """:func:`calibrated_factors` for a calibration already looked up (None: the defaults)."""
     if cal is None:
         return uncalibrated_defaults(hw) if is_local(hw) else DefaultEfficiency.for_hardware(hw)
     eff = _calibrated(cal, hw)
