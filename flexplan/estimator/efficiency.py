@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field, replace
-from functools import cached_property
 from typing import Protocol
 
 import numpy as np
@@ -277,22 +276,6 @@ class ScaledEfficiency:
 # (the calibration's GEMV rows reach 16). A prefill's GEMMs keep their calibrated factor: they
 # stream their weights while they compute, so the memory state moves them little.
 STATE_SCALED_TOKENS_MAX = 16
-# How much of a faster memory state decode's streaming takes: its factors divided by scale ** this.
-# Decode speeds up by less than the GEMV probe shows (its TPOT follows ~probe^-0.4..-0.5): a step
-# does more than stream weights. A slower state stays bounded by stream_best (below). Fitted on
-# recorded runs, not measured per machine (docs/calibration.md, "The machine state").
-FASTER_STATE_ELASTICITY = 0.7
-# ... times (the op's streaming factor / the best of any CPU dtype at calibration) ** this: an op
-# streaming below the machine's best is held back by something the memory state does not set
-# (oneDNN's bfloat16 GEMVs stream well below float32's and barely move with the state), so it
-# takes less of a faster state; the slower state's rule, below, keeps such an op at its own factor.
-FASTER_STATE_SHARE_POWER = 2.0
-# How much of the compute probe's ratio (median at calibration / now) CPU compute time takes, both
-# where calibration brings its rows to one compute state (flexplan.factors.memory_state.normalised)
-# and where a plan scales to the state of now (flexplan.measure.state.at_state_now); fixed per-layer
-# and per-step costs take all of it. The probe, a short burst, swings more than a long prefill
-# does, so compute time follows it by less than its full ratio.
-COMPUTE_STATE_ELASTICITY = 0.5
 
 
 @dataclass(frozen=True)
@@ -300,41 +283,26 @@ class StateScaledEfficiency(ScaledEfficiency):
     """The memory state of now applied to a calibration (``flexplan.measure.state.at_state_now``),
     to decode's weight streaming (GEMMs of at most :data:`STATE_SCALED_TOKENS_MAX` rows), the KV
     cache's reads and the LM head; a prefill's GEMMs keep their calibrated factor.
-    Faster now (a ``cpu_memory`` scale below 1): every such factor divided by the scale to the
-    power :data:`FASTER_STATE_ELASTICITY` (decode takes part of the speed-up the probe shows),
-    times the op's share of the best streaming factor of any dtype at calibration to the power
-    :data:`FASTER_STATE_SHARE_POWER` (an op held below the best takes less of it).
+    Faster now (a ``cpu_memory`` scale below 1): every such factor divided by the scale (streaming
+    time follows the bandwidth the probe shows). Slower now (above 1): each op streams at most at
+    the state's bandwidth and at least as fast as it did at calibration, ``min(own factor, best /
+    scale)`` with ``best`` the calibration's best weight-streaming factor of that dtype
+    (``stream_best``): an op held below the stream's best by something else (its size, its
+    latencies) is slowed only where the state's bandwidth falls below its own rate (the roofline).
     Either way, the time of these terms is then multiplied by ``state_change(scale) **
     learned_elasticity`` (the ratio beyond the probe's own spread, :data:`ELASTICITY_BAND`): how
-    much more (or less) than that this machine's runs moved with the state, which the online
-    correction learns (``flexplan.factors.correction``; 0 until runs in different states taught it).
-    Slower now (above 1): each op streams at most at the state's
-    bandwidth and at least as fast as it did at calibration, ``min(own factor, best / scale)`` with
-    ``best`` the calibration's best weight-streaming factor of that dtype (``stream_best``). An op
-    that ran below the stream's best at calibration was held back by something the memory state
-    does not set (its size, its latencies), so a slower state slows it less than the probe's
-    ratio (small routed experts, for one), while the large GEMVs follow the probe."""
+    much more (or less) than the probe's ratio this machine's runs moved with the state, which the
+    online correction measures on this machine's runs (``flexplan.factors.correction``; 0 until runs
+    in different states taught it)."""
 
     stream_best: dict = field(default_factory=dict)  # CPU dtype (None: the default) -> best cpu_memory factor at calibration
     # learned from runs (flexplan.factors.correction): these terms' time further times state_change(scale) ** this
     learned_elasticity: float = 0.0
 
-    @cached_property
-    def _stream_top(self) -> float | None:
-        """The best weight-streaming factor of any CPU dtype at calibration (None: not known)."""
-        return max(self.stream_best.values()) if self.stream_best else None
-
-    def _stream_share(self, factor):
-        """``factor`` over :attr:`_stream_top` (at most 1; 1 where not known)."""
-        top = self._stream_top
-        return 1.0 if not top else np.minimum(1.0, np.asarray(factor) / top)
-
     def _at_state(self, factor, dtype):
         s = self.scale("cpu_memory")
         best = self.stream_best.get(dtype)
-        if s <= 1.0:
-            at = factor / s ** (FASTER_STATE_ELASTICITY * self._stream_share(factor) ** FASTER_STATE_SHARE_POWER)
-        elif best is None:
+        if s <= 1.0 or best is None:
             at = factor / s
         else:
             at = np.minimum(factor, best / s)

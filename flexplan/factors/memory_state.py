@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from flexplan.estimator.efficiency import COMPUTE_STATE_ELASTICITY, STATE_SCALED_TOKENS_MAX
+from flexplan.estimator.efficiency import STATE_SCALED_TOKENS_MAX
 from flexplan.estimator.terms import Shape, c_gemm, d_gemm, phase_work
 from flexplan.factors.tables import _attention_spec
 from flexplan.workload import costs
@@ -183,11 +183,7 @@ def normalised(meas: dict) -> dict:
     per-layer cost. Achieved rates, not the Hardware's nominal peaks (guesses where a VM hides the SKU).
 
     The rest of the time, ``1 - w`` (compute, and the fixed costs that run at the CPU's speed),
-    is brought to the reference compute state the same way, by the compute probe taken around the
-    row's own runs (files from this version on), else its sample before the step, where the file
-    has one: ``t x ((1 - w) x r_compute + w x r)``, ``r_compute`` the probe's ratio to the power
-    :data:`~flexplan.estimator.efficiency.COMPUTE_STATE_ELASTICITY` (work this size moves with the
-    short probe by less than the probe does).
+    is kept as measured: a GEMM's rate is the cores' own, which the memory state does not set.
 
     The probe is the GEMV probe where the file recorded it (:func:`row_probe_kind`), else the copy.
 
@@ -201,16 +197,6 @@ def normalised(meas: dict) -> dict:
     before: dict[str, float] = {}
     for label, x in s:
         before.setdefault(label, x)
-    sc = samples(meas, "compute") or []
-    ref_c = float(statistics.median(x for _, x in sc)) if sc else None
-    before_c: dict[str, float] = {}
-    for label, x in sc:
-        before_c.setdefault(label, x)
-
-    def compute_ratio(part: str, r: dict) -> float:
-        rate_c = _row_probe(r, "compute") or before_c.get(f"{part}[{r.get('dtype')}]", before_c.get(part))
-        return _clamped(rate_c / ref_c) ** COMPUTE_STATE_ELASTICITY if rate_c is not None and ref_c else 1.0
-
     sized: dict[str, list] = {}  # part -> [(row, ratio or None, bytes, time_s) or (row, None, None, None)]
     best: dict[tuple[str, str], float] = {}  # (stream, dtype) -> bytes/s at the reference state
     for part in ROW_PARTS:
@@ -265,7 +251,7 @@ def normalised(meas: dict) -> dict:
                 new.append(r)
                 continue
             w = min(1.0, n_bytes / (rate_ref * ratio) / t)
-            k = (1.0 - w) * compute_ratio(part, r) + w * ratio
+            k = (1.0 - w) + w * ratio
             new.append({**r, **{key: float(r[key]) * k for key in ("time_s", "time_median_s") if key in r}})
         result[part] = new
     return result

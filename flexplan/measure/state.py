@@ -13,8 +13,6 @@ import statistics
 from typing import Any
 
 from flexplan.estimator.efficiency import (
-    COMPUTE_STATE_ELASTICITY,
-    FASTER_STATE_ELASTICITY,
     Efficiency,
     ScaledEfficiency,
     StateScaledEfficiency,
@@ -117,11 +115,8 @@ def _scale_now(meas: dict, probe: str, measure_now, fmt) -> tuple[float, str, bo
         return 1.0, f"{name} {fmt(now)} now vs {at_cal} (the same state: x1.00)", True
     scale = _clamped(raw)
     clamp = f", clamped from x{raw:.2f}" if scale != raw else ""
-    if cls == "memory" and scale < 1.0:  # StateScaledEfficiency: decode takes part of a faster state
-        clamp += f"; decode streaming x{scale ** FASTER_STATE_ELASTICITY:.2f}"
-    if cls == "compute":  # at_state_now: compute takes part of the ratio, fixed costs all of it
-        return scale, (f"{name} {fmt(now)} now vs {at_cal} (x{scale:.2f} fixed costs{clamp}, "
-                       f"x{scale ** COMPUTE_STATE_ELASTICITY:.2f} compute time)"), True
+    if cls == "compute":  # at_state_now: the fixed costs take the ratio, compute time keeps its factor
+        return scale, f"{name} {fmt(now)} now vs {at_cal} (x{scale:.2f} fixed costs{clamp})", True
     return scale, f"{name} {fmt(now)} now vs {at_cal} (x{scale:.2f} {cls} time{clamp})", True
 
 
@@ -138,9 +133,8 @@ def memory_probe_now(meas: dict) -> str:
 def at_state_now(eff: "Efficiency", meas: dict) -> "Efficiency":
     """``eff`` (the factors of a calibration whose ``measurements`` are ``meas``) with the time of
     the CPU memory class scaled to the memory state of now, ``reference / probe now``, and, where
-    the calibration recorded the compute probe, the overhead class to the compute state of now the
-    same way and the CPU compute class by that ratio to the power
-    :data:`~flexplan.estimator.efficiency.COMPUTE_STATE_ELASTICITY`; each clamped to
+    the calibration recorded the compute probe, the overhead class (per-layer and per-step fixed
+    costs) to the compute state of now the same way; each clamped to
     :data:`SCALE_RANGE`, and 1 within :data:`SAME_STATE` (a probe's own spread on a quiet machine
     is not a state). No scaling, with the reason in the note, when the file recorded no samples,
     the probe is off (``$FLEXPLAN_MEMORY_PROBE=0``) or failed."""
@@ -175,8 +169,11 @@ def at_state_now(eff: "Efficiency", meas: dict) -> "Efficiency":
         comp, comp_note, comp_read = _scale_now(meas, "compute", lambda r: membw.probe_flops_per_s(reference=r),
                                      lambda x: f"{x / 1e9:.0f} GFLOP/s")
     scales = {"cpu_memory": mem} if mem != 1.0 else {}
+    # CPU compute time keeps its calibrated factor: a GEMM's rate is the cores' own, and the short
+    # compute probe swings with bursts a long prefill averages out (kept runs: TTFT moved with the
+    # probe at a log-log slope of 0.13-0.38, not 1)
     if comp != 1.0:
-        scales.update(cpu_compute=comp ** COMPUTE_STATE_ELASTICITY, overhead=comp)
+        scales["overhead"] = comp
     return StateScaledEfficiency(eff, scales, f"{NOTE_PREFIX} " + "; ".join(x for x in (mem_note, comp_note) if x),
                                  stream_best=_stream_best(eff) if mem != 1.0 else {}, state=True,
                                  probed=mem_read or comp_read)
