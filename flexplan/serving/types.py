@@ -105,6 +105,7 @@ class IterationPlan:
     swap_out: tuple[str, ...] = ()  # KV moved device -> host pool before the iteration
     swap_in: tuple[str, ...] = ()  # KV moved host -> device pool before the iteration
     preempted: tuple[str, ...] = ()  # back to waiting, KV freed (recomputed later)
+    prefill_host: tuple[str, ...] = ()  # prefills of requests with no blocks yet whose KV goes to the host pool
     predicted_s: float = 0.0  # the estimator's price of this iteration
     why: str = ""  # one line: the inequality or rule that chose the mode
 

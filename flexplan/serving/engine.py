@@ -1,0 +1,364 @@
+"""The serving engine's loop: requests join and leave the running batch between iterations
+(continuous batching), each iteration one forward pass over every scheduled request's new tokens.
+
+``step()`` asks the scheduler for an :class:`IterationPlan` (a narrow call: ``schedule(state)``
+with an :class:`EngineState` of plain data), carries it out (preemptions, swaps between the KV
+pools, block allocation), runs the model once over the ragged batch (:mod:`model_runner`),
+samples each request's next token (:mod:`sampling`), and finishes and frees what is done. A decode
+batch of N reads the weights once: the throughput a one-request loop leaves unused.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from flexplan.errors import FlexplanError, InvalidInputError
+from flexplan.serving import sampling
+from flexplan.serving.fcfs import FcfsScheduler
+from flexplan.serving.kv_blocks import (
+    BLOCK_SIZE_TOKENS,
+    DEVICE,
+    HOST,
+    BlockManager,
+    blocks_in_bytes,
+    text_config,
+)
+from flexplan.serving.model_runner import ModelRunner, Segment
+from flexplan.serving.state import EngineState, RequestState
+from flexplan.serving.types import (
+    FINISH_ABORT,
+    FINISH_LENGTH,
+    FINISH_STOP,
+    EngineStats,
+    IterationPlan,
+    RequestOutput,
+    SamplingParams,
+)
+from flexplan.smollm import default_model_dir
+
+DEFAULT_HOST_POOL_BYTES = 2 * 2**30  # the host pool's cap unless given: KV is committed memory
+HOST_POOL_SHARE = 0.25  # ... and at most this share of the memory available now
+DEVICE_POOL_SHARE = 0.8  # of the accelerator's free memory after the weights: the rest for activations
+STALL_STEPS = 100  # generate(): iterations in a row that schedule nothing before it gives up
+
+
+def available_host_bytes() -> int:
+    """MemAvailable from /proc/meminfo (1 GiB where it cannot be read)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 2**30
+
+
+@dataclass
+class _Request:
+    request_id: str
+    prompt: list[int]
+    params: SamplingParams
+    arrival: int
+    generator: torch.Generator | None
+    detok: sampling.Detokenizer
+    output: list[int] = field(default_factory=list)
+    computed: int = 0  # tokens whose KV the blocks hold
+    new_tokens: list[int] = field(default_factory=list)  # since the last output
+    finish_reason: str | None = None
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.prompt + self.output
+
+    @property
+    def decoding(self) -> bool:
+        return bool(self.output) and self.computed == len(self.prompt) + len(self.output) - 1
+
+    def view(self, pool: str | None) -> RequestState:
+        left = 0 if self.decoding and pool is not None else len(self.prompt) + len(self.output) - self.computed
+        return RequestState(self.request_id, len(self.prompt), left, self.computed, len(self.output),
+                            self.params.max_tokens, pool, self.arrival)
+
+
+class Engine:
+    """Continuous batching over a transformers causal LM (or a :class:`flexplan.FlexModel`).
+
+    ``device_blocks`` / ``host_blocks``: KV blocks of ``block_size_tokens`` tokens in the device
+    pool (on the model's device; on the CPU it stands in for an accelerator) and the host pool
+    (CPU memory, attended on the CPU). Left out: the device pool takes 80% of the accelerator's
+    free memory (none when the model is on the CPU), the host pool a quarter of the available
+    memory, at most 2 GiB. ``token_budget``: new tokens per iteration (prefill chunks + decodes).
+    ``scheduler``: any object with ``schedule(EngineState) -> IterationPlan`` (default: FCFS)."""
+
+    def __init__(self, model, tokenizer=None, *, device_blocks: int | None = None, host_blocks: int | None = None,
+                 block_size_tokens: int = BLOCK_SIZE_TOKENS, token_budget: int = 512, max_running: int = 256,
+                 max_model_len: int | None = None, scheduler=None):
+        if hasattr(model, "executor") and hasattr(model, "model"):  # a FlexModel: its transformers model
+            tokenizer = tokenizer if tokenizer is not None else getattr(model, "tokenizer", None)
+            model = model.model
+        for name, v in (("token_budget", token_budget), ("max_running", max_running)):
+            if not isinstance(v, int) or v < 1:
+                raise InvalidInputError(f"{name} must be a positive integer, got {v!r}")
+        self.model = model.eval()
+        self.tokenizer = tokenizer
+        param = next(model.parameters())
+        self.device, self.dtype = param.device, param.dtype
+        config = text_config(model.config)
+        context = getattr(config, "max_position_embeddings", None) or 2048
+        self.max_model_len = int(max_model_len or context)
+        self.vocab_size = int(config.vocab_size)
+        on_accelerator = self.device.type != "cpu"
+        if device_blocks is None:
+            device_blocks = 0 if not on_accelerator else blocks_in_bytes(
+                torch.cuda.mem_get_info(self.device)[0] * DEVICE_POOL_SHARE, config, self.dtype, block_size_tokens)
+        if host_blocks is None:
+            budget = min(DEFAULT_HOST_POOL_BYTES, available_host_bytes() * HOST_POOL_SHARE)
+            host_blocks = blocks_in_bytes(budget, config, self.dtype, block_size_tokens)
+        self.blocks = BlockManager(config, device_blocks=device_blocks, host_blocks=host_blocks, dtype=self.dtype,
+                                   device=self.device, block_size_tokens=block_size_tokens)
+        self.runner = ModelRunner(model, self.blocks)
+        self.scheduler = scheduler if scheduler is not None else FcfsScheduler()
+        self.token_budget, self.max_running, self.accelerator = token_budget, max_running, on_accelerator
+        self.eos = sampling.eos_token_ids(model, tokenizer)
+        self._waiting: deque[_Request] = deque()
+        self._running: dict[str, _Request] = {}
+        self._aborted: list[_Request] = []
+        self._arrivals = itertools.count()
+        self._iterations, self._last_mode = 0, ""
+        self._prompt_total = self._generated_total = 0
+        self._scheduled_tokens = 0  # by the last iteration
+
+    @classmethod
+    def from_pretrained(cls, path=None, *, device: str | None = None, dtype: torch.dtype = torch.float32,
+                        **engine_kwargs) -> Engine:
+        """An engine over a transformers checkpoint folder or hub name (None: the embedded SmolLM2)."""
+        path = str(path) if path is not None else str(default_model_dir(verbose=False))
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+        if device is not None:
+            model = model.to(device)
+        return cls(model, AutoTokenizer.from_pretrained(path), **engine_kwargs)
+
+    def close(self) -> None:
+        """Free the pools and give the model's attention modules their own configs back."""
+        self.runner.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # ---- requests in and out ----
+    def add_request(self, request_id: str, prompt_token_ids: list[int] | str, params: SamplingParams) -> None:
+        if not isinstance(params, SamplingParams):
+            raise InvalidInputError(f"params must be a flexplan.serving.SamplingParams, got {type(params).__name__}")
+        if request_id in self._running or any(r.request_id == request_id for r in self._waiting):
+            raise InvalidInputError(f"request id {request_id!r} is in use by an unfinished request: give each "
+                                    "request its own id")
+        prompt = self._tokens(prompt_token_ids)
+        n, ctx = len(prompt), self.max_model_len
+        if n >= ctx:
+            raise InvalidInputError(f"the prompt has {n} tokens; this model's context is {ctx} tokens, so a prompt "
+                                    f"may have at most {ctx - 1}")
+        if n + params.max_tokens > ctx:
+            raise InvalidInputError(f"max_tokens={params.max_tokens} with a {n}-token prompt exceeds the model's "
+                                    f"context of {ctx} tokens: ask for at most {ctx - n}")
+        need = self.blocks.blocks_for(n + params.max_tokens)
+        most = max(p.num_blocks for p in self.blocks.pools.values())
+        if need > most:
+            fits = most * self.blocks.block_size_tokens - n
+            what = f"ask for max_tokens={fits} at most" if fits > 0 else "give the engine more KV blocks"
+            raise InvalidInputError(f"a {n}-token prompt with max_tokens={params.max_tokens} needs {need} KV blocks; "
+                                    f"the largest pool holds {most}: {what}")
+        r = _Request(request_id, prompt, params, next(self._arrivals), sampling.request_generator(params),
+                     sampling.Detokenizer(self.tokenizer, prompt, params.stop))
+        self._waiting.append(r)
+        self._prompt_total += n
+
+    def _tokens(self, prompt) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise InvalidInputError("a text prompt needs a tokenizer: give Engine(model, tokenizer) or token ids")
+            prompt = self.tokenizer.encode(prompt)
+        try:
+            ids = [int(t) for t in prompt]
+        except (TypeError, ValueError):
+            raise InvalidInputError(f"a prompt is a string or a list of token ids, got {prompt!r:.80}") from None
+        if not ids:
+            raise InvalidInputError("the prompt is empty: give at least one token (or a non-empty string)")
+        bad = [t for t in ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise InvalidInputError(f"token ids {bad[:5]} are outside this model's vocabulary of {self.vocab_size}: "
+                                    f"each must be in 0..{self.vocab_size - 1}")
+        return ids
+
+    def abort(self, request_id: str) -> bool:
+        """Free the request's blocks now; its next output is finished with reason "abort". False
+        where no unfinished request has this id (finished already: nothing to do)."""
+        r = self._running.pop(request_id, None)
+        if r is None:
+            r = next((w for w in self._waiting if w.request_id == request_id), None)
+            if r is None:
+                return False
+            self._waiting.remove(r)
+        self.blocks.free(request_id)
+        r.finish_reason = FINISH_ABORT
+        self._aborted.append(r)
+        return True
+
+    def has_unfinished(self) -> bool:
+        return bool(self._waiting or self._running or self._aborted)
+
+    def state(self) -> EngineState:
+        """What the scheduler sees now."""
+        free = self.blocks.usage()[1]
+        return EngineState(
+            waiting=tuple(r.view(None) for r in self._waiting),
+            running=tuple(r.view(self.blocks.pool_of(r.request_id)) for r in self._running.values()),
+            free_blocks=free, total_blocks={n: p.num_blocks for n, p in self.blocks.pools.items()},
+            block_size_tokens=self.blocks.block_size_tokens, token_budget=self.token_budget,
+            max_running=self.max_running, accelerator=self.accelerator)
+
+    def stats(self) -> EngineStats:
+        used, free = self.blocks.usage()
+        by_device = {"accelerator": 0, "cpu": 0}
+        for rid in self._running:
+            by_device["accelerator" if self.blocks.pool_of(rid) == DEVICE and self.accelerator else "cpu"] += 1
+        return EngineStats(waiting=len(self._waiting), running_by_device=by_device, blocks_used=used,
+                           blocks_free=free, iterations=self._iterations, last_mode=self._last_mode,
+                           prompt_tokens_total=self._prompt_total, generated_tokens_total=self._generated_total)
+
+    # ---- one iteration ----
+    def step(self) -> list[RequestOutput]:
+        """One iteration: the scheduler's plan carried out, one forward pass, one token per
+        request that finished its prefill or decoded. Outputs of requests that produced tokens,
+        finished or were aborted."""
+        outputs = [self._output(r) for r in self._aborted]
+        self._aborted = []
+        if not (self._waiting or self._running):
+            return outputs
+        plan = self.scheduler.schedule(self.state())
+        segments = self._carry_out(plan)
+        self._scheduled_tokens = sum(len(s.token_ids) for s in segments)
+        self._iterations += 1
+        self._last_mode = plan.mode
+        if not segments:
+            return outputs
+        logits = self.runner.forward(segments)
+        sampled = [self._running[s.request_id] for s in segments if s.logits]
+        tokens = sampling.sample(logits, [r.params for r in sampled], [r.generator for r in sampled])
+        for r, t in zip(sampled, tokens):
+            self._append(r, t)
+        for s in segments:
+            r = self._running[s.request_id]
+            if r.new_tokens or r.finish_reason:
+                outputs.append(self._output(r))
+            if r.finish_reason:
+                self.blocks.free(r.request_id)
+                del self._running[r.request_id]
+        return outputs
+
+    def _carry_out(self, plan: IterationPlan) -> list[Segment]:
+        """Preemptions, swaps and block allocations of the plan; the segments to run."""
+        if not isinstance(plan, IterationPlan):
+            raise FlexplanError(f"the scheduler returned {type(plan).__name__}, not an IterationPlan")
+        waiting = {r.request_id: r for r in self._waiting}
+        known = set(waiting) | set(self._running)
+        unknown = [rid for rid in plan.request_ids + plan.swap_out + plan.swap_in + plan.preempted if rid not in known]
+        if unknown:
+            raise FlexplanError(f"the scheduler's plan names requests the engine does not hold: {unknown[:5]}")
+        for rid in plan.preempted:  # back to the front of the queue, its KV recomputed later
+            r = self._running.pop(rid)
+            self.blocks.free(rid)
+            r.computed = 0
+            self._waiting.appendleft(r)
+            waiting[rid] = r
+        for rid in plan.swap_out:
+            self.blocks.swap(rid, HOST)
+        for rid in plan.swap_in:
+            self.blocks.swap(rid, DEVICE)
+        segments = []
+        for rid, n in plan.prefill:
+            r = waiting.pop(rid, None)
+            if r is not None:
+                self._waiting.remove(r)
+                self._running[rid] = r
+                pool = HOST if rid in plan.prefill_host or not self.blocks.pools[DEVICE].num_blocks else DEVICE
+            else:
+                r, pool = self._running[rid], None
+            todo = len(r.tokens) - r.computed
+            n = min(n, todo)
+            self.blocks.append(rid, n, pool)
+            segments.append(Segment(rid, tuple(r.tokens[r.computed:r.computed + n]), r.computed, n == todo))
+            r.computed += n
+        for rid, pool in [(rid, DEVICE) for rid in plan.device_decodes] + [(rid, HOST) for rid in plan.host_decodes]:
+            r = self._running[rid]
+            if not r.decoding or self.blocks.pool_of(rid) != pool:
+                raise FlexplanError(f"the scheduler's plan decodes {rid!r} in the {pool} pool; it is "
+                                    f"{'decoding' if r.decoding else 'not decoding'} in the "
+                                    f"{self.blocks.pool_of(rid)} pool")
+            self.blocks.append(rid, 1)
+            segments.append(Segment(rid, (r.output[-1],), r.computed))
+            r.computed += 1
+        return segments
+
+    def _append(self, r: _Request, token: int) -> None:
+        r.output.append(token)
+        r.new_tokens.append(token)
+        self._generated_total += 1
+        r.detok.push(token)
+        if token in self.eos and not r.params.ignore_eos or r.detok.stopped:
+            r.finish_reason = FINISH_STOP
+        elif len(r.output) >= r.params.max_tokens or len(r.tokens) >= self.max_model_len:
+            r.finish_reason = FINISH_LENGTH
+
+    def _output(self, r: _Request) -> RequestOutput:
+        out = RequestOutput(r.request_id, tuple(r.new_tokens), r.detok.new_text(final=r.finish_reason is not None),
+                            r.finish_reason is not None, r.finish_reason, len(r.prompt), len(r.output))
+        r.new_tokens = []
+        return out
+
+    # ---- convenience ----
+    def generate(self, prompts, params: SamplingParams | list[SamplingParams] | None = None) -> list[RequestOutput]:
+        """Run ``prompts`` (strings or token-id lists) to the end; one output per prompt with all
+        its tokens and text. The engine must hold no other request (step() them yourself)."""
+        if self.has_unfinished():
+            raise InvalidInputError("generate() runs the engine alone, but it holds unfinished requests: drive "
+                                    "them with step(), or call generate() when has_unfinished() is False")
+        prompts = [prompts] if isinstance(prompts, str) else list(prompts)
+        params = params if params is not None else SamplingParams()
+        plist = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
+        if len(plist) != len(prompts):
+            raise InvalidInputError(f"{len(prompts)} prompts but {len(plist)} SamplingParams: give one, or one each")
+        ids = [f"generate-{i}" for i in range(len(prompts))]
+        try:
+            for rid, p, sp in zip(ids, prompts, plist):
+                self.add_request(rid, p, sp)
+        except FlexplanError:
+            for rid in ids:
+                self.abort(rid)
+            self._aborted = []
+            raise
+        tokens: dict[str, list[int]] = {rid: [] for rid in ids}
+        text: dict[str, str] = {rid: "" for rid in ids}
+        final: dict[str, RequestOutput] = {}
+        idle = 0
+        while self.has_unfinished():
+            outs = self.step()
+            idle = 0 if outs or self._scheduled_tokens else idle + 1
+            if idle >= STALL_STEPS:
+                raise FlexplanError(f"the scheduler scheduled nothing for {STALL_STEPS} iterations; "
+                                    f"state: {self.stats()}")
+            for o in outs:
+                tokens[o.request_id].extend(o.new_token_ids)
+                text[o.request_id] += o.new_text
+                if o.finished:
+                    final[o.request_id] = o
+        return [RequestOutput(rid, tuple(tokens[rid]), text[rid], True, final[rid].finish_reason,
+                              final[rid].prompt_tokens, final[rid].completion_tokens) for rid in ids]

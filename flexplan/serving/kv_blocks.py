@@ -1,0 +1,214 @@
+"""Paged KV pools and the block tables of the requests that use them (NEO's ``DeviceBlockManager``,
+vLLM's block manager).
+
+A pool is one preallocated tensor ``[layers, 2, num_blocks, block_size_tokens, kv_heads,
+head_dim]`` on its device: K at index 0 and V at 1 of the second axis. Each request holds a
+block table in exactly one pool (``"device"``: the accelerator's, or the CPU standing in for it;
+``"host"``: CPU memory, attended on the CPU beside it). Token ``t`` of a request lives in block
+``table[t // block_size_tokens]`` at offset ``t % block_size_tokens``, so its flat *slot*
+``block * block_size_tokens + offset`` indexes a ``[layers, 2, num_blocks * block_size_tokens,
+kv_heads, head_dim]`` view of the pool: one ``index_copy_`` writes an iteration's new tokens, one
+``index_select`` gathers a request's past.
+
+Pool sizes come from bytes (:func:`blocks_in_bytes`): the accelerator's free memory after the
+weights, or a host budget; the geometry of one token's K and V is the executor's
+:func:`flexplan.executor.kv_cache.kv_geometry`, the same the planner's memory model prices.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from flexplan.errors import DoesNotFitError, InvalidInputError
+from flexplan.executor.kv_cache import KVGeometry, kv_geometry
+
+DEVICE = "device"  # the accelerator's pool (or the CPU standing in for it)
+HOST = "host"  # host memory: its requests' attention runs on the CPU beside it
+POOLS = (DEVICE, HOST)
+BLOCK_SIZE_TOKENS = 16  # vLLM's and NEO's default page
+
+
+def text_config(config):
+    """The decoder's config of a multimodal wrapper (Gemma 3), else the config itself."""
+    get = getattr(config, "get_text_config", None)
+    return get() if callable(get) else config
+
+
+def uniform_geometry(config) -> KVGeometry:
+    """One token's K and V shape in every layer; a pool holds one shape, so K and V must share it."""
+    g = kv_geometry(text_config(config))
+    if (g.k_heads, g.k_dim) != (g.v_heads, g.v_dim):
+        raise InvalidInputError(
+            f"the paged KV pools hold K and V of one shape; this model's K is {g.k_heads}x{g.k_dim} and V "
+            f"{g.v_heads}x{g.v_dim} per token (a latent/MLA cache): serve it with flexplan.load().generate()")
+    return g
+
+
+def block_bytes(config, dtype: torch.dtype, block_size_tokens: int = BLOCK_SIZE_TOKENS) -> int:
+    """Bytes of one block across all layers: layers x tokens x (K + V elements) x element size."""
+    g = uniform_geometry(config)
+    layers = int(text_config(config).num_hidden_layers)
+    return layers * block_size_tokens * g.elements_per_token * torch.empty((), dtype=dtype).element_size()
+
+
+def blocks_in_bytes(nbytes: int, config, dtype: torch.dtype, block_size_tokens: int = BLOCK_SIZE_TOKENS) -> int:
+    """How many whole blocks of this model's KV fit in ``nbytes``."""
+    return max(0, int(nbytes) // block_bytes(config, dtype, block_size_tokens))
+
+
+class BlockPool:
+    """One pool's tensor and its free blocks (a stack: the most recently freed block is reused
+    first, while it is still in cache)."""
+
+    def __init__(self, name: str, num_blocks: int, block_size_tokens: int, layers: int, geometry: KVGeometry,
+                 dtype: torch.dtype, device: torch.device | str, pin_memory: bool = False):
+        if num_blocks < 0:
+            raise InvalidInputError(f"{name} pool: num_blocks must be >= 0, got {num_blocks}")
+        self.name = name
+        self.num_blocks = int(num_blocks)
+        self.block_size_tokens = block_size_tokens
+        self.device = torch.device(device)
+        shape = (layers, 2, self.num_blocks, block_size_tokens, geometry.k_heads, geometry.k_dim)
+        try:
+            self.kv = torch.zeros(shape, dtype=dtype, device=self.device, pin_memory=pin_memory)
+        except (RuntimeError, MemoryError) as e:  # the allocator's own words, with what was asked
+            nbytes = self.num_blocks * block_size_tokens * layers * 2 * geometry.k_heads * geometry.k_dim
+            raise DoesNotFitError(
+                f"{name} KV pool of {self.num_blocks} blocks ({nbytes * self.kv_element_size(dtype) / 2**20:.0f} "
+                f"MiB on {self.device}) could not be allocated ({e}); give it fewer blocks") from None
+        # slots view: [layers, 2, num_blocks * block_size_tokens, kv_heads, head_dim]
+        self.slots = self.kv.view(layers, 2, self.num_blocks * block_size_tokens, geometry.k_heads, geometry.k_dim)
+        self._free = list(range(self.num_blocks - 1, -1, -1))
+
+    @staticmethod
+    def kv_element_size(dtype: torch.dtype) -> int:
+        return torch.empty((), dtype=dtype).element_size()
+
+    @property
+    def free_blocks(self) -> int:
+        return len(self._free)
+
+    @property
+    def used_blocks(self) -> int:
+        return self.num_blocks - len(self._free)
+
+    def take(self, n: int) -> list[int]:
+        if n > len(self._free):
+            raise DoesNotFitError(f"{self.name} KV pool: {n} blocks asked, {len(self._free)} free of "
+                                  f"{self.num_blocks}; the scheduler should ask can_allocate first")
+        return [self._free.pop() for _ in range(n)]
+
+    def give_back(self, blocks: list[int]) -> None:
+        self._free.extend(reversed(blocks))
+
+
+@dataclass
+class BlockTable:
+    """A request's blocks in one pool and how many of their token slots are filled."""
+
+    pool: str
+    blocks: list[int] = field(default_factory=list)
+    num_tokens: int = 0
+
+
+class BlockManager:
+    """The device and host pools of one model, and a block table per request."""
+
+    def __init__(self, config, *, device_blocks: int, host_blocks: int, dtype: torch.dtype,
+                 device: torch.device | str, block_size_tokens: int = BLOCK_SIZE_TOKENS):
+        if not isinstance(block_size_tokens, int) or block_size_tokens < 1:
+            raise InvalidInputError(f"block_size_tokens must be a positive integer (16 is usual), "
+                                    f"got {block_size_tokens!r}")
+        if device_blocks + host_blocks < 1:
+            raise InvalidInputError("the KV pools hold no block: give device_blocks or host_blocks >= 1")
+        self.block_size_tokens = block_size_tokens
+        self.geometry = uniform_geometry(config)
+        self.layers = int(text_config(config).num_hidden_layers)
+        device = torch.device(device)
+        pin = device.type != "cpu" and torch.cuda.is_available()  # host blocks cross the link: pinned
+        self.pools = {
+            DEVICE: BlockPool(DEVICE, device_blocks, block_size_tokens, self.layers, self.geometry, dtype, device),
+            HOST: BlockPool(HOST, host_blocks, block_size_tokens, self.layers, self.geometry, dtype, "cpu", pin),
+        }
+        self.tables: dict[str, BlockTable] = {}
+
+    # ---- questions the scheduler asks ----
+    def blocks_for(self, num_tokens: int) -> int:
+        """Blocks that hold ``num_tokens`` tokens."""
+        return -(-num_tokens // self.block_size_tokens)
+
+    def extra_blocks(self, request_id: str, new_tokens: int) -> int:
+        """Blocks a request needs beyond its own to hold ``new_tokens`` more tokens."""
+        t = self.tables.get(request_id)
+        have_tokens, have_blocks = (t.num_tokens, len(t.blocks)) if t else (0, 0)
+        return max(0, self.blocks_for(have_tokens + new_tokens) - have_blocks)
+
+    def can_allocate(self, pool: str, request_id: str, new_tokens: int) -> bool:
+        return self.extra_blocks(request_id, new_tokens) <= self.pool(pool).free_blocks
+
+    def pool(self, name: str) -> BlockPool:
+        if name not in self.pools:
+            raise InvalidInputError(f"unknown KV pool {name!r}; the pools are {', '.join(POOLS)}")
+        return self.pools[name]
+
+    def pool_of(self, request_id: str) -> str | None:
+        t = self.tables.get(request_id)
+        return t.pool if t else None
+
+    def num_tokens(self, request_id: str) -> int:
+        t = self.tables.get(request_id)
+        return t.num_tokens if t else 0
+
+    # ---- changes ----
+    def append(self, request_id: str, new_tokens: int, pool: str | None = None) -> None:
+        """Room for ``new_tokens`` more tokens of a request (its first call names the pool)."""
+        t = self.tables.get(request_id)
+        if t is None:
+            if pool is None:
+                raise InvalidInputError(f"request {request_id!r} has no blocks yet: name the pool to allocate in")
+            t = BlockTable(self.pool(pool).name)
+        elif pool is not None and pool != t.pool:
+            raise InvalidInputError(f"request {request_id!r} holds blocks in the {t.pool} pool, not {pool}: "
+                                    "move them first (swap)")
+        extra = self.extra_blocks(request_id, new_tokens)
+        t.blocks.extend(self.pools[t.pool].take(extra))  # raises before the table changes when full
+        t.num_tokens += new_tokens
+        self.tables[request_id] = t
+
+    def free(self, request_id: str) -> None:
+        t = self.tables.pop(request_id, None)
+        if t is not None:
+            self.pools[t.pool].give_back(t.blocks)
+
+    def swap(self, request_id: str, to_pool: str) -> None:
+        """Move a request's blocks to another pool (``offload()`` device -> host, ``prefetch()``
+        host -> device): one gather and one scatter of its slots across all layers."""
+        t = self.tables.get(request_id)
+        if t is None:
+            raise InvalidInputError(f"request {request_id!r} holds no KV blocks to move")
+        if t.pool == to_pool:
+            return
+        src, dst = self.pools[t.pool], self.pool(to_pool)
+        new_blocks = dst.take(len(t.blocks))
+        old = torch.tensor(t.blocks, dtype=torch.long, device=src.device)
+        data = src.kv.index_select(2, old)
+        dst.kv.index_copy_(2, torch.tensor(new_blocks, dtype=torch.long, device=dst.device),
+                           data.to(dst.device, non_blocking=True))
+        src.give_back(t.blocks)
+        t.pool, t.blocks = dst.name, new_blocks
+
+    # ---- what the model runner reads ----
+    def slots(self, request_id: str, start: int, end: int) -> torch.Tensor:
+        """Flat slot indices (int64, CPU) of tokens ``start..end-1`` of a request in its pool."""
+        t = self.tables[request_id]
+        bs = self.block_size_tokens
+        first, last = start // bs, -(-end // bs)
+        blocks = torch.tensor(t.blocks[first:last], dtype=torch.long)
+        flat = (blocks[:, None] * bs + torch.arange(bs)).flatten()
+        return flat[start - first * bs:end - first * bs]
+
+    def usage(self) -> tuple[dict[str, int], dict[str, int]]:
+        """(blocks used, blocks free) per pool."""
+        return ({n: p.used_blocks for n, p in self.pools.items()}, {n: p.free_blocks for n, p in self.pools.items()})

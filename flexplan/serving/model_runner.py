@@ -1,0 +1,301 @@
+"""One iteration of a transformers causal LM over a ragged batch, its KV in paged pools.
+
+Every request's new tokens of the iteration (a prefill chunk, or the one token of a decode) are
+flattened into ONE sequence of T tokens with per-token ``position_ids``, so the linear layers read
+their weights once for the whole batch. Two things make the model attend per request instead of
+across the flattened sequence, as transformers' own continuous batching does:
+
+- a :class:`PagedCache` passed as the model's cache: its ``update()`` writes each layer's new K
+  and V into the requests' blocks (:mod:`flexplan.serving.kv_blocks`) and hands them back;
+- an attention function registered in transformers' ``AttentionInterface`` under :data:`NAME`
+  that each attention module's own shallow copy of the config names (the model's config and the
+  other modules are untouched): it splits the T queries by request and attends each against its
+  own blocks, causal within a chunk, with the module's sliding window, logit soft-capping and
+  attention sinks where it has them.
+
+Requests whose KV is in the host pool are attended on the CPU beside it (NEO section 3), a
+decode's single query by flexplan's native kernel where it applies, else PyTorch's SDPA; those in
+the device pool on the pool's device. Outside an iteration of this runner the function calls the
+implementation the module had, so the caller's model keeps working; :meth:`ModelRunner.close`
+restores each module's config.
+
+The model's mask creation is skipped by passing a 4-D placeholder mask (transformers returns a
+prepared 4-D mask as it is); the attention function builds each request's mask itself.
+"""
+
+from __future__ import annotations
+
+import copy
+import inspect
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from transformers.cache_utils import Cache
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, AttentionInterface
+
+from flexplan.errors import UnsupportedModelError
+from flexplan.executor import cpu_attention, native
+from flexplan.executor.families import CACHE_KWARG
+from flexplan.serving.kv_blocks import BlockManager, BlockPool
+
+NAME = "flexplan_paged"  # the attention implementation the runner's modules name
+RUNNER = "_flexplan_paged_runner"  # module attribute: the runner whose iteration it serves
+INNER = "_flexplan_paged_inner"  # config attribute: the implementation the module had
+_registered = False
+
+
+@dataclass(frozen=True)
+class Segment:
+    """One request's share of an iteration: ``token_ids`` at positions ``start..``; its KV pool
+    already holds room for them (``BlockManager.append``); ``logits``: whether its last token's
+    next-token logits are wanted (a finished prefill, a decode)."""
+
+    request_id: str
+    token_ids: tuple[int, ...]
+    start: int
+    logits: bool = True
+
+
+@dataclass
+class _Group:
+    """Requests of one pool attended together: padded query rows and key slots per request."""
+
+    pool: BlockPool
+    q_index: torch.Tensor  # [N, maxQ] token indices into the flattened batch (model device)
+    q_valid: torch.Tensor  # [N, maxQ] bool (model device)
+    q_pos: torch.Tensor  # [N, maxQ] positions (pool device)
+    kv_slots: torch.Tensor  # [N, maxK] slots in the pool (pool device)
+    kv_len: torch.Tensor  # [N] keys each request attends (pool device)
+    decode: bool  # one query per request
+    masks: dict
+
+    def mask(self, window: int | None) -> torch.Tensor:
+        """[N, 1, maxQ, maxK] bool, True = attend: the request's own keys up to its query's
+        position, within the window (transformers' ``kv > q - window``)."""
+        if window not in self.masks:
+            j = torch.arange(self.kv_slots.shape[1], device=self.kv_slots.device)
+            m = (j[None, None, :] < self.kv_len[:, None, None]) & (j[None, None, :] <= self.q_pos[:, :, None])
+            if window:
+                m &= j[None, None, :] > self.q_pos[:, :, None] - window
+            m[:, :, 0] |= ~self.q_valid.to(m.device)  # a padded query row attends key 0: no NaN row
+            self.masks[window] = m[:, None]
+        return self.masks[window]
+
+
+class PagedCache(Cache):
+    """The model's cache for one iteration: ``update`` writes the new K/V into the pools."""
+
+    is_compileable = False
+
+    def __init__(self, runner: ModelRunner):  # no layers: the pools are the storage
+        self.runner = runner
+        self.layers = []
+        self.layer_class_to_replicate = None
+        self.offloading = False
+
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        self.runner.write(layer_idx, key_states, value_states)
+        return key_states, value_states
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return 0
+
+    def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
+        return query_length, 0
+
+
+def _dispatch(module: nn.Module, query, key, value, attention_mask, **kwargs):
+    runner = module.__dict__.get(RUNNER)
+    if runner is not None and runner.active:
+        return runner.attention(module, query, **kwargs)
+    name = getattr(module.config, INNER, "eager")
+    eager = inspect.getmodule(type(module)).__dict__.get("eager_attention_forward")
+    inner = eager if name in (None, "eager") else ALL_ATTENTION_FUNCTIONS.get_interface(name, eager)
+    return inner(module, query, key, value, attention_mask, **kwargs)
+
+
+def _register() -> None:
+    global _registered
+    if not _registered:
+        AttentionInterface.register(NAME, _dispatch)
+        _registered = True
+
+
+def _eager(q, k, v, mask, scale: float, softcap: float | None, sinks: torch.Tensor | None) -> torch.Tensor:
+    """softmax(cap(q k^T * scale) + mask [, sinks]) v as transformers' eager attention: q [N, hq,
+    Q, d], k/v [N, hk, K, d] (grouped heads repeated), mask bool [N, 1, Q, K]."""
+    rep = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+    w = torch.matmul(q, k.transpose(2, 3)) * scale
+    if softcap:
+        w = torch.tanh(w / softcap) * softcap
+    w = w.masked_fill(~mask, torch.finfo(w.dtype).min)
+    if sinks is not None:
+        w = torch.cat([w, sinks.reshape(1, -1, 1, 1).expand(w.shape[0], -1, w.shape[2], 1).to(w.dtype)], dim=-1)
+        w = w - w.max(dim=-1, keepdim=True).values
+        w = nn.functional.softmax(w, dim=-1, dtype=torch.float32).to(q.dtype)[..., :-1]
+    else:
+        w = nn.functional.softmax(w, dim=-1, dtype=torch.float32).to(q.dtype)
+    return torch.matmul(w, v)
+
+
+class ModelRunner:
+    """Runs iterations of ``model`` over ragged batches whose KV ``blocks`` hold."""
+
+    def __init__(self, model: nn.Module, blocks: BlockManager):
+        self.model = model
+        self.blocks = blocks
+        self.device = next(model.parameters()).device
+        self.active = False
+        self._writes: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # pool -> (token index, slots)
+        self._groups: list[_Group] = []
+        self._placeholder_mask = torch.ones(1, 1, 1, 1, dtype=torch.bool, device=self.device)
+        self._takes_logits_to_keep = "logits_to_keep" in inspect.signature(type(model).forward).parameters
+        self.modules = self._install()
+
+    # ---- installing the attention function on the model's attention modules ----
+    def _install(self) -> list[nn.Module]:
+        _register()
+        mods = cpu_attention.attention_modules(self.model)
+        if not mods:
+            raise UnsupportedModelError(
+                f"{type(self.model).__name__} has no attention module that calls transformers' AttentionInterface, "
+                "so the serving engine cannot attend per request over paged KV; run it with flexplan.load().generate()")
+        for m in mods:
+            if RUNNER in m.__dict__:
+                raise UnsupportedModelError(f"{type(self.model).__name__} is served by another engine already: "
+                                            "close() that engine first")
+            config = copy.copy(m.config)
+            setattr(config, INNER, m.config._attn_implementation)
+            config._attn_implementation_internal = NAME  # this copy only
+            m.__dict__["_flexplan_paged_config"] = m.config
+            m.config = config
+            m.__dict__[RUNNER] = self
+        return mods
+
+    def close(self) -> None:
+        """Give each attention module its own config back (the model is as it was loaded)."""
+        for m in self.modules:
+            m.__dict__.pop(RUNNER, None)
+            original = m.__dict__.pop("_flexplan_paged_config", None)
+            if original is not None:
+                m.config = original
+        self.modules = []
+
+    # ---- one iteration ----
+    @torch.inference_mode()
+    def forward(self, segments: list[Segment]) -> torch.Tensor:
+        """The next-token logits (float32, CPU) of the segments that want them, in their order."""
+        ids, pos, keep = [], [], []
+        for s in segments:
+            ids.extend(s.token_ids)
+            pos.extend(range(s.start, s.start + len(s.token_ids)))
+            if s.logits:
+                keep.append(len(ids) - 1)
+        self._prepare(segments)
+        dev = self.device
+        kwargs = {"input_ids": torch.tensor([ids], device=dev), "position_ids": torch.tensor([pos], device=dev),
+                  "attention_mask": self._placeholder_mask, "use_cache": True}
+        kwargs[CACHE_KWARG] = PagedCache(self)
+        keep_t = torch.tensor(keep, dtype=torch.long, device=dev)
+        if self._takes_logits_to_keep:
+            kwargs["logits_to_keep"] = keep_t
+        self.active = True
+        try:
+            logits = self.model(**kwargs).logits[0]
+        finally:
+            self.active = False
+            self._writes, self._groups = {}, []
+        if not self._takes_logits_to_keep:
+            logits = logits.index_select(0, keep_t)
+        return logits.float().cpu()
+
+    def _prepare(self, segments: list[Segment]) -> None:
+        """Per pool: where each new token's K/V goes; per (pool, decode or not): the groups."""
+        offset = 0
+        by_pool: dict[str, list[tuple[Segment, int]]] = {}
+        for s in segments:
+            by_pool.setdefault(self.blocks.pool_of(s.request_id), []).append((s, offset))
+            offset += len(s.token_ids)
+        for name, members in by_pool.items():
+            pool = self.blocks.pools[name]
+            tok = torch.cat([torch.arange(o, o + len(s.token_ids)) for s, o in members])
+            slots = torch.cat([self.blocks.slots(s.request_id, s.start, s.start + len(s.token_ids))
+                               for s, _ in members])
+            self._writes[name] = (tok.to(self.device), slots.to(pool.device))
+            decodes = [(s, o) for s, o in members if len(s.token_ids) == 1]
+            chunks = [(s, o) for s, o in members if len(s.token_ids) > 1]
+            for part, decode in ((decodes, True), (chunks, False)):
+                if part:
+                    self._groups.append(self._group(pool, part, decode))
+
+    def _group(self, pool: BlockPool, members: list[tuple[Segment, int]], decode: bool) -> _Group:
+        n = len(members)
+        max_q = max(len(s.token_ids) for s, _ in members)
+        kv_len = [s.start + len(s.token_ids) for s, _ in members]
+        max_k = max(kv_len)
+        q_index = torch.zeros(n, max_q, dtype=torch.long)
+        q_valid = torch.zeros(n, max_q, dtype=torch.bool)
+        q_pos = torch.zeros(n, max_q, dtype=torch.long)
+        kv_slots = torch.zeros(n, max_k, dtype=torch.long)
+        for r, (s, o) in enumerate(members):
+            q = len(s.token_ids)
+            q_index[r, :q] = torch.arange(o, o + q)
+            q_valid[r, :q] = True
+            q_pos[r, :q] = torch.arange(s.start, s.start + q)
+            kv_slots[r, :kv_len[r]] = self.blocks.slots(s.request_id, 0, kv_len[r])
+        pd = pool.device
+        return _Group(pool, q_index.to(self.device), q_valid.to(self.device), q_pos.to(pd), kv_slots.to(pd),
+                      torch.tensor(kv_len, device=pd), decode, {})
+
+    def write(self, layer: int, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        """The layer's new K/V ([1, kv_heads, T, head_dim]) into each token's slot."""
+        for name, (tok, slots) in self._writes.items():
+            pool = self.blocks.pools[name]
+            for i, states in ((0, key_states), (1, value_states)):
+                new = states[0].transpose(0, 1).index_select(0, tok)  # [n, kv_heads, head_dim]
+                pool.slots[layer, i].index_copy_(0, slots, new.to(pool.device, pool.kv.dtype))
+
+    def attention(self, module: nn.Module, query: torch.Tensor, **kwargs) -> tuple[torch.Tensor, None]:
+        """Each request's queries against its own keys; [1, T, heads, head_dim] as transformers'
+        attention functions return."""
+        layer = module.layer_idx
+        _, hq, t, d = query.shape
+        out = query.new_zeros(t, hq, d)
+        scale = kwargs.get("scaling") or getattr(module, "scaling", None) or d ** -0.5
+        window, softcap = kwargs.get("sliding_window"), kwargs.get("softcap")
+        sinks = getattr(module, "sinks", None)
+        for g in self._groups:
+            pd = g.pool.device
+            n, max_q = g.q_index.shape
+            q = query[0].index_select(1, g.q_index.flatten()).view(hq, n, max_q, d).transpose(0, 1).to(pd)
+            keys, values = (g.pool.slots[layer, i].index_select(0, g.kv_slots.flatten()) for i in (0, 1))
+            hk = keys.shape[1]
+            keys = keys.view(n, -1, hk, keys.shape[-1]).transpose(1, 2)  # [N, hk, maxK, d]: a strided view
+            values = values.view(n, -1, hk, values.shape[-1]).transpose(1, 2)
+            res = self._decode_native(g, q, keys, values, window, scale) if not (softcap or sinks is not None) \
+                else None
+            if res is None:
+                mask = g.mask(window)
+                if softcap or sinks is not None:
+                    res = _eager(q, keys, values, mask, scale, softcap, sinks)
+                else:
+                    res = nn.functional.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale,
+                                                                     enable_gqa=hq != hk)
+            res = res.transpose(1, 2).to(out.device, out.dtype)  # [N, maxQ, hq, d]
+            out.index_copy_(0, g.q_index[g.q_valid], res[g.q_valid])
+        return out.unsqueeze(0), None
+
+    @staticmethod
+    def _decode_native(g: _Group, q, keys, values, window, scale: float) -> torch.Tensor | None:
+        """One query per request on the CPU by flexplan's native decode kernel: [N, hq, 1, d]."""
+        if not (g.decode and q.device.type == "cpu" and keys.dtype in native.ATTENTION_KV_DTYPES):
+            return None
+        ops = native.decode_status()[0]
+        if ops is None:
+            return None
+        mask = g.mask(window)[:, 0, 0, :].contiguous()
+        n, hq, _, d = q.shape
+        out = ops.decode_attention(q.reshape(n, hq, d).to(torch.float32).contiguous(), keys, values, mask, scale)
+        return out.view(n, hq, 1, d).to(q.dtype)

@@ -1,0 +1,304 @@
+"""The serving engine: a request's greedy tokens equal transformers' generate() on its prompt
+alone, whatever shares its batch (other lengths, later arrivals, aborts, the host pool, swaps,
+preemption); blocks freed on finish and abort; seeded sampling repeatable; stop strings and
+max_tokens; bad input refused with what would work."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from conftest import make_model, needs_gguf
+from transformers import AutoModelForCausalLM
+
+from flexplan.errors import FlexplanError, InvalidInputError, UnsupportedModelError
+from flexplan.serving.engine import Engine
+from flexplan.serving.fcfs import FcfsScheduler
+from flexplan.serving.kv_blocks import DEVICE, HOST
+from flexplan.serving.state import EngineState, RequestState
+from flexplan.serving.types import (
+    FINISH_ABORT,
+    FINISH_LENGTH,
+    FINISH_STOP,
+    MODE_ASYMMETRIC,
+    MODE_CPU_ONLY,
+    MODE_DEVICE_ONLY,
+    IterationPlan,
+    SamplingParams,
+)
+from flexplan.smollm import default_model_dir
+
+GREEDY = SamplingParams(max_tokens=10, temperature=0.0)
+PROMPTS = ([5, 6, 7, 8, 9, 10, 11], [20, 21, 22], list(range(30, 52)), [99])
+# families whose attention differs: MHA Llama, GQA 4:1 Mistral, Qwen2's biases (GQA 4:2), Qwen3's QK-norm,
+# Gemma 2's soft-capping and alternating sliding window, gpt-oss's attention sinks
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gpt_oss")
+
+
+@pytest.fixture(scope="module")
+def models():
+    torch.set_num_threads(1)
+    return {f: make_model(f) for f in FAMILIES}
+
+
+def alone(model, prompt, max_tokens=GREEDY.max_tokens) -> list[int]:
+    """transformers' greedy generate() on the prompt alone (stops at EOS as the engine does)."""
+    out = model.generate(torch.tensor([prompt]), max_new_tokens=max_tokens, do_sample=False)[0, len(prompt):]
+    eos = model.generation_config.eos_token_id
+    ids = out.tolist()
+    return ids[:ids.index(eos) + 1] if eos in ids else ids
+
+
+def drain(engine: Engine, outputs: dict | None = None, steps: int = 500) -> dict[str, list]:
+    """step() until done; request id -> [tokens, finish_reason]."""
+    outputs = {} if outputs is None else outputs
+    for _ in range(steps):
+        if not engine.has_unfinished():
+            break
+        for o in engine.step():
+            got = outputs.setdefault(o.request_id, [[], None])
+            got[0].extend(o.new_token_ids)
+            if o.finished:
+                got[1] = o.finish_reason
+    return outputs
+
+
+def assert_freed(engine: Engine):
+    used, free = engine.blocks.usage()
+    assert used == {DEVICE: 0, HOST: 0}
+    assert free == {n: p.num_blocks for n, p in engine.blocks.pools.items()}
+    assert not engine.blocks.tables
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_greedy_equals_generate_whatever_shares_the_batch(models, family):
+    """Four prompts of different lengths, two arriving later, one aborted mid-way; a device pool
+    too small for all (the rest in the host pool), chunked prefill under a 16-token budget."""
+    model = models[family]
+    refs = [alone(model, p) for p in PROMPTS]
+    with Engine(model, device_blocks=6, host_blocks=64, block_size_tokens=4, token_budget=16) as e:
+        e.add_request("a", PROMPTS[0], GREEDY)
+        e.add_request("b", PROMPTS[1], GREEDY)
+        e.add_request("doomed", PROMPTS[2], GREEDY)
+        got = drain(e, steps=2)
+        e.add_request("c", PROMPTS[2], GREEDY)
+        got = drain(e, got, steps=3)
+        assert e.abort("doomed")
+        e.add_request("d", PROMPTS[3], GREEDY)
+        modes = set()
+        while e.has_unfinished():
+            drain(e, got, steps=1)
+            modes.add(e.stats().last_mode)
+        assert got["doomed"][1] == FINISH_ABORT
+        for rid, ref in zip("abcd", [refs[0], refs[1], refs[2], refs[3]]):
+            assert got[rid][0] == ref, rid
+        assert MODE_ASYMMETRIC in modes  # some decodes ran beside the host pool
+        assert_freed(e)
+    # the caller's model is as it was: generate() after the engine closed gives the same tokens
+    assert alone(model, PROMPTS[0]) == refs[0]
+
+
+def test_cpu_only_and_max_tokens(models):
+    model = models["llama"]
+    with Engine(model, host_blocks=32) as e:
+        outs = e.generate(list(PROMPTS), SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
+        assert e.stats().last_mode == MODE_CPU_ONLY
+        assert [len(o.new_token_ids) for o in outs] == [4] * 4
+        assert all(o.finish_reason == FINISH_LENGTH and o.completion_tokens == 4 for o in outs)
+        assert_freed(e)
+        stats = e.stats()
+        assert stats.generated_tokens_total == 16 and stats.prompt_tokens_total == sum(map(len, PROMPTS))
+
+
+class ForcedScheduler(FcfsScheduler):
+    """FCFS, but request "h" goes to the host pool, and "s" is swapped out after its 3rd output
+    token and back in after its 6th."""
+
+    def schedule(self, state: EngineState) -> IterationPlan:
+        plan = FcfsScheduler().schedule(state)
+        s = {r.request_id: r for r in state.running}.get("s")
+        swap_out = ("s",) if s and s.pool == DEVICE and s.output_tokens == 3 else ()
+        swap_in = ("s",) if s and s.pool == HOST and s.output_tokens == 6 else ()
+        moved = swap_out + swap_in
+        dev = tuple(r for r in plan.device_decodes if r not in moved) + (swap_in if s and s.decoding else ())
+        host = tuple(r for r in plan.host_decodes if r not in moved) + (swap_out if s and s.decoding else ())
+        host_prefill = plan.prefill_host + tuple(r for r, _ in plan.prefill if r == "h")
+        return IterationPlan(mode=MODE_ASYMMETRIC, prefill=plan.prefill, device_decodes=dev, host_decodes=host,
+                             swap_out=swap_out, swap_in=swap_in, preempted=plan.preempted, prefill_host=host_prefill)
+
+
+def test_host_pool_and_swaps_keep_the_tokens(models):
+    model = models["qwen2"]
+    refs = [alone(model, p) for p in PROMPTS[:3]]
+    with Engine(model, device_blocks=32, host_blocks=32, block_size_tokens=4, scheduler=ForcedScheduler()) as e:
+        for rid, p in zip("hsx", PROMPTS[:3]):
+            e.add_request(rid, p, GREEDY)
+        got = drain(e, steps=1)
+        assert e.blocks.pool_of("h") == HOST and e.blocks.pool_of("s") == DEVICE
+        got = drain(e, got)
+        assert [got[r][0] for r in "hsx"] == refs
+        assert_freed(e)
+
+
+def test_preemption_recomputes_and_keeps_the_tokens(models):
+    """A device pool of 5 blocks of 4 tokens for three requests that need 4-8 each, no host
+    pool: the latest arrivals are preempted and recomputed."""
+    model = models["mistral"]
+    refs = [alone(model, p) for p in PROMPTS[:2]] + [alone(model, [7] * 12)]
+    with Engine(model, device_blocks=8, host_blocks=0, block_size_tokens=4) as e:
+        plans = []
+        inner = e.scheduler.schedule
+        e.scheduler.schedule = lambda s: plans.append(inner(s)) or plans[-1]
+        for rid, p in zip("abc", list(PROMPTS[:2]) + [[7] * 12]):
+            e.add_request(rid, p, GREEDY)
+        got = drain(e)
+        assert any(p.preempted for p in plans)
+        assert [got[r][0] for r in "abc"] == refs
+        assert_freed(e)
+
+
+def test_seeded_sampling_repeats_whatever_shares_the_batch(models):
+    model = models["llama"]
+    seeded = SamplingParams(max_tokens=8, temperature=1.0, top_p=0.9, top_k=20, seed=1234)
+    with Engine(model, host_blocks=64) as e:
+        alone_out = e.generate([PROMPTS[0]], seeded)[0].new_token_ids
+        crowd = e.generate([PROMPTS[2], PROMPTS[0], PROMPTS[1]],
+                           [SamplingParams(max_tokens=5, temperature=1.5, seed=7), seeded, GREEDY])
+        assert crowd[1].new_token_ids == alone_out
+        other = e.generate([PROMPTS[0]], SamplingParams(max_tokens=8, temperature=1.0, top_p=0.9, top_k=20, seed=99))
+        assert other[0].new_token_ids != alone_out  # a different seed draws differently here
+
+
+class Letters:
+    """A tokenizer whose token i decodes to one letter (chr(97 + i % 26)); encode is the inverse."""
+
+    eos_token_id = None
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(chr(97 + i % 26) for i in ids)
+
+    def encode(self, text):
+        return [ord(c) - 97 for c in text]
+
+
+def test_stop_strings_cut_the_text_and_finish_with_stop(models):
+    model = models["llama"]
+    ref = alone(model, PROMPTS[0], 12)
+    text = Letters().decode(ref)
+    stop = text[5:7]
+    cut = text.find(stop)
+    with Engine(model, Letters(), host_blocks=64) as e:
+        out = e.generate([PROMPTS[0]], SamplingParams(max_tokens=12, temperature=0, stop=(stop, "zzzzz")))[0]
+        assert out.finish_reason == FINISH_STOP
+        assert out.new_text == text[:cut]
+        assert list(out.new_token_ids) == ref[:cut + len(stop)]
+        # streamed pieces join to the same text; the held-back prefix of a stop string is not streamed early
+        e.add_request("s", PROMPTS[0], SamplingParams(max_tokens=12, temperature=0, stop=(stop,)))
+        pieces = []
+        while e.has_unfinished():
+            pieces += [o.new_text for o in e.step()]
+        assert "".join(pieces) == text[:cut]
+        assert_freed(e)
+
+
+def test_text_prompts_use_the_tokenizer(models):
+    model = models["llama"]
+    with Engine(model, Letters(), host_blocks=64) as e:
+        out = e.generate("hijklmn", SamplingParams(max_tokens=6, temperature=0))[0]
+        assert out.prompt_tokens == 7
+        assert list(out.new_token_ids) == alone(model, Letters().encode("hijklmn"), 6)
+
+
+def test_bad_inputs_say_what_would_work(models):
+    model = models["llama"]  # context 256
+    with Engine(model, host_blocks=8, block_size_tokens=4) as e:  # 32 tokens of KV at most
+        for prompt, params, words in [
+            ([], GREEDY, "empty"),
+            ([1] * 300, GREEDY, "at most 255"),
+            ([1] * 250, SamplingParams(max_tokens=10), "at most 6"),
+            ([1] * 20, SamplingParams(max_tokens=20), "max_tokens=12"),
+            ([1, 5000], GREEDY, "0..159"),
+            ("text", GREEDY, "tokenizer"),
+            ([[1]], GREEDY, "token ids"),
+        ]:
+            with pytest.raises(InvalidInputError, match=words):
+                e.add_request("x", prompt, params)
+        e.add_request("x", [1, 2], GREEDY)
+        with pytest.raises(InvalidInputError, match="own id"):
+            e.add_request("x", [1, 2], GREEDY)
+        with pytest.raises(InvalidInputError, match="generate\\(\\) runs the engine alone"):
+            e.generate([[1, 2]])
+        assert not e.abort("never-added")
+        drain(e)
+        assert_freed(e)
+    with pytest.raises(InvalidInputError, match="token_budget"):
+        Engine(model, host_blocks=8, token_budget=0)
+    with pytest.raises(InvalidInputError, match="no block"):
+        Engine(model, host_blocks=0)
+
+
+def test_a_model_without_the_attention_interface_is_refused():
+    with pytest.raises(UnsupportedModelError, match="AttentionInterface"):
+        Engine(make_model("bloom"), host_blocks=8)
+
+
+def test_a_plan_naming_unknown_requests_is_refused(models):
+    class Bad:
+        def schedule(self, state):
+            return IterationPlan(mode=MODE_DEVICE_ONLY, device_decodes=("ghost",))
+
+    with Engine(models["llama"], host_blocks=8, scheduler=Bad()) as e:
+        e.add_request("a", [1, 2], GREEDY)
+        with pytest.raises(FlexplanError, match="ghost"):
+            e.step()
+
+
+def _rs(rid, *, prompt=8, left=0, ctx=8, out=1, pool=DEVICE, arrival=0):
+    return RequestState(rid, prompt, left, ctx, out, 16, pool, arrival)
+
+
+def test_fcfs_on_numbers_worked_by_hand():
+    """Blocks of 4 tokens. Device: 3 free; host: 2 free. "a" decodes at context 8 (a new block:
+    8 -> 9 tokens), "b" at context 5 (room in its block); "w1" waits with 10 prompt tokens, "w2"
+    with 3. Budget 8: 2 decodes, then w1's first 6 tokens (2 blocks of the 2 device blocks left),
+    then nothing: the budget is spent, w2 waits."""
+    state = EngineState(
+        waiting=(_rs("w1", prompt=10, left=10, ctx=0, out=0, pool=None, arrival=2),
+                 _rs("w2", prompt=3, left=3, ctx=0, out=0, pool=None, arrival=3)),
+        running=(_rs("a", ctx=8, arrival=0), _rs("b", ctx=5, arrival=1)),
+        free_blocks={DEVICE: 3, HOST: 2}, total_blocks={DEVICE: 8, HOST: 2}, block_size_tokens=4,
+        token_budget=8, max_running=8, accelerator=True)
+    plan = FcfsScheduler().schedule(state)
+    assert plan.device_decodes == ("a", "b") and plan.host_decodes == ()
+    assert plan.prefill == (("w1", 6),) and plan.prefill_host == ()
+    assert plan.mode == MODE_DEVICE_ONLY
+    # with 1 device block free, "a"'s decode takes it; w1 goes to the host pool: 2 blocks = 8 tokens, budget 6
+    plan = FcfsScheduler().schedule(EngineState(**{**state.__dict__, "free_blocks": {DEVICE: 1, HOST: 2}}))
+    assert plan.prefill == (("w1", 6),) and plan.prefill_host == ("w1",) and plan.mode == MODE_ASYMMETRIC
+    # no device block free: "b" (the latest device request) moves to the host pool (2 blocks free, holds 2)
+    plan = FcfsScheduler().schedule(EngineState(**{**state.__dict__, "free_blocks": {DEVICE: 0, HOST: 2}}))
+    assert plan.swap_out == ("b",) and plan.device_decodes == ("a",) and plan.host_decodes == ("b",)
+
+
+def test_engine_accepts_a_flexmodel_like_wrapper(models):
+    class Wrapped:  # what Engine reads of a FlexModel: .model, .tokenizer, .executor
+        def __init__(self, m):
+            self.model, self.tokenizer, self.executor = m, Letters(), object()
+
+    model = copy.deepcopy(models["llama"])
+    with Engine(Wrapped(model), host_blocks=16) as e:
+        assert e.model is model and isinstance(e.tokenizer, Letters)
+
+
+@pytest.mark.slow
+@needs_gguf
+def test_smollm2_greedy_equals_generate():
+    with Engine.from_pretrained(host_blocks=64, token_budget=64) as e:
+        ref_model = AutoModelForCausalLM.from_pretrained(default_model_dir(verbose=False), dtype=torch.float32)
+        prompts = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a land far away, there"]
+        ids = [e.tokenizer.encode(p) for p in prompts]
+        outs = e.generate(prompts, SamplingParams(max_tokens=12, temperature=0))
+        for o, p in zip(outs, ids):
+            assert list(o.new_token_ids) == alone(ref_model, p, 12)
+            assert o.new_text == e.tokenizer.decode(o.new_token_ids, skip_special_tokens=True)
