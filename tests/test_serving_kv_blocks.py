@@ -1,0 +1,127 @@
+"""The paged KV pools: sizes worked by hand, allocation, growth, freeing, swaps that carry the
+data, clear errors when a pool is full, and no block ever lost or shared (a property)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from flexplan.errors import DoesNotFitError, InvalidInputError
+from flexplan.serving.kv_blocks import (
+    DEVICE,
+    HOST,
+    BlockManager,
+    block_bytes,
+    blocks_in_bytes,
+    uniform_geometry,
+)
+
+# 2 layers, 2 KV heads of 16 dims: one token of one layer stores K and V, 2 x 2 x 16 = 64 elements
+CONFIG = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                  num_attention_heads=4, num_key_value_heads=2, vocab_size=128)
+
+
+def manager(device_blocks=4, host_blocks=4, bs=4) -> BlockManager:
+    return BlockManager(CONFIG, device_blocks=device_blocks, host_blocks=host_blocks, dtype=torch.float32,
+                        device="cpu", block_size_tokens=bs)
+
+
+def test_block_bytes_by_hand():
+    # 2 layers x 16 tokens x 64 elements x 4 bytes = 8192 bytes a block
+    assert block_bytes(CONFIG, torch.float32, 16) == 2 * 16 * 64 * 4 == 8192
+    assert block_bytes(CONFIG, torch.bfloat16, 16) == 4096
+    assert blocks_in_bytes(8192 * 10 + 8191, CONFIG, torch.float32, 16) == 10
+    assert blocks_in_bytes(0, CONFIG, torch.float32) == 0
+    m = manager(3, 5, bs=16)
+    assert m.pools[DEVICE].kv.shape == (2, 2, 3, 16, 2, 16)
+    assert m.pools[HOST].kv.numel() * 4 == 5 * 8192
+
+
+def test_a_latent_cache_is_refused_with_what_works():
+    cfg = transformers.DeepseekV3Config(hidden_size=64, num_hidden_layers=1, num_attention_heads=4,
+                                        kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=12,
+                                        q_lora_rank=None)
+    with pytest.raises(InvalidInputError, match="latent"):
+        uniform_geometry(cfg)
+
+
+def test_append_grows_by_blocks_and_free_returns_them():
+    m = manager()
+    m.append("a", 5, DEVICE)  # 5 tokens: 2 blocks of 4
+    assert len(m.tables["a"].blocks) == 2 and m.num_tokens("a") == 5
+    assert m.extra_blocks("a", 3) == 0 and m.extra_blocks("a", 4) == 1
+    m.append("a", 3)
+    assert len(m.tables["a"].blocks) == 2
+    m.append("a", 1)
+    assert len(m.tables["a"].blocks) == 3
+    assert m.usage() == ({DEVICE: 3, HOST: 0}, {DEVICE: 1, HOST: 4})
+    slots = m.slots("a", 0, 9).tolist()
+    b = m.tables["a"].blocks
+    assert slots == [b[0] * 4 + i for i in range(4)] + [b[1] * 4 + i for i in range(4)] + [b[2] * 4]
+    assert m.slots("a", 3, 6).tolist() == slots[3:6]
+    m.free("a")
+    assert m.usage() == ({DEVICE: 0, HOST: 0}, {DEVICE: 4, HOST: 4})
+    m.free("a")  # freeing twice is harmless
+
+
+def test_a_full_pool_says_so_and_changes_nothing():
+    m = manager(device_blocks=2)
+    m.append("a", 8, DEVICE)
+    assert not m.can_allocate(DEVICE, "b", 1) and m.can_allocate(HOST, "b", 16)
+    with pytest.raises(DoesNotFitError, match="can_allocate"):
+        m.append("b", 1, DEVICE)
+    assert "b" not in m.tables and m.num_tokens("a") == 8
+    with pytest.raises(InvalidInputError, match="name the pool"):
+        m.append("c", 1)
+    with pytest.raises(InvalidInputError, match="swap"):
+        m.append("a", 1, HOST)
+    with pytest.raises(InvalidInputError, match="pools are"):
+        m.append("d", 1, "gpu")
+    with pytest.raises(InvalidInputError, match="block_size_tokens"):
+        manager(bs=0)
+
+
+def test_swap_moves_the_data_between_pools():
+    m = manager(device_blocks=4, host_blocks=4)
+    m.append("x", 6, DEVICE)  # a neighbour so the blocks differ between pools
+    m.append("a", 6, DEVICE)
+    dev = m.pools[DEVICE]
+    data = torch.randn(2, 2, 6, 2, 16)
+    dev.slots[:, :, m.slots("a", 0, 6)] = data
+    m.swap("a", HOST)
+    assert m.pool_of("a") == HOST and m.usage()[0] == {DEVICE: 2, HOST: 2}
+    assert torch.equal(m.pools[HOST].slots[:, :, m.slots("a", 0, 6)], data)
+    m.append("h", 4, HOST)
+    m.swap("a", DEVICE)
+    assert torch.equal(dev.slots[:, :, m.slots("a", 0, 6)], data)
+    m.append("y", 4, HOST)  # the device pool is full (x and a): y stays where it is
+    with pytest.raises(DoesNotFitError):
+        m.swap("y", DEVICE)
+    assert m.pool_of("y") == HOST and m.usage()[0] == {DEVICE: 4, HOST: 2}
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["append", "free", "swap"]), st.integers(0, 3), st.integers(1, 9)),
+                max_size=40))
+def test_blocks_are_never_lost_or_shared(ops):
+    m = manager(device_blocks=5, host_blocks=5, bs=4)
+    for op, r, n in ops:
+        rid = f"r{r}"
+        try:
+            if op == "append":
+                m.append(rid, n, None if rid in m.tables else (DEVICE if n % 2 else HOST))
+            elif op == "free":
+                m.free(rid)
+            elif rid in m.tables:
+                m.swap(rid, HOST if m.pool_of(rid) == DEVICE else DEVICE)
+        except DoesNotFitError:
+            pass
+        for name, pool in m.pools.items():
+            held = [b for t in m.tables.values() if t.pool == name for b in t.blocks]
+            assert len(held) == len(set(held)) == pool.used_blocks
+            assert set(held).isdisjoint(pool._free) and len(pool._free) == len(set(pool._free))
+        for t in m.tables.values():
+            assert len(t.blocks) == m.blocks_for(t.num_tokens)
