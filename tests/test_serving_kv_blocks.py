@@ -16,7 +16,6 @@ from flexplan.serving.kv_blocks import (
     BlockManager,
     block_bytes,
     blocks_in_bytes,
-    uniform_geometry,
 )
 
 # 2 layers, 2 KV heads of 16 dims: one token of one layer stores K and V, 2 x 2 x 16 = 64 elements
@@ -36,16 +35,18 @@ def test_block_bytes_by_hand():
     assert blocks_in_bytes(8192 * 10 + 8191, CONFIG, torch.float32, 16) == 10
     assert blocks_in_bytes(0, CONFIG, torch.float32) == 0
     m = manager(3, 5, bs=16)
-    assert m.pools[DEVICE].kv.shape == (2, 2, 3, 16, 2, 16)
-    assert m.pools[HOST].kv.numel() * 4 == 5 * 8192
+    assert m.pools[DEVICE].k.shape == m.pools[DEVICE].v.shape == (2, 3, 16, 2, 16)
+    assert (m.pools[HOST].k.numel() + m.pools[HOST].v.numel()) * 4 == 5 * 8192
 
 
-def test_a_latent_cache_is_refused_with_what_works():
+def test_a_latent_cache_has_k_and_v_of_their_own_widths():
+    """MLA caches a latent: K the kv_lora_rank (16), V the shared rotary key (8), one head each."""
     cfg = transformers.DeepseekV3Config(hidden_size=64, num_hidden_layers=1, num_attention_heads=4,
                                         kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=12,
                                         q_lora_rank=None)
-    with pytest.raises(InvalidInputError, match="latent"):
-        uniform_geometry(cfg)
+    assert block_bytes(cfg, torch.float32, 16) == 1 * 16 * (16 + 8) * 4
+    m = BlockManager(cfg, device_blocks=0, host_blocks=3, dtype=torch.float32, device="cpu", block_size_tokens=16)
+    assert m.pools[HOST].k.shape == (1, 3, 16, 1, 16) and m.pools[HOST].v.shape == (1, 3, 16, 1, 8)
 
 
 def test_append_grows_by_blocks_and_free_returns_them():
@@ -89,14 +90,15 @@ def test_swap_moves_the_data_between_pools():
     m.append("x", 6, DEVICE)  # a neighbour so the blocks differ between pools
     m.append("a", 6, DEVICE)
     dev = m.pools[DEVICE]
-    data = torch.randn(2, 2, 6, 2, 16)
-    dev.slots[:, :, m.slots("a", 0, 6)] = data
+    k, v = torch.randn(2, 6, 2, 16), torch.randn(2, 6, 2, 16)
+    dev.k_slots[:, m.slots("a", 0, 6)], dev.v_slots[:, m.slots("a", 0, 6)] = k, v
     m.swap("a", HOST)
     assert m.pool_of("a") == HOST and m.usage()[0] == {DEVICE: 2, HOST: 2}
-    assert torch.equal(m.pools[HOST].slots[:, :, m.slots("a", 0, 6)], data)
+    host = m.pools[HOST]
+    assert torch.equal(host.k_slots[:, m.slots("a", 0, 6)], k) and torch.equal(host.v_slots[:, m.slots("a", 0, 6)], v)
     m.append("h", 4, HOST)
     m.swap("a", DEVICE)
-    assert torch.equal(dev.slots[:, :, m.slots("a", 0, 6)], data)
+    assert torch.equal(dev.k_slots[:, m.slots("a", 0, 6)], k) and torch.equal(dev.v_slots[:, m.slots("a", 0, 6)], v)
     m.append("y", 4, HOST)  # the device pool is full (x and a): y stays where it is
     with pytest.raises(DoesNotFitError):
         m.swap("y", DEVICE)

@@ -10,14 +10,16 @@ batch of N reads the weights once: the throughput a one-request loop leaves unus
 
 from __future__ import annotations
 
+import functools
 import itertools
+import threading
 from collections import deque
 from dataclasses import dataclass, field
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from flexplan.errors import FlexplanError, InvalidInputError
+from flexplan.errors import FlexplanError, InvalidInputError, UnsupportedModelError
 from flexplan.serving import sampling
 from flexplan.serving.fcfs import FcfsScheduler
 from flexplan.serving.kv_blocks import (
@@ -45,6 +47,15 @@ DEFAULT_HOST_POOL_BYTES = 2 * 2**30  # the host pool's cap unless given: KV is c
 HOST_POOL_SHARE = 0.25  # ... and at most this share of the memory available now
 DEVICE_POOL_SHARE = 0.8  # of the accelerator's free memory after the weights: the rest for activations
 STALL_STEPS = 100  # generate(): iterations in a row that schedule nothing before it gives up
+
+
+def _locked(method):
+    """One caller at a time: a server's request thread may add or abort while its loop steps."""
+    @functools.wraps(method)
+    def wrapper(self, *args, **kwargs):
+        with self._lock:
+            return method(self, *args, **kwargs)
+    return wrapper
 
 
 def available_host_bytes() -> int:
@@ -87,7 +98,7 @@ class _Request:
 
 
 class Engine:
-    """Continuous batching over a transformers causal LM (or a :class:`flexplan.FlexModel`).
+    """Continuous batching over a transformers causal LM, its weights where they are (one device).
 
     ``device_blocks`` / ``host_blocks``: KV blocks of ``block_size_tokens`` tokens in the device
     pool (on the model's device; on the CPU it stands in for an accelerator) and the host pool
@@ -99,9 +110,12 @@ class Engine:
     def __init__(self, model, tokenizer=None, *, device_blocks: int | None = None, host_blocks: int | None = None,
                  block_size_tokens: int = BLOCK_SIZE_TOKENS, token_budget: int = 512, max_running: int = 256,
                  max_model_len: int | None = None, scheduler=None):
-        if hasattr(model, "executor") and hasattr(model, "model"):  # a FlexModel: its transformers model
-            tokenizer = tokenizer if tokenizer is not None else getattr(model, "tokenizer", None)
-            model = model.model
+        if hasattr(model, "executor") and hasattr(model, "model"):  # a FlexModel: its layers run under its executor
+            raise UnsupportedModelError(
+                "the engine runs a transformers model with its weights where they are; a FlexModel's placed layers "
+                "run through its executor's own KV cache, which the engine does not drive: pass the transformers "
+                "model (flexmodel.model is not it), a checkpoint to Engine.from_pretrained(path, device=...), or "
+                "serve the FlexModel one request at a time with its generate()")
         for name, v in (("token_budget", token_budget), ("max_running", max_running)):
             if not isinstance(v, int) or v < 1:
                 raise InvalidInputError(f"{name} must be a positive integer, got {v!r}")
@@ -133,6 +147,7 @@ class Engine:
         self._iterations, self._last_mode = 0, ""
         self._prompt_total = self._generated_total = 0
         self._scheduled_tokens = 0  # by the last iteration
+        self._lock = threading.RLock()
 
     @classmethod
     def from_pretrained(cls, path=None, *, device: str | None = None, dtype: torch.dtype = torch.float32,
@@ -155,6 +170,7 @@ class Engine:
         self.close()
 
     # ---- requests in and out ----
+    @_locked
     def add_request(self, request_id: str, prompt_token_ids: list[int] | str, params: SamplingParams) -> None:
         if not isinstance(params, SamplingParams):
             raise InvalidInputError(f"params must be a flexplan.serving.SamplingParams, got {type(params).__name__}")
@@ -198,6 +214,7 @@ class Engine:
                                     f"each must be in 0..{self.vocab_size - 1}")
         return ids
 
+    @_locked
     def abort(self, request_id: str) -> bool:
         """Free the request's blocks now; its next output is finished with reason "abort". False
         where no unfinished request has this id (finished already: nothing to do)."""
@@ -212,9 +229,11 @@ class Engine:
         self._aborted.append(r)
         return True
 
+    @_locked
     def has_unfinished(self) -> bool:
         return bool(self._waiting or self._running or self._aborted)
 
+    @_locked
     def state(self) -> EngineState:
         """What the scheduler sees now."""
         free = self.blocks.usage()[1]
@@ -225,6 +244,7 @@ class Engine:
             block_size_tokens=self.blocks.block_size_tokens, token_budget=self.token_budget,
             max_running=self.max_running, accelerator=self.accelerator)
 
+    @_locked
     def stats(self) -> EngineStats:
         used, free = self.blocks.usage()
         by_device = {"accelerator": 0, "cpu": 0}
@@ -235,6 +255,7 @@ class Engine:
                            prompt_tokens_total=self._prompt_total, generated_tokens_total=self._generated_total)
 
     # ---- one iteration ----
+    @_locked
     def step(self) -> list[RequestOutput]:
         """One iteration: the scheduler's plan carried out, one forward pass, one token per
         request that finished its prefill or decoded. Outputs of requests that produced tokens,

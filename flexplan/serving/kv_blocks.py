@@ -1,13 +1,14 @@
 """Paged KV pools and the block tables of the requests that use them (NEO's ``DeviceBlockManager``,
 vLLM's block manager).
 
-A pool is one preallocated tensor ``[layers, 2, num_blocks, block_size_tokens, kv_heads,
-head_dim]`` on its device: K at index 0 and V at 1 of the second axis. Each request holds a
-block table in exactly one pool (``"device"``: the accelerator's, or the CPU standing in for it;
-``"host"``: CPU memory, attended on the CPU beside it). Token ``t`` of a request lives in block
-``table[t // block_size_tokens]`` at offset ``t % block_size_tokens``, so its flat *slot*
-``block * block_size_tokens + offset`` indexes a ``[layers, 2, num_blocks * block_size_tokens,
-kv_heads, head_dim]`` view of the pool: one ``index_copy_`` writes an iteration's new tokens, one
+A pool is two preallocated tensors on its device, K ``[layers, num_blocks, block_size_tokens,
+k_heads, k_dim]`` and V ``[layers, num_blocks, block_size_tokens, v_heads, v_dim]`` (MLA's latent
+cache has K and V of different widths). Each request holds a block table in exactly one pool
+(``"device"``: the accelerator's, or the CPU standing in for it; ``"host"``: CPU memory, attended
+on the CPU beside it). Token ``t`` of a request lives in block ``table[t // block_size_tokens]``
+at offset ``t % block_size_tokens``, so its flat *slot* ``block * block_size_tokens + offset``
+indexes the ``[layers, num_blocks * block_size_tokens, heads, dim]`` views :attr:`BlockPool.k_slots`
+and :attr:`BlockPool.v_slots`: one ``index_copy_`` writes an iteration's new tokens, one
 ``index_select`` gathers a request's past.
 
 Pool sizes come from bytes (:func:`blocks_in_bytes`): the accelerator's free memory after the
@@ -36,19 +37,9 @@ def text_config(config):
     return get() if callable(get) else config
 
 
-def uniform_geometry(config) -> KVGeometry:
-    """One token's K and V shape in every layer; a pool holds one shape, so K and V must share it."""
-    g = kv_geometry(text_config(config))
-    if (g.k_heads, g.k_dim) != (g.v_heads, g.v_dim):
-        raise InvalidInputError(
-            f"the paged KV pools hold K and V of one shape; this model's K is {g.k_heads}x{g.k_dim} and V "
-            f"{g.v_heads}x{g.v_dim} per token (a latent/MLA cache): serve it with flexplan.load().generate()")
-    return g
-
-
 def block_bytes(config, dtype: torch.dtype, block_size_tokens: int = BLOCK_SIZE_TOKENS) -> int:
     """Bytes of one block across all layers: layers x tokens x (K + V elements) x element size."""
-    g = uniform_geometry(config)
+    g = kv_geometry(text_config(config))
     layers = int(text_config(config).num_hidden_layers)
     return layers * block_size_tokens * g.elements_per_token * torch.empty((), dtype=dtype).element_size()
 
@@ -59,8 +50,8 @@ def blocks_in_bytes(nbytes: int, config, dtype: torch.dtype, block_size_tokens: 
 
 
 class BlockPool:
-    """One pool's tensor and its free blocks (a stack: the most recently freed block is reused
-    first, while it is still in cache)."""
+    """One pool's K and V tensors and its free blocks (a stack: the most recently freed block is
+    reused first, while it is still in cache)."""
 
     def __init__(self, name: str, num_blocks: int, block_size_tokens: int, layers: int, geometry: KVGeometry,
                  dtype: torch.dtype, device: torch.device | str, pin_memory: bool = False):
@@ -70,21 +61,20 @@ class BlockPool:
         self.num_blocks = int(num_blocks)
         self.block_size_tokens = block_size_tokens
         self.device = torch.device(device)
-        shape = (layers, 2, self.num_blocks, block_size_tokens, geometry.k_heads, geometry.k_dim)
-        try:
-            self.kv = torch.zeros(shape, dtype=dtype, device=self.device, pin_memory=pin_memory)
+        g = geometry
+        try:  # zeros, not empty: a padded key slot is masked, but NaN garbage would still poison 0 x NaN
+            self.k = torch.zeros((layers, self.num_blocks, block_size_tokens, g.k_heads, g.k_dim), dtype=dtype,
+                                 device=self.device, pin_memory=pin_memory)
+            self.v = torch.zeros((layers, self.num_blocks, block_size_tokens, g.v_heads, g.v_dim), dtype=dtype,
+                                 device=self.device, pin_memory=pin_memory)
         except (RuntimeError, MemoryError) as e:  # the allocator's own words, with what was asked
-            nbytes = self.num_blocks * block_size_tokens * layers * 2 * geometry.k_heads * geometry.k_dim
-            raise DoesNotFitError(
-                f"{name} KV pool of {self.num_blocks} blocks ({nbytes * self.kv_element_size(dtype) / 2**20:.0f} "
-                f"MiB on {self.device}) could not be allocated ({e}); give it fewer blocks") from None
-        # slots view: [layers, 2, num_blocks * block_size_tokens, kv_heads, head_dim]
-        self.slots = self.kv.view(layers, 2, self.num_blocks * block_size_tokens, geometry.k_heads, geometry.k_dim)
+            nbytes = self.num_blocks * block_size_tokens * layers * g.elements_per_token * dtype.itemsize
+            raise DoesNotFitError(f"{name} KV pool of {self.num_blocks} blocks ({nbytes / 2**20:.0f} MiB on "
+                                  f"{self.device}) could not be allocated ({e}); give it fewer blocks") from None
+        slots = self.num_blocks * block_size_tokens
+        self.k_slots = self.k.view(layers, slots, g.k_heads, g.k_dim)
+        self.v_slots = self.v.view(layers, slots, g.v_heads, g.v_dim)
         self._free = list(range(self.num_blocks - 1, -1, -1))
-
-    @staticmethod
-    def kv_element_size(dtype: torch.dtype) -> int:
-        return torch.empty((), dtype=dtype).element_size()
 
     @property
     def free_blocks(self) -> int:
@@ -124,7 +114,7 @@ class BlockManager:
         if device_blocks + host_blocks < 1:
             raise InvalidInputError("the KV pools hold no block: give device_blocks or host_blocks >= 1")
         self.block_size_tokens = block_size_tokens
-        self.geometry = uniform_geometry(config)
+        self.geometry = kv_geometry(text_config(config))
         self.layers = int(text_config(config).num_hidden_layers)
         device = torch.device(device)
         pin = device.type != "cpu" and torch.cuda.is_available()  # host blocks cross the link: pinned
@@ -193,9 +183,9 @@ class BlockManager:
         src, dst = self.pools[t.pool], self.pool(to_pool)
         new_blocks = dst.take(len(t.blocks))
         old = torch.tensor(t.blocks, dtype=torch.long, device=src.device)
-        data = src.kv.index_select(2, old)
-        dst.kv.index_copy_(2, torch.tensor(new_blocks, dtype=torch.long, device=dst.device),
-                           data.to(dst.device, non_blocking=True))
+        new = torch.tensor(new_blocks, dtype=torch.long, device=dst.device)
+        for a, b in ((src.k, dst.k), (src.v, dst.v)):
+            b.index_copy_(1, new, a.index_select(1, old).to(dst.device))
         src.give_back(t.blocks)
         t.pool, t.blocks = dst.name, new_blocks
 

@@ -37,7 +37,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, AttentionInterf
 from flexplan.errors import UnsupportedModelError
 from flexplan.executor import cpu_attention, native
 from flexplan.executor.families import CACHE_KWARG
-from flexplan.serving.kv_blocks import BlockManager, BlockPool
+from flexplan.serving.kv_blocks import BlockManager, BlockPool, text_config
 
 NAME = "flexplan_paged"  # the attention implementation the runner's modules name
 RUNNER = "_flexplan_paged_runner"  # module attribute: the runner whose iteration it serves
@@ -115,6 +115,11 @@ def _dispatch(module: nn.Module, query, key, value, attention_mask, **kwargs):
     return inner(module, query, key, value, attention_mask, **kwargs)
 
 
+def _names(f) -> tuple[str, ...]:
+    """The global and attribute names a function's code uses."""
+    return getattr(getattr(inspect.unwrap(f), "__code__", None), "co_names", ())
+
+
 def _register() -> None:
     global _registered
     if not _registered:
@@ -162,6 +167,17 @@ class ModelRunner:
             raise UnsupportedModelError(
                 f"{type(self.model).__name__} has no attention module that calls transformers' AttentionInterface, "
                 "so the serving engine cannot attend per request over paged KV; run it with flexplan.load().generate()")
+        reads_length = [type(m).__name__ for m in mods if "get_seq_length" in _names(type(m).forward)]
+        if reads_length:
+            raise UnsupportedModelError(
+                f"{reads_length[0]} reads the cache's length inside its attention (positions of its own): in a "
+                "batch of requests flattened into one sequence that length is no request's, so the serving engine "
+                "does not run it; use flexplan.load().generate()")
+        chunked = "chunked_attention" in (getattr(text_config(self.model.config), "layer_types", None) or ())
+        if chunked:
+            raise UnsupportedModelError(
+                "chunked-attention layers (Llama 4's attention_chunk_size) are not attended per request by the "
+                "serving engine yet; use flexplan.load().generate()")
         for m in mods:
             if RUNNER in m.__dict__:
                 raise UnsupportedModelError(f"{type(self.model).__name__} is served by another engine already: "
@@ -250,47 +266,57 @@ class ModelRunner:
                       torch.tensor(kv_len, device=pd), decode, {})
 
     def write(self, layer: int, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        """The layer's new K/V ([1, kv_heads, T, head_dim]) into each token's slot."""
+        """The layer's new K/V ([1, heads, T, dim]) into each token's slot."""
         for name, (tok, slots) in self._writes.items():
             pool = self.blocks.pools[name]
-            for i, states in ((0, key_states), (1, value_states)):
-                new = states[0].transpose(0, 1).index_select(0, tok)  # [n, kv_heads, head_dim]
-                pool.slots[layer, i].index_copy_(0, slots, new.to(pool.device, pool.kv.dtype))
+            for store, states in ((pool.k_slots, key_states), (pool.v_slots, value_states)):
+                new = states[0].transpose(0, 1).index_select(0, tok)  # [n, heads, dim]
+                store[layer].index_copy_(0, slots, new.to(pool.device, store.dtype))
+
+    def _past(self, g: _Group, module: nn.Module, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each request's keys and values, [N, heads, maxK, dim] (padded; the mask hides the pad).
+        A module that caches a latent (MLA) expands it with its own ``expand_kv``, on its device."""
+        n, max_k = g.kv_slots.shape
+        flat = g.kv_slots.flatten()
+        k, v = (s[layer].index_select(0, flat) for s in (g.pool.k_slots, g.pool.v_slots))
+        k = k.view(n, max_k, *k.shape[1:]).transpose(1, 2)  # a strided view: [N, heads, maxK, dim]
+        v = v.view(n, max_k, *v.shape[1:]).transpose(1, 2)
+        if hasattr(module, "expand_kv"):
+            k, v = module.expand_kv(k.to(self.device), v.to(self.device))
+        return k, v
 
     def attention(self, module: nn.Module, query: torch.Tensor, **kwargs) -> tuple[torch.Tensor, None]:
-        """Each request's queries against its own keys; [1, T, heads, head_dim] as transformers'
+        """Each request's queries against its own keys; [1, T, heads, v_dim] as transformers'
         attention functions return."""
         layer = module.layer_idx
         _, hq, t, d = query.shape
-        out = query.new_zeros(t, hq, d)
+        out = None
         scale = kwargs.get("scaling") or getattr(module, "scaling", None) or d ** -0.5
         window, softcap = kwargs.get("sliding_window"), kwargs.get("softcap")
         sinks = getattr(module, "sinks", None)
         for g in self._groups:
-            pd = g.pool.device
+            keys, values = self._past(g, module, layer)
             n, max_q = g.q_index.shape
-            q = query[0].index_select(1, g.q_index.flatten()).view(hq, n, max_q, d).transpose(0, 1).to(pd)
-            keys, values = (g.pool.slots[layer, i].index_select(0, g.kv_slots.flatten()) for i in (0, 1))
-            hk = keys.shape[1]
-            keys = keys.view(n, -1, hk, keys.shape[-1]).transpose(1, 2)  # [N, hk, maxK, d]: a strided view
-            values = values.view(n, -1, hk, values.shape[-1]).transpose(1, 2)
-            res = self._decode_native(g, q, keys, values, window, scale) if not (softcap or sinks is not None) \
-                else None
+            q = query[0].index_select(1, g.q_index.flatten()).view(hq, n, max_q, d).transpose(0, 1).to(keys.device)
+            res = None if softcap or sinks is not None else self._decode_native(g, q, keys, values, window, scale)
             if res is None:
-                mask = g.mask(window)
+                mask = g.mask(window).to(keys.device)
                 if softcap or sinks is not None:
                     res = _eager(q, keys, values, mask, scale, softcap, sinks)
                 else:
                     res = nn.functional.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale,
-                                                                     enable_gqa=hq != hk)
-            res = res.transpose(1, 2).to(out.device, out.dtype)  # [N, maxQ, hq, d]
+                                                                     enable_gqa=hq != keys.shape[1])
+            if out is None:
+                out = query.new_zeros(t, hq, res.shape[-1])
+            res = res.transpose(1, 2).to(out.device, out.dtype)  # [N, maxQ, hq, v_dim]
             out.index_copy_(0, g.q_index[g.q_valid], res[g.q_valid])
         return out.unsqueeze(0), None
 
     @staticmethod
     def _decode_native(g: _Group, q, keys, values, window, scale: float) -> torch.Tensor | None:
         """One query per request on the CPU by flexplan's native decode kernel: [N, hq, 1, d]."""
-        if not (g.decode and q.device.type == "cpu" and keys.dtype in native.ATTENTION_KV_DTYPES):
+        if not (g.decode and q.device.type == "cpu" and keys.dtype in native.ATTENTION_KV_DTYPES
+                and keys.shape[-1] == values.shape[-1] == q.shape[-1] and keys.stride() == values.stride()):
             return None
         ops = native.decode_status()[0]
         if ops is None:
