@@ -35,10 +35,8 @@ import numpy as np
 from flexplan.hardware.spec import DTYPE_BYTES, cpu_weight_dtype
 from flexplan.placement import (
     ACCELERATOR,
-    EXPERT_GROUP,
     HOST,
     ON_ACCELERATOR,
-    ON_CPU,
     PINNED,
     SPLIT_POINTS,
     PhasePlacement,
@@ -364,9 +362,7 @@ def footprint(inv: Inventory, placement: Placement, batch: int | None = None, in
         head_acc = head_acc | on_acc
         head_cpu = head_cpu | (on_acc ^ True)
         phase_acc = (pp.count(lambda m: m.computes == ON_ACCELERATOR) > 0) | on_acc
-        phase_cpu = ((pp.count(lambda m: m.computes == ON_CPU or m.attention_on_cpu
-                                       or m.groups()[EXPERT_GROUP].computes == ON_CPU) > 0)
-                     | (on_acc ^ True))
+        phase_cpu = (pp.count(lambda m: m.computes_on_cpu_in_part) > 0) | (on_acc ^ True)
         uses_acc = uses_acc | phase_acc
         if batch:
             rows = batch * (input_len if ph == "prefill" else 1)
@@ -378,10 +374,13 @@ def footprint(inv: Inventory, placement: Placement, batch: int | None = None, in
     acc["runtime reserve"] = where(uses_acc, reserved_bytes, 0)
     if not vec:
         return MemoryNeed(*({k: int(v) for k, v in d.items()} for d in (acc, pinned, host)))
-    shape = np.broadcast_shapes(*(np.shape(c) for pp in placement.phases.values() for _, c in pp.runs))
+    # the run lengths' arrays share one shape (PhasePlacement): every figure is brought to it
+    shape = next(c.shape for pp in placement.phases.values() for _, c in pp.runs if isinstance(c, np.ndarray))
+    zeros = np.zeros(shape)
 
     def fix(d):
-        return {k: np.broadcast_to(np.asarray(v, dtype=float), shape) for k, v in d.items()}
+        return {k: v.astype(float, copy=False) if isinstance(v, np.ndarray) and v.shape == shape else zeros + v
+                for k, v in d.items()}
 
     return MemoryNeed(fix(acc), fix(pinned), fix(host))
 

@@ -79,19 +79,21 @@ class LayerMode:
     def on_cpu(self) -> bool:
         return self.computes == ON_CPU
 
-    @property
+    # the questions below are cached per mode (a handful of modes answer them for every plan's
+    # layers: the planner asks them thousands of times a plan)
+    @cached_property
     def streamed(self) -> bool:
         """Weights live off the accelerator but compute on it: copied in before each use."""
         return self.computes == ON_ACCELERATOR and self.weights != ACCELERATOR
 
-    @property
+    @cached_property
     def attention_on_cpu(self) -> bool:
         """A layer computing on the accelerator whose decode attention runs on the CPU beside a
         KV cache kept in host memory (:data:`STREAMED_CPU_ATTENTION`)."""
         a = dict(self.overrides).get("attention")
         return self.computes == ON_ACCELERATOR and a is not None and a.computes == ON_CPU and a.weights != ACCELERATOR
 
-    @property
+    @cached_property
     def streams_kv(self) -> bool:
         """Its KV cache is copied into an accelerator slot before the layer computes."""
         return self.streamed and not self.attention_on_cpu
@@ -103,8 +105,17 @@ class LayerMode:
         return self.uniform or (self.streamed and self.attention_on_cpu and len(self.overrides) == 1)
 
     def groups(self) -> Mapping[str, Where]:
+        return self._groups
+
+    @cached_property
+    def _groups(self) -> Mapping[str, Where]:
         w = Where(self.weights, self.computes)
         return MappingProxyType({**{g: w for g in GROUPS}, **dict(self.overrides)})
+
+    @cached_property
+    def computes_on_cpu_in_part(self) -> bool:
+        """Some of the layer computes on the CPU: all of it, its attention or its routed experts."""
+        return self.computes == ON_CPU or self.attention_on_cpu or self._groups[EXPERT_GROUP].computes == ON_CPU
 
     def __str__(self) -> str:
         return self.name

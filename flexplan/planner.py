@@ -14,6 +14,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, replace
 from functools import cached_property, lru_cache
+from collections.abc import Generator
 from typing import Any
 
 import numpy as np
@@ -270,25 +271,42 @@ def plan(model: Any, hardware: Any = "local", batch_size: int = 1, input_len: in
         cpu_dtypes = list(dict.fromkeys([hw.cpu.compute_dtype, "float32"]))
     best: Plan | None = None
     error: DoesNotFitError | None = None
-    for cd in cpu_dtypes:
+    # each CPU dtype's options first, then the searches in the order of their floors: the first
+    # search's plan usually lets the other's be skipped (its floor is no lower than that E2E)
+    searches = {cd: _plan_one(spec, hw, eff, Shape(spec, batch_size, input_len, output_len, dtype, cd),
+                              gpu_memory_bytes, cpu_memory_bytes, prefill, decode, gpu_layers, include_initial_load,
+                              profile, policies) for cd in cpu_dtypes}
+    floors = {cd: next(search) for cd, search in searches.items()}
+    e2e: dict[str, float] = {}
+    for cd in sorted(cpu_dtypes, key=lambda c: floors[c]):  # stable: the native dtype first on a tie
+        if e2e and floors[cd] >= min(e2e.values()):
+            continue  # no pair of this dtype can beat the best found
         try:
-            p = _plan_one(spec, hw, eff, Shape(spec, batch_size, input_len, output_len, dtype, cd), gpu_memory_bytes,
-                          cpu_memory_bytes, prefill, decode, gpu_layers, include_initial_load, profile, policies)
+            e2e[cd] = next(searches[cd])
         except DoesNotFitError as e:
             error = error or e
-            continue
-        if best is None or p.e2e_s < best.e2e_s:
-            if best is not None:
-                p = replace(p, notes=p.notes + (f"CPU computes in {cd}: predicted E2E {p.e2e_s:.3g} s vs "
-                                                f"{best.e2e_s:.3g} s in {best.cpu_dtype}",))
-            best = p
+    if e2e:
+        # the lowest E2E; on a tie the native dtype (the order the dtypes were always searched in)
+        cd = min(e2e, key=lambda c: (e2e[c], cpu_dtypes.index(c)))
+        try:
+            next(searches[cd])
+        except StopIteration as done:
+            best = done.value
+        if cd != cpu_dtypes[0]:
+            other = cpu_dtypes[0]
+            vs = f"{e2e[other]:.3g} s in {other}" if other in e2e else f"at least {floors[other]:.3g} s in {other}"
+            best = replace(best, notes=best.notes + (f"CPU computes in {cd}: predicted E2E {best.e2e_s:.3g} s vs {vs}",))
     if best is None:
         raise error
     return best
 
 
 def _plan_one(spec: ModelSpec, hw: Hardware, eff: Efficiency, shape: Shape, gpu_memory_bytes, cpu_memory_bytes,
-              prefill, decode, gpu_layers, include_initial_load, profile=None, allowed=None) -> Plan:
+              prefill, decode, gpu_layers, include_initial_load, profile=None, allowed=None) -> Generator[float, None, Plan]:
+    """The plan of one CPU dtype, in three stages (a generator): it prices every policy's options
+    and yields a lower bound of any pair's E2E; resumed, it searches the pairs and yields the best
+    pair's E2E; resumed again (where this dtype's pair is the plan's), it prices the single-policy
+    baselines and returns the plan (StopIteration's value)."""
     batch_size, input_len, output_len, dtype, cpu_dtype = (shape.batch, shape.input_len, shape.output_len,
                                                            shape.dtype, shape.cpu_dtype)
 
@@ -305,7 +323,6 @@ def _plan_one(spec: ModelSpec, hw: Hardware, eff: Efficiency, shape: Shape, gpu_
             if pcs[ph].experts is not None:
                 curves[ph] = profile_curves(shape, hw, eff, ph, profile, pcs[ph].experts)
                 pcs[ph] = replace(pcs[ph], experts=with_profile(pcs[ph].experts, curves[ph]))
-    forced = {"prefill": prefill, "decode": decode}
     policies = [p for p in POLICIES if allowed is None or p in allowed or p in (prefill, decode)]
     opts: dict[str, dict[str, _Options]] = {ph: {} for ph in PHASES}
     candidates: list[Candidate] = []
@@ -424,15 +441,36 @@ def _plan_one(spec: ModelSpec, hw: Hardware, eff: Efficiency, shape: Shape, gpu_
             m = int(o.gpu_layers[i])
             least_own_at[m] = min(least_own_at.get(m, math.inf), float(own[o.policy][i]))
 
-    def least_own(p: str, ip: int, d: str, idx_d: int) -> float:
-        """A lower bound on the prefill part of the pair's E2E, without runs_as: the option it runs
-        as has as many resident layers as prefill's and the streamed ones decode holds."""
+    least_own_by_m = np.full(n + 1, math.inf)
+    for m, t in least_own_at.items():
+        least_own_by_m[m] = t
+    rows_cache: dict[tuple[str, str], tuple[np.ndarray, np.ndarray]] = {}
+
+    def layer_rows(phase: str, pol: str) -> tuple[np.ndarray, np.ndarray]:
+        """(streamed, resident) layers of each of ``pol``'s options in ``phase``, bool [options, layers]."""
+        key = (phase, pol)
+        if key not in rows_cache:
+            ms = opts[phase][pol].gpu_layers
+            streamed, resident = np.zeros((ms.size, n), bool), np.zeros((ms.size, n), bool)
+            for k, m in enumerate(ms):
+                first = 0
+                for mode, count in _placed(REGISTRY[pol], n, int(m), phase).runs:
+                    streamed[k, first:first + int(count)] = mode.streamed
+                    resident[k, first:first + int(count)] = mode is RESIDENT
+                    first += int(count)
+            rows_cache[key] = streamed, resident
+        return rows_cache[key]
+
+    def least_own(p: str, d: str, idx_d: int) -> list[float]:
+        """A lower bound on the prefill part of the pair's E2E at each of ``p``'s options, without
+        runs_as: the option it runs as has as many resident layers as prefill's and the streamed
+        ones decode holds."""
         if not streams[p]:
-            return float(own[p][ip])
-        streamed, resident = masks("prefill", p, int(opts["prefill"][p].gpu_layers[ip]))
-        _, held = masks("decode", d, int(opts["decode"][d].gpu_layers[idx_d]))
-        m = (resident | (streamed & held)).bit_count()
-        return min(float(own[p][ip]), least_own_at.get(m, math.inf))
+            return own[p].tolist()
+        streamed, resident = layer_rows("prefill", p)
+        held = layer_rows("decode", d)[1][idx_d]
+        m = (resident | (streamed & held)).sum(axis=1)
+        return np.minimum(own[p], least_own_by_m[m]).tolist()
 
     def best_pair(p_pols, d_pols, every_prefill_m: bool = True):
         """The lowest-E2E pair, pairs taken in the order of their floor (prefill's fastest M with its
@@ -496,8 +534,9 @@ def _plan_one(spec: ModelSpec, hw: Hardware, eff: Efficiency, shape: Shape, gpu_
             for i_d in decode_ms[p, d]:
                 decode_s = steps * float(od.time_s[i_d])
                 too_many = math.inf  # the fewest prefill GPU layers found over the accelerator's budget
+                least = least_own(p, d, i_d)
                 for ip in rest:
-                    if best is not None and least_own(p, ip, d, i_d) + decode_s >= best[0]:  # a switch only adds
+                    if best is not None and least[ip] + decode_s >= best[0]:  # a switch only adds
                         if not streams[p]:
                             break  # every later M (sorted by own) runs as itself: none can beat the best
                         continue
@@ -510,15 +549,13 @@ def _plan_one(spec: ModelSpec, hw: Hardware, eff: Efficiency, shape: Shape, gpu_
 
     p_pols = [prefill] if prefill else list(policies)
     d_pols = [decode] if decode else list(policies)
+    # a lower bound of every pair's E2E (a switch only adds; an expert cache may lower a pair's)
+    yield -math.inf if curves else min((floors["prefill", p] + floors["decode", d] for p in p_pols for d in d_pols),
+                                        default=math.inf)
     chosen = best_pair(p_pols, d_pols)
-    baselines = {}
-    for pol in policies:
-        # the single-policy baselines explain compares with: the first round only (every prefill M
-        # would cost the plan a quarter more time for a baseline that is only a comparison)
-        b = best_pair([pol], [pol], every_prefill_m=False)
-        baselines[pol] = b[0] if b else math.inf
     if chosen is None:
         raise DoesNotFitError(_no_fit_message(shape, hw, gpu_budget, cpu_budget, prefill, decode, gpu_layers, candidates))
+    baselines = {}
 
     def build(pair) -> Plan:
         e2e, load_s, sw, p, ip, d, i_d = pair
@@ -552,18 +589,31 @@ def _plan_one(spec: ModelSpec, hw: Hardware, eff: Efficiency, shape: Shape, gpu_
                                    f"{profile.model}, {profile.prompts} prompts")
         return out
 
-    best = build(chosen)
-    if curves:  # a cache can make a cpu-experts pair the better one: the best pair with it in either phase
+    def finish() -> Plan:
+        """The plan of the chosen pair, with the single-policy baselines explain compares with (the
+        first round only: every prefill M would cost the plan a quarter more time for a baseline
+        that is only a comparison)."""
+        for pol in policies:
+            b = best_pair([pol], [pol], every_prefill_m=False)
+            baselines[pol] = b[0] if b else math.inf
+        best = build(chosen)
+        if curves:  # a cache can make a cpu-experts pair the better one: the best pair with it in either phase
+            alts = ([best_pair(p_pols, [X])] if X in d_pols else []) + ([best_pair([X], d_pols)] if X in p_pols else [])
+            for alt in alts:
+                if alt is not None and alt[3:] != chosen[3:]:
+                    cand = build(alt)
+                    if cand.e2e_s < best.e2e_s:
+                        best = replace(cand, notes=cand.notes + (
+                            f"with its expert cache this pair beats {chosen[3]}:{chosen[5]} ({chosen[0]:.3g} s E2E "
+                            "without a cache)",))
+        return best
 
-        alts = ([best_pair(p_pols, [X])] if X in d_pols else []) + ([best_pair([X], d_pols)] if X in p_pols else [])
-        for alt in alts:
-            if alt is not None and alt[3:] != chosen[3:]:
-                cand = build(alt)
-                if cand.e2e_s < best.e2e_s:
-                    best = replace(cand, notes=cand.notes + (
-                        f"with its expert cache this pair beats {chosen[3]}:{chosen[5]} ({chosen[0]:.3g} s E2E without "
-                        "a cache)",))
-    return best
+    if curves:  # an expert cache may lower the E2E: the plan itself is what compares
+        made = finish()
+        yield made.e2e_s
+        return made
+    yield chosen[0]  # this dtype's E2E: resumed only where it is the plan's
+    return finish()
 
 
 def _reason(cp: Candidate, cd: Candidate, candidates: list[Candidate], baselines: dict, e2e: float) -> str:
