@@ -8,9 +8,13 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import make_model, needs_gguf
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from transformers import AutoModelForCausalLM
 
 from flexplan.errors import FlexplanError, InvalidInputError, UnsupportedModelError
+from flexplan.executor import native
+from flexplan.serving import paged_attention
 from flexplan.serving.engine import Engine
 from flexplan.serving.fcfs import FcfsScheduler
 from flexplan.serving.kv_blocks import DEVICE, HOST
@@ -112,6 +116,41 @@ def test_greedy_equals_generate_in_more_families(family):
         assert_freed(e)
 
 
+@pytest.mark.parametrize("kernel", ["paged", "gathered-native", "gathered-sdpa"])
+def test_every_decode_attention_path_keeps_the_tokens(models, kernel, monkeypatch):
+    """The paged kernel reads the blocks where they lie; without it (no compiler, FLEXPLAN_NATIVE=0)
+    the past is gathered and attended by the strided native kernel, or without that by SDPA."""
+    if kernel != "paged":
+        monkeypatch.setattr(paged_attention, "status", lambda: (None, "off in this test"))
+    elif paged_attention.status()[0] is None:
+        pytest.skip(paged_attention.status()[1])
+    if kernel == "gathered-sdpa":
+        monkeypatch.setattr(native, "decode_status", lambda: (None, "off in this test"))
+    model = models["mistral"]  # GQA 4:1
+    refs = [alone(model, p) for p in PROMPTS]
+    with Engine(model, device_blocks=4, host_blocks=64, block_size_tokens=4) as e:
+        assert [list(o.new_token_ids) for o in e.generate(list(PROMPTS), GREEDY)] == refs
+
+
+@settings(max_examples=12, deadline=None)
+@given(st.integers(1, 5), st.sampled_from([(4, 4), (6, 2), (3, 1)]), st.sampled_from([1, 4, 16]),
+       st.integers(0, 2**16), st.sampled_from([None, 3]))
+def test_the_paged_kernel_equals_sdpa_on_a_gathered_past(n, heads, bs, seed, window):
+    ops = paged_attention.status()[0]
+    if ops is None:
+        pytest.skip(paged_attention.status()[1])
+    g = torch.Generator().manual_seed(seed)
+    hq, hk = heads
+    blocks = 40
+    k, v = torch.randn(blocks * bs, hk, 8, generator=g), torch.randn(blocks * bs, hk, 8, generator=g)
+    kv_len = torch.randint(1, 4 * bs + 1, (n,), generator=g)
+    tables = torch.randperm(blocks, generator=g)[:n * 4].view(n, 4)
+    kv_lo = (kv_len - window).clamp(min=0) if window else torch.zeros(n, dtype=torch.long)
+    q = torch.randn(n, hq, 8, generator=g)
+    ref = paged_attention.reference(q, k, v, tables, kv_len, kv_lo, bs, 0.35)
+    assert torch.allclose(ops(q, k, v, tables, kv_len, kv_lo, bs, 0.35), ref, atol=1e-6, rtol=1e-5)
+
+
 def test_cpu_only_and_max_tokens(models):
     model = models["llama"]
     with Engine(model, host_blocks=32) as e:
@@ -149,7 +188,11 @@ def test_host_pool_and_swaps_keep_the_tokens(models):
             e.add_request(rid, p, GREEDY)
         got = drain(e, steps=1)
         assert e.blocks.pool_of("h") == HOST and e.blocks.pool_of("s") == DEVICE
-        got = drain(e, got)
+        pools_of_s = []
+        while e.has_unfinished():
+            got = drain(e, got, steps=1)
+            pools_of_s.append(e.blocks.pool_of("s"))
+        assert HOST in pools_of_s and pools_of_s[pools_of_s.index(HOST):].count(DEVICE) > 0  # out, then back in
         assert [got[r][0] for r in "hsx"] == refs
         assert_freed(e)
 

@@ -13,9 +13,12 @@ across the flattened sequence, as transformers' own continuous batching does:
   own blocks, causal within a chunk, with the module's sliding window, logit soft-capping and
   attention sinks where it has them.
 
-Requests whose KV is in the host pool are attended on the CPU beside it (NEO section 3), a
-decode's single query by flexplan's native kernel where it applies, else PyTorch's SDPA; those in
-the device pool on the pool's device. Outside an iteration of this runner the function calls the
+Requests whose KV is in the host pool are attended on the CPU beside it (NEO section 3); those in
+the device pool on the pool's device. Decodes in a CPU pool are read where their blocks lie by the
+paged kernel (:mod:`paged_attention`); otherwise (prefill chunks, an accelerator pool, a latent
+cache, no compiler) each request's past is gathered from its blocks and attended by flexplan's
+strided decode kernel (one query, on the CPU) or PyTorch's SDPA, the eager formula where the
+module soft-caps its logits or has attention sinks. Outside an iteration of this runner the function calls the
 implementation the module had, so the caller's model keeps working; :meth:`ModelRunner.close`
 restores each module's config.
 
@@ -37,6 +40,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, AttentionInterf
 from flexplan.errors import UnsupportedModelError
 from flexplan.executor import cpu_attention, native
 from flexplan.executor.families import CACHE_KWARG
+from flexplan.serving import paged_attention
 from flexplan.serving.kv_blocks import BlockManager, BlockPool, text_config
 
 NAME = "flexplan_paged"  # the attention implementation the runner's modules name
@@ -68,7 +72,15 @@ class _Group:
     kv_slots: torch.Tensor  # [N, maxK] slots in the pool (pool device)
     kv_len: torch.Tensor  # [N] keys each request attends (pool device)
     decode: bool  # one query per request
+    tables: torch.Tensor  # [N, max_blocks] block ids (CPU, int64): what the paged kernel reads
     masks: dict
+
+    def kv_lo(self, window: int | None) -> torch.Tensor:
+        """[N] the first key a decode's query attends: its window's start (0 without one)."""
+        if ("lo", window) not in self.masks:
+            lo = (self.kv_len.cpu() - window).clamp(min=0) if window else torch.zeros_like(self.kv_len.cpu())
+            self.masks[("lo", window)] = lo.contiguous()
+        return self.masks[("lo", window)]
 
     def mask(self, window: int | None) -> torch.Tensor:
         """[N, 1, maxQ, maxK] bool, True = attend: the request's own keys up to its query's
@@ -255,7 +267,10 @@ class ModelRunner:
         q_valid = torch.zeros(n, max_q, dtype=torch.bool)
         q_pos = torch.zeros(n, max_q, dtype=torch.long)
         kv_slots = torch.zeros(n, max_k, dtype=torch.long)
+        tables = torch.zeros(n, self.blocks.blocks_for(max_k), dtype=torch.long)
         for r, (s, o) in enumerate(members):
+            held = self.blocks.tables[s.request_id].blocks
+            tables[r, :len(held)] = torch.tensor(held, dtype=torch.long)
             q = len(s.token_ids)
             q_index[r, :q] = torch.arange(o, o + q)
             q_valid[r, :q] = True
@@ -263,7 +278,7 @@ class ModelRunner:
             kv_slots[r, :kv_len[r]] = self.blocks.slots(s.request_id, 0, kv_len[r])
         pd = pool.device
         return _Group(pool, q_index.to(self.device), q_valid.to(self.device), q_pos.to(pd), kv_slots.to(pd),
-                      torch.tensor(kv_len, device=pd), decode, {})
+                      torch.tensor(kv_len, device=pd), decode, tables, {})
 
     def write(self, layer: int, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         """The layer's new K/V ([1, heads, T, dim]) into each token's slot."""
@@ -295,22 +310,48 @@ class ModelRunner:
         window, softcap = kwargs.get("sliding_window"), kwargs.get("softcap")
         sinks = getattr(module, "sinks", None)
         for g in self._groups:
-            keys, values = self._past(g, module, layer)
-            n, max_q = g.q_index.shape
-            q = query[0].index_select(1, g.q_index.flatten()).view(hq, n, max_q, d).transpose(0, 1).to(keys.device)
-            res = None if softcap or sinks is not None else self._decode_native(g, q, keys, values, window, scale)
+            res = None if softcap or sinks is not None else self._decode_paged(g, module, query, layer, window, scale)
             if res is None:
-                mask = g.mask(window).to(keys.device)
-                if softcap or sinks is not None:
-                    res = _eager(q, keys, values, mask, scale, softcap, sinks)
-                else:
-                    res = nn.functional.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale,
-                                                                     enable_gqa=hq != keys.shape[1])
+                res = self._attend(g, module, query, layer, window, scale, softcap, sinks)
             if out is None:
                 out = query.new_zeros(t, hq, res.shape[-1])
             res = res.transpose(1, 2).to(out.device, out.dtype)  # [N, maxQ, hq, v_dim]
             out.index_copy_(0, g.q_index[g.q_valid], res[g.q_valid])
         return out.unsqueeze(0), None
+
+    def _attend(self, g: _Group, module: nn.Module, query, layer: int, window, scale: float, softcap,
+                sinks) -> torch.Tensor:
+        """The group's past gathered, then attended: [N, hq, maxQ, v_dim]."""
+        keys, values = self._past(g, module, layer)
+        n, max_q = g.q_index.shape
+        hq, d = query.shape[1], query.shape[-1]
+        q = query[0].index_select(1, g.q_index.flatten()).view(hq, n, max_q, d).transpose(0, 1).to(keys.device)
+        res = None if softcap or sinks is not None else self._decode_native(g, q, keys, values, window, scale)
+        if res is None:
+            mask = g.mask(window).to(keys.device)
+            if softcap or sinks is not None:
+                res = _eager(q, keys, values, mask, scale, softcap, sinks)
+            else:
+                res = nn.functional.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale,
+                                                                 enable_gqa=hq != keys.shape[1])
+        return res
+
+    def _decode_paged(self, g: _Group, module: nn.Module, query, layer: int, window, scale: float):
+        """A decode group in a CPU pool by the paged kernel, reading its blocks where they lie:
+        [N, hq, 1, d], or None where it does not apply (prefill, an accelerator pool, a latent
+        cache, K and V of other widths than the query)."""
+        pool = g.pool
+        k, v = pool.k_slots[layer], pool.v_slots[layer]
+        d = query.shape[-1]
+        if not (g.decode and pool.device.type == "cpu" and k.dtype in paged_attention.KV_DTYPES
+                and not hasattr(module, "expand_kv") and k.shape[-1] == v.shape[-1] == d and k.stride() == v.stride()):
+            return None
+        ops = paged_attention.status()[0]
+        if ops is None:
+            return None
+        q = query[0].index_select(1, g.q_index[:, 0]).transpose(0, 1).to("cpu", torch.float32).contiguous()
+        out = ops(q, k, v, g.tables, g.kv_len, g.kv_lo(window), pool.block_size_tokens, float(scale))
+        return out.unsqueeze(2).to(query.dtype)
 
     @staticmethod
     def _decode_native(g: _Group, q, keys, values, window, scale: float) -> torch.Tensor | None:
