@@ -10,9 +10,11 @@ import importlib
 import json
 import sys
 
-from flexplan.errors import FlexplanError
+from flexplan.errors import FlexplanError, InvalidInputError
 from flexplan.estimator.policies import POLICIES
 from flexplan.explain import format_plan, format_sweep
+from flexplan.export import FORMATS as EXPORT_FORMATS
+from flexplan.export import export_plan
 from flexplan.factors.correction_store import describe_corrections
 from flexplan.hardware import get_hardware, report
 from flexplan.hardware.hwdb import is_local_name
@@ -61,6 +63,16 @@ def cmd_explain(args) -> int:
                                   prefill=args.prefill, decode=args.decode, gpu_layers=args.gpu_layers,
                                   routing_profile=args.routing_profile,
                                   policies=args.policies.split(",") if args.policies else None, efficiency=eff))
+    if args.export:
+        if len(plans) != 1:
+            raise InvalidInputError(f"--export translates one plan; give one batch size, input and output length "
+                                    f"(got {len(plans)} shapes)")
+        p = plans[0]
+        print(f"# flexplan's plan for {p.model} on {p.hardware}: prefill {p.prefill.policy} "
+              f"({p.prefill.gpu_layers} GPU layers), decode {p.decode.policy} ({p.decode.gpu_layers}); "
+              f"predicted TTFT {p.ttft_s:.3g} s, TPOT {p.tpot_s:.3g} s")
+        print(export_plan(p, resolve_model(args.model), args.export, args.model).render())
+        return 0
     if args.json:
         out = plans[0].to_dict() if len(plans) == 1 else [p.to_dict() for p in plans]
         print(json.dumps(out, indent=2))
@@ -128,6 +140,9 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     ex.add_argument("--policies", default=None, metavar="A,B,...",
                     help="choose among these policies only (e.g. FlexInfer's: cpu,gpu,gpu-offload,gpu-offload-partial,splitgen)")
     ex.add_argument("--json", action="store_true", help="print plan.to_dict() as JSON")
+    ex.add_argument("--export", choices=EXPORT_FORMATS, default=None,
+                    help="print the plan as llama.cpp's flags, vLLM's or accelerate's device_map, and what they "
+                         "cannot express")
     ex.set_defaults(func=cmd_explain)
 
     hw = sub.add_parser("hw", help="show this machine and its hwdb matches (or --list hwdb)")

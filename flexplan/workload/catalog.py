@@ -39,6 +39,20 @@ def _load_catalog_spec(model_id: str) -> ModelSpec:
     return ModelSpec.from_config(cfg, name=model_id)
 
 
+def config_dict(model: str) -> dict | None:
+    """The HuggingFace config of a catalog id (as :func:`resolve_model` matches it) or of a
+    ``config.json`` / model folder path; None for anything else."""
+    files = _catalog_files()
+    key = ({k.lower(): k for k in files}.get(model.lower())
+           or {k.split("/")[-1].lower(): k for k in files}.get(model.lower()))
+    path = Path(model).expanduser()
+    source = files[key] if key else (path / "config.json" if path.is_dir() else path)
+    try:
+        return json.loads(source.read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+
+
 def resolve_model(model: Any) -> ModelSpec:
     """A catalog id (case-insensitive, org optional), a config.json / model folder path, a
     ``PretrainedConfig``, a loaded model (its ``.config``) or a :class:`ModelSpec`."""
