@@ -247,9 +247,9 @@ class Engine:
     @_locked
     def stats(self) -> EngineStats:
         used, free = self.blocks.usage()
-        by_device = {"accelerator": 0, "cpu": 0}
+        by_device = {"accelerator": 0, "cpu": 0}  # by pool: the device pool's requests attend on the accelerator
         for rid in self._running:
-            by_device["accelerator" if self.blocks.pool_of(rid) == DEVICE and self.accelerator else "cpu"] += 1
+            by_device["accelerator" if self.blocks.pool_of(rid) == DEVICE else "cpu"] += 1
         return EngineStats(waiting=len(self._waiting), running_by_device=by_device, blocks_used=used,
                            blocks_free=free, iterations=self._iterations, last_mode=self._last_mode,
                            prompt_tokens_total=self._prompt_total, generated_tokens_total=self._generated_total)

@@ -75,6 +75,9 @@ class _Group:
     tables: torch.Tensor  # [N, max_blocks] block ids (CPU, int64): what the paged kernel reads
     masks: dict
 
+    def __post_init__(self):
+        self.rows = self.q_index[self.q_valid]  # the group's tokens in the flattened batch, row by row
+
     def kv_lo(self, window: int | None) -> torch.Tensor:
         """[N] the first key a decode's query attends: its window's start (0 without one)."""
         if ("lo", window) not in self.masks:
@@ -309,15 +312,29 @@ class ModelRunner:
         scale = kwargs.get("scaling") or getattr(module, "scaling", None) or d ** -0.5
         window, softcap = kwargs.get("sliding_window"), kwargs.get("softcap")
         sinks = getattr(module, "sinks", None)
-        for g in self._groups:
-            res = None if softcap or sinks is not None else self._decode_paged(g, module, query, layer, window, scale)
+        # the groups in the device pool first: their kernels queue on the accelerator and run while the
+        # CPU attends beside the host pool (the CPU's queries copied before, so no copy waits on them)
+        host_q = {id(g): self._cpu_rows(g, query) for g in self._groups
+                  if g.pool.device.type == "cpu" and query.device.type != "cpu"}
+        for g in sorted(self._groups, key=lambda g: g.pool.device.type == "cpu"):
+            q = host_q.get(id(g), query)
+            res = None if softcap or sinks is not None else self._decode_paged(g, module, q, layer, window, scale)
             if res is None:
-                res = self._attend(g, module, query, layer, window, scale, softcap, sinks)
+                res = self._attend(g, module, q, layer, window, scale, softcap, sinks)
             if out is None:
                 out = query.new_zeros(t, hq, res.shape[-1])
             res = res.transpose(1, 2).to(out.device, out.dtype)  # [N, maxQ, hq, v_dim]
-            out.index_copy_(0, g.q_index[g.q_valid], res[g.q_valid])
+            out.index_copy_(0, g.rows, res[:, 0] if g.decode else res[g.q_valid])
         return out.unsqueeze(0), None
+
+    @staticmethod
+    def _cpu_rows(g: _Group, query: torch.Tensor) -> torch.Tensor:
+        """A copy of ``query`` on the CPU with the group's rows (the others zero): one device-to-host
+        copy of what the host pool's requests need."""
+        rows = g.rows
+        q = torch.zeros(query.shape, dtype=query.dtype)
+        q[:, :, rows.cpu()] = query[:, :, rows].cpu()
+        return q
 
     def _attend(self, g: _Group, module: nn.Module, query, layer: int, window, scale: float, softcap,
                 sinks) -> torch.Tensor:
@@ -325,7 +342,8 @@ class ModelRunner:
         keys, values = self._past(g, module, layer)
         n, max_q = g.q_index.shape
         hq, d = query.shape[1], query.shape[-1]
-        q = query[0].index_select(1, g.q_index.flatten()).view(hq, n, max_q, d).transpose(0, 1).to(keys.device)
+        rows = g.q_index.flatten().to(query.device)
+        q = query[0].index_select(1, rows).view(hq, n, max_q, d).transpose(0, 1).to(keys.device)
         res = None if softcap or sinks is not None else self._decode_native(g, q, keys, values, window, scale)
         if res is None:
             mask = g.mask(window).to(keys.device)
@@ -349,7 +367,8 @@ class ModelRunner:
         ops = paged_attention.status()[0]
         if ops is None:
             return None
-        q = query[0].index_select(1, g.q_index[:, 0]).transpose(0, 1).to("cpu", torch.float32).contiguous()
+        rows = g.q_index[:, 0].to(query.device)
+        q = query[0].index_select(1, rows).transpose(0, 1).to("cpu", torch.float32).contiguous()
         out = ops(q, k, v, g.tables, g.kv_len, g.kv_lo(window), pool.block_size_tokens, float(scale))
         return out.unsqueeze(2).to(query.dtype)
 
