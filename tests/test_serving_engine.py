@@ -151,6 +151,49 @@ def test_the_paged_kernel_equals_sdpa_on_a_gathered_past(n, heads, bs, seed, win
     assert torch.allclose(ops(q, k, v, tables, kv_len, kv_lo, bs, 0.35), ref, atol=1e-6, rtol=1e-5)
 
 
+_REFS: dict[tuple, list[int]] = {}
+
+
+def cached_alone(model, prompt: tuple, max_tokens: int) -> list[int]:
+    key = (id(model), prompt, max_tokens)
+    if key not in _REFS:
+        _REFS[key] = alone(model, list(prompt), max_tokens)
+    return _REFS[key]
+
+
+@settings(max_examples=10, deadline=None)
+@given(st.lists(st.tuples(st.lists(st.integers(3, 159), min_size=1, max_size=14), st.integers(0, 4),
+                          st.one_of(st.none(), st.integers(0, 6)), st.integers(1, 6)), min_size=1, max_size=4),
+       st.integers(0, 6), st.integers(0, 40), st.sampled_from([2, 4, 16]), st.integers(1, 24))
+def test_greedy_tokens_whatever_the_arrivals_aborts_and_pools(models, requests, device_blocks, host_extra, bs,
+                                                                budget):
+    """Any prompts arriving at any steps, some aborted, any pool sizes that hold each request
+    alone, any block size and token budget: every request that is not aborted gets generate()'s
+    tokens, and every block comes back."""
+    model = models["qwen3"]
+    need = max(-(-(len(p) + n) // bs) for p, _, _, n in requests)
+    host_blocks = need + host_extra if device_blocks < need else host_extra
+    with Engine(model, device_blocks=device_blocks, host_blocks=host_blocks, block_size_tokens=bs,
+                token_budget=budget) as e:
+        got: dict = {}
+        aborted = set()
+        for step in range(400):
+            for i, (prompt, arrive, abort_at, n) in enumerate(requests):
+                if arrive == step:
+                    e.add_request(str(i), prompt, SamplingParams(max_tokens=n, temperature=0))
+                if abort_at is not None and arrive + abort_at == step and e.abort(str(i)):
+                    aborted.add(str(i))
+            if step > max(a for _, a, _, _ in requests) and not e.has_unfinished():
+                break
+            drain(e, got, steps=1)
+        for i, (prompt, _, _, n) in enumerate(requests):
+            if str(i) not in aborted:
+                assert got[str(i)][0] == cached_alone(model, tuple(prompt), n), i
+            else:
+                assert got[str(i)][1] == FINISH_ABORT
+        assert_freed(e)
+
+
 def test_cpu_only_and_max_tokens(models):
     model = models["llama"]
     with Engine(model, host_blocks=32) as e:
@@ -321,11 +364,11 @@ def _rs(rid, *, prompt=8, left=0, ctx=8, out=1, pool=DEVICE, arrival=0):
 
 def test_fcfs_on_numbers_worked_by_hand():
     """Blocks of 4 tokens. Device: 3 free; host: 2 free. "a" decodes at context 8 (a new block:
-    8 -> 9 tokens), "b" at context 5 (room in its block); "w1" waits with 10 prompt tokens, "w2"
-    with 3. Budget 8: 2 decodes, then w1's first 6 tokens (2 blocks of the 2 device blocks left),
-    then nothing: the budget is spent, w2 waits."""
+    8 -> 9 tokens), "b" at context 5 (room in its block): 1 device block reserved, 2 left. "w1"
+    waits with 6 prompt tokens (it and its first token: 2 blocks), "w2" with 3. Budget 8: 2
+    decodes, then w1's whole prompt into the device pool's 2 blocks; the budget is spent, w2 waits."""
     state = EngineState(
-        waiting=(_rs("w1", prompt=10, left=10, ctx=0, out=0, pool=None, arrival=2),
+        waiting=(_rs("w1", prompt=6, left=6, ctx=0, out=0, pool=None, arrival=2),
                  _rs("w2", prompt=3, left=3, ctx=0, out=0, pool=None, arrival=3)),
         running=(_rs("a", ctx=8, arrival=0), _rs("b", ctx=5, arrival=1)),
         free_blocks={DEVICE: 3, HOST: 2}, total_blocks={DEVICE: 8, HOST: 2}, block_size_tokens=4,
@@ -334,12 +377,22 @@ def test_fcfs_on_numbers_worked_by_hand():
     assert plan.device_decodes == ("a", "b") and plan.host_decodes == ()
     assert plan.prefill == (("w1", 6),) and plan.prefill_host == ()
     assert plan.mode == MODE_DEVICE_ONLY
-    # with 1 device block free, "a"'s decode takes it; w1 goes to the host pool: 2 blocks = 8 tokens, budget 6
+    # 1 device block free: "a"'s decode takes it; w1 goes to the host pool (2 blocks hold its 6 + 1 tokens)
     plan = FcfsScheduler().schedule(EngineState(**{**state.__dict__, "free_blocks": {DEVICE: 1, HOST: 2}}))
     assert plan.prefill == (("w1", 6),) and plan.prefill_host == ("w1",) and plan.mode == MODE_ASYMMETRIC
-    # no device block free: "b" (the latest device request) moves to the host pool (2 blocks free, holds 2)
+    # no device block free: "b" (the latest device request, 2 blocks) moves to the host pool (2 free)
     plan = FcfsScheduler().schedule(EngineState(**{**state.__dict__, "free_blocks": {DEVICE: 0, HOST: 2}}))
     assert plan.swap_out == ("b",) and plan.device_decodes == ("a",) and plan.host_decodes == ("b",)
+    assert plan.prefill == ()  # w1 fits nowhere now: it waits, and w2 behind it
+    # ... and with the host pool full too, "b" is preempted instead
+    plan = FcfsScheduler().schedule(EngineState(**{**state.__dict__, "free_blocks": {DEVICE: 0, HOST: 1}}))
+    assert plan.preempted == ("b",) and plan.swap_out == () and plan.device_decodes == ("a",)
+    # a prefill under way keeps the blocks for the rest of its prompt: "p" (4 of 12 tokens in, 2 more
+    # blocks) continues by the budget's 8 tokens while w1 waits for room
+    p = _rs("p", prompt=12, left=8, ctx=4, out=0, arrival=1)
+    plan = FcfsScheduler().schedule(EngineState(**{**state.__dict__, "running": (_rs("a", ctx=8), p),
+                                                   "free_blocks": {DEVICE: 3, HOST: 0}}))
+    assert plan.device_decodes == ("a",) and plan.prefill == (("p", 7),)
 
 
 def test_a_flexmodel_is_refused_with_what_works(models):

@@ -2,18 +2,21 @@
 priorities. NEO's and APEX's load-aware choice lives in ``scheduler.py`` and answers the same
 ``schedule(state) -> IterationPlan``.
 
-Per iteration, within the token budget:
+Blocks are reserved for what each running request must compute next: one token for a decode,
+the rest of its prompt for a request part-way through its prefill (so chunks never wait on
+blocks a later decode took). Per iteration:
 
-1. every decoding request decodes one token; where its pool has no block left for it, the
-   latest-arrived request of that pool gives way (moved to the host pool when that holds it,
-   else preempted: its KV freed and recomputed later), so the earliest always progresses;
-2. requests part-way through their prefill continue it, in arrival order;
-3. waiting requests are admitted in arrival order while blocks and budget last (a chunk of the
-   prompt where the budget is short: chunked prefill), into the device pool while it has room,
-   else the host pool; admission stops at the first that does not fit (no overtaking).
+1. where a pool cannot hold its requests' reservations, the latest-arrived request of that pool
+   gives way: moved to the host pool when that holds it, else preempted (its KV freed, recomputed
+   later); the earliest always progresses;
+2. within the token budget, every decoding request decodes one token, then requests part-way
+   through their prefill continue it (chunked prefill where the budget is short), in arrival order;
+3. waiting requests are admitted in arrival order into the device pool when it holds their whole
+   prompt and first token, else the host pool; admission stops at the first that fits nowhere
+   (no overtaking).
 
-The mode is ``cpu-only`` without a device pool, ``asymmetric`` when some decodes attend on the
-host beside a device pool, else ``device-only``.
+The mode is ``cpu-only`` without a device pool, ``asymmetric`` when some requests attend beside
+the host pool next to a device pool, else ``device-only``.
 """
 
 from __future__ import annotations
@@ -38,71 +41,67 @@ class FcfsScheduler:
         preempted: list[str] = []
         swap_out: list[str] = []
 
-        def blocks_held(r: RequestState) -> int:
+        def held(r: RequestState) -> int:
             return state.blocks_for(r.context_tokens)
 
-        # 1. decodes, making room by moving or preempting the latest arrivals of a full pool
+        def reserve(r: RequestState) -> int:
+            """Blocks beyond its own that ``r`` needs for what it computes next."""
+            return state.extra_blocks(r, 1 if r.decoding else r.prefill_left)
+
+        def members(name: str) -> list[RequestState]:
+            return [r for r in running if pool[r.request_id] == name and r.request_id not in preempted]
+
+        # 1. reservations, the latest arrivals giving way where a pool falls short
         for name in (DEVICE, HOST):
-            while True:
-                members = [r for r in running if pool[r.request_id] == name and r.request_id not in preempted]
-                need = sum(state.extra_blocks(r, 1) for r in members if r.decoding)
-                if need <= free[name] or not members:
-                    break
-                victim = members[-1]
-                free[name] += blocks_held(victim)
-                extra = state.extra_blocks(victim, 1) if victim.decoding else 0
-                if name == DEVICE and blocks_held(victim) + extra <= free[HOST]:
-                    free[HOST] -= blocks_held(victim)
+            while members(name) and sum(map(reserve, members(name))) > free[name]:
+                victim = members(name)[-1]
+                free[name] += held(victim)
+                host_room = free[HOST] - sum(map(reserve, members(HOST)))
+                if name == DEVICE and held(victim) + reserve(victim) <= host_room:
+                    free[HOST] -= held(victim)
                     pool[victim.request_id] = HOST
                     swap_out.append(victim.request_id)
                 else:
                     preempted.append(victim.request_id)
+        for name in (DEVICE, HOST):
+            free[name] -= sum(map(reserve, members(name)))
+
+        # 2. decodes, then prefills under way, within the budget
         live = [r for r in running if r.request_id not in preempted]
         budget = state.token_budget
-        device_decodes, host_decodes = [], []
+        device_decodes, host_decodes, prefill = [], [], []
         for r in live:
             if r.decoding and budget > 0:
-                free[pool[r.request_id]] -= state.extra_blocks(r, 1)
                 (device_decodes if pool[r.request_id] == DEVICE else host_decodes).append(r.request_id)
                 budget -= 1
-
-        # 2. prefills under way; 3. admissions
-        prefill: list[tuple[str, int]] = []
-        prefill_host: list[str] = []
-
-        def fit(r: RequestState, where: str, want: int) -> int:
-            """Tokens of ``want`` that the free blocks of ``where`` hold for ``r``."""
-            room = (blocks_held(r) + free[where]) * state.block_size_tokens - r.context_tokens
-            return max(0, min(want, room))
-
         for r in live:
             if not r.decoding and budget > 0:
-                n = fit(r, pool[r.request_id], min(r.prefill_left, budget))
-                if n:
-                    free[pool[r.request_id]] -= state.extra_blocks(r, n)
-                    prefill.append((r.request_id, n))
-                    budget -= n
+                n = min(r.prefill_left, budget)
+                prefill.append((r.request_id, n))
+                budget -= n
+
+        # 3. admissions: the whole prompt and its first token reserved in one pool
+        prefill_host: list[str] = []
         holding = len(live)
         for r in sorted(state.waiting, key=lambda r: r.arrival):
             if budget <= 0 or holding >= state.max_running:
                 break
-            want = min(r.prefill_left, budget)
-            where = DEVICE if state.total_blocks.get(DEVICE, 0) and fit(r, DEVICE, want) else HOST
-            n = fit(r, where, want)
-            if n == 0:
+            whole = state.blocks_for(r.prefill_left + 1)
+            where = next((p for p in (DEVICE, HOST) if state.total_blocks.get(p, 0) and whole <= free[p]), None)
+            if where is None:
                 break
-            free[where] -= state.extra_blocks(r, n)
+            free[where] -= state.blocks_for(r.prefill_left)
+            n = min(r.prefill_left, budget)
             prefill.append((r.request_id, n))
             if where == HOST:
                 prefill_host.append(r.request_id)
             budget -= n
             holding += 1
 
-        if not (prefill or device_decodes or host_decodes) and len(live) > 1:
-            preempted.append(live[-1].request_id)  # prefills stuck on each other's blocks: the latest gives way
+        on_host = host_decodes or prefill_host or any(pool[r] == HOST for r, _ in prefill if r in pool)
         if not state.total_blocks.get(DEVICE, 0):
             mode = MODE_CPU_ONLY
-        elif host_decodes or prefill_host:
+        elif on_host:
             mode = MODE_ASYMMETRIC
         else:
             mode = MODE_DEVICE_ONLY
