@@ -347,7 +347,7 @@ def test_a_model_the_engine_cannot_batch_is_refused(family, words):
     assert not any(RUNNER in m.__dict__ for m in model.modules())  # left as it was
 
 
-def test_a_plan_naming_unknown_requests_is_refused(models):
+def test_a_plan_the_engine_cannot_carry_out_is_refused_unchanged(models):
     class Bad:
         def schedule(self, state):
             return IterationPlan(mode=MODE_DEVICE_ONLY, device_decodes=("ghost",))
@@ -356,6 +356,19 @@ def test_a_plan_naming_unknown_requests_is_refused(models):
         e.add_request("a", [1, 2], GREEDY)
         with pytest.raises(FlexplanError, match="ghost"):
             e.step()
+
+    class Greedy:  # admits every waiting request whole, blocks or not
+        def schedule(self, state):
+            return IterationPlan(mode=MODE_CPU_ONLY, prefill=tuple((r.request_id, r.prefill_left)
+                                                                   for r in state.waiting))
+
+    with Engine(models["llama"], host_blocks=2, block_size_tokens=4, scheduler=Greedy()) as e:
+        e.add_request("a", [1] * 4, SamplingParams(max_tokens=4))
+        e.add_request("b", [1] * 4, SamplingParams(max_tokens=4))
+        e.add_request("c", [1] * 4, SamplingParams(max_tokens=4))
+        with pytest.raises(FlexplanError, match="short by"):
+            e.step()
+        assert len(e.state().waiting) == 3 and e.blocks.usage()[0] == {DEVICE: 0, HOST: 0}  # unchanged
 
 
 def _rs(rid, *, prompt=8, left=0, ctx=8, out=1, pool=DEVICE, arrival=0):

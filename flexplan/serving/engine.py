@@ -294,6 +294,7 @@ class Engine:
         unknown = [rid for rid in plan.request_ids + plan.swap_out + plan.swap_in + plan.preempted if rid not in known]
         if unknown:
             raise FlexplanError(f"the scheduler's plan names requests the engine does not hold: {unknown[:5]}")
+        self._check_blocks(plan, waiting)
         for rid in plan.preempted:  # back to the front of the queue, its KV recomputed later
             r = self._running.pop(rid)
             self.blocks.free(rid)
@@ -328,6 +329,35 @@ class Engine:
             segments.append(Segment(rid, (r.output[-1],), r.computed))
             r.computed += 1
         return segments
+
+    def _check_blocks(self, plan: IterationPlan, waiting: dict[str, _Request]) -> None:
+        """Refuse, before anything changes, a plan whose swaps and allocations do not fit the pools
+        (a scheduler's bug: the engine stays as it was, and the message says where it fell short)."""
+        bm = self.blocks
+        free = bm.usage()[1]
+        pool = {rid: bm.pool_of(rid) for rid in self._running}
+        held = {rid: len(bm.tables[rid].blocks) if rid in bm.tables else 0 for rid in self._running}
+        for rid in plan.preempted:
+            free[pool.pop(rid)] += held[rid]
+        for rid, to in [(r, HOST) for r in plan.swap_out] + [(r, DEVICE) for r in plan.swap_in]:
+            if pool.get(rid) not in (None, to):
+                free[pool[rid]] += held[rid]
+                free[to] -= held[rid]
+                pool[rid] = to
+        tokens = {rid: bm.num_tokens(rid) for rid in pool}
+        new = [(rid, n) for rid, n in plan.prefill]
+        new += [(rid, 1) for rid in plan.device_decodes + plan.host_decodes]
+        for rid, n in new:
+            if rid not in pool:  # admitted now
+                pool[rid] = HOST if rid in plan.prefill_host or not bm.pools[DEVICE].num_blocks else DEVICE
+                held[rid], tokens[rid] = 0, 0
+            need = bm.blocks_for(tokens[rid] + n) - held[rid]
+            free[pool[rid]] -= max(0, need)
+            held[rid], tokens[rid] = held[rid] + max(0, need), tokens[rid] + n
+        short = {p: -f for p, f in free.items() if f < 0}
+        if short:
+            raise FlexplanError(f"the scheduler's plan needs more KV blocks than the pools have free (short by "
+                                f"{short}); nothing was changed: a scheduler should count EngineState.free_blocks")
 
     def _append(self, r: _Request, token: int) -> None:
         r.output.append(token)
