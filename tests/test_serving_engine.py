@@ -331,6 +331,8 @@ def test_bad_inputs_say_what_would_work(models):
         assert not e.abort("never-added")
         drain(e)
         assert_freed(e)
+    with pytest.raises(InvalidInputError, match="use one of"):
+        Engine.from_pretrained("/nonexistent", cpu_linear_kernel="bogus")  # refused before anything loads
     with pytest.raises(InvalidInputError, match="token_budget"):
         Engine(model, host_blocks=8, token_budget=0)
     with pytest.raises(InvalidInputError, match="no block"):

@@ -20,6 +20,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from flexplan.errors import FlexplanError, InvalidInputError, UnsupportedModelError
+from flexplan.executor import cpu_linear
 from flexplan.serving import sampling
 from flexplan.serving.fcfs import FcfsScheduler
 from flexplan.serving.kv_blocks import (
@@ -151,12 +152,22 @@ class Engine:
 
     @classmethod
     def from_pretrained(cls, path=None, *, device: str | None = None, dtype: torch.dtype = torch.float32,
-                        **engine_kwargs) -> Engine:
-        """An engine over a transformers checkpoint folder or hub name (None: the embedded SmolLM2)."""
+                        cpu_linear_kernel: str | None = None, **engine_kwargs) -> Engine:
+        """An engine over a transformers checkpoint folder or hub name (None: the embedded SmolLM2),
+        on ``device`` (default: the CPU). On the CPU its linears take ``cpu_linear_kernel`` (default:
+        flexplan's fastest here, :func:`flexplan.executor.cpu_linear.default_kernel`): the engine owns
+        this model, so its weights are packed once for the kernel that streams them (a decode batch
+        is a few rows: a GEMV's read of the weights, not a GEMM)."""
+        kernel = cpu_linear_kernel or cpu_linear.default_kernel()
+        why = cpu_linear.kernel_unavailable(kernel)
+        if why:
+            raise InvalidInputError(why.replace("linear_kernel=", "cpu_linear_kernel="))
         path = str(path) if path is not None else str(default_model_dir(verbose=False))
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
         if device is not None:
             model = model.to(device)
+        if next(model.parameters()).device.type == "cpu" and kernel != cpu_linear.KERNEL_PLAIN:
+            cpu_linear.pack_module(model, None, kernel)
         return cls(model, AutoTokenizer.from_pretrained(path), **engine_kwargs)
 
     def close(self) -> None:
