@@ -14,7 +14,6 @@ import functools
 import itertools
 import threading
 from collections import deque
-from dataclasses import dataclass, field
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -32,11 +31,10 @@ from flexplan.serving.kv_blocks import (
     text_config,
 )
 from flexplan.serving.model_runner import ModelRunner, Segment
-from flexplan.serving.state import EngineState, RequestState
+from flexplan.serving.request import Request
+from flexplan.serving.state import EngineState
 from flexplan.serving.types import (
     FINISH_ABORT,
-    FINISH_LENGTH,
-    FINISH_STOP,
     EngineStats,
     IterationPlan,
     RequestOutput,
@@ -69,33 +67,6 @@ def available_host_bytes() -> int:
     except OSError:
         pass
     return 2**30
-
-
-@dataclass
-class _Request:
-    request_id: str
-    prompt: list[int]
-    params: SamplingParams
-    arrival: int
-    generator: torch.Generator | None
-    detok: sampling.Detokenizer
-    output: list[int] = field(default_factory=list)
-    computed: int = 0  # tokens whose KV the blocks hold
-    new_tokens: list[int] = field(default_factory=list)  # since the last output
-    finish_reason: str | None = None
-
-    @property
-    def tokens(self) -> list[int]:
-        return self.prompt + self.output
-
-    @property
-    def decoding(self) -> bool:
-        return bool(self.output) and self.computed == len(self.prompt) + len(self.output) - 1
-
-    def view(self, pool: str | None) -> RequestState:
-        left = 0 if self.decoding and pool is not None else len(self.prompt) + len(self.output) - self.computed
-        return RequestState(self.request_id, len(self.prompt), left, self.computed, len(self.output),
-                            self.params.max_tokens, pool, self.arrival)
 
 
 class Engine:
@@ -141,9 +112,9 @@ class Engine:
         self.scheduler = scheduler if scheduler is not None else FcfsScheduler()
         self.token_budget, self.max_running, self.accelerator = token_budget, max_running, on_accelerator
         self.eos = sampling.eos_token_ids(model, tokenizer)
-        self._waiting: deque[_Request] = deque()
-        self._running: dict[str, _Request] = {}
-        self._aborted: list[_Request] = []
+        self._waiting: deque[Request] = deque()
+        self._running: dict[str, Request] = {}
+        self._aborted: list[Request] = []
         self._arrivals = itertools.count()
         self._iterations, self._last_mode = 0, ""
         self._prompt_total = self._generated_total = 0
@@ -203,7 +174,7 @@ class Engine:
             what = f"ask for max_tokens={fits} at most" if fits > 0 else "give the engine more KV blocks"
             raise InvalidInputError(f"a {n}-token prompt with max_tokens={params.max_tokens} needs {need} KV blocks; "
                                     f"the largest pool holds {most}: {what}")
-        r = _Request(request_id, prompt, params, next(self._arrivals), sampling.request_generator(params),
+        r = Request(request_id, prompt, params, next(self._arrivals), sampling.request_generator(params),
                      sampling.Detokenizer(self.tokenizer, prompt, params.stop))
         self._waiting.append(r)
         self._prompt_total += n
@@ -271,7 +242,7 @@ class Engine:
         """One iteration: the scheduler's plan carried out, one forward pass, one token per
         request that finished its prefill or decoded. Outputs of requests that produced tokens,
         finished or were aborted."""
-        outputs = [self._output(r) for r in self._aborted]
+        outputs = [r.take_output() for r in self._aborted]
         self._aborted = []
         if not (self._waiting or self._running):
             return outputs
@@ -286,11 +257,12 @@ class Engine:
         sampled = [self._running[s.request_id] for s in segments if s.logits]
         tokens = sampling.sample(logits, [r.params for r in sampled], [r.generator for r in sampled])
         for r, t in zip(sampled, tokens):
-            self._append(r, t)
+            r.append(t, self.eos, self.max_model_len)
+        self._generated_total += len(tokens)
         for s in segments:
             r = self._running[s.request_id]
             if r.new_tokens or r.finish_reason:
-                outputs.append(self._output(r))
+                outputs.append(r.take_output())
             if r.finish_reason:
                 self.blocks.free(r.request_id)
                 del self._running[r.request_id]
@@ -341,7 +313,7 @@ class Engine:
             r.computed += 1
         return segments
 
-    def _check_blocks(self, plan: IterationPlan, waiting: dict[str, _Request]) -> None:
+    def _check_blocks(self, plan: IterationPlan, waiting: dict[str, Request]) -> None:
         """Refuse, before anything changes, a plan whose swaps and allocations do not fit the pools
         (a scheduler's bug: the engine stays as it was, and the message says where it fell short)."""
         bm = self.blocks
@@ -369,22 +341,6 @@ class Engine:
         if short:
             raise FlexplanError(f"the scheduler's plan needs more KV blocks than the pools have free (short by "
                                 f"{short}); nothing was changed: a scheduler should count EngineState.free_blocks")
-
-    def _append(self, r: _Request, token: int) -> None:
-        r.output.append(token)
-        r.new_tokens.append(token)
-        self._generated_total += 1
-        r.detok.push(token)
-        if token in self.eos and not r.params.ignore_eos or r.detok.stopped:
-            r.finish_reason = FINISH_STOP
-        elif len(r.output) >= r.params.max_tokens or len(r.tokens) >= self.max_model_len:
-            r.finish_reason = FINISH_LENGTH
-
-    def _output(self, r: _Request) -> RequestOutput:
-        out = RequestOutput(r.request_id, tuple(r.new_tokens), r.detok.new_text(final=r.finish_reason is not None),
-                            r.finish_reason is not None, r.finish_reason, len(r.prompt), len(r.output))
-        r.new_tokens = []
-        return out
 
     # ---- convenience ----
     def generate(self, prompts, params: SamplingParams | list[SamplingParams] | None = None) -> list[RequestOutput]:
