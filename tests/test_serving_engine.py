@@ -223,10 +223,17 @@ class ForcedScheduler(FcfsScheduler):
                              swap_out=swap_out, swap_in=swap_in, preempted=plan.preempted, prefill_host=host_prefill)
 
 
-def test_host_pool_and_swaps_keep_the_tokens(models):
+@pytest.mark.parametrize("pipelined", [False, True])
+def test_host_pool_and_swaps_keep_the_tokens(models, pipelined):
+    """Also with NEO's two sub-batches run at once in threads (the host decodes' attention on the
+    CPU beside the other sub-batch's forward)."""
     model = models["qwen2"]
     refs = [alone(model, p) for p in PROMPTS[:3]]
-    with Engine(model, device_blocks=32, host_blocks=32, block_size_tokens=4, scheduler=ForcedScheduler()) as e:
+    with Engine(model, device_blocks=32, host_blocks=32, block_size_tokens=4, scheduler=ForcedScheduler(),
+                asymmetric_pipelining=pipelined) as e:
+        split = []
+        inner = e.runner.forward_sub_batches
+        e.runner.forward_sub_batches = lambda parts: split.append([len(p) for p in parts]) or inner(parts)
         for rid, p in zip("hsx", PROMPTS[:3]):
             e.add_request(rid, p, GREEDY)
         got = drain(e, steps=1)
@@ -236,6 +243,7 @@ def test_host_pool_and_swaps_keep_the_tokens(models):
             got = drain(e, got, steps=1)
             pools_of_s.append(e.blocks.pool_of("s"))
         assert HOST in pools_of_s and pools_of_s[pools_of_s.index(HOST):].count(DEVICE) > 0  # out, then back in
+        assert bool(split) == pipelined and (not pipelined or any(min(parts) > 0 for parts in split))
         assert [got[r][0] for r in "hsx"] == refs
         assert_freed(e)
 

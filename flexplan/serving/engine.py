@@ -30,11 +30,13 @@ from flexplan.serving.kv_blocks import (
     blocks_in_bytes,
     text_config,
 )
-from flexplan.serving.model_runner import ModelRunner, Segment
+from flexplan.serving.model_runner import ModelRunner
+from flexplan.serving.ragged_batch import Segment
 from flexplan.serving.request import Request
 from flexplan.serving.state import EngineState
 from flexplan.serving.types import (
     FINISH_ABORT,
+    MODE_ASYMMETRIC,
     EngineStats,
     IterationPlan,
     RequestOutput,
@@ -81,7 +83,7 @@ class Engine:
 
     def __init__(self, model, tokenizer=None, *, device_blocks: int | None = None, host_blocks: int | None = None,
                  block_size_tokens: int = BLOCK_SIZE_TOKENS, token_budget: int = 512, max_running: int = 256,
-                 max_model_len: int | None = None, scheduler=None):
+                 max_model_len: int | None = None, scheduler=None, asymmetric_pipelining: bool | None = None):
         if hasattr(model, "executor") and hasattr(model, "model"):  # a FlexModel: its layers run under its executor
             raise UnsupportedModelError(
                 "the engine runs a transformers model with its weights where they are; a FlexModel's placed layers "
@@ -111,6 +113,9 @@ class Engine:
         self.runner = ModelRunner(model, self.blocks)
         self.scheduler = scheduler if scheduler is not None else FcfsScheduler()
         self.token_budget, self.max_running, self.accelerator = token_budget, max_running, on_accelerator
+        # an asymmetric plan's two sub-batches run at once where the CPU's attention overlaps an
+        # accelerator's kernels; with the CPU alone they would only share its cores
+        self.asymmetric_pipelining = on_accelerator if asymmetric_pipelining is None else bool(asymmetric_pipelining)
         self.eos = sampling.eos_token_ids(model, tokenizer)
         self._waiting: deque[Request] = deque()
         self._running: dict[str, Request] = {}
@@ -253,7 +258,12 @@ class Engine:
         self._last_mode = plan.mode
         if not segments:
             return outputs
-        logits = self.runner.forward(segments)
+        if plan.mode == MODE_ASYMMETRIC and self.asymmetric_pipelining:
+            host = set(plan.host_decodes)  # sub-batch 1; the segments list them last, so the order holds
+            logits = self.runner.forward_sub_batches([[s for s in segments if s.request_id not in host],
+                                                      [s for s in segments if s.request_id in host]])
+        else:
+            logits = self.runner.forward(segments)
         sampled = [self._running[s.request_id] for s in segments if s.logits]
         tokens = sampling.sample(logits, [r.params for r in sampled], [r.generator for r in sampled])
         for r, t in zip(sampled, tokens):
@@ -304,10 +314,6 @@ class Engine:
             r.computed += n
         for rid, pool in [(rid, DEVICE) for rid in plan.device_decodes] + [(rid, HOST) for rid in plan.host_decodes]:
             r = self._running[rid]
-            if not r.decoding or self.blocks.pool_of(rid) != pool:
-                raise FlexplanError(f"the scheduler's plan decodes {rid!r} in the {pool} pool; it is "
-                                    f"{'decoding' if r.decoding else 'not decoding'} in the "
-                                    f"{self.blocks.pool_of(rid)} pool")
             self.blocks.append(rid, 1)
             segments.append(Segment(rid, (r.output[-1],), r.computed))
             r.computed += 1
@@ -327,6 +333,12 @@ class Engine:
                 free[pool[rid]] += held[rid]
                 free[to] -= held[rid]
                 pool[rid] = to
+        for rid, where in [(r, DEVICE) for r in plan.device_decodes] + [(r, HOST) for r in plan.host_decodes]:
+            r = self._running.get(rid)
+            if r is None or not r.decoding or pool.get(rid) != where:
+                raise FlexplanError(f"the scheduler's plan decodes {rid!r} in the {where} pool; after its swaps it "
+                                    f"is {'decoding' if r is not None and r.decoding else 'not decoding'} in the "
+                                    f"{pool.get(rid)} pool; nothing was changed")
         tokens = {rid: bm.num_tokens(rid) for rid in pool}
         new = [(rid, n) for rid, n in plan.prefill]
         new += [(rid, 1) for rid in plan.device_decodes + plan.host_decodes]

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import copy
 import inspect
-from dataclasses import dataclass
+import threading
 
 import torch
 from torch import nn
@@ -41,7 +41,8 @@ from flexplan.errors import UnsupportedModelError
 from flexplan.executor import cpu_attention, native
 from flexplan.executor.families import CACHE_KWARG
 from flexplan.serving import paged_attention
-from flexplan.serving.kv_blocks import BlockManager, BlockPool, text_config
+from flexplan.serving.kv_blocks import BlockManager, text_config
+from flexplan.serving.ragged_batch import Group, RaggedBatch, Segment
 
 NAME = "flexplan_paged"  # the attention implementation the runner's modules name
 RUNNER = "_flexplan_paged_runner"  # module attribute: the runner whose iteration it serves
@@ -49,68 +50,19 @@ INNER = "_flexplan_paged_inner"  # config attribute: the implementation the modu
 _registered = False
 
 
-@dataclass(frozen=True)
-class Segment:
-    """One request's share of an iteration: ``token_ids`` at positions ``start..``; its KV pool
-    already holds room for them (``BlockManager.append``); ``logits``: whether its last token's
-    next-token logits are wanted (a finished prefill, a decode)."""
-
-    request_id: str
-    token_ids: tuple[int, ...]
-    start: int
-    logits: bool = True
-
-
-@dataclass
-class _Group:
-    """Requests of one pool attended together: padded query rows and key slots per request."""
-
-    pool: BlockPool
-    q_index: torch.Tensor  # [N, maxQ] token indices into the flattened batch (model device)
-    q_valid: torch.Tensor  # [N, maxQ] bool (model device)
-    q_pos: torch.Tensor  # [N, maxQ] positions (pool device)
-    kv_slots: torch.Tensor  # [N, maxK] slots in the pool (pool device)
-    kv_len: torch.Tensor  # [N] keys each request attends (pool device)
-    decode: bool  # one query per request
-    tables: torch.Tensor  # [N, max_blocks] block ids (CPU, int64): what the paged kernel reads
-    masks: dict
-
-    def __post_init__(self):
-        self.rows = self.q_index[self.q_valid]  # the group's tokens in the flattened batch, row by row
-
-    def kv_lo(self, window: int | None) -> torch.Tensor:
-        """[N] the first key a decode's query attends: its window's start (0 without one)."""
-        if ("lo", window) not in self.masks:
-            lo = (self.kv_len.cpu() - window).clamp(min=0) if window else torch.zeros_like(self.kv_len.cpu())
-            self.masks[("lo", window)] = lo.contiguous()
-        return self.masks[("lo", window)]
-
-    def mask(self, window: int | None) -> torch.Tensor:
-        """[N, 1, maxQ, maxK] bool, True = attend: the request's own keys up to its query's
-        position, within the window (transformers' ``kv > q - window``)."""
-        if window not in self.masks:
-            j = torch.arange(self.kv_slots.shape[1], device=self.kv_slots.device)
-            m = (j[None, None, :] < self.kv_len[:, None, None]) & (j[None, None, :] <= self.q_pos[:, :, None])
-            if window:
-                m &= j[None, None, :] > self.q_pos[:, :, None] - window
-            m[:, :, 0] |= ~self.q_valid.to(m.device)  # a padded query row attends key 0: no NaN row
-            self.masks[window] = m[:, None]
-        return self.masks[window]
-
-
 class PagedCache(Cache):
     """The model's cache for one iteration: ``update`` writes the new K/V into the pools."""
 
     is_compileable = False
 
-    def __init__(self, runner: ModelRunner):  # no layers: the pools are the storage
-        self.runner = runner
+    def __init__(self, runner: ModelRunner, batch: RaggedBatch):  # no layers: the pools are the storage
+        self.runner, self.batch = runner, batch
         self.layers = []
         self.layer_class_to_replicate = None
         self.offloading = False
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
-        self.runner.write(layer_idx, key_states, value_states)
+        self.runner.write(self.batch, layer_idx, key_states, value_states)
         return key_states, value_states
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
@@ -122,8 +74,9 @@ class PagedCache(Cache):
 
 def _dispatch(module: nn.Module, query, key, value, attention_mask, **kwargs):
     runner = module.__dict__.get(RUNNER)
-    if runner is not None and runner.active:
-        return runner.attention(module, query, **kwargs)
+    batch = runner.batch() if runner is not None else None
+    if batch is not None:
+        return runner.attention(batch, module, query, **kwargs)
     name = getattr(module.config, INNER, "eager")
     eager = inspect.getmodule(type(module)).__dict__.get("eager_attention_forward")
     inner = eager if name in (None, "eager") else ALL_ATTENTION_FUNCTIONS.get_interface(name, eager)
@@ -167,9 +120,7 @@ class ModelRunner:
         self.model = model
         self.blocks = blocks
         self.device = next(model.parameters()).device
-        self.active = False
-        self._writes: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # pool -> (token index, slots)
-        self._groups: list[_Group] = []
+        self._local = threading.local()  # the batch this thread's forward runs (sub-batches run in threads)
         self._placeholder_mask = torch.ones(1, 1, 1, 1, dtype=torch.bool, device=self.device)
         self._takes_logits_to_keep = "logits_to_keep" in inspect.signature(type(model).forward).parameters
         self.modules = self._install()
@@ -215,83 +166,71 @@ class ModelRunner:
         self.modules = []
 
     # ---- one iteration ----
+    def batch(self) -> RaggedBatch | None:
+        """The batch of the forward this thread runs now (None: the model runs as it was loaded)."""
+        return getattr(self._local, "batch", None)
+
     @torch.inference_mode()
     def forward(self, segments: list[Segment]) -> torch.Tensor:
         """The next-token logits (float32, CPU) of the segments that want them, in their order."""
-        ids, pos, keep = [], [], []
-        for s in segments:
-            ids.extend(s.token_ids)
-            pos.extend(range(s.start, s.start + len(s.token_ids)))
-            if s.logits:
-                keep.append(len(ids) - 1)
-        self._prepare(segments)
+        batch = RaggedBatch(segments, self.blocks, self.device)
         dev = self.device
-        kwargs = {"input_ids": torch.tensor([ids], device=dev), "position_ids": torch.tensor([pos], device=dev),
-                  "attention_mask": self._placeholder_mask, "use_cache": True}
-        kwargs[CACHE_KWARG] = PagedCache(self)
-        keep_t = torch.tensor(keep, dtype=torch.long, device=dev)
+        kwargs = {"input_ids": torch.tensor([batch.ids], device=dev),
+                  "position_ids": torch.tensor([batch.positions], device=dev),
+                  "attention_mask": self._placeholder_mask, "use_cache": True, CACHE_KWARG: PagedCache(self, batch)}
+        keep = torch.tensor(batch.keep, dtype=torch.long, device=dev)
         if self._takes_logits_to_keep:
-            kwargs["logits_to_keep"] = keep_t
-        self.active = True
+            kwargs["logits_to_keep"] = keep
+        self._local.batch = batch
         try:
             logits = self.model(**kwargs).logits[0]
         finally:
-            self.active = False
-            self._writes, self._groups = {}, []
+            self._local.batch = None
         if not self._takes_logits_to_keep:
-            logits = logits.index_select(0, keep_t)
+            logits = logits.index_select(0, keep)
         return logits.float().cpu()
 
-    def _prepare(self, segments: list[Segment]) -> None:
-        """Per pool: where each new token's K/V goes; per (pool, decode or not): the groups."""
-        offset = 0
-        by_pool: dict[str, list[tuple[Segment, int]]] = {}
-        for s in segments:
-            by_pool.setdefault(self.blocks.pool_of(s.request_id), []).append((s, offset))
-            offset += len(s.token_ids)
-        for name, members in by_pool.items():
-            pool = self.blocks.pools[name]
-            tok = torch.cat([torch.arange(o, o + len(s.token_ids)) for s, o in members])
-            slots = torch.cat([self.blocks.slots(s.request_id, s.start, s.start + len(s.token_ids))
-                               for s, _ in members])
-            self._writes[name] = (tok.to(self.device), slots.to(pool.device))
-            decodes = [(s, o) for s, o in members if len(s.token_ids) == 1]
-            chunks = [(s, o) for s, o in members if len(s.token_ids) > 1]
-            for part, decode in ((decodes, True), (chunks, False)):
-                if part:
-                    self._groups.append(self._group(pool, part, decode))
+    def forward_sub_batches(self, sub_batches: list[list[Segment]]) -> torch.Tensor:
+        """NEO's asymmetric pipelining: each sub-batch its own forward, run at once in threads (on
+        an accelerator each on its own stream), so one's attention on the CPU beside the host pool
+        overlaps the other's kernels on the accelerator; the logits in the order of the segments
+        of all sub-batches. The CPU's attention kernel and PyTorch's ops release the GIL."""
+        parts = [b for b in sub_batches if b]
+        if len(parts) <= 1:
+            return self.forward(parts[0] if parts else [])
+        out: list = [None] * len(parts)
+        streams = [torch.cuda.Stream(self.device) for _ in parts] if self.device.type == "cuda" else None
 
-    def _group(self, pool: BlockPool, members: list[tuple[Segment, int]], decode: bool) -> _Group:
-        n = len(members)
-        max_q = max(len(s.token_ids) for s, _ in members)
-        kv_len = [s.start + len(s.token_ids) for s, _ in members]
-        max_k = max(kv_len)
-        q_index = torch.zeros(n, max_q, dtype=torch.long)
-        q_valid = torch.zeros(n, max_q, dtype=torch.bool)
-        q_pos = torch.zeros(n, max_q, dtype=torch.long)
-        kv_slots = torch.zeros(n, max_k, dtype=torch.long)
-        tables = torch.zeros(n, self.blocks.blocks_for(max_k), dtype=torch.long)
-        for r, (s, o) in enumerate(members):
-            held = self.blocks.tables[s.request_id].blocks
-            tables[r, :len(held)] = torch.tensor(held, dtype=torch.long)
-            q = len(s.token_ids)
-            q_index[r, :q] = torch.arange(o, o + q)
-            q_valid[r, :q] = True
-            q_pos[r, :q] = torch.arange(s.start, s.start + q)
-            kv_slots[r, :kv_len[r]] = self.blocks.slots(s.request_id, 0, kv_len[r])
-        pd = pool.device
-        return _Group(pool, q_index.to(self.device), q_valid.to(self.device), q_pos.to(pd), kv_slots.to(pd),
-                      torch.tensor(kv_len, device=pd), decode, tables, {})
+        def run(i: int) -> None:
+            try:
+                if streams is None:
+                    out[i] = self.forward(parts[i])
+                else:
+                    with torch.cuda.stream(streams[i]):
+                        out[i] = self.forward(parts[i])
+            except BaseException as e:  # noqa: BLE001 - raised again in the caller's thread
+                out[i] = e
 
-    def write(self, layer: int, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        threads = [threading.Thread(target=run, args=(i,), name=f"flexplan-sub-batch-{i}") for i in range(1, len(parts))]
+        for t in threads:
+            t.start()
+        run(0)
+        for t in threads:
+            t.join()
+        for o in out:
+            if isinstance(o, BaseException):
+                raise o
+        return torch.cat(out)
+
+    def write(self, batch: RaggedBatch, layer: int, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         """The layer's new K/V ([1, heads, T, dim]) into each token's slot."""
-        for name, (tok, slots) in self._writes.items():
+        for name, (tok, slots) in batch.writes.items():
             pool = self.blocks.pools[name]
             for store, states in ((pool.k_slots, key_states), (pool.v_slots, value_states)):
                 new = states[0].transpose(0, 1).index_select(0, tok)  # [n, heads, dim]
                 store[layer].index_copy_(0, slots, new.to(pool.device, store.dtype))
 
-    def _past(self, g: _Group, module: nn.Module, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _past(self, g: Group, module: nn.Module, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Each request's keys and values, [N, heads, maxK, dim] (padded; the mask hides the pad).
         A module that caches a latent (MLA) expands it with its own ``expand_kv``, on its device."""
         n, max_k = g.kv_slots.shape
@@ -303,7 +242,8 @@ class ModelRunner:
             k, v = module.expand_kv(k.to(self.device), v.to(self.device))
         return k, v
 
-    def attention(self, module: nn.Module, query: torch.Tensor, **kwargs) -> tuple[torch.Tensor, None]:
+    def attention(self, batch: RaggedBatch, module: nn.Module, query: torch.Tensor,
+                  **kwargs) -> tuple[torch.Tensor, None]:
         """Each request's queries against its own keys; [1, T, heads, v_dim] as transformers'
         attention functions return."""
         layer = module.layer_idx
@@ -314,9 +254,9 @@ class ModelRunner:
         sinks = getattr(module, "sinks", None)
         # the groups in the device pool first: their kernels queue on the accelerator and run while the
         # CPU attends beside the host pool (the CPU's queries copied before, so no copy waits on them)
-        host_q = {id(g): self._cpu_rows(g, query) for g in self._groups
+        host_q = {id(g): self._cpu_rows(g, query) for g in batch.groups
                   if g.pool.device.type == "cpu" and query.device.type != "cpu"}
-        for g in sorted(self._groups, key=lambda g: g.pool.device.type == "cpu"):
+        for g in sorted(batch.groups, key=lambda g: g.pool.device.type == "cpu"):
             q = host_q.get(id(g), query)
             res = None if softcap or sinks is not None else self._decode_paged(g, module, q, layer, window, scale)
             if res is None:
@@ -328,7 +268,7 @@ class ModelRunner:
         return out.unsqueeze(0), None
 
     @staticmethod
-    def _cpu_rows(g: _Group, query: torch.Tensor) -> torch.Tensor:
+    def _cpu_rows(g: Group, query: torch.Tensor) -> torch.Tensor:
         """A copy of ``query`` on the CPU with the group's rows (the others zero): one device-to-host
         copy of what the host pool's requests need."""
         rows = g.rows
@@ -336,7 +276,7 @@ class ModelRunner:
         q[:, :, rows.cpu()] = query[:, :, rows].cpu()
         return q
 
-    def _attend(self, g: _Group, module: nn.Module, query, layer: int, window, scale: float, softcap,
+    def _attend(self, g: Group, module: nn.Module, query, layer: int, window, scale: float, softcap,
                 sinks) -> torch.Tensor:
         """The group's past gathered, then attended: [N, hq, maxQ, v_dim]."""
         keys, values = self._past(g, module, layer)
@@ -354,7 +294,7 @@ class ModelRunner:
                                                                  enable_gqa=hq != keys.shape[1])
         return res
 
-    def _decode_paged(self, g: _Group, module: nn.Module, query, layer: int, window, scale: float):
+    def _decode_paged(self, g: Group, module: nn.Module, query, layer: int, window, scale: float):
         """A decode group in a CPU pool by the paged kernel, reading its blocks where they lie:
         [N, hq, 1, d], or None where it does not apply (prefill, an accelerator pool, a latent
         cache, K and V of other widths than the query)."""
@@ -373,7 +313,7 @@ class ModelRunner:
         return out.unsqueeze(2).to(query.dtype)
 
     @staticmethod
-    def _decode_native(g: _Group, q, keys, values, window, scale: float) -> torch.Tensor | None:
+    def _decode_native(g: Group, q, keys, values, window, scale: float) -> torch.Tensor | None:
         """One query per request on the CPU by flexplan's native decode kernel: [N, hq, 1, d]."""
         if not (g.decode and q.device.type == "cpu" and keys.dtype in native.ATTENTION_KV_DTYPES
                 and keys.shape[-1] == values.shape[-1] == q.shape[-1] and keys.stride() == values.stride()):
