@@ -200,6 +200,8 @@ class ModelRunner:
             return self.forward(parts[0] if parts else [])
         out: list = [None] * len(parts)
         streams = [torch.cuda.Stream(self.device) for _ in parts] if self.device.type == "cuda" else None
+        for st in streams or ():
+            st.wait_stream(torch.cuda.current_stream(self.device))  # the swaps queued before this iteration
 
         def run(i: int) -> None:
             try:
