@@ -1,0 +1,317 @@
+"""Serving under load: flexplan's engine against one request at a time, llama-server and transformers serve.
+
+An asyncio client replays request lengths from the Azure LLM code trace (``../shared/traces``) with
+Poisson arrivals at each ``--rates`` value (requests/s), against each target in turn, round after
+round (interleaved), a STREAM triad sample beside each run:
+
+- ``flexplan``: ``flexplan serve`` (the engine, continuous batching) over HTTP;
+- ``sequential``: flexplan's own ``generate()``, one request at a time, in this process;
+- ``llama-server``: llama.cpp's server (continuous batching, ``-np`` slots) on the same weights in the
+  same precision (an F32 GGUF made from the shipped Q4_1 file with ``llama-quantize``: the values
+  flexplan's float32 folder holds), the same threads;
+- ``transformers``: ``transformers serve --continuous-batching`` on the same float32 folder.
+
+Prompts are random token ids of the trace's lengths (the trace gives lengths, not text), the output
+length forced (``ignore_eos``). The trace is scaled to the model and machine: each input length
+divided by ``--input-scale`` and capped at ``--input-cap``, each output capped at ``--output-cap``
+(the result says so). Per target and rate: request and token throughput, TTFT / TPOT / inter-token
+latency p50 / p90 / p99 and goodput under the SLO (``--slo-ttft-s``, ``--slo-tpot-s``).
+
+    python benchmarks/bench_serving_load.py --requests 32 --rates 0.5,1,2 --rounds 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import csv
+import json
+import math
+import os
+import random
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+from common import REPO_ROOT, machine_description, write_result  # noqa: E402
+
+TRACE = REPO_ROOT.parent / "shared" / "traces" / "azure_llm_2023_code.csv"
+LLAMA_BIN = Path(os.environ.get("LLAMA_CPP_BIN", "/work/llamacpp/llama_cpp_python-0.3.36/vendor/llama.cpp/build/bin"))
+F32_GGUF = Path.home() / ".cache" / "flexplan" / "bench" / "SmolLM2-135M-Instruct.F32.gguf"
+TARGETS = ("flexplan", "sequential", "llama-server", "transformers")
+
+
+def trace_requests(n: int, input_scale: float, input_cap: int, output_cap: int, seed: int) -> list[tuple[int, int]]:
+    """(input tokens, output tokens) of ``n`` consecutive trace requests from a seeded start, scaled."""
+    with open(TRACE, newline="") as f:
+        rows = [(int(r["ContextTokens"]), int(r["GeneratedTokens"])) for r in csv.DictReader(f)]
+    start = random.Random(seed).randrange(0, len(rows) - n)
+    return [(max(1, min(input_cap, math.ceil(c / input_scale))), max(1, min(output_cap, g)))
+            for c, g in rows[start:start + n]]
+
+
+def arrivals_s(n: int, rate_per_s: float, seed: int) -> list[float]:
+    """Poisson arrivals: exponential gaps of mean 1 / rate."""
+    rng, t, out = random.Random(seed), 0.0, []
+    for _ in range(n):
+        out.append(t)
+        t += rng.expovariate(rate_per_s)
+    return out
+
+
+def prompts(lengths: list[tuple[int, int]], vocab: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(1000, vocab - 1000) for _ in range(i)] for i, _ in lengths]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def triad_gbs() -> float:
+    sys.path.insert(0, str(REPO_ROOT))
+    from flexplan.measure.stream import stream_triad_bytes_per_s
+
+    return round(stream_triad_bytes_per_s(128 * 2**20, repeats=3) / 1e9, 1)
+
+
+# ----------------------------------------------------------------------------- targets
+
+
+class HttpTarget:
+    """A server started as a subprocess, answering OpenAI's /v1/completions with SSE streaming."""
+
+    def __init__(self, name: str, cmd: list[str], port: int, model: str, env: dict | None = None):
+        self.name, self.cmd, self.port, self.model, self.env = name, cmd, port, model, env
+        self.proc: subprocess.Popen | None = None
+        self.log = tempfile.NamedTemporaryFile(prefix=f"bench-{name}-", suffix=".log", delete=False)
+
+    def start(self, timeout_s: float = 300.0) -> None:
+        import httpx
+
+        self.proc = subprocess.Popen(self.cmd, stdout=self.log, stderr=subprocess.STDOUT, env=self.env,
+                                     start_new_session=True)
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise SystemExit(f"{self.name} exited ({self.proc.returncode}); log: {self.log.name}")
+            try:
+                if httpx.get(f"http://127.0.0.1:{self.port}/health", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        raise SystemExit(f"{self.name} did not become healthy in {timeout_s:.0f} s; log: {self.log.name}")
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(20)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc = None
+
+    async def request(self, client, ids: list[int], max_tokens: int) -> tuple[float, list[float], int]:
+        """(send time, each streamed chunk's arrival time, completion tokens the server reports)."""
+        body = {"model": self.model, "prompt": ids, "max_tokens": max_tokens, "temperature": 0.0, "stream": True,
+                "ignore_eos": True, "stream_options": {"include_usage": True}}
+        t0, times, used = time.perf_counter(), [], None
+        async with client.stream("POST", f"http://127.0.0.1:{self.port}/v1/completions", json=body) as r:
+            if r.status_code != 200:
+                raise RuntimeError(f"{self.name}: HTTP {r.status_code}: {(await r.aread())[:300]!r}")
+            async for line in r.aiter_lines():
+                if not line.startswith("data:") or line.strip() == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[5:])
+                if chunk.get("usage"):
+                    used = chunk["usage"].get("completion_tokens", used)
+                if chunk.get("choices") and chunk["choices"][0].get("text"):
+                    times.append(time.perf_counter())
+        return t0, times, used if used is not None else len(times)
+
+
+class SequentialTarget:
+    """flexplan's own generate(), one request at a time in a worker thread (FIFO)."""
+
+    name = "sequential"
+
+    def __init__(self, model_dir: Path):
+        self.model_dir = model_dir
+        self.lm = None
+
+    def start(self) -> None:
+        sys.path.insert(0, str(REPO_ROOT))
+        import flexplan
+
+        self.lm = flexplan.load(str(self.model_dir), dtype="float32")
+        self.lock = threading.Lock()
+
+    def stop(self) -> None:
+        pass
+
+    async def request(self, client, ids: list[int], max_tokens: int) -> tuple[float, list[float], int]:
+        import torch
+
+        t0 = time.perf_counter()
+
+        class Stamp:  # transformers' streamer protocol: put() per new token, the prompt first
+            def __init__(self):
+                self.times, self.first = [], True
+
+            def put(self, value):
+                if self.first:
+                    self.first = False
+                    return
+                self.times.append(time.perf_counter())
+
+            def end(self):
+                pass
+
+        def run():
+            s = Stamp()
+            with self.lock:  # one request at a time: the next waits for this one's end
+                out = self.lm.generate(torch.tensor([ids]), max_new_tokens=max_tokens, min_new_tokens=max_tokens,
+                                       do_sample=False, streamer=s)
+            return s.times, int(out.shape[1]) - len(ids)
+
+        times, n = await asyncio.to_thread(run)
+        return t0, times, n
+
+
+# ----------------------------------------------------------------------------- one run
+
+
+def pct(xs: list[float], q: float) -> float | None:
+    if not xs:
+        return None
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(round(q / 100 * (len(xs) - 1))))]
+
+
+async def replay(target, ids: list[list[int]], lengths, arrivals: list[float]) -> list[dict]:
+    import httpx
+
+    async with httpx.AsyncClient(timeout=httpx.Timeout(600.0)) as client:
+        start = time.perf_counter()
+
+        async def one(k: int) -> dict:
+            await asyncio.sleep(max(0.0, start + arrivals[k] - time.perf_counter()))
+            t0, times, n = await target.request(client, ids[k], lengths[k][1])
+            return {"input": len(ids[k]), "output": n, "asked": lengths[k][1], "send": t0 - start,
+                    "times": [t - start for t in times]}
+
+        return await asyncio.gather(*(one(k) for k in range(len(ids))))
+
+
+def summarise(runs: list[dict], slo_ttft_s: float, slo_tpot_s: float) -> dict:
+    ttft = [r["times"][0] - r["send"] for r in runs if r["times"]]
+    tpot = [(r["times"][-1] - r["times"][0]) / (len(r["times"]) - 1) for r in runs if len(r["times"]) > 1]
+    itl = [b - a for r in runs for a, b in zip(r["times"], r["times"][1:])]
+    makespan = max(r["times"][-1] for r in runs if r["times"]) - min(r["send"] for r in runs)
+    good = sum(1 for r in runs if r["times"] and r["times"][0] - r["send"] <= slo_ttft_s
+               and (len(r["times"]) < 2 or (r["times"][-1] - r["times"][0]) / (len(r["times"]) - 1) <= slo_tpot_s))
+    out = {"requests": len(runs), "makespan_s": makespan, "request_throughput_per_s": len(runs) / makespan,
+           "token_throughput_per_s": sum(r["output"] for r in runs) / makespan, "goodput_per_s": good / makespan,
+           "short_outputs": sum(r["output"] < r["asked"] for r in runs)}
+    for name, xs in (("ttft_s", ttft), ("tpot_s", tpot), ("itl_s", itl)):
+        out.update({f"{name}_p{q}": pct(xs, q) for q in (50, 90, 99)})
+    return out
+
+
+def make_targets(names: list[str], model_dir: Path, threads: int, slots: int, ctx: int) -> dict:
+    out = {}
+    for name in names:
+        port = free_port()
+        if name == "flexplan":
+            out[name] = HttpTarget(name, [sys.executable, "-m", "flexplan", "serve", str(model_dir), "--host",
+                                          "127.0.0.1", "--port", str(port)], port, model_dir.name)
+        elif name == "sequential":
+            out[name] = SequentialTarget(model_dir)
+        elif name == "llama-server":
+            if not (LLAMA_BIN / "llama-server").exists() or not F32_GGUF.exists():
+                raise SystemExit(f"llama-server needs {LLAMA_BIN}/llama-server and {F32_GGUF} (see docs/serving.md)")
+            out[name] = HttpTarget(name, [str(LLAMA_BIN / "llama-server"), "-m", str(F32_GGUF), "-t", str(threads),
+                                          "-tb", str(threads), "-np", str(slots), "-c", str(slots * ctx), "--host",
+                                          "127.0.0.1", "--port", str(port)], port, model_dir.name)
+        elif name == "transformers":
+            exe = shutil.which("transformers") or "transformers"
+            out[name] = HttpTarget(name, [exe, "serve", "--continuous-batching", str(model_dir), "--host",
+                                          "127.0.0.1", "--port", str(port)], port, str(model_dir))
+        else:
+            raise SystemExit(f"unknown target {name!r}; use {', '.join(TARGETS)}")
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--targets", default=",".join(TARGETS))
+    ap.add_argument("--requests", type=int, default=32)
+    ap.add_argument("--rates", default="0.5,1,2", help="Poisson arrival rates, requests/s")
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--input-scale", type=float, default=8.0)
+    ap.add_argument("--input-cap", type=int, default=384)
+    ap.add_argument("--output-cap", type=int, default=64)
+    ap.add_argument("--threads", type=int, default=os.cpu_count())
+    ap.add_argument("--slots", type=int, default=16, help="llama-server's parallel slots")
+    ap.add_argument("--slo-ttft-s", type=float, default=2.0)
+    ap.add_argument("--slo-tpot-s", type=float, default=0.2)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--name", default="serving_load")
+    args = ap.parse_args()
+    sys.path.insert(0, str(REPO_ROOT))
+    from flexplan.smollm import default_model_dir
+
+    model_dir = default_model_dir()
+    lengths = trace_requests(args.requests, args.input_scale, args.input_cap, args.output_cap, args.seed)
+    ids = prompts(lengths, 49152, args.seed)
+    rates = [float(x) for x in args.rates.split(",")]
+    ctx = args.input_cap + args.output_cap + 16
+    targets = make_targets(args.targets.split(","), model_dir, args.threads, args.slots, ctx)
+    print(f"{len(lengths)} trace requests, inputs {min(i for i, _ in lengths)}-{max(i for i, _ in lengths)} tokens "
+          f"(trace / {args.input_scale:g}, cap {args.input_cap}), outputs {min(o for _, o in lengths)}-"
+          f"{max(o for _, o in lengths)} (cap {args.output_cap}); rates {rates} req/s; {args.rounds} rounds")
+    results: list[dict] = []
+    try:
+        for rnd in range(args.rounds):
+            for name, target in targets.items():
+                target.start()
+                try:
+                    asyncio.run(replay(target, ids[:2], [(i, 4) for i, _ in lengths[:2]], [0.0, 0.0]))  # warm-up
+                    for rate in rates:
+                        triad = triad_gbs()
+                        runs = asyncio.run(replay(target, ids, lengths, arrivals_s(len(ids), rate, args.seed + 1)))
+                        s = summarise(runs, args.slo_ttft_s, args.slo_tpot_s)
+                        results.append({"round": rnd + 1, "target": name, "rate_per_s": rate, "triad_gb_per_s": triad,
+                                        **s})
+                        print(f"round {rnd + 1} {name:<13} rate {rate:>4} req/s: {s['request_throughput_per_s']:.2f} "
+                              f"req/s, {s['token_throughput_per_s']:.1f} tok/s, TTFT p50/p99 "
+                              f"{s['ttft_s_p50']:.2f}/{s['ttft_s_p99']:.2f} s, TPOT p50/p99 "
+                              f"{s['tpot_s_p50'] or 0:.3f}/{s['tpot_s_p99'] or 0:.3f} s, goodput "
+                              f"{s['goodput_per_s']:.2f} req/s (triad {triad} GB/s)")
+                finally:
+                    target.stop()
+    finally:
+        for t in targets.values():
+            t.stop()
+    path = write_result(args.name, {
+        "command": "python benchmarks/bench_serving_load.py " + " ".join(sys.argv[1:]), "model": model_dir.name,
+        "precision": "float32 (llama-server: an F32 GGUF dequantised from the shipped Q4_1 by llama-quantize)",
+        "trace": TRACE.name, "scaling": {"input_scale": args.input_scale, "input_cap": args.input_cap,
+                                         "output_cap": args.output_cap, "requests": args.requests, "seed": args.seed},
+        "slo": {"ttft_s": args.slo_ttft_s, "tpot_s": args.slo_tpot_s}, "threads": args.threads,
+        "llama_server_slots": args.slots, "results": results, "machine": machine_description()})
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
