@@ -25,6 +25,7 @@ from flexplan.serving.types import (
     FINISH_LENGTH,
     FINISH_STOP,
     MODE_ASYMMETRIC,
+    MODE_ASYNC_OVERLAP,
     MODE_CPU_ONLY,
     MODE_DEVICE_ONLY,
     IterationPlan,
@@ -164,17 +165,20 @@ def cached_alone(model, prompt: tuple, max_tokens: int) -> list[int]:
 @settings(max_examples=10, deadline=None)
 @given(st.lists(st.tuples(st.lists(st.integers(3, 159), min_size=1, max_size=14), st.integers(0, 4),
                           st.one_of(st.none(), st.integers(0, 6)), st.integers(1, 6)), min_size=1, max_size=4),
-       st.integers(0, 6), st.integers(0, 40), st.sampled_from([2, 4, 16]), st.integers(1, 24))
+       st.integers(0, 6), st.integers(0, 40), st.sampled_from([2, 4, 16]), st.integers(1, 24),
+       st.sampled_from(["serial", "pipelined", "async-overlap"]))
 def test_greedy_tokens_whatever_the_arrivals_aborts_and_pools(models, requests, device_blocks, host_extra, bs,
-                                                                budget):
+                                                                budget, execution):
     """Any prompts arriving at any steps, some aborted, any pool sizes that hold each request
-    alone, any block size and token budget: every request that is not aborted gets generate()'s
+    alone, any block size and token budget, the host decodes run with the rest, beside them
+    (NEO) or one iteration later (APEX): every request that is not aborted gets generate()'s
     tokens, and every block comes back."""
     model = models["qwen3"]
     need = max(-(-(len(p) + n) // bs) for p, _, _, n in requests)
     host_blocks = need + host_extra if device_blocks < need else host_extra
     with Engine(model, device_blocks=device_blocks, host_blocks=host_blocks, block_size_tokens=bs,
-                token_budget=budget) as e:
+                token_budget=budget, asymmetric_pipelining=execution == "pipelined",
+                scheduler=AsyncOverlap() if execution == "async-overlap" else None) as e:
         got: dict = {}
         aborted = set()
         for step in range(400):
@@ -245,6 +249,40 @@ def test_host_pool_and_swaps_keep_the_tokens(models, pipelined):
         assert HOST in pools_of_s and pools_of_s[pools_of_s.index(HOST):].count(DEVICE) > 0  # out, then back in
         assert bool(split) == pipelined and (not pipelined or any(min(parts) > 0 for parts in split))
         assert [got[r][0] for r in "hsx"] == refs
+        assert_freed(e)
+
+
+class AsyncOverlap(FcfsScheduler):
+    """FCFS, every iteration with host decodes in APEX's asynchronous overlap."""
+
+    def schedule(self, state: EngineState) -> IterationPlan:
+        plan = super().schedule(state)
+        mode = MODE_ASYNC_OVERLAP if plan.host_decodes else plan.mode
+        return IterationPlan(mode=mode, prefill=plan.prefill, device_decodes=plan.device_decodes,
+                             host_decodes=plan.host_decodes, swap_out=plan.swap_out, preempted=plan.preempted,
+                             prefill_host=plan.prefill_host)
+
+
+def test_async_overlap_delivers_host_tokens_one_step_later_and_keeps_them(models):
+    """Host decodes run on a thread beside the next iteration; their tokens come out of the next
+    step(); an abort of one in flight waits for it, then frees its blocks."""
+    model = models["llama"]
+    refs = [alone(model, p) for p in PROMPTS]
+    with Engine(model, device_blocks=6, host_blocks=64, block_size_tokens=4, scheduler=AsyncOverlap()) as e:
+        for rid, p in zip("abcd", PROMPTS):
+            e.add_request(rid, p, GREEDY)
+        e.add_request("doomed", PROMPTS[2], GREEDY)
+        got = drain(e, steps=3)
+        assert e._in_flight is not None  # host decodes under way between steps
+        in_flight = [s.request_id for s in e._in_flight.segments]
+        assert e.abort(in_flight[-1])
+        got = drain(e, got)
+        assert got[in_flight[-1]][1] == FINISH_ABORT
+        cut = got[in_flight[-1]][0]
+        assert cut == refs["abcd".index(in_flight[-1])][:len(cut)] if in_flight[-1] in "abcd" else True
+        for rid, ref in zip("abcd", refs):
+            if rid != in_flight[-1]:
+                assert got[rid][0] == ref, rid
         assert_freed(e)
 
 

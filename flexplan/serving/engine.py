@@ -30,13 +30,15 @@ from flexplan.serving.kv_blocks import (
     blocks_in_bytes,
     text_config,
 )
-from flexplan.serving.model_runner import ModelRunner
+from flexplan.serving.model_runner import ModelRunner, PendingForward
+from flexplan.serving.plan_check import check_plan
 from flexplan.serving.ragged_batch import Segment
 from flexplan.serving.request import Request
 from flexplan.serving.state import EngineState
 from flexplan.serving.types import (
     FINISH_ABORT,
     MODE_ASYMMETRIC,
+    MODE_ASYNC_OVERLAP,
     EngineStats,
     IterationPlan,
     RequestOutput,
@@ -125,6 +127,8 @@ class Engine:
         self._prompt_total = self._generated_total = 0
         self._scheduled_tokens = 0  # by the last iteration
         self._lock = threading.RLock()
+        self._in_flight: PendingForward | None = None  # host decodes overlapping the next iteration (APEX)
+        self._held_outputs: list[RequestOutput] = []  # collected early (an abort waited for them)
 
     @classmethod
     def from_pretrained(cls, path=None, *, device: str | None = None, dtype: torch.dtype = torch.float32,
@@ -147,7 +151,10 @@ class Engine:
         return cls(model, AutoTokenizer.from_pretrained(path), **engine_kwargs)
 
     def close(self) -> None:
-        """Free the pools and give the model's attention modules their own configs back."""
+        """Give the model's attention modules their own configs back (after any forward in flight)."""
+        if self._in_flight is not None:
+            self._in_flight.result()
+            self._in_flight = None
         self.runner.close()
 
     def __enter__(self):
@@ -205,6 +212,8 @@ class Engine:
     def abort(self, request_id: str) -> bool:
         """Free the request's blocks now; its next output is finished with reason "abort". False
         where no unfinished request has this id (finished already: nothing to do)."""
+        if self._in_flight is not None and any(s.request_id == request_id for s in self._in_flight.segments):
+            self._held_outputs += self._collect_in_flight()  # its blocks are being written: wait, then free
         r = self._running.pop(request_id, None)
         if r is None:
             r = next((w for w in self._waiting if w.request_id == request_id), None)
@@ -218,7 +227,7 @@ class Engine:
 
     @_locked
     def has_unfinished(self) -> bool:
-        return bool(self._waiting or self._running or self._aborted)
+        return bool(self._waiting or self._running or self._aborted or self._held_outputs)
 
     @_locked
     def state(self) -> EngineState:
@@ -246,9 +255,10 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         """One iteration: the scheduler's plan carried out, one forward pass, one token per
         request that finished its prefill or decoded. Outputs of requests that produced tokens,
-        finished or were aborted."""
-        outputs = [r.take_output() for r in self._aborted]
-        self._aborted = []
+        finished or were aborted. Under APEX's asynchronous overlap the host decodes of an
+        iteration run beside the next and their tokens come out of that next step()."""
+        outputs = [r.take_output() for r in self._aborted] + self._held_outputs + self._collect_in_flight()
+        self._aborted, self._held_outputs = [], []
         if not (self._waiting or self._running):
             return outputs
         plan = self.scheduler.schedule(self.state())
@@ -256,19 +266,28 @@ class Engine:
         self._scheduled_tokens = sum(len(s.token_ids) for s in segments)
         self._iterations += 1
         self._last_mode = plan.mode
+        host = set(plan.host_decodes)
+        if plan.mode == MODE_ASYNC_OVERLAP and host:  # consumed one iteration later
+            self._in_flight = self.runner.forward_async([s for s in segments if s.request_id in host])
+            segments = [s for s in segments if s.request_id not in host]
         if not segments:
             return outputs
         if plan.mode == MODE_ASYMMETRIC and self.asymmetric_pipelining:
-            host = set(plan.host_decodes)  # sub-batch 1; the segments list them last, so the order holds
+            # sub-batch 1: the host decodes, listed last in the segments, so the logits' order holds
             logits = self.runner.forward_sub_batches([[s for s in segments if s.request_id not in host],
                                                       [s for s in segments if s.request_id in host]])
         else:
             logits = self.runner.forward(segments)
+        return outputs + self._finish(segments, logits)
+
+    def _finish(self, segments: list[Segment], logits: torch.Tensor) -> list[RequestOutput]:
+        """Sample the segments' next tokens; their outputs; finished requests' blocks freed."""
         sampled = [self._running[s.request_id] for s in segments if s.logits]
         tokens = sampling.sample(logits, [r.params for r in sampled], [r.generator for r in sampled])
         for r, t in zip(sampled, tokens):
             r.append(t, self.eos, self.max_model_len)
         self._generated_total += len(tokens)
+        outputs = []
         for s in segments:
             r = self._running[s.request_id]
             if r.new_tokens or r.finish_reason:
@@ -278,16 +297,17 @@ class Engine:
                 del self._running[r.request_id]
         return outputs
 
+    def _collect_in_flight(self) -> list[RequestOutput]:
+        """The outputs of the host decodes still running from the last iteration (waits for them)."""
+        if self._in_flight is None:
+            return []
+        pending, self._in_flight = self._in_flight, None
+        return self._finish(pending.segments, pending.result())
+
     def _carry_out(self, plan: IterationPlan) -> list[Segment]:
         """Preemptions, swaps and block allocations of the plan; the segments to run."""
-        if not isinstance(plan, IterationPlan):
-            raise FlexplanError(f"the scheduler returned {type(plan).__name__}, not an IterationPlan")
         waiting = {r.request_id: r for r in self._waiting}
-        known = set(waiting) | set(self._running)
-        unknown = [rid for rid in plan.request_ids + plan.swap_out + plan.swap_in + plan.preempted if rid not in known]
-        if unknown:
-            raise FlexplanError(f"the scheduler's plan names requests the engine does not hold: {unknown[:5]}")
-        self._check_blocks(plan, waiting)
+        check_plan(plan, self.blocks, self._running, set(waiting))
         for rid in plan.preempted:  # back to the front of the queue, its KV recomputed later
             r = self._running.pop(rid)
             self.blocks.free(rid)
@@ -319,40 +339,6 @@ class Engine:
             r.computed += 1
         return segments
 
-    def _check_blocks(self, plan: IterationPlan, waiting: dict[str, Request]) -> None:
-        """Refuse, before anything changes, a plan whose swaps and allocations do not fit the pools
-        (a scheduler's bug: the engine stays as it was, and the message says where it fell short)."""
-        bm = self.blocks
-        free = bm.usage()[1]
-        pool = {rid: bm.pool_of(rid) for rid in self._running}
-        held = {rid: len(bm.tables[rid].blocks) if rid in bm.tables else 0 for rid in self._running}
-        for rid in plan.preempted:
-            free[pool.pop(rid)] += held[rid]
-        for rid, to in [(r, HOST) for r in plan.swap_out] + [(r, DEVICE) for r in plan.swap_in]:
-            if pool.get(rid) not in (None, to):
-                free[pool[rid]] += held[rid]
-                free[to] -= held[rid]
-                pool[rid] = to
-        for rid, where in [(r, DEVICE) for r in plan.device_decodes] + [(r, HOST) for r in plan.host_decodes]:
-            r = self._running.get(rid)
-            if r is None or not r.decoding or pool.get(rid) != where:
-                raise FlexplanError(f"the scheduler's plan decodes {rid!r} in the {where} pool; after its swaps it "
-                                    f"is {'decoding' if r is not None and r.decoding else 'not decoding'} in the "
-                                    f"{pool.get(rid)} pool; nothing was changed")
-        tokens = {rid: bm.num_tokens(rid) for rid in pool}
-        new = [(rid, n) for rid, n in plan.prefill]
-        new += [(rid, 1) for rid in plan.device_decodes + plan.host_decodes]
-        for rid, n in new:
-            if rid not in pool:  # admitted now
-                pool[rid] = HOST if rid in plan.prefill_host or not bm.pools[DEVICE].num_blocks else DEVICE
-                held[rid], tokens[rid] = 0, 0
-            need = bm.blocks_for(tokens[rid] + n) - held[rid]
-            free[pool[rid]] -= max(0, need)
-            held[rid], tokens[rid] = held[rid] + max(0, need), tokens[rid] + n
-        short = {p: -f for p, f in free.items() if f < 0}
-        if short:
-            raise FlexplanError(f"the scheduler's plan needs more KV blocks than the pools have free (short by "
-                                f"{short}); nothing was changed: a scheduler should count EngineState.free_blocks")
 
     # ---- convenience ----
     def generate(self, prompts, params: SamplingParams | list[SamplingParams] | None = None) -> list[RequestOutput]:

@@ -190,39 +190,23 @@ class ModelRunner:
             logits = logits.index_select(0, keep)
         return logits.float().cpu()
 
+    def forward_async(self, segments: list[Segment]) -> PendingForward:
+        """:meth:`forward` on a thread of its own (on an accelerator, its own stream, after the
+        work queued so far): ``.result()`` waits for the logits. The CPU's attention kernel and
+        PyTorch's ops release the GIL, so it runs beside the caller's own forward."""
+        return PendingForward(self, segments)
+
     def forward_sub_batches(self, sub_batches: list[list[Segment]]) -> torch.Tensor:
-        """NEO's asymmetric pipelining: each sub-batch its own forward, run at once in threads (on
-        an accelerator each on its own stream), so one's attention on the CPU beside the host pool
-        overlaps the other's kernels on the accelerator; the logits in the order of the segments
-        of all sub-batches. The CPU's attention kernel and PyTorch's ops release the GIL."""
+        """NEO's asymmetric pipelining: each sub-batch its own forward, all at once (the first on
+        the caller's thread, the others by :meth:`forward_async`), so one's attention on the CPU
+        beside the host pool overlaps another's kernels on the accelerator; the logits in the
+        order of the segments of all sub-batches."""
         parts = [b for b in sub_batches if b]
-        if len(parts) <= 1:
-            return self.forward(parts[0] if parts else [])
-        out: list = [None] * len(parts)
-        streams = [torch.cuda.Stream(self.device) for _ in parts] if self.device.type == "cuda" else None
-        for st in streams or ():
-            st.wait_stream(torch.cuda.current_stream(self.device))  # the swaps queued before this iteration
+        pending = [self.forward_async(b) for b in parts[1:]]
+        first = self.forward(parts[0] if parts else [])
+        return torch.cat([first] + [p.result() for p in pending])
 
-        def run(i: int) -> None:
-            try:
-                if streams is None:
-                    out[i] = self.forward(parts[i])
-                else:
-                    with torch.cuda.stream(streams[i]):
-                        out[i] = self.forward(parts[i])
-            except BaseException as e:  # noqa: BLE001 - raised again in the caller's thread
-                out[i] = e
 
-        threads = [threading.Thread(target=run, args=(i,), name=f"flexplan-sub-batch-{i}") for i in range(1, len(parts))]
-        for t in threads:
-            t.start()
-        run(0)
-        for t in threads:
-            t.join()
-        for o in out:
-            if isinstance(o, BaseException):
-                raise o
-        return torch.cat(out)
 
     def write(self, batch: RaggedBatch, layer: int, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         """The layer's new K/V ([1, heads, T, dim]) into each token's slot."""
@@ -327,3 +311,34 @@ class ModelRunner:
         n, hq, _, d = q.shape
         out = ops.decode_attention(q.reshape(n, hq, d).to(torch.float32).contiguous(), keys, values, mask, scale)
         return out.view(n, hq, 1, d).to(q.dtype)
+
+
+class PendingForward:
+    """A forward running on its own thread (:meth:`ModelRunner.forward_async`)."""
+
+    def __init__(self, runner: ModelRunner, segments: list[Segment]):
+        self.segments = segments
+        self._out: torch.Tensor | BaseException | None = None
+        dev = runner.device
+        stream = torch.cuda.Stream(dev) if dev.type == "cuda" else None
+        if stream is not None:
+            stream.wait_stream(torch.cuda.current_stream(dev))  # the swaps queued before it
+
+        def run() -> None:
+            try:
+                if stream is None:
+                    self._out = runner.forward(segments)
+                else:
+                    with torch.cuda.stream(stream):
+                        self._out = runner.forward(segments)
+            except BaseException as e:  # noqa: BLE001 - raised again by result(), in the caller's thread
+                self._out = e
+
+        self._thread = threading.Thread(target=run, name="flexplan-sub-batch", daemon=True)
+        self._thread.start()
+
+    def result(self) -> torch.Tensor:
+        self._thread.join()
+        if isinstance(self._out, BaseException):
+            raise self._out
+        return self._out
