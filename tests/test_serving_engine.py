@@ -198,6 +198,22 @@ def test_greedy_tokens_whatever_the_arrivals_aborts_and_pools(models, requests, 
         assert_freed(e)
 
 
+def test_a_scheduler_that_observes_gets_each_iterations_time(models):
+    class Observing(FcfsScheduler):
+        def __init__(self):
+            self.seen = []
+
+        def observe(self, plan, seconds):
+            self.seen.append((plan.mode, seconds))
+
+    sched = Observing()
+    with Engine(models["llama"], host_blocks=16, scheduler=sched) as e:
+        e.generate([PROMPTS[0]], SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))
+        assert len(sched.seen) == e.stats().iterations == 3
+        assert all(mode == MODE_CPU_ONLY and s > 0 for mode, s in sched.seen)
+        assert e.last_iteration_s == sched.seen[-1][1]
+
+
 def test_cpu_only_and_max_tokens(models):
     model = models["llama"]
     with Engine(model, host_blocks=32) as e:

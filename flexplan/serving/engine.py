@@ -13,6 +13,7 @@ from __future__ import annotations
 import functools
 import itertools
 import threading
+import time
 from collections import deque
 
 import torch
@@ -81,7 +82,10 @@ class Engine:
     (CPU memory, attended on the CPU). Left out: the device pool takes 80% of the accelerator's
     free memory (none when the model is on the CPU), the host pool a quarter of the available
     memory, at most 2 GiB. ``token_budget``: new tokens per iteration (prefill chunks + decodes).
-    ``scheduler``: any object with ``schedule(EngineState) -> IterationPlan`` (default: FCFS)."""
+    ``scheduler``: any object with ``schedule(EngineState) -> IterationPlan`` (default: FCFS);
+    where it also has ``observe(plan, seconds)``, each iteration's measured wall time is passed
+    back (an online correction of its cost model). ``asymmetric_pipelining``: run an asymmetric
+    plan's two sub-batches at once (default: where the model is on an accelerator)."""
 
     def __init__(self, model, tokenizer=None, *, device_blocks: int | None = None, host_blocks: int | None = None,
                  block_size_tokens: int = BLOCK_SIZE_TOKENS, token_budget: int = 512, max_running: int = 256,
@@ -127,6 +131,7 @@ class Engine:
         self._prompt_total = self._generated_total = 0
         self._scheduled_tokens = 0  # by the last iteration
         self._lock = threading.RLock()
+        self.last_iteration_s = 0.0  # wall time of the last step()'s swaps, forward and sampling
         self._in_flight: PendingForward | None = None  # host decodes overlapping the next iteration (APEX)
         self._held_outputs: list[RequestOutput] = []  # collected early (an abort waited for them)
 
@@ -262,6 +267,7 @@ class Engine:
         if not (self._waiting or self._running):
             return outputs
         plan = self.scheduler.schedule(self.state())
+        started = time.perf_counter()
         segments = self._carry_out(plan)
         self._scheduled_tokens = sum(len(s.token_ids) for s in segments)
         self._iterations += 1
@@ -270,15 +276,18 @@ class Engine:
         if plan.mode == MODE_ASYNC_OVERLAP and host:  # consumed one iteration later
             self._in_flight = self.runner.forward_async([s for s in segments if s.request_id in host])
             segments = [s for s in segments if s.request_id not in host]
-        if not segments:
-            return outputs
-        if plan.mode == MODE_ASYMMETRIC and self.asymmetric_pipelining:
+        if segments and plan.mode == MODE_ASYMMETRIC and self.asymmetric_pipelining:
             # sub-batch 1: the host decodes, listed last in the segments, so the logits' order holds
             logits = self.runner.forward_sub_batches([[s for s in segments if s.request_id not in host],
                                                       [s for s in segments if s.request_id in host]])
-        else:
+        elif segments:
             logits = self.runner.forward(segments)
-        return outputs + self._finish(segments, logits)
+        outputs += self._finish(segments, logits) if segments else []
+        self.last_iteration_s = time.perf_counter() - started
+        observe = getattr(self.scheduler, "observe", None)
+        if callable(observe):  # what the iteration took, for a scheduler that corrects its cost model online
+            observe(plan, self.last_iteration_s)
+        return outputs
 
     def _finish(self, segments: list[Segment], logits: torch.Tensor) -> list[RequestOutput]:
         """Sample the segments' next tokens; their outputs; finished requests' blocks freed."""
