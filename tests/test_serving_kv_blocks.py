@@ -14,8 +14,10 @@ from flexplan.serving.kv_blocks import (
     DEVICE,
     HOST,
     BlockManager,
+    activation_reserve_bytes,
     block_bytes,
     blocks_in_bytes,
+    pool_blocks,
 )
 
 # 2 layers, 2 KV heads of 16 dims: one token of one layer stores K and V, 2 x 2 x 16 = 64 elements
@@ -127,3 +129,24 @@ def test_blocks_are_never_lost_or_shared(ops):
             assert set(held).isdisjoint(pool._free) and len(pool._free) == len(set(pool._free))
         for t in m.tables.values():
             assert len(t.blocks) == m.blocks_for(t.num_tokens)
+
+
+def test_pool_sizes_from_a_memory_budget_by_hand():
+    """A device budget of the weights + one iteration's activations + 10.5 blocks gives 10 blocks.
+    Activations for a budget of 8 tokens, hidden 64, intermediate 128, vocab 128, 4 running, fp32:
+    8 x (8 x 64 + 3 x 128) x 4 + 4 x 128 x 4 = 28672 + 2048 bytes."""
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(CONFIG).eval()
+    weights = sum(p.numel() * 4 for p in model.parameters()) + sum(b.numel() * b.element_size()
+                                                                   for b in model.buffers())
+    reserve = activation_reserve_bytes(CONFIG, 8, 4, torch.float32)
+    assert reserve == 8 * (8 * 64 + 3 * 128) * 4 + 4 * 128 * 4
+    block = block_bytes(CONFIG, torch.float32, 16)
+    got = pool_blocks(model, device=torch.device("cpu"), block_size_tokens=16, token_budget=8, max_running=4,
+                      device_memory_bytes=weights + reserve + 10 * block + block // 2, host_memory_bytes=3 * block)
+    assert got == (10, 3)
+    assert pool_blocks(model, device=torch.device("cpu"), block_size_tokens=16, token_budget=8, max_running=4,
+                       device_memory_bytes=weights, host_memory_bytes=0) == (0, 0)  # nothing left for KV
+    # no budget, the model on the CPU: no device pool; the host pool within its default cap
+    dev, host = pool_blocks(model, device=torch.device("cpu"), block_size_tokens=16, token_budget=8, max_running=4)
+    assert dev == 0 and 0 < host * block <= 2 * 2**30

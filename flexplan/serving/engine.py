@@ -28,7 +28,7 @@ from flexplan.serving.kv_blocks import (
     DEVICE,
     HOST,
     BlockManager,
-    blocks_in_bytes,
+    pool_blocks,
     text_config,
 )
 from flexplan.serving.model_runner import ModelRunner, PendingForward
@@ -47,9 +47,6 @@ from flexplan.serving.types import (
 )
 from flexplan.smollm import default_model_dir
 
-DEFAULT_HOST_POOL_BYTES = 2 * 2**30  # the host pool's cap unless given: KV is committed memory
-HOST_POOL_SHARE = 0.25  # ... and at most this share of the memory available now
-DEVICE_POOL_SHARE = 0.8  # of the accelerator's free memory after the weights: the rest for activations
 STALL_STEPS = 100  # generate(): iterations in a row that schedule nothing before it gives up
 
 
@@ -62,26 +59,17 @@ def _locked(method):
     return wrapper
 
 
-def available_host_bytes() -> int:
-    """MemAvailable from /proc/meminfo (1 GiB where it cannot be read)."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 2**30
-
-
 class Engine:
     """Continuous batching over a transformers causal LM, its weights where they are (one device).
 
     ``device_blocks`` / ``host_blocks``: KV blocks of ``block_size_tokens`` tokens in the device
     pool (on the model's device; on the CPU it stands in for an accelerator) and the host pool
-    (CPU memory, attended on the CPU). Left out: the device pool takes 80% of the accelerator's
-    free memory (none when the model is on the CPU), the host pool a quarter of the available
-    memory, at most 2 GiB. ``token_budget``: new tokens per iteration (prefill chunks + decodes).
+    (CPU memory, attended on the CPU). Left out, they are sized by :func:`kv_blocks.pool_blocks`:
+    the device pool from ``device_memory_bytes`` (the accelerator's budget: less the weights and an
+    iteration's activations; on the CPU it makes a pool that stands in for an accelerator's), else
+    80% of the accelerator's free memory (none when the model is on the CPU); the host pool from
+    ``host_memory_bytes``, else a quarter of the available memory, at most 2 GiB.
+    ``token_budget``: new tokens per iteration (prefill chunks + decodes).
     ``scheduler``: any object with ``schedule(EngineState) -> IterationPlan`` (default: FCFS);
     where it also has ``observe(plan, seconds)``, each iteration's measured wall time is passed
     back (an online correction of its cost model). ``asymmetric_pipelining``: run an asymmetric
@@ -89,7 +77,8 @@ class Engine:
 
     def __init__(self, model, tokenizer=None, *, device_blocks: int | None = None, host_blocks: int | None = None,
                  block_size_tokens: int = BLOCK_SIZE_TOKENS, token_budget: int = 512, max_running: int = 256,
-                 max_model_len: int | None = None, scheduler=None, asymmetric_pipelining: bool | None = None):
+                 max_model_len: int | None = None, scheduler=None, asymmetric_pipelining: bool | None = None,
+                 device_memory_bytes: int | None = None, host_memory_bytes: int | None = None):
         if hasattr(model, "executor") and hasattr(model, "model"):  # a FlexModel: its layers run under its executor
             raise UnsupportedModelError(
                 "the engine runs a transformers model with its weights where they are; a FlexModel's placed layers "
@@ -108,12 +97,11 @@ class Engine:
         self.max_model_len = int(max_model_len or context)
         self.vocab_size = int(config.vocab_size)
         on_accelerator = self.device.type != "cpu"
-        if device_blocks is None:
-            device_blocks = 0 if not on_accelerator else blocks_in_bytes(
-                torch.cuda.mem_get_info(self.device)[0] * DEVICE_POOL_SHARE, config, self.dtype, block_size_tokens)
-        if host_blocks is None:
-            budget = min(DEFAULT_HOST_POOL_BYTES, available_host_bytes() * HOST_POOL_SHARE)
-            host_blocks = blocks_in_bytes(budget, config, self.dtype, block_size_tokens)
+        sized = pool_blocks(model, device=self.device, block_size_tokens=block_size_tokens, token_budget=token_budget,
+                            max_running=max_running, device_memory_bytes=device_memory_bytes,
+                            host_memory_bytes=host_memory_bytes)
+        device_blocks = sized[0] if device_blocks is None else device_blocks
+        host_blocks = sized[1] if host_blocks is None else host_blocks
         self.blocks = BlockManager(config, device_blocks=device_blocks, host_blocks=host_blocks, dtype=self.dtype,
                                    device=self.device, block_size_tokens=block_size_tokens)
         self.runner = ModelRunner(model, self.blocks)

@@ -29,6 +29,9 @@ DEVICE = "device"  # the accelerator's pool (or the CPU standing in for it)
 HOST = "host"  # host memory: its requests' attention runs on the CPU beside it
 POOLS = (DEVICE, HOST)
 BLOCK_SIZE_TOKENS = 16  # vLLM's and NEO's default page
+DEFAULT_HOST_POOL_BYTES = 2 * 2**30  # the host pool's cap unless given: KV is committed memory
+HOST_POOL_SHARE = 0.25  # ... and at most this share of the memory available now
+DEVICE_POOL_SHARE = 0.8  # of the accelerator's free memory after the weights: the rest for activations
 
 
 def text_config(config):
@@ -47,6 +50,53 @@ def block_bytes(config, dtype: torch.dtype, block_size_tokens: int = BLOCK_SIZE_
 def blocks_in_bytes(nbytes: int, config, dtype: torch.dtype, block_size_tokens: int = BLOCK_SIZE_TOKENS) -> int:
     """How many whole blocks of this model's KV fit in ``nbytes``."""
     return max(0, int(nbytes) // block_bytes(config, dtype, block_size_tokens))
+
+
+def available_host_bytes() -> int:
+    """MemAvailable from /proc/meminfo (1 GiB where it cannot be read)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 2**30
+
+
+def activation_reserve_bytes(config, token_budget: int, max_running: int, dtype: torch.dtype) -> int:
+    """What one iteration's activations take beside the weights and the KV: the token budget's
+    rows through the widest layer (hidden states, q/k/v, the MLP's gate, up and product) and the
+    float32 logits of every running request. An upper estimate: the pool gets the rest."""
+    c = text_config(config)
+    hidden = int(c.hidden_size)
+    inter = int(getattr(c, "intermediate_size", None) or 4 * hidden)
+    rows = token_budget * (8 * hidden + 3 * inter) * torch.empty((), dtype=dtype).element_size()
+    return rows + max_running * int(c.vocab_size) * 4
+
+
+def pool_blocks(model, *, device: torch.device, block_size_tokens: int, token_budget: int, max_running: int,
+                device_memory_bytes: int | None = None, host_memory_bytes: int | None = None) -> tuple[int, int]:
+    """(device blocks, host blocks) where not given. The device pool: ``device_memory_bytes`` less
+    the weights on the device and an iteration's activations (:func:`activation_reserve_bytes`;
+    on the CPU such a budget makes a pool that stands in for an accelerator's), else 80% of an
+    accelerator's free memory after the weights, else none. The host pool: ``host_memory_bytes``,
+    else a quarter of the memory available now, at most 2 GiB."""
+    config = model.config
+    dtype = next(model.parameters()).dtype
+    if device_memory_bytes is not None:
+        weights = sum(t.numel() * t.element_size() for t in list(model.parameters()) + list(model.buffers())
+                      if t.device == device)
+        free = device_memory_bytes - weights - activation_reserve_bytes(config, token_budget, max_running, dtype)
+        device_blocks = blocks_in_bytes(max(0, free), config, dtype, block_size_tokens)
+    elif device.type == "cuda":
+        free = torch.cuda.mem_get_info(device)[0] * DEVICE_POOL_SHARE
+        device_blocks = blocks_in_bytes(free, config, dtype, block_size_tokens)
+    else:
+        device_blocks = 0
+    if host_memory_bytes is None:
+        host_memory_bytes = min(DEFAULT_HOST_POOL_BYTES, available_host_bytes() * HOST_POOL_SHARE)
+    return device_blocks, blocks_in_bytes(host_memory_bytes, config, dtype, block_size_tokens)
 
 
 class BlockPool:
