@@ -388,6 +388,8 @@ def test_bad_inputs_say_what_would_work(models):
         e.add_request("x", [1, 2], GREEDY)
         with pytest.raises(InvalidInputError, match="own id"):
             e.add_request("x", [1, 2], GREEDY)
+        with pytest.raises(InvalidInputError, match="non-empty string"):
+            e.add_request(7, [1, 2], GREEDY)
         with pytest.raises(InvalidInputError, match="generate\\(\\) runs the engine alone"):
             e.generate([[1, 2]])
         assert not e.abort("never-added")
@@ -395,6 +397,8 @@ def test_bad_inputs_say_what_would_work(models):
         assert_freed(e)
     with pytest.raises(InvalidInputError, match="use one of"):
         Engine.from_pretrained("/nonexistent", cpu_linear_kernel="bogus")  # refused before anything loads
+    with pytest.raises(InvalidInputError, match="config.json"):
+        Engine.from_pretrained("/nonexistent/folder")
     with pytest.raises(InvalidInputError, match="token_budget"):
         Engine(model, host_blocks=8, token_budget=0)
     with pytest.raises(InvalidInputError, match="no block"):

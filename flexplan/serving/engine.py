@@ -136,12 +136,18 @@ class Engine:
         if why:
             raise InvalidInputError(why.replace("linear_kernel=", "cpu_linear_kernel="))
         path = str(path) if path is not None else str(default_model_dir(verbose=False))
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+        try:
+            model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+            tokenizer = AutoTokenizer.from_pretrained(path)
+        except (OSError, ValueError) as e:  # transformers' own words, without its trace
+            raise InvalidInputError(f"could not load a causal LM and its tokenizer from {path!r} ({e}); give a folder "
+                                    "with config.json, weights and tokenizer files, or None for the embedded "
+                                    "SmolLM2") from None
         if device is not None:
             model = model.to(device)
         if next(model.parameters()).device.type == "cpu" and kernel != cpu_linear.KERNEL_PLAIN:
             cpu_linear.pack_module(model, None, kernel)
-        return cls(model, AutoTokenizer.from_pretrained(path), **engine_kwargs)
+        return cls(model, tokenizer, **engine_kwargs)
 
     def close(self) -> None:
         """Give the model's attention modules their own configs back (after any forward in flight)."""
@@ -161,7 +167,9 @@ class Engine:
     def add_request(self, request_id: str, prompt_token_ids: list[int] | str, params: SamplingParams) -> None:
         if not isinstance(params, SamplingParams):
             raise InvalidInputError(f"params must be a flexplan.serving.SamplingParams, got {type(params).__name__}")
-        if request_id in self._running or any(r.request_id == request_id for r in self._waiting):
+        if not isinstance(request_id, str) or not request_id:
+            raise InvalidInputError(f"request_id must be a non-empty string, got {request_id!r}")
+        if request_id in self._running or any(r.request_id == request_id for r in (*self._waiting, *self._aborted)):
             raise InvalidInputError(f"request id {request_id!r} is in use by an unfinished request: give each "
                                     "request its own id")
         prompt = self._tokens(prompt_token_ids)
