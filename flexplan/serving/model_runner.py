@@ -18,9 +18,13 @@ the device pool on the pool's device. Decodes in a CPU pool are read where their
 paged kernel (:mod:`paged_attention`); otherwise (prefill chunks, an accelerator pool, a latent
 cache, no compiler) each request's past is gathered from its blocks and attended by flexplan's
 strided decode kernel (one query, on the CPU) or PyTorch's SDPA, the eager formula where the
-module soft-caps its logits or has attention sinks. Outside an iteration of this runner the function calls the
-implementation the module had, so the caller's model keeps working; :meth:`ModelRunner.close`
-restores each module's config.
+module soft-caps its logits or has attention sinks. Outside an iteration of this runner the
+function calls the implementation the module had, so the caller's model keeps working;
+:meth:`ModelRunner.close` restores each module's config.
+
+Each forward's batch is the running thread's own, so sub-batches may run at once on threads
+(:meth:`ModelRunner.forward_async`): NEO's asymmetric pipelining runs the host decodes' forward
+beside the rest's, APEX's asynchronous overlap beside the next iteration's.
 
 The model's mask creation is skipped by passing a 4-D placeholder mask (transformers returns a
 prepared 4-D mask as it is); the attention function builds each request's mask itself.
@@ -173,6 +177,8 @@ class ModelRunner:
     @torch.inference_mode()
     def forward(self, segments: list[Segment]) -> torch.Tensor:
         """The next-token logits (float32, CPU) of the segments that want them, in their order."""
+        if not segments:
+            return torch.empty(0, self.model.get_output_embeddings().out_features)
         batch = RaggedBatch(segments, self.blocks, self.device)
         dev = self.device
         kwargs = {"input_ids": torch.tensor([batch.ids], device=dev),
