@@ -93,14 +93,17 @@ def test_greedy_equals_generate_whatever_shares_the_batch(models, family):
         got = drain(e, got, steps=3)
         assert e.abort("doomed")
         e.add_request("d", PROMPTS[3], GREEDY)
-        modes = set()
+        modes, both = set(), False
         while e.has_unfinished():
             drain(e, got, steps=1)
-            modes.add(e.stats().last_mode)
+            stats = e.stats()
+            modes.add(stats.last_mode)
+            both |= min(stats.running_by_device.values()) > 0  # requests in both pools at once
+            assert stats.blocks_used[DEVICE] + stats.blocks_free[DEVICE] == 6
         assert got["doomed"][1] == FINISH_ABORT
         for rid, ref in zip("abcd", [refs[0], refs[1], refs[2], refs[3]]):
             assert got[rid][0] == ref, rid
-        assert MODE_ASYMMETRIC in modes  # some decodes ran beside the host pool
+        assert MODE_ASYMMETRIC in modes and both  # some decodes ran beside the host pool
         assert_freed(e)
     # the caller's model is as it was: generate() after the engine closed gives the same tokens
     assert alone(model, PROMPTS[0]) == refs[0]
