@@ -7,6 +7,10 @@
     lm = flexplan.load(path_or_model)          # generate()-compatible, plan="auto"
     out = lm.generate(**inputs, max_new_tokens=32)
 
+    engine = flexplan.Engine.from_pretrained(path)   # serving: continuous batching over many requests
+    engine.add_request("a", "Hello", flexplan.SamplingParams(max_tokens=16, temperature=0))
+    while engine.has_unfinished(): outputs = engine.step()
+
 Importing flexplan does not import torch; ``flexplan.load`` does.
 """
 
@@ -29,7 +33,7 @@ from flexplan.version import __version__
 __all__ = [
     "POLICIES", "CalibrationError", "Candidate", "DeviceUnavailableError", "DoesNotFitError", "FlexplanError",
     "InvalidInputError", "MalformedDataError", "PhaseChoice", "Plan", "UnknownHardwareError", "UnknownModelError",
-    "UnsupportedModelError", "load", "plan",
+    "UnsupportedModelError", "Engine", "SamplingParams", "load", "plan",
 ]
 
 
@@ -40,4 +44,12 @@ def __getattr__(name):
         from flexplan.api import load
 
         return load
+    if name == "Engine":  # the serving engine (continuous batching): torch and transformers too
+        from flexplan.serving.engine import Engine
+
+        return Engine
+    if name == "SamplingParams":
+        from flexplan.serving.types import SamplingParams
+
+        return SamplingParams
     raise AttributeError(f"module 'flexplan' has no attribute {name!r}")

@@ -13,6 +13,7 @@ ROOT = Path(__file__).resolve().parents[1] / "flexplan"
 DATA_PACKAGES = ("flexplan._calibration", "flexplan._hwdb")  # folders of data files mapped into the package
 # the only imports of flexplan modules inside functions, each for a stated reason
 LAZY_ALLOWED = {("flexplan", "flexplan.api"),  # `import flexplan` and plan() stay torch-free
+                ("flexplan", "flexplan.serving.engine"), ("flexplan", "flexplan.serving.types"),  # the same
                 ("flexplan.measure.membw", "flexplan.executor.cpu_linear")}  # the GEMV probe: torch only where loaded
 
 
