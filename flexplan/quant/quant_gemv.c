@@ -1,0 +1,284 @@
+/* flexplan's CPU kernels on compressed weights: y = x W^T with W [out, in] in GGUF blocks, read
+ * as the file holds them (ggml-common.h's layouts; 32 weights a block, rows of whole blocks):
+ *   Q4_0 (type 2): fp16 d, 16 bytes of nibbles;          w = d * (q - 8)
+ *   Q4_1 (type 3): fp16 d, fp16 m, 16 bytes of nibbles;  w = d * q + m
+ *   Q8_0 (type 8): fp16 d, 32 int8;                      w = d * q
+ * A nibble byte j holds value j (low 4 bits) and value j + 16 (high 4 bits).
+ *
+ * The activation is quantised per 32-block to int8 as llama.cpp's quantize_row_q8_0/q8_1 does
+ * (d = max|x| / 127, q = round(x / d)), except that d stays float32 (llama.cpp rounds it to fp16:
+ * keeping it costs nothing, the activation is tiny) and the block keeps d times the sum of its q
+ * (q8_1's s): the dot products are integer per block, scaled once per block.
+ *   Q4_0 . x = sum_b d_w d_x sum u_w q_x - 8 d_w s_x       (u_w = q_w + 8, the nibble as stored)
+ *   Q4_1 . x = sum_b d_w d_x sum u_w q_x + m_w s_x
+ *   Q8_0 . x = sum_b d_w d_x sum q_w q_x
+ * ISA, chosen at compile time by -march=native: AVX-512 VNNI (or AVX-VNNI) dpbusd, else AVX2
+ * maddubs + madd, else portable C; flexplan_quant_isa() names it. OpenMP over output rows.
+ *
+ * A float-activation path (float_act = 1) dequantises each weight exactly as gguf's reference
+ * (d * q rounded, then + m rounded: no fused multiply-add) and sums w * x in double: it is the
+ * test path, exact up to the one final rounding to float32. */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
+#define QK 32
+#define TYPE_Q4_0 2
+#define TYPE_Q4_1 3
+#define TYPE_Q8_0 8
+#define TILE 4 /* activation rows that share one decode of a weight block in the batched kernel */
+
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#define ISA "avx512vnni"
+#elif defined(__AVXVNNI__)
+#define ISA "avxvnni"
+#elif defined(__AVX2__) && defined(__FMA__)
+#define ISA "avx2"
+#else
+#define ISA "portable"
+#endif
+
+typedef struct { /* one quantised 32-block of activation */
+    float d;   /* scale: x ~= d * q */
+    float ds;  /* d * (sum of q): q8_1's s, for the -8 of Q4_0 and the m of Q4_1 */
+    int8_t qs[QK];
+} act_block;
+
+const char *flexplan_quant_isa(void) { return ISA; }
+int64_t flexplan_quant_act_block_bytes(void) { return (int64_t)sizeof(act_block); }
+
+static inline float fp16_to_f32(const uint8_t *p) {
+    uint16_t h;
+    memcpy(&h, p, 2);
+#if defined(__F16C__)
+    return _cvtsh_ss(h);
+#else
+    uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ff, bits;
+    if (exp == 0x1f) bits = sign | 0x7f800000u | (man << 13);  /* inf / nan */
+    else if (exp) bits = sign | ((exp + 112) << 23) | (man << 13);
+    else if (!man) bits = sign;
+    else { /* subnormal: normalise */
+        exp = 113;
+        while (!(man & 0x400)) { man <<= 1; exp--; }
+        bits = sign | (exp << 23) | ((man & 0x3ff) << 13);
+    }
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+#endif
+}
+
+static int64_t block_bytes(int64_t wtype) {
+    return wtype == TYPE_Q4_0 ? 18 : wtype == TYPE_Q4_1 ? 20 : wtype == TYPE_Q8_0 ? 34 : 0;
+}
+
+/* llama.cpp's quantize_row_q8_0 rule, d kept in float32; roundf: ties away from zero as its reference */
+static void quantize_act(const float *x, act_block *a, int64_t nb) {
+    for (int64_t b = 0; b < nb; b++) {
+        const float *v = x + b * QK;
+        float amax = 0.0f;
+        for (int j = 0; j < QK; j++) amax = fmaxf(amax, fabsf(v[j]));
+        const float d = amax / 127.0f, id = d ? 1.0f / d : 0.0f;
+        int32_t sum = 0;
+        for (int j = 0; j < QK; j++) {
+            const int q = (int)roundf(v[j] * id);
+            a[b].qs[j] = (int8_t)q;
+            sum += q;
+        }
+        a[b].d = d;
+        a[b].ds = d * (float)sum;
+    }
+}
+
+/* ---- integer dots of one weight row with T activation rows ---------------------------------------
+ * kind: 0 Q4_0, 1 Q4_1, 2 Q8_0 (compile-time after inlining). Two blocks per step into two sets of
+ * accumulators: the fused multiply-add's latency is the bound with one. */
+enum { KIND_Q4_0, KIND_Q4_1, KIND_Q8_0 };
+static const int64_t KIND_BYTES[3] = {18, 20, 34};
+
+#if defined(__AVX2__) && defined(__FMA__)
+static inline __m256i nibbles32(const uint8_t *p) { /* 32 values 0..15, in order */
+    const __m128i t = _mm_loadu_si128((const __m128i *)p);
+    return _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(t, 4), t), _mm256_set1_epi8(0x0F));
+}
+
+static inline __m256i dot_u8s8(__m256i u, __m256i s) { /* 8 int32 lanes of sum u * s (u 0..255, s int8) */
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s);
+#elif defined(__AVXVNNI__)
+    return _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), u, s);
+#else  /* pairs of u * s into int16 (no saturation: u <= 128 and |s| <= 127 here), then pairs into int32 */
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
+#endif
+}
+
+static inline float hsum8(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+/* One block b of the row into accumulator set p: the weight block decoded once to unsigned bytes u
+ * (Q4: 0..15, the -8 of Q4_0 and the m of Q4_1 applied through the activation's block sum; Q8_0:
+ * |q| with q's sign moved onto the activation), then one integer dot per activation row. */
+static inline __attribute__((always_inline)) void step(const uint8_t *blk, int kind, const act_block *const *a,
+                                                       int64_t b, int T, __m256 *acc, float *ex) {
+    const float dw = fp16_to_f32(blk);
+    if (kind == KIND_Q8_0) {
+        const __m256i q = _mm256_loadu_si256((const __m256i *)(blk + 2));
+        const __m256i u = _mm256_sign_epi8(q, q);
+        for (int t = 0; t < T; t++) {
+            const __m256i s = _mm256_sign_epi8(_mm256_loadu_si256((const __m256i *)a[t][b].qs), q);
+            acc[t] = _mm256_fmadd_ps(_mm256_set1_ps(dw * a[t][b].d), _mm256_cvtepi32_ps(dot_u8s8(u, s)), acc[t]);
+        }
+        return;
+    }
+    const __m256i u = nibbles32(blk + (kind == KIND_Q4_1 ? 4 : 2));
+    const float mw = kind == KIND_Q4_1 ? fp16_to_f32(blk + 2) : -8.0f * dw;
+    for (int t = 0; t < T; t++) {
+        const __m256i s = _mm256_loadu_si256((const __m256i *)a[t][b].qs);
+        acc[t] = _mm256_fmadd_ps(_mm256_set1_ps(dw * a[t][b].d), _mm256_cvtepi32_ps(dot_u8s8(u, s)), acc[t]);
+        ex[t] = fmaf(mw, a[t][b].ds, ex[t]);  /* explicit: the same rounding in every tile width */
+    }
+}
+
+static inline __attribute__((always_inline)) void dot_rows(const uint8_t *w, int kind, const act_block *const *a,
+                                                           int64_t nb, int T, float *out) {
+    const int64_t bb = KIND_BYTES[kind];
+    __m256 acc0[TILE], acc1[TILE];
+    float ex0[TILE], ex1[TILE];
+    for (int t = 0; t < T; t++) { acc0[t] = acc1[t] = _mm256_setzero_ps(); ex0[t] = ex1[t] = 0.0f; }
+    int64_t b = 0;
+    for (; b + 2 <= nb; b += 2) {
+        step(w + b * bb, kind, a, b, T, acc0, ex0);
+        step(w + (b + 1) * bb, kind, a, b + 1, T, acc1, ex1);
+    }
+    if (b < nb) step(w + b * bb, kind, a, b, T, acc0, ex0);
+    for (int t = 0; t < T; t++) out[t] = hsum8(_mm256_add_ps(acc0[t], acc1[t])) + (ex0[t] + ex1[t]);
+}
+#else
+static inline void dot_rows(const uint8_t *w, int kind, const act_block *const *a, int64_t nb, int T, float *out) {
+    const int64_t bb = KIND_BYTES[kind];
+    for (int t = 0; t < T; t++) out[t] = 0.0f;
+    for (int64_t b = 0; b < nb; b++, w += bb) {
+        const float dw = fp16_to_f32(w);
+        int8_t q[QK];
+        float mw = 0.0f;
+        if (kind == KIND_Q8_0) memcpy(q, w + 2, QK);
+        else {
+            const uint8_t *p = w + (kind == KIND_Q4_1 ? 4 : 2);
+            for (int j = 0; j < QK / 2; j++) { q[j] = p[j] & 0x0F; q[j + QK / 2] = p[j] >> 4; }
+            mw = kind == KIND_Q4_1 ? fp16_to_f32(w + 2) : -8.0f * dw;
+        }
+        for (int t = 0; t < T; t++) {
+            int32_t s = 0;
+            for (int j = 0; j < QK; j++) s += (int32_t)q[j] * a[t][b].qs[j];
+            out[t] += dw * a[t][b].d * (float)s + mw * a[t][b].ds;
+        }
+    }
+}
+#endif
+
+/* the instances: a constant kind and tile each, so the branches above fold away */
+#define INSTANCE(KIND)                                                                                   \
+    static void dot1_##KIND(const uint8_t *w, const act_block *const *a, int64_t nb, float *out) {        \
+        dot_rows(w, KIND, a, nb, 1, out);                                                                 \
+    }                                                                                                     \
+    static void dotT_##KIND(const uint8_t *w, const act_block *const *a, int64_t nb, float *out) {        \
+        dot_rows(w, KIND, a, nb, TILE, out);                                                              \
+    }
+INSTANCE(KIND_Q4_0)
+INSTANCE(KIND_Q4_1)
+INSTANCE(KIND_Q8_0)
+typedef void (*dot_fn)(const uint8_t *, const act_block *const *, int64_t, float *);
+static const dot_fn DOT1[3] = {dot1_KIND_Q4_0, dot1_KIND_Q4_1, dot1_KIND_Q8_0};
+static const dot_fn DOTT[3] = {dotT_KIND_Q4_0, dotT_KIND_Q4_1, dotT_KIND_Q8_0};
+
+static int kind_of(int64_t wtype) {
+    return wtype == TYPE_Q4_0 ? KIND_Q4_0 : wtype == TYPE_Q4_1 ? KIND_Q4_1 : wtype == TYPE_Q8_0 ? KIND_Q8_0 : -1;
+}
+
+/* ---- float-activation path: exact dequantisation, double sums ------------------------------------- */
+static void dequant_block(const uint8_t *w, int64_t wtype, float *out) {
+    const float d = fp16_to_f32(w);
+    if (wtype == TYPE_Q8_0) {
+        for (int j = 0; j < QK; j++) out[j] = (float)(int8_t)w[2 + j] * d;
+        return;
+    }
+    const uint8_t *p = w + (wtype == TYPE_Q4_1 ? 4 : 2);
+    const float m = wtype == TYPE_Q4_1 ? fp16_to_f32(w + 2) : 0.0f;
+    for (int j = 0; j < QK / 2; j++) {
+        const float lo = d * (float)(wtype == TYPE_Q4_1 ? (p[j] & 0x0F) : (p[j] & 0x0F) - 8);
+        const float hi = d * (float)(wtype == TYPE_Q4_1 ? (p[j] >> 4) : (p[j] >> 4) - 8);
+        volatile float vlo = lo, vhi = hi;  /* d * q rounded before the + m (no fused multiply-add), as gguf's reference */
+        out[j] = wtype == TYPE_Q4_1 ? vlo + m : vlo;
+        out[j + QK / 2] = wtype == TYPE_Q4_1 ? vhi + m : vhi;
+    }
+}
+
+static double dot_row_float(const uint8_t *w, int64_t wtype, const float *x, int64_t nb) {
+    const int64_t bb = block_bytes(wtype);
+    double acc = 0.0;
+    float f[QK];
+    for (int64_t b = 0; b < nb; b++, w += bb) {
+        dequant_block(w, wtype, f);
+        for (int j = 0; j < QK; j++) acc += (double)f[j] * (double)x[b * QK + j];
+    }
+    return acc;
+}
+
+/* Dequantise rows [0, rows) of W into out [rows, in] float32 (exact, as gguf's reference). */
+int flexplan_quant_dequantize(const uint8_t *w, int64_t wtype, float *out, int64_t rows, int64_t in) {
+    const int64_t bb = block_bytes(wtype), nb = in / QK;
+    if (!bb || in % QK) return 1;
+    #pragma omp parallel for schedule(static)
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t b = 0; b < nb; b++) dequant_block(w + (r * nb + b) * bb, wtype, out + r * in + b * QK);
+    return 0;
+}
+
+/* y [batch, out] = x [batch, in] W^T (+ bias [out] if given); W [out, in] in blocks of wtype.
+ * Returns 0, 1 for an unknown type or an in not a multiple of 32, 2 out of memory. */
+int flexplan_quant_gemm(const uint8_t *w, int64_t wtype, const float *x, float *y, const float *bias, int64_t out,
+                        int64_t in, int64_t batch, int64_t float_act) {
+    const int64_t bb = block_bytes(wtype), nb = in / QK, row_bytes = nb * bb;
+    const int kind = kind_of(wtype);
+    if (!bb || in % QK || out < 0 || batch < 0) return 1;
+    if (float_act) {
+        #pragma omp parallel for schedule(static)
+        for (int64_t o = 0; o < out; o++)
+            for (int64_t r = 0; r < batch; r++)
+                y[r * out + o] = (float)(dot_row_float(w + o * row_bytes, wtype, x + r * in, nb)
+                                         + (bias ? (double)bias[o] : 0.0));
+        return 0;
+    }
+    act_block *a = (act_block *)malloc((size_t)(batch * nb + 1) * sizeof(act_block));
+    if (!a) return 2;
+    for (int64_t r = 0; r < batch; r++) quantize_act(x + r * in, a + r * nb, nb);
+    #pragma omp parallel for schedule(static)
+    for (int64_t o = 0; o < out; o++) {
+        const uint8_t *wr = w + o * row_bytes;
+        const float bo = bias ? bias[o] : 0.0f;
+        int64_t r = 0;
+        for (; r + TILE <= batch; r += TILE) {  /* a tile of activation rows per decoded weight block */
+            const act_block *rows[TILE];
+            float v[TILE];
+            for (int t = 0; t < TILE; t++) rows[t] = a + (r + t) * nb;
+            DOTT[kind](wr, rows, nb, v);
+            for (int t = 0; t < TILE; t++) y[(r + t) * out + o] = v[t] + bo;
+        }
+        for (; r < batch; r++) {
+            const act_block *row = a + r * nb;
+            float v;
+            DOT1[kind](wr, &row, nb, &v);
+            y[r * out + o] = v + bo;
+        }
+    }
+    free(a);
+    return 0;
+}
