@@ -128,3 +128,15 @@ def test_smollm2_layer_within_the_bound():
         x = torch.randn(3, t.shape[1], generator=g)
         ref = x.double() @ t.dequantize().double().t()
         assert kernels.rms_rel_error(kernels.linear(t, x), ref) < kernels.ACT_QUANT_REL_ERROR, name
+
+
+@needs_native
+def test_gemv_list_equals_one_gemm_per_matrix():
+    items = [(_weights(f, out=o, k=k, seed=i).data, f, torch.randn(k))
+             for i, (f, o, k) in enumerate(((Q4_0, 24, 160), (Q4_1, 7, 64), (Q8_0, 40, 96), (Q4_1, 1, 32)))]
+    ys = NATIVE.gemv_list(items).run()
+    for (w, f, x), y in zip(items, ys):
+        assert torch.equal(y, NATIVE.gemm(w, f, x[None])[0])
+    bad = NATIVE.gemv_list([(items[0][0], Q4_K, items[0][2])])
+    with pytest.raises(InvalidInputError, match="not a kernel format"):
+        bad.run()

@@ -58,7 +58,15 @@ class NativeQuant:
         self._dequantize = lib.flexplan_quant_dequantize
         self._dequantize.argtypes = [ptr, i64, ptr, i64, i64]
         self._dequantize.restype = ctypes.c_int
+        self._list = lib.flexplan_quant_gemv_list
+        self._list.argtypes = [i64] + [ptr] * 6
+        self._list.restype = ctypes.c_int
         self._lib = lib  # keeps the library loaded
+
+    def gemv_list(self, items: list[tuple[torch.Tensor, BlockFormat, torch.Tensor]]) -> GemvList:
+        """Independent GEMVs (raw blocks [out, row_bytes], format, x [in] float32 contiguous) run
+        in one native call by :meth:`GemvList.run`, each output as :meth:`gemm` gives it for one row."""
+        return GemvList(self._list, items)
 
     def gemm(self, data: torch.Tensor, fmt: BlockFormat, x2d: torch.Tensor, bias: torch.Tensor | None = None,
              float_act: bool = False) -> torch.Tensor:
@@ -83,6 +91,31 @@ class NativeQuant:
             raise InvalidInputError(f"dequantise: {fmt.name} is not a kernel format or in={in_features} is not "
                                     "a multiple of 32")
         return out
+
+
+class GemvList:
+    """A fixed set of GEMVs on fixed input buffers: :meth:`run` computes every ``ys[i] = W_i x_i``
+    in one parallel region (no Python call or thread fork per matrix; ``x`` may be refilled in place)."""
+
+    def __init__(self, fn, items: list[tuple[torch.Tensor, BlockFormat, torch.Tensor]]):
+        n = len(items)
+        self.items = items
+        self.ys = [torch.empty(w.shape[0], dtype=torch.float32) for w, _, _ in items]
+        self._fn, self._n = fn, n
+        self._args = ((ctypes.c_void_p * n)(*(w.data_ptr() for w, _, _ in items)),
+                      (ctypes.c_int64 * n)(*(f.ggml_type for _, f, _ in items)),
+                      (ctypes.c_void_p * n)(*(x.data_ptr() for _, _, x in items)),
+                      (ctypes.c_void_p * n)(*(y.data_ptr() for y in self.ys)),
+                      (ctypes.c_int64 * n)(*(w.shape[0] for w, _, _ in items)),
+                      (ctypes.c_int64 * n)(*(x.numel() for _, _, x in items)))
+
+    def run(self) -> list[torch.Tensor]:
+        rc = self._fn(self._n, *self._args)
+        if rc:
+            raise (MemoryError if rc == 2 else InvalidInputError)(
+                "quantised GEMV list: " + ("out of memory" if rc == 2 else "a format is not a kernel format or an "
+                                           "input width is not a multiple of 32"))
+        return self.ys
 
 
 def quantize_reference(w: torch.Tensor, fmt: BlockFormat) -> QuantTensor:

@@ -282,3 +282,37 @@ int flexplan_quant_gemm(const uint8_t *w, int64_t wtype, const float *x, float *
     free(a);
     return 0;
 }
+
+/* n independent GEMVs y_i [out_i] = W_i x_i in one parallel region (no fork and no Python call per
+ * matrix): q/k/v on one input, gate/up, or a token's matrices for the benchmark. Each x_i is
+ * quantised as flexplan_quant_gemm does, then each matrix's rows are shared out without a barrier
+ * between matrices; every y_i equals flexplan_quant_gemm's for batch 1 bit for bit.
+ * Returns 0, 1 for an unknown type or an in not a multiple of 32, 2 out of memory. */
+int flexplan_quant_gemv_list(int64_t n, const uint8_t *const *w, const int64_t *wtype, const float *const *x,
+                             float *const *y, const int64_t *out, const int64_t *in) {
+    int64_t total = 0;
+    for (int64_t i = 0; i < n; i++) {
+        if (!block_bytes(wtype[i]) || in[i] % QK || out[i] < 0) return 1;
+        total += in[i] / QK;
+    }
+    act_block *a = (act_block *)malloc((size_t)(total + 1) * sizeof(act_block));
+    int64_t *start = (int64_t *)malloc((size_t)(n + 1) * sizeof(int64_t));
+    if (!a || !start) { free(a); free(start); return 2; }
+    start[0] = 0;
+    for (int64_t i = 0; i < n; i++) start[i + 1] = start[i] + in[i] / QK;
+    #pragma omp parallel
+    {
+        #pragma omp for schedule(dynamic, 1)
+        for (int64_t i = 0; i < n; i++) quantize_act(x[i], a + start[i], in[i] / QK);
+        for (int64_t i = 0; i < n; i++) {
+            const int kind = kind_of(wtype[i]);
+            const int64_t nb = in[i] / QK, row_bytes = nb * block_bytes(wtype[i]);
+            const act_block *row = a + start[i];
+            #pragma omp for schedule(static) nowait
+            for (int64_t o = 0; o < out[i]; o++) DOT1[kind](w[i] + o * row_bytes, &row, nb, &y[i][o]);
+        }
+    }
+    free(a);
+    free(start);
+    return 0;
+}
