@@ -140,3 +140,21 @@ def test_gemv_list_equals_one_gemm_per_matrix():
     bad = NATIVE.gemv_list([(items[0][0], Q4_K, items[0][2])])
     with pytest.raises(InvalidInputError, match="not a kernel format"):
         bad.run()
+
+
+@pytest.mark.skipif(NATIVE is None, reason=f"no native quantised kernels: {WHY}")
+def test_portable_c_path_passes_the_self_check(tmp_path):
+    """The same source built for plain x86-64 (no AVX2): the fallback the ISA checks choose off x86's vector units."""
+    import ctypes
+    import subprocess
+
+    from flexplan.executor.native import _compiler
+
+    lib = tmp_path / "portable.so"
+    subprocess.run([_compiler(), "-O2", "-march=x86-64", "-fopenmp", "-shared", "-fPIC", "-std=gnu11",
+                    str(kernels.SOURCE), "-o", str(lib)], check=True, capture_output=True, timeout=120)
+    portable = kernels.NativeQuant(ctypes.CDLL(str(lib)), lib)
+    assert portable.isa == "portable"
+    kernels._self_check(portable)
+    qt, x = _weights(Q4_1), torch.randn(3, 160)
+    assert _rel(portable.gemm(qt.data, Q4_1, x), NATIVE.gemm(qt.data, Q4_1, x).double()) < 1e-5
