@@ -5,7 +5,8 @@
 - the int8-activation path (llama.cpp's per-block activation quantisation) stays within the
   stated bound ACT_QUANT_REL_ERROR (RMS error over the RMS of y) of dequantise-then-float64, and
   equals a Python model of the same arithmetic to float32 summation order;
-- each row of the batched kernel equals the GEMV of that row bit for bit (prefill and decode agree);
+- each row of the batched kernel equals the GEMV of that row to float32 summation order (the same
+  integer dots, the tile's scaled sums in another order), bit for bit for rows past the tiles;
 - without the library, linear() is dequantise (bit for bit as gguf) + F.linear."""
 
 import pytest
@@ -78,12 +79,13 @@ def test_int8_activation_path_within_the_stated_bound(fmt, batch):
 
 @needs_native
 @pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.name)
-def test_batched_rows_equal_the_gemv_bit_for_bit(fmt):
+def test_batched_rows_equal_the_gemv(fmt):
     qt = _weights(fmt, out=33, k=96)
     x = torch.randn(9, 96)  # two tiles of 4 and one row left over
     y = NATIVE.gemm(qt.data, fmt, x)
     for r in range(9):
-        assert torch.equal(y[r], NATIVE.gemm(qt.data, fmt, x[r:r + 1].contiguous())[0]), r
+        one = NATIVE.gemm(qt.data, fmt, x[r:r + 1].contiguous())[0]
+        assert torch.equal(y[r], one) if r == 8 else _rel(y[r], one.double()) < 1e-6, r
 
 
 @needs_native

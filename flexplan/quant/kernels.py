@@ -2,7 +2,7 @@
 
 ``quant_gemv.c`` computes ``y = x W^T (+ bias)`` with W [out, in] in Q4_0 / Q4_1 / Q8_0 blocks as
 a GGUF file holds them: the decode GEMV (one row of x) and the prefill GEMM (several rows, a tile
-of 4 activation rows per decoded weight block), the activation quantised per 32-block to int8 as
+of 4 activation rows per decoded weight block, their dots reduced together), the activation quantised per 32-block to int8 as
 llama.cpp does, integer dot products (AVX-512 VNNI / AVX-VNNI, else AVX2, else portable C, chosen
 by ``-march=native``: :attr:`NativeQuant.isa` names it), OpenMP over output rows. A float-activation
 path (``float_act=True``) dequantises exactly and sums in double: the reference the tests use.
