@@ -1,4 +1,4 @@
-"""`flexplan` command line: explain, hw, models, run, calibrate, validate, profile-experts.
+"""`flexplan` command line: explain, hw, models, run, serve, calibrate, validate, profile-experts.
 
 Every error flexplan raises on purpose is printed as one line on stderr with exit code 2.
 """
@@ -161,6 +161,7 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
 # Commands whose modules import torch: imported only when that command runs.
 LAZY_COMMANDS = {
     "run": ("flexplan.run_cmd", "run a model under a plan (default: the embedded SmolLM2)"),
+    "serve": ("flexplan.serve_cmd", "an OpenAI-compatible server, continuous batching (default: the embedded SmolLM2)"),
     "calibrate": ("flexplan.measure.calibrate", "measure this machine's efficiency factors"),
     "validate": ("flexplan.validate", "predicted vs measured TTFT/TPOT over a grid"),
     "profile-experts": ("flexplan.profile_cmd", "count a MoE model's router choices on a few prompts (for --routing-profile)"),

@@ -1,0 +1,255 @@
+"""`flexplan serve`'s HTTP front, tested with the official openai client against a server started
+on 127.0.0.1: completions, chat, streaming, models, errors (a bad request, then a good one),
+/metrics, concurrency, a client leaving mid-stream (its KV freed), a full queue (429), SIGTERM.
+
+Most tests run over a deterministic stand-in engine (tests/serving_double.py: fast, no torch);
+those marked ``real`` run the actual Engine over a tiny random Llama with SmolLM2's tokenizer and
+chat template (offline)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+import uvicorn
+from serving_double import DoubleEngine
+
+from flexplan.serving import server
+
+TESTS = Path(__file__).resolve().parent
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Running:
+    """A server on a thread, on a free port."""
+
+    def __init__(self, engine, name="double", **kwargs):
+        self.engine, self.port = engine, free_port()
+        self.app = server.create_app(engine, name, aliases=("alias-of-double",), **kwargs)
+        self.server = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=self.port, log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + 20
+        while not self.server.started:
+            assert time.monotonic() < deadline, "the server did not start"
+            time.sleep(0.01)
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.client = openai.OpenAI(base_url=f"{self.url}/v1", api_key="none", max_retries=0, timeout=30)
+
+    def stop(self):
+        self.server.should_exit = True
+        self.thread.join(10)
+
+
+@pytest.fixture(scope="module")
+def double():
+    s = Running(DoubleEngine(max_model_len=4096))
+    yield s
+    s.stop()
+
+
+def wait_until(cond, timeout_s=10.0):
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.01)
+
+
+# ---- the double: the front's translation ----
+def test_completion_returns_text_finish_reason_and_usage(double):
+    r = double.client.completions.create(model="double", prompt="hello", max_tokens=5, temperature=0)
+    assert r.choices[0].text == "abcde"
+    assert r.choices[0].finish_reason == "length"
+    assert (r.usage.prompt_tokens, r.usage.completion_tokens, r.usage.total_tokens) == (5, 5, 10)
+    assert r.object == "text_completion" and r.model == "double"
+
+
+def test_completion_takes_token_ids_an_alias_stop_and_max_tokens_default(double):
+    r = double.client.completions.create(model="alias-of-double", prompt=[1, 2, 3], stop=["c"])
+    assert (r.choices[0].text, r.choices[0].finish_reason, r.usage.prompt_tokens) == ("ab", "stop", 3)
+    r = double.client.completions.create(model="double", prompt="x")
+    assert r.usage.completion_tokens == 16  # OpenAI's default max_tokens for completions
+
+
+def test_chat_applies_the_template_and_max_completion_tokens(double):
+    msgs = [{"role": "user", "content": "hi"}]
+    r = double.client.chat.completions.create(model="double", messages=msgs, max_completion_tokens=3)
+    assert r.choices[0].message.content == "abc" and r.choices[0].message.role == "assistant"
+    assert r.usage.prompt_tokens == len("user: hi\nassistant: ")
+
+
+def test_streaming_completion_and_chat_end_with_done_and_report_usage(double):
+    chunks = list(double.client.completions.create(model="double", prompt="hi", max_tokens=4, stream=True,
+                                                   stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == "abcd"
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].usage.completion_tokens == 4
+    chunks = list(double.client.chat.completions.create(model="double", messages=[{"role": "user", "content": "x"}],
+                                                        max_tokens=3, stream=True))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == "abc"
+    assert chunks[-1].choices[0].finish_reason == "length"
+    with httpx.stream("POST", f"{double.url}/v1/completions", json={"prompt": "a", "max_tokens": 2, "stream": True}) as r:
+        lines = [line for line in r.iter_lines() if line]
+    assert lines[-1] == "data: [DONE]" and all(line.startswith("data: ") for line in lines)
+
+
+def test_models_and_health(double):
+    ids = [m.id for m in double.client.models.list()]
+    assert ids[0] == "double" and "alias-of-double" in ids
+    assert httpx.get(f"{double.url}/health").json() == {"status": "ok"}
+
+
+def _error(r: httpx.Response) -> dict:
+    body = r.json()
+    assert set(body["error"]) == {"message", "type", "param", "code"}, body
+    return body["error"]
+
+
+@pytest.mark.parametrize("body, status, param, code", [
+    (b"{not json", 400, None, "invalid_json"),
+    ({"model": "double"}, 400, "prompt", "missing_required_parameter"),
+    ({"model": "gpt-4", "prompt": "x"}, 404, "model", "model_not_found"),
+    ({"prompt": "x" * 5000}, 400, "prompt", "context_length_exceeded"),
+    ({"prompt": "x", "max_tokens": -1}, 400, "max_tokens", "invalid_value"),
+    ({"prompt": "x", "max_tokens": 10**6}, 400, "max_tokens", "invalid_value"),
+    ({"prompt": "x", "n": 2}, 400, "n", "unsupported"),
+    ({"prompt": "x", "temperature": 7}, 400, "temperature", "invalid_value"),
+    ({"prompt": "x", "logprobs": 3}, 400, "logprobs", "unsupported"),
+    ({"prompt": ["a", "b"]}, 400, "prompt", "invalid_value"),
+    ([1, 2], 400, None, "invalid_json"),
+])
+def test_bad_requests_get_an_openai_error_and_the_server_keeps_serving(double, body, status, param, code):
+    kw = {"content": body} if isinstance(body, bytes) else {"json": body}
+    r = httpx.post(f"{double.url}/v1/completions", headers={"content-type": "application/json"}, **kw)
+    assert r.status_code == status, r.text
+    err = _error(r)
+    assert (err["param"], err["code"]) == (param, code), err
+    assert "Traceback" not in r.text
+    assert double.client.completions.create(model="double", prompt="ok", max_tokens=1).choices[0].text == "a"
+
+
+def test_chat_errors_name_their_field(double):
+    for body, param in (({}, "messages"), ({"messages": [{"content": "x"}]}, "messages.[0].role"),
+                        ({"messages": [{"role": "user", "content": "x" * 5000}]}, "messages")):
+        r = httpx.post(f"{double.url}/v1/chat/completions", json=body)
+        assert r.status_code == 400 and _error(r)["param"] == param
+    with pytest.raises(openai.NotFoundError):
+        double.client.chat.completions.create(model="nope", messages=[{"role": "user", "content": "x"}])
+
+
+def test_metrics_export_queue_running_blocks_tokens_latencies_and_modes(double):
+    double.client.completions.create(model="double", prompt="hi", max_tokens=3)
+    text = httpx.get(f"{double.url}/metrics").text
+    for name in ("flexplan_requests_waiting", 'flexplan_requests_running{device="cpu"', 'flexplan_kv_blocks_used{',
+                 'pool="host"', "flexplan_kv_blocks_free{", "flexplan_generation_tokens_total",
+                 "flexplan_generation_tokens_per_second", "flexplan_time_to_first_token_seconds_bucket",
+                 "flexplan_time_per_output_token_seconds_bucket", 'flexplan_iterations_total{mode="cpu-only"',
+                 "flexplan_prompt_tokens_total"):
+        assert name in text, name
+    ttft = [line for line in text.splitlines() if line.startswith("flexplan_time_to_first_token_seconds_count")]
+    assert float(ttft[0].split()[-1]) >= 1
+
+
+def test_concurrent_requests_all_answered(double):
+    results = {}
+
+    def ask(i):
+        results[i] = double.client.completions.create(model="double", prompt=f"p{i}", max_tokens=3 + i).choices[0]
+
+    threads = [threading.Thread(target=ask, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert {i: c.text for i, c in results.items()} == {i: "abcdefghijk"[:3 + i] for i in range(8)}
+
+
+def test_a_client_that_leaves_mid_stream_aborts_its_request(double):
+    body = {"prompt": "long", "max_tokens": 4000, "stream": True}  # 20 s of steps: ended by the abort
+    with httpx.stream("POST", f"{double.url}/v1/completions", json=body) as r:
+        lines = r.iter_lines()
+        next(lines)
+    wait_until(lambda: double.engine.stats().running_by_device["cpu"] == 0 and not double.engine.has_unfinished())
+    assert double.engine.stats().blocks_used == {"host": 0}
+    assert _aborted(double) >= 1
+
+
+def _aborted(s) -> float:
+    text = httpx.get(f"{s.url}/metrics").text
+    return sum(float(line.split()[-1]) for line in text.splitlines()
+               if line.startswith("flexplan_requests_finished_total") and 'finish_reason="abort"' in line)
+
+
+def test_a_non_streaming_client_that_leaves_aborts_its_request(double):
+    before = _aborted(double)
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{double.url}/v1/completions", json={"prompt": "long", "max_tokens": 4000}, timeout=0.1)
+    wait_until(lambda: not double.engine.has_unfinished() and _aborted(double) > before)
+    assert double.engine.stats().blocks_used == {"host": 0}
+
+
+def test_a_full_queue_is_429_and_the_server_recovers():
+    engine = DoubleEngine(max_running=1)
+    s = Running(engine, max_waiting=1)
+    try:
+        engine.gate.clear()  # step() waits: the first request stays in the queue
+        first = threading.Thread(target=lambda: s.client.completions.create(model="double", prompt="a", max_tokens=2))
+        first.start()
+        wait_until(lambda: s.app.state.served.loop.stats().waiting == 1)
+        with pytest.raises(openai.RateLimitError) as e:
+            s.client.completions.create(model="double", prompt="b", max_tokens=2)
+        assert e.value.body["code"] == "queue_full"
+        engine.gate.set()
+        first.join(10)
+        assert s.client.completions.create(model="double", prompt="c", max_tokens=2).choices[0].text == "ab"
+    finally:
+        engine.gate.set()
+        s.stop()
+
+
+def test_sigterm_drains_in_flight_requests_then_exits_zero():
+    port = free_port()
+    env = dict(os.environ, PYTHONPATH=f"{TESTS}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    proc = subprocess.Popen([sys.executable, str(TESTS / "serving_double.py"), str(port), "1.0"], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        wait_until(lambda: _healthy(port), 30)
+        got = []
+        with httpx.stream("POST", f"http://127.0.0.1:{port}/v1/completions",
+                          json={"prompt": "x", "max_tokens": 1000, "stream": True}, timeout=30) as r:
+            for line in r.iter_lines():
+                got.append(line)
+                if len(got) == 2:
+                    proc.send_signal(signal.SIGTERM)
+        t0 = time.monotonic()
+        assert proc.wait(10) == 0, proc.stdout.read()
+        assert time.monotonic() - t0 < 5
+        events = [json.loads(g[6:]) for g in got if g.startswith("data: {")]
+        assert events[-1]["error"]["code"] == "shutting_down"  # aborted past the 1 s grace, and told so
+        assert [g for g in got if g][-1] == "data: [DONE]"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+def _healthy(port: int) -> bool:
+    try:
+        return httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200
+    except httpx.HTTPError:
+        return False
