@@ -204,6 +204,22 @@ def test_a_non_streaming_client_that_leaves_aborts_its_request(double):
     assert double.engine.stats().blocks_used == {"host": 0}
 
 
+def test_a_streaming_client_that_leaves_while_queued_aborts_its_request():
+    engine = DoubleEngine(max_model_len=8192)
+    s = Running(engine)
+    try:
+        engine.gate.clear()  # nothing runs: the request stays queued, its stream's headers unsent
+        with pytest.raises(httpx.ReadTimeout), httpx.stream("POST", f"{s.url}/v1/completions", timeout=0.3,
+                                                            json={"prompt": "q", "max_tokens": 8000, "stream": True}):
+            pass
+        engine.gate.set()
+        wait_until(lambda: _aborted(s) == 1 and not engine.has_unfinished())
+        assert engine.stats().blocks_used == {"host": 0}
+    finally:
+        engine.gate.set()
+        s.stop()
+
+
 def test_a_full_queue_is_429_and_the_server_recovers():
     engine = DoubleEngine(max_running=1)
     s = Running(engine, max_waiting=1)
@@ -253,3 +269,148 @@ def _healthy(port: int) -> bool:
         return httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200
     except httpx.HTTPError:
         return False
+
+
+# ---- the real engine over a tiny random Llama (SmolLM2's tokenizer and chat template, offline) ----
+CONTEXT = 4096
+
+
+def tiny_llama(tokenizer):
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=CONTEXT,
+                      eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.bos_token_id)
+    return LlamaForCausalLM(cfg).eval()
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from transformers import AutoTokenizer
+
+    from flexplan.smollm import default_model_dir
+
+    return AutoTokenizer.from_pretrained(default_model_dir(verbose=False))
+
+
+@pytest.fixture(scope="module")
+def real(tokenizer):
+    import torch
+
+    from flexplan.serving.engine import Engine
+
+    torch.set_num_threads(1)
+    engine = Engine(tiny_llama(tokenizer), tokenizer, device_blocks=0, host_blocks=2 * CONTEXT // 16)
+    s = Running(engine, name="tiny-llama")
+    yield s
+    s.stop()
+    engine.close()
+
+
+def alone(model, ids: list[int], n: int) -> list[int]:
+    """transformers' greedy generate() on the prompt alone (ignoring EOS, as the requests below do)."""
+    import torch
+
+    out = model.generate(torch.tensor([ids]), max_new_tokens=n, min_new_tokens=n, do_sample=False)
+    return out[0, len(ids):].tolist()
+
+
+def test_real_engine_concurrent_greedy_requests_equal_generate_alone(real, tokenizer):
+    reference = tiny_llama(tokenizer)  # the same seed: the same weights, untouched by the engine
+    prompts = ["The capital of France is", "Hello", "1 2 3 4 5 6 7 8 9 10 11 12"]
+    results = {}
+
+    def ask(i, p):
+        results[i] = real.client.completions.create(model="tiny-llama", prompt=p, max_tokens=6 + i, temperature=0,
+                                                    extra_body={"ignore_eos": True})
+
+    threads = [threading.Thread(target=ask, args=(i, p)) for i, p in enumerate(prompts)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    for i, p in enumerate(prompts):
+        ids = tokenizer.encode(p)
+        want = alone(reference, ids, 6 + i)
+        got = results[i]
+        assert (got.usage.prompt_tokens, got.usage.completion_tokens) == (len(ids), 6 + i)
+        assert got.choices[0].text == tokenizer.decode(want, skip_special_tokens=True)
+
+
+def test_real_engine_chat_stream_uses_the_chat_template(real, tokenizer):
+    msgs = [{"role": "user", "content": "What is 2+2?"}]
+    chunks = list(real.client.chat.completions.create(model="tiny-llama", messages=msgs, max_tokens=5, stream=True,
+                                                      temperature=0, stream_options={"include_usage": True}))
+    templated = tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+    assert chunks[-1].usage.prompt_tokens == len(tokenizer.encode(templated, add_special_tokens=False))
+    assert chunks[-1].usage.completion_tokens <= 5
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] in ("stop", "length")
+
+
+def test_real_engine_context_errors_then_serves(real):
+    r = httpx.post(f"{real.url}/v1/completions", json={"prompt": list(range(10, 10 + CONTEXT))})
+    assert r.status_code == 400 and _error(r)["code"] == "context_length_exceeded"
+    r = httpx.post(f"{real.url}/v1/completions", json={"prompt": "hi", "max_tokens": CONTEXT})
+    assert r.status_code == 400 and _error(r)["param"] == "max_tokens"
+    r = httpx.post(f"{real.url}/v1/completions", json={"prompt": [10**7]})  # outside the vocabulary
+    assert r.status_code == 400 and "vocabulary" in _error(r)["message"]
+    assert real.client.completions.create(model="tiny-llama", prompt="ok", max_tokens=2).usage.completion_tokens >= 1
+
+
+def test_real_engine_client_leaving_mid_stream_frees_its_kv(real):
+    before = _aborted(real)
+    body = {"prompt": "go on", "max_tokens": CONTEXT - 10, "stream": True, "ignore_eos": True}
+    with httpx.stream("POST", f"{real.url}/v1/completions", json=body) as r:
+        lines = r.iter_lines()
+        next(lines)
+    wait_until(lambda: _aborted(real) > before)
+    stats = real.engine.stats()
+    assert sum(stats.running_by_device.values()) == 0 and stats.waiting == 0
+    assert stats.blocks_used == {"device": 0, "host": 0}
+
+
+def _serve(args: list[str], port: int) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "flexplan", "serve", *args, "--port", str(port),
+                             "--log-level", "warning"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+@pytest.mark.slow
+def test_flexplan_serve_a_model_folder_then_sigterm_exits_zero(tmp_path, tokenizer):
+    folder = tmp_path / "tiny-llama"
+    tiny_llama(tokenizer).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    port = free_port()
+    proc = _serve([str(folder), "--cpu-memory", "0.05", "--drain-s", "1"], port)
+    try:
+        wait_until(lambda: _healthy(port) or proc.poll() is not None, 120)
+        assert proc.poll() is None, proc.stdout.read()
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0)
+        assert next(m.id for m in client.models.list()) == "tiny-llama"
+        r = client.chat.completions.create(model="tiny-llama", messages=[{"role": "user", "content": "hi"}],
+                                           max_tokens=4)
+        assert 1 <= r.usage.completion_tokens <= 4
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(15) == 0, proc.stdout.read()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+@pytest.mark.slow
+def test_flexplan_serve_without_a_model_serves_the_embedded_smollm2():
+    port = free_port()
+    proc = _serve([], port)
+    try:
+        wait_until(lambda: _healthy(port) or proc.poll() is not None, 300)
+        assert proc.poll() is None, proc.stdout.read()
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0, timeout=120)
+        r = client.chat.completions.create(model="SmolLM2-135M-Instruct", temperature=0, max_tokens=8,
+                                           messages=[{"role": "user", "content": "What is the capital of France?"}])
+        assert "Paris" in r.choices[0].message.content
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(15) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()

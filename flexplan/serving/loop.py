@@ -84,10 +84,10 @@ class EngineLoop:
         self._thread.start()
 
     def begin_drain(self, grace_s: float) -> None:
-        """Refuse new requests; abort those still in flight after ``grace_s`` seconds."""
-        with self._lock:
-            if self._draining_until is None:
-                self._draining_until = time.monotonic() + grace_s
+        """Refuse new requests; abort those still in flight after ``grace_s`` seconds. Takes no lock:
+        a signal handler calls it on the main thread, which may hold the lock in submit()."""
+        if self._draining_until is None:
+            self._draining_until = time.monotonic() + grace_s
         self._wake.set()
 
     @property
@@ -96,7 +96,7 @@ class EngineLoop:
 
     def stop(self, timeout_s: float = 10.0) -> None:
         """Abort whatever is left and join the thread (after the HTTP server has stopped)."""
-        self.begin_drain(0.0)
+        self._draining_until = time.monotonic()
         self._stop = True
         self._wake.set()
         if self._thread is not None:

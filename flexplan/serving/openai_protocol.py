@@ -120,7 +120,7 @@ def parse(body, chat: bool) -> Parsed:
         if name in body and body[name] not in off:
             raise bad(f"{name}={body[name]!r} is not supported by this server; leave it out", name, "unsupported")
     n = _int(body, "n", 1)
-    if n != 1:
+    if n not in (None, 1):
         raise bad(f"n={n} is not supported: this server returns one choice per request (n=1)", "n", "unsupported")
     max_name = "max_completion_tokens" if chat and body.get("max_completion_tokens") is not None else "max_tokens"
     max_tokens = _int(body, max_name)

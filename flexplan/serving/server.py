@@ -223,18 +223,22 @@ class _Disconnected(Exception):
     pass
 
 
+async def _next_or_disconnect(outputs, watcher: asyncio.Future):
+    """``outputs``' next item, or :class:`_Disconnected` as soon as ``watcher`` completes."""
+    nxt = asyncio.ensure_future(outputs.__anext__())
+    done, _ = await asyncio.wait({nxt, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    if nxt not in done:
+        nxt.cancel()
+        raise _Disconnected()
+    return nxt.result()
+
+
 async def _race(outputs, watcher: asyncio.Future):
-    """``outputs``' items, or :class:`_Disconnected` as soon as ``watcher`` completes."""
-    it = outputs.__aiter__()
+    """``outputs``' items up to the finished one, or :class:`_Disconnected` once ``watcher`` completes."""
     while True:
-        nxt = asyncio.ensure_future(it.__anext__())
-        done, _ = await asyncio.wait({nxt, watcher}, return_when=asyncio.FIRST_COMPLETED)
-        if nxt not in done:
-            nxt.cancel()
-            raise _Disconnected()
-        try:
-            yield nxt.result()
-        except StopAsyncIteration:
+        out = await _next_or_disconnect(outputs, watcher)
+        yield out
+        if out.finished:
             return
 
 
@@ -243,10 +247,16 @@ async def _stream(served: _Served, request: Request, rid: str, q: asyncio.Queue,
     """Server-sent events in OpenAI's chunk format. The first output is awaited before the 200 is
     sent, so an engine refusal (e.g. a prompt too long) is still an HTTP error."""
     outputs = _outputs(served, rid, q)
+    watcher = asyncio.ensure_future(_until_disconnect(request))  # a client may leave while it queues
     try:
-        first = await outputs.__anext__()
+        first = await _next_or_disconnect(outputs, watcher)
     except ApiError as e:
         return _error_response(e, served.metrics)
+    except _Disconnected:
+        served.loop.abort(rid)
+        return Response(status_code=499)
+    finally:
+        watcher.cancel()
     created = oa.now_s()
 
     def event(obj) -> str:
