@@ -44,6 +44,7 @@ class DoubleEngine:
         self.blocks, self.step_s = blocks, step_s
         self.gate = threading.Event()  # cleared: step() waits (a test holds requests in the queue)
         self.gate.set()
+        self.fail_next = False  # the next step() raises, as an engine bug would
         self.waiting: deque = deque()
         self.running: dict[str, dict] = {}
         self.aborted: list[dict] = []
@@ -82,6 +83,9 @@ class DoubleEngine:
 
     def step(self) -> list[RequestOutput]:
         self.gate.wait()
+        if self.fail_next:
+            self.fail_next = False
+            raise RuntimeError("a bug in the engine")
         outs = [RequestOutput(r["id"], (), "", True, FINISH_ABORT, r["n"], len(r["out"])) for r in self.aborted]
         self.aborted = []
         while self.waiting and len(self.running) < self.max_running:

@@ -220,6 +220,14 @@ def test_a_streaming_client_that_leaves_while_queued_aborts_its_request():
         s.stop()
 
 
+def test_an_engine_failure_is_a_500_with_an_error_body_and_the_next_request_is_served(double):
+    double.engine.fail_next = True
+    r = httpx.post(f"{double.url}/v1/completions", json={"prompt": "x", "max_tokens": 3})
+    assert r.status_code == 500 and _error(r)["code"] == "engine_failure"
+    assert "Traceback" not in r.text
+    assert double.client.completions.create(model="double", prompt="y", max_tokens=2).choices[0].text == "ab"
+
+
 def test_a_full_queue_is_429_and_the_server_recovers():
     engine = DoubleEngine(max_running=1)
     s = Running(engine, max_waiting=1)
@@ -246,6 +254,14 @@ def test_sigterm_drains_in_flight_requests_then_exits_zero():
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         wait_until(lambda: _healthy(port), 30)
+        short = {}
+
+        def ask_short():  # 10 tokens at 50 ms: done within the 1 s grace
+            short["r"] = httpx.post(f"http://127.0.0.1:{port}/v1/completions", json={"prompt": "s", "max_tokens": 10},
+                                    timeout=30)
+
+        asker = threading.Thread(target=ask_short)
+        asker.start()
         got = []
         with httpx.stream("POST", f"http://127.0.0.1:{port}/v1/completions",
                           json={"prompt": "x", "max_tokens": 1000, "stream": True}, timeout=30) as r:
@@ -256,6 +272,8 @@ def test_sigterm_drains_in_flight_requests_then_exits_zero():
         t0 = time.monotonic()
         assert proc.wait(10) == 0, proc.stdout.read()
         assert time.monotonic() - t0 < 5
+        asker.join(10)
+        assert short["r"].status_code == 200 and short["r"].json()["choices"][0]["text"] == "abcdefghij"
         events = [json.loads(g[6:]) for g in got if g.startswith("data: {")]
         assert events[-1]["error"]["code"] == "shutting_down"  # aborted past the 1 s grace, and told so
         assert [g for g in got if g][-1] == "data: [DONE]"
@@ -414,3 +432,11 @@ def test_flexplan_serve_without_a_model_serves_the_embedded_smollm2():
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+def test_flexplan_serve_on_a_folder_without_a_model_is_one_line_and_exit_2(tmp_path, capsys, tokenizer):
+    from flexplan.cli import main
+
+    assert main(["serve", str(tmp_path), "--port", str(free_port())]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("flexplan serve: error: could not load") and "\n" not in err

@@ -23,7 +23,6 @@ from dataclasses import dataclass, field
 
 from flexplan.errors import FlexplanError
 from flexplan.serving.types import (
-    FINISH_ABORT,
     EngineStats,
     RequestOutput,
     SamplingParams,
@@ -194,34 +193,44 @@ class EngineLoop:
             if not self.engine.abort(rid):  # not in the engine (refused, or never added): end it here
                 self._deliver(rid, reason)
 
+    def _fail_all(self, reason: BaseException) -> None:
+        """The engine raised: every request in flight gets ``reason`` now, and the engine is asked to
+        free their blocks (a broken engine may refuse: its clients are answered all the same)."""
+        with self._lock:
+            ids = list(self._tracked)
+        for rid in ids:
+            self._deliver(rid, reason)
+        try:
+            for rid in ids:
+                self.engine.abort(rid)
+            self.engine.step()  # collects the aborts' outputs (dropped: their clients have their answer)
+        except Exception:
+            log.debug("the engine failed again while freeing the failed requests", exc_info=True)
+
     def _run(self) -> None:
         while True:
-            self._apply_inbox()
-            if self._draining_until is not None and time.monotonic() >= self._draining_until and self._tracked:
-                self._abort_all(ServerShuttingDown("the server shut down before this request finished"))
-            if self.engine.has_unfinished():
-                try:
-                    outputs = self.engine.step()
-                except Exception as e:  # a bug in the engine: fail its requests, keep serving the next ones
-                    log.exception("engine.step() failed; aborting the requests in flight")
-                    self._abort_all(EngineFailure(f"the engine failed ({type(e).__name__}: {e}); the request was "
-                                                  "aborted"))
-                    outputs = self._drain_after_failure()
-                for out in outputs:
-                    self._deliver(out.request_id, out)
-                self._refresh_stats()
-                continue
-            if self._stop and not self._inbox:
-                return
-            self._wake.wait(IDLE_WAIT_S)
-            self._wake.clear()
+            try:
+                if self._once():
+                    return
+            except Exception as e:  # a bug in the engine: fail its requests, keep serving the next ones
+                log.exception("the engine failed; answering the requests in flight with an error")
+                self._fail_all(EngineFailure(f"the engine failed ({type(e).__name__}: {e}); the request was "
+                                             "aborted"))
+                self._wake.wait(IDLE_WAIT_S)  # an engine that fails at once again does not spin the CPU
+                self._wake.clear()
 
-    def _drain_after_failure(self) -> list[RequestOutput]:
-        """After a failed step the aborted requests' final outputs, or stand-ins where step() fails again."""
-        try:
-            return self.engine.step()
-        except Exception:  # the engine is broken: end every request here rather than hang their clients
-            log.exception("engine.step() failed again after the aborts")
-            with self._lock:
-                ids = list(self._tracked)
-            return [RequestOutput(rid, finished=True, finish_reason=FINISH_ABORT) for rid in ids]
+    def _once(self) -> bool:
+        """One pass: the inbox applied, one iteration run (or a wait for work); True: stop now."""
+        self._apply_inbox()
+        if self._draining_until is not None and time.monotonic() >= self._draining_until and self._tracked:
+            self._abort_all(ServerShuttingDown("the server shut down before this request finished"))
+        if self.engine.has_unfinished():
+            for out in self.engine.step():
+                self._deliver(out.request_id, out)
+            self._refresh_stats()
+            return False
+        if self._stop and not self._inbox:
+            return True
+        self._wake.wait(IDLE_WAIT_S)
+        self._wake.clear()
+        return False
