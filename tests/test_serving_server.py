@@ -357,6 +357,17 @@ def test_real_engine_concurrent_greedy_requests_equal_generate_alone(real, token
         assert got.choices[0].text == tokenizer.decode(want, skip_special_tokens=True)
 
 
+def test_real_engine_seeded_sampling_repeats_and_metrics_show_both_pools(real):
+    def ask():
+        return real.client.completions.create(model="tiny-llama", prompt="Once", max_tokens=8, temperature=1.0,
+                                              top_p=0.9, seed=7, extra_body={"top_k": 50, "ignore_eos": True})
+
+    assert ask().choices[0].text == ask().choices[0].text
+    text = httpx.get(f"{real.url}/metrics").text
+    for pool in ("device", "host"):
+        assert f'flexplan_kv_blocks_free{{model_name="tiny-llama",pool="{pool}"}}' in text
+
+
 def test_real_engine_chat_stream_uses_the_chat_template(real, tokenizer):
     msgs = [{"role": "user", "content": "What is 2+2?"}]
     chunks = list(real.client.chat.completions.create(model="tiny-llama", messages=msgs, max_tokens=5, stream=True,
@@ -373,7 +384,7 @@ def test_real_engine_context_errors_then_serves(real):
     r = httpx.post(f"{real.url}/v1/completions", json={"prompt": "hi", "max_tokens": CONTEXT})
     assert r.status_code == 400 and _error(r)["param"] == "max_tokens"
     r = httpx.post(f"{real.url}/v1/completions", json={"prompt": [10**7]})  # outside the vocabulary
-    assert r.status_code == 400 and "vocabulary" in _error(r)["message"]
+    assert r.status_code == 400 and "vocabulary" in _error(r)["message"] and _error(r)["param"] == "prompt"
     assert real.client.completions.create(model="tiny-llama", prompt="ok", max_tokens=2).usage.completion_tokens >= 1
 
 

@@ -59,7 +59,8 @@ def _engine_error(e: BaseException) -> ApiError:
     msg = str(e)  # the engine's refusal of this request's input (InvalidInputError)
     if "context" in msg and "prompt" in msg and "max_tokens" not in msg:
         return ApiError(400, msg, param="prompt", code="context_length_exceeded")
-    return ApiError(400, msg, param="max_tokens" if "max_tokens" in msg else None, code="invalid_value")
+    param = "max_tokens" if "max_tokens" in msg else "prompt" if "vocabulary" in msg or "prompt" in msg else None
+    return ApiError(400, msg, param=param, code="invalid_value")
 
 
 class _Served:
