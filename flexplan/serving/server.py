@@ -73,7 +73,6 @@ class _Served:
         self.loop = EngineLoop(engine, max_waiting=max_waiting, metrics=self.metrics)
         self.tokenizer = getattr(engine, "tokenizer", None)
         self.max_model_len = getattr(engine, "max_model_len", None)
-        self.counter = 0
 
     def check_model(self, model: str) -> None:
         if model and model not in self.names:  # left out: the one model served
@@ -104,9 +103,6 @@ class _Served:
                              f"model's context of {ctx} tokens: ask for at most {ctx - len(ids)}", "max_tokens")
         return ids
 
-    def next_id(self, chat: bool) -> str:
-        self.counter += 1
-        return f"{oa.new_id(chat)}-{self.counter}"
 
 
 async def _outputs(served: _Served, rid: str, q: asyncio.Queue):
@@ -152,9 +148,8 @@ def create_app(engine, model_name: str, *, aliases=(), max_waiting: int = 256, d
             served.check_model(p.model)
             ids = served.tokens(p, chat)
             if chat and not p.max_tokens_given and served.max_model_len and isinstance(ids, list):
-                p = oa.Parsed(p.model, p.prompt, p.messages, _with_max_tokens(p.params, served.max_model_len - len(ids)),
-                              False, p.stream, p.include_usage)
-            rid = served.next_id(chat)
+                p = dataclasses.replace(p, params=_with_max_tokens(p.params, served.max_model_len - len(ids)))
+            rid = oa.new_id(chat)
             q = served.loop.submit(rid, ids, p.params)
         except ApiError as e:
             return _error_response(e, served.metrics)
