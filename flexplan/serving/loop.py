@@ -231,6 +231,7 @@ class EngineLoop:
             return False
         if self._stop and not self._inbox:
             return True
-        self._wake.wait(IDLE_WAIT_S)
+        if not self._wake.wait(IDLE_WAIT_S) and self.metrics is not None:
+            self.metrics.observe_step(self._stats)  # idle: the tokens/s gauge decays to 0 rather than stay stale
         self._wake.clear()
         return False
