@@ -451,3 +451,15 @@ def test_flexplan_serve_on_a_folder_without_a_model_is_one_line_and_exit_2(tmp_p
     assert main(["serve", str(tmp_path), "--port", str(free_port())]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("flexplan serve: error: could not load") and "\n" not in err
+
+
+def test_flexplan_serve_without_the_serve_extra_says_how_to_install_it(monkeypatch, capsys, tokenizer):
+    import importlib.util
+
+    from flexplan import serve_cmd
+    from flexplan.cli import main
+
+    real_find = importlib.util.find_spec
+    monkeypatch.setattr(serve_cmd.importlib.util, "find_spec", lambda n, *a: None if n == "fastapi" else real_find(n, *a))
+    assert main(["serve"]) == 2
+    assert "pip install 'flexplan-infer[serve]'" in capsys.readouterr().err
