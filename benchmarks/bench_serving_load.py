@@ -238,7 +238,7 @@ def make_targets(names: list[str], model_dir: Path, threads: int, slots: int, ct
             out[name] = SequentialTarget(model_dir)
         elif name == "llama-server":
             if not (LLAMA_BIN / "llama-server").exists() or not F32_GGUF.exists():
-                raise SystemExit(f"llama-server needs {LLAMA_BIN}/llama-server and {F32_GGUF} (see docs/serving.md)")
+                raise SystemExit(f"llama-server needs {LLAMA_BIN}/llama-server and {F32_GGUF} (see docs/serve.md)")
             out[name] = HttpTarget(name, [str(LLAMA_BIN / "llama-server"), "-m", str(F32_GGUF), "-t", str(threads),
                                           "-tb", str(threads), "-np", str(slots), "-c", str(slots * ctx), "--host",
                                           "127.0.0.1", "--port", str(port)], port, model_dir.name)
