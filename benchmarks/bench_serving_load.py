@@ -11,8 +11,9 @@ round (interleaved), a STREAM triad sample beside each run:
   flexplan's float32 folder holds), the same threads;
 - ``transformers``: ``transformers serve --continuous-batching`` on the same float32 folder.
 
-Prompts are random token ids of the trace's lengths (the trace gives lengths, not text), the output
-length forced (``ignore_eos``). The trace is scaled to the model and machine: each input length
+Prompts are texts of random one-token words of the trace's lengths (the trace gives lengths, not
+text), the output length forced (``ignore_eos``; transformers serve refuses the field, so its outputs
+may end early: ``short_outputs`` counts them). The trace is scaled to the model and machine: each input length
 divided by ``--input-scale`` and capped at ``--input-cap``, each output capped at ``--output-cap``
 (the result says so). Per target and rate: request and token throughput, TTFT / TPOT / inter-token
 latency p50 / p90 / p99 and goodput under the SLO (``--slo-ttft-s``, ``--slo-tpot-s``).
@@ -65,9 +66,26 @@ def arrivals_s(n: int, rate_per_s: float, seed: int) -> list[float]:
     return out
 
 
-def prompts(lengths: list[tuple[int, int]], vocab: int, seed: int) -> list[list[int]]:
+def prompts(lengths: list[tuple[int, int]], model_dir: Path, seed: int) -> list[str]:
+    """Texts of the trace's lengths made of words that are one token each (a leading space, letters):
+    every server gets the same text, and it tokenizes to exactly the length asked for."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    words = []
+    for t, i in sorted(tok.get_vocab().items(), key=lambda x: x[1]):
+        w = tok.convert_tokens_to_string([t])
+        if len(w) > 3 and w[0] == " " and w[1:].isalpha() and tok.encode(w, add_special_tokens=False) == [i]:
+            words.append(w)
     rng = random.Random(seed)
-    return [[rng.randrange(1000, vocab - 1000) for _ in range(i)] for i, _ in lengths]
+    out = []
+    for n, _ in lengths:
+        text = "".join(rng.choice(words) for _ in range(n))
+        got = len(tok.encode(text, add_special_tokens=False))
+        if got != n:
+            raise SystemExit(f"a prompt of {n} one-token words tokenized to {got} tokens")
+        out.append(text)
+    return out
 
 
 def free_port() -> int:
@@ -89,8 +107,10 @@ def triad_gbs() -> float:
 class HttpTarget:
     """A server started as a subprocess, answering OpenAI's /v1/completions with SSE streaming."""
 
-    def __init__(self, name: str, cmd: list[str], port: int, model: str, env: dict | None = None):
+    def __init__(self, name: str, cmd: list[str], port: int, model: str, env: dict | None = None,
+                 forces_length: bool = True):
         self.name, self.cmd, self.port, self.model, self.env = name, cmd, port, model, env
+        self.forces_length = forces_length  # takes ignore_eos (transformers serve refuses the field)
         self.proc: subprocess.Popen | None = None
         self.log = tempfile.NamedTemporaryFile(prefix=f"bench-{name}-", suffix=".log", delete=False)
 
@@ -120,10 +140,11 @@ class HttpTarget:
                 os.killpg(self.proc.pid, signal.SIGKILL)
         self.proc = None
 
-    async def request(self, client, ids: list[int], max_tokens: int) -> tuple[float, list[float], int]:
+    async def request(self, client, ids: str, max_tokens: int) -> tuple[float, list[float], int]:
         """(send time, each streamed chunk's arrival time, completion tokens the server reports)."""
-        body = {"model": self.model, "prompt": ids, "max_tokens": max_tokens, "temperature": 0.0, "stream": True,
-                "ignore_eos": True, "stream_options": {"include_usage": True}}
+        body = {"model": self.model, "prompt": ids, "max_tokens": max_tokens, "temperature": 0.0, "stream": True}
+        if self.forces_length:
+            body.update(ignore_eos=True, stream_options={"include_usage": True})
         t0, times, used = time.perf_counter(), [], None
         async with client.stream("POST", f"http://127.0.0.1:{self.port}/v1/completions", json=body) as r:
             if r.status_code != 200:
@@ -158,9 +179,10 @@ class SequentialTarget:
     def stop(self) -> None:
         pass
 
-    async def request(self, client, ids: list[int], max_tokens: int) -> tuple[float, list[float], int]:
+    async def request(self, client, text: str, max_tokens: int) -> tuple[float, list[float], int]:
         import torch
 
+        ids = self.lm.tokenizer(text, add_special_tokens=False)["input_ids"]
         t0 = time.perf_counter()
 
         class Stamp:  # transformers' streamer protocol: put() per new token, the prompt first
@@ -206,7 +228,7 @@ async def replay(target, ids: list[list[int]], lengths, arrivals: list[float]) -
         async def one(k: int) -> dict:
             await asyncio.sleep(max(0.0, start + arrivals[k] - time.perf_counter()))
             t0, times, n = await target.request(client, ids[k], lengths[k][1])
-            return {"input": len(ids[k]), "output": n, "asked": lengths[k][1], "send": t0 - start,
+            return {"input": lengths[k][0], "output": n, "asked": lengths[k][1], "send": t0 - start,
                     "times": [t - start for t in times]}
 
         return await asyncio.gather(*(one(k) for k in range(len(ids))))
@@ -245,7 +267,7 @@ def make_targets(names: list[str], model_dir: Path, threads: int, slots: int, ct
         elif name == "transformers":
             exe = shutil.which("transformers") or "transformers"
             out[name] = HttpTarget(name, [exe, "serve", "--continuous-batching", str(model_dir), "--host",
-                                          "127.0.0.1", "--port", str(port)], port, str(model_dir))
+                                          "127.0.0.1", "--port", str(port)], port, str(model_dir), forces_length=False)
         else:
             raise SystemExit(f"unknown target {name!r}; use {', '.join(TARGETS)}")
     return out
@@ -272,7 +294,7 @@ def main() -> int:
 
     model_dir = default_model_dir()
     lengths = trace_requests(args.requests, args.input_scale, args.input_cap, args.output_cap, args.seed)
-    ids = prompts(lengths, 49152, args.seed)
+    ids = prompts(lengths, model_dir, args.seed)
     rates = [float(x) for x in args.rates.split(",")]
     ctx = args.input_cap + args.output_cap + 16
     targets = make_targets(args.targets.split(","), model_dir, args.threads, args.slots, ctx)
