@@ -161,7 +161,7 @@ class NeoApexScheduler:
             self._last_moved[rid] = self.iteration
         plan = self._choose(state, base)
         plan = dataclasses.replace(plan, swap_in=tuple(swap_in), swap_out=tuple(swap_out))
-        for rid in plan.host_decodes:
+        for rid in plan.host_decodes + plan.device_decodes:  # a request swapped out later has not waited
             self._last_decoded[rid] = self.iteration
         self._last_plan = plan
         return plan
@@ -209,6 +209,8 @@ class NeoApexScheduler:
             return dataclasses.replace(gpu_only, why="Algorithm 1: no CPU decodes, GPU-only")
         c = self.cost
         host = [req[r] for r in base.host_decodes]
+        for r in host:  # first seen: as if it decoded just before, so it queues behind none that waited
+            self._last_decoded.setdefault(r.request_id, self.iteration - 1)
         all_ctx = dev_ctx + [r.context_tokens + 1 for r in host]
         n_all = len(all_ctx)
         t_glinear, t_gatt, t_catt = c.t_l_s(n_all), c.t_ga_s(all_ctx), c.t_ca_s(all_ctx)
@@ -224,25 +226,26 @@ class NeoApexScheduler:
         raw = price(rows0, dev_ctx, chunks, host_ctx)
         offload_s, gpu_s = raw * self.scale[mode], gpu_only_s * self.scale[gpu_mode]
         x0 = len(base.prefill) + len(base.device_decodes)
-        starving = any(self.iteration - self._last_decoded.setdefault(r.request_id, self.iteration)
-                       >= self.max_wait_iterations for r in host)
+        starving = any(self.iteration - self._last_decoded[r.request_id] > self.max_wait_iterations for r in host)
         # NEO step 6 (Greed): requests per second of each schedule; a starving host decode forces offload
-        if starving or x0 == 0 or (x0 + len(chosen)) / offload_s > x0 / gpu_s:
+        offload_rate = (x0 + len(chosen)) / offload_s if offload_s > 0 else math.inf
+        gpu_rate = x0 / gpu_s if gpu_s > 0 else 0.0
+        if starving or offload_rate > gpu_rate:
             self._last_raw_s = raw
-            reason = "a host decode waited too long" if starving else f"{(x0 + len(chosen)) / offload_s:.1f} > {x0 / gpu_s:.1f} req/s"
+            reason = "a host decode waited too long" if starving else f"{offload_rate:.1f} > {gpu_rate:.1f} req/s"
             return dataclasses.replace(base, mode=mode, host_decodes=tuple(r.request_id for r in chosen),
                                        predicted_s=offload_s,
                                        why=f"{why}; NEO balance: {len(chosen)}/{len(host)} host decodes; {reason}")
         self._last_raw_s = gpu_only_s
-        return dataclasses.replace(gpu_only, why=f"{why}; NEO greed: GPU-only {x0 / gpu_s:.1f} >= "
-                                                 f"{(x0 + len(chosen)) / offload_s:.1f} req/s offloading")
+        return dataclasses.replace(gpu_only, why=f"{why}; NEO greed: GPU-only {gpu_rate:.1f} >= "
+                                                 f"{offload_rate:.1f} req/s offloading")
 
     def _balance(self, mode: str, host: list[RequestState], rows0: int, dev_ctx, chunks) -> list[RequestState]:
         """NEO step 4: host decodes, longest-waiting first, join sub-batch 1 while the CPU's attention
         hides under the GPU's work (T_ca1 <= T_l0, or the whole GPU iteration under async overlap);
         one that does not fit is skipped, except the first, which always runs (progress)."""
         c = self.cost
-        order = sorted(host, key=lambda r: (self._last_decoded.get(r.request_id, self.iteration), r.arrival))
+        order = sorted(host, key=lambda r: (self._last_decoded[r.request_id], r.arrival))
         chosen: list[RequestState] = []
         ctx: list[int] = []
         for r in order:
