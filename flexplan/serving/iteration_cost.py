@@ -94,6 +94,13 @@ class IterationCost:
         t_attn = float(np.sum(_t_cpu_attention_per_request_s(self._shape1, self.hw, self.eff, ctx)))
         return t_attn + ctx.size * self._link_per_request_s
 
+    def t_ca_each_s(self, context_lens) -> np.ndarray:
+        """T_ca of each host-KV decode alone (T_ca is their sum): what NEO's balance adds one by one."""
+        ctx = np.asarray(context_lens, dtype=float)
+        if ctx.size == 0:
+            return np.zeros(0)
+        return _t_cpu_attention_per_request_s(self._shape1, self.hw, self.eff, ctx) + self._link_per_request_s
+
     # ---- prefill attention ----
     def t_pa_s(self, chunks) -> float:
         """Prefill attention of ``chunks`` ((cached tokens, chunk tokens) pairs) on the accelerator:

@@ -246,15 +246,18 @@ class NeoApexScheduler:
         one that does not fit is skipped, except the first, which always runs (progress)."""
         c = self.cost
         order = sorted(host, key=lambda r: (self._last_decoded[r.request_id], r.arrival))
+        each = getattr(c, "t_ca_each_s", None)  # T_ca is a sum over requests: price each once
+        t_each = list(each([r.context_tokens + 1 for r in order])) if each else [
+            c.t_ca_s([r.context_tokens + 1]) for r in order]
+        t_ga0, t_pa0 = c.t_ga_s(dev_ctx), c.t_pa_s(chunks)
         chosen: list[RequestState] = []
-        ctx: list[int] = []
-        for r in order:
-            trial = ctx + [r.context_tokens + 1]
+        t_ca1 = 0.0
+        for r, t in zip(order, t_each):
             if mode == MODE_ASYMMETRIC:
                 window = c.t_l_s(rows0)
             else:
-                window = c.t_l_s(rows0 + len(trial)) + c.t_ga_s(dev_ctx) + c.t_pa_s(chunks)
-            if not chosen or c.t_ca_s(trial) <= window:
+                window = c.t_l_s(rows0 + len(chosen) + 1) + t_ga0 + t_pa0
+            if not chosen or t_ca1 + t <= window:
                 chosen.append(r)
-                ctx = trial
+                t_ca1 += t
         return sorted(chosen, key=lambda r: r.arrival)
