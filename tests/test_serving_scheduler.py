@@ -5,14 +5,22 @@ engine under the scheduler keeping generate()'s greedy tokens."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from conftest import make_model
 
+from flexplan.errors import InvalidInputError
 from flexplan.hardware import get_hardware
 from flexplan.serving.engine import Engine
 from flexplan.serving.kv_blocks import DEVICE, HOST
-from flexplan.serving.scheduler import NeoApexScheduler, algorithm_1, inequality_5_holds, inequality_6_holds
+from flexplan.serving.scheduler import (
+    NeoApexScheduler,
+    algorithm_1,
+    inequality_5_holds,
+    inequality_6_holds,
+)
 from flexplan.serving.state import EngineState, RequestState
 from flexplan.serving.types import (
     MODE_ASYMMETRIC,
@@ -215,3 +223,27 @@ def test_the_engine_under_the_scheduler_keeps_generates_tokens(ca_s):
             modes.add(e.stats().last_mode)
     assert [got[str(i)] for i in range(len(prompts))] == refs
     assert modes & {MODE_ASYMMETRIC, MODE_ASYNC_OVERLAP}, modes
+
+
+def test_preemption_order_latest_arrival_gives_way():
+    """Blocks of 4, every request at context 4 (its next token needs a new block). Device pool:
+    3 requests, 0 blocks free. Reservations 3 > 0: c (latest) gives way, freeing 1 -> 2 needed > 1
+    free: b gives way too -> a's 1 <= 2 free. Host pool with room for one (2 blocks: held 1 +
+    next 1): c swaps out, b (no room left) is preempted; a, the earliest, always progresses."""
+    s = NeoApexScheduler(cost=HandCost(1e-6))
+    running = [_rs("a", ctx=4), _rs("b", ctx=4, arrival=1), _rs("c", ctx=4, arrival=2)]
+    plan = s.schedule(_state(running, free={DEVICE: 0, HOST: 2}, total={DEVICE: 3, HOST: 2}, bs=4))
+    assert plan.swap_out == ("c",) and plan.preempted == ("b",)
+    assert plan.device_decodes == ("a",) and "b" not in plan.host_decodes
+
+
+@pytest.mark.parametrize("kwargs, says", [
+    ({"swap_in_headroom": 1.5}, "[0, 1)"),
+    ({"min_dwell_iterations": -1}, "dwell >= 0"),
+    ({"hw": "t4"}, "spec="),
+])
+def test_bad_configuration_says_what_would_work(kwargs, says):
+    if kwargs.get("hw") == "t4":
+        kwargs = {"hw": get_hardware("neo-testbed-g4dn-4xlarge")}
+    with pytest.raises(InvalidInputError, match=re.escape(says)):
+        NeoApexScheduler(**kwargs)

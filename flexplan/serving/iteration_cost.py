@@ -26,8 +26,15 @@ from functools import lru_cache
 
 import numpy as np
 
+from flexplan.errors import InvalidInputError
 from flexplan.estimator.efficiency import Efficiency
-from flexplan.estimator.terms import Shape, t_compute_s, t_link_s, t_memory_s, t_on_device_s
+from flexplan.estimator.terms import (
+    Shape,
+    t_compute_s,
+    t_link_s,
+    t_memory_s,
+    t_on_device_s,
+)
 from flexplan.estimator.terms import t_cpu_attention_s as _t_cpu_attention_per_request_s
 from flexplan.hardware.spec import DTYPE_BYTES, Hardware
 from flexplan.workload import costs
@@ -40,8 +47,8 @@ class IterationCost:
 
     def __init__(self, spec: ModelSpec, hw: Hardware, eff: Efficiency, dtype: str | None = None):
         if hw.gpu is None or hw.link is None:
-            raise ValueError(f"{hw.name if hasattr(hw, 'name') else hw}: no accelerator, no sub-batch costs "
-                             "(a CPU-only engine schedules first come, first served)")
+            raise InvalidInputError(f"{hw.name if hasattr(hw, 'name') else hw}: no accelerator, no sub-batch "
+                                    "costs (a CPU-only engine schedules first come, first served)")
         self.spec, self.hw, self.eff = spec, hw, eff
         # float16 as NEO and APEX serve (a host KV in bfloat16 converts each element on a CPU without
         # bfloat16 arithmetic, the cost terms.host_kv_attention_dtype prices)

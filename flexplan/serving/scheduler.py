@@ -33,6 +33,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
+from flexplan.errors import InvalidInputError
 from flexplan.serving.fcfs import FcfsScheduler
 from flexplan.serving.iteration_cost import IterationCost
 from flexplan.serving.kv_blocks import DEVICE, HOST
@@ -96,7 +97,17 @@ class NeoApexScheduler:
 
     def __init__(self, spec=None, hw=None, eff=None, *, cost=None, swap_in_headroom: float = 0.10,
                  min_dwell_iterations: int = 8, max_wait_iterations: int = 16):
+        # a bad knob is refused at construction, saying what would work (not mid-serving)
+        if not 0.0 <= swap_in_headroom < 1.0:
+            raise InvalidInputError(f"swap_in_headroom={swap_in_headroom}: give a fraction of the device pool in "
+                                    "[0, 1), e.g. 0.10")
+        if min_dwell_iterations < 0 or max_wait_iterations < 1:
+            raise InvalidInputError(f"min_dwell_iterations={min_dwell_iterations}, max_wait_iterations="
+                                    f"{max_wait_iterations}: give dwell >= 0 and wait >= 1 iterations (e.g. 8 and 16)")
         if cost is None and hw is not None and hw.gpu is not None:
+            if spec is None or eff is None:
+                raise InvalidInputError(f"{hw.name}: an accelerator's costs need spec= (a ModelSpec) and eff= (e.g. "
+                                        "DefaultEfficiency.for_hardware(hw)), or cost= (an IterationCost)")
             cost = IterationCost(spec, hw, eff)
         self.cost = cost  # None: no accelerator, FCFS's cpu-only plans
         self.fcfs = FcfsScheduler()
