@@ -19,7 +19,9 @@ async overlap's host tokens count at the end of their own iteration, not one lat
 row is one GPU of NEO's 2-GPU tensor-parallel pair (a shard: half the heads and MLP) with the
 whole host; T4 prompts capped at 1024 (NEO used the shorter OSC trace there).
 
-    python benchmarks/bench_scheduler_gains.py [--requests 300] [--quick]
+    python benchmarks/bench_scheduler_gains.py                      # the trace as it is
+    python benchmarks/bench_scheduler_gains.py --requests 150 --output-x 8 \
+        --out benchmarks/results/bench_scheduler_gains_decode_heavy.json  # outputs x 8 (NEO Fig. 9's long outputs)
 """
 
 from __future__ import annotations
@@ -73,10 +75,13 @@ def shard(spec, tp: int):
                                intermediate_size=spec.intermediate_size // tp)
 
 
-def load_trace(n: int, max_prompt: int) -> list[tuple[int, int]]:
+def load_trace(n: int, max_prompt: int, output_x: float = 1.0) -> list[tuple[int, int]]:
+    """(prompt, output) tokens of the trace's first ``n`` requests; outputs times ``output_x``
+    (a decode-heavy variant: the code trace's outputs, mean 28 tokens, leave the KV pools idle)."""
     with open(TRACE) as f:
         rows = list(csv.DictReader(f))[:n]
-    return [(min(int(r["ContextTokens"]), max_prompt), max(1, int(r["GeneratedTokens"]))) for r in rows]
+    return [(min(int(r["ContextTokens"]), max_prompt), max(1, round(int(r["GeneratedTokens"]) * output_x)))
+            for r in rows]
 
 
 def pool_blocks(spec, hw, dtype_bytes: int, host: bool) -> tuple[int, int]:
@@ -172,15 +177,20 @@ def simulate(sched, reqs, rate_per_s: float, dev_blocks: int, host_blocks: int, 
     return float(np.mean([(s.finish_s - s.arrival_s) / s.out for s in done])), modes
 
 
-def max_rate(make_sched, reqs, slo_s: float, dev: int, host: int, lo: float, hi: float, steps: int) -> float:
-    """The highest Poisson rate whose mean per-token latency meets ``slo_s`` (bisection in log rate)."""
-    if simulate(make_sched(), reqs, lo, dev, host)[0] > slo_s:
-        return lo
-    while simulate(make_sched(), reqs, hi, dev, host)[0] <= slo_s and hi < lo * 1e4:
+def max_rate(make_sched, reqs, slo_s: float, dev: int, host: int, lo: float, steps: int) -> float:
+    """The highest Poisson rate whose mean per-token latency meets ``slo_s``: doubling from ``lo``
+    (halving while ``lo`` misses it), then bisection in log rate, ``steps`` times."""
+    def meets(rate):
+        return simulate(make_sched(), reqs, rate, dev, host)[0] <= slo_s
+
+    while not meets(lo) and lo > 1e-4:
+        lo /= 2
+    hi = lo * 2
+    while meets(hi) and hi < 1e4:
         lo, hi = hi, hi * 2
     for _ in range(steps):
         mid = math.sqrt(lo * hi)
-        lo, hi = (mid, hi) if simulate(make_sched(), reqs, mid, dev, host)[0] <= slo_s else (lo, mid)
+        lo, hi = (mid, hi) if meets(mid) else (lo, mid)
     return lo
 
 
@@ -199,8 +209,8 @@ def run_setup(label, hw_name, model, tp, reported, reqs, slo_x: float, steps: in
     light = 0.02
     base_lat, _ = simulate(make(), reqs, light, dev, 0)
     slo = slo_x * base_lat
-    r_gpu = max_rate(make, reqs, slo, dev, 0, light, light * 4, steps)
-    r_ours = max_rate(make, reqs, slo, dev, host, light, max(r_gpu, light) * 2, steps)
+    r_gpu = max_rate(make, reqs, slo, dev, 0, light, steps)
+    r_ours = max_rate(make, reqs, slo, dev, host, r_gpu, steps)  # both brackets a factor 2: same resolution
     _, modes = simulate(make(), reqs, r_ours, dev, host)
     return {"setup": label, "testbed": hw_name, "model": model + (f" (one GPU's shard of TP={tp})" if tp > 1 else ""),
             "max_prompt_tokens": max(p for p, _ in reqs), "device_kv_tokens": dev * BLOCK_TOKENS, "host_kv_tokens": host * BLOCK_TOKENS,
@@ -214,11 +224,12 @@ def main(argv=None) -> int:
     ap.add_argument("--requests", type=int, default=300)
     ap.add_argument("--max-prompt", type=int, default=3072)
     ap.add_argument("--slo-x", type=float, default=3.0, help="SLO = this x GPU-only's light-load latency")
-    ap.add_argument("--steps", type=int, default=6, help="bisection steps per system")
+    ap.add_argument("--steps", type=int, default=7, help="bisection steps per system (2^(1/128): 0.5%%)")
+    ap.add_argument("--output-x", type=float, default=1.0, help="scale the trace's output lengths")
     ap.add_argument("--only", default="", help="run only setups whose label contains this")
     ap.add_argument("--out", default=os.path.join(HERE, "results", "bench_scheduler_gains.json"))
     args = ap.parse_args(argv)
-    reqs = load_trace(args.requests, args.max_prompt)
+    reqs = load_trace(args.requests, args.max_prompt, args.output_x)
     rows = []
     started = time.time()
     for label, hw_name, model, tp, reported in SETUPS:
@@ -233,7 +244,8 @@ def main(argv=None) -> int:
               f"({reported}) [{time.time() - t0:.0f} s]", flush=True)
     out = {"what": "cost-model PREDICTIONS (no model run): NeoApexScheduler vs GPU-only at equal mean per-token "
                    "latency, simulated with flexplan's estimator terms and uncalibrated default factors",
-           "trace": f"azure_llm_2023_code.csv, first {args.requests} requests, prompts capped at {args.max_prompt}",
+           "trace": f"azure_llm_2023_code.csv, first {args.requests} requests, prompts capped at {args.max_prompt}, "
+                    f"outputs x {args.output_x:g}",
            "slo": f"{args.slo_x}x GPU-only's mean per-token latency at 0.02 req/s",
            "simplifications": ["swaps cost no time", "async overlap's host tokens count at their own iteration's end",
                                "H100 70B: one GPU's shard of TP=2 with the whole host",
