@@ -165,9 +165,10 @@ class NeoApexScheduler:
             self._last_decoded = {k: v for k, v in self._last_decoded.items() if k in live}
         state, swap_in = self._swap_in(state)
         base = self.fcfs.schedule(state)
-        gone = set(base.swap_out) | set(base.preempted)
+        # FCFS moved out (or preempted) one this rule moved in: it never left the host, no swap either way
+        asked, gone = set(swap_in), set(base.swap_out) | set(base.preempted)
         swap_in = [r for r in swap_in if r not in gone]
-        swap_out = [r for r in base.swap_out if r not in swap_in]
+        swap_out = [r for r in base.swap_out if r not in asked]
         for rid in swap_in + swap_out:
             self._last_moved[rid] = self.iteration
         plan = self._choose(state, base)
