@@ -15,9 +15,10 @@ Per transformer layer, in NEO's (section 3.2) and APEX's (section 3.2) names:
   over the context already cached plus the chunk).
 - ``t_iteration_overhead_s(rows)``: T_prl + T_pol, the LM head of the rows that sample.
 
-Per-layer terms are memoised by token count (batches repeat sizes), and attention terms sum a
-numpy array: the five terms of a 64-request mixed batch cost about 110 us together on this
-machine's CPU (timeit, 2000 calls; not a timed test), well under 1 ms.
+Per-layer terms are memoised by token count (batches repeat sizes); the attention terms per context
+length are tabled once per model and hardware (contexts up to TABLE_CONTEXT_TOKENS; the estimator
+itself beyond) and an iteration sums a numpy lookup. ``NeoApexScheduler.schedule`` as a whole:
+``benchmarks/bench_scheduler_cost.py`` (not a timed test).
 """
 
 from __future__ import annotations
@@ -39,6 +40,8 @@ from flexplan.estimator.terms import t_cpu_attention_s as _t_cpu_attention_per_r
 from flexplan.hardware.spec import DTYPE_BYTES, Hardware
 from flexplan.workload import costs
 from flexplan.workload.model import ModelSpec
+
+TABLE_CONTEXT_TOKENS = 131072  # contexts priced once per model and hardware (1 MiB per table)
 
 
 class IterationCost:
@@ -67,6 +70,11 @@ class IterationCost:
                                     + t_link_s(out, hw.link.h2d_bandwidth_bytes_per_s, eff.h2d(out)))
         self.t_l_s = lru_cache(maxsize=4096)(self._t_l_s)
         self._head_s = lru_cache(maxsize=4096)(self._t_head_s)
+        # per-context tables, one vectorised estimator call each: the terms depend on a request's
+        # context alone, so an iteration indexes and sums instead of re-deriving the layer spans
+        ctx_grid = np.arange(TABLE_CONTEXT_TOKENS + 1, dtype=float)
+        self._keys_table = np.asarray(costs.mean_keys_read(spec, np.maximum(ctx_grid, 1.0)), dtype=float)
+        self._t_ca_table_s = self._t_ca_direct_s(np.maximum(ctx_grid, 1.0))
 
     # ---- T_l: linear (GEMMs) ----
     def _t_l_s(self, tokens: int) -> float:
@@ -86,7 +94,7 @@ class IterationCost:
         ctx = np.asarray(context_lens, dtype=float)
         if ctx.size == 0:
             return 0.0
-        keys = float(np.sum(costs.mean_keys_read(self.spec, ctx)))
+        keys = float(np.sum(self._lookup(self._keys_table, ctx, lambda c: costs.mean_keys_read(self.spec, c))))
         b = int(ctx.size)
         return (t_memory_s(keys * self._kv_bytes_per_token, self._bw_bytes_per_s, self.eff.gpu_memory(b))
                 + t_compute_s(keys * self._pair_flops, self._peak_flops, self.eff.gpu_compute(b)))
@@ -98,15 +106,26 @@ class IterationCost:
         ctx = np.asarray(context_lens, dtype=float)
         if ctx.size == 0:
             return 0.0
-        t_attn = float(np.sum(_t_cpu_attention_per_request_s(self._shape1, self.hw, self.eff, ctx)))
-        return t_attn + ctx.size * self._link_per_request_s
+        return float(np.sum(self._lookup(self._t_ca_table_s, ctx, self._t_ca_direct_s)))
 
     def t_ca_each_s(self, context_lens) -> np.ndarray:
         """T_ca of each host-KV decode alone (T_ca is their sum): what NEO's balance adds one by one."""
         ctx = np.asarray(context_lens, dtype=float)
         if ctx.size == 0:
             return np.zeros(0)
+        return self._lookup(self._t_ca_table_s, ctx, self._t_ca_direct_s)
+
+    def _t_ca_direct_s(self, ctx: np.ndarray) -> np.ndarray:
+        """T_ca of each context from the estimator's term (the tables' source)."""
         return _t_cpu_attention_per_request_s(self._shape1, self.hw, self.eff, ctx) + self._link_per_request_s
+
+    @staticmethod
+    def _lookup(table: np.ndarray, ctx: np.ndarray, direct) -> np.ndarray:
+        """``table`` at integer contexts within it; the estimator itself (``direct``) beyond."""
+        idx = ctx.astype(np.int64)
+        if idx.size and idx.max() < table.size and np.array_equal(idx, ctx):
+            return table[idx]
+        return np.asarray(direct(ctx), dtype=float)
 
     # ---- prefill attention ----
     def t_pa_s(self, chunks) -> float:
