@@ -20,8 +20,10 @@ Per iteration:
    iteration (async overlap: APEX 3.3 gives the CPU the whole cycle). A request that does not fit
    waits ("leave it for the next iteration"), except the one waiting longest, which always runs.
 5. *NEO's greedy choice* (step 6): that schedule against GPU-only (the host decodes wait), the one
-   with more requests per predicted second wins; a host decode that waited ``max_wait_iterations``
-   forces the offload schedule so nothing starves.
+   with more requests per predicted second wins; where GPU-only beats Algorithm 1's mode, the other
+   offload mode is tried before the host decodes are made to wait (a decode that waits costs its
+   request a whole iteration); a host decode that waited ``max_wait_iterations`` forces Algorithm 1's
+   mode so nothing starves.
 
 Prices come from :class:`IterationCost` (the estimator's terms), times a bounded scale per mode that
 ``observe`` corrects from measured iteration times. No accelerator (``hw.gpu`` None) or no device
@@ -232,25 +234,32 @@ class NeoApexScheduler:
         mode, why = algorithm_1(n_g, n_c, t_glinear, t_gatt, has_cpu_decodes=True, has_prefill=bool(base.prefill),
                                 t_glinear_pref_s=c.t_l_s(pref_rows + len(dev_ctx)),
                                 t_gatt_pref_s=c.t_ga_s(dev_ctx) + c.t_pa_s(chunks))
-        chosen = self._balance(mode, host, rows0, dev_ctx, chunks)
-        host_ctx = [r.context_tokens + 1 for r in chosen]
-        price = self.price_asymmetric_s if mode == MODE_ASYMMETRIC else self.price_async_overlap_s
-        raw = price(rows0, dev_ctx, chunks, host_ctx)
-        offload_s, gpu_s = raw * self.scale[mode], gpu_only_s * self.scale[gpu_mode]
         x0 = len(base.prefill) + len(base.device_decodes)
-        starving = any(self.iteration - self._last_decoded[r.request_id] > self.max_wait_iterations for r in host)
-        # NEO step 6 (Greed): requests per second of each schedule; a starving host decode forces offload
-        offload_rate = (x0 + len(chosen)) / offload_s if offload_s > 0 else math.inf
+        gpu_s = gpu_only_s * self.scale[gpu_mode]
         gpu_rate = x0 / gpu_s if gpu_s > 0 else 0.0
-        if starving or offload_rate > gpu_rate:
-            self._last_raw_s = raw
-            reason = "a host decode waited too long" if starving else f"{offload_rate:.1f} > {gpu_rate:.1f} req/s"
-            return dataclasses.replace(base, mode=mode, host_decodes=tuple(r.request_id for r in chosen),
-                                       predicted_s=offload_s,
-                                       why=f"{why}; NEO balance: {len(chosen)}/{len(host)} host decodes; {reason}")
+        starving = any(self.iteration - self._last_decoded[r.request_id] > self.max_wait_iterations for r in host)
+        # NEO step 6 (Greed): Algorithm 1's mode if it beats GPU-only in requests per second, else the other
+        # offload mode if that does (a host decode need not wait for the mode the inequality named), else
+        # GPU-only; a starving host decode forces Algorithm 1's mode
+        other = MODE_ASYNC_OVERLAP if mode == MODE_ASYMMETRIC else MODE_ASYMMETRIC
+        rates = []
+        for m in (mode, other):
+            chosen = self._balance(m, host, rows0, dev_ctx, chunks)
+            price = self.price_asymmetric_s if m == MODE_ASYMMETRIC else self.price_async_overlap_s
+            raw = price(rows0, dev_ctx, chunks, [r.context_tokens + 1 for r in chosen])
+            offload_s = raw * self.scale[m]
+            rate = (x0 + len(chosen)) / offload_s if offload_s > 0 else math.inf
+            rates.append(rate)
+            if (starving and m == mode) or rate > gpu_rate:
+                self._last_raw_s = raw
+                reason = ("a host decode waited too long" if starving else
+                          f"{m} {rate:.1f} > GPU-only {gpu_rate:.1f} req/s")
+                return dataclasses.replace(base, mode=m, host_decodes=tuple(r.request_id for r in chosen),
+                                           predicted_s=offload_s,
+                                           why=f"{why}; NEO balance: {len(chosen)}/{len(host)} host decodes; {reason}")
         self._last_raw_s = gpu_only_s
         return dataclasses.replace(gpu_only, why=f"{why}; NEO greed: GPU-only {gpu_rate:.1f} >= "
-                                                 f"{offload_rate:.1f} req/s offloading")
+                                                 f"{max(rates):.1f} req/s offloading")
 
     def _balance(self, mode: str, host: list[RequestState], rows0: int, dev_ctx, chunks) -> list[RequestState]:
         """NEO step 4: host decodes, longest-waiting first, join sub-batch 1 while the CPU's attention
