@@ -21,8 +21,12 @@ import torch
 
 from flexplan.errors import FlexplanError, InvalidInputError
 from flexplan.inputs import gib_bytes
+from flexplan.hardware import get_hardware
+from flexplan.measure.state import efficiency_now
 from flexplan.serving.engine import Engine
-from flexplan.smollm import MODEL_NAME
+from flexplan.serving.scheduler import NeoApexScheduler
+from flexplan.smollm import MODEL_NAME, default_model_dir
+from flexplan.workload import resolve_model
 
 EXTRA = ("fastapi", "uvicorn", "prometheus_client", "jinja2")
 INSTALL_HINT = "pip install 'flexplan-infer[serve]'  (FastAPI, uvicorn, prometheus-client, jinja2)"
@@ -72,6 +76,17 @@ def _device(name: str | None) -> str:
     return name
 
 
+def scheduler_for(model: str | None, device: str):
+    """NEO's and APEX's load-aware scheduler, priced by this machine's calibrated factors, where an
+    accelerator holds the device pool; None (the engine's FCFS) on the CPU alone, where every
+    decode attends beside its KV in one pool."""
+    if device == "cpu":
+        return None
+    hw = get_hardware("local")
+    spec = resolve_model(model if model is not None else str(default_model_dir()))
+    return NeoApexScheduler(spec, hw, efficiency_now(hw))
+
+
 def run(args: argparse.Namespace) -> int:
     """Entry point of `flexplan serve`; FlexplanError -> one line on stderr and exit code 2."""
     missing = [m for m in EXTRA if importlib.util.find_spec(m) is None]
@@ -81,10 +96,11 @@ def run(args: argparse.Namespace) -> int:
     # imported once the extra is known to be installed (the check above prints how to get it)
     server = importlib.import_module("flexplan.serving.server")
     try:
-        engine = Engine.from_pretrained(args.model, device=_device(args.device), dtype=getattr(torch, args.dtype),
+        device = _device(args.device)
+        engine = Engine.from_pretrained(args.model, device=device, dtype=getattr(torch, args.dtype),
                                         device_memory_bytes=args.gpu_memory, host_memory_bytes=args.cpu_memory,
                                         max_running=args.max_running, token_budget=args.token_budget,
-                                        max_model_len=args.max_model_len)
+                                        max_model_len=args.max_model_len, scheduler=scheduler_for(args.model, device))
     except FlexplanError as e:
         print(f"flexplan serve: error: {' '.join(str(e).split())}", file=sys.stderr)
         return 2
