@@ -9,12 +9,12 @@ the figures depend on the machine and its load, which the JSON names.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import sys
 import timeit
 
+from common import write_json  # noqa: E402
 from flexplan.estimator.efficiency import DefaultEfficiency
 from flexplan.hardware import get_hardware
 from flexplan.serving.kv_blocks import DEVICE, HOST
@@ -51,10 +51,7 @@ def main(argv=None) -> int:
     out = {"what": f"NeoApexScheduler.schedule() wall time, best of 3 x {args.calls} calls ({TESTBED}, {MODEL})",
            "machine": f"{platform.node()} ({platform.machine()}, {os.cpu_count()} cores, shared with other work)",
            "rows": rows}
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(out, f, indent=1)
-    print(f"wrote {args.out}")
+    print(f"wrote {write_json(args.out, out)}")
     return 0
 
 

@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import csv
 import dataclasses
-import json
 import math
 import os
 import platform
@@ -38,6 +37,7 @@ import time
 
 import numpy as np
 
+from common import write_json  # noqa: E402
 from flexplan.estimator.efficiency import DefaultEfficiency
 from flexplan.hardware import get_hardware
 from flexplan.serving.kv_blocks import DEVICE, HOST
@@ -257,10 +257,7 @@ def main(argv=None) -> int:
                                f"T4 prompts capped at {T4_MAX_PROMPT} (NEO used the shorter OSC trace there)"],
            "machine": f"simulated on {platform.node() or 'this machine'} ({platform.processor() or platform.machine()})",
            "seconds": round(time.time() - started, 1), "rows": rows}
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(out, f, indent=1)
-    print(f"wrote {args.out}")
+    print(f"wrote {write_json(args.out, out)}")
     return 0
 
 

@@ -75,10 +75,17 @@ def machine_description() -> dict[str, Any]:
 
 def write_result(name: str, payload: dict[str, Any]) -> Path:
     """Write ``payload`` plus the machine description to ``benchmarks/results/<name>.json``."""
-    RESULTS_DIR.mkdir(parents=True, exist_ok=True)
-    path = RESULTS_DIR / f"{name}.json"
     data = {"benchmark": name, "machine": machine_description(), **payload}
-    path.write_text(json.dumps(data, indent=2, default=_json_default) + "\n")
+    return write_json(RESULTS_DIR / f"{name}.json", data)
+
+
+def write_json(path: str | Path, data: dict[str, Any]) -> Path:
+    """``data`` as JSON at ``path``, written to a temporary name and renamed: never half a file."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(data, indent=1, default=_json_default) + "\n")
+    tmp.replace(path)
     return path
 
 
