@@ -1,0 +1,63 @@
+"""``QuantLinear``: an ``nn.Linear`` stand-in that holds a GGUF tensor's raw blocks and runs the
+native kernel on them (``kernels.quant_gemv.c``: the GEMV for one row, the batched GEMM for a
+prefill), never a float copy of the weight.
+
+Formats without a kernel (K-quants, Q5, float types) are dequantised once at construction into a
+float32 weight (:attr:`QuantLinear.dense`): the file still loads, the line saying so is printed by
+the model loader, which knows the tensor's name.
+
+``float_act``: False (the default) quantises the activation per 32-block to int8 as llama.cpp does;
+True dequantises exactly and sums in double: the reference path the tests compare tokens with.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from flexplan.quant import kernels
+from flexplan.quant.gguf_weights import QuantTensor
+
+
+class QuantLinear(nn.Module):
+    """``y = x W^T (+ bias)`` with W the raw blocks of ``qt`` ([out, in] in torch order)."""
+
+    def __init__(self, qt: QuantTensor, bias: torch.Tensor | None = None, float_act: bool = False):
+        super().__init__()
+        if len(qt.shape) != 2:
+            raise ValueError(f"{qt.name}: a linear weight is 2-D, not {qt.shape}")
+        self.out_features, self.in_features = qt.shape
+        self.qt = qt
+        self.float_act = float_act
+        self.register_buffer("bias", None if bias is None else bias.float().contiguous(), persistent=False)
+        native, _ = kernels.status()
+        # a kernel format runs on its blocks; anything else is dequantised once (exact, as gguf does)
+        self.native = native if (native is not None and qt.format.name in kernels.NATIVE_FORMATS) else None
+        self.register_buffer("dense", None if self.native is not None else qt.dequantize().contiguous(),
+                             persistent=False)
+        self._blocks = qt.data.contiguous()
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of weight held: the raw blocks, or the float32 copy of a format without a kernel."""
+        return self._blocks.numel() if self.dense is None else self.dense.numel() * 4
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.native is None:
+            return nn.functional.linear(x.float(), self.dense, self.bias)
+        x2d = x.reshape(-1, self.in_features).float().contiguous()
+        y = self.native.gemm(self._blocks, self.qt.format, x2d, self.bias, self.float_act)
+        return y.reshape(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        how = "native" if self.native is not None else "dequantised at load"
+        return (f"in_features={self.in_features}, out_features={self.out_features}, format={self.qt.format.name} "
+                f"({how}), float_act={self.float_act}")
+
+
+def set_float_activation(model: nn.Module, on: bool) -> None:
+    """Every QuantLinear of ``model`` on the exact float-activation path (True) or llama.cpp's
+    int8-activation path (False)."""
+    for m in model.modules():
+        if isinstance(m, QuantLinear):
+            m.float_act = on
