@@ -479,15 +479,6 @@ def test_fcfs_on_numbers_worked_by_hand():
     assert plan.device_decodes == ("a",) and plan.prefill == (("p", 7),)
 
 
-def test_a_flexmodel_is_refused_with_what_works(models):
-    class Wrapped:  # what Engine reads of a FlexModel: .model, .executor
-        def __init__(self, m):
-            self.model, self.executor = m, object()
-
-    with pytest.raises(UnsupportedModelError, match="from_pretrained"):
-        Engine(Wrapped(models["llama"]), host_blocks=16)
-
-
 @pytest.mark.slow
 @needs_gguf
 def test_smollm2_greedy_equals_generate():

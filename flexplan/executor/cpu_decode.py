@@ -143,7 +143,8 @@ def _decode_call(args: tuple, kwargs: dict, head_dim: int, training: bool):
     hidden = args[0] if args else kwargs.get("hidden_states")
     pe, cache = kwargs.get("position_embeddings"), cache_in(kwargs)
     if not (len(args) <= 1 and hidden is not None and hidden.dim() == 3 and hidden.shape[1] == 1
-            and cache is not None and pe is not None and not training and not kwargs.get("output_attentions")
+            and cache is not None and not getattr(cache, "kv_by_caller", False)  # paged pools: the caller attends
+            and pe is not None and not training and not kwargs.get("output_attentions")
             and _cpu_f32(hidden, *pe) and pe[0].shape[-1] == head_dim and pe[0].shape == pe[1].shape
             and pe[0].numel() in (head_dim, hidden.shape[0] * head_dim)):
         return None

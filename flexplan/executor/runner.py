@@ -448,7 +448,9 @@ class Executor:
         x = x if x is not None else kwargs.get("inputs_embeds")
         x = x if x is not None else args[0]
         past = cache.get_seq_length() if cache is not None else 0
-        phase = PREFILL if past == 0 else DECODE
+        # KV managed by the caller (the serving engine's paged pools, flexplan.serving.placed): its
+        # cache names the phase, since a flattened ragged batch has no one past length
+        phase = getattr(cache, "flexplan_phase", None) or (PREFILL if past == 0 else DECODE)
         self.link.phase = phase
         self.link.step += 1
         self.link.note(phase, self.link.step)

@@ -19,9 +19,9 @@ from collections import deque
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from flexplan.errors import FlexplanError, InvalidInputError, UnsupportedModelError
+from flexplan.errors import FlexplanError, InvalidInputError
 from flexplan.executor import cpu_linear
-from flexplan.serving import sampling
+from flexplan.serving import placed, sampling
 from flexplan.serving.fcfs import FcfsScheduler
 from flexplan.serving.kv_blocks import (
     BLOCK_SIZE_TOKENS,
@@ -79,12 +79,12 @@ class Engine:
                  block_size_tokens: int = BLOCK_SIZE_TOKENS, token_budget: int = 512, max_running: int = 256,
                  max_model_len: int | None = None, scheduler=None, asymmetric_pipelining: bool | None = None,
                  device_memory_bytes: int | None = None, host_memory_bytes: int | None = None):
-        if hasattr(model, "executor") and hasattr(model, "model"):  # a FlexModel: its layers run under its executor
-            raise UnsupportedModelError(
-                "the engine runs a transformers model with its weights where they are; a FlexModel's placed layers "
-                "run through its executor's own KV cache, which the engine does not drive: pass the transformers "
-                "model (flexmodel.model is not it), a checkpoint to Engine.from_pretrained(path, device=...), or "
-                "serve the FlexModel one request at a time with its generate()")
+        flexmodel = None
+        if placed.is_flexmodel(model):  # a FlexModel: its executor places the weights, the engine keeps the KV
+            flexmodel = model
+            model, flex_tokenizer = placed.unwrap(flexmodel, asymmetric_pipelining)
+            tokenizer = tokenizer if tokenizer is not None else flex_tokenizer
+            asymmetric_pipelining = False
         for name, v in (("token_budget", token_budget), ("max_running", max_running)):
             if not isinstance(v, int) or v < 1:
                 raise InvalidInputError(f"{name} must be a positive integer, got {v!r}")
@@ -105,6 +105,9 @@ class Engine:
         self.blocks = BlockManager(config, device_blocks=device_blocks, host_blocks=host_blocks, dtype=self.dtype,
                                    device=self.device, block_size_tokens=block_size_tokens)
         self.runner = ModelRunner(model, self.blocks)
+        self.flexmodel = None
+        if flexmodel is not None:
+            placed.attach(self, flexmodel)
         self.scheduler = scheduler if scheduler is not None else FcfsScheduler()
         self.token_budget, self.max_running, self.accelerator = token_budget, max_running, on_accelerator
         # an asymmetric plan's two sub-batches run at once where the CPU's attention overlaps an
@@ -125,12 +128,17 @@ class Engine:
 
     @classmethod
     def from_pretrained(cls, path=None, *, device: str | None = None, dtype: torch.dtype = torch.float32,
-                        cpu_linear_kernel: str | None = None, **engine_kwargs) -> Engine:
+                        cpu_linear_kernel: str | None = None, plan=None, accelerator: str | None = None,
+                        gpu_memory_bytes: int | None = None, **engine_kwargs) -> Engine:
         """An engine over a transformers checkpoint folder or hub name (None: the embedded SmolLM2),
         on ``device`` (default: the CPU). On the CPU its linears take ``cpu_linear_kernel`` (default:
         flexplan's fastest here, :func:`flexplan.executor.cpu_linear.default_kernel`): the engine owns
         this model, so its weights are packed once for the kernel that streams them (a decode batch
-        is a few rows: a GEMV's read of the weights, not a GEMM)."""
+        is a few rows: a GEMV's read of the weights, not a GEMM). With ``plan`` ("auto", a dict of
+        overrides or a Plan) the model is loaded by ``flexplan.load(path, plan, accelerator,
+        gpu_memory_bytes)`` and served with its weights placed per phase (:mod:`placed`)."""
+        if plan is not None:  # placed by flexplan's planner and executor (flexplan.serving.placed)
+            return cls(placed.load(path, plan, accelerator, gpu_memory_bytes, dtype, cpu_linear_kernel), **engine_kwargs)
         kernel = cpu_linear_kernel or cpu_linear.default_kernel()
         why = cpu_linear.kernel_unavailable(kernel)
         if why:
@@ -155,6 +163,7 @@ class Engine:
             self._in_flight.result()
             self._in_flight = None
         self.runner.close()
+        placed.detach(self)
 
     def __enter__(self):
         return self

@@ -58,12 +58,15 @@ class PagedCache(Cache):
     """The model's cache for one iteration: ``update`` writes the new K/V into the pools."""
 
     is_compileable = False
+    kv_by_caller = True  # the executor's fused decode layers do not attend over it (cpu_decode._decode_call)
 
     def __init__(self, runner: ModelRunner, batch: RaggedBatch):  # no layers: the pools are the storage
         self.runner, self.batch = runner, batch
         self.layers = []
         self.layer_class_to_replicate = None
         self.offloading = False
+        # a model placed by flexplan's executor reads the phase here (flexplan.serving.placed)
+        self.flexplan_phase = runner.phase_rule(batch) if runner.phase_rule is not None else None
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
         self.runner.write(self.batch, layer_idx, key_states, value_states)
@@ -128,6 +131,7 @@ class ModelRunner:
         self._placeholder_mask = torch.ones(1, 1, 1, 1, dtype=torch.bool, device=self.device)
         self._takes_logits_to_keep = "logits_to_keep" in inspect.signature(type(model).forward).parameters
         self.modules = self._install()
+        self.phase_rule = None  # RaggedBatch -> an executor phase, for a placed model (flexplan.serving.placed)
 
     # ---- installing the attention function on the model's attention modules ----
     def _install(self) -> list[nn.Module]:
