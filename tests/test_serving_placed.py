@@ -5,6 +5,8 @@ batching, and the caller's FlexModel still generates afterwards."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from conftest import make_model
@@ -13,7 +15,8 @@ import flexplan.api as api
 from flexplan.errors import UnsupportedModelError
 from flexplan.executor.plans import fixed_plan
 from flexplan.serving.engine import Engine
-from flexplan.serving.types import SamplingParams
+from flexplan.serving.fcfs import FcfsScheduler
+from flexplan.serving.types import MODE_ASYNC_OVERLAP, SamplingParams
 
 GIB = 1 << 30
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0)
@@ -78,3 +81,30 @@ def test_from_pretrained_with_a_plan_and_threads_refused(tmp_path):
         assert drain(e, {}, 50)["a"] == alone(ref, prompt)
     with pytest.raises(UnsupportedModelError, match="asymmetric_pipelining"):
         Engine(e.flexmodel, asymmetric_pipelining=True, host_blocks=8)
+
+
+class AsyncOverlap(FcfsScheduler):
+    """FCFS, every iteration with host decodes in APEX's asynchronous overlap."""
+
+    def schedule(self, state):
+        plan = super().schedule(state)
+        return dataclasses.replace(plan, mode=MODE_ASYNC_OVERLAP if plan.host_decodes else plan.mode)
+
+
+def test_host_pool_and_async_overlap_keep_the_tokens():
+    """Requests in the host pool, their decodes on a thread beside the next iteration: the
+    executor's forwards run in turn and the tokens still equal generate() alone."""
+    torch.set_num_threads(1)
+    ref = make_model("llama")
+    refs = [alone(ref, p) for p in PROMPTS]
+    plan = fixed_plan(ref.config, "gpu-offload", "splitgen", 1, batch_size=1, input_len=8, output_len=6,
+                      gpu_memory_bytes=GIB)
+    lm = api.load(make_model("llama"), plan=plan, accelerator="cpu", gpu_memory_bytes=GIB)
+    with Engine(lm, device_blocks=4, host_blocks=32, block_size_tokens=4, scheduler=AsyncOverlap()) as e:
+        for rid, p in zip("abcd", PROMPTS):
+            e.add_request(rid, p, GREEDY)
+        got, overlapped = {}, False
+        while e.has_unfinished():
+            drain(e, got, 1)
+            overlapped |= e._in_flight is not None
+    assert overlapped and [got[r] for r in "abcd"] == refs

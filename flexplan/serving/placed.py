@@ -18,6 +18,8 @@ there), the decode placement for one token per request.
 
 from __future__ import annotations
 
+import threading
+
 import torch
 
 from flexplan import api
@@ -55,9 +57,19 @@ def unwrap(flexmodel, asymmetric_pipelining: bool | None):
 
 
 def attach(engine, flexmodel) -> None:
-    """Make the engine's forwards name their phase to the executor."""
+    """Make the engine's forwards name their phase to the executor, one forward at a time: the
+    executor keeps one step's state, so APEX's asynchronous overlap (a forward on a thread beside
+    the next) runs its two forwards in turn, correct but without the overlap."""
     engine.flexmodel = flexmodel
-    engine.runner.phase_rule = phase_of
+    runner = engine.runner
+    runner.phase_rule = phase_of
+    lock, forward = threading.Lock(), runner.forward
+
+    def one_at_a_time(segments):
+        with lock:
+            return forward(segments)
+
+    runner.forward = one_at_a_time
 
 
 def detach(engine) -> None:
