@@ -92,6 +92,8 @@ class Engine:
         self.tokenizer = tokenizer
         param = next(model.parameters())
         self.device, self.dtype = param.device, param.dtype
+        if flexmodel is not None:  # the device pool on the plan's accelerator, whatever the first weight's place
+            self.device = placed.accelerator(flexmodel)
         config = text_config(model.config)
         context = getattr(config, "max_position_embeddings", None) or 2048
         self.max_model_len = int(max_model_len or context)

@@ -223,7 +223,8 @@ class ModelRunner:
         for name, (tok, slots) in batch.writes.items():
             pool = self.blocks.pools[name]
             for store, states in ((pool.k_slots, key_states), (pool.v_slots, value_states)):
-                new = states[0].transpose(0, 1).index_select(0, tok)  # [n, heads, dim]
+                # a placed model's layer may compute off the runner's device (flexplan.serving.placed)
+                new = states[0].transpose(0, 1).index_select(0, tok.to(states.device))  # [n, heads, dim]
                 store[layer].index_copy_(0, slots, new.to(pool.device, store.dtype))
 
     def _past(self, g: Group, module: nn.Module, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -260,7 +261,7 @@ class ModelRunner:
             if out is None:
                 out = query.new_zeros(t, hq, res.shape[-1])
             res = res.transpose(1, 2).to(out.device, out.dtype)  # [N, maxQ, hq, v_dim]
-            out.index_copy_(0, g.rows, res[:, 0] if g.decode else res[g.q_valid])
+            out.index_copy_(0, g.rows.to(out.device), res[:, 0] if g.decode else res[g.q_valid.to(res.device)])
         return out.unsqueeze(0), None
 
     @staticmethod

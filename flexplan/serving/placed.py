@@ -41,6 +41,11 @@ def is_flexmodel(model) -> bool:
     return hasattr(model, "executor") and hasattr(model, "model")
 
 
+def accelerator(flexmodel) -> torch.device:
+    """Where the engine's device pool lives: the plan's accelerator (the CPU standing in for it)."""
+    return flexmodel.executor.link.device
+
+
 def phase_of(batch: RaggedBatch) -> str:
     """The executor phase an iteration runs under (the rule above)."""
     return DECODE if all(g.decode for g in batch.groups) else PREFILL  # a group: one-token segments or not
