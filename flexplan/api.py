@@ -380,7 +380,7 @@ def load(model_or_path, plan: Any = "auto", accelerator: str | None = None, hard
          dtype: str | None = None, gpu_memory_bytes: int | None = None,
          pinned_memory_budget_bytes: int | None = None, cpu_linear_kernel: str | None = None,
          cpu_threads: int | None = None, online_correction: bool = True, routing_profile: Any = None,
-         cpu_dtype: str | None = None, keep_model: bool = True) -> FlexModel:
+         cpu_dtype: str | None = None, keep_model: bool = True, weights: str | None = None) -> FlexModel:
     """Load (or take over) a decoder-only transformers causal LM and run it under a plan.
 
     ``model_or_path``: a folder with config.json + *.safetensors (streamed tensor by tensor into
@@ -414,6 +414,11 @@ def load(model_or_path, plan: Any = "auto", accelerator: str | None = None, hard
     ``routing_profile``: a RoutingProfile or its file (``flexplan profile-experts``): plans of a MoE
     model price cpu-experts from it and keep the most-used CPU experts on the accelerator (plan_expert_cache).
     """
+    gguf_tokenizer = None
+    if weights is not None or (isinstance(model_or_path, (str, os.PathLike)) and str(model_or_path).endswith(".gguf")):
+        # a GGUF file (issue 40): its own blocks on the CPU, or weights="float32" dequantised for any plan
+        model_or_path, plan, gguf_tokenizer = _gguf_model(model_or_path, weights, plan, accelerator)
+        keep_model, accelerator = False, (accelerator if weights == "float32" else None)
     check_load_arguments(model_or_path, accelerator, dtype, gpu_memory_bytes, pinned_memory_budget_bytes, cpu_threads,
                          hardware)
     if not isinstance(online_correction, bool):
@@ -490,9 +495,30 @@ def load(model_or_path, plan: Any = "auto", accelerator: str | None = None, hard
                             pinned_budget_bytes=pinned_memory_budget_bytes, cpu_cores=cores,
                             cpu_linear_kernel=cpu_linear_kernel)
         model.flexplan_executor = executor
-        tokenizer = None
+        tokenizer = gguf_tokenizer
     return FlexModel(model, executor, tokenizer=tokenizer, plan_spec=plan, planner_args=planner_args,
                      cpu_threads_source=threads_source, online_correction=online_correction)
+
+
+def _gguf_model(path, weights: str | None, plan: Any, accelerator: str | None):
+    """(model, plan, tokenizer) for a GGUF file: ``weights="gguf"`` (default) its linears on the file's
+    blocks, the ``cpu`` policy for both phases; ``"float32"`` every weight dequantised, any plan."""
+    from flexplan.quant.gguf_model import load_gguf_model
+
+    weights = weights or "gguf"
+    if weights not in ("gguf", "float32") or not str(path).endswith(".gguf"):
+        raise InvalidInputError(f"weights={weights!r} with {path}: weights='gguf' (the file's own blocks) or "
+                                "'float32' (dequantised) take a .gguf file path")
+    if weights == "float32":
+        model, tok = load_gguf_model(path, dequantize_all=True)
+        return model, plan, tok
+    cpu_only = {"prefill": "cpu", "decode": "cpu"}
+    if plan not in ("auto", "cpu", cpu_only) or accelerator not in (None, "cpu"):
+        raise InvalidInputError(f"a GGUF file's own blocks run under the cpu policy for both phases only (plan='auto' "
+                                f"or {cpu_only}, no accelerator); got plan={plan!r}, accelerator={accelerator!r}; "
+                                "pass weights='float32' for every other policy")
+    model, tok = load_gguf_model(path)
+    return model, cpu_only, tok
 
 
 def _cpu_threads(requested: int | None) -> tuple[int | None, str]:

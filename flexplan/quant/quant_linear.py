@@ -22,6 +22,8 @@ from flexplan.quant.gguf_weights import QuantTensor
 class QuantLinear(nn.Module):
     """``y = x W^T (+ bias)`` with W the raw blocks of ``qt`` ([out, in] in torch order)."""
 
+    weight = None  # no float weight: code that asks (tied-head checks) sees none, not an AttributeError
+
     def __init__(self, qt: QuantTensor, bias: torch.Tensor | None = None, float_act: bool = False):
         super().__init__()
         if len(qt.shape) != 2:
