@@ -45,6 +45,7 @@ from flexplan.measure.state import efficiency_now, refresh
 from flexplan.plan_expert_cache import resolve_profile
 from flexplan.plan_types import Plan
 from flexplan.planner import plan as plan_fn
+from flexplan.quant.gguf_model import load_gguf_model
 from flexplan.workload.model import ModelSpec
 
 DEFAULT_SHAPE = {"batch_size": 1, "input_len": 128, "output_len": 32}
@@ -503,8 +504,6 @@ def load(model_or_path, plan: Any = "auto", accelerator: str | None = None, hard
 def _gguf_model(path, weights: str | None, plan: Any, accelerator: str | None):
     """(model, plan, tokenizer) for a GGUF file: ``weights="gguf"`` (default) its linears on the file's
     blocks, the ``cpu`` policy for both phases; ``"float32"`` every weight dequantised, any plan."""
-    from flexplan.quant.gguf_model import load_gguf_model
-
     weights = weights or "gguf"
     if weights not in ("gguf", "float32") or not str(path).endswith(".gguf"):
         raise InvalidInputError(f"weights={weights!r} with {path}: weights='gguf' (the file's own blocks) or "
