@@ -89,3 +89,26 @@ def test_int8_activation_top1_agreement_over_the_committed_text(smollm2):
     with torch.no_grad():
         agree = (model(ids).logits.argmax(-1) == ref(ids).logits.argmax(-1)).float().mean().item()
     assert agree >= INT8_TOP1_BOUND, agree
+
+
+@needs_gguf
+@pytest.mark.slow
+def test_flexplan_load_of_a_gguf_path_runs_its_blocks_under_the_cpu_policy():
+    import flexplan
+    from flexplan.smollm import gguf_path
+
+    lm = flexplan.load(str(gguf_path()))
+    assert (lm.plan.prefill.policy, lm.plan.decode.policy) == ("cpu", "cpu")
+    assert sum(isinstance(m, QuantLinear) for m in lm.model.modules()) == 211
+    ids = lm.tokenizer("The capital of France is", return_tensors="pt").input_ids
+    out = lm.generate(ids, max_new_tokens=8, do_sample=False)
+    assert out.shape == (1, ids.shape[1] + 8) and "Paris" in lm.tokenizer.decode(out[0])
+
+
+def test_other_policies_on_gguf_blocks_are_refused_naming_what_works(tmp_path):
+    import flexplan
+
+    with pytest.raises(FlexplanError, match=r"cpu policy for both phases only.*weights='float32'"):
+        flexplan.load(str(tmp_path / "m.gguf"), plan={"prefill": "gpu", "decode": "gpu"})
+    with pytest.raises(FlexplanError, match=r"weights='gguf'.*take a .gguf file path"):
+        flexplan.load(str(tmp_path / "folder"), weights="int4")
