@@ -1,0 +1,121 @@
+"""Quality and decode speed of a GGUF file run on its own blocks (issue 40, items 3 and 5).
+
+Per GGUF file (SmolLM2's shipped Q4_1; Q4_0 and Q8_0 made from it by llama-quantize
+--allow-requantize into ~/.cache/flexplan/bench, not the repo), teacher-forced over the committed
+text (benchmarks/data/austen_pride_and_prejudice_ch1.txt):
+- the KL divergence KL(ref || quant) and top-1 agreement of next-token distributions of the
+  quantised model (QuantLinear, int8 activation as llama.cpp; and the exact float-activation path)
+  against the float32 model of the same file (every block dequantised);
+- decode TPOT (batch 1, 32 greedy tokens after a short prompt, transformers' generate on the bare
+  models, median of interleaved rounds) of the quantised and the float32 model, and llama-bench
+  -t 2 -n 32 on the same file; a STREAM triad sample beside each figure.
+llama.cpp's own logits are not compared here: llama-cpp-python is not installed on this machine.
+
+    python benchmarks/bench_quant_quality.py [--rounds 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import machine_description, median, write_result  # noqa: E402
+
+from flexplan.measure.stream import stream_triad_bytes_per_s  # noqa: E402
+from flexplan.quant.gguf_model import load_gguf_model  # noqa: E402
+from flexplan.quant.quant_linear import set_float_activation  # noqa: E402
+from flexplan.smollm import cache_dir, gguf_path  # noqa: E402
+
+TEXT = Path(__file__).resolve().parent / "data" / "austen_pride_and_prejudice_ch1.txt"
+BIN = Path(os.environ.get("FLEXPLAN_LLAMACPP_BIN", "/work/llamacpp/llama_cpp_python-0.3.36/vendor/llama.cpp/build/bin"))
+NEW_TOKENS = 32
+
+
+def _files() -> dict[str, Path]:
+    src = gguf_path()
+    out = {"Q4_1": src}
+    dest = cache_dir() / "bench"
+    dest.mkdir(parents=True, exist_ok=True)
+    for qtype in ("Q4_0", "Q8_0"):
+        path = dest / f"SmolLM2-135M-Instruct.{qtype}.gguf"
+        if not path.exists():
+            subprocess.run([str(BIN / "llama-quantize"), "--allow-requantize", str(src), str(path), qtype, "2"],
+                           check=True, capture_output=True)
+        out[qtype] = path
+    return out
+
+
+def _quality(quant, ref, ids) -> dict:
+    with torch.no_grad():
+        lr = ref(ids).logits[0].float().log_softmax(-1)
+        res = {}
+        for name, float_act in (("int8_activation", False), ("float_activation", True)):
+            set_float_activation(quant, float_act)
+            lq = quant(ids).logits[0].float().log_softmax(-1)
+            res[name] = {"kl_mean": float((lr.exp() * (lr - lq)).sum(-1).mean()),
+                         "top1_agreement": float((lq.argmax(-1) == lr.argmax(-1)).float().mean())}
+        set_float_activation(quant, False)
+    return res
+
+
+def _tpot(model, ids) -> float:
+    with torch.no_grad():
+        t0 = time.perf_counter()
+        model.generate(ids, max_new_tokens=1, min_new_tokens=1, do_sample=False)
+        t1 = time.perf_counter()
+        model.generate(ids, max_new_tokens=NEW_TOKENS + 1, min_new_tokens=NEW_TOKENS + 1, do_sample=False)
+        t2 = time.perf_counter()
+    return ((t2 - t1) - (t1 - t0)) / NEW_TOKENS
+
+
+def _llama_bench(path: Path) -> float | None:
+    r = subprocess.run([str(BIN / "llama-bench"), "-m", str(path), "-t", "2", "-p", "0", "-n", str(NEW_TOKENS),
+                        "-r", "3", "-o", "json"], capture_output=True, text=True, timeout=600)
+    if r.returncode:
+        return None
+    rows = json.loads(r.stdout)
+    return 1.0 / rows[0]["avg_ts"]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rounds", type=int, default=2)
+    args = ap.parse_args()
+    torch.set_num_threads(2)
+    results = {}
+    for name, path in _files().items():
+        quant, tok = load_gguf_model(path)
+        ref, _ = load_gguf_model(path, tokenizer=False, dequantize_all=True)
+        ids = tok(TEXT.read_text(), return_tensors="pt").input_ids
+        prompt = tok("The capital of France is", return_tensors="pt").input_ids
+        row = {"file": path.name, "text_tokens": int(ids.shape[1]), "quality_vs_float32": _quality(quant, ref, ids)}
+        times: dict[str, list] = {"flexplan_quant": [], "flexplan_float32": [], "llama_bench": []}
+        for _ in range(args.rounds):  # interleaved rounds, a triad sample beside each figure
+            for key, fn in (("flexplan_quant", lambda: _tpot(quant, prompt)),
+                            ("flexplan_float32", lambda: _tpot(ref, prompt)),
+                            ("llama_bench", lambda: _llama_bench(path))):
+                triad = stream_triad_bytes_per_s()
+                times[key].append({"tpot_s": fn(), "triad_gb_s": triad / 1e9})
+        row["decode_tpot"] = {k: {"median_s": median([v["tpot_s"] for v in vs if v["tpot_s"] is not None] or [float("nan")]),
+                                  "rounds": vs} for k, vs in times.items()}
+        results[name] = row
+        print(name, json.dumps(row["quality_vs_float32"]),
+              {k: round(v["median_s"] * 1e3, 2) for k, v in row["decode_tpot"].items()}, flush=True)
+    out = write_result("bench_quant_quality", {
+        "machine": machine_description(), "text": TEXT.name, "new_tokens": NEW_TOKENS, "threads": 2,
+        "notes": "TPOT: transformers generate() on the bare models (no flexplan executor); llama.cpp logits not "
+                 "compared (llama-cpp-python not installed); shared 2-core VM, other agents running",
+        "files": results})
+    print(out)
+
+
+if __name__ == "__main__":
+    main()
