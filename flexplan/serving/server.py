@@ -193,6 +193,15 @@ def _with_max_tokens(params, n: int):
     return dataclasses.replace(params, max_tokens=max(1, n))
 
 
+def _ended_early(served: _Served, rid: str, e: Exception) -> Response:
+    """The answer to a request that ended before its answer began: its refusal, or 499 where its
+    client left (the request aborted, its KV freed)."""
+    if isinstance(e, _Disconnected):
+        served.loop.abort(rid)
+        return Response(status_code=499)
+    return _error_response(e, served.metrics)
+
+
 async def _complete(served: _Served, request: Request, rid: str, q: asyncio.Queue, model: str, chat: bool):
     """A non-streaming answer; the request is aborted if its client leaves first."""
     text, last = [], None
@@ -201,11 +210,8 @@ async def _complete(served: _Served, request: Request, rid: str, q: asyncio.Queu
         async for out in _race(_outputs(served, rid, q), watcher):
             text.append(out.new_text)
             last = out
-    except ApiError as e:
-        return _error_response(e, served.metrics)
-    except _Disconnected:
-        served.loop.abort(rid)
-        return Response(status_code=499)
+    except (ApiError, _Disconnected) as e:
+        return _ended_early(served, rid, e)
     finally:
         watcher.cancel()
     if last.finish_reason == FINISH_ABORT:
@@ -246,11 +252,8 @@ async def _stream(served: _Served, request: Request, rid: str, q: asyncio.Queue,
     watcher = asyncio.ensure_future(_until_disconnect(request))  # a client may leave while it queues
     try:
         first = await _next_or_disconnect(outputs, watcher)
-    except ApiError as e:
-        return _error_response(e, served.metrics)
-    except _Disconnected:
-        served.loop.abort(rid)
-        return Response(status_code=499)
+    except (ApiError, _Disconnected) as e:
+        return _ended_early(served, rid, e)
     finally:
         watcher.cancel()
     created = oa.now_s()
