@@ -80,6 +80,21 @@ class Inventory:
     kv_elems_per_token: int = 0  # K + V elements a token stores per layer (0: kv_heads x (head_dim + v_head_dim))
     _cache: dict = field(default_factory=dict, compare=False, hash=False, repr=False)
 
+    def memo(self, key, make, limit: int | None = None):
+        """``make()``, kept under ``key`` for the life of this inventory (what depends on the
+        model alone, asked for many requests); ``limit``: at most that many entries share the
+        key's first element, the oldest dropped first."""
+        if limit is None:
+            if key not in self._cache:
+                self._cache[key] = make()
+            return self._cache[key]
+        group = self._cache.setdefault(key[0], {})
+        if key not in group:
+            if len(group) >= limit:
+                group.pop(next(iter(group)))
+            group[key] = make()
+        return group[key]
+
     @cached_property
     def homogeneous(self) -> bool:
         return len(set(self.layers)) <= 1
@@ -286,41 +301,61 @@ def _expert_bytes(tensors: tuple[Tensor, ...], place: str, dtype: str, cpu_dtype
     return sum(_padded(math.prod(t.shape) * DTYPE_BYTES[dt]) for t in tensors if t.kind == EXPERTS)
 
 
-def footprint(inv: Inventory, placement: Placement, batch: int | None = None, input_len: int | None = None,
-              capacity: int | None = None, kernel: str | None = KERNEL_BLOCKED,
-              reserved_bytes: float = 0) -> MemoryNeed:
-    """Accelerator / pinned / pageable host bytes of ``placement`` for a request of ``batch``
-    sequences of ``input_len`` prompt tokens and ``capacity`` tokens in all (None: weights only),
-    with the CPU's linears held as ``kernel`` holds them (``flexplan-blocked``, ``onednn-packed``,
-    None or ``F.linear``: unpacked). ``reserved_bytes``: the accelerator runtime's own reserve,
-    counted when the placement uses the accelerator. A placement of one phase whose run lengths
-    are arrays gives arrays."""
-    dt, cdt = placement.dtype, placement.cpu_dtype
+@dataclass(frozen=True)
+class Layout:
+    """What :func:`footprint` needs of a placement apart from the request's size: weight bytes by
+    part, how many layers keep their KV in each memory, and which phases compute where. Ints, or
+    arrays of one shape for a vectorised placement. The request's size enters linearly (KV bytes
+    per layer, activation bytes per phase), so one layout serves every batch and length."""
+
+    accelerator_weights: Mapping[str, object]  # "resident weights", "head", "weight double buffers"
+    pinned_weights: object  # streamed weights' pinned home
+    host_weights: object  # embedding, CPU layers and the head's host copy
+    kv_layers: Mapping[str, object]  # memory -> layers whose KV it holds ("pinned host": a host copy in the CPU dtype)
+    kv_double: object  # two accelerator KV slots (a streamed layer's attention reads its KV there)
+    kv_transit: object  # one layer's KV in transit (split points)
+    phase_flags: tuple  # (phase, computes on the accelerator, computes on the CPU) per phase
+    uses_accelerator: object
+    shape: tuple | None  # the run lengths' array shape (one entry per candidate); None: concrete
+
+
+def layout(inv: Inventory, placement: Placement, kernel: str | None = KERNEL_BLOCKED) -> Layout:
+    """The :class:`Layout` of ``placement``; a concrete placement's is kept in the inventory's
+    cache (it depends on the model and the placement only: the planner asks it for many requests)."""
     vec = any(isinstance(c, np.ndarray) for pp in placement.phases.values() for _, c in pp.runs)
+    if vec:
+        return _layout(inv, placement, kernel, True)
+    return inv.memo(("layout", placement, kernel), lambda: _layout(inv, placement, kernel, False),
+                    LAYOUT_CACHE_ENTRIES)
+
+
+LAYOUT_CACHE_ENTRIES = 4096  # per model: a plan asks for a few hundred pair placements
+
+
+def _layout(inv: Inventory, placement: Placement, kernel: str | None, vec: bool) -> Layout:
+    dt, cdt = placement.dtype, placement.cpu_dtype
     if vec and not inv.homogeneous:  # layers differ (dense and MoE): one concrete placement per candidate
-        return _per_candidate(inv, placement, batch, input_len, capacity, kernel, reserved_bytes)
+        return _per_candidate(inv, placement, kernel)
     u = _units(inv, dt, cdt, kernel)
-    kv = {p: (kv_bytes(inv, batch, capacity, placement.place_dtype(p)) if batch else 0) for p in (HOST, PINNED, ACCELERATOR)}
-    acc = {"resident weights": 0, "head": 0, "weight double buffers": 0, "KV cache": 0, "KV double buffers": 0,
-           "activations": 0, "runtime reserve": 0}
-    pinned = {"streamed weights": 0, "KV cache": 0}
-    host = {"CPU weights": u["embedding"], "KV cache": 0, "activations": 0}
+    acc = {"resident weights": 0, "head": 0, "weight double buffers": 0}
+    pinned = {"streamed weights": 0}
+    host = {"CPU weights": u["embedding"]}
+    kv_n = {ACCELERATOR: 0, PINNED: 0, "pinned host": 0, HOST: 0}
 
     def add(places, n, w):
         for place in places:
             if place == ACCELERATOR:
                 acc["resident weights"] = acc["resident weights"] + n * w[place]
-                acc["KV cache"] = acc["KV cache"] + n * kv[place]
+                kv_n[ACCELERATOR] = kv_n[ACCELERATOR] + n
             elif place == PINNED:
                 pinned["streamed weights"] = pinned["streamed weights"] + n * w[place]
-                pinned["KV cache"] = pinned["KV cache"] + n * kv[place]
+                kv_n[PINNED] = kv_n[PINNED] + n
             else:
                 host["CPU weights"] = host["CPU weights"] + n * w[place]
-                where = pinned if ACCELERATOR in places else host
-                where["KV cache"] = where["KV cache"] + n * kv[place]
+                where = "pinned host" if ACCELERATOR in places else HOST
+                kv_n[where] = kv_n[where] + n
 
     where = np.where if vec else (lambda c, x, y: x if c else y)
-    maximum = np.maximum if vec else max
     any_streamed = False
     if inv.homogeneous:
         w = u["layers"][0] if u["layers"] else {HOST: 0, PINNED: 0, ACCELERATOR: 0}
@@ -350,13 +385,11 @@ def footprint(inv: Inventory, placement: Placement, batch: int | None = None, in
     kv_streamed = False  # KV slots only where a streamed layer's attention reads its KV on the accelerator
     for pp in placement.phases.values():
         kv_streamed = kv_streamed | (pp.count(lambda m: m.streams_kv) > 0)
-    acc["KV double buffers"] = where(kv_streamed, 2 * kv[ACCELERATOR], 0)
     # a layer cut by split points whose attention computes on the accelerator sends it the KV it reads
     split = sum((pp.count(lambda m: m == SPLIT_POINTS) for pp in placement.phases.values()), 0)
-    acc["KV in transit"] = where(split > 0, kv[ACCELERATOR], 0)
 
     head_acc, head_cpu, uses_acc = False, False, False
-    act_acc, act_host = 0, 0
+    flags = []
     for ph, pp in placement.phases.items():
         on_acc = pp.head_on_accelerator()
         head_acc = head_acc | on_acc
@@ -364,18 +397,57 @@ def footprint(inv: Inventory, placement: Placement, batch: int | None = None, in
         phase_acc = (pp.count(lambda m: m.computes == ON_ACCELERATOR) > 0) | on_acc
         phase_cpu = (pp.count(lambda m: m.computes_on_cpu_in_part) > 0) | (on_acc ^ True)
         uses_acc = uses_acc | phase_acc
-        if batch:
-            rows = batch * (input_len if ph == "prefill" else 1)
-            act_acc = maximum(act_acc, where(phase_acc, activation_bytes(inv, rows, dt, batch), 0))
-            act_host = maximum(act_host, where(phase_cpu, activation_bytes(inv, rows, cdt, batch), 0))
+        flags.append((ph, phase_acc, phase_cpu))
     acc["head"] = where(head_acc, u["head"][ACCELERATOR], 0)
     host["CPU weights"] = host["CPU weights"] + where(head_cpu, u["head"][HOST], 0)
+    return Layout(acc, pinned["streamed weights"], host["CPU weights"], kv_n, kv_streamed, split > 0,
+                  tuple(flags), uses_acc, _runs_shape(placement) if vec else None)
+
+
+def footprint(inv: Inventory, placement: Placement, batch: int | None = None, input_len: int | None = None,
+              capacity: int | None = None, kernel: str | None = KERNEL_BLOCKED,
+              reserved_bytes: float = 0) -> MemoryNeed:
+    """Accelerator / pinned / pageable host bytes of ``placement`` for a request of ``batch``
+    sequences of ``input_len`` prompt tokens and ``capacity`` tokens in all (None: weights only),
+    with the CPU's linears held as ``kernel`` holds them (``flexplan-blocked``, ``onednn-packed``,
+    None or ``F.linear``: unpacked). ``reserved_bytes``: the accelerator runtime's own reserve,
+    counted when the placement uses the accelerator. A placement of one phase whose run lengths
+    are arrays gives arrays."""
+    return need_of(layout(inv, placement, kernel), inv, placement.dtype, placement.cpu_dtype, batch, input_len,
+                   capacity, reserved_bytes)
+
+
+def need_of(lay: Layout, inv: Inventory, dtype: str, cpu_dtype: str, batch: int | None, input_len: int | None,
+            capacity: int | None, reserved_bytes: float = 0, parts_as_arrays: bool = True) -> MemoryNeed:
+    """:func:`footprint` of a placement of layout ``lay``, in ``dtype`` on the accelerator and
+    ``cpu_dtype`` on the host, for the request's size. ``parts_as_arrays=False``: a vectorised
+    layout's parts are left as computed (scalars where a part is the same for every candidate;
+    the totals broadcast), for a caller that reads only the totals."""
+    vec = lay.shape is not None
+    where = np.where if vec else (lambda c, x, y: x if c else y)
+    maximum = np.maximum if vec else max
+    kv_acc = kv_bytes(inv, batch, capacity, dtype) if batch else 0
+    kv_host = kv_bytes(inv, batch, capacity, cpu_dtype) if batch else 0
+    n = lay.kv_layers
+    acc = {**lay.accelerator_weights, "KV cache": n[ACCELERATOR] * kv_acc,
+           "KV double buffers": where(lay.kv_double, 2 * kv_acc, 0), "activations": 0, "runtime reserve": 0,
+           "KV in transit": where(lay.kv_transit, kv_acc, 0)}
+    pinned = {"streamed weights": lay.pinned_weights, "KV cache": n[PINNED] * kv_acc + n["pinned host"] * kv_host}
+    host = {"CPU weights": lay.host_weights, "KV cache": n[HOST] * kv_host, "activations": 0}
+    act_acc, act_host = 0, 0
+    if batch:
+        for ph, phase_acc, phase_cpu in lay.phase_flags:
+            rows = batch * (input_len if ph == "prefill" else 1)
+            act_acc = maximum(act_acc, where(phase_acc, activation_bytes(inv, rows, dtype, batch), 0))
+            act_host = maximum(act_host, where(phase_cpu, activation_bytes(inv, rows, cpu_dtype, batch), 0))
     acc["activations"], host["activations"] = act_acc, act_host
-    acc["runtime reserve"] = where(uses_acc, reserved_bytes, 0)
+    acc["runtime reserve"] = where(lay.uses_accelerator, reserved_bytes, 0)
     if not vec:
         return MemoryNeed(*({k: int(v) for k, v in d.items()} for d in (acc, pinned, host)))
-    # the run lengths' arrays share one shape (PhasePlacement): every figure is brought to it
-    shape = next(c.shape for pp in placement.phases.values() for _, c in pp.runs if isinstance(c, np.ndarray))
+    if not parts_as_arrays:
+        return MemoryNeed(acc, pinned, host)
+    # the layout's arrays share one shape: every figure is brought to it
+    shape = lay.shape
     zeros = np.zeros(shape)
 
     def fix(d):
@@ -397,18 +469,28 @@ def _move_experts(acc: dict, pinned: dict, host: dict, places, e_places, n, w: M
         d[k] = d[k] + n * w.get(p, 0)
 
 
-def _per_candidate(inv: Inventory, placement: Placement, batch, input_len, capacity, kernel, reserved_bytes) -> MemoryNeed:
-    """:func:`footprint` of a vectorised placement over layers that differ, one candidate at a time."""
-    shape = np.broadcast_shapes(*(np.shape(c) for pp in placement.phases.values() for _, c in pp.runs))
-    needs = []
+def _runs_shape(placement: Placement) -> tuple:
+    return np.broadcast_shapes(*(np.shape(c) for pp in placement.phases.values() for _, c in pp.runs))
+
+
+def _per_candidate(inv: Inventory, placement: Placement, kernel) -> Layout:
+    """:func:`layout` of a vectorised placement over layers that differ, one candidate at a time."""
+    shape = _runs_shape(placement)
+    lays = []
     for k in np.ndindex(shape):
         phases = {ph: PhasePlacement(tuple((m, int(np.broadcast_to(c, shape)[k])) for m, c in pp.runs), pp.head)
                   for ph, pp in placement.phases.items()}
-        one = Placement.of(phases, placement.dtype, placement.cpu_dtype, placement.policies)
-        needs.append(footprint(inv, one, batch, input_len, capacity, kernel, reserved_bytes))
+        lays.append(layout(inv, Placement.of(phases, placement.dtype, placement.cpu_dtype), kernel))
 
-    def stack(where):
-        return {key: np.array([getattr(n, where)[key] for n in needs], dtype=float).reshape(shape)
-                for key in getattr(needs[0], where)}
+    def stack(get):
+        return np.array([get(x) for x in lays], dtype=float).reshape(shape)
 
-    return MemoryNeed(stack("accelerator"), stack("pinned"), stack("host"))
+    first = lays[0]
+    return Layout({k: stack(lambda x: x.accelerator_weights[k]) for k in first.accelerator_weights},
+                  stack(lambda x: x.pinned_weights), stack(lambda x: x.host_weights),
+                  {k: stack(lambda x: x.kv_layers[k]) for k in first.kv_layers},
+                  stack(lambda x: x.kv_double).astype(bool), stack(lambda x: x.kv_transit).astype(bool),
+                  tuple((ph, stack(lambda x: x.phase_flags[j][1]).astype(bool),
+                         stack(lambda x: x.phase_flags[j][2]).astype(bool))
+                        for j, (ph, _, _) in enumerate(first.phase_flags)),
+                  stack(lambda x: x.uses_accelerator).astype(bool), shape)

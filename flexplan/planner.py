@@ -64,6 +64,11 @@ class _Options:
     reason: str = ""  # why none is feasible, when it is not the memory
 
     def best(self) -> int | None:
+        return self._best
+
+    @cached_property
+    def _best(self) -> int | None:
+        """The fastest feasible option (the pair search asks hundreds of times)."""
         idx = np.flatnonzero(self.feasible)
         return None if idx.size == 0 else int(idx[np.argmin(self.time_s[idx])])
 
@@ -89,6 +94,31 @@ def _beside(prefill: Policy, m_p: int, decode: Policy, m_d: int, num_layers: int
     beside that decode placement (placement.prefill_beside): shape-independent, so kept across plans."""
     runs = prefill_beside(_placed(prefill, num_layers, m_p, "prefill"), _placed(decode, num_layers, m_d, "decode"))
     return (PhasePlacement.merged(runs.runs).runs, runs.head_mode), int(runs.count(lambda mode: mode is RESIDENT))
+
+
+@lru_cache(maxsize=8192)
+def _masks(policy: Policy, num_layers: int, gpu_layers: int, phase: str) -> tuple[int, int]:
+    """(streamed, resident) layers of ``policy``'s placement with ``gpu_layers`` GPU layers, as bit masks."""
+    streamed = resident = first = 0
+    for mode, count in _placed(policy, num_layers, gpu_layers, phase).runs:
+        bits = ((1 << int(count)) - 1) << first
+        streamed |= bits if mode.streamed else 0
+        resident |= bits if mode is RESIDENT else 0
+        first += int(count)
+    return streamed, resident
+
+
+@lru_cache(maxsize=1024)
+def _layer_rows(policy: Policy, num_layers: int, gpu_layers: tuple[int, ...], phase: str) -> tuple[np.ndarray, np.ndarray]:
+    """(streamed, resident) layers of ``policy``'s placement at each of ``gpu_layers``, bool [options, layers]."""
+    streamed, resident = np.zeros((len(gpu_layers), num_layers), bool), np.zeros((len(gpu_layers), num_layers), bool)
+    for k, m in enumerate(gpu_layers):
+        first = 0
+        for mode, count in _placed(policy, num_layers, m, phase).runs:
+            streamed[k, first:first + int(count)] = mode.streamed
+            resident[k, first:first + int(count)] = mode is RESIDENT
+            first += int(count)
+    return streamed, resident
 
 
 def _check_positive(**kw: Any) -> None:
@@ -131,13 +161,31 @@ def placement_memory(shape: Shape, hw: Hardware | None, phases: dict[str, PhaseP
 
 
 def _phase_memory(shape: Shape, hw: Hardware, policy: str, ms: np.ndarray, phase: str) -> tuple[np.ndarray, np.ndarray]:
-    """(accelerator bytes, host bytes) of ``policy`` in ``phase`` for each M in ``ms``."""
-    pol, n = REGISTRY[policy], shape.model.num_layers
-    if pol.vectorised:
-        need = placement_memory(shape, hw, {phase: pol.placement(n, ms, phase)})
-        return (np.broadcast_to(need.accelerator_bytes, ms.shape).astype(float),
-                np.broadcast_to(need.host_total_bytes, ms.shape).astype(float))
-    needs = [placement_memory(shape, hw, {phase: _placed(pol, n, int(m), phase)}) for m in ms]
+    """(accelerator bytes, host bytes) of ``policy`` in ``phase`` for each M in ``ms``: the
+    placements' layouts (memory.layout, the same for every request size) kept per model."""
+    pol, n, inv = REGISTRY[policy], shape.model.num_layers, _inventory(shape.model)
+    key = ("phase layout", policy, phase, shape.dtype, shape.cpu_dtype, ms.tobytes())
+
+    def make():
+        if pol.vectorised:
+            placement = Placement.of({phase: pol.placement(n, ms, phase)}, shape.dtype, shape.cpu_dtype)
+            return memory.layout(inv, placement, memory.KERNEL_BLOCKED)
+        return [memory.layout(inv, Placement.of({phase: _placed(pol, n, int(m), phase)}, shape.dtype, shape.cpu_dtype),
+                              memory.KERNEL_BLOCKED) for m in ms]
+
+    lay = inv.memo(key, make)
+    reserve = hw.gpu.runtime_reserved_bytes if hw is not None and hw.gpu is not None else 0
+    capacity = shape.input_len + shape.output_len
+
+    def need(x: memory.Layout) -> memory.MemoryNeed:
+        return memory.need_of(x, inv, shape.dtype, shape.cpu_dtype, shape.batch, shape.input_len, capacity, reserve,
+                              parts_as_arrays=False)
+
+    if not isinstance(lay, list):
+        nd = need(lay)
+        return (np.broadcast_to(nd.accelerator_bytes, ms.shape).astype(float),
+                np.broadcast_to(nd.host_total_bytes, ms.shape).astype(float))
+    needs = [need(x) for x in lay]
     return (np.array([x.accelerator_bytes for x in needs], float), np.array([x.host_total_bytes for x in needs], float))
 
 
@@ -355,20 +403,8 @@ def _plan_one(spec: ModelSpec, hw: Hardware, eff: Efficiency, shape: Shape, gpu_
     streams = {p: any(mode.streamed for m in (o.gpu_layers.min(initial=0), o.gpu_layers.max(initial=0))
                       for mode, count in _placed(REGISTRY[p], n, int(m), "prefill").runs if int(count))
                for p, o in opts["prefill"].items()}
-    masks_cache: dict[tuple, tuple[int, int]] = {}
-
     def masks(phase: str, pol: str, m: int) -> tuple[int, int]:
-        """(streamed, resident) layers of ``pol``'s placement with ``m`` GPU layers, as bit masks."""
-        key = (phase, pol, m)
-        if key not in masks_cache:
-            streamed = resident = first = 0
-            for mode, count in _placed(REGISTRY[pol], n, m, phase).runs:
-                bits = ((1 << int(count)) - 1) << first
-                streamed |= bits if mode.streamed else 0
-                resident |= bits if mode is RESIDENT else 0
-                first += int(count)
-            masks_cache[key] = (streamed, resident)
-        return masks_cache[key]
+        return _masks(REGISTRY[pol], n, m, phase)
 
     def canonical(pp: PhasePlacement) -> tuple:
         """The placement's merged runs (PhasePlacement.merged) and its head's mode."""
@@ -444,33 +480,19 @@ def _plan_one(spec: ModelSpec, hw: Hardware, eff: Efficiency, shape: Shape, gpu_
     least_own_by_m = np.full(n + 1, math.inf)
     for m, t in least_own_at.items():
         least_own_by_m[m] = t
-    rows_cache: dict[tuple[str, str], tuple[np.ndarray, np.ndarray]] = {}
-
     def layer_rows(phase: str, pol: str) -> tuple[np.ndarray, np.ndarray]:
-        """(streamed, resident) layers of each of ``pol``'s options in ``phase``, bool [options, layers]."""
-        key = (phase, pol)
-        if key not in rows_cache:
-            ms = opts[phase][pol].gpu_layers
-            streamed, resident = np.zeros((ms.size, n), bool), np.zeros((ms.size, n), bool)
-            for k, m in enumerate(ms):
-                first = 0
-                for mode, count in _placed(REGISTRY[pol], n, int(m), phase).runs:
-                    streamed[k, first:first + int(count)] = mode.streamed
-                    resident[k, first:first + int(count)] = mode is RESIDENT
-                    first += int(count)
-            rows_cache[key] = streamed, resident
-        return rows_cache[key]
+        return _layer_rows(REGISTRY[pol], n, tuple(int(m) for m in opts[phase][pol].gpu_layers), phase)
 
-    def least_own(p: str, d: str, idx_d: int) -> list[float]:
+    def least_own(p: str, d: str, idx_d: int) -> np.ndarray:
         """A lower bound on the prefill part of the pair's E2E at each of ``p``'s options, without
         runs_as: the option it runs as has as many resident layers as prefill's and the streamed
         ones decode holds."""
         if not streams[p]:
-            return own[p].tolist()
+            return own[p]
         streamed, resident = layer_rows("prefill", p)
         held = layer_rows("decode", d)[1][idx_d]
         m = (resident | (streamed & held)).sum(axis=1)
-        return np.minimum(own[p], least_own_by_m[m]).tolist()
+        return np.minimum(own[p], least_own_by_m[m])
 
     def best_pair(p_pols, d_pols, every_prefill_m: bool = True):
         """The lowest-E2E pair, pairs taken in the order of their floor (prefill's fastest M with its
@@ -530,12 +552,14 @@ def _plan_one(spec: ModelSpec, hw: Hardware, eff: Efficiency, shape: Shape, gpu_
             if best is not None and floor >= best[0]:
                 break
             op, od = opts["prefill"][p], opts["decode"][d]
-            rest = sorted((int(i) for i in np.flatnonzero(op.feasible)), key=lambda i: own[p][i])
+            idx = np.flatnonzero(op.feasible)
+            rest = idx[np.argsort(own[p][idx], kind="stable")]
             for i_d in decode_ms[p, d]:
                 decode_s = steps * float(od.time_s[i_d])
                 too_many = math.inf  # the fewest prefill GPU layers found over the accelerator's budget
                 least = least_own(p, d, i_d)
-                for ip in rest:
+                # the options whose bound is under the best found now (the best only falls below)
+                for ip in (rest if best is None else rest[least[rest] + decode_s < best[0]]).tolist():
                     if best is not None and least[ip] + decode_s >= best[0]:  # a switch only adds
                         if not streams[p]:
                             break  # every later M (sorted by own) runs as itself: none can beat the best

@@ -29,6 +29,7 @@ Conventions (stated once, used everywhere):
 from __future__ import annotations
 
 from collections import Counter
+from functools import lru_cache
 
 import numpy as np
 
@@ -53,10 +54,11 @@ def attention_pairs_prefill_chunked(input_len: int, chunk: int) -> float:
     return full * chunk * (chunk + 1) / 2 + rest * (rest + 1) / 2
 
 
-def _span_shares(m: ModelSpec) -> list[tuple[int | None, int | None, float]]:
-    """(window, chunk, share of the layers) for each distinct attention span."""
+@lru_cache(maxsize=256)
+def _span_shares(m: ModelSpec) -> tuple[tuple[int | None, int | None, float], ...]:
+    """(window, chunk, share of the layers) for each distinct attention span (kept per model)."""
     counts = Counter((m.layer_window(i), m.layer_chunk(i)) for i in range(m.num_layers))
-    return [(w, c, n / m.num_layers) for (w, c), n in counts.items()]
+    return tuple((w, c, n / m.num_layers) for (w, c), n in counts.items())
 
 
 def mean_prefill_pairs(m: ModelSpec, input_len: int) -> float:
