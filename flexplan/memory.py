@@ -418,16 +418,28 @@ def footprint(inv: Inventory, placement: Placement, batch: int | None = None, in
 
 
 def need_of(lay: Layout, inv: Inventory, dtype: str, cpu_dtype: str, batch: int | None, input_len: int | None,
-            capacity: int | None, reserved_bytes: float = 0, parts_as_arrays: bool = True) -> MemoryNeed:
+            capacity: int | None, reserved_bytes: float = 0) -> MemoryNeed:
     """:func:`footprint` of a placement of layout ``lay``, in ``dtype`` on the accelerator and
-    ``cpu_dtype`` on the host, for the request's size. ``parts_as_arrays=False``: a vectorised
-    layout's parts are left as computed (scalars where a part is the same for every candidate;
-    the totals broadcast), for a caller that reads only the totals."""
+    ``cpu_dtype`` on the host, for the request's size."""
+    return _need(lay, *_size_terms(lay, inv, dtype, cpu_dtype, batch, input_len, capacity), reserved_bytes)
+
+
+def _size_terms(lay: Layout, inv: Inventory, dtype: str, cpu_dtype: str, batch: int | None, input_len: int | None,
+                capacity: int | None) -> tuple:
+    """(KV bytes of a layer in the accelerator dtype, in the CPU dtype, activation bytes on the
+    accelerator and on the host of each of the layout's phases) of the request."""
+    if not batch:
+        return 0, 0, tuple(0 for _ in lay.phase_flags), tuple(0 for _ in lay.phase_flags)
+    rows = [batch * (input_len if ph == "prefill" else 1) for ph, _, _ in lay.phase_flags]
+    return (kv_bytes(inv, batch, capacity, dtype), kv_bytes(inv, batch, capacity, cpu_dtype),
+            tuple(activation_bytes(inv, r, dtype, batch) for r in rows),
+            tuple(activation_bytes(inv, r, cpu_dtype, batch) for r in rows))
+
+
+def _need(lay: Layout, kv_acc, kv_host, act_acc_by_phase, act_host_by_phase, reserved_bytes) -> MemoryNeed:
     vec = lay.shape is not None
     where = np.where if vec else (lambda c, x, y: x if c else y)
     maximum = np.maximum if vec else max
-    kv_acc = kv_bytes(inv, batch, capacity, dtype) if batch else 0
-    kv_host = kv_bytes(inv, batch, capacity, cpu_dtype) if batch else 0
     n = lay.kv_layers
     acc = {**lay.accelerator_weights, "KV cache": n[ACCELERATOR] * kv_acc,
            "KV double buffers": where(lay.kv_double, 2 * kv_acc, 0), "activations": 0, "runtime reserve": 0,
@@ -435,17 +447,13 @@ def need_of(lay: Layout, inv: Inventory, dtype: str, cpu_dtype: str, batch: int 
     pinned = {"streamed weights": lay.pinned_weights, "KV cache": n[PINNED] * kv_acc + n["pinned host"] * kv_host}
     host = {"CPU weights": lay.host_weights, "KV cache": n[HOST] * kv_host, "activations": 0}
     act_acc, act_host = 0, 0
-    if batch:
-        for ph, phase_acc, phase_cpu in lay.phase_flags:
-            rows = batch * (input_len if ph == "prefill" else 1)
-            act_acc = maximum(act_acc, where(phase_acc, activation_bytes(inv, rows, dtype, batch), 0))
-            act_host = maximum(act_host, where(phase_cpu, activation_bytes(inv, rows, cpu_dtype, batch), 0))
+    for (_, phase_acc, phase_cpu), a_acc, a_host in zip(lay.phase_flags, act_acc_by_phase, act_host_by_phase):
+        act_acc = maximum(act_acc, where(phase_acc, a_acc, 0))
+        act_host = maximum(act_host, where(phase_cpu, a_host, 0))
     acc["activations"], host["activations"] = act_acc, act_host
     acc["runtime reserve"] = where(lay.uses_accelerator, reserved_bytes, 0)
     if not vec:
         return MemoryNeed(*({k: int(v) for k, v in d.items()} for d in (acc, pinned, host)))
-    if not parts_as_arrays:
-        return MemoryNeed(acc, pinned, host)
     # the layout's arrays share one shape: every figure is brought to it
     shape = lay.shape
     zeros = np.zeros(shape)
@@ -455,6 +463,50 @@ def need_of(lay: Layout, inv: Inventory, dtype: str, cpu_dtype: str, batch: int 
                 for k, v in d.items()}
 
     return MemoryNeed(fix(acc), fix(pinned), fix(host))
+
+
+@dataclass(frozen=True)
+class LinearTotals:
+    """Accelerator and host (pinned + pageable) totals of one phase's layouts as linear functions
+    of the request's size: the totals are counts times bytes, and one phase's activations enter
+    once (no max across phases), so the coefficients, found once per layout, serve every request.
+    Rows: constant, KV bytes of a layer in the accelerator dtype, in the CPU dtype, activation
+    bytes in each, the runtime reserve; columns: the candidates."""
+
+    phase: str
+    accelerator: np.ndarray  # [6, candidates]
+    host: np.ndarray  # [6, candidates]
+
+    @classmethod
+    def of(cls, lays: "Layout | list[Layout]") -> "LinearTotals":
+        """Of one vectorised layout, or of a list of concrete ones (one per candidate)."""
+        many = lays if isinstance(lays, list) else [lays]
+        phases = {x.phase_flags[0][0] for x in many if len(x.phase_flags) == 1}
+        if len(phases) != 1 or any(len(x.phase_flags) != 1 for x in many):
+            raise ValueError("LinearTotals: layouts of one and the same phase only (two phases' activations "
+                             "combine by a max)")
+
+        def at(x: Layout, v) -> np.ndarray:
+            need = _need(x, v[1], v[2], (v[3],), (v[4],), v[5])
+            return np.array([need.accelerator_bytes, need.host_total_bytes], float)  # [2] or [2, candidates]
+
+        def coefficients(x: Layout) -> np.ndarray:  # [2, 6] or [2, 6, candidates]
+            base = at(x, [0] * 6)
+            return np.stack([base] + [at(x, [int(k == j) for k in range(6)]) - base for j in range(1, 6)], axis=1)
+
+        c = (np.stack([coefficients(x) for x in many], axis=-1) if isinstance(lays, list)
+             else coefficients(lays).reshape(2, 6, -1))
+        return cls(phases.pop(), c[0], c[1])
+
+    def totals(self, inv: Inventory, dtype: str, cpu_dtype: str, batch: int, input_len: int, capacity: int,
+               reserved_bytes: float) -> tuple[np.ndarray, np.ndarray]:
+        """(accelerator bytes, host bytes) per candidate, for ``batch`` sequences of ``input_len``
+        prompt tokens and ``capacity`` tokens in all."""
+        rows = batch * (input_len if self.phase == "prefill" else 1)
+        v = np.array([1.0, kv_bytes(inv, batch, capacity, dtype), kv_bytes(inv, batch, capacity, cpu_dtype),
+                      activation_bytes(inv, rows, dtype, batch), activation_bytes(inv, rows, cpu_dtype, batch),
+                      reserved_bytes])
+        return v @ self.accelerator, v @ self.host
 
 
 def _move_experts(acc: dict, pinned: dict, host: dict, places, e_places, n, w: Mapping[str, int]) -> None:

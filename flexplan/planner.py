@@ -162,31 +162,21 @@ def placement_memory(shape: Shape, hw: Hardware | None, phases: dict[str, PhaseP
 
 def _phase_memory(shape: Shape, hw: Hardware, policy: str, ms: np.ndarray, phase: str) -> tuple[np.ndarray, np.ndarray]:
     """(accelerator bytes, host bytes) of ``policy`` in ``phase`` for each M in ``ms``: the
-    placements' layouts (memory.layout, the same for every request size) kept per model."""
+    placements' layouts (memory.layout) as linear functions of the request's size, kept per model."""
     pol, n, inv = REGISTRY[policy], shape.model.num_layers, _inventory(shape.model)
-    key = ("phase layout", policy, phase, shape.dtype, shape.cpu_dtype, ms.tobytes())
 
-    def make():
+    def make() -> memory.LinearTotals:
         if pol.vectorised:
             placement = Placement.of({phase: pol.placement(n, ms, phase)}, shape.dtype, shape.cpu_dtype)
-            return memory.layout(inv, placement, memory.KERNEL_BLOCKED)
-        return [memory.layout(inv, Placement.of({phase: _placed(pol, n, int(m), phase)}, shape.dtype, shape.cpu_dtype),
-                              memory.KERNEL_BLOCKED) for m in ms]
+            return memory.LinearTotals.of(memory.layout(inv, placement, memory.KERNEL_BLOCKED))
+        return memory.LinearTotals.of([memory.layout(inv, Placement.of({phase: _placed(pol, n, int(m), phase)},
+                                                                        shape.dtype, shape.cpu_dtype),
+                                                     memory.KERNEL_BLOCKED) for m in ms])
 
-    lay = inv.memo(key, make)
+    totals = inv.memo(("phase totals", policy, phase, shape.dtype, shape.cpu_dtype, ms.tobytes()), make)
     reserve = hw.gpu.runtime_reserved_bytes if hw is not None and hw.gpu is not None else 0
-    capacity = shape.input_len + shape.output_len
-
-    def need(x: memory.Layout) -> memory.MemoryNeed:
-        return memory.need_of(x, inv, shape.dtype, shape.cpu_dtype, shape.batch, shape.input_len, capacity, reserve,
-                              parts_as_arrays=False)
-
-    if not isinstance(lay, list):
-        nd = need(lay)
-        return (np.broadcast_to(nd.accelerator_bytes, ms.shape).astype(float),
-                np.broadcast_to(nd.host_total_bytes, ms.shape).astype(float))
-    needs = [need(x) for x in lay]
-    return (np.array([x.accelerator_bytes for x in needs], float), np.array([x.host_total_bytes for x in needs], float))
+    return totals.totals(inv, shape.dtype, shape.cpu_dtype, shape.batch, shape.input_len,
+                         shape.input_len + shape.output_len, reserve)
 
 
 def _phase_options(phase: str, policy: str, pc: PhaseCosts, pc_prefill: PhaseCosts, shape: Shape,
@@ -480,19 +470,24 @@ def _plan_one(spec: ModelSpec, hw: Hardware, eff: Efficiency, shape: Shape, gpu_
     least_own_by_m = np.full(n + 1, math.inf)
     for m, t in least_own_at.items():
         least_own_by_m[m] = t
-    def layer_rows(phase: str, pol: str) -> tuple[np.ndarray, np.ndarray]:
-        return _layer_rows(REGISTRY[pol], n, tuple(int(m) for m in opts[phase][pol].gpu_layers), phase)
+    rows_of: dict[tuple[str, str], tuple[np.ndarray, np.ndarray]] = {}
+    ms_of: dict[str, list[int]] = {}  # prefill policy -> its options' M as ints
 
-    def least_own(p: str, d: str, idx_d: int) -> np.ndarray:
+    def layer_rows(phase: str, pol: str) -> tuple[np.ndarray, np.ndarray]:
+        if (phase, pol) not in rows_of:
+            rows_of[phase, pol] = _layer_rows(REGISTRY[pol], n, tuple(opts[phase][pol].gpu_layers.tolist()), phase)
+        return rows_of[phase, pol]
+
+    def least_own(p: str, d: str, idx_d: int) -> tuple[np.ndarray, np.ndarray]:
         """A lower bound on the prefill part of the pair's E2E at each of ``p``'s options, without
         runs_as: the option it runs as has as many resident layers as prefill's and the streamed
-        ones decode holds."""
+        ones decode holds; and which options run as another (runs_as: a streamed layer decode holds)."""
         if not streams[p]:
-            return own[p]
+            return own[p], np.zeros(own[p].shape, bool)
         streamed, resident = layer_rows("prefill", p)
-        held = layer_rows("decode", d)[1][idx_d]
-        m = (resident | (streamed & held)).sum(axis=1)
-        return np.minimum(own[p], least_own_by_m[m])
+        held_streamed = streamed & layer_rows("decode", d)[1][idx_d]
+        m = (resident | held_streamed).sum(axis=1)
+        return np.minimum(own[p], least_own_by_m[m]), held_streamed.any(axis=1)
 
     def best_pair(p_pols, d_pols, every_prefill_m: bool = True):
         """The lowest-E2E pair, pairs taken in the order of their floor (prefill's fastest M with its
@@ -554,21 +549,27 @@ def _plan_one(spec: ModelSpec, hw: Hardware, eff: Efficiency, shape: Shape, gpu_
             op, od = opts["prefill"][p], opts["decode"][d]
             idx = np.flatnonzero(op.feasible)
             rest = idx[np.argsort(own[p][idx], kind="stable")]
+            ms_of.setdefault(p, op.gpu_layers.tolist())
             for i_d in decode_ms[p, d]:
                 decode_s = steps * float(od.time_s[i_d])
                 too_many = math.inf  # the fewest prefill GPU layers found over the accelerator's budget
-                least = least_own(p, d, i_d)
+                least, moved = least_own(p, d, i_d)
                 # the options whose bound is under the best found now (the best only falls below)
+                seen = set()  # the options this row's M ran as: another M that runs as one is priced already
                 for ip in (rest if best is None else rest[least[rest] + decode_s < best[0]]).tolist():
                     if best is not None and least[ip] + decode_s >= best[0]:  # a switch only adds
                         if not streams[p]:
                             break  # every later M (sorted by own) runs as itself: none can beat the best
                         continue
-                    if too_many <= op.gpu_layers[ip] < n:
+                    m_p = ms_of[p][ip]
+                    if too_many <= m_p < n:
                         continue  # more GPU layers need no less accelerator memory (all of them: no stream buffers)
-                    consider(p, ip, d, i_d, shrink_decode=False)  # decode's M as found above
-                    if over_gpu.get((*runs_as(p, ip, d, i_d), d, i_d)):
-                        too_many = min(too_many, int(op.gpu_layers[ip]))
+                    key = (*runs_as(p, ip, d, i_d), d, i_d) if moved[ip] else (p, ip, d, i_d)
+                    if key not in seen:
+                        seen.add(key)
+                        consider(p, ip, d, i_d, shrink_decode=False)  # decode's M as found above
+                    if over_gpu.get(key):
+                        too_many = min(too_many, m_p)
         return best
 
     p_pols = [prefill] if prefill else list(policies)
