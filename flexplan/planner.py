@@ -12,7 +12,7 @@ where ``load`` is the initial loading of GPU-resident weights (the paper include
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, is_dataclass, replace
 from functools import cached_property, lru_cache
 from collections.abc import Generator
 from typing import Any
@@ -28,7 +28,7 @@ from flexplan.estimator.policies import POLICIES, Policy, placement_of
 from flexplan.estimator.terms import PhaseCosts, t_link_s
 from flexplan.factors import efficiency_for
 from flexplan.hardware import get_hardware
-from flexplan.hardware.spec import Hardware, canonical_dtype
+from flexplan.hardware.spec import DTYPE_BYTES, Hardware, canonical_dtype
 from flexplan.placement import (
     ACCELERATOR,
     CPU,
@@ -307,13 +307,17 @@ def plan(model: Any, hardware: Any = "local", batch_size: int = 1, input_len: in
                                     f"{', '.join(hw.cpu.peak_flops_per_s)}")
     else:
         cpu_dtypes = list(dict.fromkeys([hw.cpu.compute_dtype, "float32"]))
+    pcs = {cd: {ph: phase_costs(Shape(spec, batch_size, input_len, output_len, dtype, cd), hw, eff, ph)
+                for ph in PHASES} for cd in cpu_dtypes}
+    if profile is None and len(cpu_dtypes) == 2 and _dominates(cpu_dtypes[0], cpu_dtypes[1], pcs):
+        cpu_dtypes = cpu_dtypes[:1]  # the other can win nothing: not priced
     best: Plan | None = None
     error: DoesNotFitError | None = None
     # each CPU dtype's options first, then the searches in the order of their floors: the first
     # search's plan usually lets the other's be skipped (its floor is no lower than that E2E)
     searches = {cd: _plan_one(spec, hw, eff, Shape(spec, batch_size, input_len, output_len, dtype, cd),
                               gpu_memory_bytes, cpu_memory_bytes, prefill, decode, gpu_layers, include_initial_load,
-                              profile, policies) for cd in cpu_dtypes}
+                              profile, policies, pcs[cd]) for cd in cpu_dtypes}
     floors = {cd: next(search) for cd, search in searches.items()}
     e2e: dict[str, float] = {}
     for cd in sorted(cpu_dtypes, key=lambda c: floors[c]):  # stable: the native dtype first on a tie
@@ -339,8 +343,39 @@ def plan(model: Any, hardware: Any = "local", batch_size: int = 1, input_len: in
     return best
 
 
+def _dominates(a: str, b: str, pcs: dict[str, dict[str, PhaseCosts]]) -> bool:
+    """Whether CPU dtype ``a`` makes every placement no slower and no larger than ``b`` does: its
+    values take no more bytes, and in each phase every CPU time is no longer and everything else
+    the same. Every policy's estimate is non-decreasing in each CPU time it reads (a longer term
+    never shortens a phase: tests/test_planner_dominance.py checks it), so ``b``'s best pair cannot beat
+    ``a``'s and, on a tie, the plan keeps ``a`` (the native dtype) anyway."""
+    return DTYPE_BYTES[a] <= DTYPE_BYTES[b] and all(_no_slower(pcs[a][ph], pcs[b][ph]) for ph in PHASES)
+
+
+def _no_slower(x: Any, y: Any, name: str = "") -> bool:
+    """``x`` is ``y`` with no CPU time (:func:`_is_cpu_time`) greater, walking nested dataclasses."""
+    if is_dataclass(x) and not isinstance(x, type):
+        return type(x) is type(y) and all(_no_slower(getattr(x, f.name), getattr(y, f.name), f.name) for f in fields(x))
+    if x is None or y is None or isinstance(x, (str, tuple, bool)):
+        return x == y if not isinstance(x, tuple) else (isinstance(y, tuple) and len(x) == len(y) and all(
+            _no_slower(a, b, name) for a, b in zip(x, y)))
+    try:
+        xa, ya = np.asarray(x, dtype=float), np.asarray(y, dtype=float)
+    except (TypeError, ValueError):
+        return x == y
+    if xa.shape != ya.shape:
+        return False
+    return bool(np.all(xa <= ya)) if _is_cpu_time(name) else bool(np.array_equal(xa, ya))
+
+
+def _is_cpu_time(field_name: str) -> bool:
+    """A PhaseCosts field (or a nested one) that is a time on the CPU: the only kind a CPU dtype changes."""
+    return field_name.endswith("_s") and "cpu" in field_name.split("_")
+
+
 def _plan_one(spec: ModelSpec, hw: Hardware, eff: Efficiency, shape: Shape, gpu_memory_bytes, cpu_memory_bytes,
-              prefill, decode, gpu_layers, include_initial_load, profile=None, allowed=None) -> Generator[float, None, Plan]:
+              prefill, decode, gpu_layers, include_initial_load, profile=None, allowed=None,
+              pcs: dict[str, PhaseCosts] | None = None) -> Generator[float, None, Plan]:
     """The plan of one CPU dtype, in three stages (a generator): it prices every policy's options
     and yields a lower bound of any pair's E2E; resumed, it searches the pairs and yields the best
     pair's E2E; resumed again (where this dtype's pair is the plan's), it prices the single-policy
@@ -354,7 +389,7 @@ def _plan_one(spec: ModelSpec, hw: Hardware, eff: Efficiency, shape: Shape, gpu_
     if gpu_budget < 0 or cpu_budget <= 0:
         raise InvalidInputError("memory budgets must be positive")
 
-    pcs = {ph: phase_costs(shape, hw, eff, ph) for ph in PHASES}
+    pcs = dict(pcs) if pcs is not None else {ph: phase_costs(shape, hw, eff, ph) for ph in PHASES}
     curves = {}  # phase -> MoE layer -> estimator.expert_cache.LayerCacheCurve, from the routing profile
     if profile is not None:
         for ph in PHASES:
