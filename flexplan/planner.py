@@ -354,18 +354,17 @@ def _dominates(a: str, b: str, pcs: dict[str, dict[str, PhaseCosts]]) -> bool:
 
 def _no_slower(x: Any, y: Any, name: str = "") -> bool:
     """``x`` is ``y`` with no CPU time (:func:`_is_cpu_time`) greater, walking nested dataclasses."""
-    if is_dataclass(x) and not isinstance(x, type):
-        return type(x) is type(y) and all(_no_slower(getattr(x, f.name), getattr(y, f.name), f.name) for f in fields(x))
-    if x is None or y is None or isinstance(x, (str, tuple, bool)):
-        return x == y if not isinstance(x, tuple) else (isinstance(y, tuple) and len(x) == len(y) and all(
-            _no_slower(a, b, name) for a, b in zip(x, y)))
-    try:
-        xa, ya = np.asarray(x, dtype=float), np.asarray(y, dtype=float)
-    except (TypeError, ValueError):
-        return x == y
-    if xa.shape != ya.shape:
+    if type(x) is not type(y):
         return False
-    return bool(np.all(xa <= ya)) if _is_cpu_time(name) else bool(np.array_equal(xa, ya))
+    if isinstance(x, (float, int, np.floating, np.integer)) and not isinstance(x, bool):
+        return x <= y if _is_cpu_time(name) else x == y
+    if isinstance(x, np.ndarray):
+        return x.shape == y.shape and bool(np.all(x <= y) if _is_cpu_time(name) else np.array_equal(x, y))
+    if is_dataclass(x) and not isinstance(x, type):
+        return all(_no_slower(getattr(x, f.name), getattr(y, f.name), f.name) for f in fields(x))
+    if isinstance(x, tuple):
+        return len(x) == len(y) and all(_no_slower(a, b, name) for a, b in zip(x, y))
+    return x == y
 
 
 def _is_cpu_time(field_name: str) -> bool:
@@ -457,6 +456,18 @@ def _plan_one(spec: ModelSpec, hw: Hardware, eff: Efficiency, shape: Shape, gpu_
                 runs_as_cache[key] = option_with[p, want] or (p, ip)
         return runs_as_cache[key]
 
+    inv = _inventory(spec)
+    reserve = hw.gpu.runtime_reserved_bytes if hw.gpu is not None else 0
+
+    def pair_memory(p: str, m_p: int, d: str, m_d: int) -> memory.MemoryNeed:
+        """placement_memory of the pair, its layout kept per model (it does not depend on the request's size)."""
+        def make() -> memory.Layout:
+            phases = {"prefill": _placed(REGISTRY[p], n, m_p, "prefill"), "decode": _placed(REGISTRY[d], n, m_d, "decode")}
+            return memory.layout(inv, Placement.of(phases, dtype, cpu_dtype), memory.KERNEL_BLOCKED)
+
+        lay = inv.memo(("pair layout", p, m_p, d, m_d, dtype, cpu_dtype), make, memory.LAYOUT_CACHE_ENTRIES)
+        return memory.need_of(lay, inv, dtype, cpu_dtype, batch_size, input_len, input_len + output_len, reserve)
+
     def score(p: str, ip: int, d: str, idx_d: int) -> tuple[float, float, float] | None:
         """E2E of a pair, None when both placements together (the executor holds what either phase
         needs) do not fit; priced, and cached, as the prefill option it runs as (runs_as)."""
@@ -470,8 +481,7 @@ def _plan_one(spec: ModelSpec, hw: Hardware, eff: Efficiency, shape: Shape, gpu_
         surely_fits = (op.gpu_bytes[ip] + od.gpu_bytes[idx_d] <= gpu_budget
                        and op.cpu_bytes[ip] + od.cpu_bytes[idx_d] <= cpu_budget)
         if not surely_fits:
-            need = placement_memory(shape, hw, {"prefill": _placed(REGISTRY[p], n, m_p, "prefill"),
-                                                "decode": _placed(REGISTRY[d], n, m_d, "decode")})
+            need = pair_memory(p, m_p, d, m_d)
             if need.host_total_bytes > cpu_budget or need.accelerator_bytes > gpu_budget:
                 scores[key] = None
                 over_gpu[key] = need.accelerator_bytes > gpu_budget
