@@ -465,48 +465,78 @@ def _need(lay: Layout, kv_acc, kv_host, act_acc_by_phase, act_host_by_phase, res
     return MemoryNeed(fix(acc), fix(pinned), fix(host))
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class LinearTotals:
-    """Accelerator and host (pinned + pageable) totals of one phase's layouts as linear functions
-    of the request's size: the totals are counts times bytes, and one phase's activations enter
-    once (no max across phases), so the coefficients, found once per layout, serve every request.
-    Rows: constant, KV bytes of a layer in the accelerator dtype, in the CPU dtype, activation
-    bytes in each, the runtime reserve; columns: the candidates."""
+    """Accelerator and host (pinned + pageable) totals of layouts as functions of the request's
+    size: counts times bytes (a constant, KV bytes of a layer in the accelerator dtype and in the
+    CPU dtype, the runtime reserve: linear) plus the largest of the phases' activations (each
+    phase's flag times its activation bytes, as :func:`_need` takes the max over phases). The
+    coefficients, found once per layout by evaluating it at the basis, serve every request.
+    Columns: the candidates (one per layout, or a vectorised layout's)."""
 
-    phase: str
-    accelerator: np.ndarray  # [6, candidates]
-    host: np.ndarray  # [6, candidates]
+    phases: tuple[str, ...]
+    accelerator: np.ndarray  # [4 + phases, candidates]: constant, KV acc dtype, KV CPU dtype, reserve; a flag per phase
+    host: np.ndarray  # the same rows
 
     @classmethod
     def of(cls, lays: "Layout | list[Layout]") -> "LinearTotals":
-        """Of one vectorised layout, or of a list of concrete ones (one per candidate)."""
+        """Of one layout (vectorised or not), or of a list of concrete ones of the same phases."""
         many = lays if isinstance(lays, list) else [lays]
-        phases = {x.phase_flags[0][0] for x in many if len(x.phase_flags) == 1}
-        if len(phases) != 1 or any(len(x.phase_flags) != 1 for x in many):
-            raise ValueError("LinearTotals: layouts of one and the same phase only (two phases' activations "
-                             "combine by a max)")
+        phases = tuple(ph for ph, _, _ in many[0].phase_flags)
+        if any(tuple(ph for ph, _, _ in x.phase_flags) != phases for x in many):
+            raise ValueError("LinearTotals: layouts of the same phases only")
+        k = len(phases)
 
-        def at(x: Layout, v) -> np.ndarray:
-            need = _need(x, v[1], v[2], (v[3],), (v[4],), v[5])
+        def at(x: Layout, kv_acc=0, kv_host=0, reserve=0, act_acc=None, act_host=None) -> np.ndarray:
+            need = _need(x, kv_acc, kv_host, act_acc or (0,) * k, act_host or (0,) * k, reserve)
             return np.array([need.accelerator_bytes, need.host_total_bytes], float)  # [2] or [2, candidates]
 
-        def coefficients(x: Layout) -> np.ndarray:  # [2, 6] or [2, 6, candidates]
-            base = at(x, [0] * 6)
-            return np.stack([base] + [at(x, [int(k == j) for k in range(6)]) - base for j in range(1, 6)], axis=1)
+        def unit(j: int) -> tuple:
+            return tuple(int(j == i) for i in range(k))
+
+        def coefficients(x: Layout) -> np.ndarray:  # [2, 4 + k] or [2, 4 + k, candidates]
+            base = at(x)
+            rows = [base, at(x, kv_acc=1) - base, at(x, kv_host=1) - base, at(x, reserve=1) - base]
+            flags = [at(x, act_acc=unit(j), act_host=unit(j)) - base for j in range(k)]
+            return np.stack(rows + flags, axis=1)
 
         c = (np.stack([coefficients(x) for x in many], axis=-1) if isinstance(lays, list)
-             else coefficients(lays).reshape(2, 6, -1))
-        return cls(phases.pop(), c[0], c[1])
+             else coefficients(lays).reshape(2, 4 + k, -1))
+        return cls(phases, c[0], c[1])
 
     def totals(self, inv: Inventory, dtype: str, cpu_dtype: str, batch: int, input_len: int, capacity: int,
                reserved_bytes: float) -> tuple[np.ndarray, np.ndarray]:
         """(accelerator bytes, host bytes) per candidate, for ``batch`` sequences of ``input_len``
         prompt tokens and ``capacity`` tokens in all."""
-        rows = batch * (input_len if self.phase == "prefill" else 1)
         v = np.array([1.0, kv_bytes(inv, batch, capacity, dtype), kv_bytes(inv, batch, capacity, cpu_dtype),
-                      activation_bytes(inv, rows, dtype, batch), activation_bytes(inv, rows, cpu_dtype, batch),
                       reserved_bytes])
-        return v @ self.accelerator, v @ self.host
+        out = []
+        for coef, dt in ((self.accelerator, dtype), (self.host, cpu_dtype)):
+            act = 0.0
+            for j, ph in enumerate(self.phases):
+                rows = batch * (input_len if ph == "prefill" else 1)
+                act = np.maximum(act, coef[4 + j] * activation_bytes(inv, rows, dt, batch))
+            out.append(v @ coef[:4] + act)
+        return out[0], out[1]
+
+    @cached_property
+    def _columns(self) -> tuple[list[float], list[float]]:
+        return self.accelerator[:, 0].tolist(), self.host[:, 0].tolist()
+
+    def one(self, inv: Inventory, dtype: str, cpu_dtype: str, batch: int, input_len: int, capacity: int,
+            reserved_bytes: float) -> tuple[float, float]:
+        """:meth:`totals` of the first candidate in floats, without array overhead (the planner
+        sizes hundreds of pairs per plan one at a time)."""
+        v = (1.0, float(kv_bytes(inv, batch, capacity, dtype)), float(kv_bytes(inv, batch, capacity, cpu_dtype)),
+             float(reserved_bytes))
+        out = []
+        for coef, dt in zip(self._columns, (dtype, cpu_dtype)):
+            act = 0.0
+            for j, ph in enumerate(self.phases):
+                rows = batch * (input_len if ph == "prefill" else 1)
+                act = max(act, coef[4 + j] * activation_bytes(inv, rows, dt, batch))
+            out.append(v[0] * coef[0] + v[1] * coef[1] + v[2] * coef[2] + v[3] * coef[3] + act)
+        return out[0], out[1]
 
 
 def _move_experts(acc: dict, pinned: dict, host: dict, places, e_places, n, w: Mapping[str, int]) -> None:

@@ -459,14 +459,15 @@ def _plan_one(spec: ModelSpec, hw: Hardware, eff: Efficiency, shape: Shape, gpu_
     inv = _inventory(spec)
     reserve = hw.gpu.runtime_reserved_bytes if hw.gpu is not None else 0
 
-    def pair_memory(p: str, m_p: int, d: str, m_d: int) -> memory.MemoryNeed:
-        """placement_memory of the pair, its layout kept per model (it does not depend on the request's size)."""
-        def make() -> memory.Layout:
+    def pair_memory(p: str, m_p: int, d: str, m_d: int) -> tuple[float, float]:
+        """(accelerator, host) totals of placement_memory of the pair, its coefficients kept per model
+        (memory.LinearTotals: they do not depend on the request's size)."""
+        def make() -> memory.LinearTotals:
             phases = {"prefill": _placed(REGISTRY[p], n, m_p, "prefill"), "decode": _placed(REGISTRY[d], n, m_d, "decode")}
-            return memory.layout(inv, Placement.of(phases, dtype, cpu_dtype), memory.KERNEL_BLOCKED)
+            return memory.LinearTotals.of(memory.layout(inv, Placement.of(phases, dtype, cpu_dtype), memory.KERNEL_BLOCKED))
 
-        lay = inv.memo(("pair layout", p, m_p, d, m_d, dtype, cpu_dtype), make, memory.LAYOUT_CACHE_ENTRIES)
-        return memory.need_of(lay, inv, dtype, cpu_dtype, batch_size, input_len, input_len + output_len, reserve)
+        totals = inv.memo(("pair totals", p, m_p, d, m_d, dtype, cpu_dtype), make, memory.LAYOUT_CACHE_ENTRIES)
+        return totals.one(inv, dtype, cpu_dtype, batch_size, input_len, input_len + output_len, reserve)
 
     def score(p: str, ip: int, d: str, idx_d: int) -> tuple[float, float, float] | None:
         """E2E of a pair, None when both placements together (the executor holds what either phase
@@ -481,10 +482,10 @@ def _plan_one(spec: ModelSpec, hw: Hardware, eff: Efficiency, shape: Shape, gpu_
         surely_fits = (op.gpu_bytes[ip] + od.gpu_bytes[idx_d] <= gpu_budget
                        and op.cpu_bytes[ip] + od.cpu_bytes[idx_d] <= cpu_budget)
         if not surely_fits:
-            need = pair_memory(p, m_p, d, m_d)
-            if need.host_total_bytes > cpu_budget or need.accelerator_bytes > gpu_budget:
+            need_acc, need_host = pair_memory(p, m_p, d, m_d)
+            if need_host > cpu_budget or need_acc > gpu_budget:
                 scores[key] = None
-                over_gpu[key] = need.accelerator_bytes > gpu_budget
+                over_gpu[key] = need_acc > gpu_budget
                 return None
         ttft = float(op.time_s[ip])
         sw = switch_s(shape, hw, p, m_p, d, m_d, ttft, include_initial_load, eff)
