@@ -89,11 +89,27 @@ def _placed(policy: Policy, num_layers: int, gpu_layers: int, phase: str) -> Pha
 
 
 @lru_cache(maxsize=8192)
-def _beside(prefill: Policy, m_p: int, decode: Policy, m_d: int, num_layers: int) -> tuple[tuple, int]:
-    """(canonical runs and head mode, resident layers) of the prefill placement the executor runs
-    beside that decode placement (placement.prefill_beside): shape-independent, so kept across plans."""
+def _beside(prefill: Policy, m_p: int, decode: Policy, m_d: int, num_layers: int) -> tuple[int, int]:
+    """(canonical id, resident layers) of the prefill placement the executor runs beside that decode
+    placement (placement.prefill_beside): shape-independent, so kept across plans."""
     runs = prefill_beside(_placed(prefill, num_layers, m_p, "prefill"), _placed(decode, num_layers, m_d, "decode"))
-    return (PhasePlacement.merged(runs.runs).runs, runs.head_mode), int(runs.count(lambda mode: mode is RESIDENT))
+    return _canonical_id(runs), int(runs.count(lambda mode: mode is RESIDENT))
+
+
+@lru_cache(maxsize=8192)
+def _placed_id(policy: Policy, num_layers: int, gpu_layers: int, phase: str) -> int:
+    """:func:`_canonical_id` of ``policy``'s placement with ``gpu_layers`` GPU layers."""
+    return _canonical_id(_placed(policy, num_layers, gpu_layers, phase))
+
+
+def _canonical_id(pp: PhasePlacement) -> int:
+    """A small int naming the placement's merged runs (PhasePlacement.merged) and head mode: equal
+    placements, equal ids (the pair search compares thousands; an int hashes at once)."""
+    key = (PhasePlacement.merged(pp.runs).runs, pp.head_mode)
+    return _CANONICAL_IDS.setdefault(key, len(_CANONICAL_IDS))
+
+
+_CANONICAL_IDS: dict[tuple, int] = {}  # grows with the distinct placements planned (a few per policy and M)
 
 
 @lru_cache(maxsize=8192)
@@ -430,10 +446,6 @@ def _plan_one(spec: ModelSpec, hw: Hardware, eff: Efficiency, shape: Shape, gpu_
     def masks(phase: str, pol: str, m: int) -> tuple[int, int]:
         return _masks(REGISTRY[pol], n, m, phase)
 
-    def canonical(pp: PhasePlacement) -> tuple:
-        """The placement's merged runs (PhasePlacement.merged) and its head's mode."""
-        return PhasePlacement.merged(pp.runs).runs, pp.head_mode
-
     def runs_as(p: str, ip: int, d: str, idx_d: int) -> tuple[str, int]:
         """The prefill option the executor runs in a pair: (p, ip) itself, or where decode keeps
         layers resident that prefill would stream (placement.prefill_beside: they stay resident,
@@ -442,19 +454,21 @@ def _plan_one(spec: ModelSpec, hw: Hardware, eff: Efficiency, shape: Shape, gpu_
         never streams."""
         if not streams[p]:
             return p, ip
-        m_p, m_d = int(opts["prefill"][p].gpu_layers[ip]), int(opts["decode"][d].gpu_layers[idx_d])
-        key = (p, m_p, d, m_d)
-        if key not in runs_as_cache:
-            runs_as_cache[key] = (p, ip)
+        key = (p, ip, d, idx_d)  # options' indices: one M each
+        out = runs_as_cache.get(key)
+        if out is None:
+            m_p, m_d = int(opts["prefill"][p].gpu_layers[ip]), int(opts["decode"][d].gpu_layers[idx_d])
+            out = (p, ip)
             if masks("prefill", p, m_p)[0] & masks("decode", d, m_d)[1]:  # a streamed layer decode holds
                 want, m = _beside(REGISTRY[p], m_p, REGISTRY[d], m_d, n)
                 if (p, want) not in option_with:  # many (M, decode M) pairs run as one option
                     option_with[p, want] = next(
                         ((q, j) for q in dict.fromkeys([p, *opts["prefill"]])
                          if (j := opts["prefill"][q].index_of(m)) is not None
-                         and canonical(_placed(REGISTRY[q], n, m, "prefill")) == want), None)
-                runs_as_cache[key] = option_with[p, want] or (p, ip)
-        return runs_as_cache[key]
+                         and _placed_id(REGISTRY[q], n, m, "prefill") == want), None)
+                out = option_with[p, want] or (p, ip)
+            runs_as_cache[key] = out
+        return out
 
     inv = _inventory(spec)
     reserve = hw.gpu.runtime_reserved_bytes if hw.gpu is not None else 0
