@@ -67,15 +67,20 @@ class _Options:
         return self._best
 
     @cached_property
+    def feasible_index(self) -> np.ndarray:
+        """Indices of the feasible options (the pair search asks hundreds of times)."""
+        return np.flatnonzero(self.feasible)
+
+    @cached_property
     def _best(self) -> int | None:
-        """The fastest feasible option (the pair search asks hundreds of times)."""
-        idx = np.flatnonzero(self.feasible)
+        """The fastest feasible option."""
+        idx = self.feasible_index
         return None if idx.size == 0 else int(idx[np.argmin(self.time_s[idx])])
 
     @cached_property
     def _feasible_index(self) -> dict[int, int]:
         """M -> the first feasible option with M GPU layers (the pair search asks thousands of times)."""
-        return {int(self.gpu_layers[i]): int(i) for i in np.flatnonzero(self.feasible)[::-1]}
+        return dict(zip(self.gpu_layers[self.feasible_index[::-1]].tolist(), self.feasible_index[::-1].tolist()))
 
     def index_of(self, m: int) -> int | None:
         return self._feasible_index.get(int(m))
@@ -509,7 +514,7 @@ def _plan_one(spec: ModelSpec, hw: Hardware, eff: Efficiency, shape: Shape, gpu_
 
     def floor_s(o: _Options, per_step: float, with_load: bool) -> float:
         """The least a phase can add to any pair's E2E (its fastest feasible M, with its load)."""
-        idx = np.flatnonzero(o.feasible)
+        idx = o.feasible_index
         if idx.size == 0:
             return math.inf
         t = o.time_s[idx] * per_step + (o.load_s[idx] if with_load else 0.0)
@@ -521,15 +526,9 @@ def _plan_one(spec: ModelSpec, hw: Hardware, eff: Efficiency, shape: Shape, gpu_
     floors.update({("decode", d): floor_s(o, steps, False) for d, o in opts["decode"].items()})
     # prefill's part of E2E (load + TTFT) at each M: with decode's fastest TPOT, a bound on any pair
     own = {p: o.time_s + (o.load_s if include_initial_load else 0.0) for p, o in opts["prefill"].items()}
-    least_own_at: dict[int, float] = {}  # M -> the least prefill part of any feasible option with M GPU layers
+    least_own_by_m = np.full(n + 1, math.inf)  # M -> the least prefill part of any feasible option with M GPU layers
     for o in opts["prefill"].values():
-        for i in np.flatnonzero(o.feasible):
-            m = int(o.gpu_layers[i])
-            least_own_at[m] = min(least_own_at.get(m, math.inf), float(own[o.policy][i]))
-
-    least_own_by_m = np.full(n + 1, math.inf)
-    for m, t in least_own_at.items():
-        least_own_by_m[m] = t
+        np.minimum.at(least_own_by_m, o.gpu_layers[o.feasible_index], own[o.policy][o.feasible_index])
     rows_of: dict[tuple[str, str], tuple[np.ndarray, np.ndarray]] = {}
     ms_of: dict[str, list[int]] = {}  # prefill policy -> its options' M as ints
 
@@ -584,8 +583,8 @@ def _plan_one(spec: ModelSpec, hw: Hardware, eff: Efficiency, shape: Shape, gpu_
             ip_best, id_best = op.best(), od.best()
             if ip_best is None or id_best is None:
                 continue
-            ip_set = {ip_best, int(np.flatnonzero(op.feasible)[-1])}
-            id_set = {id_best, int(np.flatnonzero(od.feasible)[-1])}
+            ip_set = {ip_best, int(op.feasible_index[-1])}
+            id_set = {id_best, int(od.feasible_index[-1])}
             for ip in list(ip_set):  # same M in both phases avoids a switch
                 j = od.index_of(int(op.gpu_layers[ip]))
                 if j is not None:
@@ -607,7 +606,7 @@ def _plan_one(spec: ModelSpec, hw: Hardware, eff: Efficiency, shape: Shape, gpu_
             if best is not None and floor >= best[0]:
                 break
             op, od = opts["prefill"][p], opts["decode"][d]
-            idx = np.flatnonzero(op.feasible)
+            idx = op.feasible_index
             rest = idx[np.argsort(own[p][idx], kind="stable")]
             ms_of.setdefault(p, op.gpu_layers.tolist())
             for i_d in decode_ms[p, d]:

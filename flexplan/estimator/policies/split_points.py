@@ -51,6 +51,8 @@ the accelerator (the attention core may compute there).
 
 from __future__ import annotations
 
+from functools import lru_cache
+
 import numpy as np
 
 from flexplan.estimator.policies.base import PhaseTime, Policy, gpu_ends, mean_over_steps
@@ -60,11 +62,15 @@ from flexplan.plan_types import SplitPoints
 from flexplan.workload.operators import layer_operators, why_not_split
 
 
+@lru_cache(maxsize=64)
 def eq13_candidates(n: int) -> tuple[np.ndarray, np.ndarray]:
-    """All split-point pairs (i, j), 1 <= i < j <= n: n(n - 1)/2 of them (Eq. 13)."""
+    """All split-point pairs (i, j), 1 <= i < j <= n: n(n - 1)/2 of them (Eq. 13); read-only arrays,
+    kept per n (the planner asks for every phase and CPU dtype)."""
     i, j = np.triu_indices(n + 1, k=1)
     keep = i >= 1
-    return i[keep], j[keep]
+    i, j = i[keep], j[keep]
+    i.flags.writeable = j.flags.writeable = False
+    return i, j
 
 
 def _prefix(x: np.ndarray) -> np.ndarray:
