@@ -314,6 +314,9 @@ def test_normalising_leaves_compute_bound_rows_and_unrecorded_steps_alone(local)
 def test_a_slower_compute_state_now_scales_the_fixed_costs_not_compute_or_memory(local, probe, tmp_path, monkeypatch):
     meas = FAST.measurements("quick", _dtypes(local))
     meas["memory_state"] = _with_compute(_record(local))
+    spread = (1.0, 1.06, 1.0, 0.94)  # the compute probe's own spread on this machine: ~6% between samples
+    meas["memory_state"]["probe_flops_per_s"] = [REF_FLOPS * spread[i % 4]
+                                                 for i in range(len(meas["memory_state"]["compute_at_step"]))]
     _use(monkeypatch, _write(tmp_path, local, meas, "cal.yaml"))
     same = _cpu_plan(batch_size=8)
     assert "compute probe 100 GFLOP/s now vs 100 GFLOP/s median at calibration (the same state: x1.00)" in same.calibration
@@ -756,3 +759,20 @@ def test_probe_and_stream_buffers_outgrow_a_big_last_level_cache(monkeypatch):
     monkeypatch.setattr(membw, "llc_bytes", lambda: 8 * 2**20)  # a small cache: the floors
     assert membw.probe_buffer_bytes() == membw.MIN_BUFFER_BYTES
     assert mb.stream_array_bytes(mb.MODES["full"]) == mb.MODES["full"].stream_bytes
+
+
+def test_the_probes_band_is_its_own_spread_on_this_machine():
+    """probe_band: the median relative change between consecutive calibration samples; a few state
+    changes among them do not move it; too few samples: the unmeasured band."""
+    from flexplan.estimator.efficiency import UNMEASURED_PROBE_BAND
+    from flexplan.factors.memory_state import probe_band
+
+    def meas(xs):
+        return {"memory_state": {"probe_bytes_per_s": list(xs), "at_step": [f"s{i}" for i in range(len(xs))]}}
+
+    quiet = [40e9 * (1 + 0.02 * (-1) ** i) for i in range(12)]  # +-2% around one state
+    assert probe_band(meas(quiet)) == pytest.approx(0.04 / 0.98, rel=0.05)
+    flips = quiet[:6] + [x * 0.6 for x in quiet[6:]]  # one change of state among 11 gaps
+    assert probe_band(meas(flips)) == pytest.approx(probe_band(meas(quiet)), rel=0.05)
+    assert probe_band(meas(quiet[:4])) == UNMEASURED_PROBE_BAND
+    assert probe_band({}) == UNMEASURED_PROBE_BAND

@@ -185,12 +185,13 @@ def test_runs_in_another_memory_state_teach_the_elasticity_and_leave_the_own_sta
 
 
 def test_the_learned_elasticity_acts_beyond_the_probes_own_spread_only():
-    from flexplan.estimator.efficiency import ELASTICITY_BAND, state_change
+    from flexplan.estimator.efficiency import state_change
 
-    assert state_change(1.0) == 1.0 and state_change(1 + ELASTICITY_BAND) == 1.0 == state_change(1 - ELASTICITY_BAND)
+    band = 0.07  # a machine's probe spread (factors.memory_state.probe_band)
+    assert state_change(1.0, band) == 1.0 and state_change(1 + band, band) == 1.0 == state_change(1 - band, band)
     edge = 1e-9
-    assert state_change(1 + ELASTICITY_BAND + edge) == pytest.approx(1.0) == state_change(1 - ELASTICITY_BAND - edge)
-    assert state_change(0.6) == pytest.approx(0.6 / (1 - ELASTICITY_BAND)) and state_change(2.0) > 1.5
+    assert state_change(1 + band + edge, band) == pytest.approx(1.0) == state_change(1 - band - edge, band)
+    assert state_change(0.6, band) == pytest.approx(0.6 / (1 - band)) and state_change(2.0, band) > 1.5
     # runs whose probe read within the band teach it nothing, however far off they are
     c = corrections_after([observe(at_state(BASE, 1.05), 1, 128, 32, factor=0.7)] * 3, at_state(BASE, 1.05))
     assert c.state_elasticity == 0.0 and scale(c, "cpu_memory") < 0.9

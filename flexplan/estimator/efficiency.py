@@ -278,6 +278,12 @@ class ScaledEfficiency:
 STATE_SCALED_TOKENS_MAX = 16
 
 
+# A probe's spread within one memory state where the calibration holds too few samples to measure
+# it (factors.memory_state.probe_band measures it per machine): readings this close to the
+# calibration's are the same state
+UNMEASURED_PROBE_BAND = 0.06
+
+
 @dataclass(frozen=True)
 class StateScaledEfficiency(ScaledEfficiency):
     """The memory state of now applied to a calibration (``flexplan.measure.state.at_state_now``),
@@ -290,7 +296,7 @@ class StateScaledEfficiency(ScaledEfficiency):
     (``stream_best``): an op held below the stream's best by something else (its size, its
     latencies) is slowed only where the state's bandwidth falls below its own rate (the roofline).
     Either way, the time of these terms is then multiplied by ``state_change(scale) **
-    learned_elasticity`` (the ratio beyond the probe's own spread, :data:`ELASTICITY_BAND`): how
+    learned_elasticity`` (the ratio beyond the probe's own spread, ``band``): how
     much more (or less) than the probe's ratio this machine's runs moved with the state, which the
     online correction measures on this machine's runs (``flexplan.factors.correction``; 0 until runs
     in different states taught it)."""
@@ -298,6 +304,8 @@ class StateScaledEfficiency(ScaledEfficiency):
     stream_best: dict = field(default_factory=dict)  # CPU dtype (None: the default) -> best cpu_memory factor at calibration
     # learned from runs (flexplan.factors.correction): these terms' time further times state_change(scale) ** this
     learned_elasticity: float = 0.0
+    # the memory probe's own spread within a state on the calibrated machine (factors.memory_state.probe_band)
+    band: float = UNMEASURED_PROBE_BAND
 
     def _at_state(self, factor, dtype):
         s = self.scale("cpu_memory")
@@ -306,7 +314,7 @@ class StateScaledEfficiency(ScaledEfficiency):
             at = factor / s
         else:
             at = np.minimum(factor, best / s)
-        return at / state_change(s) ** self.learned_elasticity if self.learned_elasticity else at
+        return at / state_change(s, self.band) ** self.learned_elasticity if self.learned_elasticity else at
 
     def cpu_memory(self, tokens, dtype=None):
         f = self.base.cpu_memory(tokens, dtype)
@@ -326,19 +334,15 @@ class StateScaledEfficiency(ScaledEfficiency):
         return None if f is None else (f[0] / self.scale("cpu_compute"), self._at_state(f[1], dtype))
 
 
-# The learned elasticity acts on the part of a probe's ratio beyond this band either way: within a
-# state the GEMV probe's readings spread ~+-10% while decode holds within ~5%, so learning from
-# that noise would drive the elasticity negative and price the next real state change short.
-ELASTICITY_BAND = 0.10
-
-
-def state_change(scale: float) -> float:
-    """The part of a memory-state ``scale`` (time multiplier) beyond :data:`ELASTICITY_BAND`:
-    ``scale / (1 +- band)`` outside it, 1 within (continuous at its edges)."""
-    if scale > 1.0 + ELASTICITY_BAND:
-        return scale / (1.0 + ELASTICITY_BAND)
-    if scale < 1.0 - ELASTICITY_BAND:
-        return scale / (1.0 - ELASTICITY_BAND)
+def state_change(scale: float, band: float) -> float:
+    """The part of a memory-state ``scale`` (time multiplier) beyond the probe's own ``band``
+    either way: ``scale / (1 +- band)`` outside it, 1 within (continuous at its edges). The learned
+    elasticity acts on this part only: learning from the probe's noise within a state (which decode
+    does not follow) would drive the elasticity negative and price the next real change short."""
+    if scale > 1.0 + band:
+        return scale / (1.0 + band)
+    if scale < 1.0 - band:
+        return scale / (1.0 - band)
     return 1.0
 
 

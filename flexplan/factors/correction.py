@@ -57,8 +57,8 @@ memory state of now (``StateScaledEfficiency``, a probe's ratio ``s`` to the cal
 how much of the state's change the runs take is the machine's and the workload's, not a constant
 (a small model's batch-1 decode, nearly all weight streaming, takes nearly all of it). A sixth
 state of the filter, the elasticity ``e`` (``Corrections.state_elasticity``), multiplies those
-terms' time by ``state_change(s) ** e``, ``s`` beyond the probe's own spread within a state
-(``estimator.efficiency.ELASTICITY_BAND``); its regressor is ``d log T / d e`` (the log of that
+terms' time by ``state_change(s, band) ** e``, ``s`` beyond the probe's own spread within a state
+(``band``: ``factors.memory_state.probe_band``, measured per machine); its regressor is ``d log T / d e`` (the log of that
 times their share of the phase: 0 in the calibration's own state, so runs there teach it nothing).
 Runs in one state pin the class scales; runs in another then teach ``e``, and the next plan in
 that state uses it. Prior

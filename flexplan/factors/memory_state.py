@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from flexplan.estimator.efficiency import STATE_SCALED_TOKENS_MAX
+from flexplan.estimator.efficiency import STATE_SCALED_TOKENS_MAX, UNMEASURED_PROBE_BAND
 from flexplan.estimator.terms import Shape, c_gemm, d_gemm, phase_work
 from flexplan.factors.tables import _attention_spec
 from flexplan.workload import costs
@@ -48,10 +48,10 @@ if TYPE_CHECKING:  # pragma: no cover
 
 NOTE_PREFIX = "memory state:"  # the note's first words: stats.py finds the line by them
 SCALE_RANGE = (1 / 3, 3.0)  # memory time is scaled by at most this much either way (a probe gone wrong)
-# a probe within this fraction of the calibration's median is the same state: on a quiet machine
-# the probes spread more (+-4-8%) than the runs they would scale (within ~3%), so scaling by that
-# noise makes predictions worse
-SAME_STATE = 0.06
+# a probe within its own spread of the calibration's median is the same state (probe_band, measured
+# per machine from the calibration's samples): scaling by a probe's noise makes predictions worse
+# (the probes spread more than the runs they would scale)
+MIN_SAMPLES_FOR_BAND = 6  # consecutive pairs enough for a median that one state change cannot move
 END = "end"  # the label of the sample taken after the last step
 ROW_PARTS = ("cpu_gemv", "cpu_gemm", "cpu_head_gemv", "cpu_attention", "cpu_layers")  # rows normalised
 
@@ -94,6 +94,22 @@ def reference_bytes_per_s(meas: dict, probe: str = "memory") -> float | None:
     (None: no samples)."""
     s = samples(meas, probe)
     return float(statistics.median(x for _, x in s)) if s else None
+
+
+def probe_band(meas: dict, probe: str = "memory") -> float:
+    """The spread of ``probe``'s readings within one memory state on the calibrated machine: the
+    median relative change between the calibration's consecutive samples (a state outlasts most
+    gaps between samples, so most changes are the probe's own noise, and the median ignores the
+    few that span a change of state); ``UNMEASURED_PROBE_BAND`` where the file holds fewer than
+    :data:`MIN_SAMPLES_FOR_BAND` samples (or none: older files)."""
+    try:
+        s = samples(meas, probe)
+    except ValueError:
+        s = None
+    if not s or len(s) < MIN_SAMPLES_FOR_BAND:
+        return UNMEASURED_PROBE_BAND
+    xs = [x for _, x in s]
+    return float(statistics.median(abs(b / a - 1.0) for a, b in zip(xs, xs[1:])))
 
 
 def recorded_probe_threads(meas: dict, probe: str = "memory") -> int:
@@ -194,6 +210,7 @@ def normalised(meas: dict) -> dict:
     if not s:
         return meas
     ref = float(statistics.median(x for _, x in s))
+    band = probe_band(meas, kind)
     before: dict[str, float] = {}
     for label, x in s:
         before.setdefault(label, x)
@@ -220,7 +237,7 @@ def normalised(meas: dict) -> dict:
                 key = (_stream(part), r["dtype"])
                 best[key] = max(best.get(key, 0.0), n_bytes / t)
     # No row is normalised to a rate above the fastest that rows timed at the reference state (their
-    # probe within SAME_STATE of it) reached in its stream: a row whose probe read a slower state
+    # probe within the probe's band of it) reached in its stream: a row whose probe read a slower state
     # but that streamed that fast ran in the reference state (the state flipped between probe and
     # row), so its ratio is at least its rate over that best, and at most 1. Normalised by the probe
     # alone, such a row would come out faster than the machine ever streams and price decode fast.
@@ -231,7 +248,7 @@ def normalised(meas: dict) -> dict:
     for part, rows in sized.items():
         for r, ratio, n_bytes, t in rows:
             streams = part == "cpu_attention" or int(r.get("tokens", 0)) <= STATE_SCALED_TOKENS_MAX
-            if ratio is not None and part != "cpu_layers" and streams and abs(ratio - 1.0) <= SAME_STATE:
+            if ratio is not None and part != "cpu_layers" and streams and abs(ratio - 1.0) <= band:
                 key = (_stream(part), r["dtype"])
                 at_ref[key] = max(at_ref.get(key, 0.0), n_bytes / t)
     for part, rows in sized.items():

@@ -23,13 +23,13 @@ from flexplan.factors.memory_state import (
     PROBE_CLASSES,
     PROBE_NAMES,
     ROW_PROBES,
-    SAME_STATE,
     _clamped,
     _gb,
     _stream_best,
     recorded_compute_kind,
     recorded_probe_threads,
     reference_bytes_per_s,
+    probe_band,
     row_probe_kind,
     samples,
 )
@@ -111,7 +111,7 @@ def _scale_now(meas: dict, probe: str, measure_now, fmt) -> tuple[float, str, bo
     except RuntimeError as e:
         return 1.0, f"{name} failed ({e}): factors at the calibration's median state ({at_cal})", False
     raw = ref / now
-    if abs(raw - 1.0) <= SAME_STATE:
+    if abs(raw - 1.0) <= probe_band(meas, probe):
         return 1.0, f"{name} {fmt(now)} now vs {at_cal} (the same state: x1.00)", True
     scale = _clamped(raw)
     clamp = f", clamped from x{raw:.2f}" if scale != raw else ""
@@ -135,7 +135,7 @@ def at_state_now(eff: "Efficiency", meas: dict) -> "Efficiency":
     the CPU memory class scaled to the memory state of now, ``reference / probe now``, and, where
     the calibration recorded the compute probe, the overhead class (per-layer and per-step fixed
     costs) to the compute state of now the same way; each clamped to
-    :data:`SCALE_RANGE`, and 1 within :data:`SAME_STATE` (a probe's own spread on a quiet machine
+    :data:`SCALE_RANGE`, and 1 within the probe's band (``probe_band``: its own spread on this machine
     is not a state). No scaling, with the reason in the note, when the file recorded no samples,
     the probe is off (``$FLEXPLAN_MEMORY_PROBE=0``) or failed."""
 
@@ -176,7 +176,7 @@ def at_state_now(eff: "Efficiency", meas: dict) -> "Efficiency":
         scales["overhead"] = comp
     return StateScaledEfficiency(eff, scales, f"{NOTE_PREFIX} " + "; ".join(x for x in (mem_note, comp_note) if x),
                                  stream_best=_stream_best(eff) if mem != 1.0 else {}, state=True,
-                                 probed=mem_read or comp_read)
+                                 probed=mem_read or comp_read, band=probe_band(meas, memory_probe_now(meas)))
 
 
 # the decode rows whose weight-streaming factor bounds the state's: those the state scales
