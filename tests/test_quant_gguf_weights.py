@@ -45,12 +45,24 @@ def _write(path, tensors, arch="llama", **fields):
     w.close()
 
 
+def _random_blocks(rng, rows, blocks, qtype, fp16_at):
+    """Raw blocks of random bytes, the float16 fields at ``fp16_at`` sane values (a block of any layout)."""
+    raw = rng.integers(0, 256, (rows * blocks, gguf.GGML_QUANT_SIZES[qtype][1]), dtype=np.uint8)
+    for at in fp16_at:
+        raw[:, at:at + 2] = (rng.uniform(-1e-2, 1e-2, rows * blocks).astype(np.float16).view(np.uint8)
+                             .reshape(-1, 2))
+    return raw.reshape(rows, -1)
+
+
 @pytest.fixture(scope="module")
 def small_file(tmp_path_factory):
     rng = np.random.default_rng(0)
     Q = gguf.GGMLQuantizationType
     tensors = {f"t.{q.name}": (rng.standard_normal((24, 96)).astype(np.float32) * 0.1, q)
                for q in (Q.Q4_0, Q.Q4_1, Q.Q8_0, Q.Q5_0, Q.Q5_1, Q.F16, Q.F32)}
+    # gguf has no K-quant quantiser: random blocks, 2 super-blocks a row (plus Q2_K: dequantised at load)
+    for q, fp16_at in ((Q.Q4_K, (0, 2)), (Q.Q5_K, (0, 2)), (Q.Q6_K, (208,)), (Q.Q2_K, (80, 82))):
+        tensors[f"t.{q.name}"] = (_random_blocks(rng, 8, 2, q, fp16_at), q)
     tensors["norm"] = (rng.standard_normal(96).astype(np.float32), Q.F32)
     path = tmp_path_factory.mktemp("gguf") / "small.gguf"
     _write(path, tensors, head_count=2)
@@ -67,13 +79,27 @@ def test_small_file_raw_blocks_and_bitwise_dequantisation(small_file):
         assert _bitwise_equal(t.dequantize(), ref[name]), name
     assert w.tensors["t.Q4_1"].shape == (24, 96) and w.tensors["t.Q4_1"].format is Q4_1
     assert w.tensors["t.Q8_0"].nbytes == 24 * 3 * 34
+    assert w.tensors["t.Q4_K"].shape == (8, 512) and w.tensors["t.Q4_K"].nbytes == 8 * 2 * 144
+    assert w.tensors["t.Q6_K"].format.native_kernel and not w.tensors["t.Q2_K"].format.native_kernel
 
 
 def test_a_type_flexplan_does_not_read_is_refused_by_name(tmp_path):
-    path = tmp_path / "q2k.gguf"
-    raw = np.zeros((4, 84), dtype=np.uint8)  # 4 rows of one Q2_K super-block (256 weights, 84 bytes)
-    _write(path, {"blk.0.attn_q.weight": (raw, gguf.GGMLQuantizationType.Q2_K)})
-    with pytest.raises(InvalidInputError, match=r"Q2_K \(tensor blk\.0\.attn_q\.weight\)"):
+    path = tmp_path / "q8k.gguf"
+    raw = np.zeros((4, 292), dtype=np.uint8)  # 4 rows of one Q8_K block (llama.cpp's activation format)
+    _write(path, {"blk.0.attn_q.weight": (raw, gguf.GGMLQuantizationType.Q8_K)})
+    with pytest.raises(InvalidInputError, match=r"Q8_K \(tensor blk\.0\.attn_q\.weight\) is not supported.*llama-quantize"):
+        read_gguf(path)
+
+
+def test_a_type_the_installed_gguf_cannot_dequantise_is_refused_by_name(tmp_path, monkeypatch):
+    from flexplan.quant import gguf_weights
+
+    path = tmp_path / "iq4.gguf"
+    _write(path, {"blk.0.attn_q.weight": (np.zeros((4, 136), np.uint8), gguf.GGMLQuantizationType.IQ4_XS)})
+    assert read_gguf(path).tensors["blk.0.attn_q.weight"].format.name == "IQ4_XS"
+    monkeypatch.setattr(gguf_weights, "_gguf_dequantises", lambda fmt: False)  # as an older gguf package
+    with pytest.raises(InvalidInputError, match=r"blk\.0\.attn_q\.weight is IQ4_XS, which the installed gguf "
+                                                r"package \(gguf .*\) cannot dequantise; upgrade gguf"):
         read_gguf(path)
 
 

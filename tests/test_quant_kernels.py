@@ -1,10 +1,13 @@
-"""flexplan.quant.kernels (quant_gemv.c): the GEMV / batched GEMM on raw Q4_0 / Q4_1 / Q8_0 blocks.
+"""flexplan.quant.kernels (quant_gemv.c, quant_kquants.c): the GEMV / batched GEMM on raw blocks of
+every kernel format (Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 and the K-quants Q4_K / Q5_K / Q6_K; gguf has
+no K-quant quantiser, so those are random blocks: the kernels' results do not depend on how the
+blocks were made).
 
 - the float-activation path is exact: one-hot rows give the dequantised weights bit for bit, and
   any x gives float64 matmul of the dequantised weights to one float32 rounding;
 - the int8-activation path (llama.cpp's per-block activation quantisation) stays within the
   stated bound ACT_QUANT_REL_ERROR (RMS error over the RMS of y) of dequantise-then-float64, and
-  equals a Python model of the same arithmetic to float32 summation order;
+  equals float64 of the same quantised activation (int8_activation_reference) to float32 rounding;
 - each row of the batched kernel equals the GEMV of that row to float32 summation order (the same
   integer dots, the tile's scaled sums in another order), bit for bit for rows past the tiles;
 - without the library, linear() is dequantise (bit for bit as gguf) + F.linear."""
@@ -15,16 +18,17 @@ import torch
 from conftest import needs_gguf
 from flexplan.errors import InvalidInputError
 from flexplan.quant import kernels
-from flexplan.quant.formats import Q4_0, Q4_1, Q8_0, Q4_K
+from flexplan.quant.formats import BY_NAME, Q4_0, Q4_1, Q4_K, Q6_K, Q8_0
 
 NATIVE, WHY = kernels.status()
 needs_native = pytest.mark.skipif(NATIVE is None, reason=f"no native quantised kernels: {WHY}")
-FORMATS = [Q4_0, Q4_1, Q8_0]
+FORMATS = list(kernels.NATIVE_FORMATS.values())
 
 
-def _weights(fmt, out=24, k=160, seed=0):
+def _weights(fmt, out=24, blocks=5, seed=0):
+    """[out, blocks * block_weights]: 160 weights a row for the 32-blocks, 1280 for the K-quants."""
     g = torch.Generator().manual_seed(seed)
-    return kernels.quantize_reference(torch.randn(out, k, generator=g), fmt)
+    return kernels.test_blocks(fmt, out, blocks * fmt.block_weights, g)
 
 
 def _rel(y, ref):
@@ -43,62 +47,57 @@ def test_isa_is_named_and_matches_the_cpu_flags():
 @pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.name)
 def test_float_activation_path_is_exact(fmt):
     qt = _weights(fmt)
+    k = qt.shape[1]
     w = qt.dequantize()
-    assert torch.equal(NATIVE.dequantize(qt.data, fmt, 160).view(torch.int32), w.view(torch.int32))
-    eye = torch.eye(160)  # y = W e_j: column j exactly (a sum from +0 gives +0 where W holds -0: equal values)
+    assert torch.equal(NATIVE.dequantize(qt.data, fmt, k).view(torch.int32), w.view(torch.int32))
+    eye = torch.eye(k)  # y = W e_j: column j exactly (a sum from +0 gives +0 where W holds -0: equal values)
     assert torch.equal(NATIVE.gemm(qt.data, fmt, eye, float_act=True), w.t())
-    x, b = torch.randn(5, 160), torch.randn(24)
+    x, b = torch.randn(5, k), torch.randn(24)
     ref = torch.nn.functional.linear(x.double(), w.double(), b.double())
     assert torch.equal(NATIVE.gemm(qt.data, fmt, x, b, float_act=True), ref.float())  # one rounding of a double sum
-
-
-def _model_of_the_int8_path(qt, x):
-    """The kernel's arithmetic in Python: activation per 32-block d = max|x| / 127, q = round half
-    away from zero of x / d (computed as x * (1 / d)), the block dot exact in integers."""
-    w_int = qt.dequantize().double()  # per block, w = d_w * q_w (+ m_w): the same values the integers encode
-    xb = x.reshape(x.shape[0], -1, 32)
-    d = xb.abs().amax(-1, keepdim=True) / 127
-    inv = torch.where(d == 0, torch.zeros_like(d), 1 / d)
-    v = xb * inv
-    q = torch.sign(v) * torch.floor(v.abs() + 0.5)
-    return (q * d).reshape(x.shape).double() @ w_int.t()
 
 
 @needs_native
 @pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.name)
 @pytest.mark.parametrize("batch", [1, 4, 7])
 def test_int8_activation_path_within_the_stated_bound(fmt, batch):
-    qt = _weights(fmt, seed=batch)
+    qt = _weights(fmt, out=256, seed=batch)  # 256 outputs at least: the RMS of a sample, not of a handful
     w = qt.dequantize()
-    x, b = torch.randn(batch, 160), torch.randn(24)
+    x, b = torch.randn(batch, qt.shape[1]), torch.randn(256)
     y = NATIVE.gemm(qt.data, fmt, x, b)
     ref = torch.nn.functional.linear(x.double(), w.double(), b.double())
     assert kernels.rms_rel_error(y, ref) < kernels.ACT_QUANT_REL_ERROR
-    assert _rel(y, _model_of_the_int8_path(qt, x) + b.double()) < 1e-5  # the same arithmetic, float32 sums
+    # the same quantised activation in float64: only the float32 scaling and sums differ
+    assert _rel(y, kernels.int8_activation_reference(qt, x, b)) < kernels.INT8_PATH_REL_ERROR
 
 
 @needs_native
 @pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.name)
 def test_batched_rows_equal_the_gemv(fmt):
-    qt = _weights(fmt, out=33, k=96)
-    x = torch.randn(9, 96)  # two tiles of 4 and one row left over
+    qt = _weights(fmt, out=33, blocks=3)
+    x = torch.randn(9, qt.shape[1])  # two tiles of 4 and one row left over
     y = NATIVE.gemm(qt.data, fmt, x)
     for r in range(9):
         one = NATIVE.gemm(qt.data, fmt, x[r:r + 1].contiguous())[0]
-        assert torch.equal(y[r], one) if r == 8 else _rel(y[r], one.double()) < 1e-6, r
+        # K-quants: the tile runs the GEMV's own arithmetic per row (bit for bit); the 32-blocks'
+        # tile reduces 4 rows' dots together (the same integers, the scaled sums in another order)
+        exact = r == 8 or fmt.block_weights == 256
+        assert torch.equal(y[r], one) if exact else _rel(y[r], one.double()) < 1e-6, r
 
 
 @needs_native
-def test_zero_activation_block_and_bad_sizes():
-    qt = _weights(Q4_1, k=64)
-    x = torch.zeros(1, 64)
-    x[0, 40] = 3.0  # the first block all zero: d = 0, its q all zero
-    ref = qt.dequantize()[:, 40].double() * 3.0
-    assert _rel(NATIVE.gemm(qt.data, Q4_1, x)[0], ref) < kernels.ACT_QUANT_REL_ERROR
-    with pytest.raises(InvalidInputError, match="multiple of 32"):
-        NATIVE.gemm(qt.data[:, :10], Q4_1, torch.zeros(1, 48))
-    with pytest.raises(InvalidInputError, match="Q4_K is not a kernel format"):
-        NATIVE.gemm(qt.data, Q4_K, x)
+@pytest.mark.parametrize("fmt", [Q4_1, Q4_K], ids=lambda f: f.name)
+def test_zero_activation_block_and_bad_sizes(fmt):
+    qt = _weights(fmt, blocks=2)
+    k = qt.shape[1]
+    x = torch.zeros(1, k)
+    x[0, k - 24] = 3.0  # the first block all zero: d = 0, its q all zero
+    ref = qt.dequantize()[:, k - 24].double() * 3.0
+    assert _rel(NATIVE.gemm(qt.data, fmt, x)[0], ref) < kernels.ACT_QUANT_REL_ERROR
+    with pytest.raises(InvalidInputError, match=f"multiple of its {fmt.block_weights}-weight blocks"):
+        NATIVE.gemm(qt.data[:, :10], fmt, torch.zeros(1, fmt.block_weights + 16))
+    with pytest.raises(InvalidInputError, match="Q2_K is not a kernel format"):
+        NATIVE.gemm(qt.data, BY_NAME["Q2_K"], x)
 
 
 def test_linear_falls_back_to_dequantise_and_torch(monkeypatch):
@@ -134,12 +133,15 @@ def test_smollm2_layer_within_the_bound():
 
 @needs_native
 def test_gemv_list_equals_one_gemm_per_matrix():
-    items = [(_weights(f, out=o, k=k, seed=i).data, f, torch.randn(k))
-             for i, (f, o, k) in enumerate(((Q4_0, 24, 160), (Q4_1, 7, 64), (Q8_0, 40, 96), (Q4_1, 1, 32)))]
+    """Formats mixed in one call, as a llama-quantize Q4_K_M file mixes them in a layer."""
+    shapes = ((Q4_0, 24, 5), (Q4_1, 7, 2), (Q8_0, 40, 3), (Q4_1, 1, 1), (Q4_K, 9, 2), (BY_NAME["Q5_0"], 5, 3),
+              (Q6_K, 17, 1), (BY_NAME["Q5_K"], 3, 3), (BY_NAME["Q5_1"], 6, 1))
+    items = [(_weights(f, out=o, blocks=b, seed=i).data, f, torch.randn(b * f.block_weights))
+             for i, (f, o, b) in enumerate(shapes)]
     ys = NATIVE.gemv_list(items).run()
     for (w, f, x), y in zip(items, ys):
-        assert torch.equal(y, NATIVE.gemm(w, f, x[None])[0])
-    bad = NATIVE.gemv_list([(items[0][0], Q4_K, items[0][2])])
+        assert torch.equal(y, NATIVE.gemm(w, f, x[None])[0]), f.name
+    bad = NATIVE.gemv_list([(items[0][0], BY_NAME["Q2_K"], items[0][2])])
     with pytest.raises(InvalidInputError, match="not a kernel format"):
         bad.run()
 
@@ -154,9 +156,11 @@ def test_portable_c_path_passes_the_self_check(tmp_path):
 
     lib = tmp_path / "portable.so"
     subprocess.run([_compiler(), "-O2", "-march=x86-64", "-fopenmp", "-shared", "-fPIC", "-std=gnu11",
-                    str(kernels.SOURCE), "-o", str(lib)], check=True, capture_output=True, timeout=120)
+                    *map(str, kernels.SOURCES), "-o", str(lib)], check=True, capture_output=True, timeout=120)
     portable = kernels.NativeQuant(ctypes.CDLL(str(lib)), lib)
     assert portable.isa == "portable"
-    kernels._self_check(portable)
-    qt, x = _weights(Q4_1), torch.randn(3, 160)
-    assert _rel(portable.gemm(qt.data, Q4_1, x), NATIVE.gemm(qt.data, Q4_1, x).double()) < 1e-5
+    kernels._self_check(portable)  # every format, the C float16 conversion included (x86-64 has no F16C)
+    for fmt in FORMATS:
+        qt = _weights(fmt)
+        x = torch.randn(5, qt.shape[1])
+        assert _rel(portable.gemm(qt.data, fmt, x), NATIVE.gemm(qt.data, fmt, x).double()) < 1e-5, fmt.name

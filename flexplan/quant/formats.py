@@ -3,15 +3,19 @@
 Two families:
 
 - GGUF block formats, read as the file holds them (ggml-common.h's ``block_*`` structs): Q4_0,
-  Q4_1, Q8_0, Q5_0, Q5_1 (32 weights a block) and the K-quants Q4_K, Q5_K, Q6_K (256 a super-block), plus the
-  plain float types F32 / F16 / BF16 a file carries for norms and small tensors;
+  Q4_1, Q8_0, Q5_0, Q5_1 (32 weights a block) and the K-quants Q4_K, Q5_K, Q6_K (256 a
+  super-block), each with a native kernel (``native_kernel``); the plain float types F32 / F16 /
+  BF16 a file carries for norms and small tensors; and the other types the ``gguf`` package can
+  dequantise (Q2_K, Q3_K, the IQ and TQ types, MXFP4, NVFP4: :data:`DEQUANTISED_AT_LOAD`), read
+  as blocks and dequantised to float32 at load, where a kernel would run them;
 - flexplan's own group-wise int8 / int4 (FlexGen's compression: groups of 64 consecutive weights
   along the input dimension, asymmetric, a float16 scale and a float16 minimum a group; groups of
   32 to 128 allowed).
 
 Everything here is torch-free and numpy-free, so the planner and estimator can price a format
 (bytes per weight, Park & Egger's Eq. 8-12) without loading a kernel. Any other GGML type a file
-holds is refused with :class:`~flexplan.errors.InvalidInputError` naming it.
+holds (Q8_1, Q8_K: activation formats; the integer types; F64) is refused with
+:class:`~flexplan.errors.InvalidInputError` naming it and what would work.
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ class BlockFormat:
     block_weights: int
     block_bytes: int
     bits: int  # bits of one quantised value (32/16 for the float types)
-    native_kernel: bool = False  # quant_gemv.c reads these blocks as they are
+    native_kernel: bool = False  # quant_gemv.c / quant_kquants.c read these blocks as they are
     description: str = ""
 
     @property
@@ -63,21 +67,38 @@ BF16 = BlockFormat("BF16", 30, 1, 2, 16, description="bfloat16")
 Q4_0 = BlockFormat("Q4_0", 2, 32, 18, 4, True, "32 weights: float16 scale d, 4-bit q; w = d * (q - 8)")
 Q4_1 = BlockFormat("Q4_1", 3, 32, 20, 4, True, "32 weights: float16 scale d and min m, 4-bit q; w = d * q + m")
 Q8_0 = BlockFormat("Q8_0", 8, 32, 34, 8, True, "32 weights: float16 scale d, int8 q; w = d * q")
-Q5_0 = BlockFormat("Q5_0", 6, 32, 22, 5, False, "32 weights: float16 scale d, 5-bit q; w = d * (q - 16)")
-Q5_1 = BlockFormat("Q5_1", 7, 32, 24, 5, False, "32 weights: float16 scale d and min m, 5-bit q; w = d * q + m")
-Q4_K = BlockFormat("Q4_K", 12, 256, 144, 4, False, "256 weights: 8 sub-blocks of 32 with 6-bit scales and mins")
-Q5_K = BlockFormat("Q5_K", 13, 256, 176, 5, False, "256 weights: 8 sub-blocks of 32 with 6-bit scales and mins")
-Q6_K = BlockFormat("Q6_K", 14, 256, 210, 6, False, "256 weights: 16 sub-blocks of 16 with int8 scales")
+Q5_0 = BlockFormat("Q5_0", 6, 32, 22, 5, True, "32 weights: float16 scale d, 5-bit q; w = d * (q - 16)")
+Q5_1 = BlockFormat("Q5_1", 7, 32, 24, 5, True, "32 weights: float16 scale d and min m, 5-bit q; w = d * q + m")
+Q4_K = BlockFormat("Q4_K", 12, 256, 144, 4, True, "256 weights: 8 sub-blocks of 32 with 6-bit scales and mins")
+Q5_K = BlockFormat("Q5_K", 13, 256, 176, 5, True, "256 weights: 8 sub-blocks of 32 with 6-bit scales and mins")
+Q6_K = BlockFormat("Q6_K", 14, 256, 210, 6, True, "256 weights: 16 sub-blocks of 16 with int8 scales")
+
+# ggml-common.h's other weight types the gguf package dequantises (gguf/quants.py): no kernel runs
+# them, so a file holding them is dequantised to float32 at load (4 bytes a weight in memory, not these)
+DEQUANTISED_AT_LOAD = (
+    BlockFormat("Q2_K", 10, 256, 84, 2, description="256 weights: 16 sub-blocks of 16, 4-bit scales and mins"),
+    BlockFormat("Q3_K", 11, 256, 110, 3, description="256 weights: 16 sub-blocks of 16, 6-bit scales"),
+    BlockFormat("IQ2_XXS", 16, 256, 66, 2, description="256 weights: 2-bit lattice codes"),
+    BlockFormat("IQ2_XS", 17, 256, 74, 2, description="256 weights: 2-bit lattice codes, 4-bit scales"),
+    BlockFormat("IQ3_XXS", 18, 256, 98, 3, description="256 weights: 3-bit lattice codes"),
+    BlockFormat("IQ1_S", 19, 256, 50, 1, description="256 weights: 1.5-bit lattice codes"),
+    BlockFormat("IQ4_NL", 20, 32, 18, 4, description="32 weights: float16 scale, 4-bit non-linear codes"),
+    BlockFormat("IQ3_S", 21, 256, 110, 3, description="256 weights: 3-bit lattice codes, signs, scales"),
+    BlockFormat("IQ2_S", 22, 256, 82, 2, description="256 weights: 2-bit lattice codes, signs, scales"),
+    BlockFormat("IQ4_XS", 23, 256, 136, 4, description="256 weights: 4-bit non-linear codes, 6-bit scales"),
+    BlockFormat("IQ1_M", 29, 256, 56, 1, description="256 weights: 1.75-bit lattice codes"),
+    BlockFormat("TQ1_0", 34, 256, 54, 2, description="256 weights: ternary, base-3 packed"),
+    BlockFormat("TQ2_0", 35, 256, 66, 2, description="256 weights: ternary, 2 bits each"),
+    BlockFormat("MXFP4", 39, 32, 17, 4, description="32 weights: E8M0 scale, FP4 (E2M1) values"),
+    BlockFormat("NVFP4", 40, 64, 36, 4, description="64 weights: FP4 (E2M1) values, FP8 scales per 16"),
+)
 
 GGUF_FORMATS: dict[int, BlockFormat] = {
-    f.ggml_type: f for f in (F32, F16, BF16, Q4_0, Q4_1, Q8_0, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K)}
+    f.ggml_type: f for f in (F32, F16, BF16, Q4_0, Q4_1, Q8_0, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K, *DEQUANTISED_AT_LOAD)}
 BY_NAME: dict[str, BlockFormat] = {f.name: f for f in GGUF_FORMATS.values()}
 
 # ggml.h's enum ggml_type names for the ids flexplan refuses, so the refusal names the type
-GGML_TYPE_NAMES = {9: "Q8_1", 10: "Q2_K", 11: "Q3_K", 15: "Q8_K", 16: "IQ2_XXS",
-                   17: "IQ2_XS", 18: "IQ3_XXS", 19: "IQ1_S", 20: "IQ4_NL", 21: "IQ3_S", 22: "IQ2_S",
-                   23: "IQ4_XS", 24: "I8", 25: "I16", 26: "I32", 27: "I64", 28: "F64", 29: "IQ1_M",
-                   34: "TQ1_0", 35: "TQ2_0", 39: "MXFP4"}
+GGML_TYPE_NAMES = {9: "Q8_1", 15: "Q8_K", 24: "I8", 25: "I16", 26: "I32", 27: "I64", 28: "F64", 41: "Q1_0"}
 
 GROUP_SIZES = range(32, 129)  # FlexGen's groups: 64 by default, 32 to 128 allowed
 DEFAULT_GROUP_SIZE = 64
@@ -100,14 +121,20 @@ INT8 = group_format(8)
 INT4 = group_format(4)
 
 
+# what a refusal says flexplan reads instead
+READ_NOTE = (f"flexplan runs {', '.join(f.name for f in GGUF_FORMATS.values() if f.native_kernel)} on their blocks "
+             f"and reads {', '.join(f.name for f in GGUF_FORMATS.values() if not f.native_kernel)} dequantised to "
+             "float32 at load")
+
+
 def gguf_format(ggml_type: int, tensor_name: str = "") -> BlockFormat:
     """The format of GGML type id ``ggml_type``; a clear refusal for any type flexplan does not read."""
     fmt = GGUF_FORMATS.get(int(ggml_type))
     if fmt is None:
         what = GGML_TYPE_NAMES.get(int(ggml_type), f"type id {int(ggml_type)}")
         where = f" (tensor {tensor_name})" if tensor_name else ""
-        raise InvalidInputError(f"GGUF type {what}{where} is not supported; flexplan reads "
-                                f"{', '.join(BY_NAME)} (requantise the file with llama-quantize, e.g. to Q8_0 or Q4_K)")
+        raise InvalidInputError(f"GGUF type {what}{where} is not supported; {READ_NOTE} (requantise the file with "
+                                "llama-quantize, e.g. to Q8_0 or Q4_K_M, whose blocks run natively)")
     return fmt
 
 

@@ -8,7 +8,9 @@ and its :class:`~flexplan.quant.formats.BlockFormat`.
 
 :meth:`QuantTensor.dequantize` equals ``gguf.quants.dequantize`` bit for bit: Q4_0 / Q4_1 / Q8_0
 repeat its float32 operations in the same order in torch (one rounding per operation, no fused
-multiply-add: torch's eager ops do not fuse), the K-quants go through the reference itself.
+multiply-add: torch's eager ops do not fuse); Q5_0 / Q5_1, the K-quants and the types without a
+kernel (Q2_K, Q3_K, IQ*, ...: ``formats.DEQUANTISED_AT_LOAD``) go through the reference itself. A
+type the installed ``gguf`` cannot dequantise is refused at :func:`read_gguf`, naming it.
 
 Llama's q/k rows: llama.cpp's converter permutes the rows of q_proj / k_proj (rotary pairs
 interleaved, ``convert_hf_to_gguf.py``'s ``permute``) and transformers undoes it on load
@@ -18,6 +20,7 @@ the raw blocks: a row of blocks moves as a unit, so the blocks stay as the file 
 
 from __future__ import annotations
 
+import functools
 import re
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -85,8 +88,18 @@ def _dequantize_float(blocks: torch.Tensor, fmt: BlockFormat) -> torch.Tensor:
 
 
 def _reference(blocks: torch.Tensor, fmt: BlockFormat) -> torch.Tensor:
-    """The K-quants: the ``gguf`` package's own dequantiser (numpy), bit for bit by construction."""
+    """Every other format: the ``gguf`` package's own dequantiser (numpy), bit for bit by construction."""
     return torch.from_numpy(gguf.quants.dequantize(blocks.numpy(), gguf.GGMLQuantizationType(fmt.ggml_type)))
+
+
+@functools.lru_cache(maxsize=None)
+def _gguf_dequantises(fmt: BlockFormat) -> bool:
+    """Whether the installed ``gguf`` package dequantises ``fmt`` (older versions lack some types)."""
+    try:
+        gguf.quants.dequantize(np.zeros((1, fmt.block_bytes), np.uint8), gguf.GGMLQuantizationType(fmt.ggml_type))
+    except (NotImplementedError, ValueError):
+        return False
+    return True
 
 
 _DEQUANTIZE = {Q4_0.name: _dequantize_q4_0, Q4_1.name: _dequantize_q4_1, Q8_0.name: _dequantize_q8_0,
@@ -133,6 +146,15 @@ class GGUFWeights:
         return t
 
 
+def gguf_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return f"gguf {version('gguf')}"
+    except PackageNotFoundError:
+        return "gguf, version unknown"
+
+
 def _field_value(field) -> object:
     try:
         return field.contents()
@@ -147,11 +169,18 @@ def read_gguf(path: str | Path) -> GGUFWeights:
     try:
         reader = gguf.GGUFReader(path, "c")  # copy-on-write map: torch gets writable views, the file stays as it is
     except (OSError, ValueError) as e:
+        if "GGMLQuantizationType" in str(e):  # a type id newer than the installed gguf package
+            raise InvalidInputError(f"{path} holds a tensor type the installed gguf package ({gguf_version()}) does "
+                                    f"not know ({e}); upgrade gguf (pip install -U gguf)") from None
         raise InvalidInputError(f"{path} is not a readable GGUF file: {e}") from e
     metadata = {k: _field_value(f) for k, f in reader.fields.items() if not k.startswith("GGUF.")}
     tensors = {}
     for t in reader.tensors:
         fmt = gguf_format(int(t.tensor_type), t.name)
+        if fmt.name not in _DEQUANTIZE and not _gguf_dequantises(fmt):
+            raise InvalidInputError(f"{path}: tensor {t.name} is {fmt.name}, which the installed gguf package "
+                                    f"({gguf_version()}) cannot dequantise; upgrade gguf (pip install -U gguf) or "
+                                    "requantise the file with llama-quantize (e.g. to Q8_0 or Q4_K_M)")
         shape = tuple(int(n) for n in reversed(t.shape.tolist()))  # GGUF's ne[0] (the row) comes first
         raw = np.asarray(t.data).view(np.uint8).reshape(*shape[:-1], fmt.row_bytes(shape[-1]))
         tensors[t.name] = QuantTensor(t.name, torch.from_numpy(raw), shape, fmt)

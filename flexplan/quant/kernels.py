@@ -1,26 +1,36 @@
-"""CPU linear layers on compressed weights: ``quant_gemv.c``, compiled, checked, optional.
+"""CPU linear layers on compressed weights: ``quant_gemv.c`` + ``quant_kquants.c``, compiled, checked, optional.
 
-``quant_gemv.c`` computes ``y = x W^T (+ bias)`` with W [out, in] in Q4_0 / Q4_1 / Q8_0 blocks as
-a GGUF file holds them: the decode GEMV (one row of x) and the prefill GEMM (several rows, a tile
-of 4 activation rows per decoded weight block, their dots reduced together), the activation quantised per 32-block to int8 as
-llama.cpp does, integer dot products (AVX-512 VNNI / AVX-VNNI, else AVX2, else portable C, chosen
-by ``-march=native``: :attr:`NativeQuant.isa` names it), OpenMP over output rows. A float-activation
-path (``float_act=True``) dequantises exactly and sums in double: the reference the tests use.
+The library computes ``y = x W^T (+ bias)`` with W [out, in] in the blocks a GGUF file holds
+(:data:`NATIVE_FORMATS`: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 in 32-weight blocks, ``quant_gemv.c``; Q4_K,
+Q5_K, Q6_K in 256-weight super-blocks, ``quant_kquants.c``): the decode GEMV (one row of x) and
+the prefill GEMM (several rows, a tile of 4 activation rows per decoded weight block), the
+activation quantised to int8 as llama.cpp does (per 32-block for the 32-blocks, Q8_0's rule; per
+256-block with sums of each 16 for the K-quants, Q8_K's), integer dot products (the 32-blocks:
+AVX-512 VNNI / AVX-VNNI, else AVX2, else portable C; the K-quants: AVX2 on any of those, else
+portable C; chosen by ``-march=native``: :attr:`NativeQuant.isa` names it), OpenMP over output rows.
+A float-activation path (``float_act=True``) dequantises exactly and sums in double: the
+reference the tests use.
 
 It is compiled, cached and loaded exactly as the executor's native kernels are (the same
 ``flexplan.executor.native._load``: system compiler, ``-O3 -march=native -fopenmp``, the user
-cache keyed by source, compiler and CPU flags, ``FLEXPLAN_NATIVE=0`` disables), and checked against
-dequantise-then-float64 matmul before first use. When it is unavailable, :func:`linear` falls
-back to dequantising (bit for bit as ``gguf``) and ``F.linear``.
+cache keyed by source, compiler and CPU flags, ``FLEXPLAN_NATIVE=0`` disables), and checked before
+first use (:func:`_self_check`: every format's dequantiser bit for bit as gguf's, both paths against
+float64). When it is unavailable, :func:`linear` falls back to dequantising (bit for bit as
+``gguf``) and ``F.linear``.
 
 What the int8 activation costs (the stated bound :data:`ACT_QUANT_REL_ERROR`, on the RMS error:
-``rms(y - ref) / rms(ref)``, ref = dequantise-then-float64): <= 1e-2 for Gaussian activations.
-Measured on all 210 linear weights of SmolLM2's Q4_1 file and of llama-quantize's Q4_0 and Q8_0
-files from it, 4 Gaussian rows each: 5.3e-3 median, 6.0e-3 worst (theory: rounding noise of
-max|x| / 127 / sqrt(12) per value, ~4.8e-3 of the RMS for a 32-block of Gaussians); the largest
-error relative to max|ref| reached 1.6e-2. With 4 channels scaled x20 (outliers, as LLM hidden
-states have), the RMS error reached 1.5e-2 and the max-relative one 3.6e-2: the block holding the
-outlier quantises its other values coarsely.
+``rms(y - ref) / rms(ref)``, ref = dequantise-then-float64, over a sample of a few hundred outputs):
+<= 1e-2 for Gaussian activations. Measured on all 210 linear weights of SmolLM2's Q4_1 file and of
+llama-quantize's Q4_0 and Q8_0 files from it, 4 Gaussian rows each: 5.3e-3 median, 6.0e-3 worst
+(theory: rounding noise of max|x| / 127 / sqrt(12) per value, ~4.8e-3 of the RMS for a 32-block of
+Gaussians); the largest error relative to max|ref| reached 1.6e-2. With 4 channels scaled x20
+(outliers, as LLM hidden states have), the RMS error reached 1.5e-2 and the max-relative one
+3.6e-2: the block holding the outlier quantises its other values coarsely. The K-quants' 256-blocks
+quantise coarser (max|x| of 256 Gaussians ~2.9 sigma: ~6.6e-3 in theory): on the linear weights of
+llama-quantize's Q4_K_M / Q5_K_M / Q6_K files of SmolLM2 (16 Q4_K, 16 Q5_K, 58 Q6_K), 4 Gaussian
+rows each, 6.9e-3 median, 7.6e-3 worst (their Q5_0 / Q5_1 / Q8_0 weights: 5.3e-3, 6.4e-3); with
+the x20 outliers 2.0e-2 median, 2.8e-2 worst (32-blocks in the same files: 8.9e-3, 1.5e-2): an
+outlier coarsens 256 values, not 32.
 """
 
 from __future__ import annotations
@@ -35,13 +45,19 @@ import torch
 
 from flexplan.errors import InvalidInputError
 from flexplan.executor.native import _load
-from flexplan.quant.formats import Q4_0, Q4_1, Q8_0, BlockFormat
+from flexplan.quant.formats import GGUF_FORMATS, BlockFormat
 from flexplan.quant.gguf_weights import QuantTensor
 
-SOURCE = Path(__file__).with_name("quant_gemv.c")
-NATIVE_FORMATS = {f.name: f for f in (Q4_0, Q4_1, Q8_0)}  # the blocks quant_gemv.c reads as they are
+SOURCES = (Path(__file__).with_name("quant_gemv.c"), Path(__file__).with_name("quant_kquants.c"))  # one library
+NATIVE_FORMATS = {f.name: f for f in GGUF_FORMATS.values() if f.native_kernel}  # the blocks the kernels read as they are
+# where each kernel format's block keeps its float16 fields (ggml-common.h): every other bit pattern is a value
+FP16_FIELDS = {"Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q8_0": (0,), "Q4_K": (0, 2),
+               "Q5_K": (0, 2), "Q6_K": (208,)}
 ACT_QUANT_REL_ERROR = 1e-2  # the stated bound of the int8 activation path (Gaussian x): rms(y - ref) / rms(ref)
 FLOAT_ACT_REL_ERROR = 1e-6  # the float-activation path, max |y - ref| / max |ref|: one float32 rounding
+# the int8 path against float64 of the same quantised activation (int8_activation_reference), max norm:
+# the integer dots are exact, only the float32 scaling and sums round
+INT8_PATH_REL_ERROR = 1e-5
 
 
 class NativeQuant:
@@ -81,7 +97,7 @@ class NativeQuant:
             raise MemoryError(f"quantised GEMM: out of memory for {x2d.shape[0]} quantised activation rows")
         if rc:
             raise InvalidInputError(f"quantised GEMM: {fmt.name} is not a kernel format or in={k} is not a "
-                                    "multiple of 32")
+                                    f"multiple of its {fmt.block_weights}-weight blocks")
         return y
 
     def dequantize(self, data: torch.Tensor, fmt: BlockFormat, in_features: int) -> torch.Tensor:
@@ -89,7 +105,7 @@ class NativeQuant:
         out = torch.empty(data.shape[0], in_features, dtype=torch.float32)
         if self._dequantize(data.data_ptr(), fmt.ggml_type, out.data_ptr(), data.shape[0], in_features):
             raise InvalidInputError(f"dequantise: {fmt.name} is not a kernel format or in={in_features} is not "
-                                    "a multiple of 32")
+                                    f"a multiple of its {fmt.block_weights}-weight blocks")
         return out
 
 
@@ -114,15 +130,56 @@ class GemvList:
         if rc:
             raise (MemoryError if rc == 2 else InvalidInputError)(
                 "quantised GEMV list: " + ("out of memory" if rc == 2 else "a format is not a kernel format or an "
-                                           "input width is not a multiple of 32"))
+                                           "input width is not a multiple of its format's blocks"))
         return self.ys
 
 
 def quantize_reference(w: torch.Tensor, fmt: BlockFormat) -> QuantTensor:
     """float32 [out, in] to raw blocks with the ``gguf`` package's reference quantiser (numpy;
-    seconds for tens of millions of weights): for tests, the self-check and benchmarks."""
+    seconds for tens of millions of weights): for tests, the self-check and benchmarks. gguf has
+    none for the K-quants: :func:`random_blocks` (or llama-quantize) makes those."""
     raw = gguf.quants.quantize(w.float().numpy(), gguf.GGMLQuantizationType(fmt.ggml_type))
     return QuantTensor("", torch.from_numpy(np.ascontiguousarray(raw)), tuple(w.shape), fmt)
+
+
+def random_blocks(fmt: BlockFormat, out: int, in_features: int, generator: torch.Generator | None = None,
+                  scale: float = 1e-2) -> QuantTensor:
+    """[out, in_features] raw blocks of ``fmt`` (a :data:`NATIVE_FORMATS` format): uniform random
+    bytes, every float16 field (:data:`FP16_FIELDS`: scales, minimums) uniform in [-scale, scale]
+    (subnormals included): valid blocks whatever the bytes, for the tests, the self-check and the
+    benchmarks of formats gguf cannot quantise."""
+    blocks = out * fmt.row_bytes(in_features) // fmt.block_bytes
+    raw = torch.randint(0, 256, (blocks, fmt.block_bytes), dtype=torch.uint8, generator=generator)
+    for offset in FP16_FIELDS[fmt.name]:
+        value = ((torch.rand(blocks, generator=generator) * 2 - 1) * scale).half()
+        raw[:, offset:offset + 2] = value.view(torch.uint8).reshape(blocks, 2)
+    return QuantTensor("", raw.reshape(out, -1), (out, in_features), fmt)
+
+
+def test_blocks(fmt: BlockFormat, out: int, in_features: int, generator: torch.Generator | None = None) -> QuantTensor:
+    """Gaussian weights quantised by gguf where it can (the 32-blocks), random blocks otherwise (the K-quants)."""
+    if fmt.block_weights == 256:
+        return random_blocks(fmt, out, in_features, generator)
+    return quantize_reference(torch.randn(out, in_features, generator=generator), fmt)
+
+
+def quantized_activation(x: torch.Tensor, block_weights: int) -> torch.Tensor:
+    """float64 values d * q the kernels' int8 activation holds for x [rows, in]: per block of
+    ``block_weights`` (32: Q8_0's blocks; 256: Q8_K's), d = max|x| / 127 and q = x * (1 / d) rounded
+    half away from zero, each step rounded to float32 as the C code rounds it."""
+    xb = x.float().reshape(x.shape[0], -1, block_weights)
+    d = xb.abs().amax(-1, keepdim=True) / 127
+    inv = torch.where(d == 0, torch.zeros_like(d), 1 / d)
+    v = (xb * inv).double()  # the float32 product, exactly in float64: + 0.5 then rounds nothing
+    q = torch.sign(v) * torch.floor(v.abs() + 0.5)
+    return (q * d.double()).reshape(x.shape)
+
+
+def int8_activation_reference(t: QuantTensor, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """float64 ``x W^T (+ bias)`` with x quantised as the kernels quantise it and W dequantised exactly:
+    what the int8 path computes, up to float32 rounding (:data:`INT8_PATH_REL_ERROR`)."""
+    y = quantized_activation(x, t.format.block_weights) @ t.dequantize().double().t()
+    return y if bias is None else y + bias.double()
 
 
 def rms_rel_error(y: torch.Tensor, ref: torch.Tensor) -> float:
@@ -133,22 +190,26 @@ def rms_rel_error(y: torch.Tensor, ref: torch.Tensor) -> float:
 
 def _self_check(native: NativeQuant) -> None:
     """Each format on odd sizes (1, 4 and 7 rows of x: the tile and its remainder, with and without
-    bias) against dequantise-then-float64 matmul: the C dequantiser bit for bit, the float path to
-    :data:`FLOAT_ACT_REL_ERROR` (max norm), the int8 path to :data:`ACT_QUANT_REL_ERROR` (RMS);
-    raises if one is off."""
+    bias): the C dequantiser bit for bit as gguf's, the float path to :data:`FLOAT_ACT_REL_ERROR` of
+    dequantise-then-float64 matmul, the int8 path to :data:`INT8_PATH_REL_ERROR` of the same with x
+    quantised as the kernel does (:func:`int8_activation_reference`; the error the quantisation
+    itself adds is statistical, checked by the tests on larger samples); raises if one is off."""
     g = torch.Generator().manual_seed(0)
     for fmt in NATIVE_FORMATS.values():
-        for out, k, batch, with_bias in ((13, 64, 1, True), (40, 96, 4, False), (9, 160, 7, True)):
-            qt = quantize_reference(torch.randn(out, k, generator=g), fmt)
+        for out, blocks, batch, with_bias in ((13, 2, 1, True), (40, 3, 4, False), (9, 5, 7, True)):
+            k = blocks * fmt.block_weights
+            qt = test_blocks(fmt, out, k, g)
             w = qt.dequantize()
             if not torch.equal(native.dequantize(qt.data, fmt, k).view(torch.int32), w.view(torch.int32)):
                 raise RuntimeError(f"self-check failed: {fmt.name} dequantisation differs from gguf's")
             x = torch.randn(batch, k, generator=g)
             b = torch.randn(out, generator=g) if with_bias else None
             ref = torch.nn.functional.linear(x.double(), w.double(), None if b is None else b.double())
-            for float_act, bound in ((True, FLOAT_ACT_REL_ERROR), (False, ACT_QUANT_REL_ERROR)):
+            for float_act, bound in ((True, FLOAT_ACT_REL_ERROR), (False, INT8_PATH_REL_ERROR)):
                 y = native.gemm(qt.data, fmt, x, b, float_act).double()
-                err = float(rms_rel_error(y, ref) if not float_act else (y - ref).abs().max() / ref.abs().max())
+                if not float_act:
+                    ref = int8_activation_reference(qt, x, b)
+                err = float((y - ref).abs().max() / ref.abs().max())
                 if not err < bound:
                     raise RuntimeError(f"self-check failed ({fmt.name}, float_act={float_act}): relative error "
                                        f"{err:.2e} at out={out} in={k} batch={batch}")
@@ -157,7 +218,7 @@ def _self_check(native: NativeQuant) -> None:
 @functools.lru_cache(maxsize=None)
 def status() -> tuple[NativeQuant | None, str]:
     """(the checked quantised kernels or None, a one-line reason)."""
-    return _load("native quantised GEMV", "quant", (SOURCE,), NativeQuant, _self_check)
+    return _load("native quantised GEMV", "quant", SOURCES, NativeQuant, _self_check)
 
 
 def linear(t: QuantTensor, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

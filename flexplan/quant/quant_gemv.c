@@ -1,9 +1,13 @@
 /* flexplan's CPU kernels on compressed weights: y = x W^T with W [out, in] in GGUF blocks, read
- * as the file holds them (ggml-common.h's layouts; 32 weights a block, rows of whole blocks):
- *   Q4_0 (type 2): fp16 d, 16 bytes of nibbles;          w = d * (q - 8)
- *   Q4_1 (type 3): fp16 d, fp16 m, 16 bytes of nibbles;  w = d * q + m
- *   Q8_0 (type 8): fp16 d, 32 int8;                      w = d * q
- * A nibble byte j holds value j (low 4 bits) and value j + 16 (high 4 bits).
+ * as the file holds them (ggml-common.h's layouts; rows of whole blocks). Here the 32-weight blocks:
+ *   Q4_0 (type 2): fp16 d, 16 bytes of nibbles;                       w = d * (q - 8)
+ *   Q4_1 (type 3): fp16 d, fp16 m, 16 bytes of nibbles;               w = d * q + m
+ *   Q5_0 (type 6): fp16 d, u32 qh, 16 bytes of nibbles;               w = d * (q - 16)
+ *   Q5_1 (type 7): fp16 d, fp16 m, u32 qh, 16 bytes of nibbles;       w = d * q + m
+ *   Q8_0 (type 8): fp16 d, 32 int8;                                   w = d * q
+ * A nibble byte j holds value j (low 4 bits) and value j + 16 (high 4 bits); bit j of the
+ * little-endian qh is value j's fifth bit. The K-quants (256-weight super-blocks: Q4_K, Q5_K, Q6_K)
+ * are quant_kquants.c's, compiled into the same library: the entry points below hand them over.
  *
  * The activation is quantised per 32-block to int8 as llama.cpp's quantize_row_q8_0/q8_1 does
  * (d = max|x| / 127, q = round(x / d)), except that d stays float32 (llama.cpp rounds it to fp16:
@@ -11,6 +15,8 @@
  * (q8_1's s): the dot products are integer per block, scaled once per block.
  *   Q4_0 . x = sum_b d_w d_x sum u_w q_x - 8 d_w s_x       (u_w = q_w + 8, the nibble as stored)
  *   Q4_1 . x = sum_b d_w d_x sum u_w q_x + m_w s_x
+ *   Q5_0 . x = sum_b d_w d_x sum u_w q_x - 16 d_w s_x      (u_w: the 5-bit value as stored)
+ *   Q5_1 . x = sum_b d_w d_x sum u_w q_x + m_w s_x
  *   Q8_0 . x = sum_b d_w d_x sum q_w q_x
  * ISA, chosen at compile time by -march=native: AVX-512 VNNI (or AVX-VNNI) dpbusd, else AVX2
  * maddubs + madd, else portable C; flexplan_quant_isa() names it. OpenMP over output rows.
@@ -32,6 +38,8 @@
 #define QK 32
 #define TYPE_Q4_0 2
 #define TYPE_Q4_1 3
+#define TYPE_Q5_0 6
+#define TYPE_Q5_1 7
 #define TYPE_Q8_0 8
 #define TILE 4 /* activation rows that share one decode of a weight block in the batched kernel */
 
@@ -50,6 +58,15 @@ typedef struct { /* one quantised 32-block of activation */
     float ds;  /* d * (sum of q): q8_1's s, for the -8 of Q4_0 and the m of Q4_1 */
     int8_t qs[QK];
 } act_block;
+
+/* quant_kquants.c: the 256-weight super-blocks (its header says how) */
+int64_t flexplan_kq_block_bytes(int64_t wtype);  /* 0 for a type that is not a K-quant */
+int64_t flexplan_kq_act_bytes(void);
+void flexplan_kq_quantize_act(const float *x, void *a, int64_t nb);
+void flexplan_kq_dot(int64_t wtype, const uint8_t *w, const void *const *a, int64_t nb, int64_t T, float *out);
+void flexplan_kq_dequantize_block(int64_t wtype, const uint8_t *w, float *out);
+double flexplan_kq_dot_float(int64_t wtype, const uint8_t *w, const float *x, int64_t nb);
+#define QK_K 256
 
 const char *flexplan_quant_isa(void) { return ISA; }
 int64_t flexplan_quant_act_block_bytes(void) { return (int64_t)sizeof(act_block); }
@@ -75,8 +92,11 @@ static inline float fp16_to_f32(const uint8_t *p) {
 #endif
 }
 
-static int64_t block_bytes(int64_t wtype) {
-    return wtype == TYPE_Q4_0 ? 18 : wtype == TYPE_Q4_1 ? 20 : wtype == TYPE_Q8_0 ? 34 : 0;
+float flexplan_quant_fp16(const uint8_t *p) { return fp16_to_f32(p); }  /* for quant_kquants.c without F16C */
+
+static int64_t block_bytes(int64_t wtype) { /* the 32-weight blocks; 0 for any other type */
+    return wtype == TYPE_Q4_0 ? 18 : wtype == TYPE_Q4_1 ? 20 : wtype == TYPE_Q5_0 ? 22 : wtype == TYPE_Q5_1 ? 24
+         : wtype == TYPE_Q8_0 ? 34 : 0;
 }
 
 /* llama.cpp's quantize_row_q8_0 rule, d kept in float32; roundf: ties away from zero as its reference */
@@ -98,15 +118,38 @@ static void quantize_act(const float *x, act_block *a, int64_t nb) {
 }
 
 /* ---- integer dots of one weight row with T activation rows ---------------------------------------
- * kind: 0 Q4_0, 1 Q4_1, 2 Q8_0 (compile-time after inlining). Two blocks per step into two sets of
- * accumulators: the fused multiply-add's latency is the bound with one. */
-enum { KIND_Q4_0, KIND_Q4_1, KIND_Q8_0 };
-static const int64_t KIND_BYTES[3] = {18, 20, 34};
+ * kind: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 (compile-time after inlining). Two blocks per step into two sets
+ * of accumulators: the fused multiply-add's latency is the bound with one. */
+enum { KIND_Q4_0, KIND_Q4_1, KIND_Q5_0, KIND_Q5_1, KIND_Q8_0, N_KINDS };
+static const int64_t KIND_BYTES[N_KINDS] = {18, 20, 22, 24, 34};
+static const int KIND_QS[N_KINDS] = {2, 4, 6, 8, 2};  /* where the nibbles (Q8_0: the int8 values) start */
+
+/* the value a block's u is offset by, times d (Q4_0, Q5_0), or its fp16 minimum (Q4_1, Q5_1) */
+static inline float block_min(const uint8_t *blk, int kind, float dw) {
+    return kind == KIND_Q4_0 ? -8.0f * dw : kind == KIND_Q5_0 ? -16.0f * dw : fp16_to_f32(blk + 2);
+}
 
 #if defined(__AVX2__) && defined(__FMA__)
 static inline __m256i nibbles32(const uint8_t *p) { /* 32 values 0..15, in order */
     const __m128i t = _mm_loadu_si128((const __m128i *)p);
     return _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(t, 4), t), _mm256_set1_epi8(0x0F));
+}
+
+/* 32 bytes, byte j 0x10 where bit j of the little-endian uint32 at p is set: Q5's fifth bits in place */
+static inline __m256i fifth_bits32(const uint8_t *p) {
+    uint32_t v;
+    memcpy(&v, p, 4);
+    const __m256i spread = _mm256_shuffle_epi8(_mm256_set1_epi32((int)v),  /* byte j <- source byte j / 8 */
+                                               _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202,
+                                                                 0x0101010101010101, 0));
+    const __m256i bit = _mm256_set1_epi64x((long long)0x8040201008040201ULL);  /* byte j tests bit j % 8 */
+    return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit), _mm256_set1_epi8(0x10));
+}
+
+/* a Q4 / Q5 block's 32 unsigned values u, in order */
+static inline __m256i decode_u(const uint8_t *blk, int kind) {
+    const __m256i u = nibbles32(blk + KIND_QS[kind]);
+    return kind == KIND_Q5_0 || kind == KIND_Q5_1 ? _mm256_or_si256(u, fifth_bits32(blk + KIND_QS[kind] - 4)) : u;
 }
 
 static inline __m256i dot_u8s8(__m256i u, __m256i s) { /* 8 int32 lanes of sum u * s (u 0..255, s int8) */
@@ -127,8 +170,9 @@ static inline float hsum8(__m256 v) {
 }
 
 /* One block b of the row into accumulator set p: the weight block decoded once to unsigned bytes u
- * (Q4: 0..15, the -8 of Q4_0 and the m of Q4_1 applied through the activation's block sum; Q8_0:
- * |q| with q's sign moved onto the activation), then one integer dot per activation row. */
+ * (Q4: 0..15, Q5: 0..31, the offset of Q4_0 / Q5_0 and the m of Q4_1 / Q5_1 applied through the
+ * activation's block sum; Q8_0: |q| with q's sign moved onto the activation), then one integer dot
+ * per activation row. */
 static inline __attribute__((always_inline)) void step(const uint8_t *blk, int kind, const act_block *const *a,
                                                        int64_t b, int T, __m256 *acc, float *ex) {
     const float dw = fp16_to_f32(blk);
@@ -141,8 +185,8 @@ static inline __attribute__((always_inline)) void step(const uint8_t *blk, int k
         }
         return;
     }
-    const __m256i u = nibbles32(blk + (kind == KIND_Q4_1 ? 4 : 2));
-    const float mw = kind == KIND_Q4_1 ? fp16_to_f32(blk + 2) : -8.0f * dw;
+    const __m256i u = decode_u(blk, kind);
+    const float mw = block_min(blk, kind, dw);
     for (int t = 0; t < T; t++) {
         const __m256i s = _mm256_loadu_si256((const __m256i *)a[t][b].qs);
         acc[t] = _mm256_fmadd_ps(_mm256_set1_ps(dw * a[t][b].d), _mm256_cvtepi32_ps(dot_u8s8(u, s)), acc[t]);
@@ -184,15 +228,14 @@ static inline __attribute__((always_inline)) void dot_tile4(const uint8_t *w, in
             for (int t = 0; t < 4; t++)
                 p[t] = dot_u8s8(u, _mm256_sign_epi8(_mm256_loadu_si256((const __m256i *)a[t][b].qs), q));
         } else {
-            const __m256i u = nibbles32(blk + (kind == KIND_Q4_1 ? 4 : 2));
+            const __m256i u = decode_u(blk, kind);
             for (int t = 0; t < 4; t++) p[t] = dot_u8s8(u, _mm256_loadu_si256((const __m256i *)a[t][b].qs));
         }
         const __m256i h = _mm256_hadd_epi32(_mm256_hadd_epi32(p[0], p[1]), _mm256_hadd_epi32(p[2], p[3]));
         const __m128 sc = _mm_mul_ps(_mm_set1_ps(dw), _mm_loadu_ps(da4 + 4 * b));
         acc = _mm256_fmadd_ps(_mm256_set_m128(sc, sc), _mm256_cvtepi32_ps(h), acc);
         if (kind != KIND_Q8_0)
-            ex = _mm_fmadd_ps(_mm_set1_ps(kind == KIND_Q4_1 ? fp16_to_f32(blk + 2) : -8.0f * dw),
-                              _mm_loadu_ps(ds4 + 4 * b), ex);
+            ex = _mm_fmadd_ps(_mm_set1_ps(block_min(blk, kind, dw)), _mm_loadu_ps(ds4 + 4 * b), ex);
     }
     _mm_storeu_ps(out, _mm_add_ps(_mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1)), ex));
 }
@@ -207,9 +250,14 @@ static inline void dot_rows(const uint8_t *w, int kind, const act_block *const *
         float mw = 0.0f;
         if (kind == KIND_Q8_0) memcpy(q, w + 2, QK);
         else {
-            const uint8_t *p = w + (kind == KIND_Q4_1 ? 4 : 2);
+            const uint8_t *p = w + KIND_QS[kind];
             for (int j = 0; j < QK / 2; j++) { q[j] = p[j] & 0x0F; q[j + QK / 2] = p[j] >> 4; }
-            mw = kind == KIND_Q4_1 ? fp16_to_f32(w + 2) : -8.0f * dw;
+            if (kind == KIND_Q5_0 || kind == KIND_Q5_1) {
+                uint32_t qh;
+                memcpy(&qh, p - 4, 4);
+                for (int j = 0; j < QK; j++) q[j] |= ((qh >> j) & 1) << 4;
+            }
+            mw = block_min(w, kind, dw);
         }
         for (int t = 0; t < T; t++) {
             int32_t s = 0;
@@ -230,6 +278,8 @@ static inline void dot_rows(const uint8_t *w, int kind, const act_block *const *
     }
 INSTANCE(KIND_Q4_0)
 INSTANCE(KIND_Q4_1)
+INSTANCE(KIND_Q5_0)
+INSTANCE(KIND_Q5_1)
 INSTANCE(KIND_Q8_0)
 #ifdef HAVE_TILE4
 typedef void (*tile4_fn)(const uint8_t *, const act_block *const *, const float *, const float *, int64_t, float *);
@@ -237,15 +287,19 @@ typedef void (*tile4_fn)(const uint8_t *, const act_block *const *, const float 
                                              const float *ds4, int64_t nb, float *o) { dot_tile4(w, KIND, a, da4, ds4, nb, o); }
 TILE4(KIND_Q4_0)
 TILE4(KIND_Q4_1)
+TILE4(KIND_Q5_0)
+TILE4(KIND_Q5_1)
 TILE4(KIND_Q8_0)
-static const tile4_fn TILE4S[3] = {tile4_KIND_Q4_0, tile4_KIND_Q4_1, tile4_KIND_Q8_0};
+static const tile4_fn TILE4S[N_KINDS] = {tile4_KIND_Q4_0, tile4_KIND_Q4_1, tile4_KIND_Q5_0, tile4_KIND_Q5_1,
+                                         tile4_KIND_Q8_0};
 #endif
 typedef void (*dot_fn)(const uint8_t *, const act_block *const *, int64_t, float *);
-static const dot_fn DOT1[3] = {dot1_KIND_Q4_0, dot1_KIND_Q4_1, dot1_KIND_Q8_0};
-static const dot_fn DOTT[3] = {dotT_KIND_Q4_0, dotT_KIND_Q4_1, dotT_KIND_Q8_0};
+static const dot_fn DOT1[N_KINDS] = {dot1_KIND_Q4_0, dot1_KIND_Q4_1, dot1_KIND_Q5_0, dot1_KIND_Q5_1, dot1_KIND_Q8_0};
+static const dot_fn DOTT[N_KINDS] = {dotT_KIND_Q4_0, dotT_KIND_Q4_1, dotT_KIND_Q5_0, dotT_KIND_Q5_1, dotT_KIND_Q8_0};
 
 static int kind_of(int64_t wtype) {
-    return wtype == TYPE_Q4_0 ? KIND_Q4_0 : wtype == TYPE_Q4_1 ? KIND_Q4_1 : wtype == TYPE_Q8_0 ? KIND_Q8_0 : -1;
+    return wtype == TYPE_Q4_0 ? KIND_Q4_0 : wtype == TYPE_Q4_1 ? KIND_Q4_1 : wtype == TYPE_Q5_0 ? KIND_Q5_0
+         : wtype == TYPE_Q5_1 ? KIND_Q5_1 : wtype == TYPE_Q8_0 ? KIND_Q8_0 : -1;
 }
 
 /* ---- float-activation path: exact dequantisation, double sums ------------------------------------- */
@@ -255,14 +309,16 @@ static void dequant_block(const uint8_t *w, int64_t wtype, float *out) {
         for (int j = 0; j < QK; j++) out[j] = (float)(int8_t)w[2 + j] * d;
         return;
     }
-    const uint8_t *p = w + (wtype == TYPE_Q4_1 ? 4 : 2);
-    const float m = wtype == TYPE_Q4_1 ? fp16_to_f32(w + 2) : 0.0f;
-    for (int j = 0; j < QK / 2; j++) {
-        const float lo = d * (float)(wtype == TYPE_Q4_1 ? (p[j] & 0x0F) : (p[j] & 0x0F) - 8);
-        const float hi = d * (float)(wtype == TYPE_Q4_1 ? (p[j] >> 4) : (p[j] >> 4) - 8);
-        volatile float vlo = lo, vhi = hi;  /* d * q rounded before the + m (no fused multiply-add), as gguf's reference */
-        out[j] = wtype == TYPE_Q4_1 ? vlo + m : vlo;
-        out[j + QK / 2] = wtype == TYPE_Q4_1 ? vhi + m : vhi;
+    const int kind = kind_of(wtype), with_min = kind == KIND_Q4_1 || kind == KIND_Q5_1;
+    const int offset = kind == KIND_Q4_0 ? 8 : kind == KIND_Q5_0 ? 16 : 0;
+    const uint8_t *p = w + KIND_QS[kind];
+    uint32_t qh = 0;
+    if (kind == KIND_Q5_0 || kind == KIND_Q5_1) memcpy(&qh, p - 4, 4);
+    const float m = with_min ? fp16_to_f32(w + 2) : 0.0f;
+    for (int j = 0; j < QK; j++) {
+        const int u = ((j < QK / 2 ? p[j] : p[j - QK / 2] >> 4) & 0x0F) | (((qh >> j) & 1) << 4);
+        volatile float v = d * (float)(u - offset);  /* d * q rounded before the + m (no fused multiply-add), as gguf's reference */
+        out[j] = with_min ? v + m : v;
     }
 }
 
@@ -277,46 +333,71 @@ static double dot_row_float(const uint8_t *w, int64_t wtype, const float *x, int
     return acc;
 }
 
+/* ---- the entry points: every format, the 32-blocks here and the K-quants from quant_kquants.c -------- */
+static int is_k(int64_t wtype) { return flexplan_kq_block_bytes(wtype) != 0; }
+static int64_t weights_per_block(int64_t wtype) { return is_k(wtype) ? QK_K : block_bytes(wtype) ? QK : 0; }
+static int64_t any_block_bytes(int64_t wtype) { return is_k(wtype) ? flexplan_kq_block_bytes(wtype) : block_bytes(wtype); }
+static int64_t act_bytes(int64_t wtype) { return is_k(wtype) ? flexplan_kq_act_bytes() : (int64_t)sizeof(act_block); }
+
+static void quantize_any(int64_t wtype, const float *x, uint8_t *a, int64_t nb) {
+    if (is_k(wtype)) flexplan_kq_quantize_act(x, a, nb);
+    else quantize_act(x, (act_block *)a, nb);
+}
+
+/* one weight row with one quantised activation row (its blocks at a) */
+static inline void dot1_any(int64_t wtype, int kind, const uint8_t *wr, const uint8_t *a, int64_t nb, float *v) {
+    const void *row = a;
+    if (kind < 0) flexplan_kq_dot(wtype, wr, &row, nb, 1, v);
+    else DOT1[kind](wr, (const act_block *const *)&row, nb, v);
+}
+
 /* Dequantise rows [0, rows) of W into out [rows, in] float32 (exact, as gguf's reference). */
 int flexplan_quant_dequantize(const uint8_t *w, int64_t wtype, float *out, int64_t rows, int64_t in) {
-    const int64_t bb = block_bytes(wtype), nb = in / QK;
-    if (!bb || in % QK) return 1;
+    const int64_t qk = weights_per_block(wtype), bb = any_block_bytes(wtype);
+    if (!qk || in % qk) return 1;
+    const int64_t nb = in / qk;
     #pragma omp parallel for schedule(static)
     for (int64_t r = 0; r < rows; r++)
-        for (int64_t b = 0; b < nb; b++) dequant_block(w + (r * nb + b) * bb, wtype, out + r * in + b * QK);
+        for (int64_t b = 0; b < nb; b++) {
+            if (is_k(wtype)) flexplan_kq_dequantize_block(wtype, w + (r * nb + b) * bb, out + r * in + b * qk);
+            else dequant_block(w + (r * nb + b) * bb, wtype, out + r * in + b * qk);
+        }
     return 0;
 }
 
 /* y [batch, out] = x [batch, in] W^T (+ bias [out] if given); W [out, in] in blocks of wtype.
- * Returns 0, 1 for an unknown type or an in not a multiple of 32, 2 out of memory. */
+ * Returns 0, 1 for an unknown type or an in not a multiple of the block, 2 out of memory. */
 int flexplan_quant_gemm(const uint8_t *w, int64_t wtype, const float *x, float *y, const float *bias, int64_t out,
                         int64_t in, int64_t batch, int64_t float_act) {
-    const int64_t bb = block_bytes(wtype), nb = in / QK, row_bytes = nb * bb;
-    const int kind = kind_of(wtype);
-    if (!bb || in % QK || out < 0 || batch < 0) return 1;
+    const int64_t qk = weights_per_block(wtype);
+    if (!qk || in % qk || out < 0 || batch < 0) return 1;
+    const int64_t nb = in / qk, row_bytes = nb * any_block_bytes(wtype), ab = act_bytes(wtype) * nb;
+    const int kind = kind_of(wtype);  /* -1: a K-quant */
     if (float_act) {
         #pragma omp parallel for schedule(static)
         for (int64_t o = 0; o < out; o++)
             for (int64_t r = 0; r < batch; r++)
-                y[r * out + o] = (float)(dot_row_float(w + o * row_bytes, wtype, x + r * in, nb)
+                y[r * out + o] = (float)((kind < 0 ? flexplan_kq_dot_float(wtype, w + o * row_bytes, x + r * in, nb)
+                                                   : dot_row_float(w + o * row_bytes, wtype, x + r * in, nb))
                                          + (bias ? (double)bias[o] : 0.0));
         return 0;
     }
-    act_block *a = (act_block *)malloc((size_t)(batch * nb + 1) * sizeof(act_block));
+    uint8_t *a = (uint8_t *)malloc((size_t)(batch * ab + 1));
     if (!a) return 2;
-    for (int64_t r = 0; r < batch; r++) quantize_act(x + r * in, a + r * nb, nb);
+    for (int64_t r = 0; r < batch; r++) quantize_any(wtype, x + r * in, a + r * ab, nb);
     /* each tile's activation scales d and d * sum q as [block][4], for the horizontal-add tile kernel */
     float *scales = NULL;
 #ifdef HAVE_TILE4
-    if (batch >= TILE) {
+    if (batch >= TILE && kind >= 0) {
+        const act_block *ax = (const act_block *)a;
         const int64_t tiles = batch / TILE;
         scales = (float *)malloc((size_t)(tiles * nb * 2 * TILE) * sizeof(float));
         if (!scales) { free(a); return 2; }
         for (int64_t i = 0; i < tiles; i++)
             for (int64_t b = 0; b < nb; b++)
                 for (int t = 0; t < TILE; t++) {
-                    scales[(i * 2 * nb + b) * TILE + t] = a[(i * TILE + t) * nb + b].d;
-                    scales[((i * 2 + 1) * nb + b) * TILE + t] = a[(i * TILE + t) * nb + b].ds;
+                    scales[(i * 2 * nb + b) * TILE + t] = ax[(i * TILE + t) * nb + b].d;
+                    scales[((i * 2 + 1) * nb + b) * TILE + t] = ax[(i * TILE + t) * nb + b].ds;
                 }
     }
 #endif
@@ -326,20 +407,20 @@ int flexplan_quant_gemm(const uint8_t *w, int64_t wtype, const float *x, float *
         const float bo = bias ? bias[o] : 0.0f;
         int64_t r = 0;
         for (; r + TILE <= batch; r += TILE) {  /* a tile of activation rows per decoded weight block */
-            const act_block *rows[TILE];
+            const void *rows[TILE];
             float v[TILE];
-            for (int t = 0; t < TILE; t++) rows[t] = a + (r + t) * nb;
+            for (int t = 0; t < TILE; t++) rows[t] = a + (r + t) * ab;
+            if (kind < 0) flexplan_kq_dot(wtype, wr, rows, nb, TILE, v);
 #ifdef HAVE_TILE4
-            if (scales) TILE4S[kind](wr, rows, scales + (r / TILE) * nb * 2 * TILE, scales + ((r / TILE) * 2 + 1) * nb * TILE, nb, v);
-            else
+            else if (scales) TILE4S[kind](wr, (const act_block *const *)rows, scales + (r / TILE) * nb * 2 * TILE,
+                                          scales + ((r / TILE) * 2 + 1) * nb * TILE, nb, v);
 #endif
-            DOTT[kind](wr, rows, nb, v);
+            else DOTT[kind](wr, (const act_block *const *)rows, nb, v);
             for (int t = 0; t < TILE; t++) y[(r + t) * out + o] = v[t] + bo;
         }
         for (; r < batch; r++) {
-            const act_block *row = a + r * nb;
             float v;
-            DOT1[kind](wr, &row, nb, &v);
+            dot1_any(wtype, kind, wr, a + r * ab, nb, &v);
             y[r * out + o] = v + bo;
         }
     }
@@ -349,32 +430,31 @@ int flexplan_quant_gemm(const uint8_t *w, int64_t wtype, const float *x, float *
 }
 
 /* n independent GEMVs y_i [out_i] = W_i x_i in one parallel region (no fork and no Python call per
- * matrix): q/k/v on one input, gate/up, or a token's matrices for the benchmark. Each x_i is
- * quantised as flexplan_quant_gemm does, then each matrix's rows are shared out without a barrier
- * between matrices; every y_i equals flexplan_quant_gemm's for batch 1 bit for bit.
- * Returns 0, 1 for an unknown type or an in not a multiple of 32, 2 out of memory. */
+ * matrix): q/k/v on one input, gate/up, or a token's matrices for the benchmark; any formats mixed.
+ * Each x_i is quantised as flexplan_quant_gemm does, then each matrix's rows are shared out without a
+ * barrier between matrices; every y_i equals flexplan_quant_gemm's for batch 1 bit for bit.
+ * Returns 0, 1 for an unknown type or an in not a multiple of the block, 2 out of memory. */
 int flexplan_quant_gemv_list(int64_t n, const uint8_t *const *w, const int64_t *wtype, const float *const *x,
                              float *const *y, const int64_t *out, const int64_t *in) {
-    int64_t total = 0;
-    for (int64_t i = 0; i < n; i++) {
-        if (!block_bytes(wtype[i]) || in[i] % QK || out[i] < 0) return 1;
-        total += in[i] / QK;
-    }
-    act_block *a = (act_block *)malloc((size_t)(total + 1) * sizeof(act_block));
-    int64_t *start = (int64_t *)malloc((size_t)(n + 1) * sizeof(int64_t));
-    if (!a || !start) { free(a); free(start); return 2; }
+    int64_t *start = (int64_t *)malloc((size_t)(n + 1) * sizeof(int64_t));  /* byte offsets of each x_i's blocks */
+    if (!start) return 2;
     start[0] = 0;
-    for (int64_t i = 0; i < n; i++) start[i + 1] = start[i] + in[i] / QK;
+    for (int64_t i = 0; i < n; i++) {
+        const int64_t qk = weights_per_block(wtype[i]);
+        if (!qk || in[i] % qk || out[i] < 0) { free(start); return 1; }
+        start[i + 1] = start[i] + in[i] / qk * act_bytes(wtype[i]);
+    }
+    uint8_t *a = (uint8_t *)malloc((size_t)(start[n] + 1));
+    if (!a) { free(start); return 2; }
     #pragma omp parallel
     {
         #pragma omp for schedule(dynamic, 1)
-        for (int64_t i = 0; i < n; i++) quantize_act(x[i], a + start[i], in[i] / QK);
+        for (int64_t i = 0; i < n; i++) quantize_any(wtype[i], x[i], a + start[i], in[i] / weights_per_block(wtype[i]));
         for (int64_t i = 0; i < n; i++) {
             const int kind = kind_of(wtype[i]);
-            const int64_t nb = in[i] / QK, row_bytes = nb * block_bytes(wtype[i]);
-            const act_block *row = a + start[i];
+            const int64_t nb = in[i] / weights_per_block(wtype[i]), row_bytes = nb * any_block_bytes(wtype[i]);
             #pragma omp for schedule(static) nowait
-            for (int64_t o = 0; o < out[i]; o++) DOT1[kind](w[i] + o * row_bytes, &row, nb, &y[i][o]);
+            for (int64_t o = 0; o < out[i]; o++) dot1_any(wtype[i], kind, w[i] + o * row_bytes, a + start[i], nb, &y[i][o]);
         }
     }
     free(a);

@@ -1,13 +1,14 @@
 """``QuantLinear``: an ``nn.Linear`` stand-in that holds a GGUF tensor's raw blocks and runs the
-native kernel on them (``kernels.quant_gemv.c``: the GEMV for one row, the batched GEMM for a
+native kernel on them (:mod:`flexplan.quant.kernels`: the GEMV for one row, the batched GEMM for a
 prefill), never a float copy of the weight.
 
-Formats without a kernel (K-quants, Q5, float types) are dequantised once at construction into a
-float32 weight (:attr:`QuantLinear.dense`): the file still loads, the line saying so is printed by
-the model loader, which knows the tensor's name.
+Formats without a kernel (the float types, Q2_K, Q3_K, the IQ types, ...: ``formats.DEQUANTISED_AT_LOAD``)
+are dequantised once at construction into a float32 weight (:attr:`QuantLinear.dense`): the file
+still loads, the line saying so is printed by the model loader, which knows the tensor's name.
 
-``float_act``: False (the default) quantises the activation per 32-block to int8 as llama.cpp does;
-True dequantises exactly and sums in double: the reference path the tests compare tokens with.
+``float_act``: False (the default) quantises the activation to int8 as llama.cpp does (per 32-block,
+per 256-block for the K-quants); True dequantises exactly and sums in double: the reference path
+the tests compare tokens with.
 """
 
 from __future__ import annotations
