@@ -1,34 +1,51 @@
 """A GGUF file as a transformers causal LM whose decoder linears run on the file's own blocks.
 
-:func:`load_gguf_model` builds the model skeleton from the file's config (transformers reads a
-GGUF's metadata: ``AutoConfig.from_pretrained(dir, gguf_file=...)``) on the meta device, so no
-float weight is materialised for a linear; then every ``nn.Linear`` becomes a
+:func:`load_gguf_model` builds the model skeleton on the meta device from the file's config (read
+from its header by :mod:`flexplan.workload.gguf_config`, the planner's reading of the same file), so
+no float weight is materialised for a linear; then every ``nn.Linear`` becomes a
 :class:`~flexplan.quant.quant_linear.QuantLinear` holding its raw blocks, and the remaining
-parameters (norms, the embedding) are dequantised from the file. The GGUF name of each HF module
-is asked of the ``gguf`` package's own tensor-name map (``get_tensor_name_map``), walking the
-model's modules: no hand-written list.
+parameters (norms, the embedding, a MoE router) are dequantised from the file. The GGUF name of each
+HF module is asked of the ``gguf`` package's own tensor-name map (``get_tensor_name_map``), walking
+the model's modules; what transformers does to a tensor after dequantising it (Gemma's norms stored
+as ``w + 1``) is asked of its own GGUF tensor processor: no hand-written list.
+
+An architecture is supported where its linear weights are stored as transformers holds them (rows
+permuted whole, for llama: :func:`~flexplan.quant.gguf_weights.hf_rows`), since blocks cannot be
+rewritten value by value: :data:`SUPPORTED_ARCHITECTURES`, each tested on small files.
 
 The embedding (``token_embd``, small) is dequantised once; the head, when the file has no
-``output`` tensor (tied, as SmolLM2), runs on ``token_embd``'s blocks through a QuantLinear.
-Formats without a kernel are dequantised at load with one printed line naming them.
+``output`` tensor (tied, as SmolLM2), runs on ``token_embd``'s blocks through a QuantLinear. Routed
+experts held as one fused tensor per layer (Qwen3-MoE) are dequantised at load: no kernel runs
+quantised experts yet. Formats without a kernel are dequantised at load with one printed line
+naming them.
 """
 
 from __future__ import annotations
 
+import re
 import sys
 from pathlib import Path
 
 import gguf
+import numpy as np
 import torch
 from torch import nn
 
 from flexplan.errors import InvalidInputError
 from flexplan.quant import kernels
+from flexplan.quant.formats import BY_NAME
 from flexplan.quant.gguf_weights import GGUFWeights, read_gguf
 from flexplan.quant.quant_linear import QuantLinear
+from flexplan.workload.gguf_config import hf_config
+from flexplan.workload.gguf_header import read_header
 
-# the architectures whose GGUF tensors this loader maps and whose rows it permutes as transformers does
-SUPPORTED_ARCHITECTURES = ("llama",)
+# the GGUF architectures whose tensors this loader maps (general.architecture; llama.cpp writes
+# Mistral and SmolLM as "llama"), each checked against transformers on small files (tests/test_gguf_archs.py)
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma3", "qwen3moe")
+ARCHITECTURE_NOTE = "llama (Llama, Mistral, SmolLM), qwen2, qwen3, gemma3, qwen3moe"
+# fused routed experts (transformers 5 holds [experts, out, in] per layer): GGUF keeps gate and up
+# apart; concatenated gate first on the out axis, as transformers' Qwen2MoeTensorProcessor does
+FUSED_EXPERTS = {"gate_up_proj": ("ffn_gate_exps", "ffn_up_exps"), "down_proj": ("ffn_down_exps",)}
 
 
 def _arch_enum(name: str) -> gguf.MODEL_ARCH:
@@ -41,29 +58,51 @@ def _arch_enum(name: str) -> gguf.MODEL_ARCH:
 def _check(path: Path) -> GGUFWeights:
     if not path.is_file():
         raise InvalidInputError(f"{path}: no such GGUF file; pass the path of a .gguf file "
-                                f"(architectures flexplan runs from GGUF: {', '.join(SUPPORTED_ARCHITECTURES)})")
+                                f"(architectures flexplan runs from GGUF: {ARCHITECTURE_NOTE})")
     weights = read_gguf(path)  # refuses, naming it, a tensor type flexplan does not read
     if weights.architecture not in SUPPORTED_ARCHITECTURES:
         raise InvalidInputError(f"{path}: GGUF architecture {weights.architecture!r} is not supported; flexplan runs "
-                                f"{', '.join(SUPPORTED_ARCHITECTURES)} GGUF files (or load a HuggingFace folder)")
+                                f"{ARCHITECTURE_NOTE} GGUF files (or load a HuggingFace folder)")
     return weights
 
 
-def gguf_config_and_tokenizer(path: Path, tokenizer: bool = True):
-    """transformers' config (and tokenizer) read from the GGUF's metadata."""
-    from transformers import AutoConfig, AutoTokenizer
+def gguf_tokenizer(path: Path, config):
+    """transformers' tokenizer of the file, built from its metadata by the class ``AutoTokenizer``
+    picks for ``config`` (``AutoTokenizer.from_pretrained(dir, gguf_file=)`` would first read the
+    config again with transformers' full metadata reader: seconds for a large vocabulary); padded
+    on the left, as decoder-only generation pads. None, with the reason, where the file has none."""
+    from transformers.models.auto.tokenization_auto import TOKENIZER_MAPPING
+    from transformers.tokenization_utils_tokenizers import TokenizersBackend
 
-    config = AutoConfig.from_pretrained(str(path.parent), gguf_file=path.name)
-    tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name) if tokenizer else None
+    cls = (TOKENIZER_MAPPING[type(config)] if type(config) in TOKENIZER_MAPPING else None) or TokenizersBackend
+    try:
+        tok = cls.from_pretrained(str(path.parent), gguf_file=path.name)
+    except (KeyError, ValueError, TypeError) as e:
+        return None, f"no tokenizer in {path.name}'s metadata ({type(e).__name__}: {e})"
+    tok.padding_side = "left"
+    return tok, ""
+
+
+def gguf_config_and_tokenizer(path: Path, tokenizer: bool = True):
+    """transformers' config (and tokenizer, or None) read from the GGUF's metadata."""
+    config = hf_config(read_header(path))
+    tok = gguf_tokenizer(path, config)[0] if tokenizer else None
     return config, tok
 
 
 def _skeleton(config) -> nn.Module:
-    """The model on the meta device: structure only, no storage."""
+    """The model on the meta device: structure only, no storage; computed buffers (rotary
+    frequencies, Gemma's embedding scale) made on the CPU by transformers' own initialiser."""
     from transformers import AutoModelForCausalLM
 
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    for module in model.modules():
+        meta = [k for k, b in module.named_buffers(recurse=False) if b is not None and b.is_meta]
+        for k in meta:
+            module._buffers[k] = torch.empty_like(module._buffers[k], device="cpu")
+        if meta:
+            model._init_weights(module)  # meta parameters stay meta: they are loaded from the file next
     return model.eval()
 
 
@@ -72,12 +111,57 @@ def _set_module(model: nn.Module, name: str, module: nn.Module) -> None:
     setattr(model.get_submodule(parent) if parent else model, child, module)
 
 
-def _rebuild_meta_buffers(model: nn.Module) -> None:
-    """Modules whose buffers are computed, not loaded (rotary inv_freq): built again on the CPU."""
-    for name, module in list(model.named_modules()):
-        if any(b is not None and b.is_meta for b in module.buffers(recurse=False)):
-            config = getattr(module, "config", None) or model.config
-            _set_module(model, name, type(module)(config=config))
+class _Tensors:
+    """The file's tensors as transformers holds them: llama's q/k rows permuted back (on the blocks),
+    then transformers' GGUF tensor processor for the architecture applied to dequantised values."""
+
+    def __init__(self, weights: GGUFWeights, config):
+        from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor
+
+        self.weights, self.used = weights, set()
+        self.processor = TENSOR_PROCESSORS.get(weights.architecture, TensorProcessor)(config=config.to_dict())
+
+    def has(self, key: str) -> bool:
+        return key in self.weights.tensors
+
+    def blocks(self, key: str):
+        self.used.add(key)
+        return self.weights.hf_tensor(key)
+
+    def dense(self, key: str) -> torch.Tensor:
+        """float32 values of ``key`` after transformers' processing of the same tensor."""
+        values = self.blocks(key).dequantize()
+        out = self.processor.process(weights=values.numpy(), name=key)
+        return torch.from_numpy(np.ascontiguousarray(out.weights, dtype=np.float32)).reshape(values.shape)
+
+
+def _check_shape(path: Path, key: str, shape, hf_name: str, want) -> None:
+    """The file's tensor must be the shape the config gives the module: a config read wrong shows here."""
+    if tuple(shape) != tuple(want):
+        raise InvalidInputError(f"{path}: tensor {key} is {list(shape)} but the config read from the file makes "
+                                f"{hf_name} {list(want)}; the file's metadata and tensors disagree")
+
+
+def _fused_experts(model: nn.Module, tensors: _Tensors, path: Path) -> list[str]:
+    """Fill every fused-experts parameter (:data:`FUSED_EXPERTS`) from the file; the layers filled."""
+    filled = []
+    for mod_name, module in model.named_modules():
+        params = dict(module.named_parameters(recurse=False))
+        if not params or not set(params) <= set(FUSED_EXPERTS):
+            continue
+        layer = re.search(r"\.layers\.(\d+)\.", f".{mod_name}.")
+        if layer is None:
+            raise InvalidInputError(f"{path}: experts module {mod_name} is in no decoder layer")
+        for pname in params:
+            keys = [f"blk.{layer.group(1)}.{k}.weight" for k in FUSED_EXPERTS[pname]]
+            missing = [k for k in keys if not tensors.has(k)]
+            if missing:
+                raise InvalidInputError(f"{path}: no tensor {', '.join(missing)} for {mod_name}.{pname}")
+            value = torch.cat([tensors.dense(k) for k in keys], dim=1)
+            _check_shape(path, " + ".join(keys), value.shape, f"{mod_name}.{pname}", params[pname].shape)
+            module._parameters[pname] = nn.Parameter(value, requires_grad=False)
+        filled.append(mod_name)
+    return filled
 
 
 def load_gguf_model(path: str | Path, *, tokenizer: bool = True, float_act: bool = False, dequantize_all: bool = False,
@@ -89,24 +173,24 @@ def load_gguf_model(path: str | Path, *, tokenizer: bool = True, float_act: bool
     weights = _check(path)
     config, tok = gguf_config_and_tokenizer(path, tokenizer)
     model = _skeleton(config)
+    tensors = _Tensors(weights, config)
     names = gguf.get_tensor_name_map(_arch_enum(weights.architecture), config.num_hidden_layers)
     native, why = kernels.status()
     dequantised: dict[str, list[str]] = {}
-    used: set[str] = set()
+    experts = _fused_experts(model, tensors, path)
     for mod_name, module in list(model.named_modules()):
         base = names.get_name(mod_name)
         if base is None:
             continue
         if isinstance(module, nn.Linear):
             key = f"{base}.weight"
-            if key not in weights.tensors and mod_name == "lm_head":
+            if not tensors.has(key) and mod_name == "lm_head":
                 key = names.get_name("model.embed_tokens") + ".weight"  # tied head: the embedding's blocks
-            if key not in weights.tensors:
+            if not tensors.has(key):
                 raise InvalidInputError(f"{path}: no tensor {key} for {mod_name}")
-            qt = weights.hf_tensor(key)
-            bias_t = weights.tensors.get(f"{base}.bias")
-            bias = None if bias_t is None else weights.hf_tensor(f"{base}.bias").dequantize()
-            used.update({key, f"{base}.bias"})
+            qt = tensors.blocks(key)
+            _check_shape(path, key, qt.shape, f"{mod_name}.weight", (module.out_features, module.in_features))
+            bias = tensors.dense(f"{base}.bias") if tensors.has(f"{base}.bias") else None
             if dequantize_all:
                 lin = nn.Linear(module.in_features, module.out_features, bias=bias is not None)
                 lin.weight = nn.Parameter(qt.dequantize(), requires_grad=False)
@@ -118,19 +202,25 @@ def load_gguf_model(path: str | Path, *, tokenizer: bool = True, float_act: bool
                 dequantised.setdefault(qt.format.name, []).append(key)
             _set_module(model, mod_name, QuantLinear(qt, bias, float_act))
         else:
-            for pname, _ in list(module.named_parameters(recurse=False)):
+            for pname, param in list(module.named_parameters(recurse=False)):
                 key = f"{base}.{pname}"
-                if key not in weights.tensors:
+                if not tensors.has(key):
                     raise InvalidInputError(f"{path}: no tensor {key} for {mod_name}.{pname}")
-                used.add(key)
-                module._parameters[pname] = nn.Parameter(weights.hf_tensor(key).dequantize(), requires_grad=False)
-    _rebuild_meta_buffers(model)
+                value = tensors.dense(key)
+                _check_shape(path, key, value.shape, f"{mod_name}.{pname}", param.shape)
+                module._parameters[pname] = nn.Parameter(value, requires_grad=False)
     left = [n for n, p in model.named_parameters() if p.is_meta]
     if left:
         raise InvalidInputError(f"{path}: no GGUF tensor found for {', '.join(left[:5])}")
     for fmt, keys in dequantised.items():
+        if BY_NAME[fmt].is_float:  # stored unquantised: nothing to run on blocks
+            log(f"flexplan: {len(keys)} {fmt} linear weights run as float32 (the file stores them unquantised)")
+            continue
         reason = "no native kernel for it" if native is not None else f"native kernels unavailable: {why}"
         log(f"flexplan: {len(keys)} {fmt} linear weights dequantised to float32 at load ({reason})")
+    if experts and not dequantize_all:
+        log(f"flexplan: the routed experts of {len(experts)} layers dequantised to float32 at load "
+            "(no kernel runs quantised experts yet)")
     model.config.tie_word_embeddings = False  # the head holds its own blocks; nothing to tie again
     model.flexplan_gguf = {"path": str(path), "formats": weights.formats()}
     return model, tok

@@ -9,6 +9,8 @@ from pathlib import Path
 from typing import Any
 
 from flexplan.errors import MalformedDataError, UnknownModelError, suggest
+from flexplan.workload.gguf_config import hf_config_dict, spec_from_gguf
+from flexplan.workload.gguf_header import is_gguf_path, read_header
 from flexplan.workload.model import ModelSpec
 
 
@@ -40,8 +42,10 @@ def _load_catalog_spec(model_id: str) -> ModelSpec:
 
 
 def config_dict(model: str) -> dict | None:
-    """The HuggingFace config of a catalog id (as :func:`resolve_model` matches it) or of a
-    ``config.json`` / model folder path; None for anything else."""
+    """The HuggingFace config of a catalog id (as :func:`resolve_model` matches it), of a
+    ``config.json`` / model folder path or of a GGUF file (its metadata); None for anything else."""
+    if is_gguf_path(model) and Path(model).expanduser().is_file():
+        return hf_config_dict(read_header(Path(model).expanduser()))
     files = _catalog_files()
     key = ({k.lower(): k for k in files}.get(model.lower())
            or {k.split("/")[-1].lower(): k for k in files}.get(model.lower()))
@@ -54,14 +58,17 @@ def config_dict(model: str) -> dict | None:
 
 
 def resolve_model(model: Any) -> ModelSpec:
-    """A catalog id (case-insensitive, org optional), a config.json / model folder path, a
-    ``PretrainedConfig``, a loaded model (its ``.config``) or a :class:`ModelSpec`."""
+    """A catalog id (case-insensitive, org optional), a config.json / model folder path, a GGUF
+    file (its metadata only, never its tensors), a ``PretrainedConfig``, a loaded model (its
+    ``.config``) or a :class:`ModelSpec`."""
     if isinstance(model, ModelSpec):
         return model
     if hasattr(model, "config") and hasattr(model.config, "to_dict"):
         return ModelSpec.from_config(model.config)
     if not isinstance(model, (str, Path)):
         return ModelSpec.from_config(model)
+    if is_gguf_path(model):
+        return spec_from_gguf(model)
     text = str(model)
     files = _catalog_files()
     lowered = {k.lower(): k for k in files}

@@ -77,6 +77,10 @@ class ModelSpec:
     q_lora_rank: int = 0
     qk_rope_head_dim: int = 0
     kv_latent: bool = False  # MLA whose cache holds the latent (kv_lora_rank + rope per token), not per-head K, V
+    # how a GGUF file stores the weights (workload.gguf_config.stored_weights): (operator group, GGUF format,
+    # parameters) triples; (): every weight in the plan's dtype (a HuggingFace folder). The hook for pricing
+    # compressed weights: bytes = parameters * flexplan.quant.formats.BY_NAME[format].bytes_per_weight
+    stored_weights: tuple[tuple[str, str, int], ...] = ()
 
     def __post_init__(self) -> None:
         fix = lambda k, v: object.__setattr__(self, k, v)  # noqa: E731  (frozen dataclass defaults)
@@ -90,6 +94,7 @@ class ModelSpec:
             fix("moe_layers", (False,) * self.num_layers)
         fix("layer_types", tuple(self.layer_types))
         fix("moe_layers", tuple(bool(x) for x in self.moe_layers))
+        fix("stored_weights", tuple((str(g), str(f), int(n)) for g, f, n in self.stored_weights))
 
     # ---- construction -------------------------------------------------------------
     @classmethod
@@ -168,6 +173,11 @@ class ModelSpec:
     @property
     def is_moe(self) -> bool:
         return any(self.moe_layers)
+
+    def stored_formats(self, group: str) -> dict[str, int]:
+        """{GGUF format: parameters} of operator ``group`` as its file stores them ({}: a HuggingFace
+        folder, weights in the plan's dtype); a tied head has none, it reads "embedding"'s."""
+        return {fmt: n for g, fmt, n in self.stored_weights if g == group}
 
     def layer_window(self, i: int) -> int | None:
         """Keys layer ``i`` attends over at most (None: the whole context)."""

@@ -1,0 +1,135 @@
+"""A GGUF file's model, as the planner sees it: its transformers config and how its weights are stored.
+
+:func:`hf_config_dict` turns the header's metadata (:mod:`flexplan.workload.gguf_header`) into the
+config dict transformers builds for the same file (``AutoConfig.from_pretrained(dir, gguf_file=)``):
+transformers' own key tables (``GGUF_CONFIG_MAPPING``, its per-architecture defaults and its
+architecture-specific config builders) applied as ``load_gguf_checkpoint`` applies them, without its
+reader, which parses every vocabulary string (seconds for a 49k-token vocabulary). Additions
+(:data:`ADDED_KEYS`): widths llama.cpp writes that transformers' table leaves unread for some
+architectures (qwen3's ``attention.key_length``, qwen3moe's ``expert_feed_forward_length``), where
+the config class's default would otherwise stand in for the file's value. Tests hold the result
+equal to transformers' reading wherever transformers reads the file right.
+
+:func:`stored_weights` is the hook for pricing compressed weights: per operator group (the groups of
+``ModelSpec.layer_group_params``, plus "embedding", "lm_head" and "final_norm"), which GGUF format
+holds how many of its parameters. A tied head reads the embedding's blocks and has no entry.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import replace
+from functools import lru_cache
+from pathlib import Path
+
+from flexplan.errors import InvalidInputError, UnsupportedModelError
+from flexplan.quant.formats import GGML_TYPE_NAMES, GGUF_FORMATS
+from flexplan.workload.gguf_header import GGUFHeader, read_header
+from flexplan.workload.model import ModelSpec
+
+# transformers names some GGUF architectures differently (load_gguf_checkpoint's renames)
+_HF_ARCHITECTURE = {"qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe", "gpt-oss": "gpt_oss", "minimax-m2": "minimax_m2"}
+# architectures whose head ties to the embedding whatever the file holds (load_gguf_checkpoint's exceptions)
+_ALWAYS_TIED = ("falcon", "bloom")
+# llama.cpp's keys (after the architecture) -> the config field they set, where transformers' table
+# sets that field from no key for the architecture: its class default would stand in for the file's value
+ADDED_KEYS = {"attention.key_length": "head_dim", "expert_feed_forward_length": "moe_intermediate_size",
+              "expert_shared_feed_forward_length": "shared_expert_intermediate_size"}
+# GGUF's tensor names (gguf-py's constants.py TENSOR_NAMES) to ModelSpec's operator groups, first match wins
+_GROUPS = (
+    (r"token_embd\.", "embedding"), (r"output_norm\.", "final_norm"), (r"output\.", "lm_head"),
+    (r"blk\.\d+\.attn_(q|k|v|qkv|output|q_norm|k_norm|sinks)\.", "attention"),
+    (r"blk\.\d+\.ffn_gate_inp_shexp\.", "shared_experts"), (r"blk\.\d+\.ffn_gate_inp\.", "router"),
+    (r"blk\.\d+\.ffn_\w+_exps\.", "experts"), (r"blk\.\d+\.ffn_\w+_shexp\.", "shared_experts"),
+    (r"blk\.\d+\.ffn_(gate|up|down)\.", "mlp"), (r"blk\.\d+\.\w*norm\w*\.", "norms"),
+)
+
+
+def _single(value):
+    """transformers reads a one-element array as its element (``load_gguf_checkpoint``)."""
+    return value[0] if isinstance(value, list) and len(value) == 1 else value
+
+
+def hf_config_dict(header: GGUFHeader) -> dict:
+    """The transformers config dict of the file ``header`` describes (see the module docstring)."""
+    from transformers.integrations.ggml import GGUF_CONFIG_DEFAULTS_MAPPING, GGUF_CONFIG_MAPPING
+
+    try:  # transformers' per-architecture config builders (qwen35, lfm2, ...), newer than 5.0
+        from transformers.integrations.gguf.gguf_config_mapping import GGUF_CONFIG_ARCHS, get_gguf_config
+    except ImportError:
+        GGUF_CONFIG_ARCHS, get_gguf_config = {}, None
+    md, arch = header.metadata, header.architecture
+    if not arch:
+        raise InvalidInputError(f"{header.path}: the GGUF metadata names no general.architecture")
+    if arch in GGUF_CONFIG_ARCHS:  # transformers' own builder for this architecture
+        return get_gguf_config(md, header.tensor_names)
+    name = md.get("general.name")
+    # transformers loads a "llama" file named exactly "mistral" as Mistral (llama.cpp writes Mistral as llama)
+    hf_arch = "mistral" if "llama" in arch and name == "mistral" else _HF_ARCHITECTURE.get(arch, arch)
+    if hf_arch not in GGUF_CONFIG_MAPPING:
+        known = sorted(k for k in GGUF_CONFIG_MAPPING if k not in ("general", "tokenizer"))
+        raise UnsupportedModelError(f"{header.path}: GGUF architecture {arch!r} has no transformers config mapping; "
+                                    f"transformers reads {', '.join(known + sorted(GGUF_CONFIG_ARCHS))}")
+    cfg: dict = {"tie_word_embeddings": "output.weight" not in header.tensor_names or arch in _ALWAYS_TIED}
+    for key, value in GGUF_CONFIG_DEFAULTS_MAPPING.get(hf_arch, GGUF_CONFIG_DEFAULTS_MAPPING.get(arch) or {}).items():
+        cfg.setdefault(key, value)
+    for key, value in md.items():
+        prefix, _, rest = key.replace(arch, hf_arch).partition(".")
+        target = GGUF_CONFIG_MAPPING.get(prefix, {}).get(rest)
+        if target is None or target == -1:
+            continue
+        value = _single(value)
+        cfg[target] = value.replace(arch, hf_arch) if isinstance(value, str) and arch in value else value
+    for key, target in ADDED_KEYS.items():
+        value = md.get(f"{arch}.{key}")
+        if value is not None and target not in GGUF_CONFIG_MAPPING[hf_arch].values():
+            cfg[target] = int(_single(value))
+    if cfg.get("model_type") == "gemma3":  # a Gemma 3 GGUF holds the text model only
+        cfg["model_type"] = "gemma3_text"
+    if "vocab_size" not in cfg and isinstance(md.get("tokenizer.ggml.tokens"), (int, list)):
+        tokens = md["tokenizer.ggml.tokens"]
+        cfg["vocab_size"] = tokens if isinstance(tokens, int) else len(tokens)
+    return cfg
+
+
+def hf_config(header: GGUFHeader):
+    """The transformers ``PretrainedConfig`` of the file (the config class's defaults filled in)."""
+    from transformers import AutoConfig
+
+    cfg = dict(hf_config_dict(header))
+    try:
+        return AutoConfig.for_model(cfg.pop("model_type"), **cfg)
+    except (KeyError, ValueError) as e:
+        raise UnsupportedModelError(f"{header.path}: transformers has no config class for it ({e})") from None
+
+
+def _format_name(ggml_type: int) -> str:
+    fmt = GGUF_FORMATS.get(ggml_type)
+    return fmt.name if fmt is not None else GGML_TYPE_NAMES.get(ggml_type, f"GGML type {ggml_type}")
+
+
+def stored_weights(header: GGUFHeader) -> tuple[tuple[str, str, int], ...]:
+    """(operator group, GGUF format, parameters) for every group and format the file holds, sorted."""
+    counts: dict[tuple[str, str], int] = {}
+    for t in header.tensors:
+        group = next((g for pattern, g in _GROUPS if re.match(pattern, t.name)), "other")
+        key = (group, _format_name(t.ggml_type))
+        counts[key] = counts.get(key, 0) + t.numel
+    return tuple(sorted((g, f, n) for (g, f), n in counts.items()))
+
+
+@lru_cache(maxsize=16)
+def _spec(path: str, size_bytes: int, mtime_ns: int) -> ModelSpec:
+    header = read_header(path)
+    spec = ModelSpec.from_config(hf_config(header), name=Path(path).name)
+    return replace(spec, stored_weights=stored_weights(header))
+
+
+def spec_from_gguf(path: str | Path) -> ModelSpec:
+    """The ModelSpec of GGUF file ``path``, named after the file, from its header alone (cached per
+    file version: a run resolves its model several times)."""
+    p = Path(path).expanduser()
+    if not p.is_file():
+        raise InvalidInputError(f"{path}: no such GGUF file; pass the path of a .gguf file")
+    st = p.stat()
+    return _spec(str(p.resolve()), st.st_size, st.st_mtime_ns)

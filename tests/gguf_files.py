@@ -1,0 +1,144 @@
+"""Small GGUF files for the tests, written with the ``gguf`` package's GGUFWriter from tiny random
+transformers models: what llama.cpp's ``convert_hf_to_gguf.py`` writes for the same models (its
+metadata keys, tensor names, Llama's q/k row permutation, Gemma's norms stored as ``w + 1``, a
+MoE's experts stacked per layer), without llama.cpp, so the tests that use them always run.
+
+The tokenizer is byte-level BPE (``tokenizer.ggml.model`` "gpt2") over the 256 byte symbols, two
+merges and an end-of-text token: 259 tokens, the vocabulary of every model here.
+"""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import torch
+
+VOCAB_SIZE = 259
+EOS_ID = 258
+# transformers model_type -> the GGUF architecture llama.cpp's converter writes it as
+GGUF_ARCH = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3_text": "gemma3",
+             "qwen3_moe": "qwen3moe"}
+ARCHS = ("llama", "mistral", "qwen2", "qwen3", "gemma3", "qwen3_moe")
+
+
+def tiny_model(arch: str, seed: int = 0):
+    """A random float32 causal LM of family ``arch`` (hidden 64, 2 layers; every linear's input a
+    multiple of 32, so each quantises to whole blocks), weights spread enough that the top token is
+    not a coin toss."""
+    import transformers
+    from transformers import AutoModelForCausalLM
+
+    common = dict(vocab_size=VOCAB_SIZE, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, bos_token_id=EOS_ID,
+                  eos_token_id=EOS_ID, pad_token_id=EOS_ID, initializer_range=0.2)
+    config = {
+        "llama": lambda: transformers.LlamaConfig(**common, tie_word_embeddings=True),
+        "mistral": lambda: transformers.MistralConfig(**common, sliding_window=None, tie_word_embeddings=False),
+        "qwen2": lambda: transformers.Qwen2Config(**common, tie_word_embeddings=True),
+        "qwen3": lambda: transformers.Qwen3Config(**common, head_dim=32, tie_word_embeddings=False),
+        "gemma3": lambda: transformers.Gemma3TextConfig(**common, head_dim=16, sliding_window=4,
+                                                       query_pre_attn_scalar=256),
+        "qwen3_moe": lambda: transformers.Qwen3MoeConfig(**common, head_dim=16, moe_intermediate_size=32,
+                                                         num_experts=4, num_experts_per_tok=2, norm_topk_prob=True,
+                                                         tie_word_embeddings=False),
+    }[arch]()
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    with torch.no_grad():  # norms away from their initial constant, so a misplaced one shows
+        for name, p in model.named_parameters():
+            if p.dim() == 1:
+                p.add_(0.1 * torch.randn_like(p))
+    return model
+
+
+def _byte_tokens() -> list[str]:
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    return [bytes_to_unicode()[b] for b in range(256)]
+
+
+def _permute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """convert_hf_to_gguf.py's LlamaModel.permute: rotary halves interleaved, rows [n_head, dim, 2]."""
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _metadata(w: gguf.GGUFWriter, config, arch: str, name: str) -> None:
+    w.add_name(name)
+    w.add_block_count(config.num_hidden_layers)
+    w.add_context_length(config.max_position_embeddings)
+    w.add_embedding_length(config.hidden_size)
+    w.add_feed_forward_length(config.intermediate_size)
+    w.add_head_count(config.num_attention_heads)
+    w.add_head_count_kv(config.num_key_value_heads)
+    w.add_layer_norm_rms_eps(config.rms_norm_eps)
+    rope = config.rope_parameters
+    w.add_rope_freq_base((rope.get("full_attention") or rope)["rope_theta"])  # Gemma 3: the global layers' base
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    w.add_rope_dimension_count(head_dim)
+    if config.to_dict().get("head_dim") is not None:  # the converter writes the widths a config states
+        w.add_key_length(head_dim)
+        w.add_value_length(head_dim)
+    if arch == "gemma3":
+        w.add_sliding_window(config.sliding_window)
+    if arch == "qwen3moe":
+        w.add_expert_count(config.num_experts)
+        w.add_expert_used_count(config.num_experts_per_tok)
+        w.add_expert_feed_forward_length(config.moe_intermediate_size)
+    w.add_vocab_size(config.vocab_size)
+    tokens = _byte_tokens() + ["\u0120t", "he", "<|endoftext|>"]
+    w.add_tokenizer_model("gpt2")
+    w.add_token_list(tokens)
+    w.add_token_types([1] * (len(tokens) - 1) + [3])
+    w.add_token_merges(["\u0120 t", "h e"])
+    w.add_bos_token_id(EOS_ID)
+    w.add_eos_token_id(EOS_ID)
+    w.add_pad_token_id(EOS_ID)
+
+
+def _tensors(model, arch: str):
+    """(GGUF name, float32 array) for every tensor the converter writes, in torch order."""
+    config = model.config
+    names = gguf.get_tensor_name_map(next(a for a, n in gguf.MODEL_ARCH_NAMES.items() if n == arch),
+                                     config.num_hidden_layers)
+    for hf_name, p in model.state_dict().items():
+        if hf_name == "lm_head.weight" and config.tie_word_embeddings:
+            continue
+        value = p.detach().float().numpy().copy()
+        if hf_name.endswith((".gate_up_proj", ".down_proj")) and ".experts." in hf_name:
+            layer = hf_name.split(".layers.")[1].split(".")[0]
+            if hf_name.endswith("gate_up_proj"):
+                gate, up = np.split(value, 2, axis=1)
+                yield f"blk.{layer}.ffn_gate_exps.weight", gate
+                yield f"blk.{layer}.ffn_up_exps.weight", up
+            else:
+                yield f"blk.{layer}.ffn_down_exps.weight", value
+            continue
+        gguf_name = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
+        if gguf_name is None:
+            raise KeyError(f"no GGUF name for {hf_name}")
+        if arch == "llama" and gguf_name.endswith(("attn_q.weight", "attn_k.weight")):
+            heads = config.num_attention_heads if "attn_q" in gguf_name else config.num_key_value_heads
+            value = _permute(value, heads)
+        if arch == "gemma3" and "norm" in gguf_name:
+            value = value + 1  # transformers' Gemma RMSNorm scales by (1 + w); llama.cpp stores w + 1
+        yield gguf_name, value
+
+
+def write_gguf(model, path, qtype: str = "F32", name: str | None = None) -> None:
+    """``model`` as a GGUF file: 2-D weights in ``qtype`` (F32, F16, Q8_0, Q4_0, Q4_1: gguf's own
+    quantisers), 1-D tensors, experts' stacks and the F32 choice as float32."""
+    config = model.config
+    arch = GGUF_ARCH[config.model_type]
+    w = gguf.GGUFWriter(str(path), arch)
+    _metadata(w, config, arch, name or f"tiny-{config.model_type}")
+    q = gguf.GGMLQuantizationType[qtype]
+    for gguf_name, value in _tensors(model, arch):
+        if value.ndim == 2 and q not in (gguf.GGMLQuantizationType.F32,):
+            data = value.astype(np.float16) if q == gguf.GGMLQuantizationType.F16 else gguf.quants.quantize(value, q)
+            w.add_tensor(gguf_name, data, raw_dtype=q)
+        else:
+            w.add_tensor(gguf_name, np.ascontiguousarray(value, dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()

