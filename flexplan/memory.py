@@ -26,13 +26,14 @@ What the model holds comes as an :class:`Inventory` (tensor shapes of each unit)
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import cached_property
 from typing import Mapping
 
 import numpy as np
 
 from flexplan.hardware.spec import DTYPE_BYTES, cpu_weight_dtype
+from flexplan.workload import weight_formats
 from flexplan.placement import (
     ACCELERATOR,
     HOST,
@@ -63,6 +64,7 @@ class Tensor:
     name: str
     shape: tuple[int, ...]
     kind: str = PLAIN
+    bytes_per_weight: float = 0.0  # held as a GGUF file's blocks (on the host, as loaded); 0: in the place's dtype
 
 
 @dataclass(frozen=True)
@@ -100,12 +102,21 @@ class Inventory:
         return len(set(self.layers)) <= 1
 
     @classmethod
-    def from_spec(cls, spec) -> "Inventory":
+    def from_spec(cls, spec, weights: tuple = ()) -> "Inventory":
         """What the executor would hold for ``spec`` (workload.ModelSpec), unit by unit: each
         layer's projections as the linears transformers builds (packed on the host), routed experts
         as the fused 3-D tensors transformers 5 holds them in (never packed), and what else a layer
         holds (norms, QK-norms, sinks, biases) as one plain tensor per group of the size the spec
-        counts. Layers differ where the spec says they do (dense and MoE layers)."""
+        counts. Layers differ where the spec says they do (dense and MoE layers). ``weights``: the
+        (group, format, parameters) triples of a GGUF file whose blocks the host keeps
+        (workload.weight_formats): each group's tensors at its bytes per weight."""
+        per_group = weight_formats.group_bytes_per_weight(tuple(weights)) if weights else {}
+
+        def held(group, tensors):
+            if group not in per_group:
+                return list(tensors)
+            return [replace(t, bytes_per_weight=per_group[group]) if t.kind != ALIAS else t for t in tensors]
+
         h, q, kvd = spec.hidden_size, spec.q_dim, spec.num_kv_heads * (spec.v_head_dim or spec.head_dim)
         kd = spec.num_kv_heads * spec.head_dim
         emb = spec.word_embed_proj_dim or h
@@ -140,17 +151,17 @@ class Inventory:
         layers = []
         for i in range(spec.num_layers):
             g = spec.layer_group_params(i)
-            layer = rest("attention.rest", list(attn), g["attention"]) + rest("norms", norm("attn_norm") + norm("mlp_norm"),
-                                                                              g["norms"])
+            layer = held("attention", rest("attention.rest", list(attn), g["attention"])) + held(
+                "norms", rest("norms", norm("attn_norm") + norm("mlp_norm"), g["norms"]))
             if g["mlp"]:
-                layer += rest("mlp.rest", mlp("mlp", spec.intermediate_size, spec.mlp_bias), g["mlp"])
+                layer += held("mlp", rest("mlp.rest", mlp("mlp", spec.intermediate_size, spec.mlp_bias), g["mlp"]))
             if g["router"]:
-                layer.append(Tensor("router.weight", (g["router"],)))
+                layer += held("router", [Tensor("router.weight", (g["router"],))])
             if g["experts"]:  # transformers 5 fuses the experts into 3-D parameters: held as they are
-                layer.append(Tensor("experts", (g["experts"],), EXPERTS))
+                layer += held("experts", [Tensor("experts", (g["experts"],), EXPERTS)])
             if g["shared_experts"]:
-                layer += rest("shared.rest", mlp("shared", spec.shared_expert_intermediate_size, spec.mlp_bias),
-                              g["shared_experts"])
+                layer += held("shared_experts", rest("shared.rest", mlp("shared", spec.shared_expert_intermediate_size,
+                                                                         spec.mlp_bias), g["shared_experts"]))
             layers.append(tuple(layer))
         tied = spec.tie_word_embeddings
         embedding = [Tensor("embed_tokens.weight", (spec.vocab_size, emb), TIED_EMBEDDING if tied else PLAIN)]
@@ -163,10 +174,15 @@ class Inventory:
         head = norm("final_norm") if spec.final_norm else []
         if spec.word_embed_proj_dim:
             head.append(Tensor("project_out.weight", (emb, h), LINEAR))
-        head = rest("head.rest", head, spec.final_norm_params + (emb * h if spec.word_embed_proj_dim else 0))
-        head.append(Tensor("lm_head.weight", (spec.vocab_size, emb), ALIAS if tied else LINEAR))
+        head = held("final_norm", rest("head.rest", head, spec.final_norm_params + (emb * h if spec.word_embed_proj_dim else 0)))
+        if weights:  # the head holds blocks of its own (the embedding's where tied) beside the float32 embedding
+            head.append(Tensor("lm_head.weight", (spec.vocab_size, emb), LINEAR, weight_formats.head_bytes_per_weight(weights)))
+            embedding = [replace(t, kind=PLAIN) if t.kind == TIED_EMBEDDING else t for t in embedding]
+        else:
+            head.append(Tensor("lm_head.weight", (spec.vocab_size, emb), ALIAS if tied else LINEAR))
         if getattr(spec, "lm_head_bias", False):
             head.append(Tensor("lm_head.bias", (spec.vocab_size,)))
+        embedding = held("embedding", embedding)
         return cls(tuple(embedding), tuple(layers), tuple(head), spec.num_kv_heads, spec.head_dim,
                    activation_elems_per_row(spec),
                    spec.vocab_size, v_head_dim=spec.v_head_dim or spec.head_dim,
@@ -226,7 +242,9 @@ def unit_bytes(tensors: tuple[Tensor, ...], place: str, dtype: str, cpu_dtype: s
     for t in tensors:
         if t.kind == ALIAS:
             continue
-        if _packed(t, kernel):
+        if t.bytes_per_weight:  # a GGUF file's blocks, one buffer each as loaded
+            packed += math.ceil(math.prod(t.shape) * t.bytes_per_weight)
+        elif _packed(t, kernel):
             packed += _packed_rows(t, kernel) * math.prod(t.shape[1:]) * DTYPE_BYTES[packed_dtype(t, wdt, cpu_dtype, kernel)]
         else:
             flat += _padded(math.prod(t.shape) * DTYPE_BYTES[cpu_dtype])
@@ -298,7 +316,8 @@ def _units(inv: Inventory, dtype: str, cpu_dtype: str, kernel: str | None) -> di
 def _expert_bytes(tensors: tuple[Tensor, ...], place: str, dtype: str, cpu_dtype: str) -> int:
     """Bytes of a layer's routed-expert tensors in ``place`` (0 for a layer without them)."""
     dt = cpu_dtype if place == HOST else dtype
-    return sum(_padded(math.prod(t.shape) * DTYPE_BYTES[dt]) for t in tensors if t.kind == EXPERTS)
+    return sum(math.ceil(math.prod(t.shape) * t.bytes_per_weight) if t.bytes_per_weight and place == HOST
+               else _padded(math.prod(t.shape) * DTYPE_BYTES[dt]) for t in tensors if t.kind == EXPERTS)
 
 
 @dataclass(frozen=True)

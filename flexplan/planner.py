@@ -42,7 +42,7 @@ from flexplan.placement import (
 from flexplan.plan_expert_cache import CPU_EXPERTS_POLICY as X
 from flexplan.plan_expert_cache import add_expert_cache, resolve_profile
 from flexplan.plan_types import PHASES, Candidate, PhaseChoice, Plan
-from flexplan.workload import costs, resolve_model
+from flexplan.workload import costs, resolve_model, weight_formats
 from flexplan.workload.model import ModelSpec
 
 GiB = 1 << 30
@@ -158,16 +158,16 @@ def _efficiency(hw: Hardware, efficiency: Efficiency | None) -> Efficiency:
     return efficiency_for(hw)
 
 
-def _inventory(spec: ModelSpec) -> memory.Inventory:
-    inv = _INVENTORIES.get(spec)
+def _inventory(spec: ModelSpec, weights: tuple = ()) -> memory.Inventory:
+    inv = _INVENTORIES.get((spec, weights))
     if inv is None:
-        inv = _INVENTORIES[spec] = memory.Inventory.from_spec(spec)
+        inv = _INVENTORIES[spec, weights] = memory.Inventory.from_spec(spec, weights)
         if len(_INVENTORIES) > 64:
             _INVENTORIES.pop(next(iter(_INVENTORIES)))
     return inv
 
 
-_INVENTORIES: dict[ModelSpec, memory.Inventory] = {}
+_INVENTORIES: dict[tuple[ModelSpec, tuple], memory.Inventory] = {}
 
 
 def placement_memory(shape: Shape, hw: Hardware | None, phases: dict[str, PhasePlacement],
@@ -177,14 +177,14 @@ def placement_memory(shape: Shape, hw: Hardware | None, phases: dict[str, PhaseP
     CPU's linears held as ``kernel`` holds them (the planner assumes flexplan's blocked kernel)."""
     placement = Placement.of(phases, shape.dtype, shape.cpu_dtype)
     reserve = hw.gpu.runtime_reserved_bytes if hw is not None and hw.gpu is not None else 0
-    return memory.footprint(_inventory(shape.model), placement, shape.batch, shape.input_len,
+    return memory.footprint(_inventory(shape.model, shape.weights), placement, shape.batch, shape.input_len,
                             shape.input_len + shape.output_len, kernel, reserved_bytes=reserve)
 
 
 def _phase_memory(shape: Shape, hw: Hardware, policy: str, ms: np.ndarray, phase: str) -> tuple[np.ndarray, np.ndarray]:
     """(accelerator bytes, host bytes) of ``policy`` in ``phase`` for each M in ``ms``: the
     placements' layouts (memory.layout) as linear functions of the request's size, kept per model."""
-    pol, n, inv = REGISTRY[policy], shape.model.num_layers, _inventory(shape.model)
+    pol, n, inv = REGISTRY[policy], shape.model.num_layers, _inventory(shape.model, shape.weights)
 
     def make() -> memory.LinearTotals:
         if pol.vectorised:
@@ -208,6 +208,8 @@ def _phase_options(phase: str, policy: str, pc: PhaseCosts, pc_prefill: PhaseCos
     if force_m is not None and pol.needs_gpu_layers:
         ms = ms[ms == force_m]
     why = "no GPU" if not hw.has_gpu and pol.needs_accelerator(n) else pol.not_applicable(shape.model)
+    if not why and shape.weights and not pol.takes_compressed_weights:
+        why = NO_COMPRESSED_PATH
     if why:
         inf = np.full(ms.shape, np.inf)
         return _Options(policy, ms, inf, inf, inf, inf, np.zeros(ms.shape, bool), {}, inf, why)
@@ -216,6 +218,30 @@ def _phase_options(phase: str, policy: str, pc: PhaseCosts, pc_prefill: PhaseCos
     feasible = (gpu_b <= gpu_budget) & (cpu_b <= cpu_budget) & np.isfinite(est.time_s)
     load = pol.initial_load_s(pc_prefill, ms) if phase == "prefill" else np.zeros(ms.shape)
     return _Options(policy, ms, est.time_s, est.pcie_bytes, gpu_b, cpu_b, feasible, est.terms, load)
+
+
+NO_COMPRESSED_PATH = ("runs no layer on a GGUF file's blocks yet (the compressed GPU path is not built): "
+                      "weights='float32' dequantises the file for every policy")
+
+
+def _kept_weights(spec: ModelSpec, weights: str | None) -> tuple:
+    """The (group, format, parameters) triples the CPU keeps as a GGUF file stores them, () where
+    the plan holds its weights in the dtypes: ``weights`` "gguf" (the default for a GGUF file) or
+    "float32" (dequantised; the default otherwise)."""
+    if weights not in (None, "gguf", "float32"):
+        raise InvalidInputError(f"weights={weights!r}: use 'gguf' (a GGUF file's blocks as stored) or 'float32' "
+                                "(the weights in the plan's dtypes)")
+    if weights == "gguf" and not spec.stored_weights:
+        raise InvalidInputError(f"weights='gguf' needs a GGUF file; {spec.name} holds its weights in a float dtype")
+    return spec.stored_weights if weights in (None, "gguf") else ()
+
+
+def _weights_notes(shape: Shape) -> tuple[str, ...]:
+    if not shape.weights:
+        return ()
+    return (f"weights: the GGUF file's blocks as stored ({weight_formats.describe(shape.weights)} parameters; "
+            f"{shape.cpu_weight_bytes:.3g} bytes a layer weight), their GEMVs priced at the float32 GEMV's "
+            "calibrated rate (the block kernels are not calibrated per format yet)",)
 
 
 def _why_not(o: _Options, hw: Hardware, gpu_budget: float, cpu_budget: float) -> str:
@@ -286,7 +312,7 @@ def plan(model: Any, hardware: Any = "local", batch_size: int = 1, input_len: in
          dtype: str = "bfloat16", gpu_memory_bytes: float | None = None, cpu_memory_bytes: float | None = None,
          prefill: str | None = None, decode: str | None = None, gpu_layers: int | None = None,
          efficiency: Efficiency | None = None, include_initial_load: bool = True, cpu_dtype: str | None = None,
-         routing_profile: Any = None, policies: Any = None) -> Plan:
+         routing_profile: Any = None, policies: Any = None, weights: str | None = None) -> Plan:
     """Choose the prefill and decode policies with the lowest predicted end-to-end latency.
 
     ``model``: catalog id, config path/folder, PretrainedConfig, HF model or ModelSpec.
@@ -299,8 +325,10 @@ def plan(model: Any, hardware: Any = "local", batch_size: int = 1, input_len: in
     RoutingProfile or the path of one (``flexplan profile-experts``): the ``cpu-experts`` policy is
     priced from it and a cpu-experts plan keeps its most-used CPU experts on the accelerator as a
     cache in the memory it leaves (``plan_expert_cache``). ``policies``: the policy names to
-    choose among (default: every registered one), e.g. FlexInfer's own five. Raises :class:`DoesNotFitError`
-    when no placement fits, :class:`InvalidInputError` for bad arguments.
+    choose among (default: every registered one), e.g. FlexInfer's own five. ``weights``: for a
+    GGUF file, "gguf" (default: its blocks as stored, priced at their bytes; the CPU computes in
+    float32 and only policies whose layers run on blocks are open) or "float32" (dequantised).
+    Raises :class:`DoesNotFitError` when no placement fits, :class:`InvalidInputError` for bad arguments.
     """
     _check_positive(batch_size=batch_size, input_len=input_len, output_len=output_len)
     if policies is not None:
@@ -321,6 +349,12 @@ def plan(model: Any, hardware: Any = "local", batch_size: int = 1, input_len: in
     eff = _efficiency(hw, efficiency)
 
     profile = resolve_profile(routing_profile, spec)
+    kept = _kept_weights(spec, weights)
+    if kept:  # flexplan.quant's kernels take float32 activations
+        if cpu_dtype is not None and canonical_dtype(cpu_dtype) != "float32":
+            raise InvalidInputError(f"a GGUF file's blocks are computed in float32 on the CPU, not {cpu_dtype}; "
+                                    "pass weights='float32' to dequantise them for another CPU dtype")
+        cpu_dtype = "float32"
     if cpu_dtype is not None:
         cpu_dtypes = [canonical_dtype(cpu_dtype)]
         if hw.cpu.peak_flops_per_s.get(cpu_dtypes[0], 0) <= 0:
@@ -328,7 +362,7 @@ def plan(model: Any, hardware: Any = "local", batch_size: int = 1, input_len: in
                                     f"{', '.join(hw.cpu.peak_flops_per_s)}")
     else:
         cpu_dtypes = list(dict.fromkeys([hw.cpu.compute_dtype, "float32"]))
-    pcs = {cd: {ph: phase_costs(Shape(spec, batch_size, input_len, output_len, dtype, cd), hw, eff, ph)
+    pcs = {cd: {ph: phase_costs(Shape(spec, batch_size, input_len, output_len, dtype, cd, kept), hw, eff, ph)
                 for ph in PHASES} for cd in cpu_dtypes}
     if profile is None and len(cpu_dtypes) == 2 and _dominates(cpu_dtypes[0], cpu_dtypes[1], pcs):
         cpu_dtypes = cpu_dtypes[:1]  # the other can win nothing: not priced
@@ -336,7 +370,7 @@ def plan(model: Any, hardware: Any = "local", batch_size: int = 1, input_len: in
     error: DoesNotFitError | None = None
     # each CPU dtype's options first, then the searches in the order of their floors: the first
     # search's plan usually lets the other's be skipped (its floor is no lower than that E2E)
-    searches = {cd: _plan_one(spec, hw, eff, Shape(spec, batch_size, input_len, output_len, dtype, cd),
+    searches = {cd: _plan_one(spec, hw, eff, Shape(spec, batch_size, input_len, output_len, dtype, cd, kept),
                               gpu_memory_bytes, cpu_memory_bytes, prefill, decode, gpu_layers, include_initial_load,
                               profile, policies, pcs[cd]) for cd in cpu_dtypes}
     floors = {cd: next(search) for cd, search in searches.items()}
@@ -475,7 +509,7 @@ def _plan_one(spec: ModelSpec, hw: Hardware, eff: Efficiency, shape: Shape, gpu_
             runs_as_cache[key] = out
         return out
 
-    inv = _inventory(spec)
+    inv = _inventory(spec, shape.weights)
     reserve = hw.gpu.runtime_reserved_bytes if hw.gpu is not None else 0
 
     def pair_memory(p: str, m_p: int, d: str, m_d: int) -> tuple[float, float]:
@@ -663,7 +697,7 @@ def _plan_one(spec: ModelSpec, hw: Hardware, eff: Efficiency, shape: Shape, gpu_
             candidates=tuple(candidates), baselines=baselines, calibration=eff.source, factors=getattr(eff, "origin", FactorSource()),
             notes=tuple(hw.notes) + ((f"prefill keeps the {int(oq.gpu_layers[iq])} layers decode holds on the GPU "
                                       f"resident (FlexInfer 5.3): priced as {q} with {int(oq.gpu_layers[iq])} GPU "
-                                      "layers",) if (q, iq) != (p, ip) else ()),
+                                      "layers",) if (q, iq) != (p, ip) else ()) + _weights_notes(shape),
         )
         out = replace(out, placement=placement_of(out, n))  # the Plan carries what its policies place
         if curves:

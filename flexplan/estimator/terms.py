@@ -17,7 +17,7 @@ import numpy as np
 
 from flexplan.estimator.efficiency import Efficiency, cpu_attention_for_layout, cpu_prefill_attention
 from flexplan.hardware.spec import DTYPE_BYTES, Hardware, cpu_weight_dtype
-from flexplan.workload import costs
+from flexplan.workload import costs, weight_formats
 from flexplan.workload.model import ModelSpec
 
 
@@ -75,6 +75,8 @@ class Shape:
     output_len: int
     dtype: str  # GPU and pinned host dtype
     cpu_dtype: str
+    # the CPU's weights as a GGUF file stores them (ModelSpec.stored_weights, kept as blocks); (): in the dtypes
+    weights: tuple[tuple[str, str, int], ...] = ()
 
     @property
     def w_bytes(self) -> int:
@@ -86,10 +88,19 @@ class Shape:
         return DTYPE_BYTES[self.cpu_dtype]
 
     @property
-    def cpu_weight_bytes(self) -> int:
-        """Bytes per element of the CPU's linear weights (spec.cpu_weight_dtype: a 16-bit model
-        stays 16-bit under float32 compute)."""
+    def cpu_weight_bytes(self) -> float:
+        """Bytes per element of the CPU's layer weights (spec.cpu_weight_dtype: a 16-bit model
+        stays 16-bit under float32 compute; kept blocks: their bytes per weight)."""
+        if self.weights:
+            return weight_formats.layer_bytes_per_weight(self.weights)
         return DTYPE_BYTES[cpu_weight_dtype(self.dtype, self.cpu_dtype)]
+
+    @property
+    def cpu_head_weight_bytes(self) -> float:
+        """Bytes per element of the CPU's LM head (the embedding's where it is tied)."""
+        if self.weights:
+            return weight_formats.head_bytes_per_weight(self.weights)
+        return self.cpu_weight_bytes
 
     @property
     def decode_context_lens(self) -> np.ndarray:
@@ -161,7 +172,7 @@ def phase_work(shape: Shape, phase: str) -> PhaseWork:
         prefill_attention_flops=attn_flops, d_cpu=d_cpu,
         d_gpu=d_gpu, kv_read_cpu=kv_read_cpu, kv_write_cpu=kv_write_cpu, kv_read=kv_read, kv_write=kv_write,
         weight_bytes_cpu=costs.d_weights(m, cwb), weight_bytes_gpu=costs.d_weights(m, wb),
-        head_flops=costs.c_lm_head(m, b), head_bytes_cpu=costs.d_lm_head(m, cwb), head_bytes_gpu=costs.d_lm_head(m, wb),
+        head_flops=costs.c_lm_head(m, b), head_bytes_cpu=costs.d_lm_head(m, shape.cpu_head_weight_bytes), head_bytes_gpu=costs.d_lm_head(m, wb),
         hidden_bytes=costs.d_output(m, b, tokens_per_seq, wb), logits_bytes=costs.d_logits(m, b))
 
 

