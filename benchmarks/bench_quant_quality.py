@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
 import sys
 import time
@@ -27,7 +26,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import machine_description, median, write_result  # noqa: E402
+from common import LLAMA_CPP_HOW, llama_cpp_tool, machine_description, median, write_result  # noqa: E402
 
 from flexplan.measure.stream import stream_triad_bytes_per_s  # noqa: E402
 from flexplan.quant.gguf_model import load_gguf_model  # noqa: E402
@@ -35,7 +34,6 @@ from flexplan.quant.quant_linear import set_float_activation  # noqa: E402
 from flexplan.smollm import cache_dir, gguf_path  # noqa: E402
 
 TEXT = Path(__file__).resolve().parent / "data" / "austen_pride_and_prejudice_ch1.txt"
-BIN = Path(os.environ.get("FLEXPLAN_LLAMACPP_BIN", "/work/llamacpp/llama_cpp_python-0.3.36/vendor/llama.cpp/build/bin"))
 NEW_TOKENS = 32
 
 
@@ -47,7 +45,10 @@ def _files() -> dict[str, Path]:
     for qtype in ("Q4_0", "Q8_0"):
         path = dest / f"SmolLM2-135M-Instruct.{qtype}.gguf"
         if not path.exists():
-            subprocess.run([str(BIN / "llama-quantize"), "--allow-requantize", str(src), str(path), qtype, "2"],
+            quantize = llama_cpp_tool("llama-quantize")
+            if quantize is None:
+                raise SystemExit(f"making {path.name} needs llama.cpp's llama-quantize: {LLAMA_CPP_HOW}")
+            subprocess.run([str(quantize), "--allow-requantize", str(src), str(path), qtype, "2"],
                            check=True, capture_output=True)
         out[qtype] = path
     return out
@@ -77,7 +78,10 @@ def _tpot(model, ids) -> float:
 
 
 def _llama_bench(path: Path) -> float | None:
-    r = subprocess.run([str(BIN / "llama-bench"), "-m", str(path), "-t", "2", "-p", "0", "-n", str(NEW_TOKENS),
+    bench = llama_cpp_tool("llama-bench")
+    if bench is None:
+        return None
+    r = subprocess.run([str(bench), "-m", str(path), "-t", "2", "-p", "0", "-n", str(NEW_TOKENS),
                         "-r", "3", "-o", "json"], capture_output=True, text=True, timeout=600)
     if r.returncode:
         return None

@@ -40,10 +40,9 @@ import threading
 import time
 from pathlib import Path
 
-from common import REPO_ROOT, machine_description, write_result  # noqa: E402
+from common import LLAMA_CPP_HOW, llama_cpp_tool, REPO_ROOT, machine_description, write_result  # noqa: E402
 
 TRACE = REPO_ROOT.parent / "shared" / "traces" / "azure_llm_2023_code.csv"
-LLAMA_BIN = Path(os.environ.get("LLAMA_CPP_BIN", "/work/llamacpp/llama_cpp_python-0.3.36/vendor/llama.cpp/build/bin"))
 F32_GGUF = Path.home() / ".cache" / "flexplan" / "bench" / "SmolLM2-135M-Instruct.F32.gguf"
 TARGETS = ("flexplan", "sequential", "llama-server", "transformers")
 
@@ -259,9 +258,12 @@ def make_targets(names: list[str], model_dir: Path, threads: int, slots: int, ct
         elif name == "sequential":
             out[name] = SequentialTarget(model_dir)
         elif name == "llama-server":
-            if not (LLAMA_BIN / "llama-server").exists() or not F32_GGUF.exists():
-                raise SystemExit(f"llama-server needs {LLAMA_BIN}/llama-server and {F32_GGUF} (see docs/serve.md)")
-            out[name] = HttpTarget(name, [str(LLAMA_BIN / "llama-server"), "-m", str(F32_GGUF), "-t", str(threads),
+            server = llama_cpp_tool("llama-server")
+            if server is None:
+                raise SystemExit(f"the llama-server target needs llama.cpp's llama-server: {LLAMA_CPP_HOW}")
+            if not F32_GGUF.exists():
+                raise SystemExit(f"the llama-server target needs {F32_GGUF} (see docs/serve.md)")
+            out[name] = HttpTarget(name, [str(server), "-m", str(F32_GGUF), "-t", str(threads),
                                           "-tb", str(threads), "-np", str(slots), "-c", str(slots * ctx), "--host",
                                           "127.0.0.1", "--port", str(port)], port, model_dir.name)
         elif name == "transformers":

@@ -121,3 +121,22 @@ def random_llama_dir() -> Path:
 
 def dir_size_bytes(folder: Path, suffix: str = ".safetensors") -> int:
     return sum(p.stat().st_size for p in Path(folder).glob(f"*{suffix}"))
+
+
+LLAMA_CPP_ENV = "LLAMA_CPP_BIN"  # the folder of llama.cpp's built tools (llama-bench, llama-server, llama-quantize)
+LLAMA_CPP_HOW = ("build them from the source the llama-cpp-python sdist vendors: `pip download --no-binary :all: "
+                 "--no-deps llama-cpp-python`, unpack, `cmake -B build -DLLAMA_CURL=OFF vendor/llama.cpp && cmake "
+                 "--build build --target llama-bench llama-server llama-quantize`, then set $LLAMA_CPP_BIN to build/bin")
+
+
+def llama_cpp_tool(name: str) -> Path | None:
+    """llama.cpp's ``name`` (llama-bench, llama-server, llama-quantize): in $LLAMA_CPP_BIN, else on
+    the PATH; None where neither has it (LLAMA_CPP_HOW says how to build it)."""
+    import shutil
+
+    folder = os.environ.get(LLAMA_CPP_ENV)
+    if folder:
+        path = Path(folder).expanduser() / name
+        return path if path.exists() else None
+    found = shutil.which(name)
+    return Path(found) if found else None
