@@ -512,12 +512,15 @@ def _gguf_model(path, weights: str | None, plan: Any, accelerator: str | None):
         model, tok = load_gguf_model(path, dequantize_all=True)
         return model, plan, tok
     cpu_only = {"prefill": "cpu", "decode": "cpu"}
-    if plan not in ("auto", "cpu", cpu_only) or accelerator not in (None, "cpu"):
-        raise InvalidInputError(f"a GGUF file's own blocks run under the cpu policy for both phases only (plan='auto' "
-                                f"or {cpu_only}, no accelerator); got plan={plan!r}, accelerator={accelerator!r}; "
+    # a Plan made for the file (flexplan run plans before it loads) is kept where it is cpu-only: its predictions stand
+    planned = isinstance(plan, Plan) and all(c.policy == "cpu" and c.gpu_layers == 0 for c in plan.phases.values())
+    if not (planned or plan in ("auto", "cpu", cpu_only)) or accelerator not in (None, "cpu"):
+        what = f"a plan of {_choice(plan)}" if isinstance(plan, Plan) else repr(plan)
+        raise InvalidInputError(f"a GGUF file's own blocks run under the cpu policy for both phases only (plan='auto', "
+                                f"{cpu_only} or such a Plan, no accelerator); got plan={what}, accelerator={accelerator!r}; "
                                 "pass weights='float32' for every other policy")
     model, tok = load_gguf_model(path)
-    return model, cpu_only, tok
+    return model, (plan if planned else cpu_only), tok
 
 
 def _cpu_threads(requested: int | None) -> tuple[int | None, str]:

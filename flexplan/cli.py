@@ -12,7 +12,7 @@ import sys
 
 from flexplan.errors import FlexplanError, InvalidInputError
 from flexplan.estimator.policies import POLICIES
-from flexplan.explain import format_plan, format_sweep
+from flexplan.explain import format_plan, format_stored_weights, format_sweep
 from flexplan.export import FORMATS as EXPORT_FORMATS
 from flexplan.export import export_plan
 from flexplan.factors.correction_store import describe_corrections
@@ -22,6 +22,7 @@ from flexplan.hardware.introspect import introspect, local_hardware
 from flexplan.inputs import gib_bytes
 from flexplan.planner import plan
 from flexplan.workload import catalog_names, resolve_model
+from flexplan.workload.gguf_header import is_gguf_path
 
 
 def _measuring():
@@ -76,10 +77,10 @@ def cmd_explain(args) -> int:
     if args.json:
         out = plans[0].to_dict() if len(plans) == 1 else [p.to_dict() for p in plans]
         print(json.dumps(out, indent=2))
-    elif len(plans) == 1:
-        print(format_plan(plans[0]))
-    else:
-        print(format_sweep(plans))
+        return 0
+    print(format_plan(plans[0]) if len(plans) == 1 else format_sweep(plans))
+    if is_gguf_path(args.model):  # the file's formats, read from its header (the same spec plan() read)
+        print(format_stored_weights(resolve_model(args.model)))
     return 0
 
 
@@ -123,7 +124,8 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     sub = ap.add_subparsers(dest="command", required=True)
 
     ex = sub.add_parser("explain", help="predict every policy per phase and show the chosen pair")
-    ex.add_argument("model", help="catalog id (see `flexplan models`), config.json or model folder")
+    ex.add_argument("model", help="catalog id (see `flexplan models`), config.json, model folder or .gguf file "
+                                   "(its metadata only)")
     ex.add_argument("--hw", default="local", help="hwdb server, CPU[xS]+GPU+LINK, or 'local' (default)")
     ex.add_argument("-b", "--batch-size", type=_int_list, default=[1], help="batch size(s): 8, 1,4,16 or 1-32")
     ex.add_argument("-i", "--input-len", type=_int_list, default=[512])

@@ -123,6 +123,24 @@ def format_plan(p: Plan) -> str:
     return "\n".join(lines)
 
 
+# operator groups in the order a token meets them (workload.gguf_config's groups)
+GROUP_ORDER = ("embedding", "attention", "mlp", "router", "experts", "shared_experts", "norms", "final_norm", "lm_head")
+
+
+def format_stored_weights(spec) -> str:
+    """For a model read from a GGUF file: the format each operator group is stored in ("" for a
+    model of plain tensors)."""
+    formats: dict[str, list[str]] = {}
+    for group, fmt, _ in spec.stored_weights:
+        formats.setdefault(group, []).append(fmt)
+    if not formats:
+        return ""
+    order = sorted(formats, key=lambda g: GROUP_ORDER.index(g) if g in GROUP_ORDER else len(GROUP_ORDER))
+    stored = ", ".join(f"{g} {'+'.join(formats[g])}" for g in order)
+    tied = " (the tied head reads the embedding's)" if spec.tie_word_embeddings else ""
+    return f"weights as {spec.name} stores them: {stored}{tied}"
+
+
 def format_sweep(plans: list[Plan]) -> str:
     """One line per plan, and the mean reduction against the reference baseline (FlexGen)."""
     ref, label = _reference_baseline() or ("", "baseline")

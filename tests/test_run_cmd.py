@@ -1,6 +1,7 @@
 """`flexplan run`: plan, answer and measured-vs-predicted lines, on a tiny random Llama folder
-(with a word-level tokenizer) by default and on the embedded SmolLM2 in the slow run (its GGUF
-conversion alone takes ~25 s); bad input is one line on stderr with exit code 2."""
+(with a word-level tokenizer) by default and on the embedded SmolLM2 in the slow run (its own Q4_1
+GGUF; tests/test_gguf_run.py runs GGUF files by default); bad input is one line on stderr with
+exit code 2."""
 
 import json
 import math
@@ -115,9 +116,9 @@ def test_run_json_record_of_a_model_folder(tiny_folder, capsys, monkeypatch):
 @pytest.mark.slow
 @needs_gguf
 def test_run_prints_plan_answer_and_measured_vs_predicted(cache_dir):
-    r = flexplan("run", "-o", "4", cache=cache_dir)
-    _check_run_output(r, "SmolLM2-135M-Instruct")
-    assert r.stdout.count("runs: ") >= 2
+    r = flexplan("run", "-o", "4", "--accelerator", "none", cache=cache_dir)
+    _check_run_output(r, "SmolLM2-135M-Instruct.Q4_1.gguf")  # the shipped file itself, on its own blocks
+    assert r.stdout.count("runs: ") >= 2 and "own blocks (Q4_1, Q8_0, F32)" in r.stdout
 
 
 @pytest.mark.slow
