@@ -225,21 +225,29 @@ NO_COMPRESSED_PATH = ("runs no layer on a GGUF file's blocks yet (the compressed
 
 
 def _kept_weights(spec: ModelSpec, weights: str | None) -> tuple:
-    """The (group, format, parameters) triples the CPU keeps as a GGUF file stores them, () where
-    the plan holds its weights in the dtypes: ``weights`` "gguf" (the default for a GGUF file) or
-    "float32" (dequantised; the default otherwise)."""
-    if weights not in (None, "gguf", "float32"):
-        raise InvalidInputError(f"weights={weights!r}: use 'gguf' (a GGUF file's blocks as stored) or 'float32' "
+    """The (group, format, parameters) triples the CPU keeps as blocks, () where the plan holds its
+    weights in the dtypes: ``weights`` "gguf" (a GGUF file's blocks as stored: the default for one),
+    "int4" / "int8" (a float checkpoint quantised at load, weight_formats.AT_LOAD) or "float32"
+    (dequantised; the default otherwise)."""
+    if weights not in (None, "gguf", "float32", *weight_formats.AT_LOAD):
+        raise InvalidInputError(f"weights={weights!r}: use 'gguf' (a GGUF file's blocks as stored), "
+                                f"{', '.join(map(repr, weight_formats.AT_LOAD))} (quantised at load) or 'float32' "
                                 "(the weights in the plan's dtypes)")
     if weights == "gguf" and not spec.stored_weights:
         raise InvalidInputError(f"weights='gguf' needs a GGUF file; {spec.name} holds its weights in a float dtype")
+    if weights in weight_formats.AT_LOAD:
+        if spec.stored_weights:
+            raise InvalidInputError(f"weights={weights!r} quantises a float checkpoint; {spec.name} is a GGUF file: "
+                                    "use weights='gguf' (its own blocks) or 'float32'")
+        return weight_formats.at_load_weights(spec, weights)
     return spec.stored_weights if weights in (None, "gguf") else ()
 
 
 def _weights_notes(shape: Shape) -> tuple[str, ...]:
     if not shape.weights:
         return ()
-    return (f"weights: the GGUF file's blocks as stored ({weight_formats.describe(shape.weights)} parameters; "
+    what = "the GGUF file's blocks as stored" if shape.model.stored_weights else "quantised at load"
+    return (f"weights: {what} ({weight_formats.describe(shape.weights)} parameters; "
             f"{shape.cpu_weight_bytes:.3g} bytes a layer weight), their GEMVs priced at the float32 GEMV's "
             "calibrated rate (the block kernels are not calibrated per format yet)",)
 
@@ -327,7 +335,8 @@ def plan(model: Any, hardware: Any = "local", batch_size: int = 1, input_len: in
     cache in the memory it leaves (``plan_expert_cache``). ``policies``: the policy names to
     choose among (default: every registered one), e.g. FlexInfer's own five. ``weights``: for a
     GGUF file, "gguf" (default: its blocks as stored, priced at their bytes; the CPU computes in
-    float32 and only policies whose layers run on blocks are open) or "float32" (dequantised).
+    float32 and only policies whose layers run on blocks are open) or "float32" (dequantised); for
+    a float checkpoint, "int4" / "int8" (quantised at load, priced the same way).
     Raises :class:`DoesNotFitError` when no placement fits, :class:`InvalidInputError` for bad arguments.
     """
     _check_positive(batch_size=batch_size, input_len=input_len, output_len=output_len)

@@ -62,6 +62,25 @@ def head_bytes_per_weight(weights: Weights) -> float:
     return b / n if n else float(FLOAT32_BYTES)
 
 
+# flexplan.load(folder, weights=...): what a float checkpoint's decoder and head linears are
+# quantised to at load (flexplan.quant.at_load), as the GGUF block formats the kernels run
+AT_LOAD = {"int4": "Q4_1", "int8": "Q8_0"}  # groups of 32: asymmetric int4 (scale, min), symmetric int8 (scale)
+QUANTISED_GROUPS = ("attention", "mlp", "shared_experts")  # routers, norms, fused experts stay float32
+
+
+def at_load_weights(spec, weights: str) -> Weights:
+    """The (group, format, parameters) triples of ``spec`` quantised at load to ``weights``."""
+    fmt = AT_LOAD[weights]
+    params: dict[str, int] = {}
+    for i in range(spec.num_layers):
+        for group, n in spec.layer_group_params(i).items():
+            params[group] = params.get(group, 0) + int(n)
+    out = [(g, fmt if g in QUANTISED_GROUPS else "F32", n) for g, n in sorted(params.items()) if n]
+    out += [("embedding", "F32", int(spec.embedding_params)),
+            ("lm_head", fmt, int(spec.vocab_size * (spec.word_embed_proj_dim or spec.hidden_size)))]
+    return tuple(out)
+
+
 def describe(weights: Weights) -> str:
     """"Q4_1 134.5 M, F32 0.1 M" : each format's parameters, the most first."""
     by_format: dict[str, int] = {}
