@@ -16,12 +16,16 @@ import re
 import sys
 from pathlib import Path
 
+import gguf
 import torch
 from torch import nn
 
 from flexplan.errors import InvalidInputError
+from flexplan.executor.loading import SafetensorsSource, build_skeleton, read_config
 from flexplan.quant.formats import BY_NAME, BlockFormat
+from flexplan.quant.gguf_model import _set_module
 from flexplan.quant.gguf_weights import QuantTensor
+from flexplan.quant.quant_linear import QuantLinear
 from flexplan.workload.weight_formats import AT_LOAD
 
 AT_LOAD_FORMATS: dict[str, BlockFormat] = {k: BY_NAME[v] for k, v in AT_LOAD.items()}
@@ -30,8 +34,6 @@ _DECODER_LINEAR = re.compile(r"(^|\.)layers\.\d+\.")
 
 def quantize(name: str, weight: torch.Tensor, fmt: BlockFormat) -> QuantTensor:
     """``weight`` [out, in] as ``fmt``'s blocks (rows of in / 32 blocks)."""
-    import gguf
-
     if weight.shape[-1] % fmt.block_weights:
         raise InvalidInputError(f"{name}: {weight.shape[-1]} inputs is not a multiple of {fmt.name}'s "
                                 f"{fmt.block_weights}-weight groups; load this model without weights=")
@@ -56,10 +58,6 @@ def quantised_linear_names(model: nn.Module, config) -> list[str]:
 def load_quantized_folder(folder: str | Path, weights: str, log=None) -> nn.Module:
     """The transformers model of ``folder`` (config.json + *.safetensors) with its decoder and head
     linears as ``QuantLinear`` on ``weights`` ("int4" / "int8") blocks, everything else float32."""
-    from flexplan.executor.loading import SafetensorsSource, build_skeleton, read_config
-    from flexplan.quant.gguf_model import _set_module
-    from flexplan.quant.quant_linear import QuantLinear
-
     if weights not in AT_LOAD_FORMATS:
         raise InvalidInputError(f"weights={weights!r}: a model folder is quantised at load to "
                                 f"{' or '.join(map(repr, AT_LOAD_FORMATS))}")
