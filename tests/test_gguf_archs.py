@@ -157,6 +157,20 @@ def test_the_files_blocks_with_float_activations_give_the_same_tokens(made, arch
     assert torch.equal(_greedy(model, ids), _greedy(ref, ids))
 
 
+@pytest.mark.parametrize("arch", ARCHS)
+def test_flexplan_load_runs_the_files_blocks_as_they_run_alone(made, arch):
+    """The executor (cpu policy, both phases) only decides where the blocks compute: same tokens."""
+    import flexplan
+
+    p = made[1](arch, "Q4_0")
+    alone, _ = load_gguf_model(p, tokenizer=False, log=lambda line: None)
+    lm = flexplan.load(str(p))
+    assert (lm.plan.prefill.policy, lm.plan.decode.policy) == ("cpu", "cpu")
+    assert any(isinstance(m, QuantLinear) for m in lm.model.modules())
+    ids = _ids(seed=3)
+    assert torch.equal(_greedy(lm, ids), _greedy(alone, ids))
+
+
 def _top1(model, ref, ids) -> float:
     with torch.no_grad():
         return (model(ids).logits.argmax(-1) == ref(ids).logits.argmax(-1)).float().mean().item()
