@@ -45,6 +45,7 @@ from flexplan.measure.state import efficiency_now, refresh
 from flexplan.plan_expert_cache import resolve_profile
 from flexplan.plan_types import Plan
 from flexplan.planner import plan as plan_fn
+from flexplan.quant.at_load import AT_LOAD_FORMATS, load_quantized_folder
 from flexplan.quant.gguf_model import load_gguf_model
 from flexplan.workload.model import ModelSpec
 
@@ -275,13 +276,16 @@ class FlexModel:
 
 def _make_plan(plan: Any, config, *, accelerator: str | None, hardware: Any, dtype: str, cpu_dtype: str,
                gpu_memory_bytes: int | None, batch_size: int, input_len: int, output_len: int,
-               online_correction: bool = True, routing_profile: Any = None, cpu_dtype_from: str | None = None) -> Plan:
+               online_correction: bool = True, routing_profile: Any = None, cpu_dtype_from: str | None = None,
+               planned_model: Any = None, weights: str | None = None) -> Plan:
     """A Plan from "auto", a Plan or a dict of overrides, for what exists. Policies forced with
     per-phase M, or while the planner has no hardware model, give a fixed plan (no estimate).
     ``online_correction=False``: planned on the calibration alone, without the runs' corrections.
     ``cpu_dtype_from``: which argument of ``load`` gave ``cpu_dtype`` ("cpu_dtype", or "dtype": an
     explicit dtype holds on the CPU too); None: the CPU's own, and the planner may choose float32.
-    In a dict of overrides, its "cpu_dtype" wins, then load's ``cpu_dtype``, then its "dtype"."""
+    In a dict of overrides, its "cpu_dtype" wins, then load's ``cpu_dtype``, then its "dtype".
+    ``planned_model`` (a GGUF path, a folder) and ``weights``: what the planner prices the weights
+    from where the model holds blocks (planner.plan's ``weights``)."""
     if isinstance(plan, Plan):
         return plan
     shape = dict(batch_size=batch_size, input_len=input_len, output_len=output_len)
@@ -326,11 +330,11 @@ def _make_plan(plan: Any, config, *, accelerator: str | None, hardware: Any, dty
                 f"with; pass cpu_dtype= one of {usable} for the part the CPU computes")
 
     hardware = hardware if hardware is not None else "local"
-    return plan_fn(config, hardware=hardware, dtype=dtype,
+    return plan_fn(planned_model if planned_model is not None else config, hardware=hardware, dtype=dtype,
                    gpu_memory_bytes=gpu_memory_bytes if accelerator else None, prefill=overrides.get("prefill"),
                    decode=overrides.get("decode"), gpu_layers=overrides.get("gpu_layers"),
                    cpu_dtype=forced_cpu_dtype, efficiency=_efficiency_now(hardware, online_correction),
-                   routing_profile=routing_profile, **shape)
+                   routing_profile=routing_profile, weights=weights, **shape)
 
 
 def _efficiency_now(hardware: Any, online_correction: bool = True):
@@ -414,10 +418,20 @@ def load(model_or_path, plan: Any = "auto", accelerator: str | None = None, hard
     plan with corrections. ``FLEXPLAN_ONLINE_CORRECTION=0`` turns it off for every model.
     ``routing_profile``: a RoutingProfile or its file (``flexplan profile-experts``): plans of a MoE
     model price cpu-experts from it and keep the most-used CPU experts on the accelerator (plan_expert_cache).
+    ``weights``: for a ``.gguf`` path, "gguf" (default: its own blocks, the cpu policy) or "float32"
+    (dequantised, any plan); for a model folder, "int4" / "int8" (its linears quantised at load to
+    group-wise blocks, the cpu policy). Plans of blocks price their bytes.
     """
-    gguf_tokenizer = None
-    if weights is not None or (isinstance(model_or_path, (str, os.PathLike)) and str(model_or_path).endswith(".gguf")):
+    gguf_tokenizer, blocks_spec = None, None
+    if weights in AT_LOAD_FORMATS:
+        # a float checkpoint quantised at load (issue 40): its linears on int4 / int8 blocks on the CPU
+        blocks_spec = model_or_path
+        model_or_path, plan, gguf_tokenizer = _quantised_folder(model_or_path, weights, plan, accelerator)
+        keep_model, accelerator = False, None
+    elif weights is not None or (isinstance(model_or_path, (str, os.PathLike)) and str(model_or_path).endswith(".gguf")):
         # a GGUF file (issue 40): its own blocks on the CPU, or weights="float32" dequantised for any plan
+        if weights != "float32":
+            blocks_spec = str(model_or_path)  # planned from its header: the blocks priced as stored
         model_or_path, plan, gguf_tokenizer = _gguf_model(model_or_path, weights, plan, accelerator)
         keep_model, accelerator = False, (accelerator if weights == "float32" else None)
     check_load_arguments(model_or_path, accelerator, dtype, gpu_memory_bytes, pinned_memory_budget_bytes, cpu_threads,
@@ -470,6 +484,8 @@ def load(model_or_path, plan: Any = "auto", accelerator: str | None = None, hard
         hw = _lazy_standin(standin_hardware, gpu_memory_bytes, hardware if isinstance(hardware, Hardware) else None)
     planner_args = dict(accelerator=acc, hardware=hw, dtype=dtype, cpu_dtype=cpu_dtype, gpu_memory_bytes=gpu_memory_bytes,
                         online_correction=online_correction, cpu_dtype_from=cpu_dtype_from)
+    if blocks_spec is not None:  # plans price the blocks the model holds (planner: weights=)
+        planner_args.update(planned_model=blocks_spec, weights=weights or "gguf")
     if routing_profile is not None:  # read and checked once, not at every re-plan
 
         planner_args["routing_profile"] = resolve_profile(routing_profile, ModelSpec.from_config(config))
@@ -521,6 +537,20 @@ def _gguf_model(path, weights: str | None, plan: Any, accelerator: str | None):
                                 "pass weights='float32' for every other policy")
     model, tok = load_gguf_model(path)
     return model, (plan if planned else cpu_only), tok
+
+
+def _quantised_folder(path, weights: str, plan: Any, accelerator: str | None):
+    """(model, plan, tokenizer) for a model folder quantised at load to ``weights`` ("int4" /
+    "int8", quant.at_load): its linears on the blocks, the ``cpu`` policy for both phases."""
+    if not (isinstance(path, (str, os.PathLike)) and is_model_folder(path)):
+        raise InvalidInputError(f"weights={weights!r} quantises a model folder (config.json + *.safetensors) at load; "
+                                f"got {path!r}")
+    cpu_only = {"prefill": "cpu", "decode": "cpu"}
+    if plan not in ("auto", "cpu", cpu_only) or accelerator not in (None, "cpu"):
+        raise InvalidInputError(f"weights={weights!r} runs its blocks under the cpu policy for both phases only "
+                                f"(plan='auto' or {cpu_only}, no accelerator); got plan={plan!r}, "
+                                f"accelerator={accelerator!r}; load without weights= for every other policy")
+    return load_quantized_folder(path, weights), cpu_only, _tokenizer(path)
 
 
 def _cpu_threads(requested: int | None) -> tuple[int | None, str]:

@@ -85,3 +85,17 @@ def test_the_group_formats_are_the_block_formats_a_kernel_runs():
     for fmt in AT_LOAD_FORMATS.values():
         assert fmt.native_kernel and fmt.block_weights == 32
     assert np.isclose(AT_LOAD_FORMATS["int4"].bytes_per_weight, 20 / 32)
+
+
+def test_flexplan_load_of_a_folder_with_weights_int4_runs_the_blocks_under_a_priced_plan(tmp_path):
+    _, path = _folder(tmp_path, tied=True)
+    lm = flexplan.load(str(path), weights="int4")
+    assert (lm.plan.prefill.policy, lm.plan.decode.policy) == ("cpu", "cpu")
+    assert any("quantised at load" in n for n in lm.plan.notes)  # priced as the blocks it holds
+    ids = torch.randint(0, 512, (1, 12), generator=torch.Generator().manual_seed(2))
+    want = load_quantized_folder(path, "int4", log=lambda line: None).generate(ids, max_new_tokens=6, do_sample=False)
+    assert torch.equal(lm.generate(ids, max_new_tokens=6, do_sample=False), want)
+    with pytest.raises(InvalidInputError, match="cpu policy"):
+        flexplan.load(str(path), weights="int4", plan={"prefill": "gpu", "decode": "gpu"})
+    with pytest.raises(InvalidInputError, match="model folder"):
+        flexplan.load(str(tmp_path / "nothing-here"), weights="int8")

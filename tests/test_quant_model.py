@@ -111,4 +111,6 @@ def test_other_policies_on_gguf_blocks_are_refused_naming_what_works(tmp_path):
     with pytest.raises(FlexplanError, match=r"cpu policy for both phases only.*weights='float32'"):
         flexplan.load(str(tmp_path / "m.gguf"), plan={"prefill": "gpu", "decode": "gpu"})
     with pytest.raises(FlexplanError, match=r"weights='gguf'.*take a .gguf file path"):
-        flexplan.load(str(tmp_path / "folder"), weights="int4")
+        flexplan.load(str(tmp_path / "folder"), weights="gguf")
+    with pytest.raises(FlexplanError, match=r"weights='int4' quantises a model folder"):
+        flexplan.load(str(tmp_path / "m.gguf"), weights="int4")
