@@ -6,18 +6,22 @@ Two kinds of figure, each in interleaved rounds (every format and float32 one af
 a round, a triad sample before the round):
 
 - single matrices [out, in]: SmolLM2's (576x576, 1536x576, 576x1536) and 4096x4096, 11008x4096,
-  4096x11008, random Gaussian weights quantised by gguf's reference; each weight in enough copies
-  to pass four times the last-level cache and 64 MB, cycled (decode streams its layers from
-  memory, not from a cache); batch 1 (decode) and ``--prefill-rows`` rows (prefill);
+  4096x11008, per kernel format (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0: random Gaussian weights quantised by
+  gguf's reference; Q4_K, Q5_K, Q6_K: random blocks with sane scales, gguf having no K-quant
+  quantiser, and only where ``in`` is a multiple of 256, as llama-quantize falls back otherwise);
+  each weight in enough copies to pass four times the last-level cache and 64 MB, cycled (decode
+  streams its layers from memory, not from a cache); batch 1 (decode) and ``--prefill-rows`` rows
+  (prefill);
 - SmolLM2 whole: one token's linear layers (210 weights and the tied Q8_0 LM head) from each GGUF
-  file as it is (the shipped Q4_1, and Q4_0 / Q8_0 made by llama-quantize if given), GEMV after
+  file as it is (the shipped Q4_1, and llama-quantize's Q4_0 / Q8_0 / Q4_K_M / Q5_K_M / Q6_K if
+  given: the K files mix formats, SmolLM2's 576-wide rows falling back to Q5_0 / Q5_1 / Q8_0), GEMV after
   GEMV, both a Python call per matrix and all in one native call (``gemv_list``, the overhead a
   fused decode removes): the bytes of a token's decode over the time, beside ``llama-bench -t THREADS -p 0 -n 32``
   on the same file (llama.cpp's whole decode step, attention and norms included).
 
 GB/s counts the weights' compressed bytes once per call. Writes ``benchmarks/results/<name>.json``.
 
-    python benchmarks/bench_quant_gemv.py --rounds 3 --gguf /tmp/qg/smollm2-Q4_0.gguf /tmp/qg/smollm2-Q8_0.gguf
+    python benchmarks/bench_quant_gemv.py --rounds 3 --gguf /tmp/qg/smollm2-Q4_0.gguf /tmp/qg/smollm2-Q4_K_M.gguf
 """
 
 from __future__ import annotations
@@ -62,19 +66,23 @@ def _cycler(items):
     return nxt
 
 
-def bench_matrices(native, rounds: int, threads: int, prefill_rows: int, min_bytes: int, calls: int) -> list[dict]:
+def bench_matrices(native, rounds: int, threads: int, prefill_rows: int, min_bytes: int, calls: int,
+                   formats: list[str]) -> list[dict]:
     import torch
 
     from flexplan.measure.membw import llc_bytes
-    from flexplan.quant.kernels import NATIVE_FORMATS, quantize_reference
+    from flexplan.quant.kernels import NATIVE_FORMATS, quantize_reference, random_blocks
 
     out_rows = []
     g = torch.Generator().manual_seed(0)
     for out, k in SHAPES:
         w32 = torch.randn(out, k, generator=g) * 0.02
         cases = {}  # name -> (bytes per copy, a call given x)
-        for name, fmt in NATIVE_FORMATS.items():
-            qt = quantize_reference(w32, fmt)
+        for name in formats:
+            fmt = NATIVE_FORMATS[name]
+            if k % fmt.block_weights:
+                continue  # a row of whole blocks only (llama-quantize uses another type there)
+            qt = random_blocks(fmt, out, k, g) if fmt.block_weights == 256 else quantize_reference(w32, fmt)
             copies = max(1, -(-max(4 * llc_bytes(), min_bytes) // qt.nbytes))
             nxt = _cycler([qt.data.clone() for _ in range(copies)])
             cases[name] = (qt.nbytes, lambda x, nxt=nxt, fmt=fmt: native.gemm(nxt(), fmt, x))
@@ -82,9 +90,10 @@ def bench_matrices(native, rounds: int, threads: int, prefill_rows: int, min_byt
         nxt32 = _cycler([w32.clone() for _ in range(copies)])
         cases["float32"] = (w32.numel() * 4, lambda x: torch.nn.functional.linear(x, nxt32()))
         times = {(c, rows): [] for c in cases for rows in (1, prefill_rows)}
-        triads = []
+        triads, loads = [], []
         for _ in range(rounds):
             triads.append(_triad(threads))
+            loads.append(os.getloadavg()[0])
             for rows in (1, prefill_rows):
                 x = torch.randn(rows, k, generator=g)
                 for c, (_, fn) in cases.items():
@@ -92,7 +101,8 @@ def bench_matrices(native, rounds: int, threads: int, prefill_rows: int, min_byt
         for (c, rows), ts in times.items():
             s = statistics.median(ts)
             rec = {"out": out, "in": k, "format": c, "rows": rows, "bytes": cases[c][0], "s_median": s,
-                   "s_min": min(ts), "gb_per_s": cases[c][0] / s / 1e9, "triad_gb_per_s": [t / 1e9 for t in triads]}
+                   "s_min": min(ts), "gb_per_s": cases[c][0] / s / 1e9, "triad_gb_per_s": [t / 1e9 for t in triads],
+                   "loadavg_1min": loads}
             rec["fraction_of_triad"] = rec["gb_per_s"] / statistics.median(rec["triad_gb_per_s"])
             rec["gflop_per_s"] = 2 * rows * out * k / s / 1e9  # the figure that matters for prefill rows
             out_rows.append(rec)
@@ -121,9 +131,10 @@ def bench_smollm2_files(native, files: list[Path], rounds: int, threads: int) ->
             for t in mats:
                 native.gemm(t.data, t.format, xs[t.shape[1]])
         one_call = native.gemv_list([(t.data, t.format, xs[t.shape[1]][0]) for t in mats]).run  # one native call
-        ts, ts_list, triads = [], [], []
+        ts, ts_list, triads, loads = [], [], [], []
         for _ in range(rounds):
             triads.append(_triad(threads))
+            loads.append(os.getloadavg()[0])
             ts.append(_s_per_call(token, 5))
             ts_list.append(_s_per_call(one_call, 5))
         s, s_list = statistics.median(ts), statistics.median(ts_list)
@@ -131,7 +142,7 @@ def bench_smollm2_files(native, files: list[Path], rounds: int, threads: int) ->
                "not_native": skipped, "s_per_token_median": s, "s_per_token_min": min(ts),
                "gb_per_s": total / s / 1e9, "one_call_s_per_token_median": s_list,
                "one_call_s_per_token_min": min(ts_list), "one_call_gb_per_s": total / s_list / 1e9,
-               "triad_gb_per_s": [t / 1e9 for t in triads]}
+               "triad_gb_per_s": [t / 1e9 for t in triads], "loadavg_1min": loads}
         triad = statistics.median(rec["triad_gb_per_s"])
         rec["fraction_of_triad"] = rec["gb_per_s"] / triad
         rec["one_call_fraction_of_triad"] = rec["one_call_gb_per_s"] / triad
@@ -174,7 +185,9 @@ def main() -> int:
     ap.add_argument("--calls", type=int, default=32, help="GEMV calls per timing (prefill: a 16th)")
     ap.add_argument("--prefill-rows", type=int, default=64)
     ap.add_argument("--min-bytes", type=int, default=64 << 20, help="each weight cycled in copies of this much at least")
-    ap.add_argument("--gguf", nargs="*", default=[], help="more GGUF files of SmolLM2 (llama-quantize's Q4_0, Q8_0)")
+    ap.add_argument("--gguf", nargs="*", default=[],
+                    help="more GGUF files of SmolLM2 (llama-quantize's Q4_0, Q8_0, Q4_K_M, Q5_K_M, Q6_K)")
+    ap.add_argument("--formats", nargs="*", default=None, help="kernel formats of the single matrices (default: all)")
     ap.add_argument("--no-matrices", action="store_true")
     ap.add_argument("--no-llama-bench", action="store_true")
     ap.add_argument("--note", default="", help="the machine's state (shared, loaded, ...)")
@@ -183,7 +196,7 @@ def main() -> int:
     os.environ.setdefault("OMP_NUM_THREADS", str(args.threads))  # the kernel's OpenMP threads, read at its start
     import torch
 
-    from flexplan.quant.kernels import status
+    from flexplan.quant.kernels import NATIVE_FORMATS, status
     from flexplan.smollm import gguf_path
 
     torch.set_num_threads(args.threads)
@@ -194,7 +207,7 @@ def main() -> int:
     files = [gguf_path(), *map(Path, args.gguf)]
     load = {"loadavg_before": os.getloadavg()}
     matrices = [] if args.no_matrices else bench_matrices(native, args.rounds, args.threads, args.prefill_rows,
-                                                          args.min_bytes, args.calls)
+                                                          args.min_bytes, args.calls, args.formats or list(NATIVE_FORMATS))
     smollm2 = bench_smollm2_files(native, files, args.rounds, args.threads)
     llama = [] if args.no_llama_bench else llama_bench(files, args.threads, args.rounds)
     load["loadavg_after"] = os.getloadavg()

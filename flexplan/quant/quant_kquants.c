@@ -17,11 +17,11 @@
  * 0..15, Q5_K 0..31, Q6_K 0..63), a scale per 16 weights s_g and an offset per 16 weights o_g:
  *   block . x = d_w d_x sum_g s_g sum_{i in g} u_i q_i - c_w d_x sum_g o_g bsum_g
  * with o_g = m_j, c_w = dmin (Q4_K, Q5_K: the mins) and o_g = s_g, c_w = 32 d (Q6_K: the -32).
- * The first sum is exact in int32 (|.| < 2^25), the second too (< 2^22): two float roundings a
- * super-block. AVX2: maddubs (u q pairs into int16: |.| <= 2 * 63 * 127, no saturation) then madd
- * with s_g; the same code on AVX-512 / VNNI machines (a dpbusd would need a 32-bit multiply for
- * s_g: no fewer operations). Portable C otherwise. The batched kernel decodes a super-block once
- * for T activation rows.
+ * Both sums are exact in int32 (the first |.| < 2^28: 16 groups * 128 * 16 * 63 * 127; the second
+ * < 2^22); the float32 scaling after them rounds a few times a super-block. AVX2: maddubs (u q pairs
+ * into int16: |.| <= 2 * 63 * 127, no saturation) then madd with s_g; the same code on AVX-512 /
+ * VNNI machines (a dpbusd would need a 32-bit multiply for s_g: no fewer operations). Portable C
+ * otherwise. The batched kernel decodes a super-block once for T activation rows.
  *
  * Dequantisation repeats gguf's reference (gguf/quants.py) in float32: d * sc and dmin * m exact
  * (at most 18 significant bits), (d sc) * q exact (at most 24 bits), then one rounding for - dmin m:
@@ -92,26 +92,6 @@ static inline void scale_min(const uint8_t *q, int j, int *sc, int *m) {
         *sc = (q[j + 4] & 0x0F) | ((q[j - 4] >> 6) << 4);
         *m = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
     }
-}
-
-/* One super-block's scales: s[16] per 16 weights, o[16] offsets, dw and cw as in the header. */
-static inline void superblock_scales(const uint8_t *blk, int64_t wtype, int16_t *s, int16_t *o, float *dw,
-                                     float *cw) {
-    if (wtype == TYPE_Q6_K) {
-        const int8_t *sc = (const int8_t *)(blk + 192);
-        for (int g = 0; g < 16; g++) s[g] = o[g] = sc[g];
-        *dw = f16(blk + 208);
-        *cw = 32.0f * *dw;  /* exact: a power of two */
-        return;
-    }
-    for (int j = 0; j < 8; j++) {
-        int sc, m;
-        scale_min(blk + 4, j, &sc, &m);
-        s[2 * j] = s[2 * j + 1] = (int16_t)sc;
-        o[2 * j] = o[2 * j + 1] = (int16_t)m;
-    }
-    *dw = f16(blk);
-    *cw = f16(blk + 2);
 }
 
 /* The unsigned value u of weight i (0..255) of a super-block: the portable decode and the exact
@@ -232,6 +212,26 @@ static inline __attribute__((always_inline)) void dot_rows(int64_t wtype, const 
     for (int t = 0; t < T; t++) out[t] = hsum8(acc[t]);
 }
 #else
+/* The portable path's super-block scales: s[16] per 16 weights, o[16] offsets, dw and cw as in the header. */
+static inline void superblock_scales(const uint8_t *blk, int64_t wtype, int16_t *s, int16_t *o, float *dw,
+                                     float *cw) {
+    if (wtype == TYPE_Q6_K) {
+        const int8_t *sc = (const int8_t *)(blk + 192);
+        for (int g = 0; g < 16; g++) s[g] = o[g] = sc[g];
+        *dw = f16(blk + 208);
+        *cw = 32.0f * *dw;  /* exact: a power of two */
+        return;
+    }
+    for (int j = 0; j < 8; j++) {
+        int sc, m;
+        scale_min(blk + 4, j, &sc, &m);
+        s[2 * j] = s[2 * j + 1] = (int16_t)sc;
+        o[2 * j] = o[2 * j + 1] = (int16_t)m;
+    }
+    *dw = f16(blk);
+    *cw = f16(blk + 2);
+}
+
 static inline void dot_rows(int64_t wtype, const uint8_t *w, const act_k *const *a, int64_t nb, int T, float *out) {
     const int64_t bb = flexplan_kq_block_bytes(wtype);
     for (int t = 0; t < T; t++) out[t] = 0.0f;
