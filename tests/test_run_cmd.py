@@ -115,8 +115,11 @@ def test_run_json_record_of_a_model_folder(tiny_folder, capsys, monkeypatch):
 
 @pytest.mark.slow
 @needs_gguf
-def test_run_prints_plan_answer_and_measured_vs_predicted(cache_dir):
-    r = flexplan("run", "-o", "4", "--accelerator", "none", cache=cache_dir)
+def test_run_prints_plan_answer_and_measured_vs_predicted(cache_dir, capsys, monkeypatch):
+    from flexplan import run_cmd
+
+    monkeypatch.setattr(run_cmd, "REPEATS_BUDGET_S", math.inf)  # all 3 runs, however loaded this machine is
+    r = run_main("run", "-o", "4", "--accelerator", "none", capsys=capsys, monkeypatch=monkeypatch, cache=cache_dir)
     _check_run_output(r, "SmolLM2-135M-Instruct.Q4_1.gguf")  # the shipped file itself, on its own blocks
     assert r.stdout.count("runs: ") >= 2 and "own blocks (Q4_1, Q8_0, F32)" in r.stdout
 
