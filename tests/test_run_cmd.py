@@ -5,17 +5,12 @@ exit code 2."""
 
 import json
 import math
-import os
 import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
 from flexplan import smollm
 from flexplan.errors import FlexplanError
-
-REPO = Path(__file__).resolve().parent.parent
 
 from conftest import HAVE_GGUF, needs_gguf  # noqa: E402
 
@@ -26,13 +21,6 @@ def cache_dir(tmp_path_factory):
     root = tmp_path_factory.getbasetemp() / "flexplan-cache"
     root.mkdir(exist_ok=True)
     return root
-
-
-def flexplan(*args, cache, code=None, timeout=300):
-    env = dict(os.environ, FLEXPLAN_CACHE_DIR=str(cache),
-               PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    cmd = [sys.executable, "-m", "flexplan", *args] if code is None else [sys.executable, "-c", code, *args]
-    return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout, cwd=REPO)
 
 
 def run_main(*args, capsys, monkeypatch, cache=None):
