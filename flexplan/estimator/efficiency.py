@@ -56,6 +56,11 @@ class Efficiency(Protocol):
     def cpu_head_memory(self, tokens: float, dtype: str, tied: bool = False) -> float: ...
     def cpu_expert_factors(self, tokens: float, dtype: str): ...  # (Eff_comp, Eff_mem) of the CPU routed-
     # expert path at `tokens` rows per expert, fixed per-expert costs included; None: not calibrated
+    def cpu_block_formats(self) -> frozenset[str]: ...  # the GGUF formats whose block kernels were calibrated
+    def cpu_block_compute(self, tokens: float, block_format: str) -> float: ...  # the block kernels (quant_gemv.c)
+    # on `block_format`'s blocks, float32 activations quantised per block: Eff_comp against the CPU's float32
+    # peak, Eff_mem on the blocks' bytes; read through cpu_block_factors (a format not calibrated: float32's)
+    def cpu_block_memory(self, tokens: float, block_format: str) -> float: ...
     def gpu_compute(self, tokens: float) -> float: ...
     def gpu_memory(self, tokens: float) -> float: ...
     def h2d(self, transfer_bytes: float) -> float: ...  # Eff_ICN host -> device
@@ -151,6 +156,15 @@ class DefaultEfficiency:
     def cpu_expert_factors(self, tokens, dtype=None):
         return None  # not measured: expert_terms prices the experts as GEMMs plus a layer overhead
 
+    def cpu_block_formats(self):
+        return frozenset()  # none calibrated: blocks are priced at the float factors
+
+    def cpu_block_compute(self, tokens, block_format=None):
+        return self.cpu_compute_eff
+
+    def cpu_block_memory(self, tokens, block_format=None):
+        return self.cpu_memory_eff
+
     def gpu_compute(self, tokens):
         return self.gpu_compute_eff
 
@@ -239,6 +253,15 @@ class ScaledEfficiency:
         f = self.base.cpu_expert_factors(tokens, dtype) if hasattr(self.base, "cpu_expert_factors") else None
         return None if f is None else (f[0] / self.scale("cpu_compute"), f[1] / self.scale("cpu_memory"))
 
+    def cpu_block_formats(self):
+        return block_formats(self.base)
+
+    def cpu_block_compute(self, tokens, block_format=None):
+        return self.base.cpu_block_compute(tokens, block_format) / self.scale("cpu_compute")
+
+    def cpu_block_memory(self, tokens, block_format=None):
+        return self.base.cpu_block_memory(tokens, block_format) / self.scale("cpu_memory")
+
     def gpu_compute(self, tokens):
         return self.base.gpu_compute(tokens) / self.scale("accelerator")
 
@@ -307,9 +330,9 @@ class StateScaledEfficiency(ScaledEfficiency):
     # the memory probe's own spread within a state on the calibrated machine (factors.memory_state.probe_band)
     band: float = UNMEASURED_PROBE_BAND
 
-    def _at_state(self, factor, dtype):
+    def _at_state(self, factor, dtype, best=None):
         s = self.scale("cpu_memory")
-        best = self.stream_best.get(dtype)
+        best = self.stream_best.get(dtype) if best is None else best
         if s <= 1.0 or best is None:
             at = factor / s
         else:
@@ -332,6 +355,15 @@ class StateScaledEfficiency(ScaledEfficiency):
     def cpu_expert_factors(self, tokens, dtype=None):
         f = self.base.cpu_expert_factors(tokens, dtype) if hasattr(self.base, "cpu_expert_factors") else None
         return None if f is None else (f[0] / self.scale("cpu_compute"), self._at_state(f[1], dtype))
+
+    def cpu_block_memory(self, tokens, block_format=None):
+        """A block kernel's decode GEMV at the state of now as the float GEMV's, its roofline the
+        machine's best weight-streaming factor at calibration (of any CPU dtype): a kernel that
+        streams below it (its arithmetic holds it) slows only where the state's bandwidth falls
+        below its own rate."""
+        f = self.base.cpu_block_memory(tokens, block_format)
+        best = max(self.stream_best.values(), default=None)
+        return np.where(np.asarray(tokens) <= STATE_SCALED_TOKENS_MAX, self._at_state(f, None, best), f)
 
 
 def state_change(scale: float, band: float) -> float:
@@ -386,3 +418,20 @@ def cpu_split_linear(eff: Efficiency, tokens, dtype: str | None) -> float:
     Efficiency that may not have measured it (then 1: priced as the packed kernel)."""
     own = getattr(eff, "cpu_split_linear", None)  # (wrappers forward it by __getattr__)
     return float(own(tokens, dtype)) if own is not None else 1.0
+
+
+def block_formats(eff: Efficiency) -> frozenset[str]:
+    """The GGUF formats whose block kernels ``eff`` was calibrated on (none for an Efficiency that
+    does not know block formats)."""
+    own = getattr(eff, "cpu_block_formats", None)  # (wrappers forward it)
+    return frozenset(own()) if own is not None else frozenset()
+
+
+def cpu_block_factors(eff: Efficiency, tokens, block_format: str, dtype: str | None):
+    """(Eff_comp, Eff_mem) of the block kernels on ``block_format``'s blocks at ``tokens`` rows,
+    where ``eff`` was calibrated on that format; else the float GEMV/GEMM factors of ``dtype`` (the
+    CPU's compute dtype: float32 for a GGUF file's layers), as blocks were priced before they were
+    timed per format."""
+    if block_format not in block_formats(eff):
+        return eff.cpu_compute(tokens, dtype), eff.cpu_memory(tokens, dtype)
+    return eff.cpu_block_compute(tokens, block_format), eff.cpu_block_memory(tokens, block_format)

@@ -283,6 +283,15 @@ class CPUFactors:
 
 
 @dataclass(frozen=True)
+class BlockFactors:
+    """The block kernels' factor tables of one GGUF format (its float32 activations quantised per
+    block, integer dots): Eff_comp against the CPU's float32 peak, Eff_mem on the blocks' bytes."""
+
+    compute: Table
+    memory: Table
+
+
+@dataclass(frozen=True)
 class CalibratedEfficiency:
     """The :class:`~flexplan.estimator.efficiency.Efficiency` protocol from measurements. CPU
     factors are per compute dtype; a dtype the calibration did not measure gets the defaults."""
@@ -303,6 +312,7 @@ class CalibratedEfficiency:
     notes: tuple[str, ...] = field(default_factory=tuple)
     origin: FactorSource = FactorSource()
     under_copy_table: Table | None = None  # the slowdown by GEMM rows (1: the decode GEMV's); None: under_copy
+    blocks: dict[str, BlockFactors] = field(default_factory=dict)  # GGUF format -> its block kernels' factors
 
     def _cpu(self, dtype: str | None) -> CPUFactors | None:
         return self.cpu.get(dtype or self.cpu_dtype)
@@ -314,6 +324,21 @@ class CalibratedEfficiency:
     def cpu_memory(self, tokens, dtype=None):
         f = self._cpu(dtype)
         return f.memory(tokens) if f else self.defaults.cpu_memory(tokens, dtype)
+
+    def cpu_block_formats(self) -> frozenset[str]:
+        return frozenset(self.blocks)
+
+    def cpu_block_compute(self, tokens, block_format):
+        """Eff_comp of the block kernels on ``block_format`` (against the float32 peak); a format
+        not measured: the float32 GEMMs' factor."""
+        f = self.blocks.get(block_format)
+        return f.compute(tokens) if f else self.cpu_compute(tokens, "float32")
+
+    def cpu_block_memory(self, tokens, block_format):
+        """Eff_mem of the block kernels streaming ``block_format``'s blocks; a format not measured:
+        the float32 GEMV's factor."""
+        f = self.blocks.get(block_format)
+        return f.memory(tokens) if f else self.cpu_memory(tokens, "float32")
 
     def _head(self, dtype, tied: bool) -> tuple[Table | None, Table | None]:
         """(compute, memory) tables of the LM head: a tied head's where measured apart, else the
@@ -434,6 +459,8 @@ class CalibratedEfficiency:
                              ("h2d", self.h2d_table, "bytes"), ("d2h", self.d2h_table, "bytes")):
             out[name] = t.rows(key) if t else None
         out["gpu_layer_overhead_s"] = _num(self.gpu_overhead_s)
+        out["cpu_blocks"] = {fmt: {"compute": f.compute.rows("tokens"), "memory": f.memory.rows("tokens")}
+                             for fmt, f in self.blocks.items()} or None
         out["notes"] = list(self.notes)
         return out
 
@@ -474,6 +501,9 @@ def _part(meas: dict, name: str, kind: type):
 
 
 GEMM_KEYS = ("dtype", "tokens", "k", "n", "dtype_bytes", "time_s")
+# the GGUF block kernels' GEMV/GEMM rows (measure.microbench_blocks): GEMM_KEYS and the blocks' `format`,
+# `dtype_bytes` the format's bytes per weight; optional (files from before them price blocks as float32)
+BLOCK_PART = "cpu_block_gemm"
 ATTENTION_KEYS = ("dtype", "batch", "kv_len", "heads", "kv_heads", "head_dim", "dtype_bytes", "time_s")
 
 
@@ -623,9 +653,48 @@ def cpu_factors(meas: dict, dtype: str, hw: Hardware, notes: list[str]) -> CPUFa
                       executor_extra_by_bytes=executor_extra_by_bytes(exec_rows, layer_rows, dtype))
 
 
+def normalised_blocks(meas: dict) -> list[dict]:
+    """The block kernels' rows brought to the calibration's reference memory state as the float
+    GEMV rows are (``memory_state.normalised``, each by the probe taken around its own runs), the
+    memory-bound share of each judged against the best rate the float32 GEMV or any block row
+    streamed at: a block kernel that streams at half that rate is half held by its arithmetic,
+    which the memory state does not move. The float rows are normalised on their own (unchanged
+    by these)."""
+    rows = meas.get(BLOCK_PART)
+    if not isinstance(rows, list) or not rows:
+        return rows
+    gemv = [r for r in meas.get("cpu_gemv") or () if isinstance(r, dict) and r.get("dtype") == "float32"]
+    return normalised({"memory_state": meas.get("memory_state"), "cpu_gemv": gemv + rows})["cpu_gemv"][len(gemv):]
+
+
+def block_factors(meas: dict, hw: Hardware, notes: list[str]) -> dict[str, BlockFactors]:
+    """Compute and memory tables of the block kernels on each GGUF format measured (``BLOCK_PART``
+    rows), by :func:`derive_gemm` as the float GEMV/GEMM rows: memory from the GEMV at the fewest
+    rows, compute from what is left. The reference peak is the CPU's float32 one (the int8 dots have
+    no peak of their own in the hardware database): a kernel beating it gets a compute factor above 1.
+    The float32 linear's call cost is taken out, as from the float rows (the estimator charges the
+    call once per layer, in the overhead). {} where the file has none (older files)."""
+    rows = check_rows(meas.get(BLOCK_PART), GEMM_KEYS, f"measurements.{BLOCK_PART}")
+    bad = [i for i, r in enumerate(rows) if not isinstance(r.get("format"), str)]
+    if bad:
+        raise ValueError(f"`measurements.{BLOCK_PART}` row {bad[0]} lacks or has a bad format (a GGUF format name)")
+    by_format: dict[str, list[dict]] = {}
+    for r in rows:
+        by_format.setdefault(r["format"], []).append(r)
+    th, bw = float(hw.cpu.peak_flops_per_s["float32"]), float(hw.cpu.memory_bandwidth_bytes_per_s)
+    call_s = float(((meas.get("cpu_op_dispatch") or {}).get("float32") or {}).get("linear_call_s", 0.0))
+    out = {}
+    for fmt, fmt_rows in by_format.items():
+        compute, memory, n = derive_gemm(fmt_rows, th, bw, call_s)
+        notes += [f"CPU {fmt} blocks: {x}" for x in n]
+        out[fmt] = BlockFactors(compute, memory)
+    return out
+
+
 def from_measurements(meas: dict, settings: dict, hw: Hardware, source: str) -> CalibratedEfficiency:
     """Factors of ``hw`` that reproduce the measurements ``meas`` (a calibration file's
     ``measurements`` section). Raises ValueError/KeyError/TypeError on malformed content."""
+    block_rows = normalised_blocks(meas)
     meas = normalised(meas)  # memory-bound times at one memory state (memory_state.py; older files: as is)
     defaults = DefaultEfficiency.for_hardware(hw)
     notes: list[str] = []
@@ -688,9 +757,10 @@ def from_measurements(meas: dict, settings: dict, hw: Hardware, source: str) -> 
     else:
         notes.append("CPU slowdown under a host-to-device copy not measured"
                      + (" (no GPU)" if hw.gpu is None else "") + ": 1.0")
+    blocks = block_factors({**meas, BLOCK_PART: block_rows}, hw, notes)
     primary = hw.cpu.compute_dtype if hw.cpu.compute_dtype in cpu else next(iter(cpu))
     return CalibratedEfficiency(
         cpu=cpu, cpu_dtype=primary, cpu_overhead_s=cpu_overhead, threads=threads, under_copy=under_copy,
         gpu_compute_table=gpu_c, gpu_memory_table=gpu_m, h2d_table=h2d, d2h_table=d2h, gpu_overhead_s=gpu_overhead,
         defaults=defaults, step_overhead=step_overhead, source=source, notes=tuple(notes),
-        under_copy_table=under_copy_table)
+        under_copy_table=under_copy_table, blocks=blocks)

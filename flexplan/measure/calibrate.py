@@ -24,11 +24,12 @@ from flexplan.errors import CalibrationError
 from flexplan.executor.cpu_linear import default_kernel
 from flexplan.executor.host_allocator import keep_freed_memory
 from flexplan.factors import memory_state, store
-from flexplan.factors.efficiency import from_measurements
+from flexplan.factors.efficiency import BLOCK_PART, from_measurements
 from flexplan.factors.store import DIR_ENV, FILE_ENV, calibration_dirs, display_path, file_name, local_identity
 from flexplan.hardware import get_hardware
 from flexplan.measure import executor_layers, running, state
 from flexplan.measure import microbench as mb
+from flexplan.measure import microbench_blocks as blocks
 from flexplan.measure import microbench_gpu as gb
 from flexplan.measure.hostload import cpu_seconds as _cpu_seconds
 from flexplan.measure.hostload import other_share as _other_share
@@ -42,7 +43,8 @@ class Step:
     key: str  # where the result goes in `measurements`
     units: int  # progress-bar ticks this step makes
     run: Callable[[Callable[[], None]], object]  # gets tick(); returns the measurement
-    dtype: str | None = None  # per-dtype CPU step: list results are merged, dict results keyed by dtype
+    dtype: str | None = None  # per-dtype CPU step (the block kernels': per format): list results are merged,
+    # dict results keyed by it
 
     @property
     def label(self) -> str:
@@ -99,6 +101,9 @@ def _steps(mode: str, hw, threads: int, cpu_dtypes: list[str], gpu_dtype: str | 
             Step("cpu_attention", len(s.attn_kv_lens) * len(s.attn_batches) * len({s.attn_heads, *s.attn_layouts}),
                  lambda tick, dt=dt: mb.attention(s, dt, tick=tick), dt),
         ]
+    # the block kernels a GGUF file's layers run on, per format (float32 activations, quantised per block)
+    steps += [Step(BLOCK_PART, len(s.block_rows()) * per_shape, lambda tick, f=f: blocks.block_gemm(s, f, tick=tick), f)
+              for f in s.block_formats]
     for dt in cpu_dtypes:
         steps.append(Step("cpu_layers", s.layer_units(),
                           lambda tick, dt=dt: mb.layers(s, dt, tick=tick), dt))
@@ -186,8 +191,8 @@ def calibrate(mode: str = "quick", out: str | Path | None = None, threads: int |
                 bar.update(1)
 
             # the rows memory_state.normalised brings to one state carry the state each was timed in
-            probing = (mb.probing_state(state.row_probes(memory)) if step.key in memory_state.ROW_PARTS
-                       else contextlib.nullcontext())
+            probing = (mb.probing_state(_row_probes(step.key, memory))
+                       if step.key in (*memory_state.ROW_PARTS, BLOCK_PART) else contextlib.nullcontext())
             try:
                 with probing:
                     _store(measurements, step, step.run(tick))
@@ -221,6 +226,16 @@ def calibrate(mode: str = "quick", out: str | Path | None = None, threads: int |
         raise CalibrationError(f"could not write {path}: {e.strerror or e}; nothing written "
                                f"(choose another place with --out or ${store.DIR_ENV})") from None
     return Result(path, doc, failures, time.perf_counter() - t_start)
+
+
+def _row_probes(key: str, memory: dict) -> dict:
+    """The probes taken around each row of step ``key``: the block kernels' rows take the memory
+    probes only (memory_state normalises them by those; the compute probe, ~0.03-0.5 s a reading
+    on the shared 2-core VM, would have doubled their step in the first-use probe)."""
+    probes = state.row_probes(memory)
+    if key == BLOCK_PART:
+        probes.pop(memory_state.ROW_PROBES["compute"], None)
+    return probes
 
 
 def calibration_doc(mode: str, measurements: dict, settings: dict, hw, identity, failures: dict | None = None,
@@ -369,6 +384,12 @@ def format_summary(res: Result) -> str:
             lines.append(f"  {dt}: split layers' CPU linear ({split[0]['split_kernel']} on dense weights) time over "
                          f"{split[0]['kernel']}'s by tokens " + ", ".join(
                              f"{r['tokens']}:{r['time_s'] / r['reference_time_s']:.2f}" for r in split))
+    block_rows = m.get(BLOCK_PART) or []
+    for f, k, n in dict.fromkeys((r["format"], r["k"], r["n"]) for r in block_rows):
+        rows = [r for r in block_rows if (r["format"], r["k"], r["n"]) == (f, k, n)]
+        lines.append(f"  {f} blocks {k}x{n} ({rows[0]['kernel']}): weight GB/s by tokens " + ", ".join(
+            f"{r['tokens']}:{r['weight_bytes_per_s'] / 1e9:.1f}" for r in rows) + "; GFLOP/s " + ", ".join(
+            f"{r['tokens']}:{r['flops_per_s'] / 1e9:.0f}" for r in rows))
     if m.get("cpu_layer_overhead"):
         lines.append(f"  per-layer overhead {m['cpu_layer_overhead']['time_s'] * 1e6:.0f} us")
     if m.get("cpu_threads"):
@@ -384,6 +405,10 @@ def format_summary(res: Result) -> str:
                 lines.append(f"  cpu {key:<9} {dt:<8} " + "  ".join(f"{r[x]:g}:{r['eff']:.3g}" for r in f[key]))
         if f.get("prefill_attention"):
             lines.append(f"  cpu prefill attention core {dt:<8} {f['prefill_attention']:.3g} (apart from the GEMMs)")
+    for fmt, f in (d.get("cpu_blocks") or {}).items():
+        for key in ("compute", "memory"):
+            lines.append(f"  cpu {key:<9} {fmt:<8} " + "  ".join(f"{r['tokens']:g}:{r['eff']:.3g}" for r in f[key])
+                         + (" (blocks, against the float32 peak)" if key == "compute" else " (blocks)"))
     for key, x in (("gpu_compute", "tokens"), ("gpu_memory", "tokens"), ("h2d", "bytes"), ("d2h", "bytes")):
         if d.get(key):
             lines.append(f"  {key:<13} " + "  ".join(f"{r[x]:g}:{r['eff']:.3g}" for r in d[key]))

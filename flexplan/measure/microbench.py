@@ -62,6 +62,15 @@ from flexplan.measure.stream import (
 ATTN_HEADS, ATTN_KV_HEADS, ATTN_HEAD_DIM = 32, 8, 128
 # Weight shapes (k x n) typical of a 7-8B layer at hidden 2048..4096: attention projection and MLP.
 WEIGHT_SHAPES = ((2048, 2048), (2048, 5632))
+# The GGUF block formats whose kernels calibration times (microbench_blocks.block_gemm, rows
+# `cpu_block_gemm`), the most used first: llama.cpp's Q4_K_M files (Q4_K, Q6_K), Q8_0, the
+# 32-blocks Q4_0 / Q4_1 (flexplan's shipped SmolLM2 file: Q4_1 layers, a Q8_0 head) and Q5_K_M's
+# Q5_K. A format not listed (Q5_0, Q5_1) is priced at the float32 GEMV/GEMM factors.
+BLOCK_FORMATS = ("Q4_K", "Q6_K", "Q8_0", "Q4_0", "Q4_1", "Q5_K")
+# the first-use probe's two (three took 3.1 s of a loaded probe run, the kernels' load and self-check's ~1.1 s
+# included): Q4_K_M files' main format and the shipped file's layers (its Q8_0 head is then priced at the
+# float32 head's factors)
+PROBE_BLOCK_FORMATS = ("Q4_K", "Q4_1")
 
 
 @dataclass(frozen=True)
@@ -113,6 +122,12 @@ class Sizes:
     # routed experts: rows per expert, and (hidden, expert intermediate, experts per call) of the layer
     expert_tokens: tuple[int, ...] = (1, 2, 4, 8, 16)
     expert_shape: tuple[int, int, int] = (1024, 512, 4)
+    # the block formats whose kernels are timed (cpu_block_gemm), at these rows (None: the float rows' GEMV
+    # and GEMM rows) on weight_shapes: full and quick stop a GEMM size short of the float rows (the block
+    # GEMMs' rate is flat from 64 rows on, 29-47 GFLOP/s here, and a 2048x5632 GEMM at 1024 rows takes
+    # ~0.7 s a call: with it, each format took ~8 s of a quick run), beyond which the factor is held
+    block_formats: tuple[str, ...] = BLOCK_FORMATS
+    block_tokens: tuple[int, ...] | None = None
     # the measurements (keys of the file's `measurements`) this mode takes; None: all of them
     parts: frozenset[str] | None = None
 
@@ -129,6 +144,10 @@ class Sizes:
         return ([(w, self.layer_points()) for w in self.layer_widths]
                 + [(w, [(b, q, 0) for b, q in shapes if q > 1]) for w, shapes in self.prefill_only_widths])
 
+    def block_rows(self) -> tuple[int, ...]:
+        """Rows (tokens) of the block kernels' GEMV and GEMM measurements."""
+        return self.block_tokens or (*self.gemv_tokens, *self.gemm_tokens)
+
     def layer_units(self) -> int:
         return sum(len(points) for _, points in self.layer_plan())
 
@@ -142,7 +161,7 @@ MODES = {
                   attn_layouts=((32, 32, 128), (16, 1, 64)), sweep_prefill_tokens=1024,
                   layer_shapes=((1, 1), (4, 1), (8, 1), (1, 32), (1, 128), (8, 128), (1, 512), (4, 512), (8, 512),
                                 (1, 1024)),
-                  layer_long_kv_len=1024, executor_widths=2),
+                  layer_long_kv_len=1024, executor_widths=2, block_tokens=(1, 2, 4, 8, 16, 64, 256, 1024)),
     # quick: every decode batch `flexplan validate` runs (1, 4, 8) measured as in full, fewer prefill
     # shapes and less time per shape; the fit's physical constraints (efficiency.py) keep the
     # points it lacks from bending the curve (docs/calibration.md, "What `--quick` and `--probe` measure").
@@ -156,14 +175,14 @@ MODES = {
                    expert_tokens=(1, 2, 4, 8),
                    layer_shapes=((1, 1), (4, 1), (8, 1), (1, 32), (1, 128), (8, 128), (1, 512), (4, 512), (8, 512),
                                  (1, 1024)),
-                   layer_long_kv_len=1024),
+                   layer_long_kv_len=1024, block_tokens=(1, 4, 8, 16, 64, 256)),
     # for tests: seconds, not minutes; the numbers mean little
     "tiny": Sizes(gemv_tokens=(1, 4), gemm_tokens=(16, 64), weight_shapes=((256, 512),), attn_kv_lens=(64, 256),
                   attn_batches=(1, 2), attn_heads=(4, 2, 32), attn_layouts=((4, 1, 32),), repeats=3, budget_s=0.2, rotate_bytes=4 * 2**20,
                   stream_bytes=4 * 2**20, layer_calls=10, sweep_prefill_tokens=16,
                   transfer_bytes=(2**16, 2**20), layer_widths=((64, 128, 4, 2, 16), (128, 256, 4, 2, 32)),
                   layer_shapes=((1, 1), (1, 16)), layer_kv_len=16, layer_long_kv_len=64, head_shapes=((64, 1024),), head_tokens=(1, 2),
-                  expert_tokens=(1, 4), expert_shape=(128, 64, 2)),
+                  expert_tokens=(1, 4), expert_shape=(128, 64, 2), block_formats=BLOCK_FORMATS[:2]),
     # first use (flexplan/measure/first_use.py): seconds (target: a few). STREAM, op dispatch, on one
     # 1B-class projection (2048 x 2048) the GEMV at the decode batches validate runs (1, 4, 8)
     # and prefill GEMMs at 32, 128 and 512 tokens (one GEMM at 256 alone left prefill at 32 and
@@ -191,7 +210,9 @@ MODES = {
                    prefill_only_widths=(((2048, 5632, 32, 8, 64), ((1, 128), (1, 512))),),
                    layer_shapes=((1, 1), (8, 1), (1, 32), (1, 128), (8, 128), (1, 512), (1, 1024)),
                    layer_kv_len=32, layer_long_kv_len=512, rotate_llc_multiple=2.0, layer_copies=4,
+                   block_formats=PROBE_BLOCK_FORMATS, block_tokens=(1, 8, 128),
                    parts=frozenset({"cpu_stream", "cpu_op_dispatch", "cpu_gemv", "cpu_gemm", "cpu_attention",
+                                    "cpu_block_gemm",
                                     "cpu_layers", "cpu_layer_overhead", "cpu_generate_step", "h2d", "d2h",
                                     "gpu_gemv", "gpu_gemm", "gpu_memory", "gpu_layer_overhead", "cpu_under_copy"})),
 }
