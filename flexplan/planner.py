@@ -22,7 +22,7 @@ import numpy as np
 from flexplan import memory
 from flexplan.errors import DoesNotFitError, InvalidInputError
 from flexplan.estimator import REGISTRY, DefaultEfficiency, Efficiency, Shape, phase_costs
-from flexplan.estimator.efficiency import FactorSource
+from flexplan.estimator.efficiency import FactorSource, block_formats
 from flexplan.estimator.expert_cache import profile_curves, with_profile
 from flexplan.estimator.policies import POLICIES, Policy, placement_of
 from flexplan.estimator.terms import PhaseCosts, t_link_s
@@ -243,13 +243,21 @@ def _kept_weights(spec: ModelSpec, weights: str | None) -> tuple:
     return spec.stored_weights if weights in (None, "gguf") else ()
 
 
-def _weights_notes(shape: Shape) -> tuple[str, ...]:
+def _weights_notes(shape: Shape, eff: Efficiency) -> tuple[str, ...]:
+    """What a plan of weights held as blocks priced them at: each kernel format's calibrated block
+    kernels' rate, or (not calibrated for it) the float32 factors."""
     if not shape.weights:
         return ()
     what = "the GGUF file's blocks as stored" if shape.model.stored_weights else "quantised at load"
+    held = list(dict.fromkeys([f for f, _, _ in shape.cpu_layer_formats if f is not None]
+                              + ([shape.cpu_head_format] if shape.cpu_head_format else [])))
+    timed = block_formats(eff)
+    at, not_at = [f for f in held if f in timed], [f for f in held if f not in timed]
+    how = ([f"{', '.join(at)} at {'its' if len(at) == 1 else 'their'} block kernels' calibrated rate"] if at else []) + (
+        [f"{', '.join(not_at)} at the float32 GEMV/GEMM rate (block kernels not calibrated for "
+         f"{'it' if len(not_at) == 1 else 'them'}: `flexplan calibrate` times them per format)"] if not_at else [])
     return (f"weights: {what} ({weight_formats.describe(shape.weights)} parameters; "
-            f"{shape.cpu_weight_bytes:.3g} bytes a layer weight), their GEMVs priced at the float32 GEMV's "
-            "calibrated rate (the block kernels are not calibrated per format yet)",)
+            f"{shape.cpu_weight_bytes:.3g} bytes a layer weight), priced " + "; ".join(how or ["as float32"]),)
 
 
 def _why_not(o: _Options, hw: Hardware, gpu_budget: float, cpu_budget: float) -> str:
@@ -706,7 +714,7 @@ def _plan_one(spec: ModelSpec, hw: Hardware, eff: Efficiency, shape: Shape, gpu_
             candidates=tuple(candidates), baselines=baselines, calibration=eff.source, factors=getattr(eff, "origin", FactorSource()),
             notes=tuple(hw.notes) + ((f"prefill keeps the {int(oq.gpu_layers[iq])} layers decode holds on the GPU "
                                       f"resident (FlexInfer 5.3): priced as {q} with {int(oq.gpu_layers[iq])} GPU "
-                                      "layers",) if (q, iq) != (p, ip) else ()) + _weights_notes(shape),
+                                      "layers",) if (q, iq) != (p, ip) else ()) + _weights_notes(shape, eff),
         )
         out = replace(out, placement=placement_of(out, n))  # the Plan carries what its policies place
         if curves:

@@ -7,9 +7,12 @@ each format's factors through every Efficiency wrapper, a format not measured th
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 from synthetic_machine import HW_CPU, SyntheticMachine, _roofline_s
 
+import flexplan
 from flexplan.errors import CalibrationError
 from flexplan.estimator.efficiency import (
     DefaultEfficiency,
@@ -18,7 +21,14 @@ from flexplan.estimator.efficiency import (
     block_formats,
     cpu_block_factors,
 )
-from flexplan.estimator.terms import c_gemm, d_gemm
+from flexplan.estimator.phase_costs import phase_costs
+from flexplan.estimator.terms import (
+    Shape,
+    c_gemm,
+    cpu_layer_factors,
+    d_gemm,
+    t_on_device_s,
+)
 from flexplan.factors import store
 from flexplan.factors.calibrated import factors_of
 from flexplan.factors.correction import CorrectedEfficiency
@@ -26,6 +36,7 @@ from flexplan.factors.efficiency import BLOCK_PART, from_measurements
 from flexplan.measure.calibrate import calibration_doc
 from flexplan.measure.microbench import BLOCK_FORMATS, MODES, PROBE_BLOCK_FORMATS
 from flexplan.quant.formats import BY_NAME
+from flexplan.workload import costs, resolve_model
 
 MACHINE = SyntheticMachine(bytes_per_s=40e9, kv_bytes_per_s=20e9, flops_per_s={"float32": 150e9, "bfloat16": 300e9},
                            op_s=5e-6, layer_s=100e-6, step_s=0.5e-3, logit_s=1e-10)
@@ -56,6 +67,19 @@ def measurements(**formats) -> dict:
 
 def factors(**formats):
     return from_measurements(measurements(**formats), SETTINGS, HW_CPU, "test")
+
+
+def q4_k_m(spec, mlp: str = "Q6_K"):
+    """``spec`` as a llama.cpp Q4_K_M-like file stores it: attention Q4_K, the MLP in ``mlp``,
+    norms float32, a Q6_K embedding the tied head runs on."""
+    groups = {g: sum(spec.layer_group_params(i)[g] for i in range(spec.num_layers)) for g in ("attention", "mlp", "norms")}
+    return replace(spec, stored_weights=(("attention", "Q4_K", groups["attention"]), ("mlp", mlp, groups["mlp"]),
+                                         ("norms", "F32", groups["norms"]), ("embedding", "Q6_K", spec.embedding_params)))
+
+
+@pytest.fixture(scope="module")
+def llama():
+    return resolve_model("meta-llama/Llama-3.1-8B")
 
 
 # ----------------------------------------------------------------------------- rows -> factors
@@ -137,6 +161,72 @@ def test_the_schema_takes_files_with_and_without_block_rows(tmp_path):
     bad = store.write_atomic(doc, tmp_path / "bad.yaml")
     with pytest.raises(CalibrationError, match="format"):
         factors_of(store.load_calibration(bad), HW_CPU)
+
+
+# ----------------------------------------------------------------------------- the estimator
+
+
+def test_a_layer_of_several_formats_pays_each_at_its_own_factors(llama):
+    """Hand calculation: 1 / Eff_mem = sum of each format's share of the layer's weight bytes over
+    its factor (norms in float32 at the float32 factor); 1 / Eff_comp the same with parameter shares."""
+    eff = factors(Q4_K=(30e9, 400e9), Q6_K=(15e9, 300e9))
+    spec = q4_k_m(llama)
+    shape = Shape(spec, 1, 128, 16, "bfloat16", "float32", spec.stored_weights)
+    params = {g: p for g, _, p in spec.stored_weights}
+    att, mlp, norms = params["attention"], params["mlp"], params["norms"]
+    b_att, b_mlp, b_norms = att * 144 / 256, mlp * 210 / 256, norms * 4
+    total_b, total_p = b_att + b_mlp + b_norms, att + mlp + norms
+    for rows in (1, 128):
+        m = {f: eff.cpu_block_memory(rows, f) for f in ("Q4_K", "Q6_K")}
+        c = {f: eff.cpu_block_compute(rows, f) for f in ("Q4_K", "Q6_K")}
+        want_m = total_b / (b_att / m["Q4_K"] + b_mlp / m["Q6_K"] + b_norms / eff.cpu_memory(rows, "float32"))
+        want_c = total_p / (att / c["Q4_K"] + mlp / c["Q6_K"] + norms / eff.cpu_compute(rows, "float32"))
+        assert cpu_layer_factors(shape, eff, rows) == pytest.approx((want_c, want_m), rel=1e-12)
+    # the decode layer's time is Eq. 1's bracket at those factors
+    pc = phase_costs(shape, HW_CPU, eff, "decode")
+    w_c, w_m = cpu_layer_factors(shape, eff, 1)
+    m_, cpu = spec, HW_CPU.cpu
+    ctx = shape.decode_context_lens
+    want = t_on_device_s(costs.c_decode(m_, 1, ctx), costs.d_decode(m_, 1, shape.cpu_weight_bytes, 4)
+                         + costs.d_kv_write(m_, 1, 1, 4), cpu.peak_flops_per_s["float32"], cpu.memory_bandwidth_bytes_per_s,
+                         w_c, w_m, kv_bytes=costs.d_kv_cache(m_, 1, ctx, 4), eff_kv=eff.cpu_attention(ctx, "float32"),
+                         overhead_s=eff.cpu_layer_overhead_s(1, "float32", costs.d_weights(m_, shape.cpu_weight_bytes)))
+    assert pc.t_cpu_layer_s == pytest.approx(want, rel=1e-9)
+    # the tied head runs on the embedding's Q6_K blocks: at Q6_K's factors
+    head = t_on_device_s(costs.c_lm_head(m_, 1), costs.d_lm_head(m_, 210 / 256), cpu.peak_flops_per_s["float32"],
+                         cpu.memory_bandwidth_bytes_per_s, eff.cpu_block_compute(1, "Q6_K"),
+                         eff.cpu_block_memory(1, "Q6_K"), overhead_s=eff.cpu_step_overhead_s(1, m_.vocab_size))
+    assert pc.t_cpu_head_s == pytest.approx(head, rel=1e-9)
+
+
+def test_plan_of_a_gguf_spec_prices_its_blocks_at_their_formats_factors(llama):
+    spec = q4_k_m(llama, mlp="Q4_K")
+    kw = {"hardware": HW_CPU, "batch_size": 1, "input_len": 128, "output_len": 32}
+    fast = flexplan.plan(spec, efficiency=factors(Q4_K=(60e9, 400e9), Q6_K=(40e9, 400e9)), **kw)
+    slow = flexplan.plan(spec, efficiency=factors(Q4_K=(15e9, 400e9), Q6_K=(40e9, 400e9)), **kw)
+    float_rate = flexplan.plan(spec, efficiency=factors(Q8_0=(60e9, 400e9)), **kw)  # Q4_K, Q6_K not measured
+    uncalibrated = flexplan.plan(spec, efficiency=factors(), **kw)
+    assert (fast.decode.policy, slow.decode.policy) == ("cpu", "cpu")
+    # decode streams the Q4_K layers: 4x the rate, most of TPOT 4x shorter
+    assert slow.tpot_s > 2.5 * fast.tpot_s
+    assert float_rate.tpot_s == pytest.approx(uncalibrated.tpot_s, rel=1e-12)  # the float32 factors: 40 GB/s
+    assert fast.tpot_s < float_rate.tpot_s < slow.tpot_s
+    note = next(n for n in fast.notes if n.startswith("weights:"))
+    assert "Q4_K, Q6_K at their block kernels' calibrated rate" in note
+    note = next(n for n in float_rate.notes if n.startswith("weights:"))
+    assert "Q4_K, Q6_K at the float32 GEMV/GEMM rate (block kernels not calibrated for them" in note
+    mixed = flexplan.plan(spec, efficiency=factors(Q4_K=(60e9, 400e9)), **kw)
+    note = next(n for n in mixed.notes if n.startswith("weights:"))
+    assert "Q4_K at its block kernels' calibrated rate; Q6_K at the float32 GEMV/GEMM rate" in note
+
+
+def test_the_shipped_gguf_plan_says_how_its_formats_were_priced():
+    from flexplan.smollm import gguf_path
+
+    p = flexplan.plan(str(gguf_path()), HW_CPU, batch_size=1, input_len=16, output_len=8,
+                      efficiency=factors(Q4_1=(20e9, 400e9)))
+    note = next(n for n in p.notes if n.startswith("weights:"))
+    assert "Q4_1 at its block kernels' calibrated rate; Q8_0 at the float32 GEMV/GEMM rate" in note
 
 
 # ----------------------------------------------------------------------------- the benchmark

@@ -12,6 +12,8 @@ from flexplan.estimator.terms import (
     PhaseCosts,
     Shape,
     cpu_attention_costs,
+    cpu_head_factors,
+    cpu_layer_factors,
     phase_work,
     t_cpu_prefill_attention_s,
     t_link_s,
@@ -26,14 +28,15 @@ def phase_costs(shape: Shape, hw: Hardware, eff: Efficiency, phase: str) -> Phas
     cd, rows, b = shape.cpu_dtype, w.rows, shape.batch
     th_cpu, bw_cpu = cpu.peak_flops_per_s[cd], cpu.memory_bandwidth_bytes_per_s
     eff_kv = eff.cpu_attention(w.context_len, cd) if phase == "decode" else 1.0
+    # weights held as blocks (a GGUF file's): each format's block kernels' factors (terms.cpu_layer_factors)
+    eff_comp, eff_mem = cpu_layer_factors(shape, eff, rows)
     t_cpu = (t_on_device_s(w.flops - w.prefill_attention_flops, w.d_cpu + w.kv_write_cpu, th_cpu, bw_cpu,
-                           eff.cpu_compute(rows, cd), eff.cpu_memory(rows, cd), kv_bytes=w.kv_read_cpu, eff_kv=eff_kv,
+                           eff_comp, eff_mem, kv_bytes=w.kv_read_cpu, eff_kv=eff_kv,
                            overhead_s=eff.cpu_layer_overhead_s(rows, cd, w.weight_bytes_cpu))
              + t_cpu_prefill_attention_s(w, th_cpu, eff, cd))
     step_overhead = eff.cpu_step_overhead_s(b, shape.model.vocab_size)  # the host runs generate()'s loop, whatever the policy
-    tied = shape.model.tie_word_embeddings
-    t_cpu_head = t_on_device_s(w.head_flops, w.head_bytes_cpu, th_cpu, bw_cpu, eff.cpu_head_compute(b, cd, tied),
-                               eff.cpu_head_memory(b, cd, tied), overhead_s=step_overhead)
+    t_cpu_head = t_on_device_s(w.head_flops, w.head_bytes_cpu, th_cpu, bw_cpu, *cpu_head_factors(shape, eff, b),
+                               overhead_s=step_overhead)
     if gpu is None or link is None:
         inf = float("inf")
         return PhaseCosts(phase, w.tokens_per_seq, t_cpu, inf, inf, inf, inf, inf, inf, t_cpu_head, inf, inf,

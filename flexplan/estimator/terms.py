@@ -12,11 +12,19 @@ retyping the formulas.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 
 import numpy as np
 
-from flexplan.estimator.efficiency import Efficiency, cpu_attention_for_layout, cpu_prefill_attention
+from flexplan.estimator.efficiency import (
+    Efficiency,
+    block_formats,
+    cpu_attention_for_layout,
+    cpu_block_factors,
+    cpu_prefill_attention,
+)
 from flexplan.hardware.spec import DTYPE_BYTES, Hardware, cpu_weight_dtype
+from flexplan.quant.formats import BY_NAME
 from flexplan.workload import costs, weight_formats
 from flexplan.workload.model import ModelSpec
 
@@ -103,6 +111,19 @@ class Shape:
         return self.cpu_weight_bytes
 
     @property
+    def cpu_layer_formats(self) -> tuple[tuple[str | None, float, float], ...]:
+        """The layers' weights by the kernel that reads them: (GGUF block format, or None for those
+        held in float32; its share of the layers' weight bytes; its share of their parameters);
+        () where the weights are in the plan's dtypes."""
+        return layer_format_shares(self.weights) if self.weights else ()
+
+    @property
+    def cpu_head_format(self) -> str | None:
+        """The GGUF block format the LM head's kernel reads (the embedding's blocks where the file
+        has no head of its own); None where the head is in float32 or the plan's dtype."""
+        return head_block_format(self.weights) if self.weights else None
+
+    @property
     def decode_context_lens(self) -> np.ndarray:
         """Keys attended at each decode step: the first output token comes from prefill, so
         decode step k (1..o-1) feeds token k and attends over s + k keys."""
@@ -111,6 +132,70 @@ class Shape:
     @property
     def decode_steps(self) -> int:
         return max(self.output_len - 1, 0)
+
+
+def _kernel_format(format_name: str, group: str) -> str | None:
+    """``format_name`` where a block kernel reads the weights of ``group`` stored in it (as
+    weight_formats holds them), else None (held in float32)."""
+    f = BY_NAME.get(format_name)
+    return format_name if f is not None and f.native_kernel and group not in weight_formats.DEQUANTISED_GROUPS else None
+
+
+@lru_cache(maxsize=256)
+def layer_format_shares(weights: weight_formats.Weights) -> tuple[tuple[str | None, float, float], ...]:
+    """:attr:`Shape.cpu_layer_formats` of ``weights`` ((group, format, parameters) triples)."""
+    params: dict[str | None, float] = {}
+    nbytes: dict[str | None, float] = {}
+    for group, fmt, p in weights:
+        if group in weight_formats.LAYER_GROUPS:
+            key = _kernel_format(fmt, group)
+            params[key] = params.get(key, 0.0) + p
+            nbytes[key] = nbytes.get(key, 0.0) + p * weight_formats.held_bytes_per_weight(fmt, group)
+    total_p, total_b = sum(params.values()), sum(nbytes.values())
+    if not total_p or not total_b:
+        return ()
+    return tuple((k, nbytes[k] / total_b, params[k] / total_p) for k in sorted(params, key=lambda k: -params[k]))
+
+
+def head_block_format(weights: weight_formats.Weights) -> str | None:
+    """:attr:`Shape.cpu_head_format` of ``weights`` (the group's format with the most parameters)."""
+    group = "lm_head" if any(g == "lm_head" for g, _, _ in weights) else "embedding"
+    held = [(p, f) for g, f, p in weights if g == group]
+    if not held:
+        return None
+    fmt = max(held)[1]
+    return fmt if _kernel_format(fmt, "lm_head") else None
+
+
+def cpu_layer_factors(shape: Shape, eff: Efficiency, rows):
+    """(Eff_comp, Eff_mem) of a CPU layer at ``rows`` tokens per GEMM: the float factors of the
+    CPU's dtype, or, for weights held as blocks, each format's time at its own block kernels'
+    factors (``efficiency.cpu_block_factors``: the float32 ones where the format was not
+    calibrated) added up, 1 / Eff = sum of share_f / Eff_f with the formats' shares of the weight
+    bytes (memory) and of the parameters (compute: each weight's FLOPs). A Q4_K_M file's Q4_K and
+    Q6_K tensors are each priced at their own rate, not all at the most common format's; the
+    layer's attention FLOPs and activation bytes (a small part in decode) go with the weights'."""
+    cd = shape.cpu_dtype
+    mix = shape.cpu_layer_formats
+    if not mix:
+        return eff.cpu_compute(rows, cd), eff.cpu_memory(rows, cd)
+    inv_c = inv_m = 0.0
+    for fmt, byte_share, param_share in mix:
+        eff_c, eff_m = (cpu_block_factors(eff, rows, fmt, cd) if fmt is not None
+                        else (eff.cpu_compute(rows, cd), eff.cpu_memory(rows, cd)))
+        inv_c, inv_m = inv_c + param_share / eff_c, inv_m + byte_share / eff_m
+    return 1.0 / inv_c, 1.0 / inv_m
+
+
+def cpu_head_factors(shape: Shape, eff: Efficiency, rows):
+    """(Eff_comp, Eff_mem) of the CPU's LM head: its block format's kernels' factors where they
+    were calibrated (the block GEMV rows' shapes: a tall head GEMV is not timed per format), else
+    the head GEMV's own (``cpu_head_compute`` / ``cpu_head_memory``; a tied head's in a 16-bit CPU)."""
+    fmt, cd = shape.cpu_head_format, shape.cpu_dtype
+    if fmt is not None and fmt in block_formats(eff):
+        return cpu_block_factors(eff, rows, fmt, cd)
+    tied = shape.model.tie_word_embeddings
+    return eff.cpu_head_compute(rows, cd, tied), eff.cpu_head_memory(rows, cd, tied)
 
 
 @dataclass(frozen=True)
