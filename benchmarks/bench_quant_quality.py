@@ -6,10 +6,13 @@ text (benchmarks/data/austen_pride_and_prejudice_ch1.txt):
 - the KL divergence KL(ref || quant) and top-1 agreement of next-token distributions of the
   quantised model (QuantLinear, int8 activation as llama.cpp; and the exact float-activation path)
   against the float32 model of the same file (every block dequantised);
+- against llama.cpp on the same file (``llama-server``, the same token ids, one position at a time
+  with its prompt cache): top-1 agreement of the next token at each position, and over llama.cpp's
+  top 8 tokens (its probabilities renormalised over them, ours likewise) the KL divergence
+  KL(llama.cpp || flexplan): llama-server reports at most the top ``n_probs`` tokens, not full logits;
 - decode TPOT (batch 1, 32 greedy tokens after a short prompt, transformers' generate on the bare
   models, median of interleaved rounds) of the quantised and the float32 model, and llama-bench
   -t 2 -n 32 on the same file; a STREAM triad sample beside each figure.
-llama.cpp's own logits are not compared here: llama-cpp-python is not installed on this machine.
 
     python benchmarks/bench_quant_quality.py [--rounds 2]
 """
@@ -42,7 +45,7 @@ def _files() -> dict[str, Path]:
     out = {"Q4_1": src}
     dest = cache_dir() / "bench"
     dest.mkdir(parents=True, exist_ok=True)
-    for qtype in ("Q4_0", "Q8_0"):
+    for qtype in ("Q4_0", "Q8_0", "Q4_K_M"):
         path = dest / f"SmolLM2-135M-Instruct.{qtype}.gguf"
         if not path.exists():
             quantize = llama_cpp_tool("llama-quantize")
@@ -89,18 +92,92 @@ def _llama_bench(path: Path) -> float | None:
     return 1.0 / rows[0]["avg_ts"]
 
 
+TOP_K = 8  # llama-server's n_probs: the tokens the comparison with llama.cpp sees at each position
+LLAMA_KV = "f32"  # llama.cpp's KV cache type (its default f16 rounds K and V; flexplan's cache is float32)
+
+
+def _vs_llama_cpp(path: Path, ids: torch.Tensor, logprobs: dict[str, torch.Tensor]) -> dict | None:
+    """Top-1 agreement and top-K KL of flexplan's next-token distributions (``logprobs``: name ->
+    [positions, vocab] over ``ids``) against llama.cpp's on the same file; None without llama-server."""
+    import socket
+    import urllib.request
+
+    server = llama_cpp_tool("llama-server")
+    if server is None:
+        print(f"llama.cpp comparison skipped: {LLAMA_CPP_HOW}", file=sys.stderr)
+        return None
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen([str(server), "-m", str(path), "-t", "2", "-c", str(ids.shape[1] + 16), "-np", "1",
+                             "-ctk", LLAMA_KV, "-ctv", LLAMA_KV, "--port", str(port), "--host", "127.0.0.1"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+
+    def post(body: dict) -> dict:
+        req = urllib.request.Request(f"{url}/completion", json.dumps(body).encode(), {"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=120) as r:
+            return json.loads(r.read())
+
+    try:
+        for _ in range(600):  # the model loads in seconds
+            try:
+                with urllib.request.urlopen(f"{url}/health", timeout=2) as r:
+                    if r.status == 200:
+                        break
+            except OSError:
+                time.sleep(0.1)
+        tokens = ids[0].tolist()
+        agree, kls = {k: 0 for k in logprobs}, {k: [] for k in logprobs}
+        for k in range(1, len(tokens)):
+            out = post({"prompt": tokens[:k], "n_predict": 1, "n_probs": TOP_K, "temperature": 0.0,
+                        "cache_prompt": True})
+            top = out["completion_probabilities"][0]["top_logprobs"]
+            ids_k = [t["id"] for t in top]
+            p = torch.tensor([t["logprob"] for t in top], dtype=torch.float64).softmax(0)
+            for name, lp in logprobs.items():
+                q = lp[k - 1, ids_k].double().softmax(0)
+                kls[name].append(float((p * (p / q).log()).sum()))
+                agree[name] += int(int(lp[k - 1].argmax()) == ids_k[0])
+    finally:
+        proc.send_signal(subprocess.signal.SIGTERM)
+        proc.wait(timeout=30)
+    n = len(tokens) - 1
+    return {"positions": n, "how": f"llama-server -t 2 -ctk/-ctv {LLAMA_KV}, one position at a time (prompt cache), "
+                                   f"n_probs {TOP_K}",
+            **{name: {"top1_agreement": agree[name] / n, f"kl_top{TOP_K}_mean": sum(kls[name]) / n} for name in logprobs}}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--quality-only", action="store_true", help="no TPOT rounds (a loaded machine's timings mean little)")
+    ap.add_argument("--formats", default="Q4_1,Q4_0,Q8_0,Q4_K_M")
     args = ap.parse_args()
     torch.set_num_threads(2)
     results = {}
     for name, path in _files().items():
+        if name not in args.formats.split(","):
+            continue
         quant, tok = load_gguf_model(path)
         ref, _ = load_gguf_model(path, tokenizer=False, dequantize_all=True)
         ids = tok(TEXT.read_text(), return_tensors="pt").input_ids
         prompt = tok("The capital of France is", return_tensors="pt").input_ids
         row = {"file": path.name, "text_tokens": int(ids.shape[1]), "quality_vs_float32": _quality(quant, ref, ids)}
+        with torch.no_grad():
+            lps = {}
+            for act, float_act in (("int8_activation", False), ("float_activation", True), ("float32_model", None)):
+                if float_act is None:
+                    lps[act] = ref(ids).logits[0].float().log_softmax(-1)
+                    continue
+                set_float_activation(quant, float_act)
+                lps[act] = quant(ids).logits[0].float().log_softmax(-1)
+            set_float_activation(quant, False)
+            row["quality_vs_llama_cpp"] = _vs_llama_cpp(path, ids, lps)
+        print(name, "vs llama.cpp", json.dumps(row["quality_vs_llama_cpp"]), flush=True)
+        if args.quality_only:
+            results[name] = row
+            continue
         times: dict[str, list] = {"flexplan_quant": [], "flexplan_float32": [], "llama_bench": []}
         for _ in range(args.rounds):  # interleaved rounds, a triad sample beside each figure
             for key, fn in (("flexplan_quant", lambda: _tpot(quant, prompt)),
@@ -115,8 +192,8 @@ def main() -> None:
               {k: round(v["median_s"] * 1e3, 2) for k, v in row["decode_tpot"].items()}, flush=True)
     out = write_result("bench_quant_quality", {
         "machine": machine_description(), "text": TEXT.name, "new_tokens": NEW_TOKENS, "threads": 2,
-        "notes": "TPOT: transformers generate() on the bare models (no flexplan executor); llama.cpp logits not "
-                 "compared (llama-cpp-python not installed); shared 2-core VM, other agents running",
+        "notes": "TPOT: transformers generate() on the bare models (no flexplan executor); llama.cpp compared "
+                 f"through llama-server's top {TOP_K} per position; shared 2-core VM, other agents running",
         "files": results})
     print(out)
 
