@@ -189,6 +189,8 @@ class Plan:
     factors: FactorSource = FactorSource()  # ... as fields: which file, how old, whether state-probed
     notes: tuple[str, ...] = ()
     expert_cache: ExpertCache | None = None  # None: no routed expert cached on the accelerator
+    # the weights the CPU holds as blocks, as priced: (operator group, format, parameters); (): the dtypes
+    weights: tuple[tuple[str, str, int], ...] = ()
     # both phases' placement as the policies built it (not serialised: a plan read back from JSON
     # has None, and estimator.policies.placement_of builds it again from the policy names)
     placement: "Placement | None" = field(default=None, compare=False, repr=False)
@@ -209,6 +211,7 @@ class Plan:
         d["notes"] = list(self.notes)
         d["factors"] = asdict(self.factors)
         d["expert_cache"] = self.expert_cache.to_dict() if self.expert_cache is not None else None
+        d["weights"] = [list(w) for w in self.weights]
         return d
 
     def to_json(self, **kw) -> str:
@@ -227,4 +230,5 @@ class Plan:
         d["baselines"] = {k: (math.inf if v is None else v) for k, v in d.get("baselines", {}).items()}
         if d.get("expert_cache") is not None:
             d["expert_cache"] = ExpertCache.from_dict(d["expert_cache"])
+        d["weights"] = tuple((str(g), str(f), int(n)) for g, f, n in d.get("weights", ()))
         return cls(**d)

@@ -712,6 +712,7 @@ def _plan_one(spec: ModelSpec, hw: Hardware, eff: Efficiency, shape: Shape, gpu_
             ttft_s=cp.time_s, tpot_s=cd.time_s, load_s=load_s, switch_s=sw, e2e_s=e2e,
             reason=_reason(cp, cd, candidates, baselines, e2e),
             candidates=tuple(candidates), baselines=baselines, calibration=eff.source, factors=getattr(eff, "origin", FactorSource()),
+            weights=shape.weights,
             notes=tuple(hw.notes) + ((f"prefill keeps the {int(oq.gpu_layers[iq])} layers decode holds on the GPU "
                                       f"resident (FlexInfer 5.3): priced as {q} with {int(oq.gpu_layers[iq])} GPU "
                                       "layers",) if (q, iq) != (p, ip) else ()) + _weights_notes(shape, eff),

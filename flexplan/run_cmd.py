@@ -344,7 +344,7 @@ def phase_memory_bytes(spec, plan, phase: str, new_tokens: int) -> float:
 
     n = plan.num_layers
     placed = placement_of(plan, n).phases[phase]
-    shape = Shape(spec, plan.batch_size, plan.input_len, max(new_tokens, 1), plan.dtype, plan.cpu_dtype)
+    shape = Shape(spec, plan.batch_size, plan.input_len, max(new_tokens, 1), plan.dtype, plan.cpu_dtype, plan.weights)
     work = phase_work(shape, phase)
     steps = 1 if phase == "prefill" else shape.decode_steps
 

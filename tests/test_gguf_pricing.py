@@ -83,3 +83,21 @@ def test_bad_weight_choices_are_refused_clearly(smollm_gguf, kwargs, words):
 def test_weights_gguf_needs_a_gguf_file():
     with pytest.raises(InvalidInputError, match="needs a GGUF file"):
         flexplan.plan("meta-llama/Llama-3.1-8B", "flexinfer-server2", weights="gguf")
+
+
+def test_the_online_correction_prices_a_run_of_blocks_as_its_plan_did(smollm_gguf):
+    """A run's Observation carries the blocks its plan priced (Plan.weights): the correction compares
+    the measured time with that price, not with a float model's."""
+    from types import SimpleNamespace
+
+    from flexplan.factors.correction import Observation, phase_time_s
+    from flexplan.planner import _efficiency, _resolve_hardware
+
+    hw = _resolve_hardware("local")
+    eff = _efficiency(hw, None)
+    p = flexplan.plan(smollm_gguf, hw, batch_size=1, input_len=64, output_len=16, efficiency=eff)
+    assert p.weights and flexplan.Plan.from_dict(p.to_dict()).weights == p.weights
+    stats = SimpleNamespace(plan=p, batch_size=1, input_len=64, new_tokens=16, ttft_s=p.ttft_s, tpot_s=p.tpot_s)
+    obs = Observation.from_stats(stats, resolve_model(smollm_gguf), hw)
+    assert phase_time_s(obs, eff, "decode") == pytest.approx(p.tpot_s, rel=1e-6)
+    assert phase_time_s(replace(obs, weights=()), eff, "decode") > 1.2 * p.tpot_s  # priced as float32 bytes

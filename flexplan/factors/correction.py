@@ -136,6 +136,7 @@ class Observation:
     ttft_s: float
     tpot_s: float  # mean over the decode steps
     other_cpu_share: float | None = None  # of all cores' time, other processes took during the run
+    weights: tuple = ()  # the blocks the CPU held, as the plan priced them (Plan.weights)
 
     @classmethod
     def from_stats(cls, stats, model: "ModelSpec", hardware: "Hardware") -> "Observation":
@@ -144,7 +145,7 @@ class Observation:
         return cls(model, hardware, int(stats.batch_size), int(stats.input_len), int(stats.new_tokens), p.dtype,
                    p.cpu_dtype, p.prefill.policy, int(p.prefill.gpu_layers), p.decode.policy,
                    int(p.decode.gpu_layers), float(stats.ttft_s), float(stats.tpot_s),
-                   getattr(stats, "other_processes_cpu_share", None))
+                   getattr(stats, "other_processes_cpu_share", None), tuple(getattr(p, "weights", ())))
 
     def measured_s(self, phase: str) -> float | None:
         """The phase's measured time, None when too short or not finite to learn from, or when
@@ -239,7 +240,7 @@ def phase_time_s(obs: Observation, eff: "Efficiency", phase: str) -> float:
     """The estimator's time of ``phase`` for the placement the run used (TTFT or mean TPOT): the
     policy's own ``estimate`` over Table 2's per-layer costs, for its single M."""
 
-    shape = Shape(obs.model, obs.batch, obs.input_len, max(obs.new_tokens, 2), obs.dtype, obs.cpu_dtype)
+    shape = Shape(obs.model, obs.batch, obs.input_len, max(obs.new_tokens, 2), obs.dtype, obs.cpu_dtype, obs.weights)
     policy, m = (obs.prefill, obs.prefill_gpu_layers) if phase == "prefill" else (obs.decode, obs.decode_gpu_layers)
     pc = phase_costs(shape, obs.hardware, eff, phase)
     return float(REGISTRY[policy].estimate(pc, obs.model.num_layers, np.array([int(m)])).time_s[0])
