@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from flexplan.errors import InvalidInputError
 from flexplan.estimator.policies import placement_of
@@ -213,8 +214,11 @@ def _accelerate(plan: Plan, spec: ModelSpec, prefill, decode, model_ref: str) ->
     entries += [(parts["norm"], "0" if head_gpu else '"cpu"'), (parts["head"], "0" if head_gpu else '"cpu"')]
     body = "\n".join(f'    "{k}": {v},' for k, v in entries)
     budget = f'max_memory = {{0: "{_gib(plan.gpu_memory_bytes)}GiB", "cpu": "{_gib(plan.cpu_memory_bytes)}GiB"}}'
+    # transformers reads a GGUF file from its folder with gguf_file= (it dequantises the blocks)
+    gguf = Path(model_ref) if str(model_ref).endswith(".gguf") else None
+    source = f'"{gguf.parent}", gguf_file="{gguf.name}"' if gguf is not None else f'"{model_ref}"'
     code = (f"# module names: {how}\n{budget}\ndevice_map = {{\n{body}\n}}\n"
-            f'model = AutoModelForCausalLM.from_pretrained("{model_ref}", device_map=device_map, '
+            f'model = AutoModelForCausalLM.from_pretrained({source}, device_map=device_map, '
             f'max_memory=max_memory, dtype="{plan.dtype}")')
     on_cpu = _layers(decode, CPU)
     if on_cpu:

@@ -77,3 +77,14 @@ def test_an_unknown_format_or_several_shapes_get_a_clear_error():
     r = subprocess.run([sys.executable, "-m", "flexplan", "explain", "meta-llama/Llama-3.1-8B", "--hw", HW,
                         "-b", "1,2", "--export", "vllm"], capture_output=True, text=True)
     assert r.returncode == 2 and "--export translates one plan" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_accelerate_reads_a_gguf_file_with_gguf_file():
+    """transformers loads a GGUF file from its folder and gguf_file=, not from the file's path."""
+    from flexplan.smollm import gguf_path
+
+    path = str(gguf_path())
+    spec = resolve_model(path)
+    p = flexplan.plan(path, HW, weights="float32", prefill="gpu", decode="gpu")
+    code = export_plan(p, spec, "accelerate", model_ref=path).settings
+    assert f'from_pretrained("{gguf_path().parent}", gguf_file="{gguf_path().name}"' in code
