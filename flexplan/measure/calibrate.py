@@ -230,8 +230,8 @@ def calibrate(mode: str = "quick", out: str | Path | None = None, threads: int |
 
 def _row_probes(key: str, memory: dict) -> dict:
     """The probes taken around each row of step ``key``: the block kernels' rows take the memory
-    probes only (memory_state normalises them by those; the compute probe, ~0.03-0.5 s a reading
-    on the shared 2-core VM, would have doubled their step in the first-use probe)."""
+    probes only (memory_state normalises them by those; a compute probe reading costs as much as
+    a short block row, so taking it beside each would double the step in the first-use probe)."""
     probes = state.row_probes(memory)
     if key == BLOCK_PART:
         probes.pop(memory_state.ROW_PROBES["compute"], None)

@@ -2,9 +2,9 @@
 
 A layer a GGUF file holds as blocks runs on ``flexplan/quant/kernels.py`` (``quant_gemv.c`` /
 ``quant_kquants.c``: the activation quantised to int8 per block, integer dots), not on the float
-GEMV/GEMM the ``cpu_gemv`` / ``cpu_gemm`` rows time, and at another rate: on the 2-core AVX2 VM a
-Q4 decode GEMV read its compressed bytes at about half the STREAM triad, where a float32 GEMV
-reads near it. So each format of ``Sizes.block_formats`` is timed as the executor runs it: a
+GEMV/GEMM the ``cpu_gemv`` / ``cpu_gemm`` rows time, and at another rate (an integer dot product
+per block, not a streamed FMA: a block GEMV can be held by its arithmetic well below the memory's
+rate where a float32 GEMV is not). So each format of ``Sizes.block_formats`` is timed as the executor runs it: a
 :class:`~flexplan.quant.quant_linear.QuantLinear` over random valid blocks
 (``kernels.random_blocks``: random bytes, float16 scales small and finite; the kernels' speed does
 not depend on the values), at the float rows' weight shapes and GEMV and GEMM row counts, the

@@ -19,20 +19,12 @@ float64). When it is unavailable, :func:`linear` falls back to dequantising (bit
 ``gguf``) and ``F.linear``.
 
 What the int8 activation costs (the stated bound :data:`ACT_QUANT_REL_ERROR`, on the RMS error:
-``rms(y - ref) / rms(ref)``, ref = dequantise-then-float64, over a sample of a few hundred outputs):
-<= 1e-2 for Gaussian activations. Measured on all 210 linear weights of SmolLM2's Q4_1 file and of
-llama-quantize's Q4_0 and Q8_0 files from it, 4 Gaussian rows each: 5.3e-3 median, 6.0e-3 worst
-(theory: rounding noise of max|x| / 127 / sqrt(12) per value, ~4.8e-3 of the RMS for a 32-block of
-Gaussians); the largest error relative to max|ref| reached 1.6e-2. With 4 channels scaled x20
-(outliers, as LLM hidden states have), the RMS error reached 1.5e-2 and the max-relative one
-3.6e-2: the block holding the outlier quantises its other values coarsely. The K-quants' 256-blocks
-quantise coarser (max|x| of 256 Gaussians ~2.9 sigma: ~6.6e-3 in theory): on the linear weights of
-llama-quantize's Q4_K_M / Q5_K_M / Q6_K files of SmolLM2 (16 Q4_K, 16 Q5_K, 58 Q6_K), 4 Gaussian
-rows each, 6.9e-3 median, 7.6e-3 worst (their Q5_0 / Q5_1 / Q8_0 weights: 5.3e-3, 6.4e-3); with
-the x20 outliers 2.0e-2 median, 2.8e-2 worst (32-blocks in the same files: 8.9e-3, 1.5e-2): an
-outlier coarsens 256 values, not 32. The bound is over a sample of activation rows: for one row the
-error rests on its few blocks' maxima (random Q4_K blocks [256, 1280], 200 single Gaussian rows:
-6.8e-3 median, 1.26e-2 worst, 14 above 1e-2; 8 rows at a time: 9.3e-3 worst; Q4_0: 6.9e-3 worst).
+``rms(y - ref) / rms(ref)``, ref = dequantise-then-float64, over a sample of activation rows):
+<= 1e-2 for Gaussian activations. Theory: rounding noise of max|x| / 127 / sqrt(12) per value,
+~4.8e-3 of the RMS for a 32-block of Gaussians, ~6.6e-3 for the K-quants' 256-blocks (their max|x|
+is larger). Outlier channels coarsen the block that holds them (256 values in a K-quant, 32
+otherwise), and one row's error rests on its few blocks' maxima: the bound holds over several rows.
+The measured figures are in the commit history (affb4b6, 775fb05) and tests/test_quant_kernels.py.
 """
 
 from __future__ import annotations
