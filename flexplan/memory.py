@@ -300,17 +300,17 @@ def _total(d: Mapping[str, object]):
 
 
 def _units(inv: Inventory, dtype: str, cpu_dtype: str, kernel: str | None) -> dict:
-    key = ("units", dtype, cpu_dtype, kernel)
-    if key not in inv._cache:
+    def make() -> dict:
         places = {HOST: cpu_dtype, PINNED: dtype, ACCELERATOR: dtype}
         layers = inv.layers[:1] if inv.homogeneous else inv.layers
-        inv._cache[key] = dict(
+        return dict(
             layers=[{p: unit_bytes(ts, p, dtype, cpu_dtype, kernel) for p in places} for ts in layers],
             head={p: unit_bytes(inv.head, p, dtype, cpu_dtype, kernel) for p in places},
             experts=[{p: _expert_bytes(ts, p, dtype, cpu_dtype) for p in places} for ts in layers],
             embedding=unit_bytes(inv.embedding, HOST, dtype, cpu_dtype, kernel),
         )
-    return inv._cache[key]
+
+    return inv.memo(("units", dtype, cpu_dtype, kernel), make)
 
 
 def _expert_bytes(tensors: tuple[Tensor, ...], place: str, dtype: str, cpu_dtype: str) -> int:
@@ -432,15 +432,9 @@ def footprint(inv: Inventory, placement: Placement, batch: int | None = None, in
     None or ``F.linear``: unpacked). ``reserved_bytes``: the accelerator runtime's own reserve,
     counted when the placement uses the accelerator. A placement of one phase whose run lengths
     are arrays gives arrays."""
-    return need_of(layout(inv, placement, kernel), inv, placement.dtype, placement.cpu_dtype, batch, input_len,
-                   capacity, reserved_bytes)
-
-
-def need_of(lay: Layout, inv: Inventory, dtype: str, cpu_dtype: str, batch: int | None, input_len: int | None,
-            capacity: int | None, reserved_bytes: float = 0) -> MemoryNeed:
-    """:func:`footprint` of a placement of layout ``lay``, in ``dtype`` on the accelerator and
-    ``cpu_dtype`` on the host, for the request's size."""
-    return _need(lay, *_size_terms(lay, inv, dtype, cpu_dtype, batch, input_len, capacity), reserved_bytes)
+    lay = layout(inv, placement, kernel)
+    return _need(lay, *_size_terms(lay, inv, placement.dtype, placement.cpu_dtype, batch, input_len, capacity),
+                 reserved_bytes)
 
 
 def _size_terms(lay: Layout, inv: Inventory, dtype: str, cpu_dtype: str, batch: int | None, input_len: int | None,

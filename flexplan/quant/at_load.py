@@ -23,7 +23,6 @@ from torch import nn
 from flexplan.errors import InvalidInputError
 from flexplan.executor.loading import SafetensorsSource, build_skeleton, read_config
 from flexplan.quant.formats import BY_NAME, BlockFormat
-from flexplan.quant.gguf_model import _set_module
 from flexplan.quant.gguf_weights import QuantTensor
 from flexplan.quant.quant_linear import QuantLinear
 from flexplan.workload.weight_formats import AT_LOAD
@@ -78,7 +77,7 @@ def load_quantized_folder(folder: str | Path, weights: str, log=None) -> nn.Modu
                 weight = source(f"{mod_name}.weight")
                 qt = quantize(f"{mod_name}.weight", weight, fmt)
                 bias = source(f"{mod_name}.bias").float().clone() if module.bias is not None else None
-                _set_module(model, mod_name, QuantLinear(qt, bias))
+                model.set_submodule(mod_name, QuantLinear(qt, bias))
                 continue
             for pname, _ in list(module.named_parameters(recurse=False)):
                 value = source(f"{mod_name}.{pname}" if mod_name else pname)

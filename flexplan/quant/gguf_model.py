@@ -106,11 +106,6 @@ def _skeleton(config) -> nn.Module:
     return model.eval()
 
 
-def _set_module(model: nn.Module, name: str, module: nn.Module) -> None:
-    parent, _, child = name.rpartition(".")
-    setattr(model.get_submodule(parent) if parent else model, child, module)
-
-
 class _Tensors:
     """The file's tensors as transformers holds them: llama's q/k rows permuted back (on the blocks),
     then transformers' GGUF tensor processor for the architecture applied to dequantised values."""
@@ -196,11 +191,11 @@ def load_gguf_model(path: str | Path, *, tokenizer: bool = True, float_act: bool
                 lin.weight = nn.Parameter(qt.dequantize(), requires_grad=False)
                 if bias is not None:
                     lin.bias = nn.Parameter(bias, requires_grad=False)
-                _set_module(model, mod_name, lin)
+                model.set_submodule(mod_name, lin)
                 continue
             if native is None or qt.format.name not in kernels.NATIVE_FORMATS:
                 dequantised.setdefault(qt.format.name, []).append(key)
-            _set_module(model, mod_name, QuantLinear(qt, bias, float_act))
+            model.set_submodule(mod_name, QuantLinear(qt, bias, float_act))
         else:
             for pname, param in list(module.named_parameters(recurse=False)):
                 key = f"{base}.{pname}"

@@ -13,6 +13,7 @@ embedding's blocks, held beside it.
 from __future__ import annotations
 
 from functools import lru_cache
+from types import MappingProxyType
 
 from flexplan.quant.formats import BY_NAME
 
@@ -36,14 +37,14 @@ Weights = tuple[tuple[str, str, int], ...]  # (operator group, format, parameter
 
 
 @lru_cache(maxsize=256)
-def group_bytes_per_weight(weights: Weights) -> dict[str, float]:
+def group_bytes_per_weight(weights: Weights) -> MappingProxyType:
     """{operator group: bytes per weight held}, each group's formats weighted by their parameters."""
     n: dict[str, int] = {}
     b: dict[str, float] = {}
     for group, fmt, params in weights:
         n[group] = n.get(group, 0) + params
         b[group] = b.get(group, 0.0) + params * held_bytes_per_weight(fmt, group)
-    return {g: b[g] / n[g] for g in n if n[g] > 0}
+    return MappingProxyType({g: b[g] / n[g] for g in n if n[g] > 0})  # kept: read-only
 
 
 def layer_bytes_per_weight(weights: Weights) -> float:
