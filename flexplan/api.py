@@ -527,16 +527,22 @@ def _gguf_model(path, weights: str | None, plan: Any, accelerator: str | None):
     if weights == "float32":
         model, tok = load_gguf_model(path, dequantize_all=True)
         return model, plan, tok
+    plan = _blocks_plan(plan, accelerator, "a GGUF file's own blocks", "pass weights='float32' for every other policy")
+    model, tok = load_gguf_model(path)
+    return model, plan, tok
+
+
+def _blocks_plan(plan: Any, accelerator: str | None, what: str, otherwise: str):
+    """The plan a model whose linears run on blocks loads under: the ``cpu`` policy for both
+    phases (the only one whose layers take blocks, Policy.takes_compressed_weights); a cpu-only
+    Plan made for the model (flexplan run plans before it loads) is kept: its predictions stand."""
     cpu_only = {"prefill": "cpu", "decode": "cpu"}
-    # a Plan made for the file (flexplan run plans before it loads) is kept where it is cpu-only: its predictions stand
     planned = isinstance(plan, Plan) and all(c.policy == "cpu" and c.gpu_layers == 0 for c in plan.phases.values())
     if not (planned or plan in ("auto", "cpu", cpu_only)) or accelerator not in (None, "cpu"):
-        what = f"a plan of {_choice(plan)}" if isinstance(plan, Plan) else repr(plan)
-        raise InvalidInputError(f"a GGUF file's own blocks run under the cpu policy for both phases only (plan='auto', "
-                                f"{cpu_only} or such a Plan, no accelerator); got plan={what}, accelerator={accelerator!r}; "
-                                "pass weights='float32' for every other policy")
-    model, tok = load_gguf_model(path)
-    return model, (plan if planned else cpu_only), tok
+        got = f"a plan of {_choice(plan)}" if isinstance(plan, Plan) else repr(plan)
+        raise InvalidInputError(f"{what} run under the cpu policy for both phases only (plan='auto', {cpu_only} or "
+                                f"such a Plan, no accelerator); got plan={got}, accelerator={accelerator!r}; {otherwise}")
+    return plan if planned else cpu_only
 
 
 def _quantised_folder(path, weights: str, plan: Any, accelerator: str | None):
@@ -545,12 +551,8 @@ def _quantised_folder(path, weights: str, plan: Any, accelerator: str | None):
     if not (isinstance(path, (str, os.PathLike)) and is_model_folder(path)):
         raise InvalidInputError(f"weights={weights!r} quantises a model folder (config.json + *.safetensors) at load; "
                                 f"got {path!r}")
-    cpu_only = {"prefill": "cpu", "decode": "cpu"}
-    if plan not in ("auto", "cpu", cpu_only) or accelerator not in (None, "cpu"):
-        raise InvalidInputError(f"weights={weights!r} runs its blocks under the cpu policy for both phases only "
-                                f"(plan='auto' or {cpu_only}, no accelerator); got plan={plan!r}, "
-                                f"accelerator={accelerator!r}; load without weights= for every other policy")
-    return load_quantized_folder(path, weights), cpu_only, _tokenizer(path)
+    plan = _blocks_plan(plan, accelerator, f"weights={weights!r} blocks", "load without weights= for every other policy")
+    return load_quantized_folder(path, weights), plan, _tokenizer(path)
 
 
 def _cpu_threads(requested: int | None) -> tuple[int | None, str]:
