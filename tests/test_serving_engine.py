@@ -490,3 +490,63 @@ def test_smollm2_greedy_equals_generate():
         for o, p in zip(outs, ids):
             assert list(o.new_token_ids) == alone(ref_model, p, 12)
             assert o.new_text == e.tokenizer.decode(o.new_token_ids, skip_special_tokens=True)
+
+
+def wide_kv_model(family: str):
+    """make_model's family with 8 query and 4 KV heads of 16 (K/V 64 wide: the native GEMV's
+    block), seeded and scaled as make_model's."""
+    import transformers
+    from conftest import _config
+
+    config = _config(family)
+    config.update(dict(hidden_size=128, num_attention_heads=8, num_key_value_heads=4, head_dim=16))
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.mul_(4.0)
+    return model
+
+
+@pytest.mark.parametrize("family", ["llama", "mistral_sw", "qwen2", "llama3"])
+def test_native_layer_calls_keep_the_tokens(family):
+    """A covered model with blocked weights (as Engine.from_pretrained packs them) runs each
+    iteration in flexplan's native layer calls (fused_step): its greedy tokens equal generate()'s
+    on the dense model, through chunked prefill, both pools and an abort; a model it does not
+    cover (Qwen3's QK-norm) runs transformers' forward and is not counted."""
+    import copy
+
+    from flexplan.executor import cpu_linear
+
+    if not (native.decode_status()[0] and cpu_linear.blocking_available()):
+        pytest.skip("no native kernels here (no C compiler)")
+    model = wide_kv_model(family)
+    refs = [alone(model, p) for p in PROMPTS]
+    packed = copy.deepcopy(model)
+    cpu_linear.pack_module(packed, None, cpu_linear.KERNEL_BLOCKED)
+    with Engine(packed, device_blocks=6, host_blocks=64, block_size_tokens=4, token_budget=16) as e:
+        assert e.runner.fused is not None
+        e.add_request("doomed", PROMPTS[2], GREEDY)
+        got = drain(e, steps=2)
+        assert e.abort("doomed")
+        for rid, p in zip("abcd", PROMPTS):
+            e.add_request(rid, p, GREEDY)
+        drain(e, got)
+        for rid, ref in zip("abcd", refs):
+            assert got[rid][0] == ref, rid
+        assert e.runner.fused.iterations > 0
+        assert_freed(e)
+
+
+def test_native_layer_calls_only_where_they_cover():
+    from flexplan.executor import cpu_linear
+
+    if not (native.decode_status()[0] and cpu_linear.blocking_available()):
+        pytest.skip("no native kernels here (no C compiler)")
+    for family in ("qwen3", "gemma2", "gpt_oss"):
+        with Engine(make_model(family), device_blocks=8, host_blocks=8, block_size_tokens=4) as e:
+            assert e.runner.fused is None, family
+    with Engine(make_model("llama"), device_blocks=8, host_blocks=8, block_size_tokens=4) as e:
+        e.generate([PROMPTS[0]], GREEDY)  # dense weights: covered, but the native GEMV reads blocked ones only
+        assert e.runner.fused.iterations == 0

@@ -45,6 +45,7 @@ from flexplan.errors import UnsupportedModelError
 from flexplan.executor import cpu_attention, native
 from flexplan.executor.families import CACHE_KWARG
 from flexplan.serving import paged_attention
+from flexplan.serving.fused_step import FusedStep
 from flexplan.serving.kv_blocks import BlockManager, text_config
 from flexplan.serving.ragged_batch import Group, RaggedBatch, Segment
 
@@ -132,6 +133,8 @@ class ModelRunner:
         self._takes_logits_to_keep = "logits_to_keep" in inspect.signature(type(model).forward).parameters
         self.modules = self._install()
         self.phase_rule = None  # RaggedBatch -> an executor phase, for a placed model (flexplan.serving.placed)
+        # native layer calls for a covered model on the CPU (not a placed one: its executor's hooks place each layer)
+        self.fused = FusedStep.for_model(model) if self.device.type == "cpu" else None
 
     # ---- installing the attention function on the model's attention modules ----
     def _install(self) -> list[nn.Module]:
@@ -184,6 +187,10 @@ class ModelRunner:
         if not segments:
             return torch.empty(0, self.model.get_output_embeddings().out_features)
         batch = RaggedBatch(segments, self.blocks, self.device)
+        if self.fused is not None and self.phase_rule is None:
+            logits = self.fused.logits(self, batch)
+            if logits is not None:
+                return logits.float()
         dev = self.device
         kwargs = {"input_ids": torch.tensor([batch.ids], device=dev),
                   "position_ids": torch.tensor([batch.positions], device=dev),

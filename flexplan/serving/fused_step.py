@@ -1,0 +1,117 @@
+"""One iteration of a Llama-style model over a ragged batch in flexplan's native layer calls.
+
+The model runner's general path runs transformers' forward: per decoder layer a few dozen small
+PyTorch ops dispatched from Python, besides the GEMVs (on a 30-layer model on two cores, about
+half of a decode step's wall time). For a model whose every decoder layer the native layer calls
+cover (:func:`flexplan.executor.cpu_decode.covered_layer`: pre-norm residual blocks, q/k/v/o
+projections, rotate-half rotary, SwiGLU MLP, RMSNorm) with blocked weights on the CPU, an
+iteration here is, per layer, four calls whatever the batch:
+
+- ``layer_pre_attention``: RMSNorm, the q/k/v GEMVs over every token of the batch (the weights
+  read once for all rows), rotary at each token's own position;
+- the new K/V written into the requests' blocks (:meth:`ModelRunner.write`);
+- attention per request against its own blocks (:meth:`ModelRunner.attention`: the paged kernel
+  for decodes in a CPU pool, SDPA for prefill chunks, exactly as the general path attends);
+- ``layer_post_attention``: o GEMV + residual, RMSNorm, gate/up GEMVs, SiLU * up, down GEMV +
+  residual.
+
+The embedding, final norm and head are the model's own modules (the head on the kept rows only).
+What differs from the general path is only the norms', rotary's and SiLU's float32 arithmetic
+(native_decode.c, within an ulp or two of PyTorch's); the GEMVs are the same kernel.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from flexplan.executor import cpu_decode, native
+from flexplan.serving.ragged_batch import RaggedBatch
+
+
+def _llama_head_forward():
+    from transformers.models.llama.modeling_llama import LlamaForCausalLM
+
+    return LlamaForCausalLM.forward
+
+
+def _window(attn: nn.Module) -> int | None:
+    """The sliding window the module's own forward passes to its attention function: its
+    attribute (Qwen2), its config's (Mistral: the forward reads ``config.sliding_window``), or none
+    (Llama's forward names no window)."""
+    if "sliding_window" in attn.__dict__:
+        return attn.sliding_window
+    code = cpu_decode._code(type(attn).forward)
+    if "sliding_window" in code.co_names + code.co_consts:  # config.sliding_window, or getattr(config, "...")
+        return getattr(attn.config, "sliding_window", None)
+    return None
+
+
+class FusedStep:
+    """The native per-layer iteration of ``model`` (see the module's docstring); build it with
+    :meth:`for_model`, which says None where the model is not covered."""
+
+    def __init__(self, model: nn.Module, layers: list[cpu_decode.FusedLayer], ops: native.NativeDecode):
+        self.model, self.stack, self.layers, self.ops = model, model.model, layers, ops
+        self.windows = [_window(f.attn) for f in layers]
+        self.iterations = 0  # iterations run by the native calls
+
+    @classmethod
+    def for_model(cls, model: nn.Module) -> FusedStep | None:
+        """A FusedStep over ``model`` when its head's forward is Llama's (no logit soft-capping or
+        scaling of its own), its stack is covered and every decoder layer is, else None."""
+        ops = native.decode_status()[0]
+        stack = getattr(model, "model", None)
+        layers = getattr(stack, "layers", None)
+        if (ops is None or layers is None or len(layers) == 0 or type(getattr(model, "lm_head", None)) is not nn.Linear
+                or not cpu_decode._same_code(type(model).forward, _llama_head_forward())
+                or not cpu_decode.covered_stack(stack) or not all(cpu_decode.covered_layer(x) for x in layers)):
+            return None
+        return cls(model, [cpu_decode.FusedLayer(x, ops) for x in layers], ops)
+
+    def ready(self) -> bool:
+        """Whether every layer's weights are blocked on the CPU in one dtype the native GEMV reads
+        (checked per iteration: an executor may have moved them), all with the same sizes."""
+        return all(f._fill() for f in self.layers) and len({f.dims() for f in self.layers}) == 1
+
+    def hidden(self, runner, batch: RaggedBatch) -> torch.Tensor | None:
+        """The final norm's output [T, hidden] for the batch's tokens (K/V written into the pools
+        on the way), or None where this iteration is not one the native calls take."""
+        ids = torch.tensor(batch.ids, dtype=torch.long)
+        x = self.stack.embed_tokens(ids)
+        if not cpu_decode._cpu_f32(x):
+            return None
+        positions = torch.tensor([batch.positions], dtype=torch.long)
+        cos, sin = self.stack.rotary_emb(x.unsqueeze(0), positions)
+        first = self.layers[0]
+        d = first.head_dim
+        if not (cpu_decode._cpu_f32(cos, sin) and cos.shape[-1] == d):
+            return None
+        cos, sin = (t.reshape(-1, d).contiguous() for t in (cos, sin))
+        t = x.shape[0]
+        s = cpu_decode._scratch({}, first.weights, t)  # per call: sub-batches may run at once on threads
+        x = x.contiguous()
+        y = torch.empty_like(x)
+        w0 = first.weights
+        q4 = s["q"].view(1, t, w0.hq, d).transpose(1, 2)  # the [1, heads, T, d] views transformers' layers pass
+        k4 = s["k"].view(1, t, w0.hk, d).transpose(1, 2)
+        v4 = s["v"].view(1, t, w0.hk, d).transpose(1, 2)
+        for i, f in enumerate(self.layers):
+            w, attn = f.weights, f.attn
+            self.ops.layer_pre_attention(w, x, cos, sin, s["xn"], s["q"], s["k"], s["v"])
+            runner.write(batch, attn.layer_idx, k4, v4)
+            out, _ = runner.attention(batch, attn, q4, scaling=w.scale, sliding_window=self.windows[i])
+            s["attn"].copy_(out.reshape(t, w.hq * d))
+            self.ops.layer_post_attention(w, x, y, s["q"], None, None, None, s)
+            x, y = y, x
+        return self.stack.norm(x.unsqueeze(0))[0]
+
+    def logits(self, runner, batch: RaggedBatch) -> torch.Tensor | None:
+        """The kept rows' next-token logits [len(keep), vocab], or None (the general path runs)."""
+        if not self.ready():
+            return None
+        h = self.hidden(runner, batch)
+        if h is None:
+            return None
+        self.iterations += 1
+        return self.model.lm_head(h.index_select(0, torch.tensor(batch.keep, dtype=torch.long)))
