@@ -114,3 +114,35 @@ def test_other_policies_on_gguf_blocks_are_refused_naming_what_works(tmp_path):
         flexplan.load(str(tmp_path / "folder"), weights="gguf")
     with pytest.raises(FlexplanError, match=r"weights='int4' quantises a model folder"):
         flexplan.load(str(tmp_path / "m.gguf"), weights="int4")
+
+
+@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2"])
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q8_0"])
+def test_native_decoder_layers_run_the_blocks_as_the_dequantised_reference(tmp_path, arch, qtype):
+    """The fused native decoder layers (flexplan.executor.cpu_decode) on a GGUF file's blocks: every
+    layer covered, and on the exact float-activation path the tokens equal the dequantise-then-
+    float32 model's, per layer (transformers' generate) and as one native call for the whole stack
+    (flexplan.load's executor)."""
+    import flexplan
+    from flexplan.executor import cpu_decode, native
+    from flexplan.quant import kernels
+    from gguf_files import tiny_model, write_gguf
+
+    if native.decode_status()[0] is None or kernels.status()[0] is None:
+        pytest.skip("no native kernels here (no C compiler)")
+    path = tmp_path / f"{arch}-{qtype}.gguf"
+    write_gguf(tiny_model(arch), path, qtype)
+    ref, _ = load_gguf_model(path, tokenizer=False, dequantize_all=True)
+    ids = torch.tensor([[5, 17, 99, 3, 42, 7]])
+    want = ref.generate(ids, max_new_tokens=12, do_sample=False)
+
+    model, _ = load_gguf_model(path, tokenizer=False, float_act=True)
+    changed, fused, _ = cpu_decode.install(model.model.layers, [model.model.norm])
+    assert fused == list(range(len(model.model.layers)))
+    assert torch.equal(model.generate(ids, max_new_tokens=12, do_sample=False), want)
+    cpu_decode.uninstall(changed)
+
+    lm = flexplan.load(str(path))
+    set_float_activation(lm.model, True)
+    assert torch.equal(lm.generate(ids, max_new_tokens=12, do_sample=False), want)
+    assert lm.last_stats.native_stack_steps == 11  # every decode step one native call for all the layers

@@ -81,6 +81,12 @@ def _children(m: nn.Module) -> dict[str, nn.Module]:
     return {n: c for n, c in m.named_children() if not isinstance(c, nn.Dropout)}
 
 
+def _is_linear(m: nn.Module) -> bool:
+    """A plain ``nn.Linear``, or a linear on a GGUF file's blocks (``raw_blocks()``: flexplan.quant's
+    QuantLinear, named by what it offers so this module does not import flexplan.quant)."""
+    return type(m) is nn.Linear or callable(getattr(m, "raw_blocks", None))
+
+
 def covered_norm(m: nn.Module) -> bool:
     """An RMSNorm that computes what Llama's does (weight x normalised, one weight)."""
     return (hasattr(m, "variance_epsilon") and set(n for n, _ in m.named_parameters()) == {"weight"}
@@ -92,7 +98,7 @@ def covered_attention(a: nn.Module) -> bool:
     covered in decode: the cache hands over only the window's keys (as transformers' sliding
     cache layers do) and the mask, if any, is the one transformers built for them."""
     kids = _children(a)
-    if (set(kids) != _ATTENTION_CHILDREN or not all(type(c) is nn.Linear for c in kids.values())
+    if (set(kids) != _ATTENTION_CHILDREN or not all(_is_linear(c) for c in kids.values())
             or a._parameters or a._buffers
             or not all(hasattr(a, x) for x in ("head_dim", "scaling", "layer_idx"))
             or getattr(getattr(a, "config", None), "attn_logit_softcapping", None)
@@ -107,7 +113,7 @@ def covered_attention(a: nn.Module) -> bool:
 def covered_mlp(m: nn.Module) -> bool:
     """A SwiGLU MLP: down(silu(gate(x)) * up(x)), as Llama's."""
     kids = _children(m)
-    return (set(kids) == _MLP_CHILDREN and all(type(kids[n]) is nn.Linear for n in _MLP_CHILDREN - {"act_fn"})
+    return (set(kids) == _MLP_CHILDREN and all(_is_linear(kids[n]) for n in _MLP_CHILDREN - {"act_fn"})
             and type(kids["act_fn"]).__name__ in _SILU and _same_code(type(m).forward, _llama().LlamaMLP.forward))
 
 
@@ -251,6 +257,32 @@ def _blocked(*linears: nn.Module) -> bool:
                     for m in linears))
 
 
+def _layer_linears(linears: tuple[nn.Module, ...]) -> tuple[int, list[int], int, list[tuple[int, int]]] | None:
+    """How the native layer calls read the seven linears (q k v o gate up down): (the blocked ones'
+    :data:`native.WEIGHT_TYPES` code, each one's GGUF type or 0 for blocked, the quantised ones'
+    float-activation flag, each one's (out, in)), or None where one is neither blocked for the
+    native GEMV nor on raw blocks a kernel reads (dequantised at load), or their kinds disagree."""
+    quant = [m.raw_blocks() if callable(getattr(m, "raw_blocks", None)) else None for m in linears]
+    blocked = [m for m, q in zip(linears, quant) if q is None]
+    if (blocked and not _blocked(*blocked)) or any(q is not None and q[0] is None for q in quant):
+        return None
+    flags = {bool(m.float_act) for m, q in zip(linears, quant) if q is not None}
+    if len(flags) > 1 or not all(m.bias is None or _cpu_f32(m.bias) for m in linears):
+        return None
+    dims = [(m.out_features, m.in_features) if q is not None else (m.weight.shape[0] * m.weight.shape[2],
+                                                                    m.weight.shape[1]) for m, q in zip(linears, quant)]
+    wtype = native.WEIGHT_TYPES[blocked[0].weight.dtype] if blocked else 0
+    return wtype, [0 if q is None else q[1] for q in quant], int(flags == {True}), dims
+
+
+def _tensor_slots(lin: nn.Module) -> list[tuple[dict, str]]:
+    """(dict, key) of what the native call reads for a linear, weight then bias: a GGUF linear's raw
+    blocks (its ``_blocks`` attribute) and bias buffer, else its weight and bias parameters."""
+    if callable(getattr(lin, "raw_blocks", None)):
+        return [(lin.__dict__, "_blocks"), (lin._buffers, "bias")]
+    return [(lin._parameters, "weight"), (lin._parameters, "bias")]
+
+
 class FusedLayer:
     """A whole decoder layer for one decode step in two native calls around the cache update
     (``flexplan_layer_pre/post_attention_f32``), when its linears are blocked for the native GEMV.
@@ -267,34 +299,40 @@ class FusedLayer:
         self.weights = native.LayerWeights()
         self._bound: tuple = ()  # (address, shape, dtype, device) of the tensors the struct points at
         self._ok = False
+        # where each tensor the struct points at is held (a module's own dicts: stable objects), so the
+        # per-step check reads them without module attribute lookups
+        self._slots = [slot for lin in self.linears for slot in _tensor_slots(lin)] + \
+            [(n._parameters, "weight") for n in self.norms]
         self.scratch: dict[str, torch.Tensor] = {}
 
     def _fill(self) -> bool:
         """Point the weight struct at the layer's current tensors (again only when the executor has
-        rebound them); False when they are not all blocked on the CPU in one dtype the GEMV reads
-        (another kernel, or a layer on the accelerator)."""
-        tensors = tuple(t for lin in self.linears for t in (lin._parameters["weight"], lin._parameters["bias"])) \
-            + tuple(n._parameters["weight"] for n in self.norms)
+        rebound them); False when a linear is neither blocked on the CPU in a dtype the GEMV reads
+        (all blocked ones in one) nor on GGUF blocks a kernel reads (another kernel, or a layer on
+        the accelerator)."""
+        tensors = [d.get(k) for d, k in self._slots]
         # the executor rebinds a Parameter's .data in place: compare where the data is, not the object
         bound = tuple(None if t is None else (id(t) if t.is_mkldnn else t.data_ptr(), t.shape, t.dtype, t.device)
                       for t in tensors)
         if bound == self._bound:
             return self._ok
         self._bound = bound
-        self._ok = (self.silu and _blocked(*self.linears) and _cpu_f32(*(n.weight for n in self.norms))
+        kinds = _layer_linears(self.linears) if self.silu else None
+        self._ok = (kinds is not None and _cpu_f32(*(n.weight for n in self.norms))
                     and all(hasattr(n, "variance_epsilon") for n in self.norms))
         if not self._ok:
             return False
         w, a, d = self.weights, self.attn, self.head_dim
         (w.ln1, w.ln2), (w.eps1, w.eps2) = (n.weight.data_ptr() for n in self.norms), \
             (float(n.variance_epsilon) for n in self.norms)
-        for name, lin in zip("qkvogud", self.linears):
-            setattr(w, "w" + name, lin.weight.data_ptr())
+        for name, lin, t in zip("qkvogud", self.linears, tensors[0::2]):
+            setattr(w, "w" + name, t.data_ptr())
             setattr(w, "b" + name, None if lin.bias is None else lin.bias.data_ptr())
-        q, k, o, down = (lin.weight.shape for lin in (a.q_proj, a.k_proj, a.o_proj, self.linears[-1]))
-        w.hidden, w.inter, w.hq, w.hk, w.d = o[0] * o[2], down[1], q[0] * q[2] // d, k[0] * k[2] // d, d
+        w.wtype, qtypes, w.float_act, dims = kinds
+        w.qtype[:] = qtypes
+        (q_out, _), (k_out, _), (o_out, _), (_, down_in) = (dims[i] for i in (0, 1, 3, 6))
+        w.hidden, w.inter, w.hq, w.hk, w.d = o_out, down_in, q_out // d, k_out // d, d
         w.scale = float(a.scaling)
-        w.wtype = native.WEIGHT_TYPES[a.q_proj.weight.dtype]
         return True
 
     def dims(self) -> tuple[int, ...]:

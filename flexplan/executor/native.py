@@ -1,8 +1,9 @@
 """flexplan's native CPU kernels: compiled on first use, cached, checked, optional.
 
-Two libraries, each from one C file shipped inside the package: the blocked GEMV
-(``native_gemv.c``, :func:`status`) and the fused decode-step ops (``native_decode.c``:
-RMSNorm, rotary embedding, one-query attention; :func:`decode_status`). The first process that
+Two libraries from C files shipped inside the package: the blocked GEMV (``native_gemv.c``,
+:func:`status`) and the fused decode-step ops (``native_decode.c``: RMSNorm, rotary embedding,
+one-query attention, whole decoder layers; :func:`decode_status`), compiled together with the GEMV
+and :mod:`flexplan.quant`'s kernels on GGUF blocks, which its layers call. The first process that
 needs one compiles it with the
 system C compiler (``$CC``, else ``cc``/``gcc``) for this CPU (``-O3 -march=native -fopenmp``,
 under a second) into the user cache (``<cache>/native/``), keyed by a hash of the source, the
@@ -33,7 +34,9 @@ import torch
 from flexplan.smollm import cache_dir
 
 SOURCE = Path(__file__).with_name("native_gemv.c")
-DECODE_SOURCES = (SOURCE, Path(__file__).with_name("native_decode.c"))  # the fused layer calls the GEMV
+# the fused layer calls the blocked GEMV, or the quantised GEMM on a GGUF file's blocks (flexplan.quant's sources)
+QUANT_SOURCES = tuple(Path(__file__).parent.parent / "quant" / n for n in ("quant_gemv.c", "quant_kquants.c"))
+DECODE_SOURCES = (SOURCE, Path(__file__).with_name("native_decode.c"), *QUANT_SOURCES)
 CFLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11")
 DISABLE_ENV = "FLEXPLAN_NATIVE"
 
@@ -148,13 +151,16 @@ class NativeGemv:
 
 
 class LayerWeights(ctypes.Structure):
-    """``flexplan_layer`` of native_decode.c: one decoder layer's weights (blocked, all seven of
-    one dtype: ``wtype`` its :data:`WEIGHT_TYPES` code) and sizes."""
+    """``flexplan_layer`` of native_decode.c: one decoder layer's weights and sizes. Each of the
+    seven linears (q k v o gate up down) is blocked, the blocked ones of one dtype (``wtype`` its
+    :data:`WEIGHT_TYPES` code), or a GGUF file's raw blocks (``qtype[j]`` its ggml type id, 0 for
+    blocked; ``float_act`` the exact float-activation path)."""
 
     _fields_ = ([(n, ctypes.c_void_p) for n in ("ln1", "ln2", "wq", "wk", "wv", "wo", "bq", "bk", "bv", "bo",
                                                 "wg", "wu", "wd", "bg", "bu", "bd")]
                 + [(n, ctypes.c_int64) for n in ("hidden", "inter", "hq", "hk", "d", "wtype")]
-                + [(n, ctypes.c_float) for n in ("eps1", "eps2", "scale")])
+                + [(n, ctypes.c_float) for n in ("eps1", "eps2", "scale")]
+                + [("qtype", ctypes.c_int64 * 7), ("float_act", ctypes.c_int64)])
 
 
 def _ptr(t: torch.Tensor | None) -> int | None:
@@ -184,7 +190,7 @@ class NativeDecode:
             self._attention[dtype] = fn
         self._pre = lib.flexplan_layer_pre_attention_f32
         self._pre.argtypes = [ctypes.POINTER(LayerWeights)] + [ptr] * 3 + [i64] + [ptr] * 4
-        self._pre.restype = None
+        self._pre.restype = ctypes.c_int
         self._post = lib.flexplan_layer_post_attention_f32
         self._post.argtypes = [ctypes.POINTER(LayerWeights)] + [ptr] * 6 + [i64] * 5 + [ptr] * 5
         self._post.restype = ctypes.c_int
@@ -246,8 +252,9 @@ class NativeDecode:
                             xn: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """RMSNorm, q/k/v GEMVs and rotary embedding of x [batch, hidden] into q [batch, hq*d] and
         k, v [batch, hk*d] (xn: scratch [batch, hidden]); cos/sin [batch, d]."""
-        self._pre(ctypes.byref(lw), x.data_ptr(), cos.data_ptr(), sin.data_ptr(), x.shape[0], xn.data_ptr(),
-                  q.data_ptr(), k.data_ptr(), v.data_ptr())
+        if self._pre(ctypes.byref(lw), x.data_ptr(), cos.data_ptr(), sin.data_ptr(), x.shape[0], xn.data_ptr(),
+                     q.data_ptr(), k.data_ptr(), v.data_ptr()):
+            raise MemoryError(f"native decoder layer: out of memory for {x.shape[0]} quantised activation rows")
 
     def layer_post_attention(self, lw: LayerWeights, x: torch.Tensor, y: torch.Tensor, q: torch.Tensor,
                              keys: torch.Tensor | None, values: torch.Tensor | None, mask: torch.Tensor | None,
@@ -260,7 +267,8 @@ class NativeDecode:
                         _ptr(mask), t, *strides, x.shape[0], scratch["attn"].data_ptr(), scratch["tmp"].data_ptr(),
                         scratch["xn"].data_ptr(), scratch["g"].data_ptr(), scratch["u"].data_ptr())
         if rc != 0:
-            raise MemoryError(f"native decode attention could not allocate scores for {t} keys")
+            raise MemoryError(f"native decoder layer: out of memory for attention's scores over {t} keys or "
+                              "a quantised activation")
 
     def decode_stack(self, layers, n: int, k_caches, v_caches, pos: int, x: torch.Tensor, cos: torch.Tensor,
                      sin: torch.Tensor, mask: torch.Tensor | None, scratch: dict[str, torch.Tensor]) -> None:

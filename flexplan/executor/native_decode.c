@@ -24,8 +24,9 @@
  *                             routing, grouped GEMVs, SiLU, weighted scatter (cpu-experts policy)
  *
  * The GEMVs are native_gemv.c's flexplan_blocked_gemv (compiled into the same library), on
- * weights in its blocked layout [out/64, in, 64], float32 or 16-bit (a layer's seven in one type,
- * flexplan_layer.wtype); activations, norms, biases and the KV cache are float32 throughout, but
+ * weights in its blocked layout [out/64, in, 64], float32 or 16-bit (a layer's blocked ones in one
+ * type, flexplan_layer.wtype), or quant_gemv.c's flexplan_quant_gemm (also compiled in) on a GGUF
+ * file's raw blocks, each linear its own format (flexplan_layer.qtype); activations, norms, biases and the KV cache are float32 throughout, but
  * for the decode attention's bfloat16 variant (a bf16 cache: the executor's bf16 CPU layers and
  * the host caches of a bf16 model's cpu-attention and split layers).
  *
@@ -49,6 +50,8 @@ int flexplan_grouped_gemv(const void* P, int64_t wtype, int64_t expert_stride, c
                           int64_t out, int64_t in);
 int64_t flexplan_route_experts(const int64_t* index, int64_t tokens, int64_t k, int64_t n_experts, const float* x,
                                int64_t in, int64_t* pairs, int64_t* experts, int64_t* row_start, float* h);
+int flexplan_quant_gemm(const uint8_t* w, int64_t wtype, const float* x, float* y, const float* bias, int64_t out,
+                        int64_t in, int64_t batch, int64_t float_act); /* quant_gemv.c, compiled in */
 void flexplan_scatter_experts(const float* h, const float* weights, const int64_t* pairs, int64_t rows,
                               int64_t tokens, int64_t k, float* out, int64_t width);
 
@@ -316,23 +319,41 @@ typedef struct {
     int64_t hidden, inter, hq, hk, d;
     int64_t wtype;                          /* native_gemv.c's WEIGHT_F32, _BF16 or _F16 */
     float eps1, eps2, scale;
+    /* per linear, in the order q k v o gate up down: 0 = blocked of type wtype, else a GGUF block
+     * type (ggml's type id) whose raw rows [out, in / block] quant_gemv.c's flexplan_quant_gemm reads */
+    int64_t qtype[7];
+    int64_t float_act;                      /* quantised linears: the exact float-activation path */
 } flexplan_layer;
 
+enum { LIN_Q, LIN_K, LIN_V, LIN_O, LIN_G, LIN_U, LIN_D };
+
+/* y [batch, out] = x [batch, in] W^T (+ bias) for the layer's linear j, by the kernel of its layout:
+ * a mixed-format layer (a K-quant file keeps some tensors in other types) takes each one's own. */
+static inline int linear(const flexplan_layer* L, int j, const void* P, const float* bias, const float* x, float* y,
+                         int64_t out, int64_t in, int64_t batch) {
+    if (L->qtype[j]) return flexplan_quant_gemm(P, L->qtype[j], x, y, bias, out, in, batch, L->float_act) ? -1 : 0;
+    return flexplan_blocked_gemv(P, L->wtype, x, y, bias, out, in, batch);
+}
+
 /* RMSNorm, q/k/v projections and rotary embedding of x [batch, hidden]: q [batch, hq, d],
- * k and v [batch, hk, d]; xn [batch, hidden] is scratch. */
-void flexplan_layer_pre_attention_f32(const flexplan_layer* L, const float* x, const float* cos_,
-                                      const float* sin_, int64_t batch, float* xn, float* q, float* k, float* v) {
+ * k and v [batch, hk, d]; xn [batch, hidden] is scratch. Returns 0, or -1 (a linear failed: no
+ * memory for a quantised activation). */
+int flexplan_layer_pre_attention_f32(const flexplan_layer* L, const float* x, const float* cos_,
+                                     const float* sin_, int64_t batch, float* xn, float* q, float* k, float* v) {
     flexplan_rmsnorm_f32(x, L->ln1, xn, batch, L->hidden, L->eps1);
-    flexplan_blocked_gemv(L->wq, L->wtype, xn, q, L->bq, L->hq * L->d, L->hidden, batch);
-    flexplan_blocked_gemv(L->wk, L->wtype, xn, k, L->bk, L->hk * L->d, L->hidden, batch);
-    flexplan_blocked_gemv(L->wv, L->wtype, xn, v, L->bv, L->hk * L->d, L->hidden, batch);
+    if (linear(L, LIN_Q, L->wq, L->bq, xn, q, L->hq * L->d, L->hidden, batch) ||
+        linear(L, LIN_K, L->wk, L->bk, xn, k, L->hk * L->d, L->hidden, batch) ||
+        linear(L, LIN_V, L->wv, L->bv, xn, v, L->hk * L->d, L->hidden, batch))
+        return -1;
     flexplan_rope_f32(q, cos_, sin_, batch, L->hq, L->d);
     flexplan_rope_f32(k, cos_, sin_, batch, L->hk, L->d);
+    return 0;
 }
 
 /* The rest of the layer: y = x + o_proj(attention); y += down(silu(gate(n)) * up(n)), n = RMSNorm(y).
  * With keys == NULL, attn already holds the attention output [batch, hq * d]. Scratch: attn
- * [batch, hq d], tmp and xn [batch, hidden], g and u [batch, inter]. Returns 0 or -1 (no memory). */
+ * [batch, hq d], tmp and xn [batch, hidden], g and u [batch, inter]. Returns 0 or -1 (no memory for
+ * attention's partials or a quantised activation). */
 int flexplan_layer_post_attention_f32(const flexplan_layer* L, const float* x, float* y, const float* q,
                                       const float* keys, const float* values, const uint8_t* mask, int64_t T,
                                       int64_t sb, int64_t sh, int64_t st, int64_t batch, float* attn, float* tmp,
@@ -341,14 +362,14 @@ int flexplan_layer_post_attention_f32(const flexplan_layer* L, const float* x, f
     if (keys && flexplan_decode_attention_f32(q, keys, values, mask, attn, batch, L->hq, L->hk, T, L->d, sb, sh,
                                               st, L->scale) != 0)
         return -1;
-    flexplan_blocked_gemv(L->wo, L->wtype, attn, tmp, L->bo, H, L->hq * L->d, batch);
+    if (linear(L, LIN_O, L->wo, L->bo, attn, tmp, H, L->hq * L->d, batch)) return -1;
     for (int64_t i = 0; i < batch * H; i++) y[i] = x[i] + tmp[i];
     flexplan_rmsnorm_f32(y, L->ln2, xn, batch, H, L->eps2);
-    flexplan_blocked_gemv(L->wg, L->wtype, xn, g, L->bg, I, H, batch);
-    flexplan_blocked_gemv(L->wu, L->wtype, xn, u, L->bu, I, H, batch);
+    if (linear(L, LIN_G, L->wg, L->bg, xn, g, I, H, batch) || linear(L, LIN_U, L->wu, L->bu, xn, u, I, H, batch))
+        return -1;
 #pragma omp simd
     for (int64_t i = 0; i < batch * I; i++) g[i] = g[i] / (1.0f + exp_f32(-g[i])) * u[i];
-    flexplan_blocked_gemv(L->wd, L->wtype, g, tmp, L->bd, H, I, batch);
+    if (linear(L, LIN_D, L->wd, L->bd, g, tmp, H, I, batch)) return -1;
     for (int64_t i = 0; i < batch * H; i++) y[i] += tmp[i];
     return 0;
 }
@@ -360,15 +381,15 @@ int flexplan_layer_post_attention_f32(const flexplan_layer* L, const float* x, f
  *   x [batch, hidden]: the embeddings in, the last layer's output out; y [batch, hidden] scratch
  *   mask [batch, pos + 1] bytes or NULL; cos/sin [batch, d]; other scratch as
  *   flexplan_layer_post_attention_f32's, q [batch, hq d].
- * Returns 0, or -1 (no memory for attention's partials). */
+ * Returns 0, or -1 (no memory for attention's partials or a quantised activation). */
 int flexplan_decode_stack_f32(const flexplan_layer* const* layers, int64_t n, float* const* kc, float* const* vc,
                               int64_t pos, int64_t batch, const float* cos_, const float* sin_, const uint8_t* mask,
                               float* x, float* y, float* q, float* attn, float* tmp, float* xn, float* g, float* u) {
     for (int64_t l = 0; l < n; l++) {
         const flexplan_layer* L = layers[l];
         const int64_t row = batch * L->hk * L->d; /* floats per cache position */
-        flexplan_layer_pre_attention_f32(L, x, cos_, sin_, batch, xn, q, kc[l] + pos * row, vc[l] + pos * row);
-        if (flexplan_layer_post_attention_f32(L, x, y, q, kc[l], vc[l], mask, pos + 1, L->hk * L->d, L->d, row,
+        if (flexplan_layer_pre_attention_f32(L, x, cos_, sin_, batch, xn, q, kc[l] + pos * row, vc[l] + pos * row) ||
+            flexplan_layer_post_attention_f32(L, x, y, q, kc[l], vc[l], mask, pos + 1, L->hk * L->d, L->d, row,
                                               batch, attn, tmp, xn, g, u) != 0)
             return -1;
         memcpy(x, y, sizeof(float) * (size_t)(batch * L->hidden));

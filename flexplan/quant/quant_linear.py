@@ -45,6 +45,12 @@ class QuantLinear(nn.Module):
         """Bytes of weight held: the raw blocks, or the float32 copy of a format without a kernel."""
         return self._blocks.numel() if self.dense is None else self.dense.numel() * 4
 
+    def raw_blocks(self) -> tuple[torch.Tensor | None, int]:
+        """(the raw blocks [out, row bytes] and their ggml type id) that the native decoder layer
+        calls read (flexplan.executor.cpu_decode), or (None, 0) when no kernel reads this format
+        (dequantised at load)."""
+        return (self._blocks, self.qt.format.ggml_type) if self.native is not None else (None, 0)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.native is None:
             return nn.functional.linear(x.float(), self.dense, self.bias)

@@ -4,8 +4,9 @@ The model runner's general path runs transformers' forward: per decoder layer a 
 PyTorch ops dispatched from Python, besides the GEMVs (on a 30-layer model on two cores, about
 half of a decode step's wall time). For a model whose every decoder layer the native layer calls
 cover (:func:`flexplan.executor.cpu_decode.covered_layer`: pre-norm residual blocks, q/k/v/o
-projections, rotate-half rotary, SwiGLU MLP, RMSNorm) with blocked weights on the CPU, an
-iteration here is, per layer, four calls whatever the batch:
+projections, rotate-half rotary, SwiGLU MLP, RMSNorm) with blocked weights on the CPU or a GGUF
+file's blocks that flexplan's kernels read, an iteration here is, per layer, four calls whatever
+the batch:
 
 - ``layer_pre_attention``: RMSNorm, the q/k/v GEMVs over every token of the batch (the weights
   read once for all rows), rotary at each token's own position;
@@ -63,7 +64,7 @@ class FusedStep:
         ops = native.decode_status()[0]
         stack = getattr(model, "model", None)
         layers = getattr(stack, "layers", None)
-        if (ops is None or layers is None or len(layers) == 0 or type(getattr(model, "lm_head", None)) is not nn.Linear
+        if (ops is None or layers is None or len(layers) == 0 or not cpu_decode._is_linear(getattr(model, "lm_head", None))
                 or not cpu_decode._same_code(type(model).forward, _llama_head_forward())
                 or not cpu_decode.covered_stack(stack) or not all(cpu_decode.covered_layer(x) for x in layers)):
             return None
