@@ -52,6 +52,8 @@ int64_t flexplan_route_experts(const int64_t* index, int64_t tokens, int64_t k, 
                                int64_t in, int64_t* pairs, int64_t* experts, int64_t* row_start, float* h);
 int flexplan_quant_gemm(const uint8_t* w, int64_t wtype, const float* x, float* y, const float* bias, int64_t out,
                         int64_t in, int64_t batch, int64_t float_act); /* quant_gemv.c, compiled in */
+int flexplan_quant_gemv_shared(int64_t n, const uint8_t* const* w, const int64_t* wtype, const float* x, int64_t in,
+                               float* const* y, const float* const* bias, const int64_t* out);
 void flexplan_scatter_experts(const float* h, const float* weights, const int64_t* pairs, int64_t rows,
                               int64_t tokens, int64_t k, float* out, int64_t width);
 
@@ -335,16 +337,36 @@ static inline int linear(const flexplan_layer* L, int j, const void* P, const fl
     return flexplan_blocked_gemv(P, L->wtype, x, y, bias, out, in, batch);
 }
 
+/* Linears j[0..n) of the layer on one input x [batch, in] (q/k/v, or gate/up): for one row with every
+ * one of them on GGUF blocks (int8 activation), one call that quantises x once and shares all their
+ * rows among the threads in one parallel region (a decode step's small matrices pay a fork and join,
+ * and a quantisation, per call otherwise); else one call each. The same results either way. */
+static int linears_on(const flexplan_layer* L, int n, const int* j, const void* const* P, const float* const* bias,
+                      const float* x, float* const* y, const int64_t* out, int64_t in, int64_t batch) {
+    int shared = batch == 1 && !L->float_act;
+    for (int i = 0; i < n; i++) shared &= L->qtype[j[i]] != 0;
+    if (shared) {
+        int64_t types[3];
+        for (int i = 0; i < n; i++) types[i] = L->qtype[j[i]];
+        return flexplan_quant_gemv_shared(n, (const uint8_t* const*)P, types, x, in, y, bias, out) ? -1 : 0;
+    }
+    for (int i = 0; i < n; i++)
+        if (linear(L, j[i], P[i], bias[i], x, y[i], out[i], in, batch)) return -1;
+    return 0;
+}
+
 /* RMSNorm, q/k/v projections and rotary embedding of x [batch, hidden]: q [batch, hq, d],
  * k and v [batch, hk, d]; xn [batch, hidden] is scratch. Returns 0, or -1 (a linear failed: no
  * memory for a quantised activation). */
 int flexplan_layer_pre_attention_f32(const flexplan_layer* L, const float* x, const float* cos_,
                                      const float* sin_, int64_t batch, float* xn, float* q, float* k, float* v) {
     flexplan_rmsnorm_f32(x, L->ln1, xn, batch, L->hidden, L->eps1);
-    if (linear(L, LIN_Q, L->wq, L->bq, xn, q, L->hq * L->d, L->hidden, batch) ||
-        linear(L, LIN_K, L->wk, L->bk, xn, k, L->hk * L->d, L->hidden, batch) ||
-        linear(L, LIN_V, L->wv, L->bv, xn, v, L->hk * L->d, L->hidden, batch))
-        return -1;
+    const int j[3] = {LIN_Q, LIN_K, LIN_V};
+    const void* P[3] = {L->wq, L->wk, L->wv};
+    const float* b[3] = {L->bq, L->bk, L->bv};
+    float* y[3] = {q, k, v};
+    const int64_t out[3] = {L->hq * L->d, L->hk * L->d, L->hk * L->d};
+    if (linears_on(L, 3, j, P, b, xn, y, out, L->hidden, batch)) return -1;
     flexplan_rope_f32(q, cos_, sin_, batch, L->hq, L->d);
     flexplan_rope_f32(k, cos_, sin_, batch, L->hk, L->d);
     return 0;
@@ -365,8 +387,12 @@ int flexplan_layer_post_attention_f32(const flexplan_layer* L, const float* x, f
     if (linear(L, LIN_O, L->wo, L->bo, attn, tmp, H, L->hq * L->d, batch)) return -1;
     for (int64_t i = 0; i < batch * H; i++) y[i] = x[i] + tmp[i];
     flexplan_rmsnorm_f32(y, L->ln2, xn, batch, H, L->eps2);
-    if (linear(L, LIN_G, L->wg, L->bg, xn, g, I, H, batch) || linear(L, LIN_U, L->wu, L->bu, xn, u, I, H, batch))
-        return -1;
+    const int j[2] = {LIN_G, LIN_U};
+    const void* P[2] = {L->wg, L->wu};
+    const float* b[2] = {L->bg, L->bu};
+    float* gu[2] = {g, u};
+    const int64_t out[2] = {I, I};
+    if (linears_on(L, 2, j, P, b, xn, gu, out, H, batch)) return -1;
 #pragma omp simd
     for (int64_t i = 0; i < batch * I; i++) g[i] = g[i] / (1.0f + exp_f32(-g[i])) * u[i];
     if (linear(L, LIN_D, L->wd, L->bd, g, tmp, H, I, batch)) return -1;

@@ -71,12 +71,34 @@ class NativeQuant:
         self._list = lib.flexplan_quant_gemv_list
         self._list.argtypes = [i64] + [ptr] * 6
         self._list.restype = ctypes.c_int
+        self._shared = lib.flexplan_quant_gemv_shared
+        self._shared.argtypes = [i64, ptr, ptr, ptr, i64, ptr, ptr, ptr]
+        self._shared.restype = ctypes.c_int
         self._lib = lib  # keeps the library loaded
 
     def gemv_list(self, items: list[tuple[torch.Tensor, BlockFormat, torch.Tensor]]) -> GemvList:
         """Independent GEMVs (raw blocks [out, row_bytes], format, x [in] float32 contiguous) run
         in one native call by :meth:`GemvList.run`, each output as :meth:`gemm` gives it for one row."""
         return GemvList(self._list, items)
+
+    def gemv_shared(self, items: list[tuple[torch.Tensor, BlockFormat, torch.Tensor | None]],
+                    x: torch.Tensor) -> list[torch.Tensor]:
+        """GEMVs of several matrices (raw blocks [out, row_bytes], format, bias [out] or None) on one
+        input x [in] (float32, contiguous) in one native call, x quantised once per activation kind:
+        what the native decoder layer runs for q/k/v and gate/up. Each output as :meth:`gemm` gives
+        it for one row."""
+        n = len(items)
+        ys = [torch.empty(w.shape[0], dtype=torch.float32) for w, _, _ in items]
+        rc = self._shared(n, (ctypes.c_void_p * n)(*(w.data_ptr() for w, _, _ in items)),
+                          (ctypes.c_int64 * n)(*(f.ggml_type for _, f, _ in items)), x.data_ptr(), x.numel(),
+                          (ctypes.c_void_p * n)(*(y.data_ptr() for y in ys)),
+                          (ctypes.c_void_p * n)(*(None if b is None else b.data_ptr() for _, _, b in items)),
+                          (ctypes.c_int64 * n)(*(w.shape[0] for w, _, _ in items)))
+        if rc:
+            raise (MemoryError if rc == 2 else InvalidInputError)(
+                "quantised shared-input GEMVs: " + ("out of memory" if rc == 2 else "a format is not a kernel "
+                                                    "format or the input width is not a multiple of its blocks"))
+        return ys
 
     def gemm(self, data: torch.Tensor, fmt: BlockFormat, x2d: torch.Tensor, bias: torch.Tensor | None = None,
              float_act: bool = False) -> torch.Tensor:

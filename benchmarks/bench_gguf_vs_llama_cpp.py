@@ -1,0 +1,128 @@
+"""A GGUF file's whole-model prefill and decode: flexplan on the file's own blocks against llama.cpp.
+
+For each file (default: the embedded SmolLM2's Q4_1; more with ``--gguf``, e.g. llama-quantize's
+Q4_0 / Q8_0 / Q4_K_M of the same weights), in interleaved rounds (every file's flexplan run, then
+its ``llama-bench`` run, a STREAM triad sample before each):
+
+- flexplan: ``flexplan.load(file)`` (the cpu policy on the blocks: QuantLinear layers, the native
+  decoder-layer calls), one ``generate()`` of ``--new`` tokens after a ``--prompt``-token prompt of
+  random ids; TTFT (the prefill) and TPOT as flexplan's run statistics measure them;
+- llama.cpp: ``llama-bench -p PROMPT -n NEW -r 1`` on the same file, same threads: the prefill time
+  is PROMPT / pp tokens/s, the TPOT 1 / tg tokens/s (llama-bench decodes from an empty context,
+  flexplan after the prompt: a few keys more to attend per token, which SmolLM2's cost hardly sees).
+
+Reported per file: medians over the rounds, flexplan / llama.cpp for each phase, and the decode's
+compressed bytes per token over its TPOT (the GB/s of weights it reads) as a fraction of the
+triad. Writes ``benchmarks/results/<name>.json``.
+
+    python benchmarks/bench_gguf_vs_llama_cpp.py --rounds 3 --gguf ~/.cache/flexplan/bench/*.Q4_0.gguf
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+from common import LLAMA_CPP_HOW, REPO_ROOT, llama_cpp_tool, machine_description, write_result  # noqa: E402
+
+
+def triad_gbs() -> float:
+    from flexplan.measure.stream import stream_triad_bytes_per_s
+
+    return round(stream_triad_bytes_per_s(128 * 2**20, repeats=3) / 1e9, 1)
+
+
+def flexplan_run(lm, prompt: int, new: int, seed: int) -> dict:
+    import torch
+
+    ids = torch.randint(100, lm.model.config.vocab_size - 100, (1, prompt), generator=torch.Generator().manual_seed(seed))
+    lm.generate(ids, max_new_tokens=new, min_new_tokens=new, do_sample=False)
+    s = lm.last_stats
+    return {"prefill_s": s.ttft_s, "tpot_s": s.tpot_s, "native_stack_steps": s.native_stack_steps}
+
+
+def llama_bench_run(tool: Path, path: Path, prompt: int, new: int, threads: int) -> dict:
+    cmd = [str(tool), "-m", str(path), "-t", str(threads), "-p", str(prompt), "-n", str(new), "-r", "1", "-o", "json"]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    if r.returncode:
+        raise SystemExit(f"llama-bench failed on {path}: {r.stderr[-400:]}")
+    rows = json.loads(r.stdout)
+    pp = next(x["avg_ts"] for x in rows if x["n_prompt"] == prompt and x["n_gen"] == 0)
+    tg = next(x["avg_ts"] for x in rows if x["n_gen"] == new and x["n_prompt"] == 0)
+    return {"prefill_s": prompt / pp, "tpot_s": 1.0 / tg, "build": rows[0].get("build_commit")}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--gguf", nargs="*", default=[], help="more GGUF files (the embedded Q4_1 always runs)")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--prompt", type=int, default=128)
+    ap.add_argument("--new", type=int, default=64)
+    ap.add_argument("--threads", type=int, default=os.cpu_count())
+    ap.add_argument("--name", default="gguf_vs_llama_cpp")
+    args = ap.parse_args()
+    os.environ.setdefault("OMP_NUM_THREADS", str(args.threads))
+    sys.path.insert(0, str(REPO_ROOT))
+    import torch
+
+    import flexplan
+    from flexplan.quant.quant_linear import QuantLinear
+    from flexplan.smollm import gguf_path
+
+    torch.set_num_threads(args.threads)
+    tool = llama_cpp_tool("llama-bench")
+    if tool is None:
+        raise SystemExit(f"this benchmark needs llama.cpp's llama-bench: {LLAMA_CPP_HOW}")
+    files = [Path(gguf_path())] + [Path(f).expanduser() for f in args.gguf]
+    models = {}
+    for f in files:
+        lm = flexplan.load(str(f))
+        weight_bytes = sum(m.nbytes for m in lm.model.modules() if isinstance(m, QuantLinear))
+        models[f] = (lm, weight_bytes)
+        flexplan_run(lm, 8, 4, 0)  # warm: first-use compile and caches
+    runs = []
+    for rnd in range(args.rounds):
+        for f in files:
+            lm, weight_bytes = models[f]
+            for target in ("flexplan", "llama.cpp"):
+                triad = triad_gbs()
+                r = (flexplan_run(lm, args.prompt, args.new, rnd) if target == "flexplan"
+                     else llama_bench_run(tool, f, args.prompt, args.new, args.threads))
+                rec = {"round": rnd + 1, "file": f.name, "target": target, "triad_gb_per_s": triad,
+                       "decode_weight_bytes": weight_bytes, **r}
+                runs.append(rec)
+                print(f"round {rnd + 1} {f.name:<34} {target:<9}: prefill {args.prompt} tokens "
+                      f"{r['prefill_s'] * 1e3:7.1f} ms, TPOT {r['tpot_s'] * 1e3:6.2f} ms (triad {triad} GB/s)",
+                      flush=True)
+    summary = []
+    for f in files:
+        mine = [r for r in runs if r["file"] == f.name]
+        med = {t: {k: statistics.median(r[k] for r in mine if r["target"] == t) for k in ("prefill_s", "tpot_s")}
+               for t in ("flexplan", "llama.cpp")}
+        weight_bytes = models[f][1]
+        triad = statistics.median(r["triad_gb_per_s"] for r in mine)
+        gbs = weight_bytes / med["flexplan"]["tpot_s"] / 1e9
+        row = {"file": f.name, "flexplan": med["flexplan"], "llama.cpp": med["llama.cpp"],
+               "tpot_ratio": med["flexplan"]["tpot_s"] / med["llama.cpp"]["tpot_s"],
+               "prefill_ratio": med["flexplan"]["prefill_s"] / med["llama.cpp"]["prefill_s"],
+               "decode_weight_gb_per_s": gbs, "triad_gb_per_s_median": triad, "decode_fraction_of_triad": gbs / triad}
+        summary.append(row)
+        print(f"{f.name}: TPOT {med['flexplan']['tpot_s'] * 1e3:.2f} vs {med['llama.cpp']['tpot_s'] * 1e3:.2f} ms "
+              f"({row['tpot_ratio']:.2f}x llama.cpp), prefill {med['flexplan']['prefill_s'] * 1e3:.0f} vs "
+              f"{med['llama.cpp']['prefill_s'] * 1e3:.0f} ms ({row['prefill_ratio']:.2f}x); decode reads "
+              f"{gbs:.1f} GB/s of blocks, {row['decode_fraction_of_triad']:.2f} of the triad ({triad} GB/s)")
+    path = write_result(args.name, {
+        "command": "python benchmarks/bench_gguf_vs_llama_cpp.py " + " ".join(sys.argv[1:]),
+        "threads": args.threads, "prompt_tokens": args.prompt, "new_tokens": args.new, "rounds": args.rounds,
+        "summary": summary, "runs": runs, "machine": machine_description()})
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
