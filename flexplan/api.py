@@ -45,8 +45,9 @@ from flexplan.measure.state import efficiency_now, refresh
 from flexplan.plan_expert_cache import resolve_profile
 from flexplan.plan_types import Plan
 from flexplan.planner import plan as plan_fn
-from flexplan.quant.at_load import AT_LOAD_FORMATS, load_quantized_folder
-from flexplan.quant.gguf_model import load_gguf_model
+from flexplan.quant.at_load import AT_LOAD_FORMATS
+from flexplan.quant.sources import GGUF_FLOAT32, weights_source
+from flexplan.quant.sources import folder_tokenizer as _tokenizer
 from flexplan.workload.model import ModelSpec
 
 DEFAULT_SHAPE = {"batch_size": 1, "input_len": 128, "output_len": 32}
@@ -419,21 +420,25 @@ def load(model_or_path, plan: Any = "auto", accelerator: str | None = None, hard
     ``routing_profile``: a RoutingProfile or its file (``flexplan profile-experts``): plans of a MoE
     model price cpu-experts from it and keep the most-used CPU experts on the accelerator (plan_expert_cache).
     ``weights``: for a ``.gguf`` path, "gguf" (default: its own blocks, the cpu policy) or "float32"
-    (dequantised, any plan); for a model folder, "int4" / "int8" (its linears quantised at load to
-    group-wise blocks, the cpu policy). Plans of blocks price their bytes.
+    (dequantised, any plan); for a model folder, "float32" (default: not quantised) or "int4" / "int8"
+    (its linears quantised at load to group-wise blocks, the cpu policy). Plans of blocks price their
+    bytes. The rule is ``flexplan.quant.sources.weights_source``'s, shared with the serving engine.
     """
     gguf_tokenizer, blocks_spec = None, None
-    if weights in AT_LOAD_FORMATS:
-        # a float checkpoint quantised at load (issue 40): its linears on int4 / int8 blocks on the CPU
-        blocks_spec = model_or_path
-        model_or_path, plan, gguf_tokenizer = _quantised_folder(model_or_path, weights, plan, accelerator)
+    source = weights_source(model_or_path, weights)  # which loader (quant.sources: shared with the serving engine)
+    if source.blocks:
+        # a GGUF file's own blocks, or a float checkpoint quantised at load to int4 / int8 (issue 40):
+        # its linears on blocks, which run on the CPU alone; the plan is checked before the load
+        what, otherwise = ((f"weights={weights!r} blocks", "load without weights= for every other policy")
+                           if source.kind in AT_LOAD_FORMATS else
+                           ("a GGUF file's own blocks", "pass weights='float32' for every other policy"))
+        plan = _blocks_plan(plan, accelerator, what, otherwise)
+        blocks_spec = str(model_or_path)  # planned from its header / config: the blocks priced as stored
+        model_or_path, gguf_tokenizer = source.load()
         keep_model, accelerator = False, None
-    elif weights is not None or (isinstance(model_or_path, (str, os.PathLike)) and str(model_or_path).endswith(".gguf")):
-        # a GGUF file (issue 40): its own blocks on the CPU, or weights="float32" dequantised for any plan
-        if weights != "float32":
-            blocks_spec = str(model_or_path)  # planned from its header: the blocks priced as stored
-        model_or_path, plan, gguf_tokenizer = _gguf_model(model_or_path, weights, plan, accelerator)
-        keep_model, accelerator = False, (accelerator if weights == "float32" else None)
+    elif source.kind == GGUF_FLOAT32:  # every weight dequantised: any plan
+        model_or_path, gguf_tokenizer = source.load()
+        keep_model = False
     check_load_arguments(model_or_path, accelerator, dtype, gpu_memory_bytes, pinned_memory_budget_bytes, cpu_threads,
                          hardware)
     if not isinstance(online_correction, bool):
@@ -485,7 +490,7 @@ def load(model_or_path, plan: Any = "auto", accelerator: str | None = None, hard
     planner_args = dict(accelerator=acc, hardware=hw, dtype=dtype, cpu_dtype=cpu_dtype, gpu_memory_bytes=gpu_memory_bytes,
                         online_correction=online_correction, cpu_dtype_from=cpu_dtype_from)
     if blocks_spec is not None:  # plans price the blocks the model holds (planner: weights=)
-        planner_args.update(planned_model=blocks_spec, weights=weights or "gguf")
+        planner_args.update(planned_model=blocks_spec, weights=source.planned_weights)
     if routing_profile is not None:  # read and checked once, not at every re-plan
 
         planner_args["routing_profile"] = resolve_profile(routing_profile, ModelSpec.from_config(config))
@@ -517,21 +522,6 @@ def load(model_or_path, plan: Any = "auto", accelerator: str | None = None, hard
                      cpu_threads_source=threads_source, online_correction=online_correction)
 
 
-def _gguf_model(path, weights: str | None, plan: Any, accelerator: str | None):
-    """(model, plan, tokenizer) for a GGUF file: ``weights="gguf"`` (default) its linears on the file's
-    blocks, the ``cpu`` policy for both phases; ``"float32"`` every weight dequantised, any plan."""
-    weights = weights or "gguf"
-    if weights not in ("gguf", "float32") or not str(path).endswith(".gguf"):
-        raise InvalidInputError(f"weights={weights!r} with {path}: weights='gguf' (the file's own blocks) or "
-                                "'float32' (dequantised) take a .gguf file path")
-    if weights == "float32":
-        model, tok = load_gguf_model(path, dequantize_all=True)
-        return model, plan, tok
-    plan = _blocks_plan(plan, accelerator, "a GGUF file's own blocks", "pass weights='float32' for every other policy")
-    model, tok = load_gguf_model(path)
-    return model, plan, tok
-
-
 def _blocks_plan(plan: Any, accelerator: str | None, what: str, otherwise: str):
     """The plan a model whose linears run on blocks loads under: the ``cpu`` policy for both
     phases (the only one whose layers take blocks, Policy.takes_compressed_weights); a cpu-only
@@ -543,16 +533,6 @@ def _blocks_plan(plan: Any, accelerator: str | None, what: str, otherwise: str):
         raise InvalidInputError(f"{what} run under the cpu policy for both phases only (plan='auto', {cpu_only} or "
                                 f"such a Plan, no accelerator); got plan={got}, accelerator={accelerator!r}; {otherwise}")
     return plan if planned else cpu_only
-
-
-def _quantised_folder(path, weights: str, plan: Any, accelerator: str | None):
-    """(model, plan, tokenizer) for a model folder quantised at load to ``weights`` ("int4" /
-    "int8", quant.at_load): its linears on the blocks, the ``cpu`` policy for both phases."""
-    if not (isinstance(path, (str, os.PathLike)) and is_model_folder(path)):
-        raise InvalidInputError(f"weights={weights!r} quantises a model folder (config.json + *.safetensors) at load; "
-                                f"got {path!r}")
-    plan = _blocks_plan(plan, accelerator, f"weights={weights!r} blocks", "load without weights= for every other policy")
-    return load_quantized_folder(path, weights), plan, _tokenizer(path)
 
 
 def _cpu_threads(requested: int | None) -> tuple[int | None, str]:
@@ -572,15 +552,6 @@ def _lazy_standin(make, gpu_memory_bytes: int, base=None):
     try:
         return make(int(gpu_memory_bytes), base=base)
     except Exception:  # noqa: BLE001 - no hardware model yet: fixed plans still run
-        return None
-
-
-def _tokenizer(path):
-    try:
-        from transformers import AutoTokenizer
-
-        return AutoTokenizer.from_pretrained(str(path))
-    except Exception:  # noqa: BLE001 - a folder without tokenizer files is fine
         return None
 
 

@@ -6,12 +6,15 @@ box. The server is the ``[serve]`` extra (FastAPI, uvicorn, prometheus-client, j
 
     flexplan serve                                   # SmolLM2 on 127.0.0.1:8000
     flexplan serve ./my-llama --port 8080 --gpu-memory 6 --device cuda
+    flexplan serve ./model-Q4_K_M.gguf                # the file's own blocks, on the CPU
+    flexplan serve ./my-llama --weights int4          # quantised at load, on the CPU
     curl localhost:8000/v1/completions -d '{"prompt": "Hello", "max_tokens": 8}'
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib
 import importlib.util
 import sys
@@ -23,10 +26,12 @@ from flexplan.errors import FlexplanError, InvalidInputError
 from flexplan.inputs import gib_bytes
 from flexplan.hardware import get_hardware
 from flexplan.measure.state import efficiency_now
+from flexplan.quant.sources import DENSE, GGUF_BLOCKS, GGUF_FLOAT32, WeightsSource, weights_source
 from flexplan.serving.engine import Engine
 from flexplan.serving.scheduler import NeoApexScheduler
 from flexplan.smollm import MODEL_NAME, default_model_dir
 from flexplan.workload import resolve_model
+from flexplan.workload.gguf_header import is_gguf_path
 
 EXTRA = ("fastapi", "uvicorn", "prometheus_client", "jinja2")
 INSTALL_HINT = "pip install 'flexplan-infer[serve]'  (FastAPI, uvicorn, prometheus-client, jinja2)"
@@ -35,11 +40,17 @@ EMBEDDED_ALIASES = (f"HuggingFaceTB/{MODEL_NAME}", "smollm2")
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("model", nargs="?", default=None, metavar="MODEL",
-                        help="transformers model folder or hub name (default: the embedded SmolLM2-135M-Instruct)")
+                        help="transformers model folder, hub name or .gguf file (default: the embedded "
+                             "SmolLM2-135M-Instruct, float32)")
+    parser.add_argument("--weights", default="auto", choices=("auto", "float32", "int8", "int4"),
+                        help="what the weights are held as. auto (default): a .gguf file's own blocks (on the CPU), "
+                             "a folder's float weights (in --dtype); float32: a .gguf file dequantised to float32 "
+                             "(any --device), a folder as auto; int8 / int4: a folder's decoder and head linears "
+                             "quantised at load to group-wise blocks (Q8_0 / Q4_1, groups of 32; on the CPU)")
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     parser.add_argument("--port", type=int, default=8000, help="port (default 8000)")
     parser.add_argument("--device", default=None, help="where the weights live: cpu or cuda (default: cuda if "
-                                                       "available, else cpu)")
+                                                       "available, else cpu; blocks run on the cpu only)")
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
     parser.add_argument("--gpu-memory", type=gib_bytes, default=None, metavar="GiB",
                         help="the accelerator's budget: its KV pool is this less the weights and one iteration's "
@@ -47,7 +58,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cpu-memory", type=gib_bytes, default=None, metavar="GiB",
                         help="the host KV pool's budget (default: a quarter of the available memory, at most 2 GiB)")
     parser.add_argument("--served-model-name", default=None, metavar="NAME",
-                        help="the model's name in the API (default: the folder's name)")
+                        help="the model's name in the API (default: the folder's or the .gguf file's name)")
     parser.add_argument("--max-waiting", type=int, default=256, metavar="N",
                         help="requests queued beyond the running batch before new ones get HTTP 429 (default 256)")
     parser.add_argument("--max-running", type=int, default=256, metavar="N", help="requests running at once")
@@ -64,8 +75,11 @@ def model_names(model: str | None, served_name: str | None) -> tuple[str, tuple[
     """The API's model name and its aliases (the argument as typed; the embedded model's hub name)."""
     if model is None:
         return served_name or MODEL_NAME, tuple(a for a in (MODEL_NAME, *EMBEDDED_ALIASES) if a != served_name)
-    name = served_name or Path(model.rstrip("/")).name or model
-    return name, tuple(a for a in {model, Path(model.rstrip("/")).name} if a != name)
+    base = Path(model.rstrip("/")).name or model
+    name = served_name or base
+    # a .gguf file answers to its stem too: what a client types without the suffix
+    candidates = (model, base, Path(base).stem) if is_gguf_path(base) else (model, base)
+    return name, tuple(a for a in dict.fromkeys(candidates) if a != name)
 
 
 def _device(name: str | None) -> str:
@@ -76,7 +90,27 @@ def _device(name: str | None) -> str:
     return name
 
 
-def scheduler_for(model: str | None, device: str):
+def weights_and_device(model: str | None, weights: str, device: str | None) -> tuple[WeightsSource, str]:
+    """(what MODEL loads as for ``--weights``, the device it is served on): the rule is flexplan.load's
+    (quant.sources.weights_source). Blocks default to the CPU: their kernels are CPU code today (the
+    engine refuses another --device, naming what works)."""
+    source = weights_source(model if model is not None else str(default_model_dir(verbose=False)), weights)
+    if source.blocks:
+        return source, device or "cpu"
+    return source, _device(device)
+
+
+def weights_label(source: WeightsSource, dtype: str) -> str:
+    """What the startup line says the weights are: the dtype of float weights, or their blocks."""
+    if source.kind == DENSE:
+        return dtype
+    if source.kind == GGUF_FLOAT32:
+        return f"dequantised to {dtype}"
+    return ("the file's own blocks" if source.kind == GGUF_BLOCKS else f"{source.kind} blocks quantised at load") + \
+        ", float32 activations"
+
+
+def scheduler_for(model: str | None, device: str, source: WeightsSource | None = None):
     """NEO's and APEX's load-aware scheduler, priced by this machine's calibrated factors, where an
     accelerator holds the device pool; None (the engine's FCFS) on the CPU alone, where every
     decode attends beside its KV in one pool."""
@@ -84,6 +118,8 @@ def scheduler_for(model: str | None, device: str):
         return None
     hw = get_hardware("local")
     spec = resolve_model(model if model is not None else str(default_model_dir()))
+    if source is not None and source.kind == GGUF_FLOAT32:  # priced as served: plain float tensors
+        spec = dataclasses.replace(spec, stored_weights=())
     return NeoApexScheduler(spec, hw, efficiency_now(hw))
 
 
@@ -96,18 +132,20 @@ def run(args: argparse.Namespace) -> int:
     # imported once the extra is known to be installed (the check above prints how to get it)
     server = importlib.import_module("flexplan.serving.server")
     try:
-        device = _device(args.device)
-        engine = Engine.from_pretrained(args.model, device=device, dtype=getattr(torch, args.dtype),
-                                        device_memory_bytes=args.gpu_memory, host_memory_bytes=args.cpu_memory,
-                                        max_running=args.max_running, token_budget=args.token_budget,
-                                        max_model_len=args.max_model_len, scheduler=scheduler_for(args.model, device))
+        source, device = weights_and_device(args.model, args.weights, args.device)
+        engine = Engine.from_pretrained(args.model, weights=args.weights, device=device,
+                                        dtype=getattr(torch, args.dtype), device_memory_bytes=args.gpu_memory,
+                                        host_memory_bytes=args.cpu_memory, max_running=args.max_running,
+                                        token_budget=args.token_budget, max_model_len=args.max_model_len,
+                                        scheduler=scheduler_for(args.model, device, source))
     except FlexplanError as e:
         print(f"flexplan serve: error: {' '.join(str(e).split())}", file=sys.stderr)
         return 2
     name, aliases = model_names(args.model, args.served_model_name)
     stats = engine.stats()
-    print(f"flexplan serve: {name} on {engine.device} ({args.dtype}), context {engine.max_model_len} tokens, "
-          f"KV blocks {dict(stats.blocks_free)}; http://{args.host}:{args.port}/v1", file=sys.stderr, flush=True)
+    print(f"flexplan serve: {name} on {engine.device} ({weights_label(source, args.dtype)}), "
+          f"context {engine.max_model_len} tokens, KV blocks {dict(stats.blocks_free)}; "
+          f"http://{args.host}:{args.port}/v1", file=sys.stderr, flush=True)
     app = server.create_app(engine, name, aliases=aliases, max_waiting=args.max_waiting, drain_s=args.drain_s)
     try:
         server.run(app, host=args.host, port=args.port, log_level=args.log_level)

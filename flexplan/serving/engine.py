@@ -15,12 +15,14 @@ import itertools
 import threading
 import time
 from collections import deque
+from pathlib import Path
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from flexplan.errors import FlexplanError, InvalidInputError
 from flexplan.executor import cpu_linear
+from flexplan.quant.sources import DENSE, GGUF_BLOCKS, weights_source
 from flexplan.serving import placed, sampling
 from flexplan.serving.fcfs import FcfsScheduler
 from flexplan.serving.kv_blocks import (
@@ -48,6 +50,24 @@ from flexplan.serving.types import (
 from flexplan.smollm import default_model_dir
 
 STALL_STEPS = 100  # generate(): iterations in a row that schedule nothing before it gives up
+
+
+def _check_blocks_target(source, device, dtype: torch.dtype) -> None:
+    """Blocks (a GGUF file's own, or int4 / int8 made at load) run on the CPU in float32 activations:
+    the block kernels are CPU code today. Anything else is refused, naming what works."""
+    where = str(device).split(":")[0] if device is not None else "cpu"
+    if source.kind == GGUF_BLOCKS:
+        what = f"{Path(str(source.path)).name}: a GGUF file's own blocks"
+        instead = "weights='float32' (every weight dequantised)"
+    else:
+        what = f"weights={source.kind!r}: blocks quantised at load"
+        instead = "weights='float32' (the folder's float weights)"
+    if where != "cpu":
+        raise InvalidInputError(f"{what} run on the CPU only (the block kernels are CPU code); got device={device!r}: "
+                                f"serve it on the CPU (device='cpu' or None), or with {instead} on {device}")
+    if dtype != torch.float32:
+        raise InvalidInputError(f"{what} compute in float32 activations; got dtype={dtype}: pass dtype=torch.float32, "
+                                f"or {instead} for {dtype}")
 
 
 def _locked(method):
@@ -129,32 +149,51 @@ class Engine:
         self._held_outputs: list[RequestOutput] = []  # collected early (an abort waited for them)
 
     @classmethod
-    def from_pretrained(cls, path=None, *, device: str | None = None, dtype: torch.dtype = torch.float32,
-                        cpu_linear_kernel: str | None = None, plan=None, accelerator: str | None = None,
-                        gpu_memory_bytes: int | None = None, **engine_kwargs) -> Engine:
-        """An engine over a transformers checkpoint folder or hub name (None: the embedded SmolLM2),
-        on ``device`` (default: the CPU). On the CPU its linears take ``cpu_linear_kernel`` (default:
+    def from_pretrained(cls, path=None, *, weights: str | None = None, device: str | None = None,
+                        dtype: torch.dtype = torch.float32, cpu_linear_kernel: str | None = None, plan=None,
+                        accelerator: str | None = None, gpu_memory_bytes: int | None = None, **engine_kwargs) -> Engine:
+        """An engine over a transformers checkpoint folder or hub name (None: the embedded SmolLM2) or
+        a ``.gguf`` file, on ``device`` (default: the CPU). ``weights``: what ``flexplan.load`` takes
+        (one rule: :func:`flexplan.quant.sources.weights_source`): for a ``.gguf`` file "gguf" (default,
+        or "auto": its linears on the file's own blocks) or "float32" (every weight dequantised); for
+        a folder "float32" (default: its float weights in ``dtype``) or "int4" / "int8" (its decoder
+        and head linears quantised at load to group-wise blocks). Blocks run on the CPU alone, in
+        float32 activations. On the CPU its dense linears take ``cpu_linear_kernel`` (default:
         flexplan's fastest here, :func:`flexplan.executor.cpu_linear.default_kernel`): the engine owns
         this model, so its weights are packed once for the kernel that streams them (a decode batch
-        is a few rows: a GEMV's read of the weights, not a GEMM). With ``plan`` ("auto", a dict of
-        overrides or a Plan) the model is loaded by ``flexplan.load(path, plan, accelerator,
-        gpu_memory_bytes)`` and served with its weights placed per phase (:mod:`placed`)."""
+        is a few rows: a GEMV's read of the weights, not a GEMM); blocks stay as they are. With
+        ``plan`` ("auto", a dict of overrides or a Plan) the model is loaded by ``flexplan.load(path,
+        plan, accelerator, gpu_memory_bytes, weights=)`` and served with its weights placed per phase
+        (:mod:`placed`)."""
+        path = str(path) if path is not None else str(default_model_dir(verbose=False))
+        source = weights_source(path, weights)  # refuses a choice the path does not take, before any load
         if plan is not None:  # placed by flexplan's planner and executor (flexplan.serving.placed)
-            return cls(placed.load(path, plan, accelerator, gpu_memory_bytes, dtype, cpu_linear_kernel), **engine_kwargs)
+            return cls(placed.load(path, plan, accelerator, gpu_memory_bytes, dtype, cpu_linear_kernel, weights),
+                       **engine_kwargs)
+        if source.blocks:
+            _check_blocks_target(source, device, dtype)
         kernel = cpu_linear_kernel or cpu_linear.default_kernel()
         why = cpu_linear.kernel_unavailable(kernel)
         if why:
             raise InvalidInputError(why.replace("linear_kernel=", "cpu_linear_kernel="))
-        path = str(path) if path is not None else str(default_model_dir(verbose=False))
-        try:
-            model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
-            tokenizer = AutoTokenizer.from_pretrained(path)
-        except (OSError, ValueError) as e:  # transformers' own words, without its trace
-            raise InvalidInputError(f"could not load a causal LM and its tokenizer from {path!r} ({e}); give a folder "
-                                    "with config.json, weights and tokenizer files, or None for the embedded "
-                                    "SmolLM2") from None
+        if source.kind == DENSE:
+            try:
+                model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+                tokenizer = AutoTokenizer.from_pretrained(path)
+            except (OSError, ValueError) as e:  # transformers' own words, without its trace
+                raise InvalidInputError(f"could not load a causal LM and its tokenizer from {path!r} ({e}); give a "
+                                        "folder with config.json, weights and tokenizer files, a .gguf file, or None "
+                                        "for the embedded SmolLM2") from None
+        else:
+            model, tokenizer = source.load()
+            if tokenizer is None:
+                raise InvalidInputError(f"{path}: no tokenizer could be built from it; serve a .gguf file with "
+                                        "tokenizer metadata, or a folder with tokenizer files")
+            if not source.blocks and dtype != torch.float32:  # dequantised: float32, cast as a folder is
+                model = model.to(dtype)
         if device is not None:
             model = model.to(device)
+        # only plain nn.Linear weights are packed (cpu_linear.packable): QuantLinear keeps its blocks
         if next(model.parameters()).device.type == "cpu" and kernel != cpu_linear.KERNEL_PLAIN:
             cpu_linear.pack_module(model, None, kernel)
         return cls(model, tokenizer, **engine_kwargs)

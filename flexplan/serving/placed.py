@@ -29,11 +29,12 @@ from flexplan.serving.ragged_batch import RaggedBatch
 from flexplan.smollm import default_model_dir
 
 
-def load(path, plan, accelerator, gpu_memory_bytes, dtype: torch.dtype, cpu_linear_kernel):
-    """``flexplan.load`` of a checkpoint (None: the embedded SmolLM2) under ``plan``."""
+def load(path, plan, accelerator, gpu_memory_bytes, dtype: torch.dtype, cpu_linear_kernel, weights: str | None = None):
+    """``flexplan.load`` of a checkpoint (None: the embedded SmolLM2) or a .gguf file under ``plan``."""
     path = str(path) if path is not None else str(default_model_dir(verbose=False))
     return api.load(path, plan=plan, accelerator=accelerator, gpu_memory_bytes=gpu_memory_bytes,
-                    dtype=str(dtype).removeprefix("torch."), cpu_linear_kernel=cpu_linear_kernel)
+                    dtype=str(dtype).removeprefix("torch."), cpu_linear_kernel=cpu_linear_kernel,
+                    weights=None if weights == "auto" else weights)
 
 
 def is_flexmodel(model) -> bool:
