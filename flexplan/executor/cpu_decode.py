@@ -297,7 +297,7 @@ class FusedLayer:
         self.linears = (a.q_proj, a.k_proj, a.v_proj, a.o_proj, m.gate_proj, m.up_proj, m.down_proj)
         self.silu = type(m.act_fn).__name__ in _SILU
         self.weights = native.LayerWeights()
-        self._bound: tuple = ()  # (address, shape, dtype, device) of the tensors the struct points at
+        self._bound: tuple = ()  # (address, dtype) of the tensors the struct points at
         self._ok = False
         # where each tensor the struct points at is held (a module's own dicts: stable objects), so the
         # per-step check reads them without module attribute lookups
@@ -312,8 +312,11 @@ class FusedLayer:
         the accelerator)."""
         tensors = [d.get(k) for d, k in self._slots]
         # the executor rebinds a Parameter's .data in place: compare where the data is, not the object
-        bound = tuple(None if t is None else (id(t) if t.is_mkldnn else t.data_ptr(), t.shape, t.dtype, t.device)
-                      for t in tensors)
+        # (address and dtype: a new tensor of another shape or device is never at an address still held)
+        try:
+            bound = tuple(None if t is None else (t.data_ptr(), t.dtype) for t in tensors)
+        except RuntimeError:  # an opaque oneDNN-packed weight has no data pointer: none the native calls read
+            bound = ("opaque", tuple(id(t) for t in tensors))
         if bound == self._bound:
             return self._ok
         self._bound = bound
