@@ -9,7 +9,9 @@ round (interleaved), a STREAM triad sample beside each run:
 - ``llama-server``: llama.cpp's server (continuous batching, ``-np`` slots) on the same weights in the
   same precision (an F32 GGUF made from the shipped Q4_1 file with ``llama-quantize``: the values
   flexplan's float32 folder holds), the same threads;
-- ``transformers``: ``transformers serve --continuous-batching`` on the same float32 folder.
+- ``transformers``: ``transformers serve --continuous-batching`` on the same float32 folder;
+- ``flexplan-q4_1`` and ``llama-server-q4_1`` (with ``--targets``): both servers on the embedded
+  model's own Q4_1 GGUF file, its blocks as they are (int8 activations in both).
 
 Prompts are texts of random one-token words of the trace's lengths (the trace gives lengths, not
 text), the output length forced (``ignore_eos``; transformers serve refuses the field, so its outputs
@@ -26,6 +28,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import csv
+import functools
 import json
 import math
 import os
@@ -45,6 +48,8 @@ from common import LLAMA_CPP_HOW, llama_cpp_tool, REPO_ROOT, machine_description
 TRACE = REPO_ROOT.parent / "shared" / "traces" / "azure_llm_2023_code.csv"
 F32_GGUF = Path.home() / ".cache" / "flexplan" / "bench" / "SmolLM2-135M-Instruct.F32.gguf"
 TARGETS = ("flexplan", "sequential", "llama-server", "transformers")
+# the embedded model's own Q4_1 file served as it is by both engines (int8 activations in both)
+GGUF_TARGETS = ("flexplan-q4_1", "llama-server-q4_1")
 
 
 def trace_requests(n: int, input_scale: float, input_cap: int, output_cap: int, seed: int) -> list[tuple[int, int]]:
@@ -65,9 +70,9 @@ def arrivals_s(n: int, rate_per_s: float, seed: int) -> list[float]:
     return out
 
 
-def prompts(lengths: list[tuple[int, int]], model_dir: Path, seed: int) -> list[str]:
-    """Texts of the trace's lengths made of words that are one token each (a leading space, letters):
-    every server gets the same text, and it tokenizes to exactly the length asked for."""
+@functools.lru_cache(maxsize=None)
+def _one_token_words(model_dir: Path):
+    """(the tokenizer, its words that are one token each: a leading space, letters)."""
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(model_dir)
@@ -76,6 +81,14 @@ def prompts(lengths: list[tuple[int, int]], model_dir: Path, seed: int) -> list[
         w = tok.convert_tokens_to_string([t])
         if len(w) > 3 and w[0] == " " and w[1:].isalpha() and tok.encode(w, add_special_tokens=False) == [i]:
             words.append(w)
+    return tok, words
+
+
+def prompts(lengths: list[tuple[int, int]], model_dir: Path, seed: int) -> list[str]:
+    """Texts of the trace's lengths made of words that are one token each: every server gets the
+    same text, and it tokenizes to exactly the length asked for. Each run draws its own (a seed per
+    round and rate), so no server answers a prompt it has seen: none reuses a cached prefix."""
+    tok, words = _one_token_words(model_dir)
     rng = random.Random(seed)
     out = []
     for n, _ in lengths:
@@ -249,29 +262,36 @@ def summarise(runs: list[dict], slo_ttft_s: float, slo_tpot_s: float) -> dict:
 
 
 def make_targets(names: list[str], model_dir: Path, threads: int, slots: int, ctx: int) -> dict:
+    from flexplan.smollm import gguf_path
+
     out = {}
     for name in names:
         port = free_port()
         if name == "flexplan":
             out[name] = HttpTarget(name, [sys.executable, "-m", "flexplan", "serve", str(model_dir), "--host",
                                           "127.0.0.1", "--port", str(port)], port, model_dir.name)
+        elif name == "flexplan-q4_1":
+            gguf = gguf_path()
+            out[name] = HttpTarget(name, [sys.executable, "-m", "flexplan", "serve", str(gguf), "--host",
+                                          "127.0.0.1", "--port", str(port)], port, gguf.name)
         elif name == "sequential":
             out[name] = SequentialTarget(model_dir)
-        elif name == "llama-server":
+        elif name in ("llama-server", "llama-server-q4_1"):
             server = llama_cpp_tool("llama-server")
             if server is None:
-                raise SystemExit(f"the llama-server target needs llama.cpp's llama-server: {LLAMA_CPP_HOW}")
-            if not F32_GGUF.exists():
-                raise SystemExit(f"the llama-server target needs {F32_GGUF} (see docs/serve.md)")
-            out[name] = HttpTarget(name, [str(server), "-m", str(F32_GGUF), "-t", str(threads),
-                                          "-tb", str(threads), "-np", str(slots), "-c", str(slots * ctx), "--host",
+                raise SystemExit(f"the {name} target needs llama.cpp's llama-server: {LLAMA_CPP_HOW}")
+            weights = F32_GGUF if name == "llama-server" else gguf_path()
+            if not weights.exists():
+                raise SystemExit(f"the llama-server target needs {weights} (see docs/serve.md)")
+            out[name] = HttpTarget(name, [str(server), "-m", str(weights), "-t", str(threads),
+                                          "-tb", str(threads), "-np", str(slots), "-c", str(slots * ctx), "--no-cache-prompt", "--host",
                                           "127.0.0.1", "--port", str(port)], port, model_dir.name)
         elif name == "transformers":
             exe = shutil.which("transformers") or "transformers"
             out[name] = HttpTarget(name, [exe, "serve", "--continuous-batching", str(model_dir), "--host",
                                           "127.0.0.1", "--port", str(port)], port, str(model_dir), forces_length=False)
         else:
-            raise SystemExit(f"unknown target {name!r}; use {', '.join(TARGETS)}")
+            raise SystemExit(f"unknown target {name!r}; use {', '.join(TARGETS + GGUF_TARGETS)}")
     return out
 
 
@@ -296,7 +316,7 @@ def main() -> int:
 
     model_dir = default_model_dir()
     lengths = trace_requests(args.requests, args.input_scale, args.input_cap, args.output_cap, args.seed)
-    ids = prompts(lengths, model_dir, args.seed)
+    warm_ids = prompts(lengths[:2], model_dir, args.seed + 99_991)
     rates = [float(x) for x in args.rates.split(",")]
     ctx = args.input_cap + args.output_cap + 16
     targets = make_targets(args.targets.split(","), model_dir, args.threads, args.slots, ctx)
@@ -309,8 +329,9 @@ def main() -> int:
             for name, target in targets.items():
                 target.start()
                 try:
-                    asyncio.run(replay(target, ids[:2], [(i, 4) for i, _ in lengths[:2]], [0.0, 0.0]))  # warm-up
-                    for rate in rates:
+                    asyncio.run(replay(target, warm_ids, [(i, 4) for i, _ in lengths[:2]], [0.0, 0.0]))  # warm-up
+                    for k, rate in enumerate(rates):
+                        ids = prompts(lengths, model_dir, args.seed + 1000 * rnd + k)  # the same for every target
                         triad = triad_gbs()
                         runs = asyncio.run(replay(target, ids, lengths, arrivals_s(len(ids), rate, args.seed + 1)))
                         s = summarise(runs, args.slo_ttft_s, args.slo_tpot_s)
@@ -328,7 +349,8 @@ def main() -> int:
             t.stop()
     path = write_result(args.name, {
         "command": "python benchmarks/bench_serving_load.py " + " ".join(sys.argv[1:]), "model": model_dir.name,
-        "precision": "float32 (llama-server: an F32 GGUF dequantised from the shipped Q4_1 by llama-quantize)",
+        "precision": "float32 (llama-server: an F32 GGUF dequantised from the shipped Q4_1 by llama-quantize); "
+                     "the -q4_1 targets: the shipped Q4_1 file's blocks, int8 activations",
         "trace": TRACE.name, "scaling": {"input_scale": args.input_scale, "input_cap": args.input_cap,
                                          "output_cap": args.output_cap, "requests": args.requests, "seed": args.seed},
         "slo": {"ttft_s": args.slo_ttft_s, "tpot_s": args.slo_tpot_s}, "threads": args.threads,
