@@ -525,18 +525,24 @@ def test_native_layer_calls_keep_the_tokens(family):
     refs = [alone(model, p) for p in PROMPTS]
     packed = copy.deepcopy(model)
     cpu_linear.pack_module(packed, None, cpu_linear.KERNEL_BLOCKED)
-    with Engine(packed, device_blocks=6, host_blocks=64, block_size_tokens=4, token_budget=16) as e:
-        assert e.runner.fused is not None
-        e.add_request("doomed", PROMPTS[2], GREEDY)
-        got = drain(e, steps=2)
-        assert e.abort("doomed")
-        for rid, p in zip("abcd", PROMPTS):
-            e.add_request(rid, p, GREEDY)
-        drain(e, got)
-        for rid, ref in zip("abcd", refs):
-            assert got[rid][0] == ref, rid
-        assert e.runner.fused.iterations > 0
-        assert_freed(e)
+    # both pools (per-layer calls: two attention groups), then the host pool alone (a decode-only
+    # iteration of one pool: one native call for all the layers, where no layer slides)
+    for device_blocks, host_blocks in ((6, 64), (0, 64)):
+        with Engine(packed, device_blocks=device_blocks, host_blocks=host_blocks, block_size_tokens=4,
+                    token_budget=16) as e:
+            assert e.runner.fused is not None
+            e.add_request("doomed", PROMPTS[2], GREEDY)
+            got = drain(e, steps=2)
+            assert e.abort("doomed")
+            for rid, p in zip("abcd", PROMPTS):
+                e.add_request(rid, p, GREEDY)
+            drain(e, got)
+            for rid, ref in zip("abcd", refs):
+                assert got[rid][0] == ref, (rid, device_blocks)
+            assert e.runner.fused.iterations > 0
+            if device_blocks == 0 and not any(e.runner.fused.windows):
+                assert e.runner.fused.stack_iterations > 0
+            assert_freed(e)
 
 
 def test_native_layer_calls_only_where_they_cover():

@@ -23,11 +23,58 @@ What differs from the general path is only the norms', rotary's and SiLU's float
 
 from __future__ import annotations
 
+import ctypes
+import functools
+from pathlib import Path
+
 import torch
 from torch import nn
 
 from flexplan.executor import cpu_decode, native
 from flexplan.serving.ragged_batch import RaggedBatch
+
+# a decode-only iteration in one native call for all the layers (paged_stack.c, beside the layer ops
+# it calls: the native decode sources and the paged attention kernel)
+STACK_SOURCES = (*native.DECODE_SOURCES, Path(__file__).with_name("paged_attention.c"),
+                 Path(__file__).with_name("paged_stack.c"))
+
+
+class PagedDecodeStack:
+    """The loaded ``flexplan_paged_decode_stack_f32`` (paged_stack.c)."""
+
+    def __init__(self, lib: ctypes.CDLL, path: Path):
+        self.path = path
+        i64, ptr = ctypes.c_int64, ctypes.c_void_p
+        self._fn = lib.flexplan_paged_decode_stack_f32
+        self._fn.argtypes = [ptr, i64, ptr, ptr, i64, ptr, ptr, i64, ptr, ptr] + [i64] * 6 + [ptr] * 13
+        self._fn.restype = ctypes.c_int
+        self._lib = lib
+
+    def __call__(self, layers, n: int, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, tables: torch.Tensor,
+                 kv_len: torch.Tensor, kv_lo: torch.Tensor, bs: int, dims: tuple[int, ...], scales,
+                 cos: torch.Tensor, sin: torch.Tensor, x: torch.Tensor, s: dict[str, torch.Tensor]) -> None:
+        hidden, _, hq, hk, d = dims
+        rc = self._fn(layers, n, k.data_ptr(), v.data_ptr(), k.stride(0), slots.data_ptr(), tables.data_ptr(),
+                      tables.shape[1], kv_len.data_ptr(), kv_lo.data_ptr(), bs, x.shape[0], hidden, hq, hk, d,
+                      scales, cos.data_ptr(), sin.data_ptr(), x.data_ptr(),
+                      *(s[n].data_ptr() for n in ("y", "xn", "tmp", "q", "attn", "k", "v", "g", "u")))
+        if rc:
+            raise MemoryError(f"paged decode stack: out of memory for {x.shape[0]} requests' attention partials "
+                              "or quantised activations")
+
+
+@functools.cache
+def stack_status() -> tuple[PagedDecodeStack | None, str]:
+    """(the paged decode stack or None, a one-line reason). Its parts are each checked by their
+    own libraries (native.decode_status, paged_attention.status); the whole is tested against the
+    per-layer path (tests/test_serving_engine.py)."""
+    if native.decode_status()[0] is None:
+        return None, native.decode_status()[1]
+    from flexplan.serving import paged_attention
+
+    if paged_attention.status()[0] is None:
+        return None, paged_attention.status()[1]
+    return native._load("native paged decode stack", "paged_stack", STACK_SOURCES, PagedDecodeStack, lambda lib: None)
 
 
 def _llama_head_forward():
@@ -56,6 +103,10 @@ class FusedStep:
         self.model, self.stack, self.layers, self.ops = model, model.model, layers, ops
         self.windows = [_window(f.attn) for f in layers]
         self.iterations = 0  # iterations run by the native calls
+        self.stack_iterations = 0  # ... of which decode-only ones in one call for all the layers
+        n = len(layers)
+        self._weight_ptrs = (ctypes.POINTER(native.LayerWeights) * n)(*(ctypes.pointer(f.weights) for f in layers))
+        self._in_order = [f.attn.layer_idx for f in layers] == list(range(n))  # pool layer l is decoder layer l
 
     @classmethod
     def for_model(cls, model: nn.Module) -> FusedStep | None:
@@ -92,6 +143,8 @@ class FusedStep:
         t = x.shape[0]
         s = cpu_decode._scratch({}, first.weights, t)  # per call: sub-batches may run at once on threads
         x = x.contiguous()
+        if self._stacked(batch, x, cos, sin, s):
+            return self.stack.norm(x.unsqueeze(0))[0]
         y = torch.empty_like(x)
         w0 = first.weights
         q4 = s["q"].view(1, t, w0.hq, d).transpose(1, 2)  # the [1, heads, T, d] views transformers' layers pass
@@ -106,6 +159,33 @@ class FusedStep:
             self.ops.layer_post_attention(w, x, y, s["q"], None, None, None, s)
             x, y = y, x
         return self.stack.norm(x.unsqueeze(0))[0]
+
+    def _stacked(self, batch: RaggedBatch, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                 s: dict[str, torch.Tensor]) -> bool:
+        """A decode-only iteration of one CPU pool of float32 K/V without sliding windows, in one
+        native call for all the layers (x becomes the last layer's output); False where it is not
+        one (the per-layer calls run it)."""
+        if len(batch.groups) != 1 or not self._in_order or any(self.windows):
+            return False
+        g = batch.groups[0]
+        pool = g.pool
+        if not (g.decode and pool.device.type == "cpu" and pool.k_slots.dtype == torch.float32
+                and pool.v_slots.dtype == torch.float32 and pool.k_slots.is_contiguous() and pool.v_slots.is_contiguous()
+                and tuple(pool.k_slots.shape[2:]) == (self.layers[0].weights.hk, self.layers[0].head_dim)
+                and pool.v_slots.shape == pool.k_slots.shape):
+            return False
+        ops = stack_status()[0]
+        if ops is None:
+            return False
+        tok, slots = batch.writes[next(iter(batch.writes))]
+        n = len(self.layers)
+        s["y"] = torch.empty_like(x)
+        # the group's rows are the batch's tokens in order (one decode each), as the writes are
+        scales = (ctypes.c_float * n)(*(f.weights.scale for f in self.layers))
+        ops(self._weight_ptrs, n, pool.k_slots, pool.v_slots, slots.contiguous(), g.tables.contiguous(),
+            g.kv_len.contiguous(), g.kv_lo(None), pool.block_size_tokens, self.layers[0].dims(), scales, cos, sin, x, s)
+        self.stack_iterations += 1
+        return True
 
     def logits(self, runner, batch: RaggedBatch) -> torch.Tensor | None:
         """The kept rows' next-token logits [len(keep), vocab], or None (the general path runs)."""
