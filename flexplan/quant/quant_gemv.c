@@ -42,6 +42,9 @@
 #define TYPE_Q5_1 7
 #define TYPE_Q8_0 8
 #define TILE 4 /* activation rows that share one decode of a weight block in the batched kernel */
+#ifndef QUANT_PREFETCH_BYTES
+#define QUANT_PREFETCH_BYTES 4096
+#endif
 
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
 #define ISA "avx512vnni"
@@ -200,6 +203,8 @@ static inline __attribute__((always_inline)) void dot_rows(const uint8_t *w, int
     __m256 acc0[TILE], acc1[TILE];
     float ex0[TILE], ex1[TILE];
     for (int t = 0; t < T; t++) { acc0[t] = acc1[t] = _mm256_setzero_ps(); ex0[t] = ex1[t] = 0.0f; }
+    if (T == 1) /* a thread's rows are contiguous: fetch the stream QUANT_PREFETCH_BYTES ahead of this row */
+        for (int64_t off = 0; off < nb * bb; off += 64) _mm_prefetch((const char *)w + QUANT_PREFETCH_BYTES + off, _MM_HINT_T0);
     int64_t b = 0;
     for (; b + 2 <= nb; b += 2) {
         step(w + b * bb, kind, a, b, T, acc0, ex0);

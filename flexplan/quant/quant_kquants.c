@@ -191,6 +191,8 @@ static inline __attribute__((always_inline)) void dot_rows(int64_t wtype, const 
     const int64_t bb = flexplan_kq_block_bytes(wtype);
     __m256 acc[4];
     for (int t = 0; t < T; t++) acc[t] = _mm256_setzero_ps();
+    if (T == 1) /* a thread's rows are contiguous: fetch the stream 4 KB ahead of this row (as quant_gemv.c) */
+        for (int64_t off = 0; off < nb * bb; off += 64) _mm_prefetch((const char *)w + 4096 + off, _MM_HINT_T0);
     for (int64_t b = 0; b < nb; b++) {
         decoded D;
         decode(w + b * bb, wtype, &D);
