@@ -133,14 +133,16 @@ def _config(family: str):
     raise ValueError(family)
 
 
-def make_model(family: str, seed: int = 0):
-    """A seeded tiny ``*ForCausalLM`` in eval mode; matrices scaled up so that greedy choices
-    are not near-ties."""
+def make_model(family: str, seed: int = 0, **overrides):
+    """A seeded tiny ``*ForCausalLM`` in eval mode (``overrides``: config fields changed); matrices
+    scaled up so that greedy choices are not near-ties."""
     import torch
     import transformers
 
+    config = _config(family)
+    config.update(overrides)
     torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(_config(family)).eval()
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
     with torch.no_grad():
         for p in model.parameters():
             if p.dim() == 2:

@@ -493,20 +493,8 @@ def test_smollm2_greedy_equals_generate():
 
 
 def wide_kv_model(family: str):
-    """make_model's family with 8 query and 4 KV heads of 16 (K/V 64 wide: the native GEMV's
-    block), seeded and scaled as make_model's."""
-    import transformers
-    from conftest import _config
-
-    config = _config(family)
-    config.update(dict(hidden_size=128, num_attention_heads=8, num_key_value_heads=4, head_dim=16))
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(config).eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() == 2:
-                p.mul_(4.0)
-    return model
+    """make_model's family with 8 query and 4 KV heads of 16 (K/V 64 wide: the native GEMV's block)."""
+    return make_model(family, hidden_size=128, num_attention_heads=8, num_key_value_heads=4, head_dim=16)
 
 
 @pytest.mark.parametrize("family", ["llama", "mistral_sw", "qwen2", "llama3"])
