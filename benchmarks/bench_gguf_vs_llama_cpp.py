@@ -38,10 +38,16 @@ def triad_gbs() -> float:
 
 
 def flexplan_run(lm, prompt: int, new: int, seed: int) -> dict:
+    import copy
+
     import torch
 
     ids = torch.randint(100, lm.model.config.vocab_size - 100, (1, prompt), generator=torch.Generator().manual_seed(seed))
-    lm.generate(ids, max_new_tokens=new, min_new_tokens=new, do_sample=False)
+    # exactly `new` tokens with no end-of-sequence token to stop at (as llama-bench decodes): greedy, no
+    # EOS, rather than min_new_tokens, whose logits processor would add its own cost to every step
+    config = copy.deepcopy(lm.model.generation_config)
+    config.update(eos_token_id=None, max_new_tokens=new, min_new_tokens=None, do_sample=False)
+    lm.generate(ids, generation_config=config)
     s = lm.last_stats
     return {"prefill_s": s.ttft_s, "tpot_s": s.tpot_s, "native_stack_steps": s.native_stack_steps}
 
