@@ -442,7 +442,7 @@ class FusedStack:
         k_ptrs, v_ptrs = self._kv_pointers(buffers)
         self.ops.decode_stack(self.weight_ptrs, self.n, k_ptrs, v_ptrs, pos, h, cos, sin, mask, self.scratch)
         for kv in cache.layers:
-            kv.advance(1)
+            kv.advance(1, views=False)  # the native step attended by itself: views only if read
         self.steps += 1
         return BaseModelOutputWithPast(last_hidden_state=self.stack.norm(h.view(b, 1, -1)), **{CACHE_KWARG: cache})
 

@@ -145,6 +145,7 @@ class FlexKVLayer(CacheLayerMixin):
     def __init__(self, index: int, raws: dict[str, tuple[torch.Tensor, torch.dtype]], geometry: KVGeometry,
                  batch: int, capacity: int, home: str, link: Link, window: int | None = None):
         super().__init__()
+        self.keys = self.values = None  # the attention views, made by advance() (lazily after a native step)
         self.index = index
         self.raws = raws  # place -> (byte buffer, dtype)
         self.geometry = geometry
@@ -226,16 +227,47 @@ class FlexKVLayer(CacheLayerMixin):
             self.link.log(D2H, "new kv", self.index, sum(t.numel() * t.element_size() for t in (key_states, value_states)))
         return self.advance(q)
 
-    def advance(self, tokens: int) -> KV:
+    def advance(self, tokens: int, views: bool = True) -> KV | None:
         """Count ``tokens`` more as written into the active buffers (by :meth:`update`, or by a
         native decode step that wrote them in place); the [batch, heads, length, d] views that
-        attention reads (a sliding layer: from :meth:`visible_start` of the past on)."""
-        k_buf, v_buf = self.active
+        attention reads (a sliding layer: from :meth:`visible_start` of the past on). With
+        ``views=False`` (a native step, which attends by itself) the views are made only when
+        :attr:`keys` or :attr:`values` is read: a step of a 30-layer stack saves ~0.4 ms."""
         lo = self.visible_start(self.length)
         self.length += tokens
-        self.keys = k_buf[lo:self.length].permute(1, 2, 0, 3)
-        self.values = v_buf[lo:self.length].permute(1, 2, 0, 3)
+        self._views_from = lo
+        if not views:
+            return None
         return self.keys, self.values
+
+    def _views(self) -> None:
+        lo, self._views_from = self._views_from, None
+        if self.active is None:  # moved since: no buffer to view (the next update makes them)
+            self._keys = self._values = None
+            return
+        k_buf, v_buf = self.active
+        self._keys = k_buf[lo:self.length].permute(1, 2, 0, 3)
+        self._values = v_buf[lo:self.length].permute(1, 2, 0, 3)
+
+    @property
+    def keys(self):
+        if getattr(self, "_views_from", None) is not None:
+            self._views()
+        return self._keys
+
+    @keys.setter
+    def keys(self, value) -> None:
+        self._views_from, self._keys = None, value
+
+    @property
+    def values(self):
+        if getattr(self, "_views_from", None) is not None:
+            self._views()
+        return self._values
+
+    @values.setter
+    def values(self, value) -> None:
+        self._views_from, self._values = None, value
 
     def cpu_f32_buffers(self) -> KV | None:
         """The active (capacity, batch, heads, dim) buffers when they are contiguous float32 host
