@@ -31,6 +31,7 @@ import torch
 from torch import nn
 
 from flexplan.executor import cpu_decode, native
+from flexplan.serving import paged_attention
 from flexplan.serving.ragged_batch import RaggedBatch
 
 # a decode-only iteration in one native call for all the layers (paged_stack.c, beside the layer ops
@@ -70,8 +71,6 @@ def stack_status() -> tuple[PagedDecodeStack | None, str]:
     per-layer path (tests/test_serving_engine.py)."""
     if native.decode_status()[0] is None:
         return None, native.decode_status()[1]
-    from flexplan.serving import paged_attention
-
     if paged_attention.status()[0] is None:
         return None, paged_attention.status()[1]
     return native._load("native paged decode stack", "paged_stack", STACK_SOURCES, PagedDecodeStack, lambda lib: None)
