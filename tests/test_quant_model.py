@@ -146,3 +146,50 @@ def test_native_decoder_layers_run_the_blocks_as_the_dequantised_reference(tmp_p
     set_float_activation(lm.model, True)
     assert torch.equal(lm.generate(ids, max_new_tokens=12, do_sample=False), want)
     assert lm.last_stats.native_stack_steps == 11  # every decode step one native call for all the layers
+
+
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q5_1", "Q8_0"])
+def test_the_accelerator_path_dequantises_as_the_reference(tmp_path, qtype):
+    """An input off the CPU takes QuantLinear.forward_dequantised (the blocks dequantised by torch
+    ops where the input is): forced here on the CPU, a tiny Llama's tokens equal the dequantise-
+    then-float32 model's, whose weights are gguf's own dequantisation."""
+    from gguf_files import tiny_model, write_gguf
+
+    path = tmp_path / f"llama-{qtype}.gguf"
+    write_gguf(tiny_model("llama"), path, qtype)
+    ref, _ = load_gguf_model(path, tokenizer=False, dequantize_all=True)
+    model, _ = load_gguf_model(path, tokenizer=False)
+    for m in model.modules():
+        if isinstance(m, QuantLinear):
+            m.forward = m.forward_dequantised
+    ids = torch.tensor([[5, 17, 99, 3, 42, 7]])
+    want = ref.generate(ids, max_new_tokens=12, do_sample=False)
+    assert torch.equal(model.generate(ids, max_new_tokens=12, do_sample=False), want)
+
+
+def test_a_k_quant_linear_off_the_cpu_path_equals_gguf():
+    from flexplan.quant import kernels
+    from flexplan.quant.formats import BY_NAME
+
+    g = torch.Generator().manual_seed(11)
+    for name in ("Q4_K", "Q5_K", "Q6_K"):
+        qt = kernels.random_blocks(BY_NAME[name], 40, 512, g)
+        lin = QuantLinear(qt, bias=torch.randn(40, generator=g))
+        x = torch.randn(3, 512, generator=g)
+        want = torch.nn.functional.linear(x, qt.dequantize(), lin.bias)
+        assert torch.equal(lin.forward_dequantised(x), want), name
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+def test_a_gguf_model_moved_to_cuda_runs_its_blocks_there(tmp_path):
+    from gguf_files import tiny_model, write_gguf
+
+    path = tmp_path / "llama-Q4_1.gguf"
+    write_gguf(tiny_model("llama"), path, "Q4_1")
+    ref, _ = load_gguf_model(path, tokenizer=False, dequantize_all=True)
+    model, _ = load_gguf_model(path, tokenizer=False)
+    ids = torch.tensor([[5, 17, 99, 3, 42, 7]])
+    with torch.no_grad():
+        got = model.to("cuda")(ids.cuda()).logits.cpu()
+        want = ref(ids).logits
+    assert torch.allclose(got, want, rtol=1e-3, atol=1e-3)

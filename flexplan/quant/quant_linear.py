@@ -1,6 +1,8 @@
 """``QuantLinear``: an ``nn.Linear`` stand-in that holds a GGUF tensor's raw blocks and runs the
 native kernel on them (:mod:`flexplan.quant.kernels`: the GEMV for one row, the batched GEMM for a
-prefill), never a float copy of the weight.
+prefill), never a float copy of the weight. An input on another device (an accelerator) is computed
+there from the blocks dequantised by torch ops (:meth:`QuantLinear.forward_dequantised`; untested
+on a GPU).
 
 Formats without a kernel (the float types, Q2_K, Q3_K, the IQ types, ...: ``formats.DEQUANTISED_AT_LOAD``)
 are dequantised once at construction into a float32 weight (:attr:`QuantLinear.dense`): the file
@@ -16,7 +18,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from flexplan.quant import kernels
+from flexplan.quant import kernels, torch_dequant
 from flexplan.quant.gguf_weights import QuantTensor
 
 
@@ -52,11 +54,27 @@ class QuantLinear(nn.Module):
         return (self._blocks, self.qt.format.ggml_type) if self.native is not None else (None, 0)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.device.type != "cpu":  # the native kernels read host memory only
+            return self.forward_dequantised(x)
         if self.native is None:
             return nn.functional.linear(x.float(), self.dense, self.bias)
         x2d = x.reshape(-1, self.in_features).float().contiguous()
         y = self.native.gemm(self._blocks, self.qt.format, x2d, self.bias, self.float_act)
         return y.reshape(*x.shape[:-1], self.out_features)
+
+    def forward_dequantised(self, x: torch.Tensor) -> torch.Tensor:
+        """``y = x W^T (+ bias)`` on x's device and in x's dtype, W dequantised there from the blocks
+        (:mod:`flexplan.quant.torch_dequant`, plain torch ops, as gguf's reference): the path of an
+        input on an accelerator, where the blocks are what crosses the link (copied for each call
+        from where they are held). A format without a kernel uses its dequantised copy."""
+        dtype = x.dtype if x.dtype.is_floating_point else torch.float32
+        if self.dense is not None:
+            w = self.dense.to(x.device, dtype)
+        else:
+            blocks = self._blocks.to(x.device, non_blocking=True)
+            w = torch_dequant.dequantize(blocks, self.qt.format.ggml_type, self.in_features, dtype)
+        bias = None if self.bias is None else self.bias.to(x.device, dtype)
+        return nn.functional.linear(x.to(dtype), w, bias)
 
     def extra_repr(self) -> str:
         how = "native" if self.native is not None else "dequantised at load"
