@@ -5,8 +5,11 @@
 # Every step is bounded by its own limit and by the call's deadline (DEADLINE_S after the start,
 # under the device call's 600 s); results land in $OUT (log.txt, gpu_results.tgz).
 #
-#   bash benchmarks/gpu_session.sh            # STEPS="tests probe val quick valq" by default
-#   (also: attn, the CPU's bf16 decode attention, native kernel against SDPA, ~20 s; bench
+#   bash benchmarks/gpu_session.sh            # STEPS="serve quant tests probe val quick valq" by default
+#   (serve: the serving engine's CUDA tests (tests/test_serving_cuda.py) and `flexplan serve` on the
+#   GPU answering the openai client (tests/test_serving_server.py); quant: compressed weights on the
+#   GPU (torch dequantisation of GGUF blocks, a GGUF model moved to CUDA); both never run on a GPU yet.
+#   Also: attn, the CPU's bf16 decode attention, native kernel against SDPA, ~20 s; bench
 #   (after val); probeprof, a second first-use probe under cProfile (~50 s); valsp, split-points
 #   validated alone; full)
 #   STEPS="val bench" bash benchmarks/gpu_session.sh
@@ -25,7 +28,7 @@ OUT=${OUT:-/tmp/gpu_out}
 mkdir -p "$OUT/res"
 T0=$(date +%s)
 DEADLINE_S=${DEADLINE_S:-570}
-STEPS=${STEPS:-"tests probe val quick valq"}
+STEPS=${STEPS:-"serve quant tests probe val quick valq"}
 BENCH_FLAGS=${BENCH_FLAGS:---no-accelerate}
 GRID=${GRID:-"b=1,8 i=32,256 o=16"}
 GPU_GIB=${GPU_GIB:-1.5}  # random-llama-1gb: gpu needs 1.8 GiB, gpu-offload 1.3, partial 1.4, splitgen 1.2
@@ -60,6 +63,20 @@ python3 -c "import torch, transformers; print('torch', torch.__version__, 'trans
 step install
 python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . 2>&1 | tail -3
 python3 -c "import flexplan; print('flexplan from', flexplan.__file__)" || exit 1
+
+if has serve; then
+  step "serving engine on the GPU"
+  timeout "$(limit 90)" python3 -m pytest -q -p no:cacheprovider tests/test_serving_cuda.py tests/test_serving_server.py \
+    > "$OUT/res/serving_cuda_tests.txt" 2>&1
+  tail -15 "$OUT/res/serving_cuda_tests.txt"; pack
+fi
+
+if has quant; then
+  step "compressed weights on the GPU"
+  timeout "$(limit 60)" python3 -m pytest -q -p no:cacheprovider tests/test_quant_torch_dequant.py \
+    tests/test_quant_model.py -k "cuda or accelerator or k_quant" > "$OUT/res/quant_cuda_tests.txt" 2>&1
+  tail -15 "$OUT/res/quant_cuda_tests.txt"; pack
+fi
 
 if has tests; then
   step "CUDA tests"
