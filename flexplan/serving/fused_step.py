@@ -1,8 +1,8 @@
 """One iteration of a Llama-style model over a ragged batch in flexplan's native layer calls.
 
 The model runner's general path runs transformers' forward: per decoder layer a few dozen small
-PyTorch ops dispatched from Python, besides the GEMVs (on a 30-layer model on two cores, about
-half of a decode step's wall time). For a model whose every decoder layer the native layer calls
+PyTorch ops dispatched from Python besides the GEMVs: on a small model, as costly as reading its
+weights. For a model whose every decoder layer the native layer calls
 cover (:func:`flexplan.executor.cpu_decode.covered_layer`: pre-norm residual blocks, q/k/v/o
 projections, rotate-half rotary, SwiGLU MLP, RMSNorm) with blocked weights on the CPU or a GGUF
 file's blocks that flexplan's kernels read, an iteration here is, per layer, four calls whatever

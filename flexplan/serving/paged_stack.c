@@ -1,8 +1,8 @@
 /* A serving iteration of decodes only, every layer in one call: the native decoder layer halves
  * (native_decode.c) around the new K/V written into a float32 paged pool and the paged decode
  * attention reading it where it lies (paged_attention.c), all compiled into one library with the
- * GEMV and flexplan.quant's kernels. The per-layer Python between those calls cost a fifth of a
- * small model's decode step (flexplan/serving/fused_step.py runs them per layer otherwise).
+ * GEMV and flexplan.quant's kernels: no Python between the layers, which a small model's decode
+ * step pays for per layer otherwise (flexplan/serving/fused_step.py runs them per layer then).
  *
  *   flexplan_paged_decode_stack_f32
  *     layers[n]      the decoder layers' weights (flexplan_layer, native_decode.c), one geometry
