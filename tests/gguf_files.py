@@ -142,3 +142,17 @@ def write_gguf(model, path, qtype: str = "F32", name: str | None = None) -> None
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
+
+
+def file_and_folder(root, arch: str = "llama", qtype: str = "Q8_0"):
+    """A tiny ``arch`` model as a ``qtype`` GGUF file under ``root`` and as the HuggingFace folder of
+    the same float32 model with the file's tokenizer: (file, folder)."""
+    from flexplan.quant.gguf_model import gguf_config_and_tokenizer
+
+    model = tiny_model(arch)
+    path = root / f"tiny-{arch}.{qtype}.gguf"
+    write_gguf(model, path, qtype)
+    folder = root / f"tiny-{arch}"
+    model.save_pretrained(folder)
+    gguf_config_and_tokenizer(path)[1].save_pretrained(folder)
+    return path, folder

@@ -6,9 +6,8 @@ import json
 import math
 
 import pytest
-import torch
 
-from gguf_files import tiny_model, write_gguf
+from gguf_files import file_and_folder
 from test_run_cmd import one_line_error, run_main
 from flexplan import run_cmd, smollm
 from flexplan.errors import FlexplanError
@@ -20,16 +19,7 @@ PROMPT = "the cat sat on the mat"
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     """A tiny llama as a Q8_0 GGUF file, and as the float32 HuggingFace folder of the same model."""
-    from transformers.tokenization_utils_tokenizers import TokenizersBackend
-
-    root = tmp_path_factory.mktemp("gguf-run")
-    model = tiny_model("llama")
-    path = root / "tiny-llama.Q8_0.gguf"
-    write_gguf(model, path, "Q8_0")
-    folder = root / "tiny-llama"
-    model.save_pretrained(folder)
-    TokenizersBackend.from_pretrained(str(root), gguf_file=path.name).save_pretrained(folder)
-    return path, folder
+    return file_and_folder(tmp_path_factory.mktemp("gguf-run"))
 
 
 @pytest.fixture

@@ -16,12 +16,12 @@ import importlib.util
 
 import pytest
 import torch
-from gguf_files import EOS_ID, tiny_model, write_gguf
+from gguf_files import EOS_ID, file_and_folder
 
 from flexplan.errors import InvalidInputError
 from flexplan.quant import kernels
 from flexplan.quant.at_load import load_quantized_folder
-from flexplan.quant.gguf_model import gguf_config_and_tokenizer, load_gguf_model
+from flexplan.quant.gguf_model import load_gguf_model
 from flexplan.quant.quant_linear import QuantLinear
 from flexplan.quant.sources import DENSE, GGUF_BLOCKS, GGUF_FLOAT32, weights_source
 from flexplan.serving.engine import Engine
@@ -46,14 +46,7 @@ def _quiet(line):  # the loaders' one-line notes
 def files(tmp_path_factory):
     """A tiny Llama as a Q8_0 .gguf file, and as a folder (safetensors, the file's tokenizer)."""
     torch.set_num_threads(1)
-    root = tmp_path_factory.mktemp("serving-compressed")
-    model = tiny_model("llama")
-    gguf_path = root / "tiny-llama-Q8_0.gguf"
-    write_gguf(model, gguf_path, "Q8_0")
-    folder = root / "tiny-llama"
-    model.save_pretrained(folder)
-    gguf_config_and_tokenizer(gguf_path)[1].save_pretrained(folder)
-    return gguf_path, folder
+    return file_and_folder(tmp_path_factory.mktemp("serving-compressed"))
 
 
 def _alone(model, prompt) -> list[int]:
@@ -167,7 +160,7 @@ def test_flexplan_serve_names_a_gguf_file_by_its_file_name(files):
 
     gguf_path, folder = files
     name, aliases = serve_cmd.model_names(str(gguf_path), None)
-    assert name == "tiny-llama-Q8_0.gguf" and set(aliases) == {str(gguf_path), "tiny-llama-Q8_0"}
+    assert name == "tiny-llama.Q8_0.gguf" and set(aliases) == {str(gguf_path), "tiny-llama.Q8_0"}
     assert serve_cmd.model_names(str(folder) + "/", None)[0] == "tiny-llama"  # folders as before
     assert serve_cmd.model_names(str(gguf_path), "mine")[0] == "mine"
 

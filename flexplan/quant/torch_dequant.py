@@ -20,6 +20,7 @@ not whole blocks, raises :class:`~flexplan.errors.InvalidInputError`.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import torch
@@ -118,30 +119,17 @@ def _scale_min_k4(scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return sc, mn
 
 
-def _q4_k(blocks: torch.Tensor) -> torch.Tensor:
-    # block_q4_K: fp16 d, fp16 dmin, 12 bytes scales, 128 bytes nibbles; 8 sub-blocks of 32:
-    # w = (d * sc) * q - (dmin * m)
+def _q45_k(blocks: torch.Tensor, fifth_bit: bool) -> torch.Tensor:
+    # block_q4_K: fp16 d, fp16 dmin, 12 bytes scales, 128 bytes nibbles; block_q5_K the same with 32
+    # bytes qh (each value's 5th bit) before the nibbles. 8 sub-blocks of 32: w = (d * sc) * q - (dmin * m)
     n = blocks.shape[0]
     d, dmin = _f16(blocks, 0), _f16(blocks, 2)
     sc, m = _scale_min_k4(blocks[:, 4:16])
     d = (d * sc.float()).reshape(n, 8, 1)
     dm = (dmin * m.float()).reshape(n, 8, 1)
-    q = _nibbles(blocks[:, 16:144], 32).reshape(n, 8, 32).float()
-    return (d * q - dm).reshape(n, QK_K)
-
-
-def _q5_k(blocks: torch.Tensor) -> torch.Tensor:
-    # block_q5_K: fp16 d, fp16 dmin, 12 bytes scales, 32 bytes qh (5th bits), 128 bytes nibbles;
-    # w = (d * sc) * q - (dmin * m) per sub-block of 32
-    n = blocks.shape[0]
-    d, dmin = _f16(blocks, 0), _f16(blocks, 2)
-    sc, m = _scale_min_k4(blocks[:, 4:16])
-    d = (d * sc.float()).reshape(n, 8, 1)
-    dm = (dmin * m.float()).reshape(n, 8, 1)
-    ql = _nibbles(blocks[:, 48:176], 32)
-    qh = _bit_planes(blocks[:, 16:48])
-    q = (ql | (qh << 4)).reshape(n, 8, 32).float()
-    return (d * q - dm).reshape(n, QK_K)
+    q = _nibbles(blocks[:, 48:176], 32) | (_bit_planes(blocks[:, 16:48]) << 4) if fifth_bit \
+        else _nibbles(blocks[:, 16:144], 32)
+    return (d * q.reshape(n, 8, 32).float() - dm).reshape(n, QK_K)
 
 
 def _q6_k(blocks: torch.Tensor) -> torch.Tensor:
@@ -161,7 +149,8 @@ def _q6_k(blocks: torch.Tensor) -> torch.Tensor:
 
 # ggml type id -> function of uint8 blocks [n, block_bytes] giving float32 [n, block_weights]
 _DEQUANTIZERS: dict[int, Callable[[torch.Tensor], torch.Tensor]] = {
-    2: _q4_0, 3: _q4_1, 6: _q5_0, 7: _q5_1, 8: _q8_0, 12: _q4_k, 13: _q5_k, 14: _q6_k,
+    2: _q4_0, 3: _q4_1, 6: _q5_0, 7: _q5_1, 8: _q8_0, 12: functools.partial(_q45_k, fifth_bit=False),
+    13: functools.partial(_q45_k, fifth_bit=True), 14: _q6_k,
 }
 SUPPORTED = frozenset(_DEQUANTIZERS)
 
