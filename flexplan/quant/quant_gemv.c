@@ -470,11 +470,13 @@ int flexplan_quant_gemv_list(int64_t n, const uint8_t *const *w, const int64_t *
 /* n GEMVs on ONE input x [in]: y_i [out_i] = W_i x (+ bias_i), any formats mixed (q/k/v of a layer,
  * or gate/up), in one parallel region: x quantised once per activation kind (the 32-blocks' or the
  * K-quants'), the rows of all matrices shared out in one loop (no fork and join per matrix). Each
- * y_i equals flexplan_quant_gemm's for batch 1 bit for bit. Returns 0, 1 for an unknown type or an
- * in not a multiple of a block, 2 out of memory. */
+ * y_i equals flexplan_quant_gemm's for batch 1 bit for bit. Returns 0, 1 for an unknown type, an in
+ * not a multiple of a block or n outside 1..SHARED_MAX, 2 out of memory. */
+#define SHARED_MAX 8 /* matrices one shared-input call takes (a layer's q/k/v: 3) */
 int flexplan_quant_gemv_shared(int64_t n, const uint8_t *const *w, const int64_t *wtype, const float *x, int64_t in,
                                float *const *y, const float *const *bias, const int64_t *out) {
     int64_t need_q = 0, need_k = 0;
+    if (n < 1 || n > SHARED_MAX) return 1;
     for (int64_t i = 0; i < n; i++) {
         const int64_t qk = weights_per_block(wtype[i]);
         if (!qk || in % qk || out[i] < 0) return 1;
@@ -486,16 +488,24 @@ int flexplan_quant_gemv_shared(int64_t n, const uint8_t *const *w, const int64_t
     if ((need_q && !aq) || (need_k && !ak)) { free(aq); free(ak); return 2; }
     if (aq) quantize_act(x, (act_block *)aq, nq);
     if (ak) flexplan_kq_quantize_act(x, ak, nk);
-    int64_t total = 0;
-    for (int64_t i = 0; i < n; i++) total += out[i];
+    /* each matrix's kernel, blocks per row, row bytes and quantised input: found once, not per row */
+    int kind[SHARED_MAX];
+    int64_t nb[SHARED_MAX], row_bytes[SHARED_MAX], total = 0;
+    const uint8_t *act[SHARED_MAX];
+    for (int64_t i = 0; i < n; i++) {
+        const int k = is_k(wtype[i]);
+        kind[i] = kind_of(wtype[i]);
+        nb[i] = k ? nk : nq;
+        row_bytes[i] = nb[i] * any_block_bytes(wtype[i]);
+        act[i] = k ? ak : aq;
+        total += out[i];
+    }
     #pragma omp parallel for schedule(static)
     for (int64_t r = 0; r < total; r++) {
         int64_t i = 0, o = r;
         while (o >= out[i]) o -= out[i++];  /* n is 2 or 3: a scan beats a search */
-        const int k = is_k(wtype[i]);
-        const int64_t nb = k ? nk : nq;
         float v;
-        dot1_any(wtype[i], kind_of(wtype[i]), w[i] + o * nb * any_block_bytes(wtype[i]), k ? ak : aq, nb, &v);
+        dot1_any(wtype[i], kind[i], w[i] + o * row_bytes[i], act[i], nb[i], &v);
         y[i][o] = v + (bias[i] ? bias[i][o] : 0.0f);
     }
     free(aq);

@@ -106,6 +106,7 @@ class FusedStep:
         n = len(layers)
         self._weight_ptrs = (ctypes.POINTER(native.LayerWeights) * n)(*(ctypes.pointer(f.weights) for f in layers))
         self._in_order = [f.attn.layer_idx for f in layers] == list(range(n))  # pool layer l is decoder layer l
+        self._scales = (ctypes.c_float * n)(*(float(f.attn.scaling) for f in layers))  # as FusedLayer fills w.scale
 
     @classmethod
     def for_model(cls, model: nn.Module) -> FusedStep | None:
@@ -176,13 +177,13 @@ class FusedStep:
         ops = stack_status()[0]
         if ops is None:
             return False
-        tok, slots = batch.writes[next(iter(batch.writes))]
+        _, slots = batch.writes[next(iter(batch.writes))]
         n = len(self.layers)
         s["y"] = torch.empty_like(x)
         # the group's rows are the batch's tokens in order (one decode each), as the writes are
-        scales = (ctypes.c_float * n)(*(f.weights.scale for f in self.layers))
         ops(self._weight_ptrs, n, pool.k_slots, pool.v_slots, slots.contiguous(), g.tables.contiguous(),
-            g.kv_len.contiguous(), g.kv_lo(None), pool.block_size_tokens, self.layers[0].dims(), scales, cos, sin, x, s)
+            g.kv_len.contiguous(), g.kv_lo(None), pool.block_size_tokens, self.layers[0].dims(), self._scales, cos, sin,
+            x, s)
         self.stack_iterations += 1
         return True
 
