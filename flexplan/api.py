@@ -45,7 +45,6 @@ from flexplan.measure.state import efficiency_now, refresh
 from flexplan.plan_expert_cache import resolve_profile
 from flexplan.plan_types import Plan
 from flexplan.planner import plan as plan_fn
-from flexplan.quant.at_load import AT_LOAD_FORMATS
 from flexplan.quant.sources import GGUF_FLOAT32, weights_source
 from flexplan.quant.sources import folder_tokenizer as _tokenizer
 from flexplan.workload.model import ModelSpec
@@ -419,23 +418,21 @@ def load(model_or_path, plan: Any = "auto", accelerator: str | None = None, hard
     plan with corrections. ``FLEXPLAN_ONLINE_CORRECTION=0`` turns it off for every model.
     ``routing_profile``: a RoutingProfile or its file (``flexplan profile-experts``): plans of a MoE
     model price cpu-experts from it and keep the most-used CPU experts on the accelerator (plan_expert_cache).
-    ``weights``: for a ``.gguf`` path, "gguf" (default: its own blocks, the cpu policy) or "float32"
-    (dequantised, any plan); for a model folder, "float32" (default: not quantised) or "int4" / "int8"
-    (its linears quantised at load to group-wise blocks, the cpu policy). Plans of blocks price their
-    bytes. The rule is ``flexplan.quant.sources.weights_source``'s, shared with the serving engine.
+    ``weights``: for a ``.gguf`` path, "gguf" (default: its own blocks) or "float32" (dequantised);
+    for a model folder, "float32" (default: not quantised) or "int4" / "int8" (its linears quantised
+    at load to group-wise blocks). Blocks run under any plan: the CPU's kernels read them, pinned
+    memory and the link hold and carry them, the accelerator dequantises them per call; plans
+    price their bytes. The rule is ``flexplan.quant.sources.weights_source``'s, shared with the serving engine.
     """
     gguf_tokenizer, blocks_spec = None, None
     source = weights_source(model_or_path, weights)  # which loader (quant.sources: shared with the serving engine)
     if source.blocks:
         # a GGUF file's own blocks, or a float checkpoint quantised at load to int4 / int8 (issue 40):
-        # its linears on blocks, which run on the CPU alone; the plan is checked before the load
-        what, otherwise = ((f"weights={weights!r} blocks", "load without weights= for every other policy")
-                           if source.kind in AT_LOAD_FORMATS else
-                           ("a GGUF file's own blocks", "pass weights='float32' for every other policy"))
-        plan = _blocks_plan(plan, accelerator, what, otherwise)
-        blocks_spec = str(model_or_path)  # planned from its header / config: the blocks priced as stored
+        # its linears hold blocks under any plan (the CPU's kernels read them, the link carries them
+        # and the accelerator dequantises them), planned from its header / config as stored
+        blocks_spec = str(model_or_path)
         model_or_path, gguf_tokenizer = source.load()
-        keep_model, accelerator = False, None
+        keep_model = False
     elif source.kind == GGUF_FLOAT32:  # every weight dequantised: any plan
         model_or_path, gguf_tokenizer = source.load()
         keep_model = False
@@ -520,19 +517,6 @@ def load(model_or_path, plan: Any = "auto", accelerator: str | None = None, hard
         tokenizer = gguf_tokenizer
     return FlexModel(model, executor, tokenizer=tokenizer, plan_spec=plan, planner_args=planner_args,
                      cpu_threads_source=threads_source, online_correction=online_correction)
-
-
-def _blocks_plan(plan: Any, accelerator: str | None, what: str, otherwise: str):
-    """The plan a model whose linears run on blocks loads under: the ``cpu`` policy for both
-    phases (the only one whose layers take blocks, Policy.takes_compressed_weights); a cpu-only
-    Plan made for the model (flexplan run plans before it loads) is kept: its predictions stand."""
-    cpu_only = {"prefill": "cpu", "decode": "cpu"}
-    planned = isinstance(plan, Plan) and all(c.policy == "cpu" and c.gpu_layers == 0 for c in plan.phases.values())
-    if not (planned or plan in ("auto", "cpu", cpu_only)) or accelerator not in (None, "cpu"):
-        got = f"a plan of {_choice(plan)}" if isinstance(plan, Plan) else repr(plan)
-        raise InvalidInputError(f"{what} run under the cpu policy for both phases only (plan='auto', {cpu_only} or "
-                                f"such a Plan, no accelerator); got plan={got}, accelerator={accelerator!r}; {otherwise}")
-    return plan if planned else cpu_only
 
 
 def _cpu_threads(requested: int | None) -> tuple[int | None, str]:

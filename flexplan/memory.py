@@ -12,6 +12,9 @@ Sizes are what the executor allocates (``executor/weights.py``, ``executor/kv_ca
   the blocked kernel reads it (a 16-bit model under float32 compute: spec.cpu_weight_dtype) and in
   the CPU dtype otherwise; a tied embedding is blocked likewise (any vocabulary: its last block
   zero-filled) and the LM head's host copy IS it;
+- a GGUF file's blocks (weights held compressed) keep their bytes in every place: on the host the
+  tensor as loaded, in pinned and accelerator buffers a linear's blocks as they are (the
+  accelerator dequantises them per call);
 - one KV buffer per place a layer's KV uses, in that place's dtype; a host copy is pinned when the
   layer is also accelerator-resident (it crosses the link at the phase switch);
 - two accelerator weight slots and two KV slots when any layer is streamed (double buffering);
@@ -64,7 +67,9 @@ class Tensor:
     name: str
     shape: tuple[int, ...]
     kind: str = PLAIN
-    bytes_per_weight: float = 0.0  # held as a GGUF file's blocks (on the host, as loaded); 0: in the place's dtype
+    # held as a GGUF file's blocks: on the host as loaded (a buffer of its own); elsewhere a linear's
+    # blocks sit in the flat buffer as they are (the link and the accelerator carry them); 0: the place's dtype
+    bytes_per_weight: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -235,8 +240,9 @@ def packed_dtype(t: Tensor, weight_dtype: str, cpu_dtype: str, kernel: str | Non
 def unit_bytes(tensors: tuple[Tensor, ...], place: str, dtype: str, cpu_dtype: str, kernel: str | None) -> int:
     """Bytes of one unit's weights in ``place``: its flat buffer (64-byte aligned tensors), plus
     on the host its packed weights (GroupWeights.nbytes)."""
-    if place != HOST:
-        return max(1, sum(_padded(math.prod(t.shape) * DTYPE_BYTES[dtype]) for t in tensors))
+    if place != HOST:  # the flat buffer: blocks (a linear's bytes per weight) as they are, the rest in the dtype
+        return max(1, sum(_padded(math.ceil(math.prod(t.shape) * t.bytes_per_weight) if t.bytes_per_weight
+                                  and t.kind == LINEAR else math.prod(t.shape) * DTYPE_BYTES[dtype]) for t in tensors))
     wdt = cpu_weight_dtype(dtype, cpu_dtype)
     flat = packed = 0
     for t in tensors:

@@ -242,7 +242,7 @@ def test_flexplan_load_runs_the_whole_mixed_file_on_its_blocks(q4_k_m):
     lm = flexplan.load(str(q4_k_m))
     linears = [m for m in lm.model.modules() if isinstance(m, QuantLinear)]
     assert len(linears) == 211 and all(m.dense is None and m.native is not None for m in linears)
-    assert {m.qt.format.name for m in linears} == {"Q4_K", "Q6_K", "Q5_0", "Q8_0"}
+    assert {m.format.name for m in linears} == {"Q4_K", "Q6_K", "Q5_0", "Q8_0"}
     ids = lm.tokenizer("The capital of France is", return_tensors="pt").input_ids
     out = lm.generate(ids, max_new_tokens=8, do_sample=False)
     assert "Paris" in lm.tokenizer.decode(out[0])
@@ -276,8 +276,8 @@ def test_types_without_a_kernel_load_dequantised_with_a_line_naming_them(llama_q
     lines = []
     model, tok = load_gguf_model(llama_quantized(qtype), log=lines.append)
     linears = [m for m in model.modules() if isinstance(m, QuantLinear)]
-    assert {m.qt.format.name for m in linears if m.dense is None} == native
-    assert {m.qt.format.name for m in linears if m.dense is not None} == dequantised
+    assert {m.format.name for m in linears if m.dense is None} == native
+    assert {m.format.name for m in linears if m.dense is not None} == dequantised
     for fmt in dequantised:
         assert any(line.startswith("flexplan: ") and f" {fmt} linear weights dequantised to float32 at load" in line
                    for line in lines), (fmt, lines)

@@ -86,7 +86,7 @@ def test_a_folder_quantised_at_load_is_served_with_generates_tokens(files, weigh
     _, folder = files
     ref = load_quantized_folder(folder, weights, log=_quiet)
     with Engine.from_pretrained(folder, weights=weights, **QUIET) as e:
-        assert {m.qt.format.name for m in e.model.modules() if isinstance(m, QuantLinear)} == \
+        assert {m.format.name for m in e.model.modules() if isinstance(m, QuantLinear)} == \
             {"Q8_0" if weights == "int8" else "Q4_1"}
         assert _served(e) == [_alone(ref, p) for p in PROMPTS]
 

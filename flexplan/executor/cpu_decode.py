@@ -277,9 +277,9 @@ def _layer_linears(linears: tuple[nn.Module, ...]) -> tuple[int, list[int], int,
 
 def _tensor_slots(lin: nn.Module) -> list[tuple[dict, str]]:
     """(dict, key) of what the native call reads for a linear, weight then bias: a GGUF linear's raw
-    blocks (its ``_blocks`` attribute) and bias buffer, else its weight and bias parameters."""
+    blocks (its ``blocks`` parameter) and bias buffer, else its weight and bias parameters."""
     if callable(getattr(lin, "raw_blocks", None)):
-        return [(lin.__dict__, "_blocks"), (lin._buffers, "bias")]
+        return [(lin._parameters, "blocks"), (lin._buffers, "bias")]
     return [(lin._parameters, "weight"), (lin._parameters, "bias")]
 
 

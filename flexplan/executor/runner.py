@@ -204,6 +204,9 @@ class Executor:
                     kind = EXPERTS
                 elif name in g.packed:
                     kind = TIED_EMBEDDING if isinstance(g.params[name][0], nn.Embedding) else LINEAR
+                elif name in g.raw:  # raw blocks: their bytes in every place
+                    out.append(Tensor(name.removeprefix(prefix), tuple(shape), LINEAR, float(g.raw[name].itemsize)))
+                    continue
                 else:
                     kind = PLAIN
                 out.append(Tensor(name.removeprefix(prefix), tuple(shape), kind))

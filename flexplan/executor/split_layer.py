@@ -205,7 +205,7 @@ class SplitLayers:
         gpu = self.accelerator_names(i, points)
         st = group.storages["pinned"]
         ranges: list[list[int]] = []
-        for name, _, off, nbytes in st.layout.entries:
+        for name, _, off, nbytes, _ in st.layout.entries:
             if name not in gpu:
                 continue
             if ranges and ranges[-1][1] >= off - 64:  # alignment padding between neighbours

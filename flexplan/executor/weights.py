@@ -36,21 +36,23 @@ def torch_dtype(name: str | torch.dtype) -> torch.dtype:
 
 @dataclass(frozen=True)
 class FlatLayout:
-    """Byte offset of each tensor of a unit inside one flat buffer, for one dtype."""
+    """Byte offset of each tensor of a unit inside one flat buffer, for one dtype (raw bytes, a
+    GGUF file's blocks, keep their own)."""
 
     dtype: torch.dtype
-    entries: tuple[tuple[str, tuple[int, ...], int, int], ...]  # (name, shape, offset, nbytes)
+    entries: tuple[tuple[str, tuple[int, ...], int, int, torch.dtype], ...]  # (name, shape, offset, nbytes, dtype)
     nbytes: int
 
     @classmethod
-    def of(cls, shapes: list[tuple[str, tuple[int, ...]]], dtype: torch.dtype) -> "FlatLayout":
-        elem = torch.empty((), dtype=dtype).element_size()
+    def of(cls, shapes: list[tuple[str, tuple[int, ...]]], dtype: torch.dtype,
+           own_dtypes: dict[str, torch.dtype] | None = None) -> "FlatLayout":
         entries, off = [], 0
         for name, shape in shapes:
-            n = elem
+            dt = (own_dtypes or {}).get(name, dtype)
+            n = torch.empty((), dtype=dt).element_size()
             for d in shape:
                 n *= d
-            entries.append((name, tuple(shape), off, n))
+            entries.append((name, tuple(shape), off, n, dt))
             off += -(-n // ALIGN_BYTES) * ALIGN_BYTES
         return cls(dtype, tuple(entries), off)
 
@@ -59,7 +61,7 @@ class FlatLayout:
         return sum(e[3] for e in self.entries)
 
     def views(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:
-        return {name: flat[off:off + n].view(self.dtype).view(shape) for name, shape, off, n in self.entries}
+        return {name: flat[off:off + n].view(dt).view(shape) for name, shape, off, n, dt in self.entries}
 
 
 @dataclass
@@ -123,6 +125,10 @@ class GroupWeights:
                                 if pack_kernel and leaf == "weight" and cpu_linear.packable(m) and n not in self.host_aliases)
         # an embedding whose weight the LM head shares: held as cpu_linear.pack_embedding gives it
         self.packed |= frozenset(packed_embeddings)
+        # raw bytes (a GGUF file's blocks, flexplan.quant's QuantLinear.blocks): their own dtype in
+        # every place, the host's copy the tensor as loaded (the kernels read the blocks as they are)
+        self.raw = {n: m._parameters[leaf].dtype for n, (m, leaf) in params.items()
+                    if not m._parameters[leaf].dtype.is_floating_point}
         self.shapes = [(n, tuple(m._parameters[leaf].shape)) for n, (m, leaf) in params.items()]
         self.shape_of = dict(self.shapes)
         self.storages: dict[str, Storage] = {}
@@ -135,9 +141,10 @@ class GroupWeights:
     def layout(self, place: str, dtype: torch.dtype, part: str = ALL) -> FlatLayout:
         key = (place == HOST_MEMORY, dtype, part)
         if key not in self._layouts:
-            skip = set(self.host_aliases) | self.packed if place == HOST_MEMORY else set()
+            skip = set(self.host_aliases) | self.packed | set(self.raw) if place == HOST_MEMORY else set()
             keep = set(self.names(part))
-            self._layouts[key] = FlatLayout.of([s for s in self.shapes if s[0] not in skip and s[0] in keep], dtype)
+            self._layouts[key] = FlatLayout.of([s for s in self.shapes if s[0] not in skip and s[0] in keep], dtype,
+                                               self.raw)
         return self._layouts[key]
 
     def packed_dtype(self, name: str, dtype: torch.dtype, weight_dtype: torch.dtype | None) -> torch.dtype:
@@ -165,6 +172,8 @@ class GroupWeights:
             n += sum(self.packed_rows(name, dtype, weight_dtype) * math.prod(self.shape_of[name][1:])
                      * self.packed_dtype(name, dtype, weight_dtype).itemsize
                      for name in self.packed if name in self.names(part))
+            n += sum(math.prod(self.shape_of[name]) * dt.itemsize for name, dt in self.raw.items()
+                     if name in self.names(part))
         return n
 
     def dense(self, name: str, t: torch.Tensor) -> torch.Tensor:
@@ -243,6 +252,10 @@ class GroupWeights:
                     else:
                         w = cpu_linear.pack(w, pack_batch, self.pack_kernel, dtype)
                     packed.append(link.adopt(w, HOST_MEMORY, f"{self.name} {name} ({cpu_linear.layout_name(w)})"))
+                    views[name] = w
+                for name in sorted(set(self.raw) & set(self.names(part))):  # the blocks as loaded, no copy
+                    w = src(name).contiguous()
+                    packed.append(link.adopt(w, HOST_MEMORY, f"{self.name} {name} (raw blocks)"))
                     views[name] = w
             old = self.storages.get(place)
             self.storages[place] = Storage(place, buf, layout, views, tuple(packed), pack_batch,

@@ -32,53 +32,63 @@ class QuantLinear(nn.Module):
         if len(qt.shape) != 2:
             raise ValueError(f"{qt.name}: a linear weight is 2-D, not {qt.shape}")
         self.out_features, self.in_features = qt.shape
-        self.qt = qt
+        self.format = qt.format  # the GGUF block format (the blocks are held below, not the QuantTensor:
+        self.tensor_name = qt.name  # the executor re-places them and the file's copy is then freed)
         self.float_act = float_act
         self.register_buffer("bias", None if bias is None else bias.float().contiguous(), persistent=False)
-        native, _ = kernels.status()
         # a kernel format runs on its blocks; anything else is dequantised once (exact, as gguf does)
-        self.native = native if (native is not None and qt.format.name in kernels.NATIVE_FORMATS) else None
-        self.register_buffer("dense", None if self.native is not None else qt.dequantize().contiguous(),
-                             persistent=False)
-        self._blocks = qt.data.contiguous()
+        runs = kernels.status()[0] is not None and qt.format.name in kernels.NATIVE_FORMATS
+        self.register_buffer("dense", None if runs else qt.dequantize().contiguous(), persistent=False)
+        # the raw blocks [out, row bytes] uint8, a Parameter (never trained): the executor places them
+        # as it places any weight, so pinned memory, the link and an accelerator hold the file's bytes
+        self.blocks = nn.Parameter(qt.data.contiguous(), requires_grad=False) if self.dense is None else None
+
+    @property
+    def native(self):
+        """The quantised kernels (kernels.status: built once per process) where they read these
+        blocks, else None; looked up, not held, so the module deep-copies (flexplan.load's own tree)."""
+        return kernels.status()[0] if self.dense is None else None
 
     @property
     def nbytes(self) -> int:
         """Bytes of weight held: the raw blocks, or the float32 copy of a format without a kernel."""
-        return self._blocks.numel() if self.dense is None else self.dense.numel() * 4
+        return self.blocks.numel() if self.dense is None else self.dense.numel() * 4
 
     def raw_blocks(self) -> tuple[torch.Tensor | None, int]:
         """(the raw blocks [out, row bytes] and their ggml type id) that the native decoder layer
-        calls read (flexplan.executor.cpu_decode), or (None, 0) when no kernel reads this format
-        (dequantised at load)."""
-        return (self._blocks, self.qt.format.ggml_type) if self.native is not None else (None, 0)
+        calls read (flexplan.executor.cpu_decode), or (None, 0) when no kernel reads them: a format
+        dequantised at load, or blocks the executor placed off the CPU (an accelerator layer)."""
+        if self.native is None or self.blocks.device.type != "cpu":
+            return None, 0
+        return self.blocks, self.format.ggml_type
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.device.type != "cpu":  # the native kernels read host memory only
-            return self.forward_dequantised(x)
+        if x.device.type != "cpu" or (self.dense is None and self.blocks.device.type != "cpu"):
+            return self.forward_dequantised(x)  # the native kernels read host memory only
         if self.native is None:
             return nn.functional.linear(x.float(), self.dense, self.bias)
         x2d = x.reshape(-1, self.in_features).float().contiguous()
-        y = self.native.gemm(self._blocks, self.qt.format, x2d, self.bias, self.float_act)
+        y = self.native.gemm(self.blocks, self.format, x2d, self.bias, self.float_act)
         return y.reshape(*x.shape[:-1], self.out_features)
 
     def forward_dequantised(self, x: torch.Tensor) -> torch.Tensor:
         """``y = x W^T (+ bias)`` on x's device and in x's dtype, W dequantised there from the blocks
         (:mod:`flexplan.quant.torch_dequant`, plain torch ops, as gguf's reference): the path of an
-        input on an accelerator, where the blocks are what crosses the link (copied for each call
-        from where they are held). A format without a kernel uses its dequantised copy."""
+        input on an accelerator, where the blocks are what crosses the link (the executor places
+        them there: a resident layer's stay, a streamed layer's arrive in its slot; blocks held
+        elsewhere are copied for the call). A format without a kernel uses its dequantised copy."""
         dtype = x.dtype if x.dtype.is_floating_point else torch.float32
         if self.dense is not None:
             w = self.dense.to(x.device, dtype)
         else:
-            blocks = self._blocks.to(x.device, non_blocking=True)
-            w = torch_dequant.dequantize(blocks, self.qt.format.ggml_type, self.in_features, dtype)
+            blocks = self.blocks.to(x.device, non_blocking=True)
+            w = torch_dequant.dequantize(blocks, self.format.ggml_type, self.in_features, dtype)
         bias = None if self.bias is None else self.bias.to(x.device, dtype)
         return nn.functional.linear(x.to(dtype), w, bias)
 
     def extra_repr(self) -> str:
         how = "native" if self.native is not None else "dequantised at load"
-        return (f"in_features={self.in_features}, out_features={self.out_features}, format={self.qt.format.name} "
+        return (f"in_features={self.in_features}, out_features={self.out_features}, format={self.format.name} "
                 f"({how}), float_act={self.float_act}")
 
 
