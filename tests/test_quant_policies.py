@@ -162,3 +162,22 @@ def test_a_gguf_file_loads_under_another_policy(one_thread):
     ids = lm.tokenizer("The capital of France is", return_tensors="pt").input_ids
     out = lm.generate(ids, max_new_tokens=4, do_sample=False)
     assert "Paris" in lm.tokenizer.decode(out[0])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+@pytest.mark.parametrize("policy", ["gpu", "gpu-offload", "cpu-attention", "split-points"])
+def test_blocks_on_cuda_equal_the_dequantised_float_model(block_models, policy):
+    """On a GPU the accelerator's layers hold blocks and dequantise them there (float32 on both
+    sides, so the comparison is of the same arithmetic but the GEMM kernels')."""
+    model = block_models["Q4_K"]
+
+    def run(m):
+        plan = _plan(m, policy, policy)
+        lm = api.load(m, plan=plan, accelerator="cuda", dtype="float32")
+        return lm.generate(PROMPT, max_new_tokens=NEW_TOKENS, do_sample=False)[0, PROMPT.shape[1]:].tolist(), lm
+
+    want, _ = run(_dequantised(model))
+    got, lm = run(model)
+    assert got == want
+    on_gpu = [m for m in lm.model.modules() if isinstance(m, QuantLinear) and m.blocks.device.type == "cuda"]
+    assert on_gpu or policy == "split-points"  # a split layer binds its blocks to the slot per step
