@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from flexplan.estimator.dequant_terms import t_gpu_dequant_head_s, t_gpu_dequant_layer_s
 from flexplan.estimator.efficiency import Efficiency
 from flexplan.estimator.expert_terms import expert_split_costs
 from flexplan.estimator.operator_terms import operator_costs
@@ -20,6 +21,7 @@ from flexplan.estimator.terms import (
     t_on_device_s,
 )
 from flexplan.hardware.spec import Hardware
+from flexplan.workload import costs
 
 
 def phase_costs(shape: Shape, hw: Hardware, eff: Efficiency, phase: str) -> PhaseCosts:
@@ -43,10 +45,14 @@ def phase_costs(shape: Shape, hw: Hardware, eff: Efficiency, phase: str) -> Phas
                           w.weight_bytes_gpu, w.kv_read, w.kv_write, w.hidden_bytes, w.logits_bytes,
                           w.head_bytes_gpu, 1.0)
     th_gpu, bw_gpu = gpu.peak_flops_per_s[shape.dtype], gpu.memory_bandwidth_bytes_per_s
+    # weights held as blocks: the accelerator dequantises them before each GEMM, every call (D, dequant_terms)
+    t_dequant = t_gpu_dequant_layer_s(shape.weights, shape.model, shape.w_bytes, bw_gpu, eff.gpu_memory(rows))
+    t_head_dequant = t_gpu_dequant_head_s(shape.weights, shape.model, shape.w_bytes, bw_gpu, eff.gpu_memory(b))
     t_gpu = t_on_device_s(w.flops, w.gpu_memory_bytes, th_gpu, bw_gpu, eff.gpu_compute(rows), eff.gpu_memory(rows),
-                          overhead_s=eff.gpu_layer_overhead_s())
-    t_gpu_head = t_on_device_s(w.head_flops, w.head_bytes_gpu, th_gpu, bw_gpu, eff.gpu_compute(b), eff.gpu_memory(b),
-                               overhead_s=step_overhead)
+                          overhead_s=eff.gpu_layer_overhead_s()) + t_dequant
+    head_bytes_read = costs.d_lm_head(shape.model, shape.w_bytes)  # the GEMV reads the head dequantised
+    t_gpu_head = t_on_device_s(w.head_flops, head_bytes_read, th_gpu, bw_gpu, eff.gpu_compute(b), eff.gpu_memory(b),
+                               overhead_s=step_overhead) + t_head_dequant
     h2d, d2h = link.h2d_bandwidth_bytes_per_s, link.d2h_bandwidth_bytes_per_s
     kv_read = w.kv_read
     attention = cpu_attention_costs(shape, hw, eff) if phase == "decode" else None
@@ -63,4 +69,5 @@ def phase_costs(shape: Shape, hw: Hardware, eff: Efficiency, phase: str) -> Phas
         hidden_bytes=w.hidden_bytes, logits_bytes=w.logits_bytes, head_bytes_gpu=w.head_bytes_gpu,
         cpu_under_copy=eff.cpu_under_copy(rows), experts=expert_split_costs(shape, hw, eff, phase),
         cpu_attention=attention, operators=operator_costs(shape, hw, eff, phase, None if attention is None else attention.t_cpu_attention_s),
+        t_gpu_dequant_s=t_dequant, t_gpu_head_dequant_s=t_head_dequant,
     )

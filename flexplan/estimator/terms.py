@@ -16,6 +16,7 @@ from functools import lru_cache
 
 import numpy as np
 
+from flexplan.estimator.dequant_terms import t_gpu_dequant_layer_s
 from flexplan.estimator.efficiency import (
     Efficiency,
     block_formats,
@@ -83,7 +84,8 @@ class Shape:
     output_len: int
     dtype: str  # GPU and pinned host dtype
     cpu_dtype: str
-    # the CPU's weights as a GGUF file stores them (ModelSpec.stored_weights, kept as blocks); (): in the dtypes
+    # the weights held as blocks (a GGUF file's, ModelSpec.stored_weights, or quantised at load), on the
+    # CPU and, where the plan puts layers there, on the accelerator; (): in the dtypes
     weights: tuple[tuple[str, str, int], ...] = ()
 
     @property
@@ -109,6 +111,24 @@ class Shape:
         if self.weights:
             return weight_formats.head_bytes_per_weight(self.weights)
         return self.cpu_weight_bytes
+
+    @property
+    def gpu_weight_bytes(self) -> float:
+        """Bytes per element of a layer's weights on the accelerator and over the link: the blocks
+        where a kernel format holds them, the rest (embedding, routed experts, norms, F32 tensors)
+        in the plan's dtype; all at ``w_bytes`` without blocks. Its GEMMs read them dequantised, at
+        ``w_bytes`` (PhaseWork.d_gpu), after dequant_terms' D."""
+        if self.weights:
+            return weight_formats.layer_bytes_per_weight(self.weights, float(self.w_bytes))
+        return float(self.w_bytes)
+
+    @property
+    def gpu_head_weight_bytes(self) -> float:
+        """Bytes per element of the LM head on the accelerator: its blocks (a tied head: the
+        embedding's) where a kernel format holds them, else ``w_bytes``."""
+        if self.weights:
+            return weight_formats.head_bytes_per_weight(self.weights, float(self.w_bytes))
+        return float(self.w_bytes)
 
     @property
     def cpu_layer_formats(self) -> tuple[tuple[str | None, float, float], ...]:
@@ -215,10 +235,10 @@ class PhaseWork:
     kv_read: object  # the cached part at the GPU dtype, before this step's token (what a streamed layer loads)
     kv_write: float  # the new K, V at the GPU dtype
     weight_bytes_cpu: float
-    weight_bytes_gpu: float
+    weight_bytes_gpu: float  # as the accelerator holds them and the link carries them (Shape.gpu_weight_bytes)
     head_flops: float
     head_bytes_cpu: float
-    head_bytes_gpu: float
+    head_bytes_gpu: float  # ... the LM head (Shape.gpu_head_weight_bytes)
     hidden_bytes: float  # D_Output
     logits_bytes: float
 
@@ -256,8 +276,9 @@ def phase_work(shape: Shape, phase: str) -> PhaseWork:
         phase=phase, tokens_per_seq=tokens_per_seq, rows=rows, context_len=ctx, flops=flops,
         prefill_attention_flops=attn_flops, d_cpu=d_cpu,
         d_gpu=d_gpu, kv_read_cpu=kv_read_cpu, kv_write_cpu=kv_write_cpu, kv_read=kv_read, kv_write=kv_write,
-        weight_bytes_cpu=costs.d_weights(m, cwb), weight_bytes_gpu=costs.d_weights(m, wb),
-        head_flops=costs.c_lm_head(m, b), head_bytes_cpu=costs.d_lm_head(m, shape.cpu_head_weight_bytes), head_bytes_gpu=costs.d_lm_head(m, wb),
+        weight_bytes_cpu=costs.d_weights(m, cwb), weight_bytes_gpu=costs.d_weights(m, shape.gpu_weight_bytes),
+        head_flops=costs.c_lm_head(m, b), head_bytes_cpu=costs.d_lm_head(m, shape.cpu_head_weight_bytes),
+        head_bytes_gpu=costs.d_lm_head(m, shape.gpu_head_weight_bytes),
         hidden_bytes=costs.d_output(m, b, tokens_per_seq, wb), logits_bytes=costs.d_logits(m, b))
 
 
@@ -268,14 +289,14 @@ class PhaseCosts:
     phase: str
     tokens_per_seq: int  # s for prefill, 1 for decode
     t_cpu_layer_s: object  # Eq. 1 bracket
-    t_gpu_layer_s: object  # Eq. 2 first argument of max
+    t_gpu_layer_s: object  # Eq. 2 first argument of max (with t_gpu_dequant_s: blocks dequantised every call)
     t_load_weights_s: float  # one layer's weights over the link
     t_load_kv_s: object  # one layer's cached KV over the link (streamed KV)
     t_store_kv_s: float  # one layer's new KV back to host (streamed KV)
     t_hidden_h2d_s: float  # D_Output over the link (host embedding -> first GPU layer, or the split)
     t_logits_d2h_s: float
     t_cpu_head_s: object
-    t_gpu_head_s: object
+    t_gpu_head_s: object  # with its blocks' dequantisation
     t_load_head_s: float
     weight_bytes_gpu: float  # one layer, GPU dtype
     kv_read_bytes: object  # one layer's cached KV read per step
@@ -287,6 +308,8 @@ class PhaseCosts:
     cpu_attention: "CPUAttentionCosts | None" = None  # decode attention beside a host KV cache (decode only)
     experts: object = None  # expert_terms.ExpertSplit: an MoE layer's routed experts on the CPU (None: dense / no GPU)
     operators: object = None  # operator_terms.OperatorCosts: C, G, H per operator of a split layer (None: no GPU)
+    t_gpu_dequant_s: float = 0.0  # Park & Egger's D of one layer's blocks on the accelerator (0: float weights)
+    t_gpu_head_dequant_s: float = 0.0  # ... of the LM head's
 
 
 @dataclass(frozen=True)
@@ -294,7 +317,7 @@ class CPUAttentionCosts:
     """One streamed decode layer whose attention computes on the CPU beside its host KV cache
     (FlexGen's ``cpu_cache_compute``, NEO section 3): per decode step (arrays over the steps)."""
 
-    t_gpu_linear_s: object  # the layer on the accelerator without its attention (projections, MLP)
+    t_gpu_linear_s: object  # the layer on the accelerator without its attention (projections, MLP; their D)
     t_cpu_attention_s: object  # scores, softmax and weighted values over the host KV + appending the new K, V
     t_qkv_d2h_s: float  # q, k, v of the new token, accelerator -> host
     t_out_h2d_s: float  # the attention output, host -> accelerator
@@ -337,9 +360,10 @@ def cpu_attention_costs(shape: Shape, hw: Hardware, eff: Efficiency) -> CPUAtten
     ctx = shape.decode_context_lens
     gpu, link = hw.gpu, hw.link
     d_linear = costs.d_decode(m, b, shape.w_bytes, shape.w_bytes)
+    bw = gpu.memory_bandwidth_bytes_per_s
     t_lin = t_on_device_s(costs.c_decode_linear(m, b), d_linear, gpu.peak_flops_per_s[shape.dtype],
-                          gpu.memory_bandwidth_bytes_per_s, eff.gpu_compute(b), eff.gpu_memory(b),
-                          overhead_s=eff.gpu_layer_overhead_s())
+                          bw, eff.gpu_compute(b), eff.gpu_memory(b), overhead_s=eff.gpu_layer_overhead_s())
+    t_lin += t_gpu_dequant_layer_s(shape.weights, m, shape.w_bytes, bw, eff.gpu_memory(b))  # blocks: D each call
     qkv, out = costs.d_attention_io(m, b, shape.w_bytes)
     return CPUAttentionCosts(
         t_gpu_linear_s=np.full(ctx.shape, t_lin), t_cpu_attention_s=t_cpu_attention_s(shape, hw, eff, ctx),

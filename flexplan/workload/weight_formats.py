@@ -22,56 +22,81 @@ LAYER_GROUPS = ("attention", "norms", "mlp", "router", "experts", "shared_expert
 DEQUANTISED_GROUPS = ("embedding", "experts")  # held in float32 whatever the file stores (see above)
 
 
-def block_bytes_per_weight(format_name: str) -> float:
-    """Bytes one weight of ``format_name`` takes as blocks a kernel reads (float32 where none does)."""
+def block_bytes_per_weight(format_name: str, float_bytes: float = FLOAT32_BYTES) -> float:
+    """Bytes one weight of ``format_name`` takes as blocks a kernel reads (``float_bytes`` where
+    none does: float32 on the CPU, the plan's dtype on the accelerator)."""
     f = BY_NAME.get(format_name)
-    return f.bytes_per_weight if f is not None and f.native_kernel else float(FLOAT32_BYTES)
+    return f.bytes_per_weight if f is not None and f.native_kernel else float(float_bytes)
 
 
-def held_bytes_per_weight(format_name: str, group: str) -> float:
-    """Bytes one weight of operator ``group`` stored in ``format_name`` takes once loaded."""
-    return float(FLOAT32_BYTES) if group in DEQUANTISED_GROUPS else block_bytes_per_weight(format_name)
+def held_bytes_per_weight(format_name: str, group: str, float_bytes: float = FLOAT32_BYTES) -> float:
+    """Bytes one weight of operator ``group`` stored in ``format_name`` takes once loaded (a
+    dequantised group: ``float_bytes``)."""
+    return float(float_bytes) if group in DEQUANTISED_GROUPS else block_bytes_per_weight(format_name, float_bytes)
 
 
 Weights = tuple[tuple[str, str, int], ...]  # (operator group, format, parameters)
 
 
 @lru_cache(maxsize=256)
-def group_bytes_per_weight(weights: Weights) -> MappingProxyType:
-    """{operator group: bytes per weight held}, each group's formats weighted by their parameters."""
+def group_bytes_per_weight(weights: Weights, float_bytes: float = FLOAT32_BYTES) -> MappingProxyType:
+    """{operator group: bytes per weight held}, each group's formats weighted by their parameters
+    (the float ones at ``float_bytes``)."""
     n: dict[str, int] = {}
     b: dict[str, float] = {}
     for group, fmt, params in weights:
         n[group] = n.get(group, 0) + params
-        b[group] = b.get(group, 0.0) + params * held_bytes_per_weight(fmt, group)
+        b[group] = b.get(group, 0.0) + params * held_bytes_per_weight(fmt, group, float_bytes)
     return MappingProxyType({g: b[g] / n[g] for g in n if n[g] > 0})  # kept: read-only
 
 
-def layer_bytes_per_weight(weights: Weights) -> float:
-    """Bytes per weight of the decoder layers, all their groups together."""
+@lru_cache(maxsize=256)
+def layer_bytes_per_weight(weights: Weights, float_bytes: float = FLOAT32_BYTES) -> float:
+    """Bytes per weight of the decoder layers, all their groups together, the float ones at
+    ``float_bytes`` (float32 on the CPU; the plan's dtype on the accelerator, where the executor
+    keeps blocks and casts the rest)."""
     n = sum(p for g, _, p in weights if g in LAYER_GROUPS)
-    b = sum(p * held_bytes_per_weight(f, g) for g, f, p in weights if g in LAYER_GROUPS)
-    return b / n if n else float(FLOAT32_BYTES)
+    b = sum(p * held_bytes_per_weight(f, g, float_bytes) for g, f, p in weights if g in LAYER_GROUPS)
+    return b / n if n else float(float_bytes)
 
 
-def head_bytes_per_weight(weights: Weights) -> float:
+def head_group(weights: Weights) -> str:
+    """The group the LM head reads: "lm_head", or "embedding" where the file has no head of its own."""
+    return "lm_head" if any(g == "lm_head" for g, _, _ in weights) else "embedding"
+
+
+def head_bytes_per_weight(weights: Weights, float_bytes: float = FLOAT32_BYTES) -> float:
     """Bytes per weight of the LM head: its own blocks, or the embedding's where the file has no
-    head of its own (tied: the head runs on the embedding's blocks)."""
-    group = "lm_head" if any(g == "lm_head" for g, _, _ in weights) else "embedding"
+    head of its own (tied: the head runs on the embedding's blocks); a float head at ``float_bytes``."""
+    group = head_group(weights)
     n = sum(p for g, _, p in weights if g == group)
-    b = sum(p * block_bytes_per_weight(f) for g, f, p in weights if g == group)
-    return b / n if n else float(FLOAT32_BYTES)
+    b = sum(p * block_bytes_per_weight(f, float_bytes) for g, f, p in weights if g == group)
+    return b / n if n else float(float_bytes)
 
 
 # flexplan.load(folder, weights=...): what a float checkpoint's decoder and head linears are
 # quantised to at load (flexplan.quant.at_load), as the GGUF block formats the kernels run
 AT_LOAD = {"int4": "Q4_1", "int8": "Q8_0"}  # groups of 32: asymmetric int4 (scale, min), symmetric int8 (scale)
 QUANTISED_GROUPS = ("attention", "mlp", "shared_experts")  # routers, norms, fused experts stay float32
+# the block formats a kernel runs, by name: what a plan may price a float model's linears in
+KERNEL_FORMATS = tuple(name for name, f in BY_NAME.items() if f.native_kernel)
+
+
+def kernel_format(weights: str) -> str | None:
+    """The block format ``weights`` names: "int4" / "int8" (AT_LOAD) or a kernel format's name in
+    any case ("q4_k" -> "Q4_K"); None for anything else."""
+    if weights in AT_LOAD:
+        return AT_LOAD[weights]
+    name = weights.upper() if isinstance(weights, str) else None
+    return name if name in KERNEL_FORMATS else None
 
 
 def at_load_weights(spec, weights: str) -> Weights:
-    """The (group, format, parameters) triples of ``spec`` quantised at load to ``weights``."""
-    fmt = AT_LOAD[weights]
+    """The (group, format, parameters) triples of ``spec`` with its decoder and head linears in the
+    block format ``weights`` names (:func:`kernel_format`: "int4", "int8", "Q4_K", ...)."""
+    fmt = kernel_format(weights)
+    if fmt is None:
+        raise ValueError(f"{weights!r} names no block format a kernel runs ({', '.join(KERNEL_FORMATS)})")
     params: dict[str, int] = {}
     for i in range(spec.num_layers):
         for group, n in spec.layer_group_params(i).items():
