@@ -25,13 +25,13 @@ from flexplan.workload.operators import layer_operators
 SERVER = "flexinfer-server2"
 
 
-def _costs(C, G, H, IN=None, OUT=None, shares=None, glue=0.0, overhead=0.0, kv=None):
+def _costs(C, G, H, IN=None, OUT=None, shares=None, glue=0.0, overhead=0.0, kv=None, D=None):
     C, G, H = (np.atleast_2d(np.asarray(x, dtype=float)) for x in (C, G, H))
     n = C.shape[1]
     zeros = np.zeros_like(C)
     return OperatorCosts(
         names=tuple(f"op{k}" for k in range(n)), cpu_s=C, gpu_s=G, h2d_s=H,
-        in_h2d_s=zeros if IN is None else np.atleast_2d(IN), out_d2h_s=zeros if OUT is None else np.atleast_2d(OUT),
+        dequant_s=zeros if D is None else np.atleast_2d(np.asarray(D, dtype=float)), in_h2d_s=zeros if IN is None else np.atleast_2d(IN), out_d2h_s=zeros if OUT is None else np.atleast_2d(OUT),
         shares_input=np.zeros(n, bool) if shares is None else np.asarray(shares), weight_bytes=np.ones(n),
         kv_bytes=np.zeros(C.shape[0]) if kv is None else np.asarray(kv, float), in_bytes=np.ones(n),
         out_bytes=np.ones(n), attention_index=0, cpu_glue_s=glue, gpu_overhead_s=overhead)

@@ -1,4 +1,4 @@
-"""Per-operator time terms of one streamed decoder layer: Park & Egger's arrays C, G and H
+"""Per-operator time terms of one streamed decoder layer: Park & Egger's arrays C, G, H and D
 (section 4.2), plus the activation transfers at the operators that compute on the accelerator.
 
 For each operator of ``workload.operators.layer_operators`` and each step of a phase (decode:
@@ -7,11 +7,14 @@ one row per step, the KV cache grows; prefill: one row):
     C[k]  = C_k / (TH_CPU Eff_CPU,Comp(rows)) + D_k / (BW_CPU Eff_CPU,Mem(rows))   the CPU, alone
     G[k]  = C_k / (TH_GPU Eff_GPU,Comp(rows)) + D_k / (BW_GPU Eff_GPU,Mem(rows))
     H[k]  = W_k / (BW_ICN Eff_ICN)          its weights over the link (the attention core: the KV it reads)
+    D[k]  = its blocks dequantised on the accelerator (``dequant_terms``; 0 for float weights and the core)
     IN[k] = rows x in_k x bytes / (BW_ICN Eff_ICN),   OUT[k] = rows x out_k x bytes / (BW_ICN Eff_ICN)
 
 with D_k its weights plus its activations, at the accelerator's dtype: a split layer's weights and KV
 cache live in pinned host memory in that dtype, and the CPU computes on them in place (as
-``cpu-attention`` does). The attention core on the CPU is ``terms.t_cpu_attention_s`` (its calibrated
+``cpu-attention`` does). W_k is what crosses the link: weights held as blocks (``Shape.weights``) cross
+as blocks (``weight_formats.group_bytes_per_weight`` at the dtype for the float ones), and the
+accelerator's GEMM then reads them dequantised, at the dtype, after D[k]. The attention core on the CPU is ``terms.t_cpu_attention_s`` (its calibrated
 KV read rate); an MoE block's routed experts on the CPU are ``expert_terms.t_cpu_experts_s``. The
 efficiency factors are the calibrated ones (GEMV / GEMM by rows, attention, link by size); a Linear's
 C is scaled by ``cpu_split_linear``, the measured time of the split executor's kernel on dense
@@ -33,6 +36,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from flexplan.estimator.dequant_terms import layer_matrices, t_gpu_dequant_s
 from flexplan.estimator.efficiency import cpu_prefill_attention, cpu_split_linear
 from flexplan.estimator.expert_terms import expert_flops, t_cpu_experts_s
 from flexplan.estimator.terms import (
@@ -43,7 +47,7 @@ from flexplan.estimator.terms import (
     t_memory_s,
     t_on_device_s,
 )
-from flexplan.workload import costs
+from flexplan.workload import costs, weight_formats
 from flexplan.workload.operators import ATTENTION, LINEAR, MLP, layer_operators, why_not_split
 
 
@@ -56,10 +60,11 @@ class OperatorCosts:
     cpu_s: np.ndarray  # C
     gpu_s: np.ndarray  # G
     h2d_s: np.ndarray  # H
+    dequant_s: np.ndarray  # D: [steps, n] the operator's blocks dequantised on the accelerator
     in_h2d_s: np.ndarray  # IN: the operator's input to the accelerator
     out_d2h_s: np.ndarray  # OUT: its output back to the host
     shares_input: np.ndarray  # [n] bool: reads what the operator before it read (moved once)
-    weight_bytes: np.ndarray  # [n] at the accelerator dtype
+    weight_bytes: np.ndarray  # [n] as they cross the link (blocks, or the accelerator dtype)
     kv_bytes: np.ndarray  # [steps]: what the attention core reads from the KV cache
     in_bytes: np.ndarray  # [n]
     out_bytes: np.ndarray  # [n]
@@ -93,6 +98,38 @@ def _moe_cpu_s(m, rows, hw, eff, shape, flops, params) -> float:
     return float(share * routed + other)
 
 
+def _operator_groups(op) -> tuple[str, ...]:
+    """The operator groups (``ModelSpec.layer_group_params``) whose weights ``op`` holds."""
+    if op.kind == MLP:
+        return ("mlp", "router", "experts", "shared_experts")  # an MoE block (a dense layer's MLP among them)
+    return () if op.kind == ATTENTION else ("attention",) if op.name in ("q_proj", "k_proj", "v_proj", "o_proj") \
+        else ("mlp",)
+
+
+def _link_bytes_and_dequant_s(shape, hw, ops, eff_gpu_memory) -> tuple[np.ndarray, np.ndarray]:
+    """([n] each operator's weight bytes over the link, [n] its D): a linear's weights at its group's
+    bytes per weight on the accelerator (blocks, or the dtype) and one matrix to dequantise; the MoE
+    block its groups' per-layer parameters (mean over layers) and their matrices (dequant_terms)."""
+    m, wb, weights = shape.model, shape.w_bytes, shape.weights
+    if not weights:
+        return np.array([o.weight_params * wb for o in ops], dtype=float), np.zeros(len(ops))
+    bpw = weight_formats.group_bytes_per_weight(weights, float(wb))
+    group_params = {g: sum(p for g_, _, p in weights if g_ == g) / m.num_layers for g in bpw}
+    matrices = layer_matrices(m)
+    bw = hw.gpu.memory_bandwidth_bytes_per_s
+    link, dq = [], []
+    for o in ops:
+        groups = _operator_groups(o)
+        if o.kind == MLP:
+            link.append(sum(group_params.get(g, 0.0) * bpw.get(g, wb) for g in groups))
+            dq.append(sum(t_gpu_dequant_s(weights, g, group_params.get(g, 0.0), matrices.get(g, 0.0), wb, bw,
+                                          eff_gpu_memory) for g in groups))
+        else:
+            link.append(o.weight_params * (bpw.get(groups[0], wb) if groups else wb))
+            dq.append(t_gpu_dequant_s(weights, groups[0], o.weight_params, 1, wb, bw, eff_gpu_memory) if groups else 0.0)
+    return np.array(link, dtype=float), np.array(dq, dtype=float)
+
+
 def operator_costs(shape, hw, eff, phase: str, cpu_attention_s=None) -> OperatorCosts | None:
     """The per-operator terms of ``phase`` (module docstring); None without an accelerator or for a
     layout ``workload.operators`` cannot cut. ``cpu_attention_s``: the decode attention on the CPU per
@@ -119,7 +156,8 @@ def operator_costs(shape, hw, eff, phase: str, cpu_attention_s=None) -> Operator
     ec, em, eg, egm = eff.cpu_compute(rows, cd), eff.cpu_memory(rows, cd), eff.gpu_compute(rows), eff.gpu_memory(rows)
     in_b = np.array([rows * o.in_elems * wb for o in ops], dtype=float)
     out_b = np.array([rows * o.out_elems * wb for o in ops], dtype=float)
-    w_b = np.array([o.weight_params * wb for o in ops], dtype=float)
+    w_b = np.array([o.weight_params * wb for o in ops], dtype=float)  # what C and G read, at the dtype
+    link_b, D = _link_bytes_and_dequant_s(shape, hw, ops, egm)
     flops = np.array([rows * o.flops_per_row for o in ops], dtype=float)
     read = w_b.copy()
     moe = [k for k, o in enumerate(ops) if o.kind == MLP]
@@ -130,7 +168,7 @@ def operator_costs(shape, hw, eff, phase: str, cpu_attention_s=None) -> Operator
     C = np.broadcast_to(t_on_device_s(flops, data, th_c, bw_c, ec, em), (steps, n)).copy()
     C[:, [o.kind == LINEAR for o in ops]] *= cpu_split_linear(eff, rows, cd)  # dense weights, not packed ones
     G = np.broadcast_to(t_on_device_s(flops, data, th_g, bw_g, eg, egm), (steps, n)).copy()
-    H = np.broadcast_to(np.array([t_link_s(x, h2d, eff.h2d(x)) for x in w_b]), (steps, n)).copy()
+    H = np.broadcast_to(np.array([t_link_s(x, h2d, eff.h2d(x)) for x in link_b]), (steps, n)).copy()
     for k in moe:
         C[:, k] = _moe_cpu_s(m, rows, hw, eff, shape, flops[k], ops[k].weight_params)
     att = next(k for k, o in enumerate(ops) if o.kind == ATTENTION)
@@ -151,8 +189,8 @@ def operator_costs(shape, hw, eff, phase: str, cpu_attention_s=None) -> Operator
     share = np.delete(C[0], att) / np.delete(C[0], att).sum()  # the attention core's grows with the context:
     C[:, np.arange(n) != att] += per_token_s * share  # the operators whose time does not take the extra
     return OperatorCosts(
-        names=tuple(o.name for o in ops), cpu_s=C, gpu_s=G, h2d_s=H,
+        names=tuple(o.name for o in ops), cpu_s=C, gpu_s=G, h2d_s=H, dequant_s=np.broadcast_to(D, (steps, n)),
         in_h2d_s=np.broadcast_to(in_s, (steps, n)), out_d2h_s=np.broadcast_to(out_s, (steps, n)),
-        shares_input=np.array([o.shares_input for o in ops]), weight_bytes=w_b, kv_bytes=kv, in_bytes=in_b,
+        shares_input=np.array([o.shares_input for o in ops]), weight_bytes=link_b, kv_bytes=kv, in_bytes=in_b,
         out_bytes=out_b, attention_index=att, cpu_glue_s=glue_s,
         gpu_overhead_s=float(eff.gpu_layer_overhead_s()))

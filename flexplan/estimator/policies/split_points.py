@@ -1,4 +1,4 @@
-"""Split points inside a streamed layer: Park & Egger, sections 3.1-4.2 (Equations 5-7, 13, 14).
+"""Split points inside a streamed layer: Park & Egger, sections 3.1-4.2 (Equations 5-8, 13, 14).
 
 A streamed layer's weights and KV cache live in pinned host memory. Its operators (array O,
 ``workload.operators``: q/k/v projections, the attention core, the output projection, the MLP's
@@ -11,13 +11,15 @@ read q_proj's) and its output comes back. With the attention core on the CPU the
 host memory; on the accelerator the KV it reads crosses with the weights (Park & Egger's H of
 Scores and WV).
 
-Per operator (``operator_terms``): C (CPU), G (accelerator), H (link), IN and OUT (activations).
-Per layer and step, with P the CPU slowdown while a copy runs (``cpu_under_copy``, Park & Egger 4.1):
+Per operator (``operator_terms``): C (CPU), G (accelerator), H (link), D (the accelerator dequantising
+the operator's blocks; 0 for float weights), IN and OUT (activations). Per layer and step, with P the
+CPU slowdown while a copy runs (``cpu_under_copy``, Park & Egger 4.1):
 
     Eq. 6   CPU(i, j) = sum C[0, i) + sum C[j, n)                                   :func:`eq6_cpu_s`
     Eq. 7   H2D(i, j) = sum H[i, j)                                                 :func:`eq7_h2d_s`
     Eq. 14  H2D(i, j) = sum H[i, j) + (b - 1) (sum G[i, j) + KV)   with b batches   :func:`eq14_h2d_s`
-    Eq. 5   L(i, j)   = max(P (CPU(i, j) + glue),  H2D(i, j)) + IN + sum G[i, j) + OUT + overhead
+    Eq. 8'  DC(i, j)  = sum D[i, j)                                                 :func:`eq8_dc_s`
+    Eq. 5   L(i, j)   = max(P (CPU(i, j) + glue),  H2D(i, j)) + IN + sum G[i, j) + DC(i, j) + OUT + overhead
                                                                                     :func:`eq5_layer_s`
 
 What overlaps: the copy of the next layer's accelerator weights runs beside the CPU's part (this
@@ -39,8 +41,15 @@ pipeline fill, as in Eq. 2). Both orders timed on a GPU: docs/results.md, "On a 
 Eq. 13: the n(n - 1)/2 candidates (i, j) are searched exhaustively, for every step and every
 candidate M at once with prefix sums and broadcasting (:func:`search`). The pair is chosen per phase
 (one for the whole decode: the mean over steps is taken after the max, as the other policies do).
-Park & Egger's compression (Eq. 8-9) and NVMe transfers (Eq. 10-12) are not applicable: flexplan
-streams uncompressed weights from host memory only.
+Compression (Park & Egger Eq. 8-9): weights held as blocks (a GGUF file's, or quantised at load) cross
+the link as blocks, so H follows their bytes, and the accelerator dequantises each operator's blocks
+(D) with torch ops right before its GEMM, in the compute stream. Park & Egger's Eq. 8, DC = sum D[i, j)
++ H[i], starts the dequantisation as the first weight lands and Eq. 9 runs it beside the copy, L =
+max(CPU, H2D, DC). Here this layer's weights arrived whole during the previous layer (the copy of the
+next layer's is issued after the segment, above), so nothing waits for H[i] and the dequantisation
+does not overlap its own layer's copy: sum D[i, j) is part of the segment, after the max, not a third
+argument of it (Eq. 8 without H[i], Eq. 9 not used). NVMe transfers (Eq. 10-12) are not applicable:
+flexplan streams weights from host memory only.
 
 The last M layers may stay resident (M searched, as ``gpu-offload-partial``'s; M = 0 streams every
 layer, as ``gpu-offload``). The memory
@@ -98,6 +107,12 @@ def eq14_h2d_s(H: np.ndarray, G: np.ndarray, kv_s, i: np.ndarray, j: np.ndarray,
     return eq7_h2d_s(H, i, j) + extra
 
 
+def eq8_dc_s(D: np.ndarray, i: np.ndarray, j: np.ndarray) -> np.ndarray:
+    """Eq. 8 as the executor orders it: sum D[i, j), the accelerator operators' blocks dequantised in
+    the compute stream (no H[i]: the layer's weights arrived whole during the previous layer)."""
+    return eq7_h2d_s(D, i, j)
+
+
 def boundary_s(oc, i: np.ndarray, j: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """(IN, OUT) of the accelerator operators O[i, j): each one's input to the accelerator (an input
     shared with the operator before it crosses once, unless that one is on the CPU), its output back."""
@@ -111,18 +126,18 @@ def eq5_layer_s(oc, cpu_under_copy: float, i: np.ndarray, j: np.ndarray):
     per step and pair."""
     in_s, out_s = boundary_s(oc, i, j)
     cpu = cpu_under_copy * (eq6_cpu_s(oc.cpu_s, i, j) + oc.cpu_glue_s)
-    segment = in_s + eq7_h2d_s(oc.gpu_s, i, j) + out_s + oc.gpu_overhead_s
+    segment = in_s + eq7_h2d_s(oc.gpu_s, i, j) + eq8_dc_s(oc.dequant_s, i, j) + out_s + oc.gpu_overhead_s
     link = eq14_h2d_s(oc.h2d_s, oc.gpu_s, oc.kv_bytes, i, j)
     return np.maximum(cpu, link) + segment, cpu, link
 
 
 def _eq5_all_pairs(oc, cpu_under_copy: float, i: np.ndarray, j: np.ndarray):
-    """:func:`eq5_layer_s` for many pairs at once: one prefix sum over the stacked C, G, H, IN, OUT and
-    one gather (the planner calls this for every phase and CPU dtype)."""
+    """:func:`eq5_layer_s` for many pairs at once: one prefix sum over the stacked C, G + D, H, IN, OUT
+    and one gather (the planner calls this for every phase and CPU dtype)."""
     shared = oc.in_h2d_s * oc.shares_input
-    stack = np.stack([oc.cpu_s, oc.gpu_s, oc.h2d_s, oc.in_h2d_s - shared, oc.out_d2h_s])
+    stack = np.stack([oc.cpu_s, oc.gpu_s + oc.dequant_s, oc.h2d_s, oc.in_h2d_s - shared, oc.out_d2h_s])
     P = _prefix(stack)
-    inside = P[..., j] - P[..., i]  # [5, steps, pairs]: sums over O[i, j)
+    inside = P[..., j] - P[..., i]  # [5, steps, pairs]: sums over O[i, j) (G and Eq. 8's D together)
     in_s = inside[3] + shared[:, i]
     cpu = cpu_under_copy * (P[0, :, -1:] - inside[0] + oc.cpu_glue_s)  # Eq. 6, and the glue
     link = inside[2]  # Eq. 7 (Eq. 14 with one batch): the next layer's accelerator weights
@@ -147,7 +162,7 @@ def timeline(oc, cpu_under_copy: float, i: int, j: int) -> tuple[tuple[str, str,
     ``accelerator``, ``h2d`` (activations in; ``next layer weights`` on the same lane once the
     accelerator's operators are done, beside the CPU's rest and the next layer's first operators)
     and ``d2h``."""
-    C, G = oc.cpu_s.mean(axis=0) * cpu_under_copy, oc.gpu_s.mean(axis=0)
+    C, G, D = oc.cpu_s.mean(axis=0) * cpu_under_copy, oc.gpu_s.mean(axis=0), oc.dequant_s.mean(axis=0)
     IN, OUT = oc.in_h2d_s.mean(axis=0), oc.out_d2h_s.mean(axis=0)
     rows, t = [], 0.0
     for k, name in enumerate(oc.names):
@@ -155,6 +170,9 @@ def timeline(oc, cpu_under_copy: float, i: int, j: int) -> tuple[tuple[str, str,
             if not (oc.shares_input[k] and k > i):  # an input shared with the operator before crossed with it
                 rows.append((name + " input", "h2d", t, t + IN[k]))
                 t += IN[k]
+            if D[k]:  # its blocks dequantised right before its GEMM
+                rows.append((name + " dequantise", "accelerator", t, t + D[k]))
+                t += D[k]
             rows.append((name, "accelerator", t, t + G[k]))
             t += G[k]
             rows.append((name + " output", "d2h", t, t + OUT[k]))
