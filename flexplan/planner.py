@@ -208,8 +208,6 @@ def _phase_options(phase: str, policy: str, pc: PhaseCosts, pc_prefill: PhaseCos
     if force_m is not None and pol.needs_gpu_layers:
         ms = ms[ms == force_m]
     why = "no GPU" if not hw.has_gpu and pol.needs_accelerator(n) else pol.not_applicable(shape.model)
-    if not why and shape.weights and not pol.takes_compressed_weights:
-        why = NO_COMPRESSED_PATH
     if why:
         inf = np.full(ms.shape, np.inf)
         return _Options(policy, ms, inf, inf, inf, inf, np.zeros(ms.shape, bool), {}, inf, why)
@@ -220,22 +218,21 @@ def _phase_options(phase: str, policy: str, pc: PhaseCosts, pc_prefill: PhaseCos
     return _Options(policy, ms, est.time_s, est.pcie_bytes, gpu_b, cpu_b, feasible, est.terms, load)
 
 
-NO_COMPRESSED_PATH = ("runs no layer on a GGUF file's blocks yet (the compressed GPU path is not built): "
-                      "weights='float32' dequantises the file for every policy")
-
-
 def _kept_weights(spec: ModelSpec, weights: str | None) -> tuple:
-    """The (group, format, parameters) triples the CPU keeps as blocks, () where the plan holds its
+    """The (group, format, parameters) triples the plan keeps as blocks, () where it holds its
     weights in the dtypes: ``weights`` "gguf" (a GGUF file's blocks as stored: the default for one),
-    "int4" / "int8" (a float checkpoint quantised at load, weight_formats.AT_LOAD) or "float32"
-    (dequantised; the default otherwise)."""
-    if weights not in (None, "gguf", "float32", *weight_formats.AT_LOAD):
+    "int4" / "int8" (a float checkpoint quantised at load, weight_formats.AT_LOAD) or a block format a
+    kernel runs, by name in any case ("Q4_0", "q4_k": the decoder and head linears in it, as at load),
+    or "float32" (dequantised; the default otherwise)."""
+    fmt = weight_formats.kernel_format(weights) if weights not in (None, "gguf", "float32") else None
+    if weights not in (None, "gguf", "float32") and fmt is None:
         raise InvalidInputError(f"weights={weights!r}: use 'gguf' (a GGUF file's blocks as stored), "
-                                f"{', '.join(map(repr, weight_formats.AT_LOAD))} (quantised at load) or 'float32' "
-                                "(the weights in the plan's dtypes)")
+                                f"{', '.join(map(repr, weight_formats.AT_LOAD))} or a block format "
+                                f"({', '.join(weight_formats.KERNEL_FORMATS)}; a float model's linears in it), "
+                                "or 'float32' (the weights in the plan's dtypes)")
     if weights == "gguf" and not spec.stored_weights:
         raise InvalidInputError(f"weights='gguf' needs a GGUF file; {spec.name} holds its weights in a float dtype")
-    if weights in weight_formats.AT_LOAD:
+    if fmt is not None:
         if spec.stored_weights:
             raise InvalidInputError(f"weights={weights!r} quantises a float checkpoint; {spec.name} is a GGUF file: "
                                     "use weights='gguf' (its own blocks) or 'float32'")
@@ -244,8 +241,9 @@ def _kept_weights(spec: ModelSpec, weights: str | None) -> tuple:
 
 
 def _weights_notes(shape: Shape, eff: Efficiency) -> tuple[str, ...]:
-    """What a plan of weights held as blocks priced them at: each kernel format's calibrated block
-    kernels' rate, or (not calibrated for it) the float32 factors."""
+    """What a plan of weights held as blocks priced them at: on the CPU each kernel format's calibrated
+    block kernels' rate, or (not calibrated for it) the float32 factors; on the accelerator the blocks'
+    bytes over the link and in its memory, dequantised there before each GEMM (dequant_terms)."""
     if not shape.weights:
         return ()
     what = "the GGUF file's blocks as stored" if shape.model.stored_weights else "quantised at load"
@@ -257,7 +255,10 @@ def _weights_notes(shape: Shape, eff: Efficiency) -> tuple[str, ...]:
         [f"{', '.join(not_at)} at the float32 GEMV/GEMM rate (block kernels not calibrated for "
          f"{'it' if len(not_at) == 1 else 'them'}: `flexplan calibrate` times them per format)"] if not_at else [])
     return (f"weights: {what} ({weight_formats.describe(shape.weights)} parameters; "
-            f"{shape.cpu_weight_bytes:.3g} bytes a layer weight), priced " + "; ".join(how or ["as float32"]),)
+            f"{shape.cpu_weight_bytes:.3g} bytes a layer weight), priced on the CPU " + "; ".join(how or ["as float32"])
+            + f"; on the accelerator as blocks over the link and in its memory ({shape.gpu_weight_bytes:.3g} bytes "
+            f"a layer weight, the float ones in {shape.dtype}), dequantised by torch ops before each GEMM, "
+            "every call (Park & Egger's D)",)
 
 
 def _why_not(o: _Options, hw: Hardware, gpu_budget: float, cpu_budget: float) -> str:
@@ -285,7 +286,7 @@ def switch_s(shape: Shape, hw: Hardware, prefill: str, m_p: int, decode: str, m_
         return 0.0
     eff = eff if eff is not None else DefaultEfficiency.for_hardware(hw)
     m, n = shape.model, shape.model.num_layers
-    w_layer = costs.d_weights(m, shape.w_bytes)
+    w_layer = costs.d_weights(m, shape.gpu_weight_bytes)  # blocks cross as blocks
     kv_prompt = float(costs.kv_cache_bytes_per_layer(m, shape.batch, shape.input_len, shape.w_bytes))
     pp, dp = _placed(REGISTRY[prefill], n, m_p, "prefill"), _placed(REGISTRY[decode], n, m_d, "decode")
     h2d = d2h = h2d_weights = 0.0
@@ -306,7 +307,7 @@ def switch_s(shape: Shape, hw: Hardware, prefill: str, m_p: int, decode: str, m_
         else:  # GPU resident -> host
             d2h += count * kv_prompt
     if not pp.head_on_accelerator() and dp.head_on_accelerator():
-        h2d_weights += costs.d_lm_head(m, shape.w_bytes)
+        h2d_weights += costs.d_lm_head(m, shape.gpu_head_weight_bytes)
     bw_h2d, bw_d2h = hw.link.h2d_bandwidth_bytes_per_s, hw.link.d2h_bandwidth_bytes_per_s
     t_weights = (t_link_s(h2d_weights, bw_h2d, eff.h2d(h2d_weights)) if h2d_weights and include_initial_load
                  else 0.0)
@@ -342,9 +343,10 @@ def plan(model: Any, hardware: Any = "local", batch_size: int = 1, input_len: in
     priced from it and a cpu-experts plan keeps its most-used CPU experts on the accelerator as a
     cache in the memory it leaves (``plan_expert_cache``). ``policies``: the policy names to
     choose among (default: every registered one), e.g. FlexInfer's own five. ``weights``: for a
-    GGUF file, "gguf" (default: its blocks as stored, priced at their bytes; the CPU computes in
-    float32 and only policies whose layers run on blocks are open) or "float32" (dequantised); for
-    a float checkpoint, "int4" / "int8" (quantised at load, priced the same way).
+    GGUF file, "gguf" (default: its blocks as stored, priced at their bytes: the CPU computes in
+    float32 on them, the accelerator receives and holds them and dequantises before each GEMM) or
+    "float32" (dequantised); for a float checkpoint, "int4" / "int8" (quantised at load) or a block
+    format's name ("Q4_0", "Q4_K", ...: its linears in it), priced the same way.
     Raises :class:`DoesNotFitError` when no placement fits, :class:`InvalidInputError` for bad arguments.
     """
     _check_positive(batch_size=batch_size, input_len=input_len, output_len=output_len)

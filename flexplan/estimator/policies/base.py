@@ -48,7 +48,6 @@ class Policy:
     vectorised: bool = True  # placement() takes an array of M
     paper: str = ""  # where the formula comes from
     reproduces: str = ""  # the published system this policy is, when it is the baseline to beat (explain)
-    takes_compressed_weights: bool = False  # the executor runs its layers on a GGUF file's blocks as they are
 
     def gpu_layer_options(self, num_layers: int) -> np.ndarray:
         raise NotImplementedError

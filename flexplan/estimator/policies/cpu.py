@@ -17,7 +17,6 @@ def eq1_time_s(pc: PhaseCosts, num_layers: int) -> float:
 class CPUPolicy(Policy):
     host_mode = CPU
     paper = "FlexInfer Eq. 1"
-    takes_compressed_weights = True  # flexplan.quant's kernels read the blocks on the CPU
 
     def gpu_layer_options(self, num_layers):
         return np.array([0])
