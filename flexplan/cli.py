@@ -62,7 +62,7 @@ def cmd_explain(args) -> int:
                 plans.append(plan(args.model, hardware=args.hw, batch_size=b, input_len=i, output_len=o,
                                   dtype=args.dtype, gpu_memory_bytes=args.gpu_memory, cpu_memory_bytes=args.cpu_memory,
                                   prefill=args.prefill, decode=args.decode, gpu_layers=args.gpu_layers,
-                                  routing_profile=args.routing_profile,
+                                  routing_profile=args.routing_profile, weights=args.weights,
                                   policies=args.policies.split(",") if args.policies else None, efficiency=eff))
     if args.export:
         if len(plans) != 1:
@@ -141,6 +141,9 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
                          "most-used CPU experts on the accelerator in the memory left")
     ex.add_argument("--policies", default=None, metavar="A,B,...",
                     help="choose among these policies only (e.g. FlexInfer's: cpu,gpu,gpu-offload,gpu-offload-partial,splitgen)")
+    ex.add_argument("--weights", default=None, metavar="FORMAT",
+                    help="how the weights are held: gguf (a .gguf file's blocks, its default), float32, int4, int8 "
+                         "or a block format (Q4_0, Q4_K, Q8_0, ...: a float model's linears in it)")
     ex.add_argument("--json", action="store_true", help="print plan.to_dict() as JSON")
     ex.add_argument("--export", choices=EXPORT_FORMATS, default=None,
                     help="print the plan as llama.cpp's flags, vLLM's or accelerate's device_map, and what they "
