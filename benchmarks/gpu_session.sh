@@ -66,7 +66,7 @@ python3 -c "import flexplan; print('flexplan from', flexplan.__file__)" || exit 
 
 if has serve; then
   step "serving engine on the GPU"
-  timeout "$(limit 90)" python3 -m pytest -q -p no:cacheprovider tests/test_serving_cuda.py tests/test_serving_server.py \
+  timeout "$(limit 90)" python3 -m pytest -q -p no:cacheprovider tests/test_serving_cuda.py tests/test_serving_server.py tests/test_serving_compressed.py \
     > "$OUT/res/serving_cuda_tests.txt" 2>&1
   tail -15 "$OUT/res/serving_cuda_tests.txt"; pack
 fi

@@ -18,7 +18,7 @@ import pytest
 import torch
 from gguf_files import EOS_ID, file_and_folder
 
-from flexplan.errors import InvalidInputError
+from flexplan.errors import FlexplanError, InvalidInputError
 from flexplan.quant import kernels
 from flexplan.quant.at_load import load_quantized_folder
 from flexplan.quant.gguf_model import load_gguf_model
@@ -117,11 +117,11 @@ def test_bad_combinations_are_refused_naming_what_works(files, tmp_path):
         Engine.from_pretrained(folder, weights="gguf")
     with pytest.raises(InvalidInputError, match=r"'float32', 'int4', 'int8'"):
         Engine.from_pretrained(folder, weights="int3")
-    with pytest.raises(InvalidInputError, match=r"CPU only.*device='cuda'.*device='cpu'.*weights='float32'"):
-        Engine.from_pretrained(gguf_path, device="cuda")
-    with pytest.raises(InvalidInputError, match=r"weights='int8'.*CPU only.*weights='float32'"):
-        Engine.from_pretrained(folder, weights="int8", device="cuda:0")
-    with pytest.raises(InvalidInputError, match=r"float32 activations.*dtype=torch.float32"):
+    if not torch.cuda.is_available():  # refused before any load, whatever the weights
+        for path, weights in ((gguf_path, None), (folder, "int8"), (folder, None)):
+            with pytest.raises(FlexplanError, match=r"device='cuda:0' but this machine has no CUDA device.*device='cpu'"):
+                Engine.from_pretrained(path, weights=weights, device="cuda:0")
+    with pytest.raises(InvalidInputError, match=r"float32 activations on the CPU.*dtype=torch.float32"):
         Engine.from_pretrained(gguf_path, dtype=torch.bfloat16)
     with pytest.raises(InvalidInputError, match="no such GGUF file"):
         Engine.from_pretrained(tmp_path / "absent.gguf")
@@ -168,7 +168,8 @@ def test_flexplan_serve_names_a_gguf_file_by_its_file_name(files):
 @needs_serve_extra
 @pytest.mark.parametrize("argv, words", [
     (["--weights", "int4"], "weights='int4' quantises a model folder"),
-    (["--device", "cuda"], "CPU only"),
+    pytest.param(["--device", "cuda"], "no CUDA device",
+                 marks=pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA")),
 ])
 def test_flexplan_serve_reports_a_bad_combination_in_one_line(files, capsys, argv, words):
     from flexplan.cli import main
@@ -187,3 +188,21 @@ def test_flexplan_serve_of_an_absent_gguf_file_is_one_line(tmp_path, capsys):
     assert main(["serve", str(tmp_path / "absent.gguf")]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("flexplan serve: error: ") and "no such GGUF file" in err and "\n" not in err
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+def test_a_gguf_file_is_served_on_cuda_dequantising_its_blocks_there(files):
+    gguf_path, _ = files
+    ref, _ = load_gguf_model(gguf_path, log=_quiet)
+    ref = ref.to("cuda")  # the same blocks on the GPU: generate() dequantises them there too
+    with Engine.from_pretrained(gguf_path, device="cuda", **QUIET) as e:
+        assert all(m.blocks.device.type == "cuda" for m in e.model.modules() if isinstance(m, QuantLinear))
+        assert _served(e) == [_alone_on(ref, p) for p in PROMPTS]
+
+
+def _alone_on(model, prompt) -> list[int]:
+    with torch.no_grad():
+        ids = torch.tensor([prompt], device="cuda")
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW_TOKENS, do_sample=False,
+                             pad_token_id=EOS_ID)[0, len(prompt):].tolist()
+    return out[:out.index(EOS_ID) + 1] if EOS_ID in out else out

@@ -3,10 +3,10 @@ serving engine (``Engine.from_pretrained``, ``flexplan serve``) share, so a path
 the same model and are refused with the same words by both.
 
 - a ``.gguf`` file: ``"gguf"`` (default, "auto"): its linears on the file's own blocks
-  (``QuantLinear``, CPU only); ``"float32"``: every weight dequantised to float32 ``nn.Linear``;
+  (``QuantLinear``: the CPU's kernels read them, an accelerator dequantises them); ``"float32"``: every weight dequantised to float32 ``nn.Linear``;
 - a model folder (or a loaded model, or a hub name): ``"float32"`` (default, "auto"): its float
   weights, loaded by the caller as it always has; ``"int4"`` / ``"int8"``: a folder's decoder and
-  head linears quantised at load to group-wise blocks (:mod:`flexplan.quant.at_load`, CPU only).
+  head linears quantised at load to group-wise blocks (:mod:`flexplan.quant.at_load`).
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ class WeightsSource:
 
     @property
     def blocks(self) -> bool:
-        """Whether the linears run on blocks: the block kernels run on the CPU only today."""
+        """Whether the linears hold blocks (QuantLinear) rather than float weights."""
         return self.kind == GGUF_BLOCKS or self.kind in AT_LOAD_FORMATS
 
     @property

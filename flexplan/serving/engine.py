@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from flexplan.errors import FlexplanError, InvalidInputError
+from flexplan.errors import DeviceUnavailableError, FlexplanError, InvalidInputError
 from flexplan.executor import cpu_linear
 from flexplan.quant.sources import DENSE, GGUF_BLOCKS, weights_source
 from flexplan.serving import placed, sampling
@@ -52,22 +52,24 @@ from flexplan.smollm import default_model_dir
 STALL_STEPS = 100  # generate(): iterations in a row that schedule nothing before it gives up
 
 
-def _check_blocks_target(source, device, dtype: torch.dtype) -> None:
-    """Blocks (a GGUF file's own, or int4 / int8 made at load) run on the CPU in float32 activations:
-    the block kernels are CPU code today. Anything else is refused, naming what works."""
+def _check_target(source, device, dtype: torch.dtype) -> None:
+    """A device this machine has; blocks (a GGUF file's own, or int4 / int8 made at load) on the CPU
+    compute in float32 activations (the block kernels' arithmetic); on an accelerator they are
+    dequantised per call by torch ops, in any dtype. Anything else is refused, naming what works."""
     where = str(device).split(":")[0] if device is not None else "cpu"
+    if where == "cuda" and not torch.cuda.is_available():
+        raise DeviceUnavailableError(f"device={device!r} but this machine has no CUDA device (torch "
+                                     f"{torch.__version__}); serve on the CPU (device='cpu' or None)")
+    if not source.blocks or where != "cpu" or dtype == torch.float32:
+        return
     if source.kind == GGUF_BLOCKS:
         what = f"{Path(str(source.path)).name}: a GGUF file's own blocks"
         instead = "weights='float32' (every weight dequantised)"
     else:
         what = f"weights={source.kind!r}: blocks quantised at load"
         instead = "weights='float32' (the folder's float weights)"
-    if where != "cpu":
-        raise InvalidInputError(f"{what} run on the CPU only (the block kernels are CPU code); got device={device!r}: "
-                                f"serve it on the CPU (device='cpu' or None), or with {instead} on {device}")
-    if dtype != torch.float32:
-        raise InvalidInputError(f"{what} compute in float32 activations; got dtype={dtype}: pass dtype=torch.float32, "
-                                f"or {instead} for {dtype}")
+    raise InvalidInputError(f"{what} compute in float32 activations on the CPU; got dtype={dtype}: pass "
+                            f"dtype=torch.float32, or {instead} for {dtype}")
 
 
 def _locked(method):
@@ -157,8 +159,8 @@ class Engine:
         (one rule: :func:`flexplan.quant.sources.weights_source`): for a ``.gguf`` file "gguf" (default,
         or "auto": its linears on the file's own blocks) or "float32" (every weight dequantised); for
         a folder "float32" (default: its float weights in ``dtype``) or "int4" / "int8" (its decoder
-        and head linears quantised at load to group-wise blocks). Blocks run on the CPU alone, in
-        float32 activations. On the CPU its dense linears take ``cpu_linear_kernel`` (default:
+        and head linears quantised at load to group-wise blocks). Blocks compute on the CPU in float32
+        activations (its kernels), on an accelerator in ``dtype`` (dequantised there per call). On the CPU its dense linears take ``cpu_linear_kernel`` (default:
         flexplan's fastest here, :func:`flexplan.executor.cpu_linear.default_kernel`): the engine owns
         this model, so its weights are packed once for the kernel that streams them (a decode batch
         is a few rows: a GEMV's read of the weights, not a GEMM); blocks stay as they are. With
@@ -170,8 +172,7 @@ class Engine:
         if plan is not None:  # placed by flexplan's planner and executor (flexplan.serving.placed)
             return cls(placed.load(path, plan, accelerator, gpu_memory_bytes, dtype, cpu_linear_kernel, weights),
                        **engine_kwargs)
-        if source.blocks:
-            _check_blocks_target(source, device, dtype)
+        _check_target(source, device, dtype)
         kernel = cpu_linear_kernel or cpu_linear.default_kernel()
         why = cpu_linear.kernel_unavailable(kernel)
         if why:
@@ -189,7 +190,7 @@ class Engine:
             if tokenizer is None:
                 raise InvalidInputError(f"{path}: no tokenizer could be built from it; serve a .gguf file with "
                                         "tokenizer metadata, or a folder with tokenizer files")
-            if not source.blocks and dtype != torch.float32:  # dequantised: float32, cast as a folder is
+            if dtype != torch.float32:  # dequantised: float32, cast as a folder is (blocks stay bytes)
                 model = model.to(dtype)
         if device is not None:
             model = model.to(device)
