@@ -95,7 +95,8 @@ def test_flexplan_load_of_a_folder_with_weights_int4_runs_the_blocks_under_a_pri
     ids = torch.randint(0, 512, (1, 12), generator=torch.Generator().manual_seed(2))
     want = load_quantized_folder(path, "int4", log=lambda line: None).generate(ids, max_new_tokens=6, do_sample=False)
     assert torch.equal(lm.generate(ids, max_new_tokens=6, do_sample=False), want)
-    with pytest.raises(InvalidInputError, match="cpu policy"):
-        flexplan.load(str(path), weights="int4", plan={"prefill": "gpu", "decode": "gpu"})
+    # blocks under any plan: the stand-in's gpu policy gives the same tokens
+    gpu = flexplan.load(str(path), weights="int4", plan={"prefill": "gpu", "decode": "gpu"}, accelerator="cpu")
+    assert gpu.plan.decode.policy == "gpu" and torch.equal(gpu.generate(ids, max_new_tokens=6, do_sample=False), want)
     with pytest.raises(InvalidInputError, match="model folder"):
         flexplan.load(str(tmp_path / "nothing-here"), weights="int8")
