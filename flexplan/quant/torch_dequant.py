@@ -2,7 +2,9 @@
 
 This is the GPU path of compressed weights: the PCIe link carries the file's bytes (a Q4_K
 weight is 4.5 bits, not 16), and the GPU turns them into float weights with ordinary torch
-element-wise ops, so no custom kernel is compiled or shipped. The same code runs on the CPU.
+element-wise ops, so no custom kernel is written or shipped. The same code runs on the CPU. Run
+eagerly each op is its own kernel; :mod:`flexplan.quant.fused_dequant` compiles these same
+functions into one kernel a format (what an accelerator's QuantLinear runs).
 
 The rule: each format's function is the ``gguf`` package's numpy reference
 (``gguf/quants.py``: ``Q4_0.dequantize_blocks`` ... ``Q6_K.dequantize_blocks`` and
@@ -20,7 +22,6 @@ not whole blocks, raises :class:`~flexplan.errors.InvalidInputError`.
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 
 import torch
@@ -66,43 +67,43 @@ def _bit_planes(qh: torch.Tensor) -> torch.Tensor:
 
 # --- the 32-weight blocks ------------------------------------------------------------------------
 
-def _q4_0(blocks: torch.Tensor) -> torch.Tensor:
+def _q4_0(blocks: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     # block_q4_0: fp16 d, 16 bytes of nibbles; w = d * (q - 8)
     d = _f16(blocks, 0)
     q = _nibbles(blocks[:, 2:], 16).to(torch.int8) - 8
-    return d * q.float()
+    return (d * q.float()).to(dtype)
 
 
-def _q4_1(blocks: torch.Tensor) -> torch.Tensor:
+def _q4_1(blocks: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     # block_q4_1: fp16 d, fp16 m, 16 bytes of nibbles; w = d * q + m
     d, m = _f16(blocks, 0), _f16(blocks, 2)
     q = _nibbles(blocks[:, 4:], 16).float()
-    return (d * q) + m
+    return ((d * q) + m).to(dtype)
 
 
-def _q5_0(blocks: torch.Tensor) -> torch.Tensor:
+def _q5_0(blocks: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     # block_q5_0: fp16 d, uint32 qh (5th bits), 16 bytes of nibbles; w = d * (q - 16)
     d = _f16(blocks, 0)
     qh = _qh32(blocks[:, 2:6])
     ql = _nibbles(blocks[:, 6:], 16)
     q = (ql | (qh << 4)).to(torch.int8) - 16
-    return d * q.float()
+    return (d * q.float()).to(dtype)
 
 
-def _q5_1(blocks: torch.Tensor) -> torch.Tensor:
+def _q5_1(blocks: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     # block_q5_1: fp16 d, fp16 m, uint32 qh, 16 bytes of nibbles; w = d * q + m
     d, m = _f16(blocks, 0), _f16(blocks, 2)
     qh = _qh32(blocks[:, 4:8])
     ql = _nibbles(blocks[:, 8:], 16)
     q = (ql | (qh << 4)).float()
-    return (d * q) + m
+    return ((d * q) + m).to(dtype)
 
 
-def _q8_0(blocks: torch.Tensor) -> torch.Tensor:
+def _q8_0(blocks: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     # block_q8_0: fp16 d, 32 int8; w = q * d (gguf's operand order)
     d = _f16(blocks, 0)
     x = blocks[:, 2:].view(torch.int8).float()
-    return x * d
+    return (x * d).to(dtype)
 
 
 # --- the K-quants (256-weight super-blocks) ------------------------------------------------------
@@ -132,7 +133,15 @@ def _q45_k(blocks: torch.Tensor, fifth_bit: bool) -> torch.Tensor:
     return (d * q.reshape(n, 8, 32).float() - dm).reshape(n, QK_K)
 
 
-def _q6_k(blocks: torch.Tensor) -> torch.Tensor:
+def _q4_k(blocks: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return _q45_k(blocks, fifth_bit=False).to(dtype)
+
+
+def _q5_k(blocks: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return _q45_k(blocks, fifth_bit=True).to(dtype)
+
+
+def _q6_k(blocks: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     # block_q6_K: 128 bytes ql (low 4 bits), 64 bytes qh (2 high bits each), 16 int8 scales, fp16 d;
     # w = (d * scale) * (q - 32) per sub-block of 16
     n = blocks.shape[0]
@@ -144,28 +153,28 @@ def _q6_k(blocks: torch.Tensor) -> torch.Tensor:
     qh = (qh & 0x03).reshape(n, 256)
     q = (ql | (qh << 4)).to(torch.int8) - 32
     q = q.reshape(n, QK_K // 16, 16).float()
-    return (d * q).reshape(n, QK_K)
+    return (d * q).reshape(n, QK_K).to(dtype)
 
 
-# ggml type id -> function of uint8 blocks [n, block_bytes] giving float32 [n, block_weights]
-_DEQUANTIZERS: dict[int, Callable[[torch.Tensor], torch.Tensor]] = {
-    2: _q4_0, 3: _q4_1, 6: _q5_0, 7: _q5_1, 8: _q8_0, 12: functools.partial(_q45_k, fifth_bit=False),
-    13: functools.partial(_q45_k, fifth_bit=True), 14: _q6_k,
+# ggml type id -> function of (uint8 blocks [n, block_bytes], dtype) giving [n, block_weights] of dtype,
+# computed in float32 and cast last. One function (one code object) per format: torch.compile caches
+# its compiled graphs per code object (flexplan.quant.fused_dequant), so formats never share a cache.
+DEQUANTIZERS: dict[int, Callable[[torch.Tensor, torch.dtype], torch.Tensor]] = {
+    2: _q4_0, 3: _q4_1, 6: _q5_0, 7: _q5_1, 8: _q8_0, 12: _q4_k, 13: _q5_k, 14: _q6_k,
 }
-SUPPORTED = frozenset(_DEQUANTIZERS)
+SUPPORTED = frozenset(DEQUANTIZERS)
 
 
 def _supported_names() -> str:
     return ", ".join(f"{GGUF_FORMATS[t].name} ({t})" for t in sorted(SUPPORTED))
 
 
-def dequantize(data: torch.Tensor, ggml_type: int, in_features: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+def as_blocks(data: torch.Tensor, ggml_type: int, in_features: int) -> torch.Tensor:
     """data: uint8 [rows, row_bytes] (rows of whole blocks, as a GGUF file stores a 2-D tensor in
-    torch order [out, in]), on any device; returns [rows, in_features] of dtype on data's device.
-
-    Computed in float32 (bit for bit ``gguf.quants.dequantize``), then cast to ``dtype``."""
+    torch order [out, in]) of a :data:`SUPPORTED` type, checked, as blocks [rows x blocks a row,
+    block_bytes] (a view where data is contiguous); anything else raises InvalidInputError."""
     ggml_type = int(ggml_type)
-    if ggml_type not in _DEQUANTIZERS:
+    if ggml_type not in DEQUANTIZERS:
         fmt = GGUF_FORMATS.get(ggml_type)
         name = fmt.name if fmt is not None else f"ggml type {ggml_type}"
         raise InvalidInputError(f"torch dequantisation does not handle {name}; it handles {_supported_names()} "
@@ -182,9 +191,15 @@ def dequantize(data: torch.Tensor, ggml_type: int, in_features: int, dtype: torc
         raise InvalidInputError(f"{fmt.name}: rows of {data.shape[1]} bytes do not match in_features={in_features}; "
                                 f"{in_features} weights take {row_bytes} bytes ({fmt.block_bytes} per "
                                 f"{fmt.block_weights}-weight block)")
-    rows = data.shape[0]
-    if rows == 0:
+    return data.reshape(data.shape[0] * (row_bytes // fmt.block_bytes), fmt.block_bytes)
+
+
+def dequantize(data: torch.Tensor, ggml_type: int, in_features: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """data: uint8 [rows, row_bytes] (:func:`as_blocks`), on any device; returns [rows, in_features]
+    of dtype on data's device.
+
+    Computed in float32 (bit for bit ``gguf.quants.dequantize``), then cast to ``dtype``."""
+    blocks = as_blocks(data, ggml_type, in_features)
+    if data.shape[0] == 0:
         return torch.empty(0, in_features, dtype=dtype, device=data.device)
-    blocks = data.reshape(rows * (row_bytes // fmt.block_bytes), fmt.block_bytes)
-    weights = _DEQUANTIZERS[ggml_type](blocks)
-    return weights.reshape(rows, in_features).to(dtype)
+    return DEQUANTIZERS[int(ggml_type)](blocks, dtype).reshape(data.shape[0], in_features)
