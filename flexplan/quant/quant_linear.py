@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from flexplan.quant import kernels, torch_dequant
+from flexplan.quant import fused_dequant, kernels
 from flexplan.quant.gguf_weights import QuantTensor
 
 
@@ -73,7 +73,8 @@ class QuantLinear(nn.Module):
 
     def forward_dequantised(self, x: torch.Tensor) -> torch.Tensor:
         """``y = x W^T (+ bias)`` on x's device and in x's dtype, W dequantised there from the blocks
-        (:mod:`flexplan.quant.torch_dequant`, plain torch ops, as gguf's reference): the path of an
+        (:mod:`flexplan.quant.torch_dequant`'s torch ops, as gguf's reference, compiled into one kernel
+        on CUDA by :mod:`flexplan.quant.fused_dequant`, whose rule says when): the path of an
         input on an accelerator, where the blocks are what crosses the link (the executor places
         them there: a resident layer's stay, a streamed layer's arrive in its slot; blocks held
         elsewhere are copied for the call). A format without a kernel uses its dequantised copy."""
@@ -82,7 +83,7 @@ class QuantLinear(nn.Module):
             w = self.dense.to(x.device, dtype)
         else:
             blocks = self.blocks.to(x.device, non_blocking=True)
-            w = torch_dequant.dequantize(blocks, self.format.ggml_type, self.in_features, dtype)
+            w = fused_dequant.dequantize(blocks, self.format.ggml_type, self.in_features, dtype)
         bias = None if self.bias is None else self.bias.to(x.device, dtype)
         return nn.functional.linear(x.to(dtype), w, bias)
 
