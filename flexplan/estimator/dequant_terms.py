@@ -2,18 +2,23 @@
 
 Weights held as blocks (a GGUF file's, or a float checkpoint's linears quantised at load) sit on
 the accelerator and cross the link as blocks; each linear there turns its blocks into weights in the
-plan's dtype with ``flexplan.quant.torch_dequant``'s plain torch ops right before its GEMM, every
-call, in the compute stream. Those ops are not fused: each is one kernel launch and writes a tensor
-the next one reads, so the bytes they move are the sum over the ops, far above the blocks read plus
-the weights written that a fused kernel would move (Q4_0: 20.9 + 6 bytes a weight in bfloat16, not
-0.56 + 2). Per matrix of p weights in format f:
+plan's dtype right before its GEMM, every call, in the compute stream, by one fused kernel a matrix
+(``flexplan.quant.fused_dequant``: torch_dequant's ops compiled by torch.compile, the default on
+CUDA), which reads the blocks once and writes the weights once. Per matrix of p weights in format f:
 
-    D = p (B_f + cast) / (BW_GPU x Eff_GPU,Mem(rows)) + (L_f + [cast]) x t_launch
+    D = p (B_f + W) / (BW_GPU x Eff_GPU,Mem(rows)) + t_launch
 
-with B_f, L_f the bytes a weight and the launches :data:`TORCH_DEQUANT_OPS` counts for f, ``cast``
-the final float32 -> dtype copy (4 + dtype bytes a weight and one launch; none in float32) and
-t_launch ``efficiency.GPU_KERNEL_LAUNCH_S``. Float weights (the embedding, routed experts, norms)
-take none. The GEMM itself then reads the dequantised weights at the dtype (``PhaseWork.d_gpu``).
+with B_f the blocks' bytes a weight (``BlockFormat.bytes_per_weight``: Q4_0 0.5625), W the plan's
+dtype bytes a weight written (bfloat16 2) and t_launch ``efficiency.GPU_KERNEL_LAUNCH_S``. Float
+weights (the embedding, routed experts, norms) take none. The GEMM itself then reads the
+dequantised weights at the dtype (``PhaseWork.d_gpu``).
+
+Priced is the fused kernel, since the estimator cannot know whether a target machine's torch
+compiles (no Triton, FLEXPLAN_FUSED_DEQUANT=0). Where it does not, the eager fallback runs each of
+torch_dequant's ops as its own kernel writing a full intermediate: 13-34 bytes moved a weight in
+float32 (Q8_0 13.4, Q4_0 20.9, Q5_1 33.5, Q5_K 34.3) over 4-31 launches a matrix, plus the cast
+(4 + W bytes, one launch): in bfloat16 6-15x this D's bytes. That table was counted from the
+code under a dispatch mode (git history: this module before the fused kernel).
 """
 
 from __future__ import annotations
@@ -22,55 +27,46 @@ from functools import lru_cache
 from types import MappingProxyType
 
 from flexplan.estimator.efficiency import GPU_KERNEL_LAUNCH_S
+from flexplan.quant.formats import BY_NAME
 from flexplan.workload import weight_formats
 
-# flexplan/quant/torch_dequant.py's ops on one matrix, counted as written (view ops launch nothing):
-# (kernel launches, bytes read + written a weight by all of them, in float32 before the final cast).
-# tests/test_estimator_compressed.py recounts them under a torch dispatch mode, so the table follows the code.
-TORCH_DEQUANT_OPS = MappingProxyType({
-    "Q4_0": (9, 20.9375), "Q4_1": (10, 25.375), "Q5_0": (14, 29.0625), "Q5_1": (15, 33.5),
-    "Q8_0": (4, 13.4375), "Q4_K": (26, 26.140625), "Q5_K": (31, 34.265625), "Q6_K": (16, 29.8671875),
-})
-FLOAT32_BYTES = 4  # torch_dequant computes in float32 and casts last
+FUSED_LAUNCHES_PER_MATRIX = 1  # the compiled dequantisation is one kernel (fused_dequant)
 
 
-def cast_bytes_per_weight(w_bytes: float) -> tuple[float, int]:
-    """(bytes a weight, launches) of torch_dequant's final cast to the plan's dtype: float32 -> a
-    16-bit dtype reads 4 and writes 2 in one kernel; to float32 it is no copy at all."""
-    return (0.0, 0) if w_bytes == FLOAT32_BYTES else (FLOAT32_BYTES + float(w_bytes), 1)
+def _dequantised_on_accelerator(format_name: str) -> bool:
+    """Whether the accelerator dequantises ``format_name``'s blocks per call: the formats held as
+    blocks (the native kernels' eight, which torch_dequant handles); the rest are float by then."""
+    f = BY_NAME.get(format_name)
+    return f is not None and f.native_kernel
 
 
 @lru_cache(maxsize=256)
 def group_dequant(weights: weight_formats.Weights) -> MappingProxyType:
-    """{operator group: (share of its parameters in blocks, bytes torch_dequant's ops move per weight
-    in blocks before the cast, launches per matrix before the cast averaged over the group's matrices
-    by parameters)}; every group as stored (the tied head reads "embedding"'s blocks)."""
+    """{operator group: (share of its parameters in blocks, bytes a weight of those blocks)}; every
+    group as stored (the tied head reads "embedding"'s blocks)."""
     total: dict[str, float] = {}
     blocks: dict[str, float] = {}
-    moved: dict[str, float] = {}
-    launches: dict[str, float] = {}
+    block_bytes: dict[str, float] = {}
     for group, fmt, p in weights:
         total[group] = total.get(group, 0.0) + p
-        if fmt in TORCH_DEQUANT_OPS:
-            n_launch, b = TORCH_DEQUANT_OPS[fmt]
+        if _dequantised_on_accelerator(fmt):
             blocks[group] = blocks.get(group, 0.0) + p
-            moved[group] = moved.get(group, 0.0) + p * b
-            launches[group] = launches.get(group, 0.0) + p * n_launch
-    return MappingProxyType({g: (blocks[g] / total[g], moved[g] / blocks[g], launches[g] / total[g])
+            block_bytes[group] = block_bytes.get(group, 0.0) + p * BY_NAME[fmt].bytes_per_weight
+    return MappingProxyType({g: (blocks[g] / total[g], block_bytes[g] / blocks[g])
                              for g in blocks if total[g] > 0 and blocks[g] > 0})
 
 
 def t_gpu_dequant_s(weights: weight_formats.Weights, group: str, params: float, matrices: float, w_bytes: float,
                     bandwidth_bytes_per_s: float, eff_memory: float) -> float:
-    """D of ``params`` weights in ``matrices`` matrices of ``group`` (module docstring); 0 for a
+    """D of ``params`` weights in ``matrices`` matrices of ``group`` (module docstring: blocks read,
+    weights written, one launch a matrix in blocks, counted by their share of parameters); 0 for a
     group held in float."""
     held = group_dequant(weights).get(group) if weights else None
     if held is None:
         return 0.0
-    share, moved, launches = held
-    cast_b, cast_n = cast_bytes_per_weight(w_bytes)
-    return (params * share * (moved + cast_b) / (bandwidth_bytes_per_s * eff_memory)
-            + matrices * (launches + share * cast_n) * GPU_KERNEL_LAUNCH_S)
+    share, block_bytes = held
+    return (params * share * (block_bytes + float(w_bytes)) / (bandwidth_bytes_per_s * eff_memory)
+            + matrices * share * FUSED_LAUNCHES_PER_MATRIX * GPU_KERNEL_LAUNCH_S)
 
 
 def _mlp_matrices(m, width: int) -> int:
