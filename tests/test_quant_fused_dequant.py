@@ -128,7 +128,8 @@ def test_eager_where_the_rule_says(monkeypatch, case):
 
 
 def test_no_rows_and_bad_input_as_torch_dequant():
-    assert fused_dequant.dequantize(torch.empty(0, 144, dtype=torch.uint8), 12, 256, device_types=CPU).shape == (0, 256)
+    empty = torch.empty(0, 144, dtype=torch.uint8)
+    assert fused_dequant.dequantize(empty, 12, 256, device_types=CPU).shape == (0, 256)
     with pytest.raises(Exception, match="Q4_K.*multiple of 256"):
         fused_dequant.dequantize(torch.zeros(2, 144, dtype=torch.uint8), 12, 128, device_types=CPU)
 

@@ -59,7 +59,8 @@ def off_reason() -> str | None:
 def _turn_off(ggml_type: int, device: torch.device, error: Exception) -> None:
     global _off_why
     first = (str(error).strip().splitlines() or [""])[0][:200]
-    _off_why = f"torch.compile failed on {GGUF_FORMATS[ggml_type].name} ({device.type}): {type(error).__name__}: {first}"
+    name = GGUF_FORMATS[ggml_type].name
+    _off_why = f"torch.compile failed on {name} ({device.type}): {type(error).__name__}: {first}"
     print(f"flexplan: fused dequantisation off for this process ({_off_why}); dequantising with eager torch ops "
           f"(set {ENV_VAR}=0 to skip the attempt)", file=sys.stderr)
 
