@@ -73,7 +73,7 @@ fi
 
 if has quant; then
   step "compressed weights on the GPU"
-  timeout "$(limit 60)" python3 -m pytest -q -p no:cacheprovider tests/test_quant_torch_dequant.py \
+  timeout "$(limit 180)" python3 -m pytest -q -p no:cacheprovider tests/test_quant_torch_dequant.py tests/test_quant_fused_dequant.py \
     tests/test_quant_model.py tests/test_quant_policies.py -k "cuda or accelerator or k_quant" > "$OUT/res/quant_cuda_tests.txt" 2>&1
   tail -15 "$OUT/res/quant_cuda_tests.txt"; pack
 fi
