@@ -6,10 +6,10 @@ Nothing runs a model: for the papers' testbeds in hwdb (NEO's T4 and A10G, its H
 Q4_K and int4 (= Q4_1, quantised at load), and the planner's free choice in each format. Per cell:
 the predicted TPOT, the bytes over the link per decode step, the ratio to bfloat16, and one
 streamed layer's terms: its weights over the link (t_load), its time on the accelerator
-(t_gpu_layer, which includes D) and D alone, the blocks dequantised by torch_dequant's ops every call
-(``estimator/dequant_terms.py``). Issue 40's goal: 4-bit gpu-offload TPOT <= 0.3 x bfloat16's
-(Q4_0 is 4.5 bits a weight = 0.28 of 16; Q4_1 5 bits = 0.31). Default shape: batch 1, prompt
-512, 32 new tokens (Park & Egger's).
+(t_gpu_layer, which includes D) and D alone, the blocks dequantised every call by one compiled
+kernel (``quant/fused_dequant.py``, priced by ``estimator/dequant_terms.py``). Issue 40's goal:
+4-bit gpu-offload TPOT <= 0.3 x bfloat16's (Q4_0 is 4.5 bits a weight = 0.28 of 16; Q4_1 5 bits =
+0.31). Default shape: batch 1, prompt 512, 32 new tokens (Park & Egger's).
 
     python benchmarks/predict_compressed_offload.py
 """

@@ -257,8 +257,8 @@ def _weights_notes(shape: Shape, eff: Efficiency) -> tuple[str, ...]:
     return (f"weights: {what} ({weight_formats.describe(shape.weights)} parameters; "
             f"{shape.cpu_weight_bytes:.3g} bytes a layer weight), priced on the CPU " + "; ".join(how or ["as float32"])
             + f"; on the accelerator as blocks over the link and in its memory ({shape.gpu_weight_bytes:.3g} bytes "
-            f"a layer weight, the float ones in {shape.dtype}), dequantised by torch ops before each GEMM, "
-            "every call (Park & Egger's D)",)
+            f"a layer weight, the float ones in {shape.dtype}), dequantised by one compiled kernel a matrix before "
+            "each GEMM, every call (Park & Egger's D)",)
 
 
 def _why_not(o: _Options, hw: Hardware, gpu_budget: float, cpu_budget: float) -> str:

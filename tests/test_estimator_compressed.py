@@ -131,7 +131,7 @@ def test_split_points_h_is_compressed_and_the_segment_includes_d():
 def test_a_block_format_name_plans(name, fmt):
     p = flexplan.plan(SPEC, HW, batch_size=1, input_len=32, output_len=4, weights=name, efficiency=EFF)
     assert {f for _, f, _ in p.weights} == {fmt, "F32"}
-    assert any("dequantised by torch ops" in n for n in p.notes)
+    assert any("dequantised by one compiled kernel" in n for n in p.notes)
 
 
 def test_an_unknown_format_is_refused_naming_what_works():

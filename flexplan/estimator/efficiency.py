@@ -93,7 +93,7 @@ GPU_MEMORY_DEFAULT = 0.80  # of STREAM/datasheet bandwidth
 ICN_DEFAULT = 0.80  # pinned cudaMemcpyAsync typically reaches 75-90% of the PCIe per-direction rate
 # Not in the paper (its layers are large enough to ignore it): eager PyTorch runs ~15-20 ops per
 # decoder layer; at ~10 us each on the CPU and ~5 us per kernel launch on the GPU.
-GPU_KERNEL_LAUNCH_S = 5e-6  # one eager op's launch on the GPU (also prices torch_dequant's ops: dequant_terms)
+GPU_KERNEL_LAUNCH_S = 5e-6  # one kernel launch on the GPU (also prices the dequantisation's: dequant_terms)
 CPU_LAYER_OVERHEAD_DEFAULT_S = 150e-6
 GPU_LAYER_OVERHEAD_DEFAULT_S = 20 * GPU_KERNEL_LAUNCH_S  # ~20 ops a layer
 STEP_OVERHEAD_DEFAULT_S = 1e-3  # transformers generate(): logits processors, stopping criteria, cache bookkeeping
