@@ -717,7 +717,13 @@ def from_measurements(meas: dict, settings: dict, hw: Hardware, source: str) -> 
     if isinstance(gen, list) and gen:  # the toy model's one layer is in the step time: take it out
         xs = np.array([float(r["batch"]) * float(r["vocab"]) for r in gen])
         ys = np.array([max(_stat_s(r) - int(r.get("layers", 1)) * cpu_overhead, 0.0) for r in gen])
-        step_overhead = fit_step_overhead(xs, ys)
+        fit = fit_step_overhead(xs, ys)
+        # a step never costs nothing: a fit of 0 means the layer overhead's own timing (noisier on a
+        # busy machine) took all of the step's, so the default stands rather than a free loop
+        if fit.base_s > 0 or fit.per_logit_s > 0:
+            step_overhead = fit
+        else:
+            notes.append("generate() step overhead measured at 0 beyond the layer overhead (noisy timings): default")
     else:
         notes.append("generate() step overhead not measured: default")
     sweep = _part(meas, "cpu_threads", dict)
