@@ -186,3 +186,19 @@ def test_portable_c_path_passes_the_self_check(tmp_path):
         qt = _weights(fmt)
         x = torch.randn(5, qt.shape[1])
         assert _rel(portable.gemm(qt.data, fmt, x), NATIVE.gemm(qt.data, fmt, x).double()) < 1e-5, fmt.name
+
+
+def test_the_int8_activation_is_quantised_exactly_as_the_reference_rounds_it():
+    """An identity weight in Q8_0 (d = 1, one-hot rows) returns d_a * q_a of each input element:
+    the vectorised quantisation equals the reference bit for bit, ties away from zero included."""
+    blocks, k = 4, 4 * 32
+    raw = torch.zeros(k, blocks, 34, dtype=torch.uint8)
+    raw[:, :, 1] = 0x3C  # float16 1.0, little-endian
+    for o in range(k):
+        raw[o, o // 32, 2 + o % 32] = 1
+    x = torch.randn(3, k, generator=torch.Generator().manual_seed(5)) * 3
+    x[0, :8] = torch.tensor([127.0, 2.5, -3.5, 0.49999997, 1.5, -0.5, 0.5, -126.5])  # d = 1: exact halves
+    x[1, 32:64] = 0.0  # an all-zero block: d = 0, q = 0
+    y = NATIVE.gemm(raw.reshape(k, -1), Q8_0, x)
+    assert torch.equal(y, kernels.quantized_activation(x, 32).float())
+    assert y[0, :8].tolist() == [127.0, 3.0, -4.0, 0.0, 2.0, -1.0, 1.0, -127.0]

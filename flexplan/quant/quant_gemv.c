@@ -104,6 +104,43 @@ static int64_t block_bytes(int64_t wtype) { /* the 32-weight blocks; 0 for any o
 
 /* llama.cpp's quantize_row_q8_0 rule, d kept in float32; roundf: ties away from zero as its reference */
 static void quantize_act(const float *x, act_block *a, int64_t nb) {
+#if defined(__AVX2__)
+    /* the same values vectorised (a decode step quantises every GEMV's input on one thread): |v| by
+     * clearing the sign, the same max, v * id in float32, and roundf's ties-away rule done exactly
+     * (t = trunc(p), p - t is exact, |p - t| >= 0.5 steps away from zero) */
+    const __m256 sign = _mm256_set1_ps(-0.0f), half = _mm256_set1_ps(0.5f), one = _mm256_set1_ps(1.0f);
+    for (int64_t b = 0; b < nb; b++) {
+        const float *v = x + b * QK;
+        __m256 x4[4], m = _mm256_setzero_ps();
+        for (int i = 0; i < 4; i++) {
+            x4[i] = _mm256_loadu_ps(v + 8 * i);
+            m = _mm256_max_ps(m, _mm256_andnot_ps(sign, x4[i]));
+        }
+        __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+        m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+        m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+        const float amax = _mm_cvtss_f32(m4);
+        const float d = amax / 127.0f, id = d ? 1.0f / d : 0.0f;
+        const __m256 idv = _mm256_set1_ps(id);
+        __m256i q4[4], sum = _mm256_setzero_si256();
+        for (int i = 0; i < 4; i++) {
+            const __m256 p = _mm256_mul_ps(x4[i], idv);
+            const __m256 t = _mm256_round_ps(p, _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC);
+            const __m256 away = _mm256_cmp_ps(_mm256_andnot_ps(sign, _mm256_sub_ps(p, t)), half, _CMP_GE_OQ);
+            const __m256 step = _mm256_and_ps(away, _mm256_or_ps(one, _mm256_and_ps(sign, p)));
+            q4[i] = _mm256_cvtps_epi32(_mm256_add_ps(t, step));
+            sum = _mm256_add_epi32(sum, q4[i]);
+        }
+        /* int32 -> int8 in order: packs interleave 128-bit lanes, the permute puts them back */
+        const __m256i w = _mm256_packs_epi16(_mm256_packs_epi32(q4[0], q4[1]), _mm256_packs_epi32(q4[2], q4[3]));
+        _mm256_storeu_si256((__m256i *)a[b].qs, _mm256_permutevar8x32_epi32(w, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+        __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
+        s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4E));
+        s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xB1));
+        a[b].d = d;
+        a[b].ds = d * (float)_mm_cvtsi128_si32(s4);
+    }
+#else
     for (int64_t b = 0; b < nb; b++) {
         const float *v = x + b * QK;
         float amax = 0.0f;
@@ -118,6 +155,7 @@ static void quantize_act(const float *x, act_block *a, int64_t nb) {
         a[b].d = d;
         a[b].ds = d * (float)sum;
     }
+#endif
 }
 
 /* ---- integer dots of one weight row with T activation rows ---------------------------------------
