@@ -76,17 +76,27 @@ static inline float exp_f32(float x) {
     return p * scale.f;
 }
 
-/* GCC/Clang vector extensions: one AVX-512 register, two AVX2 ones, or scalar code, whatever
- * -march=native allows; aligned(4) makes loads and stores of them unaligned ones. */
+/* GCC/Clang vector extensions of one register: 16 floats where AVX-512 has them, else 8 (AVX2's
+ * width: a 16-float vector there went through the stack at every step, and the decode attention
+ * ran 4-5x slower); aligned(4) makes loads and stores of them unaligned ones. */
+#if defined(__AVX512F__)
 #define LANES 16
-typedef float v16 __attribute__((vector_size(64), aligned(4)));
+#else
+#define LANES 8
+#endif
+typedef float vf __attribute__((vector_size(LANES * 4), aligned(4)));
 typedef float v8 __attribute__((vector_size(32), aligned(4)));
 typedef float v4 __attribute__((vector_size(16), aligned(4)));
 
-static inline float hsum16(v16 a) { /* pairwise: halves, quarters, then four lanes */
+static inline float hsumv(vf a) { /* pairwise: halves, quarters, then four lanes */
+    v8 s8;
+#if LANES == 16
     v8 lo, hi;
     memcpy(&lo, &a, sizeof lo), memcpy(&hi, (const char*)&a + sizeof lo, sizeof hi);
-    const v8 s8 = lo + hi;
+    s8 = lo + hi;
+#else
+    memcpy(&s8, &a, sizeof s8);
+#endif
     v4 l4, h4;
     memcpy(&l4, &s8, sizeof l4), memcpy(&h4, (const char*)&s8 + sizeof l4, sizeof h4);
     const v4 s4 = l4 + h4;
@@ -99,16 +109,16 @@ static inline float bf16_f32(uint16_t h) {
     return u.f;
 }
 
-typedef uint16_t u16x16 __attribute__((vector_size(32), aligned(2)));
-typedef uint32_t u32x16 __attribute__((vector_size(64)));
+typedef uint16_t u16xl __attribute__((vector_size(LANES * 2), aligned(2)));
+typedef uint32_t u32xl __attribute__((vector_size(LANES * 4)));
 
-static inline v16 load16_f32(const float* p) { return *(const v16*)p; }
+static inline vf loadv_f32(const float* p) { return *(const vf*)p; }
 
-static inline v16 load16_bf16(const uint16_t* p) { /* 16 bf16 widened to float32 in a register */
-    u16x16 h;
+static inline vf loadv_bf16(const uint16_t* p) { /* LANES bf16 widened to float32 in a register */
+    u16xl h;
     memcpy(&h, p, sizeof h);
-    const u32x16 w = __builtin_convertvector(h, u32x16) << 16;
-    v16 f;
+    const u32xl w = __builtin_convertvector(h, u32xl) << 16;
+    vf f;
     memcpy(&f, &w, sizeof f);
     return f;
 }
@@ -120,17 +130,17 @@ static inline float load1_bf16(const uint16_t* p) { return bf16_f32(*p); }
  * LANES partial sums, folded pairwise at the end. */
 #define DEFINE_DOT(SUFFIX, KT)                                                                               \
 static inline float dot_##SUFFIX(const float* a, const KT* b, int64_t n) {                                   \
-    v16 acc = {0}, acc2 = {0};                                                                               \
+    vf acc = {0}, acc2 = {0};                                                                               \
     int64_t j = 0;                                                                                           \
     for (; j + 2 * LANES <= n; j += 2 * LANES) {                                                             \
-        acc += *(const v16*)(a + j) * load16_##SUFFIX(b + j);                                                \
-        acc2 += *(const v16*)(a + j + LANES) * load16_##SUFFIX(b + j + LANES);                               \
+        acc += *(const vf*)(a + j) * loadv_##SUFFIX(b + j);                                                \
+        acc2 += *(const vf*)(a + j + LANES) * loadv_##SUFFIX(b + j + LANES);                               \
     }                                                                                                        \
     acc += acc2;                                                                                             \
-    for (; j + LANES <= n; j += LANES) acc += *(const v16*)(a + j) * load16_##SUFFIX(b + j);                 \
+    for (; j + LANES <= n; j += LANES) acc += *(const vf*)(a + j) * loadv_##SUFFIX(b + j);                 \
     float tail = 0.0f;                                                                                       \
     for (; j < n; j++) tail += a[j] * load1_##SUFFIX(b + j);                                                 \
-    return hsum16(acc) + tail;                                                                               \
+    return hsumv(acc) + tail;                                                                               \
 }
 
 DEFINE_DOT(f32, float)
@@ -226,20 +236,20 @@ static void attention_chunk_##SUFFIX(const float* q, const KT* k, const KT* v, c
         }                                                                                                     \
         int64_t j0 = 0;                                                                                       \
         for (; j0 + 4 * LANES <= d; j0 += 4 * LANES) { /* 4 x LANES outputs in registers: 4 FMA chains */    \
-            v16 a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};                                                       \
+            vf a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};                                                       \
             for (int64_t i = 0; i < n; i++) {                                                                 \
                 const float p = sh_[i];                                                                       \
                 const KT* vt = vh + i * st + j0;                                                              \
-                a0 += p * load16_##SUFFIX(vt), a1 += p * load16_##SUFFIX(vt + LANES);                         \
-                a2 += p * load16_##SUFFIX(vt + 2 * LANES), a3 += p * load16_##SUFFIX(vt + 3 * LANES);         \
+                a0 += p * loadv_##SUFFIX(vt), a1 += p * loadv_##SUFFIX(vt + LANES);                         \
+                a2 += p * loadv_##SUFFIX(vt + 2 * LANES), a3 += p * loadv_##SUFFIX(vt + 3 * LANES);         \
             }                                                                                                 \
-            *(v16*)(o + j0) = a0, *(v16*)(o + j0 + LANES) = a1;                                               \
-            *(v16*)(o + j0 + 2 * LANES) = a2, *(v16*)(o + j0 + 3 * LANES) = a3;                               \
+            *(vf*)(o + j0) = a0, *(vf*)(o + j0 + LANES) = a1;                                               \
+            *(vf*)(o + j0 + 2 * LANES) = a2, *(vf*)(o + j0 + 3 * LANES) = a3;                               \
         }                                                                                                     \
         for (; j0 + LANES <= d; j0 += LANES) { /* LANES outputs in a register over the chunk */              \
-            v16 acc = {0};                                                                                    \
-            for (int64_t i = 0; i < n; i++) acc += sh_[i] * load16_##SUFFIX(vh + i * st + j0);               \
-            *(v16*)(o + j0) = acc;                                                                            \
+            vf acc = {0};                                                                                    \
+            for (int64_t i = 0; i < n; i++) acc += sh_[i] * loadv_##SUFFIX(vh + i * st + j0);               \
+            *(vf*)(o + j0) = acc;                                                                            \
         }                                                                                                     \
         for (; j0 < d; j0++) {                                                                                \
             float acc = 0.0f;                                                                                 \
