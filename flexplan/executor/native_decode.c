@@ -76,19 +76,23 @@ static inline float exp_f32(float x) {
     return p * scale.f;
 }
 
-/* GCC/Clang vector extensions of one register: 16 floats where AVX-512 has them, else 8 (AVX2's
- * width: a 16-float vector there went through the stack at every step, and the decode attention
- * ran 4-5x slower); aligned(4) makes loads and stores of them unaligned ones. */
+/* GCC/Clang vector extensions of one register: 16 floats with AVX-512, 8 with AVX, else 4 (SSE,
+ * NEON); a vector wider than the registers goes through the stack at every step (16 floats on
+ * AVX2 made the decode attention 4-5x slower); aligned(4) makes loads and stores unaligned ones. */
 #if defined(__AVX512F__)
 #define LANES 16
-#else
+#elif defined(__AVX__)
 #define LANES 8
+#else
+#define LANES 4
 #endif
 typedef float vf __attribute__((vector_size(LANES * 4), aligned(4)));
 typedef float v8 __attribute__((vector_size(32), aligned(4)));
 typedef float v4 __attribute__((vector_size(16), aligned(4)));
 
 static inline float hsumv(vf a) { /* pairwise: halves, quarters, then four lanes */
+    v4 s4;
+#if LANES >= 8
     v8 s8;
 #if LANES == 16
     v8 lo, hi;
@@ -99,7 +103,10 @@ static inline float hsumv(vf a) { /* pairwise: halves, quarters, then four lanes
 #endif
     v4 l4, h4;
     memcpy(&l4, &s8, sizeof l4), memcpy(&h4, (const char*)&s8 + sizeof l4, sizeof h4);
-    const v4 s4 = l4 + h4;
+    s4 = l4 + h4;
+#else
+    memcpy(&s4, &a, sizeof s4);
+#endif
     return (s4[0] + s4[2]) + (s4[1] + s4[3]);
 }
 
