@@ -102,60 +102,84 @@ static int64_t block_bytes(int64_t wtype) { /* the 32-weight blocks; 0 for any o
          : wtype == TYPE_Q8_0 ? 34 : 0;
 }
 
-/* llama.cpp's quantize_row_q8_0 rule, d kept in float32; roundf: ties away from zero as its reference */
-static void quantize_act(const float *x, act_block *a, int64_t nb) {
+/* The int8 activation's two steps, shared with quant_kquants.c (its Q8_K): the largest |x| of n
+ * values, and x * id rounded as roundf rounds (ties away from zero) into q, n a multiple of 32, the
+ * sum of each 16 q into sums16 where given, the sum of all returned. Vectorised with AVX2 (a decode
+ * step quantises every GEMV's input on one thread): |x| by clearing the sign, the same products in
+ * float32, and the ties-away rule done exactly (t = trunc(p), p - t is exact, |p - t| >= 0.5 steps
+ * away from zero), so both paths give the same bytes. */
+static inline float absmax(const float *x, int64_t n) {
 #if defined(__AVX2__)
-    /* the same values vectorised (a decode step quantises every GEMV's input on one thread): |v| by
-     * clearing the sign, the same max, v * id in float32, and roundf's ties-away rule done exactly
-     * (t = trunc(p), p - t is exact, |p - t| >= 0.5 steps away from zero) */
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    __m256 m = _mm256_setzero_ps();
+    for (int64_t j = 0; j < n; j += 8) m = _mm256_max_ps(m, _mm256_andnot_ps(sign, _mm256_loadu_ps(x + j)));
+    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+    return _mm_cvtss_f32(m4);
+#else
+    float amax = 0.0f;
+    for (int64_t j = 0; j < n; j++) amax = fmaxf(amax, fabsf(x[j]));
+    return amax;
+#endif
+}
+
+static inline int32_t round_act(const float *x, float id, int8_t *q, int64_t n, int16_t *sums16) {
+    int32_t total = 0;
+#if defined(__AVX2__)
     const __m256 sign = _mm256_set1_ps(-0.0f), half = _mm256_set1_ps(0.5f), one = _mm256_set1_ps(1.0f);
-    for (int64_t b = 0; b < nb; b++) {
-        const float *v = x + b * QK;
-        __m256 x4[4], m = _mm256_setzero_ps();
+    const __m256 idv = _mm256_set1_ps(id);
+    for (int64_t g = 0; g < n; g += 32) {
+        __m256i q4[4];
         for (int i = 0; i < 4; i++) {
-            x4[i] = _mm256_loadu_ps(v + 8 * i);
-            m = _mm256_max_ps(m, _mm256_andnot_ps(sign, x4[i]));
-        }
-        __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
-        m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
-        m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
-        const float amax = _mm_cvtss_f32(m4);
-        const float d = amax / 127.0f, id = d ? 1.0f / d : 0.0f;
-        const __m256 idv = _mm256_set1_ps(id);
-        __m256i q4[4], sum = _mm256_setzero_si256();
-        for (int i = 0; i < 4; i++) {
-            const __m256 p = _mm256_mul_ps(x4[i], idv);
+            const __m256 p = _mm256_mul_ps(_mm256_loadu_ps(x + g + 8 * i), idv);
             const __m256 t = _mm256_round_ps(p, _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC);
             const __m256 away = _mm256_cmp_ps(_mm256_andnot_ps(sign, _mm256_sub_ps(p, t)), half, _CMP_GE_OQ);
-            const __m256 step = _mm256_and_ps(away, _mm256_or_ps(one, _mm256_and_ps(sign, p)));
-            q4[i] = _mm256_cvtps_epi32(_mm256_add_ps(t, step));
-            sum = _mm256_add_epi32(sum, q4[i]);
+            q4[i] = _mm256_cvtps_epi32(_mm256_add_ps(t, _mm256_and_ps(away, _mm256_or_ps(one, _mm256_and_ps(sign, p)))));
         }
         /* int32 -> int8 in order: packs interleave 128-bit lanes, the permute puts them back */
         const __m256i w = _mm256_packs_epi16(_mm256_packs_epi32(q4[0], q4[1]), _mm256_packs_epi32(q4[2], q4[3]));
-        _mm256_storeu_si256((__m256i *)a[b].qs, _mm256_permutevar8x32_epi32(w, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
-        __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
-        s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4E));
-        s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xB1));
-        a[b].d = d;
-        a[b].ds = d * (float)_mm_cvtsi128_si32(s4);
+        _mm256_storeu_si256((__m256i *)(q + g), _mm256_permutevar8x32_epi32(w, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+        for (int h = 0; h < 2; h++) {  /* each 16 */
+            const __m256i s8 = _mm256_add_epi32(q4[2 * h], q4[2 * h + 1]);
+            __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(s8), _mm256_extracti128_si256(s8, 1));
+            s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4E));
+            s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xB1));
+            const int32_t s = _mm_cvtsi128_si32(s4);
+            if (sums16) sums16[g / 16 + h] = (int16_t)s;
+            total += s;
+        }
     }
 #else
+    for (int64_t g = 0; g < n; g += 16) {
+        int32_t s = 0;
+        for (int64_t j = g; j < g + 16; j++) {
+            const int v = (int)roundf(x[j] * id);
+            q[j] = (int8_t)v;
+            s += v;
+        }
+        if (sums16) sums16[g / 16] = (int16_t)s;
+        total += s;
+    }
+#endif
+    return total;
+}
+
+/* the two for quant_kquants.c (inlined here, called there once per 256 values) */
+float flexplan_quant_absmax(const float *x, int64_t n) { return absmax(x, n); }
+int32_t flexplan_quant_round_act(const float *x, float id, int8_t *q, int64_t n, int16_t *sums16) {
+    return round_act(x, id, q, n, sums16);
+}
+
+/* llama.cpp's quantize_row_q8_0 rule, d kept in float32; roundf: ties away from zero as its reference */
+static void quantize_act(const float *x, act_block *a, int64_t nb) {
     for (int64_t b = 0; b < nb; b++) {
         const float *v = x + b * QK;
-        float amax = 0.0f;
-        for (int j = 0; j < QK; j++) amax = fmaxf(amax, fabsf(v[j]));
-        const float d = amax / 127.0f, id = d ? 1.0f / d : 0.0f;
-        int32_t sum = 0;
-        for (int j = 0; j < QK; j++) {
-            const int q = (int)roundf(v[j] * id);
-            a[b].qs[j] = (int8_t)q;
-            sum += q;
-        }
+        const float d = absmax(v, QK) / 127.0f, id = d ? 1.0f / d : 0.0f;
+        const int32_t sum = round_act(v, id, a[b].qs, QK, NULL);
         a[b].d = d;
         a[b].ds = d * (float)sum;
     }
-#endif
 }
 
 /* ---- integer dots of one weight row with T activation rows ---------------------------------------

@@ -46,6 +46,8 @@ typedef struct { /* llama.cpp's block_q8_K: one quantised 256-block of activatio
 } act_k;
 
 float flexplan_quant_fp16(const uint8_t *p); /* quant_gemv.c: exact fp16 to float32 */
+float flexplan_quant_absmax(const float *x, int64_t n);  /* quant_gemv.c: the int8 activation's steps */
+int32_t flexplan_quant_round_act(const float *x, float id, int8_t *q, int64_t n, int16_t *sums16);
 
 static inline float f16(const uint8_t *p) {
 #if defined(__F16C__)
@@ -65,59 +67,12 @@ int64_t flexplan_kq_act_bytes(void) { return (int64_t)sizeof(act_k); }
 
 void flexplan_kq_quantize_act(const float *x, void *out, int64_t nb) {
     act_k *a = (act_k *)out;
-#if defined(__AVX2__)
-    /* the same values vectorised, as quant_gemv.c's quantize_act: roundf's ties-away rule done
-     * exactly (t = trunc(p), p - t is exact, |p - t| >= 0.5 steps away from zero) */
-    const __m256 sign = _mm256_set1_ps(-0.0f), half = _mm256_set1_ps(0.5f), one = _mm256_set1_ps(1.0f);
-    for (int64_t b = 0; b < nb; b++) {
+    for (int64_t b = 0; b < nb; b++) {  /* quant_gemv.c's two steps, the sums per 16 kept */
         const float *v = x + b * QK_K;
-        __m256 m = _mm256_setzero_ps();
-        for (int j = 0; j < QK_K; j += 8) m = _mm256_max_ps(m, _mm256_andnot_ps(sign, _mm256_loadu_ps(v + j)));
-        __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
-        m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
-        m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
-        const float amax = _mm_cvtss_f32(m4);
-        const float d = amax / 127.0f, id = d ? 1.0f / d : 0.0f;
-        const __m256 idv = _mm256_set1_ps(id);
-        for (int g = 0; g < QK_K; g += 32) {  /* 32 values: two bsums */
-            __m256i q4[4];
-            for (int i = 0; i < 4; i++) {
-                const __m256 p = _mm256_mul_ps(_mm256_loadu_ps(v + g + 8 * i), idv);
-                const __m256 t = _mm256_round_ps(p, _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC);
-                const __m256 away = _mm256_cmp_ps(_mm256_andnot_ps(sign, _mm256_sub_ps(p, t)), half, _CMP_GE_OQ);
-                q4[i] = _mm256_cvtps_epi32(_mm256_add_ps(t, _mm256_and_ps(away, _mm256_or_ps(one, _mm256_and_ps(sign, p)))));
-            }
-            const __m256i w = _mm256_packs_epi16(_mm256_packs_epi32(q4[0], q4[1]), _mm256_packs_epi32(q4[2], q4[3]));
-            _mm256_storeu_si256((__m256i *)(a[b].qs + g),
-                                _mm256_permutevar8x32_epi32(w, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
-            for (int h = 0; h < 2; h++) {
-                __m256i s8 = _mm256_add_epi32(q4[2 * h], q4[2 * h + 1]);
-                __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(s8), _mm256_extracti128_si256(s8, 1));
-                s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4E));
-                s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xB1));
-                a[b].bsums[g / 16 + h] = (int16_t)_mm_cvtsi128_si32(s4);
-            }
-        }
+        const float d = flexplan_quant_absmax(v, QK_K) / 127.0f, id = d ? 1.0f / d : 0.0f;
+        flexplan_quant_round_act(v, id, a[b].qs, QK_K, a[b].bsums);
         a[b].d = d;
     }
-#else
-    for (int64_t b = 0; b < nb; b++) {
-        const float *v = x + b * QK_K;
-        float amax = 0.0f;
-        for (int j = 0; j < QK_K; j++) amax = fmaxf(amax, fabsf(v[j]));
-        const float d = amax / 127.0f, id = d ? 1.0f / d : 0.0f;
-        for (int g = 0; g < 16; g++) {
-            int sum = 0;
-            for (int j = 16 * g; j < 16 * g + 16; j++) {
-                const int q = (int)roundf(v[j] * id);
-                a[b].qs[j] = (int8_t)q;
-                sum += q;
-            }
-            a[b].bsums[g] = (int16_t)sum;
-        }
-        a[b].d = d;
-    }
-#endif
 }
 
 /* Q4_K / Q5_K's 6-bit scale and min of sub-block j (ggml's get_scale_min_k4) */
