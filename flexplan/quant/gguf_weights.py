@@ -6,10 +6,10 @@ nothing is read until used, nothing is written back) and gives each tensor as a
 torch-order shape ([out, in] for a linear weight: GGUF lists the dimensions the other way round)
 and its :class:`~flexplan.quant.formats.BlockFormat`.
 
-:meth:`QuantTensor.dequantize` equals ``gguf.quants.dequantize`` bit for bit: Q4_0 / Q4_1 / Q8_0
-repeat its float32 operations in the same order in torch (one rounding per operation, no fused
-multiply-add: torch's eager ops do not fuse); Q5_0 / Q5_1, the K-quants and the types without a
-kernel (Q2_K, Q3_K, IQ*, ...: ``formats.DEQUANTISED_AT_LOAD``) go through the reference itself. A
+:meth:`QuantTensor.dequantize` equals ``gguf.quants.dequantize`` bit for bit: the eight kernel
+formats through :mod:`flexplan.quant.torch_dequant` (its float32 operations in the reference's
+order, one rounding each), the float types by a dtype view, the types without a kernel (Q2_K,
+Q3_K, IQ*, ...: ``formats.DEQUANTISED_AT_LOAD``) through the reference itself. A
 type the installed ``gguf`` cannot dequantise is refused at :func:`read_gguf`, naming it.
 
 Llama's q/k rows: llama.cpp's converter permutes the rows of q_proj / k_proj (rotary pairs
@@ -30,7 +30,8 @@ import numpy as np
 import torch
 
 from flexplan.errors import InvalidInputError
-from flexplan.quant.formats import BF16, F16, F32, Q4_0, Q4_1, Q8_0, BlockFormat, gguf_format
+from flexplan.quant import torch_dequant
+from flexplan.quant.formats import BF16, F16, F32, GGUF_FORMATS, BlockFormat, gguf_format
 
 PERMUTED_ARCHITECTURES = ("llama",)  # transformers' TENSOR_PROCESSORS: the file's architecture "llama" (mistral too)
 
@@ -59,29 +60,6 @@ class QuantTensor:
         return out.reshape(self.shape)
 
 
-def _f16(col: torch.Tensor) -> torch.Tensor:
-    """A [n, 2] uint8 column pair read as float16, widened (exactly) to float32 [n, 1]."""
-    return col.contiguous().view(torch.float16).float()
-
-
-def _nibbles(qs: torch.Tensor) -> torch.Tensor:
-    """[n, 16] packed bytes to [n, 32] values 0..15: byte j holds value j (low) and j + 16 (high)."""
-    return torch.cat((qs & 0x0F, qs >> 4), dim=1)
-
-
-def _dequantize_q4_0(blocks: torch.Tensor, fmt: BlockFormat) -> torch.Tensor:
-    q = _nibbles(blocks[:, 2:]).to(torch.int8) - 8  # the reference subtracts in int8, then widens
-    return _f16(blocks[:, :2]) * q.float()
-
-
-def _dequantize_q4_1(blocks: torch.Tensor, fmt: BlockFormat) -> torch.Tensor:
-    return _f16(blocks[:, :2]) * _nibbles(blocks[:, 4:]).float() + _f16(blocks[:, 2:4])  # (d * q) + m: two roundings
-
-
-def _dequantize_q8_0(blocks: torch.Tensor, fmt: BlockFormat) -> torch.Tensor:
-    return blocks[:, 2:].contiguous().view(torch.int8).float() * _f16(blocks[:, :2])
-
-
 def _dequantize_float(blocks: torch.Tensor, fmt: BlockFormat) -> torch.Tensor:
     dtype = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}[fmt.name]
     return blocks.contiguous().view(dtype).float()
@@ -102,7 +80,12 @@ def _gguf_dequantises(fmt: BlockFormat) -> bool:
     return True
 
 
-_DEQUANTIZE = {Q4_0.name: _dequantize_q4_0, Q4_1.name: _dequantize_q4_1, Q8_0.name: _dequantize_q8_0,
+def _dequantize_blocks(blocks: torch.Tensor, fmt: BlockFormat) -> torch.Tensor:
+    """The eight kernel formats: torch_dequant's ports of the reference (the accelerator's path too)."""
+    return torch_dequant.DEQUANTIZERS[fmt.ggml_type](blocks, torch.float32)
+
+
+_DEQUANTIZE = {**{GGUF_FORMATS[t].name: _dequantize_blocks for t in torch_dequant.DEQUANTIZERS},
                F32.name: _dequantize_float, F16.name: _dequantize_float, BF16.name: _dequantize_float}
 
 
