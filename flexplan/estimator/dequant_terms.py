@@ -17,8 +17,7 @@ Priced is the fused kernel, since the estimator cannot know whether a target mac
 compiles (no Triton, FLEXPLAN_FUSED_DEQUANT=0). Where it does not, the eager fallback runs each of
 torch_dequant's ops as its own kernel writing a full intermediate: 13-34 bytes moved a weight in
 float32 (Q8_0 13.4, Q4_0 20.9, Q5_1 33.5, Q5_K 34.3) over 4-31 launches a matrix, plus the cast
-(4 + W bytes, one launch): in bfloat16 6-15x this D's bytes. That table was counted from the
-code under a dispatch mode (git history: this module before the fused kernel).
+(4 + W bytes, one launch): in bfloat16 6-15x this D's bytes.
 """
 
 from __future__ import annotations

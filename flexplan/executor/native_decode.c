@@ -77,8 +77,8 @@ static inline float exp_f32(float x) {
 }
 
 /* GCC/Clang vector extensions of one register: 16 floats with AVX-512, 8 with AVX, else 4 (SSE,
- * NEON); a vector wider than the registers goes through the stack at every step (16 floats on
- * AVX2 made the decode attention 4-5x slower); aligned(4) makes loads and stores unaligned ones. */
+ * NEON): a vector wider than the registers goes through the stack at every step; aligned(4) makes
+ * loads and stores unaligned ones. */
 #if defined(__AVX512F__)
 #define LANES 16
 #elif defined(__AVX__)
