@@ -151,6 +151,19 @@ class FlexModel:
     def __call__(self, *args, **kwargs):
         return self.model(*args, **kwargs)
 
+    def estimator_inputs(self) -> tuple[ModelSpec, Hardware, Any] | None:
+        """What the planner prices this model with: (its ModelSpec, the Hardware, the factors at the
+        memory state of now, with the online corrections where this model learns them); None where
+        the machine has no hardware model (a fixed plan then runs unpriced)."""
+        hardware = self._planner_args.get("hardware")
+        if hardware is None:
+            return None
+        try:
+            hw = hardware if isinstance(hardware, Hardware) else get_hardware(str(hardware))
+            return self.executor.spec, hw, _efficiency_now(hw, self.online_correction)
+        except FlexplanError:  # no hardware model for this machine: nothing to price with
+            return None
+
     def plan_for(self, batch_size: int, input_len: int, output_len: int) -> Plan:
         """The plan for one request shape (planned once per shape; priced again once it is more
         than :data:`PLAN_STATE_MAX_AGE_S` old where it was scaled to the memory state of its time:

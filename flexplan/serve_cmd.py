@@ -8,6 +8,7 @@ box. The server is the ``[serve]`` extra (FastAPI, uvicorn, prometheus-client, j
     flexplan serve ./my-llama --port 8080 --gpu-memory 6 --device cuda
     flexplan serve ./model-Q4_K_M.gguf                # the file's own blocks, on the CPU
     flexplan serve ./my-llama --weights int4          # quantised at load, on the CPU
+    flexplan serve ./my-70b --accelerator cuda --gpu-memory 20   # placed per phase by the planner
     curl localhost:8000/v1/completions -d '{"prompt": "Hello", "max_tokens": 8}'
 """
 
@@ -23,6 +24,7 @@ from pathlib import Path
 import torch
 
 from flexplan.errors import FlexplanError, InvalidInputError
+from flexplan.estimator.policies import POLICIES
 from flexplan.inputs import gib_bytes
 from flexplan.hardware import get_hardware
 from flexplan.measure.state import efficiency_now
@@ -57,6 +59,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "activations (on the CPU: a pool that stands in for an accelerator's)")
     parser.add_argument("--cpu-memory", type=gib_bytes, default=None, metavar="GiB",
                         help="the host KV pool's budget (default: a quarter of the available memory, at most 2 GiB)")
+    parser.add_argument("--accelerator", default=None, choices=("cuda", "cpu"),
+                        help="serve a model larger than the accelerator: flexplan's planner places its weights per "
+                             "phase within --gpu-memory (streamed, resident, on the CPU) and each iteration runs "
+                             "under the placement the estimator prices lower; 'cpu' stands in for the accelerator")
+    parser.add_argument("--prefill", default=None, metavar="POLICY",
+                        help=f"with --accelerator: force the prefill policy ({', '.join(POLICIES)})")
+    parser.add_argument("--decode", default=None, metavar="POLICY", help="with --accelerator: force the decode policy")
+    parser.add_argument("--gpu-layers", type=int, default=None, metavar="M",
+                        help="with --accelerator: force M, the accelerator-resident layers")
     parser.add_argument("--served-model-name", default=None, metavar="NAME",
                         help="the model's name in the API (default: the folder's or the .gguf file's name)")
     parser.add_argument("--max-waiting", type=int, default=256, metavar="N",
@@ -123,6 +134,22 @@ def scheduler_for(model: str | None, device: str, source: WeightsSource | None =
     return NeoApexScheduler(spec, hw, efficiency_now(hw))
 
 
+def placed_plan(args: argparse.Namespace):
+    """What ``flexplan.load`` places the model by: "auto" or the forced policies and M; None (the
+    whole model on ``--device``) without ``--accelerator``."""
+    forced = {k: v for k, v in (("prefill", args.prefill), ("decode", args.decode), ("gpu_layers", args.gpu_layers))
+              if v is not None}
+    if args.accelerator is None:
+        if forced:
+            raise InvalidInputError(f"--{'/--'.join(k.replace('_', '-') for k in forced)} place the model per phase: "
+                                    "add --accelerator cuda (or cpu, the stand-in)")
+        return None
+    if args.device is not None:
+        raise InvalidInputError("--device puts the whole model on one device; --accelerator places it per phase: "
+                                "give one of them")
+    return forced or "auto"
+
+
 def run(args: argparse.Namespace) -> int:
     """Entry point of `flexplan serve`; FlexplanError -> one line on stderr and exit code 2."""
     missing = [m for m in EXTRA if importlib.util.find_spec(m) is None]
@@ -132,18 +159,28 @@ def run(args: argparse.Namespace) -> int:
     # imported once the extra is known to be installed (the check above prints how to get it)
     server = importlib.import_module("flexplan.serving.server")
     try:
-        source, device = weights_and_device(args.model, args.weights, args.device)
-        engine = Engine.from_pretrained(args.model, weights=args.weights, device=device,
-                                        dtype=getattr(torch, args.dtype), device_memory_bytes=args.gpu_memory,
-                                        host_memory_bytes=args.cpu_memory, max_running=args.max_running,
-                                        token_budget=args.token_budget, max_model_len=args.max_model_len,
-                                        scheduler=scheduler_for(args.model, device, source))
+        plan = placed_plan(args)
+        limits = dict(dtype=getattr(torch, args.dtype), device_memory_bytes=args.gpu_memory,
+                      host_memory_bytes=args.cpu_memory, max_running=args.max_running,
+                      token_budget=args.token_budget, max_model_len=args.max_model_len)
+        if plan is not None:  # placed per phase; its scheduler prices the placements (serving.placed_scheduler)
+            source = weights_source(args.model if args.model is not None else str(default_model_dir(verbose=False)),
+                                    args.weights)
+            engine = Engine.from_pretrained(args.model, weights=args.weights, plan=plan, accelerator=args.accelerator,
+                                            gpu_memory_bytes=args.gpu_memory, **limits)
+        else:
+            source, device = weights_and_device(args.model, args.weights, args.device)
+            engine = Engine.from_pretrained(args.model, weights=args.weights, device=device,
+                                            scheduler=scheduler_for(args.model, device, source), **limits)
     except FlexplanError as e:
         print(f"flexplan serve: error: {' '.join(str(e).split())}", file=sys.stderr)
         return 2
     name, aliases = model_names(args.model, args.served_model_name)
     stats = engine.stats()
-    print(f"flexplan serve: {name} on {engine.device} ({weights_label(source, args.dtype)}), "
+    where = engine.device if engine.flexmodel is None else (
+        f"{engine.device}, placed: prefill {engine.flexmodel.plan.prefill.policy}, decode "
+        f"{engine.flexmodel.plan.decode.policy}, M={engine.flexmodel.plan.decode.gpu_layers}")
+    print(f"flexplan serve: {name} on {where} ({weights_label(source, args.dtype)}), "
           f"context {engine.max_model_len} tokens, KV blocks {dict(stats.blocks_free)}; "
           f"http://{args.host}:{args.port}/v1", file=sys.stderr, flush=True)
     app = server.create_app(engine, name, aliases=aliases, max_waiting=args.max_waiting, drain_s=args.drain_s)

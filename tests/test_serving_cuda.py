@@ -55,3 +55,23 @@ def test_neo_apex_scheduler_drives_the_gpu_engine():
         outs = e.generate(list(PROMPTS), GREEDY)
         assert [list(o.new_token_ids) for o in outs] == refs
         assert e.stats().iterations > 0
+
+
+@pytest.mark.parametrize("prefill,decode", [("gpu-offload", "splitgen"), ("gpu", "cpu-attention")])
+def test_a_placed_model_on_the_gpu_served_under_the_priced_placement(prefill, decode):
+    """A FlexModel on CUDA (streamed / resident layers per phase), the device pool on the GPU: each
+    iteration under the placement the estimator prices lower; generate()'s tokens on the CPU model
+    (float32 on both)."""
+    import flexplan.api as api
+    from flexplan.executor.plans import fixed_plan
+    from flexplan.serving.placed_scheduler import PlacementScheduler
+
+    cpu_model = make_model("llama")
+    refs = [alone(cpu_model, p) for p in PROMPTS]
+    plan = fixed_plan(cpu_model.config, prefill, decode, 1, batch_size=1, input_len=8, output_len=10,
+                      gpu_memory_bytes=1 << 30, dtype="float32", cpu_dtype="float32")
+    lm = api.load(make_model("llama"), plan=plan, accelerator="cuda", gpu_memory_bytes=1 << 30, dtype="float32")
+    with Engine(lm, device_blocks=6, host_blocks=64, block_size_tokens=4, token_budget=16) as e:
+        assert isinstance(e.scheduler, PlacementScheduler) and e.blocks.pools[DEVICE].device.type == "cuda"
+        outs = e.generate(list(PROMPTS), GREEDY)
+        assert [list(o.new_token_ids) for o in outs] == refs

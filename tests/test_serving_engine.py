@@ -256,7 +256,7 @@ def test_host_pool_and_swaps_keep_the_tokens(models, pipelined):
                 asymmetric_pipelining=pipelined) as e:
         split = []
         inner = e.runner.forward_sub_batches
-        e.runner.forward_sub_batches = lambda parts: split.append([len(p) for p in parts]) or inner(parts)
+        e.runner.forward_sub_batches = lambda parts, *a: split.append([len(p) for p in parts]) or inner(parts, *a)
         for rid, p in zip("hsx", PROMPTS[:3]):
             e.add_request(rid, p, GREEDY)
         got = drain(e, steps=1)

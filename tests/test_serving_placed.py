@@ -50,7 +50,9 @@ def test_placed_model_served_with_the_engines_kv(family, prefill, decode):
     lm = api.load(make_model(family), plan=plan, accelerator="cpu", gpu_memory_bytes=GIB)
     assert (lm.plan.prefill.policy, lm.plan.decode.policy) == (prefill, decode)
     phases = []
-    with Engine(lm, device_blocks=16, host_blocks=16, block_size_tokens=4, token_budget=12) as e:
+    # FCFS: every iteration under the engine's phase rule (placed_scheduler's choice: its own tests)
+    with Engine(lm, device_blocks=16, host_blocks=16, block_size_tokens=4, token_budget=12,
+                scheduler=FcfsScheduler()) as e:
         e.runner.phase_rule = lambda b, rule=e.runner.phase_rule: phases.append(rule(b)) or phases[-1]
         e.add_request("a", PROMPTS[0], GREEDY)
         e.add_request("b", PROMPTS[1], GREEDY)

@@ -400,6 +400,49 @@ def test_real_engine_client_leaving_mid_stream_frees_its_kv(real):
     assert stats.blocks_used == {"device": 0, "host": 0}
 
 
+def test_a_placed_model_served_over_http_equals_generate_alone(tokenizer):
+    """A FlexModel (the planner's placement on the CPU stand-in: streamed prefill, SplitGen decode)
+    behind the server: the openai client's greedy text equals generate() alone, and /metrics counts
+    the iterations by the placement each ran under."""
+    import torch
+
+    import flexplan.api as api
+    from flexplan.executor.plans import fixed_plan
+    from flexplan.serving.engine import Engine
+
+    torch.set_num_threads(1)
+    reference = tiny_llama(tokenizer)
+    plan = fixed_plan(reference.config, "gpu-offload", "splitgen", 1, batch_size=1, input_len=8, output_len=8,
+                      gpu_memory_bytes=1 << 30)
+    lm = api.load(tiny_llama(tokenizer), plan=plan, accelerator="cpu", gpu_memory_bytes=1 << 30)
+    engine = Engine(lm, tokenizer, device_blocks=8, host_blocks=64)
+    s = Running(engine, name="placed")
+    try:
+        for prompt in ("The capital of France is", "1 2 3"):
+            got = s.client.completions.create(model="placed", prompt=prompt, max_tokens=6, temperature=0,
+                                              extra_body={"ignore_eos": True})
+            want = alone(reference, tokenizer.encode(prompt), 6)
+            assert got.choices[0].text == tokenizer.decode(want, skip_special_tokens=True)
+        text = httpx.get(f"{s.url}/metrics").text
+        counted = [line for line in text.splitlines() if line.startswith("flexplan_placed_iterations_total{")]
+        assert counted and sum(float(line.split()[-1]) for line in counted) > 0
+    finally:
+        s.stop()
+        engine.close()
+
+
+@pytest.mark.parametrize("args, says", [
+    (["--prefill", "gpu-offload"], "add --accelerator"),
+    (["--accelerator", "cpu", "--device", "cpu"], "give one of them"),
+])
+def test_flexplan_serve_placement_flags_refused_with_what_works(args, says, capsys, tokenizer):
+    from flexplan.cli import main
+
+    assert main(["serve", *args, "--port", str(free_port())]) == 2
+    err = capsys.readouterr().err.strip()
+    assert says in err and "\n" not in err
+
+
 def _serve(args: list[str], port: int) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-m", "flexplan", "serve", *args, "--port", str(port),
                              "--log-level", "warning"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -440,6 +483,31 @@ def test_flexplan_serve_without_a_model_serves_the_embedded_smollm2():
         assert "Paris" in r.choices[0].message.content
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(15) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+@pytest.mark.slow
+def test_flexplan_serve_places_a_model_with_accelerator(tmp_path, tokenizer):
+    """`flexplan serve FOLDER --accelerator cpu` loads it through the planner and serves it."""
+    folder = tmp_path / "tiny-llama"
+    tiny_llama(tokenizer).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    port = free_port()
+    proc = _serve([str(folder), "--accelerator", "cpu", "--prefill", "gpu-offload", "--decode", "splitgen",
+                   "--gpu-layers", "1", "--gpu-memory", "0.5", "--cpu-memory", "0.05"], port)
+    try:
+        wait_until(lambda: _healthy(port) or proc.poll() is not None, 120)
+        assert proc.poll() is None, proc.stdout.read()
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0)
+        r = client.completions.create(model="tiny-llama", prompt="Hello", max_tokens=5, temperature=0,
+                                      extra_body={"ignore_eos": True})
+        assert r.choices[0].text == tokenizer.decode(alone(tiny_llama(tokenizer), tokenizer.encode("Hello"), 5),
+                                                     skip_special_tokens=True)
+        assert 'flexplan_placed_iterations_total{' in httpx.get(f"http://127.0.0.1:{port}/metrics").text
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(15) == 0, proc.stdout.read()
     finally:
         if proc.poll() is None:
             proc.kill()

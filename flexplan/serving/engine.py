@@ -92,7 +92,8 @@ class Engine:
     80% of the accelerator's free memory (none when the model is on the CPU); the host pool from
     ``host_memory_bytes``, else a quarter of the available memory, at most 2 GiB.
     ``token_budget``: new tokens per iteration (prefill chunks + decodes).
-    ``scheduler``: any object with ``schedule(EngineState) -> IterationPlan`` (default: FCFS);
+    ``scheduler``: any object with ``schedule(EngineState) -> IterationPlan`` (default: FCFS; for a
+    FlexModel, FCFS under the placement the estimator prices lower, :mod:`placed_scheduler`);
     where it also has ``observe(plan, seconds)``, each iteration's measured wall time is passed
     back (an online correction of its cost model). ``asymmetric_pipelining``: run an asymmetric
     plan's two sub-batches at once (default: where the model is on an accelerator)."""
@@ -121,6 +122,9 @@ class Engine:
         self.max_model_len = int(max_model_len or context)
         self.vocab_size = int(config.vocab_size)
         on_accelerator = self.device.type != "cpu"
+        if flexmodel is not None and device_blocks is None and device_memory_bytes is not None:
+            device_blocks = placed.device_pool_blocks(flexmodel, device_memory_bytes, block_size_tokens, token_budget,
+                                                      max_running)
         sized = pool_blocks(model, device=self.device, block_size_tokens=block_size_tokens, token_budget=token_budget,
                             max_running=max_running, device_memory_bytes=device_memory_bytes,
                             host_memory_bytes=host_memory_bytes)
@@ -132,6 +136,8 @@ class Engine:
         self.flexmodel = None
         if flexmodel is not None:
             placed.attach(self, flexmodel)
+        if scheduler is None and flexmodel is not None:  # its placement per iteration, priced (placed_scheduler)
+            scheduler = placed.default_scheduler(flexmodel)
         self.scheduler = scheduler if scheduler is not None else FcfsScheduler()
         self.token_budget, self.max_running, self.accelerator = token_budget, max_running, on_accelerator
         # an asymmetric plan's two sub-batches run at once where the CPU's attention overlaps an
@@ -142,7 +148,7 @@ class Engine:
         self._running: dict[str, Request] = {}
         self._aborted: list[Request] = []
         self._arrivals = itertools.count()
-        self._iterations, self._last_mode = 0, ""
+        self._iterations, self._last_mode, self._last_placement = 0, "", ""
         self._prompt_total = self._generated_total = 0
         self._scheduled_tokens = 0  # by the last iteration
         self._lock = threading.RLock()
@@ -300,6 +306,7 @@ class Engine:
             by_device["accelerator" if self.blocks.pool_of(rid) == DEVICE else "cpu"] += 1
         return EngineStats(waiting=len(self._waiting), running_by_device=by_device, blocks_used=used,
                            blocks_free=free, iterations=self._iterations, last_mode=self._last_mode,
+                           last_placement=self._last_placement,
                            prompt_tokens_total=self._prompt_total, generated_tokens_total=self._generated_total)
 
     # ---- one iteration ----
@@ -318,17 +325,18 @@ class Engine:
         segments = self._carry_out(plan)
         self._scheduled_tokens = sum(len(s.token_ids) for s in segments)
         self._iterations += 1
-        self._last_mode = plan.mode
+        self._last_mode, self._last_placement = plan.mode, plan.placement
         host = set(plan.host_decodes)
+        phase = plan.placement or None  # a placed model's placement, where the scheduler chose one
         if plan.mode == MODE_ASYNC_OVERLAP and host:  # consumed one iteration later
-            self._in_flight = self.runner.forward_async([s for s in segments if s.request_id in host])
+            self._in_flight = self.runner.forward_async([s for s in segments if s.request_id in host], phase)
             segments = [s for s in segments if s.request_id not in host]
         if segments and plan.mode == MODE_ASYMMETRIC and self.asymmetric_pipelining:
             # sub-batch 1: the host decodes, listed last in the segments, so the logits' order holds
             logits = self.runner.forward_sub_batches([[s for s in segments if s.request_id not in host],
-                                                      [s for s in segments if s.request_id in host]])
+                                                      [s for s in segments if s.request_id in host]], phase)
         elif segments:
-            logits = self.runner.forward(segments)
+            logits = self.runner.forward(segments, phase)
         outputs += self._finish(segments, logits) if segments else []
         self.last_iteration_s = time.perf_counter() - started
         observe = getattr(self.scheduler, "observe", None)

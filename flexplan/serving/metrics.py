@@ -46,6 +46,8 @@ class ServingMetrics:
                                   f"tokens generated per second over the last {RATE_WINDOW_S:g} s", m, registry=r)
         self.iterations = Counter("flexplan_iterations", "engine iterations by the scheduler's mode", m + ["mode"],
                                   registry=r)
+        self.placements = Counter("flexplan_placed_iterations", "a placed model's iterations by the executor "
+                                  "placement they ran under (prefill / decode)", m + ["placement"], registry=r)
         self.ttft = Histogram("flexplan_time_to_first_token_seconds", "arrival to first token", m,
                               buckets=TTFT_BUCKETS_S, registry=r)
         self.tpot = Histogram("flexplan_time_per_output_token_seconds",
@@ -83,6 +85,8 @@ class ServingMetrics:
         self.generation_tokens.labels(name).inc(max(0, stats.generated_tokens_total - seen.generated_tokens_total))
         if stats.iterations > seen.iterations and stats.last_mode:  # one step() is one iteration
             self.iterations.labels(name, stats.last_mode).inc(stats.iterations - seen.iterations)
+        if stats.iterations > seen.iterations and stats.last_placement:
+            self.placements.labels(name, stats.last_placement).inc(stats.iterations - seen.iterations)
         if now > t0:
             self.tokens_per_s.labels(name).set((stats.generated_tokens_total - n0) / (now - t0))
 

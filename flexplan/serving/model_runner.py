@@ -61,13 +61,14 @@ class PagedCache(Cache):
     is_compileable = False
     kv_by_caller = True  # the executor's fused decode layers do not attend over it (cpu_decode._decode_call)
 
-    def __init__(self, runner: ModelRunner, batch: RaggedBatch):  # no layers: the pools are the storage
-        self.runner, self.batch = runner, batch
+    def __init__(self, runner: ModelRunner, batch: RaggedBatch, phase: str | None = None):
+        self.runner, self.batch = runner, batch  # no layers: the pools are the storage
         self.layers = []
         self.layer_class_to_replicate = None
         self.offloading = False
-        # a model placed by flexplan's executor reads the phase here (flexplan.serving.placed)
-        self.flexplan_phase = runner.phase_rule(batch) if runner.phase_rule is not None else None
+        # a model placed by flexplan's executor reads the phase here (flexplan.serving.placed): the
+        # scheduler's choice where it made one, else the runner's rule
+        self.flexplan_phase = phase or (runner.phase_rule(batch) if runner.phase_rule is not None else None)
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
         self.runner.write(self.batch, layer_idx, key_states, value_states)
@@ -182,8 +183,9 @@ class ModelRunner:
         return getattr(self._local, "batch", None)
 
     @torch.inference_mode()
-    def forward(self, segments: list[Segment]) -> torch.Tensor:
-        """The next-token logits (float32, CPU) of the segments that want them, in their order."""
+    def forward(self, segments: list[Segment], phase: str | None = None) -> torch.Tensor:
+        """The next-token logits (float32, CPU) of the segments that want them, in their order.
+        ``phase``: the executor placement a placed model runs them under (None: ``phase_rule``'s)."""
         if not segments:
             return torch.empty(0, self.model.get_output_embeddings().out_features)
         batch = RaggedBatch(segments, self.blocks, self.device)
@@ -194,7 +196,7 @@ class ModelRunner:
         dev = self.device
         kwargs = {"input_ids": torch.tensor([batch.ids], device=dev),
                   "position_ids": torch.tensor([batch.positions], device=dev),
-                  "attention_mask": self._placeholder_mask, "use_cache": True, CACHE_KWARG: PagedCache(self, batch)}
+                  "attention_mask": self._placeholder_mask, "use_cache": True, CACHE_KWARG: PagedCache(self, batch, phase)}
         keep = torch.tensor(batch.keep, dtype=torch.long, device=dev)
         if self._takes_logits_to_keep:
             kwargs["logits_to_keep"] = keep
@@ -207,20 +209,20 @@ class ModelRunner:
             logits = logits.index_select(0, keep)
         return logits.float().cpu()
 
-    def forward_async(self, segments: list[Segment]) -> PendingForward:
+    def forward_async(self, segments: list[Segment], phase: str | None = None) -> PendingForward:
         """:meth:`forward` on a thread of its own (on an accelerator, its own stream, after the
         work queued so far): ``.result()`` waits for the logits. The CPU's attention kernel and
         PyTorch's ops release the GIL, so it runs beside the caller's own forward."""
-        return PendingForward(self, segments)
+        return PendingForward(self, segments, phase)
 
-    def forward_sub_batches(self, sub_batches: list[list[Segment]]) -> torch.Tensor:
+    def forward_sub_batches(self, sub_batches: list[list[Segment]], phase: str | None = None) -> torch.Tensor:
         """NEO's asymmetric pipelining: each sub-batch its own forward, all at once (the first on
         the caller's thread, the others by :meth:`forward_async`), so one's attention on the CPU
         beside the host pool overlaps another's kernels on the accelerator; the logits in the
         order of the segments of all sub-batches."""
         parts = [b for b in sub_batches if b]
-        pending = [self.forward_async(b) for b in parts[1:]]
-        first = self.forward(parts[0] if parts else [])
+        pending = [self.forward_async(b, phase) for b in parts[1:]]
+        first = self.forward(parts[0] if parts else [], phase)
         return torch.cat([first] + [p.result() for p in pending])
 
 
@@ -334,7 +336,7 @@ class ModelRunner:
 class PendingForward:
     """A forward running on its own thread (:meth:`ModelRunner.forward_async`)."""
 
-    def __init__(self, runner: ModelRunner, segments: list[Segment]):
+    def __init__(self, runner: ModelRunner, segments: list[Segment], phase: str | None = None):
         self.segments = segments
         self._out: torch.Tensor | BaseException | None = None
         dev = runner.device
@@ -345,10 +347,10 @@ class PendingForward:
         def run() -> None:
             try:
                 if stream is None:
-                    self._out = runner.forward(segments)
+                    self._out = runner.forward(segments, phase)
                 else:
                     with torch.cuda.stream(stream):
-                        self._out = runner.forward(segments)
+                        self._out = runner.forward(segments, phase)
             except BaseException as e:  # noqa: BLE001 - raised again by result(), in the caller's thread
                 self._out = e
 

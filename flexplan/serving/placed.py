@@ -25,6 +25,8 @@ import torch
 from flexplan import api
 from flexplan.errors import UnsupportedModelError
 from flexplan.executor.runner import DECODE, PREFILL
+from flexplan.serving.kv_blocks import activation_reserve_bytes, blocks_in_bytes
+from flexplan.serving.placed_scheduler import PlacementScheduler
 from flexplan.serving.ragged_batch import RaggedBatch
 from flexplan.smollm import default_model_dir
 
@@ -35,6 +37,17 @@ def load(path, plan, accelerator, gpu_memory_bytes, dtype: torch.dtype, cpu_line
     return api.load(path, plan=plan, accelerator=accelerator, gpu_memory_bytes=gpu_memory_bytes,
                     dtype=str(dtype).removeprefix("torch."), cpu_linear_kernel=cpu_linear_kernel,
                     weights=None if weights == "auto" else weights)
+
+
+def device_pool_blocks(flexmodel, device_memory_bytes: int, block_size_tokens: int, token_budget: int,
+                       max_running: int) -> int:
+    """The device KV pool within ``device_memory_bytes``: less what the plan holds on the accelerator
+    in its larger phase (resident layers, weight slots and its own KV at the planned shape, as the
+    memory model counts them) and an iteration's activations."""
+    plan, config, dtype = flexmodel.plan, flexmodel.model.config, next(flexmodel.model.parameters()).dtype
+    held = max(plan.prefill.gpu_memory_bytes, plan.decode.gpu_memory_bytes)
+    free = device_memory_bytes - held - activation_reserve_bytes(config, token_budget, max_running, dtype)
+    return blocks_in_bytes(max(0, free), config, dtype, block_size_tokens)
 
 
 def is_flexmodel(model) -> bool:
@@ -50,6 +63,12 @@ def accelerator(flexmodel) -> torch.device:
 def phase_of(batch: RaggedBatch) -> str:
     """The executor phase an iteration runs under (the rule above)."""
     return DECODE if all(g.decode for g in batch.groups) else PREFILL  # a group: one-token segments or not
+
+
+def default_scheduler(flexmodel) -> PlacementScheduler | None:
+    """FCFS's batches, each under the placement the estimator prices lower; None (the engine's
+    FCFS under :func:`phase_of`) where the machine has no hardware model to price with."""
+    return PlacementScheduler.for_flexmodel(flexmodel)
 
 
 def unwrap(flexmodel, asymmetric_pipelining: bool | None):
@@ -71,9 +90,9 @@ def attach(engine, flexmodel) -> None:
     runner.phase_rule = phase_of
     lock, forward = threading.Lock(), runner.forward
 
-    def one_at_a_time(segments):
+    def one_at_a_time(segments, phase=None):
         with lock:
-            return forward(segments)
+            return forward(segments, phase)
 
     runner.forward = one_at_a_time
 

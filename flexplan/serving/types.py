@@ -12,6 +12,7 @@ import math
 from dataclasses import dataclass, field
 
 from flexplan.errors import InvalidInputError
+from flexplan.plan_types import PHASES
 
 # Where a scheduler may put an iteration (NEO section 4, APEX section 3.3):
 MODE_DEVICE_ONLY = "device-only"  # every running request's KV and attention on the accelerator (NEO's GPU-only)
@@ -88,6 +89,7 @@ class EngineStats:
     blocks_free: dict[str, int] = field(default_factory=dict)
     iterations: int = 0
     last_mode: str = ""  # one of MODES
+    last_placement: str = ""  # a placed model's last placement (IterationPlan.placement)
     prompt_tokens_total: int = 0
     generated_tokens_total: int = 0
 
@@ -108,10 +110,16 @@ class IterationPlan:
     prefill_host: tuple[str, ...] = ()  # prefills of requests with no blocks yet whose KV goes to the host pool
     predicted_s: float = 0.0  # the estimator's price of this iteration
     why: str = ""  # one line: the inequality or rule that chose the mode
+    # a placed model's executor placement for the iteration, one of PHASES (the plan's prefill or
+    # decode placement, whatever the batch holds); "": the engine's rule (flexplan.serving.placed.phase_of)
+    placement: str = ""
 
     def __post_init__(self):
         if self.mode not in MODES:
             raise InvalidInputError(f"mode must be one of {', '.join(MODES)}, got {self.mode!r}")
+        if self.placement and self.placement not in PHASES:
+            raise InvalidInputError(f"placement must be one of {', '.join(PHASES)} or '' (the engine's rule), "
+                                    f"got {self.placement!r}")
 
     @property
     def request_ids(self) -> tuple[str, ...]:
