@@ -54,10 +54,12 @@ class PlacementScheduler:
     def for_flexmodel(cls, flexmodel, base=None) -> PlacementScheduler | None:
         """Priced as ``plan()`` prices ``flexmodel``'s plan; None where the machine has no hardware model."""
         inputs = flexmodel.estimator_inputs()
-        if inputs is None:
-            return None
-        spec, hw, eff = inputs
-        plan = flexmodel.plan
+        return None if inputs is None else cls.for_plan(flexmodel.plan, *inputs, base=base)
+
+    @classmethod
+    def for_plan(cls, plan, spec, hw, eff, base=None) -> PlacementScheduler:
+        """Each placement priced by ``iteration_time_s`` with ``plan``'s policy and M for it, its
+        dtypes and blocks, on ``hw`` with factors ``eff``."""
 
         def price_s(placement: str, phase: str, batch: int, tokens: int) -> float:
             choice = plan.phases[placement]
