@@ -190,7 +190,8 @@ def test_portable_c_path_passes_the_self_check(tmp_path):
 
 def test_the_int8_activation_is_quantised_exactly_as_the_reference_rounds_it():
     """An identity weight in Q8_0 (d = 1, one-hot rows) returns d_a * q_a of each input element:
-    the vectorised quantisation equals the reference bit for bit, ties away from zero included."""
+    the vectorised quantisation equals the reference bit for bit, ties to even included (llama.cpp's
+    SIMD quantisers round so; its scalar reference rounds them away from zero)."""
     blocks, k = 4, 4 * 32
     raw = torch.zeros(k, blocks, 34, dtype=torch.uint8)
     raw[:, :, 1] = 0x3C  # float16 1.0, little-endian
@@ -201,4 +202,20 @@ def test_the_int8_activation_is_quantised_exactly_as_the_reference_rounds_it():
     x[1, 32:64] = 0.0  # an all-zero block: d = 0, q = 0
     y = NATIVE.gemm(raw.reshape(k, -1), Q8_0, x)
     assert torch.equal(y, kernels.quantized_activation(x, 32).float())
-    assert y[0, :8].tolist() == [127.0, 3.0, -4.0, 0.0, 2.0, -1.0, 1.0, -127.0]
+    assert y[0, :8].tolist() == [127.0, 2.0, -4.0, 0.0, 2.0, 0.0, 0.0, -126.0]
+
+
+@needs_native
+def test_q4_1_takes_q8_1s_float16_sum():
+    """A Q4_1 block of d = 0 and m = 1 returns its activation block's s: float16(d * sum q), d =
+    max|x| / 127 before its own rounding (llama.cpp's quantize_row_q8_1), not float16(d) * sum q."""
+    k = 2 * 32  # two blocks: every summation order adds the two s alike
+    raw = torch.zeros(2, 2, 20, dtype=torch.uint8)
+    raw[:, :, 2:4] = torch.tensor([0x00, 0x3C], dtype=torch.uint8)  # m = float16 1.0; d = 0
+    x = torch.randn(5, k, generator=torch.Generator().manual_seed(7)) * 2
+    y = NATIVE.gemm(raw.reshape(2, -1), Q4_1, x)
+    xb = x.reshape(5, 2, 32)
+    amax = xb.abs().amax(-1)
+    q = torch.round(xb * (127 / amax)[..., None])
+    s = ((amax / 127) * q.sum(-1)).half().float()
+    assert torch.equal(y[:, 0], s.sum(-1)) and torch.equal(y[:, 1], y[:, 0])

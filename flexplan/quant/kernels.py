@@ -179,22 +179,42 @@ def test_blocks(fmt: BlockFormat, out: int, in_features: int, generator: torch.G
     return quantize_reference(torch.randn(out, in_features, generator=generator), fmt)
 
 
+def _activation_blocks(x: torch.Tensor, block_weights: int):
+    """(q, id, amax) of x [rows, in] per block as the kernels quantise it, llama.cpp's rule (its x86
+    and ARM quantisers): id = 127 / max|x| in one float32 rounding, q = x * id (float32) rounded to
+    nearest, ties to even; float64 q, [rows, blocks, block_weights]."""
+    xb = x.float().reshape(x.shape[0], -1, block_weights)
+    amax = xb.abs().amax(-1, keepdim=True)
+    inv = torch.where(amax == 0, torch.zeros_like(amax), 127 / amax)
+    return torch.round((xb * inv).double()), inv, amax  # torch.round: half to even
+
+
 def quantized_activation(x: torch.Tensor, block_weights: int) -> torch.Tensor:
     """float64 values d * q the kernels' int8 activation holds for x [rows, in]: per block of
-    ``block_weights`` (32: Q8_0's blocks; 256: Q8_K's), d = max|x| / 127 and q = x * (1 / d) rounded
-    half away from zero, each step rounded to float32 as the C code rounds it."""
-    xb = x.float().reshape(x.shape[0], -1, block_weights)
-    d = xb.abs().amax(-1, keepdim=True) / 127
-    inv = torch.where(d == 0, torch.zeros_like(d), 1 / d)
-    v = (xb * inv).double()  # the float32 product, exactly in float64: + 0.5 then rounds nothing
-    q = torch.sign(v) * torch.floor(v.abs() + 0.5)
+    ``block_weights`` (32: Q8_0's blocks, d = max|x| / 127 rounded to float16; 256: Q8_K's, d = 1 / id
+    in float32), q as :func:`_activation_blocks` rounds it."""
+    q, inv, amax = _activation_blocks(x, block_weights)
+    if block_weights == 256:
+        d = torch.where(amax == 0, torch.zeros_like(amax), 1 / inv)
+    else:
+        d = (amax / 127).half()
     return (q * d.double()).reshape(x.shape)
 
 
 def int8_activation_reference(t: QuantTensor, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """float64 ``x W^T (+ bias)`` with x quantised as the kernels quantise it and W dequantised exactly:
-    what the int8 path computes, up to float32 rounding (:data:`INT8_PATH_REL_ERROR`)."""
-    y = quantized_activation(x, t.format.block_weights) @ t.dequantize().double().t()
+    what the int8 path computes, up to float32 rounding (:data:`INT8_PATH_REL_ERROR`). Q4_1 / Q5_1
+    take their minimum times Q8_1's s, fp16(d sum q), as llama.cpp does, not d16 sum q."""
+    bw = t.format.block_weights
+    y = quantized_activation(x, bw) @ t.dequantize().double().t()
+    if t.format.name in ("Q4_1", "Q5_1"):
+        q, _, amax = _activation_blocks(x, bw)
+        sums = q.sum(-1, keepdim=True)
+        d = amax / 127
+        s = (d * sums.float()).half().double()  # float32 product, then float16
+        delta = (s - d.half().double() * sums)[..., 0]  # [rows, blocks]
+        m = t.data.reshape(t.shape[0], -1, t.format.block_bytes)[..., 2:4].contiguous().view(torch.float16)
+        y = y + delta @ m[..., 0].double().t()
     return y if bias is None else y + bias.double()
 
 

@@ -9,13 +9,14 @@
  * little-endian qh is value j's fifth bit. The K-quants (256-weight super-blocks: Q4_K, Q5_K, Q6_K)
  * are quant_kquants.c's, compiled into the same library: the entry points below hand them over.
  *
- * The activation is quantised per 32-block to int8 as llama.cpp's quantize_row_q8_0/q8_1 does
- * (d = max|x| / 127, q = round(x / d)), except that d stays float32 (llama.cpp rounds it to fp16:
- * keeping it costs nothing, the activation is tiny) and the block keeps d times the sum of its q
- * (q8_1's s): the dot products are integer per block, scaled once per block.
- *   Q4_0 . x = sum_b d_w d_x sum u_w q_x - 8 d_w s_x       (u_w = q_w + 8, the nibble as stored)
- *   Q4_1 . x = sum_b d_w d_x sum u_w q_x + m_w s_x
- *   Q5_0 . x = sum_b d_w d_x sum u_w q_x - 16 d_w s_x      (u_w: the 5-bit value as stored)
+ * The activation is quantised per 32-block to int8 exactly as llama.cpp's CPU kernels quantise it
+ * (quantize_row_q8_0 / q8_1 on x86 and ARM: q = x * (127 / max|x|) rounded to nearest, ties to
+ * even; d = max|x| / 127 rounded to fp16; Q8_1's s = d * sum q rounded to fp16), so a GGUF file's
+ * tokens follow llama.cpp's own. The dot products are integer per block, scaled once per block:
+ *   Q4_0 . x = sum_b d_w d_x sum u_w q_x - 8 d_w s0_x      (u_w = q_w + 8, the nibble as stored;
+ *                                                          s0 = d_x sum q: Q8_0 keeps no s)
+ *   Q4_1 . x = sum_b d_w d_x sum u_w q_x + m_w s_x          (s: Q8_1's fp16 s)
+ *   Q5_0 . x = sum_b d_w d_x sum u_w q_x - 16 d_w s0_x     (u_w: the 5-bit value as stored)
  *   Q5_1 . x = sum_b d_w d_x sum u_w q_x + m_w s_x
  *   Q8_0 . x = sum_b d_w d_x sum q_w q_x
  * ISA, chosen at compile time by -march=native: AVX-512 VNNI (or AVX-VNNI) dpbusd, else AVX2
@@ -57,8 +58,9 @@
 #endif
 
 typedef struct { /* one quantised 32-block of activation */
-    float d;   /* scale: x ~= d * q */
-    float ds;  /* d * (sum of q): q8_1's s, for the -8 of Q4_0 and the m of Q4_1 */
+    float d;   /* scale, fp16-exact: x ~= d * q */
+    float ds;  /* d * (sum of q), for the offset of Q4_0 / Q5_0 (their integer sum of (u - 8) q) */
+    float s;   /* Q8_1's s, fp16(d * sum of q) with d before its rounding: the m of Q4_1 / Q5_1 */
     int8_t qs[QK];
 } act_block;
 
@@ -97,17 +99,44 @@ static inline float fp16_to_f32(const uint8_t *p) {
 
 float flexplan_quant_fp16(const uint8_t *p) { return fp16_to_f32(p); }  /* for quant_kquants.c without F16C */
 
+/* f rounded to the nearest float16 (ties to even, as F16C's conversion and ggml's software one),
+ * back in float32; f within float16's range (an activation's scale). */
+static inline float round_fp16(float f) {
+#if defined(__F16C__)
+    return _cvtsh_ss(_cvtss_sh(f, _MM_FROUND_TO_NEAREST_INT));
+#else
+    /* ggml_compute_fp32_to_fp16's arithmetic (Maratyszcza's FP16): the add rounds the mantissa */
+    const float scale_to_inf = 0x1.0p+112f, scale_to_zero = 0x1.0p-110f;
+    float base = (fabsf(f) * scale_to_inf) * scale_to_zero;
+    uint32_t w, bits;
+    memcpy(&w, &f, 4);
+    const uint32_t shl1_w = w + w, sign = w & 0x80000000u;
+    uint32_t bias = shl1_w & 0xFF000000u;
+    if (bias < 0x71000000u) bias = 0x71000000u;
+    const uint32_t bias_bits = (bias >> 1) + 0x07800000u;
+    float bias_f;
+    memcpy(&bias_f, &bias_bits, 4);
+    base = bias_f + base;
+    memcpy(&bits, &base, 4);
+    const uint16_t h = (uint16_t)((sign >> 16) | (shl1_w > 0xFF000000u ? 0x7E00u
+                                                  : (((bits >> 13) & 0x7C00u) + (bits & 0x0FFFu))));
+    uint8_t hb[2];
+    memcpy(hb, &h, 2);
+    return fp16_to_f32(hb);
+#endif
+}
+
 static int64_t block_bytes(int64_t wtype) { /* the 32-weight blocks; 0 for any other type */
     return wtype == TYPE_Q4_0 ? 18 : wtype == TYPE_Q4_1 ? 20 : wtype == TYPE_Q5_0 ? 22 : wtype == TYPE_Q5_1 ? 24
          : wtype == TYPE_Q8_0 ? 34 : 0;
 }
 
 /* The int8 activation's two steps, shared with quant_kquants.c (its Q8_K): the largest |x| of n
- * values, and x * id rounded as roundf rounds (ties away from zero) into q, n a multiple of 32, the
- * sum of each 16 q into sums16 where given, the sum of all returned. Vectorised with AVX2 (a decode
- * step quantises every GEMV's input on one thread): |x| by clearing the sign, the same products in
- * float32, and the ties-away rule done exactly (t = trunc(p), p - t is exact, |p - t| >= 0.5 steps
- * away from zero), so both paths give the same bytes. */
+ * values, and x * id rounded to nearest, ties to even (llama.cpp's SIMD quantisers and its
+ * nearest_int) into q, n a multiple of 32, the sum of each 16 q into sums16 where given, the sum of
+ * all returned. Vectorised with AVX2 (a decode step quantises every GEMV's input on one thread): |x|
+ * by clearing the sign, the same products in float32 and the conversion's own rounding (nearest,
+ * ties to even), so both paths give the same bytes. */
 static inline float absmax(const float *x, int64_t n) {
 #if defined(__AVX2__)
     const __m256 sign = _mm256_set1_ps(-0.0f);
@@ -127,15 +156,12 @@ static inline float absmax(const float *x, int64_t n) {
 static inline int32_t round_act(const float *x, float id, int8_t *q, int64_t n, int16_t *sums16) {
     int32_t total = 0;
 #if defined(__AVX2__)
-    const __m256 sign = _mm256_set1_ps(-0.0f), half = _mm256_set1_ps(0.5f), one = _mm256_set1_ps(1.0f);
     const __m256 idv = _mm256_set1_ps(id);
     for (int64_t g = 0; g < n; g += 32) {
         __m256i q4[4];
         for (int i = 0; i < 4; i++) {
             const __m256 p = _mm256_mul_ps(_mm256_loadu_ps(x + g + 8 * i), idv);
-            const __m256 t = _mm256_round_ps(p, _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC);
-            const __m256 away = _mm256_cmp_ps(_mm256_andnot_ps(sign, _mm256_sub_ps(p, t)), half, _CMP_GE_OQ);
-            q4[i] = _mm256_cvtps_epi32(_mm256_add_ps(t, _mm256_and_ps(away, _mm256_or_ps(one, _mm256_and_ps(sign, p)))));
+            q4[i] = _mm256_cvtps_epi32(_mm256_round_ps(p, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
         }
         /* int32 -> int8 in order: packs interleave 128-bit lanes, the permute puts them back */
         const __m256i w = _mm256_packs_epi16(_mm256_packs_epi32(q4[0], q4[1]), _mm256_packs_epi32(q4[2], q4[3]));
@@ -154,7 +180,7 @@ static inline int32_t round_act(const float *x, float id, int8_t *q, int64_t n, 
     for (int64_t g = 0; g < n; g += 16) {
         int32_t s = 0;
         for (int64_t j = g; j < g + 16; j++) {
-            const int v = (int)roundf(x[j] * id);
+            const int v = (int)nearbyintf(x[j] * id);  /* the default rounding mode: nearest, ties to even */
             q[j] = (int8_t)v;
             s += v;
         }
@@ -171,14 +197,15 @@ int32_t flexplan_quant_round_act(const float *x, float id, int8_t *q, int64_t n,
     return round_act(x, id, q, n, sums16);
 }
 
-/* llama.cpp's quantize_row_q8_0 rule, d kept in float32; roundf: ties away from zero as its reference */
+/* llama.cpp's quantize_row_q8_0 and q8_1 (x86 / ARM): id = 127 / max|x| in one rounding, d and s to fp16 */
 static void quantize_act(const float *x, act_block *a, int64_t nb) {
     for (int64_t b = 0; b < nb; b++) {
         const float *v = x + b * QK;
-        const float d = absmax(v, QK) / 127.0f, id = d ? 1.0f / d : 0.0f;
+        const float amax = absmax(v, QK), d = amax / 127.0f, id = amax != 0.0f ? 127.0f / amax : 0.0f;
         const int32_t sum = round_act(v, id, a[b].qs, QK, NULL);
-        a[b].d = d;
-        a[b].ds = d * (float)sum;
+        a[b].d = round_fp16(d);
+        a[b].ds = a[b].d * (float)sum;
+        a[b].s = round_fp16(d * (float)sum);
     }
 }
 
@@ -188,6 +215,9 @@ static void quantize_act(const float *x, act_block *a, int64_t nb) {
 enum { KIND_Q4_0, KIND_Q4_1, KIND_Q5_0, KIND_Q5_1, KIND_Q8_0, N_KINDS };
 static const int64_t KIND_BYTES[N_KINDS] = {18, 20, 22, 24, 34};
 static const int KIND_QS[N_KINDS] = {2, 4, 6, 8, 2};  /* where the nibbles (Q8_0: the int8 values) start */
+
+/* the activation block's sum that multiplies block_min: Q8_1's s for Q4_1 / Q5_1, d sum q for the rest */
+#define ACT_S(kind, blk) (((kind) == KIND_Q4_1 || (kind) == KIND_Q5_1) ? (blk).s : (blk).ds)
 
 /* the value a block's u is offset by, times d (Q4_0, Q5_0), or its fp16 minimum (Q4_1, Q5_1) */
 static inline float block_min(const uint8_t *blk, int kind, float dw) {
@@ -255,7 +285,7 @@ static inline __attribute__((always_inline)) void step(const uint8_t *blk, int k
     for (int t = 0; t < T; t++) {
         const __m256i s = _mm256_loadu_si256((const __m256i *)a[t][b].qs);
         acc[t] = _mm256_fmadd_ps(_mm256_set1_ps(dw * a[t][b].d), _mm256_cvtepi32_ps(dot_u8s8(u, s)), acc[t]);
-        ex[t] = fmaf(mw, a[t][b].ds, ex[t]);  /* explicit: the same rounding in every tile width */
+        ex[t] = fmaf(mw, ACT_S(kind, a[t][b]), ex[t]);  /* explicit: the same rounding in every tile width */
     }
 }
 
@@ -329,7 +359,7 @@ static inline void dot_rows(const uint8_t *w, int kind, const act_block *const *
         for (int t = 0; t < T; t++) {
             int32_t s = 0;
             for (int j = 0; j < QK; j++) s += (int32_t)q[j] * a[t][b].qs[j];
-            out[t] += dw * a[t][b].d * (float)s + mw * a[t][b].ds;
+            out[t] += dw * a[t][b].d * (float)s + mw * ACT_S(kind, a[t][b]);
         }
     }
 }
@@ -464,7 +494,7 @@ int flexplan_quant_gemm(const uint8_t *w, int64_t wtype, const float *x, float *
             for (int64_t b = 0; b < nb; b++)
                 for (int t = 0; t < TILE; t++) {
                     scales[(i * 2 * nb + b) * TILE + t] = ax[(i * TILE + t) * nb + b].d;
-                    scales[((i * 2 + 1) * nb + b) * TILE + t] = ax[(i * TILE + t) * nb + b].ds;
+                    scales[((i * 2 + 1) * nb + b) * TILE + t] = ACT_S(kind, ax[(i * TILE + t) * nb + b]);
                 }
     }
 #endif

@@ -69,9 +69,11 @@ void flexplan_kq_quantize_act(const float *x, void *out, int64_t nb) {
     act_k *a = (act_k *)out;
     for (int64_t b = 0; b < nb; b++) {  /* quant_gemv.c's two steps, the sums per 16 kept */
         const float *v = x + b * QK_K;
-        const float d = flexplan_quant_absmax(v, QK_K) / 127.0f, id = d ? 1.0f / d : 0.0f;
+        /* llama.cpp's quantize_row_q8_K_ref: iscale = -127 / max, d = 1 / iscale; with |iscale| = 127 / max|x|
+         * in one rounding and ties to even, d q is the same product with the signs of both flipped */
+        const float amax = flexplan_quant_absmax(v, QK_K), id = amax != 0.0f ? 127.0f / amax : 0.0f;
         flexplan_quant_round_act(v, id, a[b].qs, QK_K, a[b].bsums);
-        a[b].d = d;
+        a[b].d = amax != 0.0f ? 1.0f / id : 0.0f;
     }
 }
 
