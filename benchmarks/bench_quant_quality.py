@@ -7,7 +7,9 @@ text (benchmarks/data/austen_pride_and_prejudice_ch1.txt):
   quantised model (QuantLinear, int8 activation as llama.cpp; and the exact float-activation path)
   against the float32 model of the same file (every block dequantised);
 - against llama.cpp on the same file (``llama-server``, the same token ids, one position at a time
-  with its prompt cache): top-1 agreement of the next token at each position, and over llama.cpp's
+  with its prompt cache; its flash attention on, as by default, and off, and its own agreement
+  between the two: the ceiling a second implementation can reach where the int8 activation's
+  roundings turn on float16 noise): top-1 agreement of the next token at each position, and over llama.cpp's
   top 8 tokens (its probabilities renormalised over them, ours likewise) the KL divergence
   KL(llama.cpp || flexplan): llama-server reports at most the top ``n_probs`` tokens, not full logits;
 - decode TPOT (batch 1, 32 greedy tokens after a short prompt, transformers' generate on the bare
@@ -96,22 +98,19 @@ TOP_K = 8  # llama-server's n_probs: the tokens the comparison with llama.cpp se
 LLAMA_KV = "f32"  # llama.cpp's KV cache type (its default f16 rounds K and V; flexplan's cache is float32)
 
 
-def _vs_llama_cpp(path: Path, ids: torch.Tensor, logprobs: dict[str, torch.Tensor]) -> dict | None:
-    """Top-1 agreement and top-K KL of flexplan's next-token distributions (``logprobs``: name ->
-    [positions, vocab] over ``ids``) against llama.cpp's on the same file; None without llama-server."""
+def _llama_tops(server: Path, path: Path, tokens: list[int], flash_attn: str) -> list[list[tuple[int, float]]]:
+    """llama.cpp's top TOP_K (token id, logprob) after each prefix of ``tokens`` (llama-server on
+    ``path``, one position at a time with its prompt cache; ``flash_attn`` its -fa: "on" rounds Q, K,
+    V and the output's accumulator to float16 on the CPU, "off" attends in float32 as flexplan)."""
     import socket
     import urllib.request
 
-    server = llama_cpp_tool("llama-server")
-    if server is None:
-        print(f"llama.cpp comparison skipped: {LLAMA_CPP_HOW}", file=sys.stderr)
-        return None
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    proc = subprocess.Popen([str(server), "-m", str(path), "-t", "2", "-c", str(ids.shape[1] + 16), "-np", "1",
-                             "-ctk", LLAMA_KV, "-ctv", LLAMA_KV, "--port", str(port), "--host", "127.0.0.1"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen([str(server), "-m", str(path), "-t", "2", "-c", str(len(tokens) + 16), "-np", "1",
+                             "-ctk", LLAMA_KV, "-ctv", LLAMA_KV, "-fa", flash_attn, "--port", str(port),
+                             "--host", "127.0.0.1"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
 
     def post(body: dict) -> dict:
@@ -127,25 +126,44 @@ def _vs_llama_cpp(path: Path, ids: torch.Tensor, logprobs: dict[str, torch.Tenso
                         break
             except OSError:
                 time.sleep(0.1)
-        tokens = ids[0].tolist()
-        agree, kls = {k: 0 for k in logprobs}, {k: [] for k in logprobs}
+        tops = []
         for k in range(1, len(tokens)):
             out = post({"prompt": tokens[:k], "n_predict": 1, "n_probs": TOP_K, "temperature": 0.0,
                         "cache_prompt": True})
-            top = out["completion_probabilities"][0]["top_logprobs"]
-            ids_k = [t["id"] for t in top]
-            p = torch.tensor([t["logprob"] for t in top], dtype=torch.float64).softmax(0)
+            tops.append([(t["id"], t["logprob"]) for t in out["completion_probabilities"][0]["top_logprobs"]])
+        return tops
+    finally:
+        proc.send_signal(subprocess.signal.SIGTERM)
+        proc.wait(timeout=30)
+
+
+def _vs_llama_cpp(path: Path, ids: torch.Tensor, logprobs: dict[str, torch.Tensor]) -> dict | None:
+    """Top-1 agreement and top-K KL of flexplan's next-token distributions (``logprobs``: name ->
+    [positions, vocab] over ``ids``) against llama.cpp's on the same file, with its flash attention
+    on and off, and llama.cpp's own agreement between the two (how far a float16 rounding inside
+    attention moves the int8 activations' roundings); None without llama-server."""
+    server = llama_cpp_tool("llama-server")
+    if server is None:
+        print(f"llama.cpp comparison skipped: {LLAMA_CPP_HOW}", file=sys.stderr)
+        return None
+    tokens = ids[0].tolist()
+    n = len(tokens) - 1
+    out: dict = {"positions": n, "how": f"llama-server -t 2 -ctk/-ctv {LLAMA_KV}, one position at a time (prompt "
+                                        f"cache), n_probs {TOP_K}; -fa on and off"}
+    tops = {fa: _llama_tops(server, path, tokens, fa) for fa in ("on", "off")}
+    for fa, per_position in tops.items():
+        agree, kls = {k: 0 for k in logprobs}, {k: [] for k in logprobs}
+        for k, top in enumerate(per_position, start=1):
+            ids_k = [t for t, _ in top]
+            p = torch.tensor([lp for _, lp in top], dtype=torch.float64).softmax(0)
             for name, lp in logprobs.items():
                 q = lp[k - 1, ids_k].double().softmax(0)
                 kls[name].append(float((p * (p / q).log()).sum()))
                 agree[name] += int(int(lp[k - 1].argmax()) == ids_k[0])
-    finally:
-        proc.send_signal(subprocess.signal.SIGTERM)
-        proc.wait(timeout=30)
-    n = len(tokens) - 1
-    return {"positions": n, "how": f"llama-server -t 2 -ctk/-ctv {LLAMA_KV}, one position at a time (prompt cache), "
-                                   f"n_probs {TOP_K}",
-            **{name: {"top1_agreement": agree[name] / n, f"kl_top{TOP_K}_mean": sum(kls[name]) / n} for name in logprobs}}
+        out[f"flash_attn_{fa}"] = {name: {"top1_agreement": agree[name] / n, f"kl_top{TOP_K}_mean": sum(kls[name]) / n}
+                                   for name in logprobs}
+    out["llama_cpp_fa_on_vs_off_top1_agreement"] = sum(a[0][0] == b[0][0] for a, b in zip(tops["on"], tops["off"])) / n
+    return out
 
 
 def main() -> None:
