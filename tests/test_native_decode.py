@@ -134,6 +134,54 @@ def test_fused_decode_runs_every_step_and_matches_transformers(family, path, one
 
 
 @needs_decode
+def test_native_stack_checks_its_layers_once_until_a_parameter_is_rebound(one_thread, monkeypatch):
+    """The per-layer checks (each layer's tensors, each cache's buffers) run at a generate's first
+    native step and again only after a parameter was pointed elsewhere (weights.set_param counts
+    it): a weight rebound between two steps of one generate is read from the next step on."""
+    import copy
+
+    from transformers import LogitsProcessor, LogitsProcessorList
+
+    from flexplan import api
+    from flexplan.executor.weights import set_param
+
+    class AtStep(LogitsProcessor):
+        def __init__(self, fn, step):
+            self.fn, self.step, self.calls = fn, step, 0
+
+        def __call__(self, input_ids, scores):
+            self.calls += 1
+            if self.calls == self.step:
+                self.fn()
+            return scores
+
+    if not native.available():
+        pytest.skip(native.status()[1])
+    ref = _wide_model("llama")
+    lm = api.load(copy.deepcopy(ref), plan={"prefill": "cpu", "decode": "cpu", "cpu_dtype": "float32"},
+                  accelerator="cpu", dtype="float32")
+    stack, fills = lm.executor._stack, []
+    fill = cpu_decode.FusedLayer._fill
+    monkeypatch.setattr(cpu_decode.FusedLayer, "_fill", lambda self: (fills.append(1), fill(self))[1])
+    ids = torch.tensor([[5, 9, 14, 3]])
+    kw = dict(max_new_tokens=8, do_sample=False, pad_token_id=0)
+    assert torch.equal(lm.generate(ids, **kw), ref.generate(ids, **kw))
+    assert stack.steps == 7 and len(fills) == 2  # 2 layers, checked at the first of 7 native steps
+    # after the third token, layer 0's down projection negated: in the reference in place, in the
+    # executor's copy by pointing the parameter at a negated tensor (the old one's memory let go)
+    down = lm.model.model.layers[0].mlp.down_proj
+    flip_ours = AtStep(lambda: set_param(down, "weight", down.weight.detach().neg()), 3)
+    flip_ref = AtStep(lambda: ref.model.layers[0].mlp.down_proj.weight.data.mul_(-1.0), 3)
+    fills.clear()
+    ours = lm.generate(ids, logits_processor=LogitsProcessorList([flip_ours]), **kw)
+    theirs = ref.generate(ids, logits_processor=LogitsProcessorList([flip_ref]), **kw)
+    assert torch.equal(ours, theirs) and len(fills) == 4  # checked again after the rebinding
+    flip_ref.fn()  # the reference as it was, for the unflipped tokens' check below
+    unflipped = ref.generate(ids, **kw)
+    assert not torch.equal(theirs, unflipped)  # the flip changed the tokens: reading it is what the test sees
+
+
+@needs_decode
 @pytest.mark.parametrize("prefill,decode,stack_steps", [("splitgen", "cpu", 5), ("cpu", "splitgen", 0)])
 def test_native_stack_runs_only_when_every_decode_layer_is_on_the_cpu(prefill, decode, stack_steps, one_thread):
     """After a splitgen prefill the decode step's KV moves to the host and the native stack takes

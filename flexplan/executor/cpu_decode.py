@@ -38,12 +38,14 @@ from __future__ import annotations
 import ctypes
 import functools
 import inspect
+import weakref
 
 import torch
 from torch import nn
 from transformers.modeling_outputs import BaseModelOutputWithPast
 
 from flexplan.executor import cpu_attention, native
+from flexplan.executor.rebinds import rebinds
 from flexplan.executor.families import CACHE_KWARG, CACHE_KWARGS, cache_in
 
 # ---- which modules the native ops cover: compared with transformers' Llama, structurally -------------------
@@ -393,6 +395,10 @@ class FusedStack:
         self.steps = 0  # decode steps run natively
         self.scratch: dict[str, torch.Tensor] = {}
         self._cache_ptrs: tuple = ()  # (key, k pointer array, v pointer array)
+        # the last step that passed the per-layer checks: (rebinds count, batch, weak references to
+        # each layer's k and v buffers, the smallest window, the pointer arrays); the next step with the
+        # same count, batch and buffer objects skips those checks (nothing they read can have changed)
+        self._checked: tuple | None = None
 
     def _kv_pointers(self, buffers: list) -> tuple:
         key = tuple(t.data_ptr() for kv in buffers for t in kv)
@@ -400,6 +406,27 @@ class FusedStack:
             arr = ctypes.c_void_p * self.n
             self._cache_ptrs = (key, arr(*key[0::2]), arr(*key[1::2]))
         return self._cache_ptrs[1:]
+
+    def _checked_pointers(self, layers: list, b: int) -> tuple | None:
+        """(the smallest attention window or None, k and v pointer arrays) for a step of ``b``
+        sequences over ``layers``' caches, or None where a layer's weights or cache are not ones the
+        native stack reads. The per-layer checks run again only where a parameter was rebound
+        (:mod:`rebinds`), the batch changed or a layer's cache holds other buffers."""
+        last = self._checked
+        if (last is not None and last[0] == rebinds() and last[1] == b
+                and all((a := kv.active) is not None and r() is a[0] and rv() is a[1]
+                        for (r, rv), kv in zip(last[2], layers))):
+            return last[3:]
+        self._checked = None
+        buffers = [kv.cpu_f32_buffers() for kv in layers]
+        if (any(buf is None or buf[0].shape[1] != b for buf in buffers)
+                or not all(f._fill() for f in self.layers) or len({f.dims() for f in self.layers}) != 1):
+            return None
+        windows = [w for w in [self.window] + [getattr(kv, "window", None) for kv in layers] if w]
+        k_ptrs, v_ptrs = self._kv_pointers(buffers)
+        self._checked = (rebinds(), b, [(weakref.ref(k), weakref.ref(v)) for k, v in buffers],
+                         min(windows, default=None), k_ptrs, v_ptrs)
+        return self._checked[3:]
 
     def _run(self, kwargs: dict):
         """The step's output, or None when this call is not one the native stack takes."""
@@ -413,14 +440,17 @@ class FusedStack:
             return None
         given = ids if embeds is None else embeds
         b = given.shape[0]
-        pos = cache.layers[0].length
-        buffers = [kv.cpu_f32_buffers() for kv in cache.layers]
-        if (given.dim() != (2 if embeds is None else 3) or given.shape[1] != 1 or any(buf is None for buf in buffers)
-                or any(kv.length != pos for kv in cache.layers) or pos + 1 > cache.layers[0].capacity
-                or any(buf[0].shape[1] != b for buf in buffers) or (self.window and pos + 1 > self.window)
-                or any(getattr(kv, "window", None) and pos + 1 > kv.window for kv in cache.layers)
-                or not all(f._fill() for f in self.layers) or len({f.dims() for f in self.layers}) != 1):
+        layers = cache.layers
+        pos = layers[0].length
+        if (given.dim() != (2 if embeds is None else 3) or given.shape[1] != 1
+                or any(kv.length != pos for kv in layers) or pos + 1 > layers[0].capacity):
+            return None
+        checked = self._checked_pointers(layers, b)
+        if checked is None:
             return None  # checked before the embedding lookup: a declined step does not pay for it twice
+        window, k_ptrs, v_ptrs = checked
+        if window and pos + 1 > window:
+            return None
         x = self.stack.embed_tokens(ids) if embeds is None else embeds
         if not _cpu_f32(x):
             return None
@@ -439,7 +469,6 @@ class FusedStack:
         cos, sin = _rows((cos, sin), b, d)
         self.scratch = _scratch(self.scratch, self.layers[0].weights, b)
         h = x.reshape(b, -1).clone()
-        k_ptrs, v_ptrs = self._kv_pointers(buffers)
         self.ops.decode_stack(self.weight_ptrs, self.n, k_ptrs, v_ptrs, pos, h, cos, sin, mask, self.scratch)
         for kv in cache.layers:
             kv.advance(1, views=False)  # the native step attended by itself: views only if read

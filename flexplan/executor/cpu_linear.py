@@ -37,6 +37,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from flexplan.executor import native
+from flexplan.executor.rebinds import note_rebind
 from flexplan.memory import BLOCK, blocked_rows  # noqa: F401 - blocked_rows is part of this module's interface
 
 KERNEL_BLOCKED = "flexplan-blocked"
@@ -333,6 +334,8 @@ def pack_module(root: nn.Module, batch_hint: int | None = None, kernel: str = KE
                                                requires_grad=False)
         m._flexplan_pack_key = (kernel, batch_hint)
         n += 1
+    if n:
+        note_rebind()
     return n
 
 

@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from flexplan.executor import cpu_linear
+from flexplan.executor.rebinds import note_rebind
 from flexplan.executor.cpu_experts import block_experts_into, unblock_experts
 from flexplan.executor.link import ACCELERATOR, H2D, H2H, HOST_MEMORY, PINNED, Buffer, Link
 
@@ -95,6 +96,7 @@ def set_param(module: nn.Module, leaf: str, tensor: torch.Tensor) -> None:
         module._parameters[leaf] = nn.Parameter(tensor, requires_grad=False)
     else:
         p.data = tensor
+    note_rebind()
 
 
 ALL, REST, EXPERTS = "all", "rest", "experts"  # the parts of a unit a storage may hold
