@@ -20,13 +20,12 @@ estimator's, whichever pool holds it.
 
 from __future__ import annotations
 
-import argparse
 import math
 import os
 import platform
 import time
 
-from bench_scheduler_gains import BLOCK_TOKENS, load_trace, max_rate, simulate  # noqa: E402
+from bench_scheduler_gains import BLOCK_TOKENS, load_trace, max_rate, simulate, simulation_arguments  # noqa: E402
 from common import write_json  # noqa: E402
 from flexplan.estimator.efficiency import DefaultEfficiency
 from flexplan.estimator.iteration import ragged_shape
@@ -107,15 +106,7 @@ def run_setup(label, hw_name, model, budget_gib, reqs, slo_x: float, steps: int)
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--requests", type=int, default=200)
-    ap.add_argument("--max-prompt", type=int, default=2048)
-    ap.add_argument("--slo-x", type=float, default=3.0, help="SLO = this x the rule's light-load latency")
-    ap.add_argument("--steps", type=int, default=6, help="bisection steps per system")
-    ap.add_argument("--output-x", type=float, default=1.0, help="scale the trace's output lengths")
-    ap.add_argument("--only", default="", help="run only setups whose label contains this")
-    ap.add_argument("--out", default=os.path.join(HERE, "results", "bench_placed_scheduler.json"))
-    args = ap.parse_args(argv)
+    args = simulation_arguments(__doc__, 200, 2048, 6, "the rule", "bench_placed_scheduler.json", argv)
     reqs = load_trace(args.requests, args.max_prompt, args.output_x)
     rows, started = [], time.time()
     for label, hw_name, model, budget in SETUPS:

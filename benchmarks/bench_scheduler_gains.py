@@ -223,16 +223,22 @@ def run_setup(label, hw_name, model, tp, reported, reqs, slo_x: float, steps: in
             "paper_reported": reported}
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--requests", type=int, default=300)
-    ap.add_argument("--max-prompt", type=int, default=3072)
-    ap.add_argument("--slo-x", type=float, default=3.0, help="SLO = this x GPU-only's light-load latency")
-    ap.add_argument("--steps", type=int, default=7, help="bisection steps per system (2^(1/128): 0.5%%)")
+def simulation_arguments(doc: str, requests: int, max_prompt: int, steps: int, baseline: str, out: str,
+                         argv=None) -> argparse.Namespace:
+    """The options of a trace simulation (this benchmark's and bench_placed_scheduler's)."""
+    ap = argparse.ArgumentParser(description=doc.splitlines()[0])
+    ap.add_argument("--requests", type=int, default=requests)
+    ap.add_argument("--max-prompt", type=int, default=max_prompt)
+    ap.add_argument("--slo-x", type=float, default=3.0, help=f"SLO = this x {baseline}'s light-load latency")
+    ap.add_argument("--steps", type=int, default=steps, help="bisection steps per system (7: 2^(1/128), 0.5%%)")
     ap.add_argument("--output-x", type=float, default=1.0, help="scale the trace's output lengths")
     ap.add_argument("--only", default="", help="run only setups whose label contains this")
-    ap.add_argument("--out", default=os.path.join(HERE, "results", "bench_scheduler_gains.json"))
-    args = ap.parse_args(argv)
+    ap.add_argument("--out", default=os.path.join(HERE, "results", out))
+    return ap.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = simulation_arguments(__doc__, 300, 3072, 7, "GPU-only", "bench_scheduler_gains.json", argv)
     reqs = load_trace(args.requests, args.max_prompt, args.output_x)
     rows = []
     started = time.time()

@@ -8,6 +8,7 @@ chat template (offline)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -448,69 +449,63 @@ def _serve(args: list[str], port: int) -> subprocess.Popen:
                              "--log-level", "warning"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
-@pytest.mark.slow
-def test_flexplan_serve_a_model_folder_then_sigterm_exits_zero(tmp_path, tokenizer):
+@contextlib.contextmanager
+def _served(args: list[str], start_s: float = 120):
+    """`flexplan serve ARGS` on a free port, healthy: (its process, an openai client); killed if still
+    running at the end (a test that stops it checks how)."""
+    port = free_port()
+    proc = _serve(args, port)
+    try:
+        wait_until(lambda: _healthy(port) or proc.poll() is not None, start_s)
+        assert proc.poll() is None, proc.stdout.read()
+        yield proc, openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0, timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+def _tiny_folder(tmp_path, tokenizer):
     folder = tmp_path / "tiny-llama"
     tiny_llama(tokenizer).save_pretrained(folder)
     tokenizer.save_pretrained(folder)
-    port = free_port()
-    proc = _serve([str(folder), "--cpu-memory", "0.05", "--drain-s", "1"], port)
-    try:
-        wait_until(lambda: _healthy(port) or proc.poll() is not None, 120)
-        assert proc.poll() is None, proc.stdout.read()
-        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0)
+    return folder
+
+
+@pytest.mark.slow
+def test_flexplan_serve_a_model_folder_then_sigterm_exits_zero(tmp_path, tokenizer):
+    with _served([str(_tiny_folder(tmp_path, tokenizer)), "--cpu-memory", "0.05", "--drain-s", "1"]) as (proc, client):
         assert next(m.id for m in client.models.list()) == "tiny-llama"
         r = client.chat.completions.create(model="tiny-llama", messages=[{"role": "user", "content": "hi"}],
                                            max_tokens=4)
         assert 1 <= r.usage.completion_tokens <= 4
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(15) == 0, proc.stdout.read()
-    finally:
-        if proc.poll() is None:
-            proc.kill()
 
 
 @pytest.mark.slow
 def test_flexplan_serve_without_a_model_serves_the_embedded_smollm2():
-    port = free_port()
-    proc = _serve([], port)
-    try:
-        wait_until(lambda: _healthy(port) or proc.poll() is not None, 300)
-        assert proc.poll() is None, proc.stdout.read()
-        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0, timeout=120)
+    with _served([], start_s=300) as (proc, client):
         r = client.chat.completions.create(model="SmolLM2-135M-Instruct", temperature=0, max_tokens=8,
                                            messages=[{"role": "user", "content": "What is the capital of France?"}])
         assert "Paris" in r.choices[0].message.content
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(15) == 0
-    finally:
-        if proc.poll() is None:
-            proc.kill()
 
 
 @pytest.mark.slow
 def test_flexplan_serve_places_a_model_with_accelerator(tmp_path, tokenizer):
     """`flexplan serve FOLDER --accelerator cpu` loads it through the planner and serves it."""
-    folder = tmp_path / "tiny-llama"
-    tiny_llama(tokenizer).save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
-    port = free_port()
-    proc = _serve([str(folder), "--accelerator", "cpu", "--prefill", "gpu-offload", "--decode", "splitgen",
-                   "--gpu-layers", "1", "--gpu-memory", "0.5", "--cpu-memory", "0.05"], port)
-    try:
-        wait_until(lambda: _healthy(port) or proc.poll() is not None, 120)
-        assert proc.poll() is None, proc.stdout.read()
-        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0)
+    args = [str(_tiny_folder(tmp_path, tokenizer)), "--accelerator", "cpu", "--prefill", "gpu-offload", "--decode",
+            "splitgen", "--gpu-layers", "1", "--gpu-memory", "0.5", "--cpu-memory", "0.05"]
+    with _served(args) as (proc, client):
         r = client.completions.create(model="tiny-llama", prompt="Hello", max_tokens=5, temperature=0,
                                       extra_body={"ignore_eos": True})
         assert r.choices[0].text == tokenizer.decode(alone(tiny_llama(tokenizer), tokenizer.encode("Hello"), 5),
                                                      skip_special_tokens=True)
+        port = int(str(client.base_url).split(":")[-1].split("/")[0])
         assert 'flexplan_placed_iterations_total{' in httpx.get(f"http://127.0.0.1:{port}/metrics").text
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(15) == 0, proc.stdout.read()
-    finally:
-        if proc.poll() is None:
-            proc.kill()
 
 
 def test_flexplan_serve_on_a_folder_without_a_model_is_one_line_and_exit_2(tmp_path, capsys, tokenizer):
