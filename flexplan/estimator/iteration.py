@@ -38,7 +38,6 @@ def iteration_time_s(spec: ModelSpec, hw: Hardware, eff: Efficiency, policy: str
     return float(REGISTRY[policy].estimate(pc, spec.num_layers, np.array([int(gpu_layers)])).time_s[0])
 
 
-
 def ragged_shape(chunk_tokens, decode_context_tokens) -> tuple[str, int, int]:
     """(phase, batch, tokens) that :func:`iteration_time_s` prices one serving iteration of prefill
     chunks of ``chunk_tokens`` tokens and decodes attending ``decode_context_tokens`` keys each as.

@@ -11,8 +11,8 @@
  *
  * The activation is quantised per 32-block to int8 exactly as llama.cpp's CPU kernels quantise it
  * (quantize_row_q8_0 / q8_1 on x86 and ARM: q = x * (127 / max|x|) rounded to nearest, ties to
- * even; d = max|x| / 127 rounded to fp16; Q8_1's s = d * sum q rounded to fp16), so a GGUF file's
- * tokens follow llama.cpp's own. The dot products are integer per block, scaled once per block:
+ * even; d = max|x| / 127 rounded to fp16; Q8_1's s = d * sum q rounded to fp16): the same bytes
+ * as llama.cpp's for the same input. The dot products are integer per block, scaled once per block:
  *   Q4_0 . x = sum_b d_w d_x sum u_w q_x - 8 d_w s0_x      (u_w = q_w + 8, the nibble as stored;
  *                                                          s0 = d_x sum q: Q8_0 keeps no s)
  *   Q4_1 . x = sum_b d_w d_x sum u_w q_x + m_w s_x          (s: Q8_1's fp16 s)

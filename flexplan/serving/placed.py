@@ -10,7 +10,9 @@ has no cache (``Step.cache=None``: no KV moves, no fused native decode stack, wh
 cpu_attention's routing on each module's config) receives q/k/v on the layer's compute device
 and reads and writes the pools wherever they live, copying across as it does for any model.
 
-Phase rule (:func:`phase_of`): an iteration with any multi-token segment (a prefill chunk) runs
+Which placement an iteration runs under: the one its plan names (``IterationPlan.placement``; the
+default scheduler, :mod:`placed_scheduler`, names the one the estimator prices lower), else the
+phase rule (:func:`phase_of`): an iteration with any multi-token segment (a prefill chunk) runs
 under the PREFILL placement, one of single-token segments only (decodes) under the DECODE one:
 the plan's prefill placement is the one chosen for many tokens per weight read (streaming pays
 there), the decode placement for one token per request.
