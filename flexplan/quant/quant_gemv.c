@@ -336,6 +336,43 @@ static inline __attribute__((always_inline)) void dot_tile4(const uint8_t *w, in
     }
     _mm_storeu_ps(out, _mm_add_ps(_mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1)), ex));
 }
+
+/* Two tiles (8 activation rows) on one weight row: the block decoded once for both, each tile's
+ * four dots reduced as dot_tile4 reduces them (the same operations per row: the same results). */
+static inline __attribute__((always_inline)) void dot_tile8(const uint8_t *w, int kind, const act_block *const *a,
+                                                            const float *da0, const float *ds0, const float *da1,
+                                                            const float *ds1, int64_t nb, float *out) {
+    const int64_t bb = KIND_BYTES[kind];
+    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+    __m128 ex0 = _mm_setzero_ps(), ex1 = _mm_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *blk = w + b * bb;
+        const float dw = fp16_to_f32(blk);
+        __m256i p[8];
+        if (kind == KIND_Q8_0) {
+            const __m256i q = _mm256_loadu_si256((const __m256i *)(blk + 2));
+            const __m256i u = _mm256_sign_epi8(q, q);
+            for (int t = 0; t < 8; t++)
+                p[t] = dot_u8s8(u, _mm256_sign_epi8(_mm256_loadu_si256((const __m256i *)a[t][b].qs), q));
+        } else {
+            const __m256i u = decode_u(blk, kind);
+            for (int t = 0; t < 8; t++) p[t] = dot_u8s8(u, _mm256_loadu_si256((const __m256i *)a[t][b].qs));
+        }
+        const __m256i h0 = _mm256_hadd_epi32(_mm256_hadd_epi32(p[0], p[1]), _mm256_hadd_epi32(p[2], p[3]));
+        const __m256i h1 = _mm256_hadd_epi32(_mm256_hadd_epi32(p[4], p[5]), _mm256_hadd_epi32(p[6], p[7]));
+        const __m128 sc0 = _mm_mul_ps(_mm_set1_ps(dw), _mm_loadu_ps(da0 + 4 * b));
+        const __m128 sc1 = _mm_mul_ps(_mm_set1_ps(dw), _mm_loadu_ps(da1 + 4 * b));
+        acc0 = _mm256_fmadd_ps(_mm256_set_m128(sc0, sc0), _mm256_cvtepi32_ps(h0), acc0);
+        acc1 = _mm256_fmadd_ps(_mm256_set_m128(sc1, sc1), _mm256_cvtepi32_ps(h1), acc1);
+        if (kind != KIND_Q8_0) {
+            const __m128 mw = _mm_set1_ps(block_min(blk, kind, dw));
+            ex0 = _mm_fmadd_ps(mw, _mm_loadu_ps(ds0 + 4 * b), ex0);
+            ex1 = _mm_fmadd_ps(mw, _mm_loadu_ps(ds1 + 4 * b), ex1);
+        }
+    }
+    _mm_storeu_ps(out, _mm_add_ps(_mm_add_ps(_mm256_castps256_ps128(acc0), _mm256_extractf128_ps(acc0, 1)), ex0));
+    _mm_storeu_ps(out + 4, _mm_add_ps(_mm_add_ps(_mm256_castps256_ps128(acc1), _mm256_extractf128_ps(acc1, 1)), ex1));
+}
 #define HAVE_TILE4 1
 #else
 static inline void dot_rows(const uint8_t *w, int kind, const act_block *const *a, int64_t nb, int T, float *out) {
@@ -389,6 +426,18 @@ TILE4(KIND_Q5_1)
 TILE4(KIND_Q8_0)
 static const tile4_fn TILE4S[N_KINDS] = {tile4_KIND_Q4_0, tile4_KIND_Q4_1, tile4_KIND_Q5_0, tile4_KIND_Q5_1,
                                          tile4_KIND_Q8_0};
+typedef void (*tile8_fn)(const uint8_t *, const act_block *const *, const float *, const float *, const float *,
+                         const float *, int64_t, float *);
+#define TILE8(KIND) static void tile8_##KIND(const uint8_t *w, const act_block *const *a, const float *da0,        \
+                                             const float *ds0, const float *da1, const float *ds1, int64_t nb,    \
+                                             float *o) { dot_tile8(w, KIND, a, da0, ds0, da1, ds1, nb, o); }
+TILE8(KIND_Q4_0)
+TILE8(KIND_Q4_1)
+TILE8(KIND_Q5_0)
+TILE8(KIND_Q5_1)
+TILE8(KIND_Q8_0)
+static const tile8_fn TILE8S[N_KINDS] = {tile8_KIND_Q4_0, tile8_KIND_Q4_1, tile8_KIND_Q5_0, tile8_KIND_Q5_1,
+                                         tile8_KIND_Q8_0};
 #endif
 typedef void (*dot_fn)(const uint8_t *, const act_block *const *, int64_t, float *);
 static const dot_fn DOT1[N_KINDS] = {dot1_KIND_Q4_0, dot1_KIND_Q4_1, dot1_KIND_Q5_0, dot1_KIND_Q5_1, dot1_KIND_Q8_0};
@@ -481,6 +530,7 @@ int flexplan_quant_gemm(const uint8_t *w, int64_t wtype, const float *x, float *
     }
     uint8_t *a = (uint8_t *)malloc((size_t)(batch * ab + 1));
     if (!a) return 2;
+    #pragma omp parallel for schedule(static) if (batch > 1)  /* a prefill's rows: quantised in parallel too */
     for (int64_t r = 0; r < batch; r++) quantize_any(wtype, x + r * in, a + r * ab, nb);
     /* each tile's activation scales d and d * sum q as [block][4], for the horizontal-add tile kernel */
     float *scales = NULL;
@@ -503,6 +553,17 @@ int flexplan_quant_gemm(const uint8_t *w, int64_t wtype, const float *x, float *
         const uint8_t *wr = w + o * row_bytes;
         const float bo = bias ? bias[o] : 0.0f;
         int64_t r = 0;
+#ifdef HAVE_TILE4
+        if (scales)  /* two tiles per decoded weight block while 8 rows are left */
+            for (; r + 2 * TILE <= batch; r += 2 * TILE) {
+                const void *rows[2 * TILE];
+                float v[2 * TILE];
+                for (int t = 0; t < 2 * TILE; t++) rows[t] = a + (r + t) * ab;
+                const float *s0 = scales + (r / TILE) * nb * 2 * TILE, *s1 = s0 + nb * 2 * TILE;
+                TILE8S[kind](wr, (const act_block *const *)rows, s0, s0 + nb * TILE, s1, s1 + nb * TILE, nb, v);
+                for (int t = 0; t < 2 * TILE; t++) y[(r + t) * out + o] = v[t] + bo;
+            }
+#endif
         for (; r + TILE <= batch; r += TILE) {  /* a tile of activation rows per decoded weight block */
             const void *rows[TILE];
             float v[TILE];
