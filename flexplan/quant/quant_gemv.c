@@ -306,45 +306,17 @@ static inline __attribute__((always_inline)) void dot_rows(const uint8_t *w, int
     for (int t = 0; t < T; t++) out[t] = hsum8(_mm256_add_ps(acc0[t], acc1[t])) + (ex0[t] + ex1[t]);
 }
 
-/* Prefill: a tile of 4 activation rows on one weight row, their 4 integer dots of a block reduced
- * into one vector by horizontal adds ([rows 0-3 | rows 0-3]: the two 128-bit halves), so one
- * convert and one multiply-add with the tile's scales (da4/ds4: [block][4], contiguous) serve the 4. */
-static inline __attribute__((always_inline)) void dot_tile4(const uint8_t *w, int kind, const act_block *const *a,
-                                                            const float *da4, const float *ds4, int64_t nb,
-                                                            float *out) {
+/* Prefill: NT tiles of 4 activation rows (NT = 1 or 2, a constant after inlining) on one weight
+ * row, the block decoded once for all; each tile's 4 integer dots of a block reduced into one vector
+ * by horizontal adds ([rows 0-3 | rows 0-3]: the two 128-bit halves), so one convert and one
+ * multiply-add with the tile's scales (da[i] / ds[i]: [block][4], contiguous) serve the 4. A row's
+ * operations are the same whatever NT: the same results. */
+static inline __attribute__((always_inline)) void dot_tiles(const uint8_t *w, int kind, const act_block *const *a,
+                                                            const float *const *da, const float *const *ds, int NT,
+                                                            int64_t nb, float *out) {
     const int64_t bb = KIND_BYTES[kind];
-    __m256 acc = _mm256_setzero_ps();
-    __m128 ex = _mm_setzero_ps();
-    for (int64_t b = 0; b < nb; b++) {
-        const uint8_t *blk = w + b * bb;
-        const float dw = fp16_to_f32(blk);
-        __m256i p[4];
-        if (kind == KIND_Q8_0) {
-            const __m256i q = _mm256_loadu_si256((const __m256i *)(blk + 2));
-            const __m256i u = _mm256_sign_epi8(q, q);
-            for (int t = 0; t < 4; t++)
-                p[t] = dot_u8s8(u, _mm256_sign_epi8(_mm256_loadu_si256((const __m256i *)a[t][b].qs), q));
-        } else {
-            const __m256i u = decode_u(blk, kind);
-            for (int t = 0; t < 4; t++) p[t] = dot_u8s8(u, _mm256_loadu_si256((const __m256i *)a[t][b].qs));
-        }
-        const __m256i h = _mm256_hadd_epi32(_mm256_hadd_epi32(p[0], p[1]), _mm256_hadd_epi32(p[2], p[3]));
-        const __m128 sc = _mm_mul_ps(_mm_set1_ps(dw), _mm_loadu_ps(da4 + 4 * b));
-        acc = _mm256_fmadd_ps(_mm256_set_m128(sc, sc), _mm256_cvtepi32_ps(h), acc);
-        if (kind != KIND_Q8_0)
-            ex = _mm_fmadd_ps(_mm_set1_ps(block_min(blk, kind, dw)), _mm_loadu_ps(ds4 + 4 * b), ex);
-    }
-    _mm_storeu_ps(out, _mm_add_ps(_mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1)), ex));
-}
-
-/* Two tiles (8 activation rows) on one weight row: the block decoded once for both, each tile's
- * four dots reduced as dot_tile4 reduces them (the same operations per row: the same results). */
-static inline __attribute__((always_inline)) void dot_tile8(const uint8_t *w, int kind, const act_block *const *a,
-                                                            const float *da0, const float *ds0, const float *da1,
-                                                            const float *ds1, int64_t nb, float *out) {
-    const int64_t bb = KIND_BYTES[kind];
-    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
-    __m128 ex0 = _mm_setzero_ps(), ex1 = _mm_setzero_ps();
+    __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+    __m128 ex[2] = {_mm_setzero_ps(), _mm_setzero_ps()};
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *blk = w + b * bb;
         const float dw = fp16_to_f32(blk);
@@ -352,26 +324,24 @@ static inline __attribute__((always_inline)) void dot_tile8(const uint8_t *w, in
         if (kind == KIND_Q8_0) {
             const __m256i q = _mm256_loadu_si256((const __m256i *)(blk + 2));
             const __m256i u = _mm256_sign_epi8(q, q);
-            for (int t = 0; t < 8; t++)
+            for (int t = 0; t < 4 * NT; t++)
                 p[t] = dot_u8s8(u, _mm256_sign_epi8(_mm256_loadu_si256((const __m256i *)a[t][b].qs), q));
         } else {
             const __m256i u = decode_u(blk, kind);
-            for (int t = 0; t < 8; t++) p[t] = dot_u8s8(u, _mm256_loadu_si256((const __m256i *)a[t][b].qs));
+            for (int t = 0; t < 4 * NT; t++) p[t] = dot_u8s8(u, _mm256_loadu_si256((const __m256i *)a[t][b].qs));
         }
-        const __m256i h0 = _mm256_hadd_epi32(_mm256_hadd_epi32(p[0], p[1]), _mm256_hadd_epi32(p[2], p[3]));
-        const __m256i h1 = _mm256_hadd_epi32(_mm256_hadd_epi32(p[4], p[5]), _mm256_hadd_epi32(p[6], p[7]));
-        const __m128 sc0 = _mm_mul_ps(_mm_set1_ps(dw), _mm_loadu_ps(da0 + 4 * b));
-        const __m128 sc1 = _mm_mul_ps(_mm_set1_ps(dw), _mm_loadu_ps(da1 + 4 * b));
-        acc0 = _mm256_fmadd_ps(_mm256_set_m128(sc0, sc0), _mm256_cvtepi32_ps(h0), acc0);
-        acc1 = _mm256_fmadd_ps(_mm256_set_m128(sc1, sc1), _mm256_cvtepi32_ps(h1), acc1);
-        if (kind != KIND_Q8_0) {
-            const __m128 mw = _mm_set1_ps(block_min(blk, kind, dw));
-            ex0 = _mm_fmadd_ps(mw, _mm_loadu_ps(ds0 + 4 * b), ex0);
-            ex1 = _mm_fmadd_ps(mw, _mm_loadu_ps(ds1 + 4 * b), ex1);
+        const float mw = kind == KIND_Q8_0 ? 0.0f : block_min(blk, kind, dw);
+        for (int i = 0; i < NT; i++) {
+            const __m256i *pi = p + 4 * i;
+            const __m256i h = _mm256_hadd_epi32(_mm256_hadd_epi32(pi[0], pi[1]), _mm256_hadd_epi32(pi[2], pi[3]));
+            const __m128 sc = _mm_mul_ps(_mm_set1_ps(dw), _mm_loadu_ps(da[i] + 4 * b));
+            acc[i] = _mm256_fmadd_ps(_mm256_set_m128(sc, sc), _mm256_cvtepi32_ps(h), acc[i]);
+            if (kind != KIND_Q8_0) ex[i] = _mm_fmadd_ps(_mm_set1_ps(mw), _mm_loadu_ps(ds[i] + 4 * b), ex[i]);
         }
     }
-    _mm_storeu_ps(out, _mm_add_ps(_mm_add_ps(_mm256_castps256_ps128(acc0), _mm256_extractf128_ps(acc0, 1)), ex0));
-    _mm_storeu_ps(out + 4, _mm_add_ps(_mm_add_ps(_mm256_castps256_ps128(acc1), _mm256_extractf128_ps(acc1, 1)), ex1));
+    for (int i = 0; i < NT; i++)
+        _mm_storeu_ps(out + 4 * i, _mm_add_ps(_mm_add_ps(_mm256_castps256_ps128(acc[i]),
+                                                         _mm256_extractf128_ps(acc[i], 1)), ex[i]));
 }
 #define HAVE_TILE4 1
 #else
@@ -416,28 +386,22 @@ INSTANCE(KIND_Q5_0)
 INSTANCE(KIND_Q5_1)
 INSTANCE(KIND_Q8_0)
 #ifdef HAVE_TILE4
-typedef void (*tile4_fn)(const uint8_t *, const act_block *const *, const float *, const float *, int64_t, float *);
-#define TILE4(KIND) static void tile4_##KIND(const uint8_t *w, const act_block *const *a, const float *da4, \
-                                             const float *ds4, int64_t nb, float *o) { dot_tile4(w, KIND, a, da4, ds4, nb, o); }
-TILE4(KIND_Q4_0)
-TILE4(KIND_Q4_1)
-TILE4(KIND_Q5_0)
-TILE4(KIND_Q5_1)
-TILE4(KIND_Q8_0)
-static const tile4_fn TILE4S[N_KINDS] = {tile4_KIND_Q4_0, tile4_KIND_Q4_1, tile4_KIND_Q5_0, tile4_KIND_Q5_1,
-                                         tile4_KIND_Q8_0};
-typedef void (*tile8_fn)(const uint8_t *, const act_block *const *, const float *, const float *, const float *,
-                         const float *, int64_t, float *);
-#define TILE8(KIND) static void tile8_##KIND(const uint8_t *w, const act_block *const *a, const float *da0,        \
-                                             const float *ds0, const float *da1, const float *ds1, int64_t nb,    \
-                                             float *o) { dot_tile8(w, KIND, a, da0, ds0, da1, ds1, nb, o); }
-TILE8(KIND_Q4_0)
-TILE8(KIND_Q4_1)
-TILE8(KIND_Q5_0)
-TILE8(KIND_Q5_1)
-TILE8(KIND_Q8_0)
-static const tile8_fn TILE8S[N_KINDS] = {tile8_KIND_Q4_0, tile8_KIND_Q4_1, tile8_KIND_Q5_0, tile8_KIND_Q5_1,
-                                         tile8_KIND_Q8_0};
+/* NT tiles of one weight row: da / ds, each tile's activation scales ([block][4] each) */
+typedef void (*tiles_fn)(const uint8_t *, const act_block *const *, const float *const *, const float *const *,
+                         int64_t, float *);
+#define TILES(KIND, NT)                                                                                  \
+    static void tiles##NT##_##KIND(const uint8_t *w, const act_block *const *a, const float *const *da,  \
+                                   const float *const *ds, int64_t nb, float *o) { dot_tiles(w, KIND, a, da, ds, NT, nb, o); }
+#define TILES_OF(KIND) TILES(KIND, 1) TILES(KIND, 2)
+TILES_OF(KIND_Q4_0)
+TILES_OF(KIND_Q4_1)
+TILES_OF(KIND_Q5_0)
+TILES_OF(KIND_Q5_1)
+TILES_OF(KIND_Q8_0)
+static const tiles_fn TILE4S[N_KINDS] = {tiles1_KIND_Q4_0, tiles1_KIND_Q4_1, tiles1_KIND_Q5_0, tiles1_KIND_Q5_1,
+                                         tiles1_KIND_Q8_0};
+static const tiles_fn TILE8S[N_KINDS] = {tiles2_KIND_Q4_0, tiles2_KIND_Q4_1, tiles2_KIND_Q5_0, tiles2_KIND_Q5_1,
+                                         tiles2_KIND_Q8_0};
 #endif
 typedef void (*dot_fn)(const uint8_t *, const act_block *const *, int64_t, float *);
 static const dot_fn DOT1[N_KINDS] = {dot1_KIND_Q4_0, dot1_KIND_Q4_1, dot1_KIND_Q5_0, dot1_KIND_Q5_1, dot1_KIND_Q8_0};
@@ -560,7 +524,8 @@ int flexplan_quant_gemm(const uint8_t *w, int64_t wtype, const float *x, float *
                 float v[2 * TILE];
                 for (int t = 0; t < 2 * TILE; t++) rows[t] = a + (r + t) * ab;
                 const float *s0 = scales + (r / TILE) * nb * 2 * TILE, *s1 = s0 + nb * 2 * TILE;
-                TILE8S[kind](wr, (const act_block *const *)rows, s0, s0 + nb * TILE, s1, s1 + nb * TILE, nb, v);
+                const float *da[2] = {s0, s1}, *ds[2] = {s0 + nb * TILE, s1 + nb * TILE};
+                TILE8S[kind](wr, (const act_block *const *)rows, da, ds, nb, v);
                 for (int t = 0; t < 2 * TILE; t++) y[(r + t) * out + o] = v[t] + bo;
             }
 #endif
@@ -570,8 +535,10 @@ int flexplan_quant_gemm(const uint8_t *w, int64_t wtype, const float *x, float *
             for (int t = 0; t < TILE; t++) rows[t] = a + (r + t) * ab;
             if (kind < 0) flexplan_kq_dot(wtype, wr, rows, nb, TILE, v);
 #ifdef HAVE_TILE4
-            else if (scales) TILE4S[kind](wr, (const act_block *const *)rows, scales + (r / TILE) * nb * 2 * TILE,
-                                          scales + ((r / TILE) * 2 + 1) * nb * TILE, nb, v);
+            else if (scales) {
+                const float *da[1] = {scales + (r / TILE) * nb * 2 * TILE}, *ds[1] = {da[0] + nb * TILE};
+                TILE4S[kind](wr, (const act_block *const *)rows, da, ds, nb, v);
+            }
 #endif
             else DOTT[kind](wr, (const act_block *const *)rows, nb, v);
             for (int t = 0; t < TILE; t++) y[(r + t) * out + o] = v[t] + bo;
