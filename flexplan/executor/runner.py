@@ -19,7 +19,6 @@ from __future__ import annotations
 import collections
 import functools
 import time
-import weakref
 
 import torch
 from torch import nn
@@ -34,7 +33,6 @@ from flexplan.executor.families import decoder_parts, layer_windows, text_config
 from flexplan.executor.kv_cache import FlexCache, FlexKVLayer, KVPool, kv_bytes, kv_geometry
 from flexplan.executor.link import ACCELERATOR, HOST_MEMORY, PINNED, Link
 from flexplan.executor.placement import Placement, check_fits
-from flexplan.executor.rebinds import rebinds
 from flexplan.executor.stats import PhaseStats, step_flops
 from flexplan.executor.step import Step, generic_kv_to
 from flexplan.executor.weights import GroupWeights, StreamSlots, torch_dtype
@@ -136,7 +134,6 @@ class Executor:
         self.native_attention = frozenset(native_attention)  # layers whose decode attention is native
         self._stack = (cpu_decode.install_stack(self.parts.stack, self.parts.layers)
                        if len(self.fused_layers) == self.num_layers else None)
-        self._cpu_ready_for = None  # (weak reference to a cache, rebinds count) after a native stack's decode step
         if self._stack is not None:
             self._fused.append(self.parts.stack)
         self.cpu_decode_ops = (cpu_decode.describe(len(self.fused_layers), self.num_layers) if self._fused else
@@ -250,7 +247,6 @@ class Executor:
         when it does not fit). A no-op when the placement is unchanged."""
         placement = self._splittable(placement_of(plan, self.num_layers), plan)
         self.check(placement, plan.batch_size, plan.input_len + plan.output_len, plan.input_len, plan)
-        self._cpu_ready_for = None  # a new placement: the next native decode step binds and moves again
         pack_batch = cpu_linear.pack_batch_hint(plan.batch_size) if self.backend.packs_weights else None
         if placement == self.placement and pack_batch == self.pack_batch and source is None:
             if getattr(plan, "expert_cache", None) != getattr(self.plan, "expert_cache", None):
@@ -474,18 +470,13 @@ class Executor:
     def _cpu_step_ready(self, st: Step) -> bool:
         """For a decode step whose every layer computes on the CPU, with flexplan's cache: do
         now what the per-layer hooks would (weights bound to host memory, each KV cache moved to
-        and activated there), so the native stack may run every layer in one call; else False.
-        The step right after such a step on the same cache, no parameter rebound in between (no
-        other step ran: any other clears the mark), finds all of that done already."""
-        ready, self._cpu_ready_for = self._cpu_ready_for, None
+        and activated there), so the native stack may run every layer in one call; else False."""
         if st.phase != DECODE or st.cache is None or any(not m.on_cpu for m in self.placement.modes[DECODE]):
             return False
-        if ready is None or ready[0]() is not st.cache or ready[1] != rebinds():
-            for i, g in enumerate(self.layers):
-                place = self.placement.layer_place(i, DECODE)
-                self._bind_layer(i, DECODE)
-                self._kv_to(st.cache.layers[i], place, False)
-        self._cpu_ready_for = (weakref.ref(st.cache), rebinds())
+        for i, g in enumerate(self.layers):
+            place = self.placement.layer_place(i, DECODE)
+            self._bind_layer(i, DECODE)
+            self._kv_to(st.cache.layers[i], place, False)
         return True
 
     def _after_stack(self, module, args, kwargs, output):
