@@ -43,7 +43,7 @@ def test_a_folder_quantised_at_load_runs_its_linears_on_blocks_near_the_float_mo
     # the caller's checkpoint weights, quantised as llama.cpp's reference quantizer does
     q = next(m for n, m in model.named_modules() if n.endswith("layers.0.self_attn.q_proj"))
     want = quantize("q", ref.model.layers[0].self_attn.q_proj.weight, AT_LOAD_FORMATS[weights])
-    assert torch.equal(q.blocks, want.data)
+    assert torch.equal(q.file_blocks(), want.data)
 
 
 def test_a_width_the_groups_do_not_divide_is_refused_clearly(tmp_path):

@@ -10,6 +10,8 @@ blocks were made).
   equals float64 of the same quantised activation (int8_activation_reference) to float32 rounding;
 - each row of the batched kernel equals the GEMV of that row to float32 summation order (the same
   integer dots, the tile's scaled sums in another order), bit for bit for rows past the tiles;
+- the interleaved layout (8 rows' blocks side by side) round-trips, dequantises as gguf does, agrees
+  with the file's layout, and gives each row bit for bit the same whatever the batch;
 - without the library, linear() is dequantise (bit for bit as gguf) + F.linear."""
 
 import pytest
@@ -17,7 +19,7 @@ import torch
 
 from conftest import needs_gguf
 from flexplan.errors import InvalidInputError
-from flexplan.quant import kernels
+from flexplan.quant import interleave, kernels
 from flexplan.quant.formats import BY_NAME, Q4_0, Q4_1, Q4_K, Q6_K, Q8_0
 
 NATIVE, WHY = kernels.status()
@@ -219,3 +221,80 @@ def test_q4_1_takes_q8_1s_float16_sum():
     q = torch.round(xb * (127 / amax)[..., None])
     s = ((amax / 127) * q.sum(-1)).half().float()
     assert torch.equal(y[:, 0], s.sum(-1)) and torch.equal(y[:, 1], y[:, 0])
+
+
+# ---- the interleaved layout (flexplan.quant.interleave, quant_gemv.c's X8) ------------------------------
+X8_FORMATS = [f for f in FORMATS if NATIVE is not None and NATIVE.x8_layout(f) is not None]
+needs_x8 = pytest.mark.skipif(not X8_FORMATS, reason="no interleaved kernel in this build (no AVX2)")
+
+
+@needs_x8
+@pytest.mark.parametrize("out", [8, 21])
+@pytest.mark.parametrize("fmt", X8_FORMATS, ids=lambda f: f.name)
+def test_interleaved_blocks_round_trip_and_keep_each_rows_bytes_in_its_range(fmt, out):
+    qt = _weights(fmt, out=out, blocks=3)
+    run = NATIVE.x8_layout(fmt)
+    assert sorted(run.tolist()) == list(range(8 * fmt.block_bytes))  # a permutation of a group's blocks
+    packed = interleave.pack(qt.data, run)
+    assert packed.shape == qt.data.shape and torch.equal(interleave.unpack(packed, run), qt.data)
+    assert not torch.equal(packed[:8], qt.data[:8])
+    for g in range(out // 8):  # each group's bytes stay within its 8 rows; rows past the groups as the file's
+        assert sorted(packed[8 * g:8 * g + 8].flatten().tolist()) == sorted(qt.data[8 * g:8 * g + 8].flatten().tolist())
+    assert torch.equal(packed[out // 8 * 8:], qt.data[out // 8 * 8:])
+    k = qt.shape[1]
+    assert torch.equal(NATIVE.dequantize(packed, fmt, k, interleaved=True).view(torch.int32),
+                       qt.dequantize().view(torch.int32))
+
+
+@needs_x8
+@pytest.mark.parametrize("fmt", X8_FORMATS, ids=lambda f: f.name)
+def test_interleaved_kernels_agree_with_the_files_layout(fmt):
+    """The float path bit for bit (the same double sums of the same rows); the int8 path to float32
+    rounding of the same integer dots, within the int8 path's bound of its float64 reference."""
+    qt = _weights(fmt, out=45, blocks=4)  # five groups and five rows past them
+    packed = interleave.pack(qt.data, NATIVE.x8_layout(fmt))
+    g = torch.Generator().manual_seed(3)
+    x, b = torch.randn(6, qt.shape[1], generator=g), torch.randn(45, generator=g)
+    assert torch.equal(NATIVE.gemm(packed, fmt, x, b, float_act=True, interleaved=True),
+                       NATIVE.gemm(qt.data, fmt, x, b, float_act=True))
+    y = NATIVE.gemm(packed, fmt, x, b, interleaved=True)
+    assert _rel(y, kernels.int8_activation_reference(qt, x, b)) < kernels.INT8_PATH_REL_ERROR
+    assert _rel(y, NATIVE.gemm(qt.data, fmt, x, b).double()) < 1e-5
+
+
+@needs_x8
+@pytest.mark.parametrize("fmt", X8_FORMATS, ids=lambda f: f.name)
+def test_interleaved_rows_do_not_depend_on_the_batch(fmt):
+    """Each activation row's outputs bit for bit as its own GEMV, whatever the batch (tiles of 4, 2
+    and 1 rows): what keeps a request's greedy tokens independent of what shares its batch."""
+    qt = _weights(fmt, out=32, blocks=3)
+    packed = interleave.pack(qt.data, NATIVE.x8_layout(fmt))
+    x = torch.randn(11, qt.shape[1], generator=torch.Generator().manual_seed(5))
+    y = NATIVE.gemm(packed, fmt, x, interleaved=True)
+    for r in range(11):
+        assert torch.equal(y[r], NATIVE.gemm(packed, fmt, x[r:r + 1].contiguous(), interleaved=True)[0]), r
+    items = [(packed, fmt, None), (packed[:16].contiguous(), fmt, torch.randn(16))]
+    for (w, f, bias), one in zip(items, NATIVE.gemv_shared(items, x[0], interleaved=True)):
+        assert torch.equal(one, NATIVE.gemm(w, f, x[:1], bias, interleaved=True)[0])
+
+
+@needs_native
+def test_the_interleaved_flag_on_a_format_without_its_kernel_is_refused():
+    fmt = BY_NAME["Q5_0"]
+    assert NATIVE.x8_layout(fmt) is None
+    qt = _weights(fmt, out=8)
+    with pytest.raises(InvalidInputError, match="not a kernel format"):
+        NATIVE.gemm(qt.data, fmt, torch.randn(1, qt.shape[1]), interleaved=True)
+
+
+@needs_x8
+def test_quant_linear_holds_interleaved_blocks_and_gives_the_files_back():
+    from flexplan.quant.quant_linear import QuantLinear
+
+    qt = _weights(X8_FORMATS[0], out=24, blocks=4)
+    lin = QuantLinear(qt)
+    assert lin.interleaved and torch.equal(lin.file_blocks(), qt.data)
+    x = torch.randn(3, qt.shape[1])
+    ref = torch.nn.functional.linear(x.double(), qt.dequantize().double())
+    assert _rel(lin.forward_dequantised(x), ref) < 1e-6  # the accelerator's path, through the file's layout
+    assert _rel(lin(x), ref) < 2e-2

@@ -3,7 +3,10 @@
 The library computes ``y = x W^T (+ bias)`` with W [out, in] in the blocks a GGUF file holds
 (:data:`NATIVE_FORMATS`: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 in 32-weight blocks, ``quant_gemv.c``; Q4_K,
 Q5_K, Q6_K in 256-weight super-blocks, ``quant_kquants.c``): the decode GEMV (one row of x) and
-the prefill GEMM (several rows, a tile of 4 activation rows per decoded weight block), the
+the prefill GEMM (several rows, a tile of 4 activation rows per decoded weight block), on the
+file's layout or, for Q4_0 / Q4_1 / Q8_0 with AVX2, on 8 rows' blocks interleaved (:meth:`NativeQuant.x8_layout`,
+:mod:`flexplan.quant.interleave`: what QuantLinear holds where it can; each row's result the same
+whatever the batch), the
 activation quantised to int8 as llama.cpp does (per 32-block for the 32-blocks, Q8_0's rule; per
 256-block with sums of each 16 for the K-quants, Q8_K's), integer dot products (the 32-blocks:
 AVX-512 VNNI / AVX-VNNI, else AVX2, else portable C; the K-quants: AVX2 on any of those, else
@@ -41,6 +44,8 @@ from flexplan.errors import InvalidInputError
 from flexplan.executor.native import _load
 from flexplan.quant.formats import GGUF_FORMATS, BlockFormat
 from flexplan.quant.gguf_weights import QuantTensor
+from flexplan.quant import interleave
+from flexplan.quant.interleave import X8_FLAG
 
 SOURCES = (Path(__file__).with_name("quant_gemv.c"), Path(__file__).with_name("quant_kquants.c"))  # one library
 NATIVE_FORMATS = {f.name: f for f in GGUF_FORMATS.values() if f.native_kernel}  # the blocks the kernels read as they are
@@ -74,7 +79,19 @@ class NativeQuant:
         self._shared = lib.flexplan_quant_gemv_shared
         self._shared.argtypes = [i64, ptr, ptr, ptr, i64, ptr, ptr, ptr]
         self._shared.restype = ctypes.c_int
+        self._x8_layout = lib.flexplan_quant_x8_layout
+        self._x8_layout.argtypes = [i64, ptr]
+        self._x8_layout.restype = i64
         self._lib = lib  # keeps the library loaded
+
+    @functools.lru_cache(maxsize=None)
+    def x8_layout(self, fmt: BlockFormat) -> torch.Tensor | None:
+        """The interleaved layout's run for ``fmt`` (:mod:`flexplan.quant.interleave`: int64 [8 *
+        block bytes], byte j of a group's run is byte src[j] of its 8 rows' blocks end to end), or None
+        where this build has no interleaved kernel for the format (then its blocks stay as the file holds them)."""
+        src = (ctypes.c_int32 * (8 * 34))()
+        n = self._x8_layout(fmt.ggml_type, src) if fmt.ggml_type is not None else 0
+        return torch.tensor(src[:n], dtype=torch.int64) if n else None
 
     def gemv_list(self, items: list[tuple[torch.Tensor, BlockFormat, torch.Tensor]]) -> GemvList:
         """Independent GEMVs (raw blocks [out, row_bytes], format, x [in] float32 contiguous) run
@@ -82,15 +99,15 @@ class NativeQuant:
         return GemvList(self._list, items)
 
     def gemv_shared(self, items: list[tuple[torch.Tensor, BlockFormat, torch.Tensor | None]],
-                    x: torch.Tensor) -> list[torch.Tensor]:
+                    x: torch.Tensor, interleaved: bool = False) -> list[torch.Tensor]:
         """GEMVs of several matrices (raw blocks [out, row_bytes], format, bias [out] or None) on one
         input x [in] (float32, contiguous) in one native call, x quantised once per activation kind:
-        what the native decoder layer runs for q/k/v and gate/up. Each output as :meth:`gemm` gives
-        it for one row."""
+        what the native decoder layer runs for q/k/v and gate/up (all ``interleaved`` or none). Each
+        output as :meth:`gemm` gives it for one row."""
         n = len(items)
         ys = [torch.empty(w.shape[0], dtype=torch.float32) for w, _, _ in items]
         rc = self._shared(n, (ctypes.c_void_p * n)(*(w.data_ptr() for w, _, _ in items)),
-                          (ctypes.c_int64 * n)(*(f.ggml_type for _, f, _ in items)), x.data_ptr(), x.numel(),
+                          (ctypes.c_int64 * n)(*(wtype(f, interleaved) for _, f, _ in items)), x.data_ptr(), x.numel(),
                           (ctypes.c_void_p * n)(*(y.data_ptr() for y in ys)),
                           (ctypes.c_void_p * n)(*(None if b is None else b.data_ptr() for _, _, b in items)),
                           (ctypes.c_int64 * n)(*(w.shape[0] for w, _, _ in items)))
@@ -101,13 +118,14 @@ class NativeQuant:
         return ys
 
     def gemm(self, data: torch.Tensor, fmt: BlockFormat, x2d: torch.Tensor, bias: torch.Tensor | None = None,
-             float_act: bool = False) -> torch.Tensor:
+             float_act: bool = False, interleaved: bool = False) -> torch.Tensor:
         """x2d [batch, in] float32 contiguous times W^T, W the raw blocks ``data`` [out, row_bytes]
-        (uint8, contiguous) of a :data:`NATIVE_FORMATS` format; bias [out] float32 or None.
-        Returns a new [batch, out] float32 tensor."""
+        (uint8, contiguous) of a :data:`NATIVE_FORMATS` format, in the file's layout or (``interleaved``)
+        :mod:`~flexplan.quant.interleave`'s; bias [out] float32 or None. Returns a new [batch, out]
+        float32 tensor."""
         out, k = data.shape[0], x2d.shape[1]
         y = torch.empty(x2d.shape[0], out, dtype=torch.float32)
-        rc = self._gemm(data.data_ptr(), fmt.ggml_type, x2d.data_ptr(), y.data_ptr(),
+        rc = self._gemm(data.data_ptr(), wtype(fmt, interleaved), x2d.data_ptr(), y.data_ptr(),
                         None if bias is None else bias.data_ptr(), out, k, x2d.shape[0], int(float_act))
         if rc == 2:
             raise MemoryError(f"quantised GEMM: out of memory for {x2d.shape[0]} quantised activation rows")
@@ -116,13 +134,19 @@ class NativeQuant:
                                     f"multiple of its {fmt.block_weights}-weight blocks")
         return y
 
-    def dequantize(self, data: torch.Tensor, fmt: BlockFormat, in_features: int) -> torch.Tensor:
-        """[out, in_features] float32 from the raw blocks, exactly as gguf's reference."""
+    def dequantize(self, data: torch.Tensor, fmt: BlockFormat, in_features: int, interleaved: bool = False) -> torch.Tensor:
+        """[out, in_features] float32 from the raw blocks (the file's layout, or ``interleaved``),
+        exactly as gguf's reference."""
         out = torch.empty(data.shape[0], in_features, dtype=torch.float32)
-        if self._dequantize(data.data_ptr(), fmt.ggml_type, out.data_ptr(), data.shape[0], in_features):
+        if self._dequantize(data.data_ptr(), wtype(fmt, interleaved), out.data_ptr(), data.shape[0], in_features):
             raise InvalidInputError(f"dequantise: {fmt.name} is not a kernel format or in={in_features} is not "
                                     f"a multiple of its {fmt.block_weights}-weight blocks")
         return out
+
+
+def wtype(fmt: BlockFormat, interleaved: bool = False) -> int:
+    """The type id the kernels take: ggml's, with :data:`~flexplan.quant.interleave.X8_FLAG` for the interleaved layout."""
+    return fmt.ggml_type | (X8_FLAG if interleaved else 0)
 
 
 class GemvList:
@@ -241,14 +265,20 @@ def _self_check(native: NativeQuant) -> None:
             x = torch.randn(batch, k, generator=g)
             b = torch.randn(out, generator=g) if with_bias else None
             ref = torch.nn.functional.linear(x.double(), w.double(), None if b is None else b.double())
+            run = native.x8_layout(fmt)
+            layouts = [(qt.data, False)] + ([] if run is None else [(interleave.pack(qt.data, run), True)])
+            if run is not None and not torch.equal(native.dequantize(layouts[1][0], fmt, k, True).view(torch.int32),
+                                                   w.view(torch.int32)):
+                raise RuntimeError(f"self-check failed: {fmt.name} interleaved dequantisation differs from gguf's")
             for float_act, bound in ((True, FLOAT_ACT_REL_ERROR), (False, INT8_PATH_REL_ERROR)):
-                y = native.gemm(qt.data, fmt, x, b, float_act).double()
                 if not float_act:
                     ref = int8_activation_reference(qt, x, b)
-                err = float((y - ref).abs().max() / ref.abs().max())
-                if not err < bound:
-                    raise RuntimeError(f"self-check failed ({fmt.name}, float_act={float_act}): relative error "
-                                       f"{err:.2e} at out={out} in={k} batch={batch}")
+                for data, interleaved in layouts:
+                    y = native.gemm(data, fmt, x, b, float_act, interleaved).double()
+                    err = float((y - ref).abs().max() / ref.abs().max())
+                    if not err < bound:
+                        raise RuntimeError(f"self-check failed ({fmt.name}, float_act={float_act}, interleaved="
+                                           f"{interleaved}): relative error {err:.2e} at out={out} in={k} batch={batch}")
 
 
 @functools.lru_cache(maxsize=None)

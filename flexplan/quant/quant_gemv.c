@@ -412,6 +412,151 @@ static int kind_of(int64_t wtype) {
          : wtype == TYPE_Q5_1 ? KIND_Q5_1 : wtype == TYPE_Q8_0 ? KIND_Q8_0 : -1;
 }
 
+/* ---- the interleaved layout (wtype | X8): the CPU's own arrangement of a matrix's blocks ----------
+ * One GEMV step of the file's layout decodes one row's block and ends in 8 lanes of partial sums,
+ * each converted, scaled and finally summed across: compute-bound at ~10 GB/s a core on AVX2, below
+ * what one core reads. Interleaved, 8 rows' block b lie in one run, their 8 integer dots end as the
+ * 8 lanes of one vector (two horizontal adds of 4 rows each) and one convert and one multiply-add
+ * scale them all (llama.cpp repacks Q4_0 for its AVX2 GEMV likewise). Rows [0, 8 * (out / 8)) in
+ * groups of 8; a group's block b is one run of 8 * bb bytes: the 8 rows' fp16 d, then (Q4_1) their
+ * fp16 m, each in lane order (X8_LANE_ROW), then the values in 32-byte runs, run (c, h) = bytes
+ * 8c .. 8c + 7 of rows 4h .. 4h + 3 (Q4: c < 2, each byte two values; Q8_0: c < 4), c major. The
+ * rows after the last group keep the file's layout; every row's bytes keep their offset range, a
+ * group's at 8 rows. A row's result is the same whatever the count of activation rows (one
+ * arithmetic per row in the GEMV and the batched kernel): a request's tokens do not depend on what
+ * shares its batch. flexplan_quant_x8_layout is the one statement of the layout (Python permutes
+ * with it, the float path here reads raw blocks through it). */
+#define X8 0x100
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define X8_KERNELS 1
+#endif
+#ifndef X8_PREFETCH_BYTES
+#define X8_PREFETCH_BYTES 1024
+#endif
+#define X8_MAX_RUN (8 * 34)
+static const int X8_LANE_ROW[8] = {0, 1, 4, 5, 2, 3, 6, 7}; /* what _mm256_hadd_epi32 of rows 0-3 and 4-7 gives (its own inverse) */
+
+static int x8_kind(int64_t wtype) { /* the kind of an interleaved type with a kernel here, else -1 */
+#ifdef X8_KERNELS
+    const int kind = (wtype & X8) ? kind_of(wtype & ~(int64_t)X8) : -1;
+    return kind == KIND_Q4_0 || kind == KIND_Q4_1 || kind == KIND_Q8_0 ? kind : -1;
+#else
+    (void)wtype;
+    return -1;
+#endif
+}
+
+/* src[j] = which byte of the group's 8 blocks b laid end to end (row r's at r * bb) byte j of its
+ * interleaved run holds; returns the run's length 8 * bb, or 0 where wtype has no interleaved kernel
+ * here (another format, or no AVX2): such blocks stay as the file holds them. */
+int64_t flexplan_quant_x8_layout(int64_t wtype, int32_t *src) {
+    const int kind = x8_kind(wtype | X8);
+    if (kind < 0) return 0;
+    const int bb = (int)KIND_BYTES[kind], qs = KIND_QS[kind], runs = kind == KIND_Q8_0 ? 4 : 2;
+    int j = 0;
+    for (int f = 0; f < qs; f += 2) /* d, then m */
+        for (int l = 0; l < 8; l++) { src[j++] = X8_LANE_ROW[l] * bb + f; src[j++] = X8_LANE_ROW[l] * bb + f + 1; }
+    for (int c = 0; c < runs; c++)
+        for (int r = 0; r < 8; r++) /* h = r / 4 */
+            for (int k = 0; k < 8; k++) src[j++] = r * bb + qs + 8 * c + k;
+    return j;
+}
+
+/* row o's blocks as the file holds them: in place for a plain type or a row past the groups, else
+ * gathered from its group into buf (nb * bb bytes) */
+static const uint8_t *x8_raw_row(const uint8_t *w, int64_t wtype, int64_t o, int64_t rows, int64_t nb, int64_t rb,
+                                 uint8_t *buf) {
+    if (!(wtype & X8) || o >= rows / 8 * 8) return w + o * rb;
+    const int64_t bb = rb / nb;
+    int32_t src[X8_MAX_RUN];
+    const int64_t run = flexplan_quant_x8_layout(wtype, src), r = o % 8;
+    const uint8_t *g = w + (o / 8) * 8 * rb;
+    for (int64_t j = 0; j < run; j++)
+        if (src[j] / bb == r)
+            for (int64_t b = 0; b < nb; b++) buf[b * bb + src[j] % bb] = g[b * run + j];
+    return buf;
+}
+
+#ifdef X8_KERNELS
+/* one group's 8 rows with T activation rows (1..4, a constant after inlining): out[t * 8 + row].
+ * Per row and block: the integer dot (exact), acc = fma(dw * dx, dot, acc), ex = fma(m, s, ex);
+ * then acc + ex: the same operations for every T. */
+static inline __attribute__((always_inline)) void x8_dot(const uint8_t *w, int kind, const act_block *const *a,
+                                                         int64_t nb, int T, float *out) {
+    const int64_t run = 8 * KIND_BYTES[kind];
+    const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+    __m256 acc[4], ex[4];
+    for (int t = 0; t < T; t++) acc[t] = ex[t] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *blk = w + b * run;
+        for (int64_t p = 0; p < run; p += 64) _mm_prefetch((const char *)blk + X8_PREFETCH_BYTES + p, _MM_HINT_T0);
+        const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)blk));
+        const __m256 mw = kind == KIND_Q4_1 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 16)))
+                                            : _mm256_mul_ps(dw, _mm256_set1_ps(-8.0f)); /* Q8_0: unused */
+        const __m256i *v = (const __m256i *)(blk + 8 * KIND_QS[kind]);
+        __m256i u[8]; /* Q4: run (c, h)'s low values at 4c + 2h, high at 4c + 2h + 1; Q8_0: run (c, h) at 2c + h */
+        for (int i = 0; i < (kind == KIND_Q8_0 ? 8 : 4); i++) {
+            const __m256i r = _mm256_loadu_si256(v + i);
+            if (kind == KIND_Q8_0) u[i] = r;
+            else { u[2 * i] = _mm256_and_si256(r, low); u[2 * i + 1] = _mm256_and_si256(_mm256_srli_epi16(r, 4), low); }
+        }
+        for (int t = 0; t < T; t++) {
+            const int64_t *aq = (const int64_t *)a[t][b].qs;
+            __m256i s[2];
+            if (kind == KIND_Q8_0) /* |q_w| times q_x carrying q_w's sign, each pair into int32 (int16 holds one pair) */
+                for (int h = 0; h < 2; h++) {
+                    s[h] = _mm256_setzero_si256();
+                    for (int c = 0; c < 4; c++) {
+                        const __m256i q = u[2 * c + h], x = _mm256_set1_epi64x(aq[c]);
+                        s[h] = _mm256_add_epi32(s[h], _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(q, q),
+                                                                                             _mm256_sign_epi8(x, q)), ones));
+                    }
+                }
+            else { /* values 0..15: four pairs' sums stay within int16 (4 * 2 * 15 * 127) */
+                const __m256i x0 = _mm256_set1_epi64x(aq[0]), x1 = _mm256_set1_epi64x(aq[1]),
+                              x2 = _mm256_set1_epi64x(aq[2]), x3 = _mm256_set1_epi64x(aq[3]);
+                for (int h = 0; h < 2; h++)
+                    s[h] = _mm256_madd_epi16(
+                        _mm256_add_epi16(_mm256_add_epi16(_mm256_maddubs_epi16(u[2 * h], x0), _mm256_maddubs_epi16(u[2 * h + 1], x2)),
+                                         _mm256_add_epi16(_mm256_maddubs_epi16(u[4 + 2 * h], x1),
+                                                          _mm256_maddubs_epi16(u[4 + 2 * h + 1], x3))),
+                        ones);
+            }
+            const __m256 dot = _mm256_cvtepi32_ps(_mm256_hadd_epi32(s[0], s[1]));
+            acc[t] = _mm256_fmadd_ps(_mm256_mul_ps(dw, _mm256_set1_ps(a[t][b].d)), dot, acc[t]);
+            if (kind != KIND_Q8_0) ex[t] = _mm256_fmadd_ps(mw, _mm256_set1_ps(ACT_S(kind, a[t][b])), ex[t]);
+        }
+    }
+    const __m256i rows = _mm256_setr_epi32(0, 1, 4, 5, 2, 3, 6, 7); /* X8_LANE_ROW: lanes back to row order */
+    for (int t = 0; t < T; t++) _mm256_storeu_ps(out + 8 * t, _mm256_permutevar8x32_ps(_mm256_add_ps(acc[t], ex[t]), rows));
+}
+#define X8_INSTANCES(KIND)                                                                               \
+    static void x8_##KIND##_1(const uint8_t *w, const act_block *const *a, int64_t nb, float *o) { x8_dot(w, KIND, a, nb, 1, o); } \
+    static void x8_##KIND##_2(const uint8_t *w, const act_block *const *a, int64_t nb, float *o) { x8_dot(w, KIND, a, nb, 2, o); } \
+    static void x8_##KIND##_4(const uint8_t *w, const act_block *const *a, int64_t nb, float *o) { x8_dot(w, KIND, a, nb, 4, o); }
+X8_INSTANCES(KIND_Q4_0)
+X8_INSTANCES(KIND_Q4_1)
+X8_INSTANCES(KIND_Q8_0)
+typedef void (*x8_fn)(const uint8_t *, const act_block *const *, int64_t, float *);
+static const x8_fn X8_FNS[N_KINDS][3] = {{x8_KIND_Q4_0_1, x8_KIND_Q4_0_2, x8_KIND_Q4_0_4},
+                                         {x8_KIND_Q4_1_1, x8_KIND_Q4_1_2, x8_KIND_Q4_1_4}, {0}, {0},
+                                         {x8_KIND_Q8_0_1, x8_KIND_Q8_0_2, x8_KIND_Q8_0_4}};
+
+/* group g's 8 rows with activation rows [0, T) (any T, in steps of 4, 2, 1): y[t * ldy + 8g + row] (+ bias) */
+static void x8_group(const uint8_t *w, int kind, const act_block *const *a, int64_t nb, int64_t T, int64_t g,
+                     float *y, int64_t ldy, const float *bias) {
+    const uint8_t *wg = w + g * 8 * nb * KIND_BYTES[kind];
+    for (int64_t t = 0; t < T;) {
+        const int n = T - t >= 4 ? 4 : T - t >= 2 ? 2 : 1;
+        float v[32];
+        X8_FNS[kind][n == 4 ? 2 : n - 1](wg, a + t, nb, v);
+        for (int i = 0; i < n; i++)
+            for (int r = 0; r < 8; r++) y[(t + i) * ldy + 8 * g + r] = v[8 * i + r] + (bias ? bias[8 * g + r] : 0.0f);
+        t += n;
+    }
+}
+#endif
+
 /* ---- float-activation path: exact dequantisation, double sums ------------------------------------- */
 static void dequant_block(const uint8_t *w, int64_t wtype, float *out) {
     const float d = fp16_to_f32(w);
@@ -445,8 +590,15 @@ static double dot_row_float(const uint8_t *w, int64_t wtype, const float *x, int
 
 /* ---- the entry points: every format, the 32-blocks here and the K-quants from quant_kquants.c -------- */
 static int is_k(int64_t wtype) { return flexplan_kq_block_bytes(wtype) != 0; }
-static int64_t weights_per_block(int64_t wtype) { return is_k(wtype) ? QK_K : block_bytes(wtype) ? QK : 0; }
-static int64_t any_block_bytes(int64_t wtype) { return is_k(wtype) ? flexplan_kq_block_bytes(wtype) : block_bytes(wtype); }
+/* 0 for a type no kernel here reads: an unknown one, or the interleaved flag on a format without its kernel */
+static int64_t weights_per_block(int64_t wtype) {
+    if (wtype & X8) return x8_kind(wtype) >= 0 ? QK : 0;
+    return is_k(wtype) ? QK_K : block_bytes(wtype) ? QK : 0;
+}
+static int64_t any_block_bytes(int64_t wtype) {
+    wtype &= ~(int64_t)X8;
+    return is_k(wtype) ? flexplan_kq_block_bytes(wtype) : block_bytes(wtype);
+}
 static int64_t act_bytes(int64_t wtype) { return is_k(wtype) ? flexplan_kq_act_bytes() : (int64_t)sizeof(act_block); }
 
 static void quantize_any(int64_t wtype, const float *x, uint8_t *a, int64_t nb) {
@@ -466,12 +618,18 @@ int flexplan_quant_dequantize(const uint8_t *w, int64_t wtype, float *out, int64
     const int64_t qk = weights_per_block(wtype), bb = any_block_bytes(wtype);
     if (!qk || in % qk) return 1;
     const int64_t nb = in / qk;
-    #pragma omp parallel for schedule(static)
-    for (int64_t r = 0; r < rows; r++)
-        for (int64_t b = 0; b < nb; b++) {
-            if (is_k(wtype)) flexplan_kq_dequantize_block(wtype, w + (r * nb + b) * bb, out + r * in + b * qk);
-            else dequant_block(w + (r * nb + b) * bb, wtype, out + r * in + b * qk);
+    #pragma omp parallel
+    {
+        uint8_t buf[(wtype & X8) ? nb * bb : 1];  /* an interleaved row gathered (a row's bytes: kilobytes) */
+        #pragma omp for schedule(static)
+        for (int64_t r = 0; r < rows; r++) {
+            const uint8_t *wr = (wtype & X8) ? x8_raw_row(w, wtype, r, rows, nb, nb * bb, buf) : w + r * nb * bb;
+            for (int64_t b = 0; b < nb; b++) {
+                if (is_k(wtype)) flexplan_kq_dequantize_block(wtype, wr + b * bb, out + r * in + b * qk);
+                else dequant_block(wr + b * bb, wtype & ~(int64_t)X8, out + r * in + b * qk);
+            }
         }
+    }
     return 0;
 }
 
@@ -481,21 +639,28 @@ int flexplan_quant_gemm(const uint8_t *w, int64_t wtype, const float *x, float *
                         int64_t in, int64_t batch, int64_t float_act) {
     const int64_t qk = weights_per_block(wtype);
     if (!qk || in % qk || out < 0 || batch < 0) return 1;
-    const int64_t nb = in / qk, row_bytes = nb * any_block_bytes(wtype), ab = act_bytes(wtype) * nb;
-    const int kind = kind_of(wtype);  /* -1: a K-quant */
+    const int64_t base = wtype & ~(int64_t)X8, groups = (wtype & X8) ? out / 8 : 0;
+    const int64_t nb = in / qk, row_bytes = nb * any_block_bytes(base), ab = act_bytes(base) * nb;
+    const int kind = kind_of(base);  /* -1: a K-quant */
     if (float_act) {
-        #pragma omp parallel for schedule(static)
-        for (int64_t o = 0; o < out; o++)
-            for (int64_t r = 0; r < batch; r++)
-                y[r * out + o] = (float)((kind < 0 ? flexplan_kq_dot_float(wtype, w + o * row_bytes, x + r * in, nb)
-                                                   : dot_row_float(w + o * row_bytes, wtype, x + r * in, nb))
-                                         + (bias ? (double)bias[o] : 0.0));
+        #pragma omp parallel
+        {
+            uint8_t buf[groups ? row_bytes : 1];
+            #pragma omp for schedule(static)
+            for (int64_t o = 0; o < out; o++) {
+                const uint8_t *wr = x8_raw_row(w, wtype, o, out, nb, row_bytes, buf);
+                for (int64_t r = 0; r < batch; r++)
+                    y[r * out + o] = (float)((kind < 0 ? flexplan_kq_dot_float(base, wr, x + r * in, nb)
+                                                       : dot_row_float(wr, base, x + r * in, nb))
+                                             + (bias ? (double)bias[o] : 0.0));
+            }
+        }
         return 0;
     }
     uint8_t *a = (uint8_t *)malloc((size_t)(batch * ab + 1));
     if (!a) return 2;
     #pragma omp parallel for schedule(static) if (batch > 1)  /* a prefill's rows: quantised in parallel too */
-    for (int64_t r = 0; r < batch; r++) quantize_any(wtype, x + r * in, a + r * ab, nb);
+    for (int64_t r = 0; r < batch; r++) quantize_any(base, x + r * in, a + r * ab, nb);
     /* each tile's activation scales d and d * sum q as [block][4], for the horizontal-add tile kernel */
     float *scales = NULL;
 #ifdef HAVE_TILE4
@@ -512,8 +677,18 @@ int flexplan_quant_gemm(const uint8_t *w, int64_t wtype, const float *x, float *
                 }
     }
 #endif
-    #pragma omp parallel for schedule(static)
-    for (int64_t o = 0; o < out; o++) {
+    #pragma omp parallel
+    {
+#ifdef X8_KERNELS
+    if (groups) { /* the interleaved groups: every activation row per group, one arithmetic per row */
+        const act_block *rows[batch > 0 ? batch : 1];
+        for (int64_t r = 0; r < batch; r++) rows[r] = (const act_block *)(a + r * ab);
+        #pragma omp for schedule(static) nowait
+        for (int64_t g = 0; g < groups; g++) x8_group(w, kind, rows, nb, batch, g, y, out, bias);
+    }
+#endif
+    #pragma omp for schedule(static)
+    for (int64_t o = groups * 8; o < out; o++) {
         const uint8_t *wr = w + o * row_bytes;
         const float bo = bias ? bias[o] : 0.0f;
         int64_t r = 0;
@@ -533,7 +708,7 @@ int flexplan_quant_gemm(const uint8_t *w, int64_t wtype, const float *x, float *
             const void *rows[TILE];
             float v[TILE];
             for (int t = 0; t < TILE; t++) rows[t] = a + (r + t) * ab;
-            if (kind < 0) flexplan_kq_dot(wtype, wr, rows, nb, TILE, v);
+            if (kind < 0) flexplan_kq_dot(base, wr, rows, nb, TILE, v);
 #ifdef HAVE_TILE4
             else if (scales) {
                 const float *da[1] = {scales + (r / TILE) * nb * 2 * TILE}, *ds[1] = {da[0] + nb * TILE};
@@ -545,13 +720,35 @@ int flexplan_quant_gemm(const uint8_t *w, int64_t wtype, const float *x, float *
         }
         for (; r < batch; r++) {
             float v;
-            dot1_any(wtype, kind, wr, a + r * ab, nb, &v);
+            dot1_any(base, kind, wr, a + r * ab, nb, &v);
             y[r * out + o] = v + bo;
         }
+    }
     }
     free(a);
     free(scales);
     return 0;
+}
+
+/* A GEMV's units of work: an interleaved matrix's groups of 8 rows, then its rows past them (a plain
+ * matrix: its rows); unit u of W [out, nb blocks] with one quantised activation row a into y (+ bias). */
+static int64_t gemv_units(int64_t wtype, int64_t out) { return (wtype & X8) ? out / 8 + out % 8 : out; }
+
+static inline void gemv_unit(const uint8_t *w, int64_t wtype, int64_t u, int64_t out, const uint8_t *a, int64_t nb,
+                             float *y, const float *bias) {
+    const int64_t base = wtype & ~(int64_t)X8, groups = (wtype & X8) ? out / 8 : 0;
+    const int kind = kind_of(base);
+#ifdef X8_KERNELS
+    if (u < groups) {
+        const act_block *row = (const act_block *)a;
+        x8_group(w, kind, &row, nb, 1, u, y, out, bias);
+        return;
+    }
+#endif
+    const int64_t o = u - groups + groups * 8;
+    float v;
+    dot1_any(base, kind, w + o * nb * any_block_bytes(base), a, nb, &v);
+    y[o] = v + (bias ? bias[o] : 0.0f);
 }
 
 /* n independent GEMVs y_i [out_i] = W_i x_i in one parallel region (no fork and no Python call per
@@ -567,19 +764,20 @@ int flexplan_quant_gemv_list(int64_t n, const uint8_t *const *w, const int64_t *
     for (int64_t i = 0; i < n; i++) {
         const int64_t qk = weights_per_block(wtype[i]);
         if (!qk || in[i] % qk || out[i] < 0) { free(start); return 1; }
-        start[i + 1] = start[i] + in[i] / qk * act_bytes(wtype[i]);
+        start[i + 1] = start[i] + in[i] / qk * act_bytes(wtype[i] & ~(int64_t)X8);
     }
     uint8_t *a = (uint8_t *)malloc((size_t)(start[n] + 1));
     if (!a) { free(start); return 2; }
     #pragma omp parallel
     {
         #pragma omp for schedule(dynamic, 1)
-        for (int64_t i = 0; i < n; i++) quantize_any(wtype[i], x[i], a + start[i], in[i] / weights_per_block(wtype[i]));
+        for (int64_t i = 0; i < n; i++)
+            quantize_any(wtype[i] & ~(int64_t)X8, x[i], a + start[i], in[i] / weights_per_block(wtype[i]));
         for (int64_t i = 0; i < n; i++) {
-            const int kind = kind_of(wtype[i]);
-            const int64_t nb = in[i] / weights_per_block(wtype[i]), row_bytes = nb * any_block_bytes(wtype[i]);
+            const int64_t nb = in[i] / weights_per_block(wtype[i]);
             #pragma omp for schedule(static) nowait
-            for (int64_t o = 0; o < out[i]; o++) dot1_any(wtype[i], kind, w[i] + o * row_bytes, a + start[i], nb, &y[i][o]);
+            for (int64_t u = 0; u < gemv_units(wtype[i], out[i]); u++)
+                gemv_unit(w[i], wtype[i], u, out[i], a + start[i], nb, y[i], NULL);
         }
     }
     free(a);
@@ -609,24 +807,20 @@ int flexplan_quant_gemv_shared(int64_t n, const uint8_t *const *w, const int64_t
     if (aq) quantize_act(x, (act_block *)aq, nq);
     if (ak) flexplan_kq_quantize_act(x, ak, nk);
     /* each matrix's kernel, blocks per row, row bytes and quantised input: found once, not per row */
-    int kind[SHARED_MAX];
-    int64_t nb[SHARED_MAX], row_bytes[SHARED_MAX], total = 0;
+    int64_t nb[SHARED_MAX], units[SHARED_MAX], total = 0;
     const uint8_t *act[SHARED_MAX];
     for (int64_t i = 0; i < n; i++) {
         const int k = is_k(wtype[i]);
-        kind[i] = kind_of(wtype[i]);
         nb[i] = k ? nk : nq;
-        row_bytes[i] = nb[i] * any_block_bytes(wtype[i]);
         act[i] = k ? ak : aq;
-        total += out[i];
+        units[i] = gemv_units(wtype[i], out[i]);
+        total += units[i];
     }
     #pragma omp parallel for schedule(static)
     for (int64_t r = 0; r < total; r++) {
-        int64_t i = 0, o = r;
-        while (o >= out[i]) o -= out[i++];  /* n is 2 or 3: a scan beats a search */
-        float v;
-        dot1_any(wtype[i], kind[i], w[i] + o * row_bytes[i], act[i], nb[i], &v);
-        y[i][o] = v + (bias[i] ? bias[i][o] : 0.0f);
+        int64_t i = 0, u = r;
+        while (u >= units[i]) u -= units[i++];  /* n is 2 or 3: a scan beats a search */
+        gemv_unit(w[i], wtype[i], u, out[i], act[i], nb[i], y[i], bias[i]);
     }
     free(aq);
     free(ak);

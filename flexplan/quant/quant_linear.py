@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from flexplan.quant import fused_dequant, kernels
+from flexplan.quant import fused_dequant, interleave, kernels
 from flexplan.quant.gguf_weights import QuantTensor
 
 
@@ -40,8 +40,12 @@ class QuantLinear(nn.Module):
         runs = kernels.status()[0] is not None and qt.format.name in kernels.NATIVE_FORMATS
         self.register_buffer("dense", None if runs else qt.dequantize().contiguous(), persistent=False)
         # the raw blocks [out, row bytes] uint8, a Parameter (never trained): the executor places them
-        # as it places any weight, so pinned memory, the link and an accelerator hold the file's bytes
-        self.blocks = nn.Parameter(qt.data.contiguous(), requires_grad=False) if self.dense is None else None
+        # as it places any weight, so pinned memory, the link and an accelerator hold the file's bytes;
+        # interleaved for the CPU's kernels where they have that layout (the same bytes, 8 rows' blocks side by side)
+        run = None if self.dense is not None else kernels.status()[0].x8_layout(qt.format)
+        self.interleaved = run is not None and self.out_features >= interleave.GROUP_ROWS
+        blocks = interleave.pack(qt.data, run) if self.interleaved else qt.data.contiguous()
+        self.blocks = nn.Parameter(blocks, requires_grad=False) if self.dense is None else None
 
     @property
     def native(self):
@@ -55,12 +59,20 @@ class QuantLinear(nn.Module):
         return self.blocks.numel() if self.dense is None else self.dense.numel() * 4
 
     def raw_blocks(self) -> tuple[torch.Tensor | None, int]:
-        """(the raw blocks [out, row bytes] and their ggml type id) that the native decoder layer
-        calls read (flexplan.executor.cpu_decode), or (None, 0) when no kernel reads them: a format
-        dequantised at load, or blocks the executor placed off the CPU (an accelerator layer)."""
+        """(the raw blocks [out, row bytes] and the type id the kernels take for them: ggml's, flagged
+        when interleaved) that the native decoder layer calls read (flexplan.executor.cpu_decode), or
+        (None, 0) when no kernel reads them: a format dequantised at load, or blocks the executor
+        placed off the CPU (an accelerator layer)."""
         if self.native is None or self.blocks.device.type != "cpu":
             return None, 0
-        return self.blocks, self.format.ggml_type
+        return self.blocks, kernels.wtype(self.format, self.interleaved)
+
+    def file_blocks(self) -> torch.Tensor | None:
+        """The blocks in the file's layout, on the blocks' device (a copy where they are interleaved);
+        None for a format dequantised at load."""
+        if self.dense is not None:
+            return None
+        return interleave.unpack(self.blocks, kernels.status()[0].x8_layout(self.format)) if self.interleaved else self.blocks
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.device.type != "cpu" or (self.dense is None and self.blocks.device.type != "cpu"):
@@ -68,7 +80,7 @@ class QuantLinear(nn.Module):
         if self.native is None:
             return nn.functional.linear(x.float(), self.dense, self.bias)
         x2d = x.reshape(-1, self.in_features).float().contiguous()
-        y = self.native.gemm(self.blocks, self.format, x2d, self.bias, self.float_act)
+        y = self.native.gemm(self.blocks, self.format, x2d, self.bias, self.float_act, self.interleaved)
         return y.reshape(*x.shape[:-1], self.out_features)
 
     def forward_dequantised(self, x: torch.Tensor) -> torch.Tensor:
@@ -83,6 +95,8 @@ class QuantLinear(nn.Module):
             w = self.dense.to(x.device, dtype)
         else:
             blocks = self.blocks.to(x.device, non_blocking=True)
+            if self.interleaved:  # back to the file's layout, on the accelerator (a permutation of the bytes)
+                blocks = interleave.unpack(blocks, kernels.status()[0].x8_layout(self.format))
             w = fused_dequant.dequantize(blocks, self.format.ggml_type, self.in_features, dtype)
         bias = None if self.bias is None else self.bias.to(x.device, dtype)
         return nn.functional.linear(x.to(dtype), w, bias)
@@ -90,7 +104,7 @@ class QuantLinear(nn.Module):
     def extra_repr(self) -> str:
         how = "native" if self.native is not None else "dequantised at load"
         return (f"in_features={self.in_features}, out_features={self.out_features}, format={self.format.name} "
-                f"({how}), float_act={self.float_act}")
+                f"({how}{', interleaved' if self.interleaved else ''}), float_act={self.float_act}")
 
 
 def set_float_activation(model: nn.Module, on: bool) -> None:
