@@ -280,7 +280,7 @@ def test_interleaved_rows_do_not_depend_on_the_batch(fmt):
 
 @needs_native
 def test_the_interleaved_flag_on_a_format_without_its_kernel_is_refused():
-    fmt = BY_NAME["Q5_0"]
+    fmt = Q4_K
     assert NATIVE.x8_layout(fmt) is None
     qt = _weights(fmt, out=8)
     with pytest.raises(InvalidInputError, match="not a kernel format"):

@@ -4,7 +4,7 @@ The library computes ``y = x W^T (+ bias)`` with W [out, in] in the blocks a GGU
 (:data:`NATIVE_FORMATS`: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 in 32-weight blocks, ``quant_gemv.c``; Q4_K,
 Q5_K, Q6_K in 256-weight super-blocks, ``quant_kquants.c``): the decode GEMV (one row of x) and
 the prefill GEMM (several rows, a tile of 4 activation rows per decoded weight block), on the
-file's layout or, for Q4_0 / Q4_1 / Q8_0 with AVX2, on 8 rows' blocks interleaved (:meth:`NativeQuant.x8_layout`,
+file's layout or, for the 32-weight blocks with AVX2, on 8 rows' blocks interleaved (:meth:`NativeQuant.x8_layout`,
 :mod:`flexplan.quant.interleave`: what QuantLinear holds where it can; each row's result the same
 whatever the batch), the
 activation quantised to int8 as llama.cpp does (per 32-block for the 32-blocks, Q8_0's rule; per

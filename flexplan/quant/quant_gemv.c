@@ -419,8 +419,9 @@ static int kind_of(int64_t wtype) {
  * 8 lanes of one vector (two horizontal adds of 4 rows each) and one convert and one multiply-add
  * scale them all (llama.cpp repacks Q4_0 for its AVX2 GEMV likewise). Rows [0, 8 * (out / 8)) in
  * groups of 8; a group's block b is one run of 8 * bb bytes: the 8 rows' fp16 d, then (Q4_1) their
- * fp16 m, each in lane order (X8_LANE_ROW), then the values in 32-byte runs, run (c, h) = bytes
- * 8c .. 8c + 7 of rows 4h .. 4h + 3 (Q4: c < 2, each byte two values; Q8_0: c < 4), c major. The
+ * fp16 m, each in lane order (X8_LANE_ROW), then (Q5) the fifth bits of each value run in run order,
+ * 8 bytes a run (qh byte c of its 4 rows, then qh byte 2 + c), then the values in 32-byte runs, run
+ * (c, h) = bytes 8c .. 8c + 7 of rows 4h .. 4h + 3 (Q4 / Q5: c < 2, each byte two values; Q8_0: c < 4), c major. The
  * rows after the last group keep the file's layout; every row's bytes keep their offset range, a
  * group's at 8 rows. A row's result is the same whatever the count of activation rows (one
  * arithmetic per row in the GEMV and the batched kernel): a request's tokens do not depend on what
@@ -439,7 +440,7 @@ static const int X8_LANE_ROW[8] = {0, 1, 4, 5, 2, 3, 6, 7}; /* what _mm256_hadd_
 static int x8_kind(int64_t wtype) { /* the kind of an interleaved type with a kernel here, else -1 */
 #ifdef X8_KERNELS
     const int kind = (wtype & X8) ? kind_of(wtype & ~(int64_t)X8) : -1;
-    return kind == KIND_Q4_0 || kind == KIND_Q4_1 || kind == KIND_Q8_0 ? kind : -1;
+    return kind;
 #else
     (void)wtype;
     return -1;
@@ -453,9 +454,14 @@ int64_t flexplan_quant_x8_layout(int64_t wtype, int32_t *src) {
     const int kind = x8_kind(wtype | X8);
     if (kind < 0) return 0;
     const int bb = (int)KIND_BYTES[kind], qs = KIND_QS[kind], runs = kind == KIND_Q8_0 ? 4 : 2;
+    const int fields = kind == KIND_Q4_1 || kind == KIND_Q5_1 ? 2 : 1, q5 = kind == KIND_Q5_0 || kind == KIND_Q5_1;
     int j = 0;
-    for (int f = 0; f < qs; f += 2) /* d, then m */
+    for (int f = 0; f < 2 * fields; f += 2) /* d, then m */
         for (int l = 0; l < 8; l++) { src[j++] = X8_LANE_ROW[l] * bb + f; src[j++] = X8_LANE_ROW[l] * bb + f + 1; }
+    for (int c = 0; c < 2 * q5; c++) /* Q5: each value run's fifth bits, qh byte c then byte 2 + c of its 4 rows */
+        for (int h = 0; h < 2; h++)
+            for (int hi = 0; hi < 2; hi++)
+                for (int r = 4 * h; r < 4 * h + 4; r++) src[j++] = r * bb + qs - 4 + 2 * hi + c;
     for (int c = 0; c < runs; c++)
         for (int r = 0; r < 8; r++) /* h = r / 4 */
             for (int k = 0; k < 8; k++) src[j++] = r * bb + qs + 8 * c + k;
@@ -491,14 +497,26 @@ static inline __attribute__((always_inline)) void x8_dot(const uint8_t *w, int k
         const uint8_t *blk = w + b * run;
         for (int64_t p = 0; p < run; p += 64) _mm_prefetch((const char *)blk + X8_PREFETCH_BYTES + p, _MM_HINT_T0);
         const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)blk));
-        const __m256 mw = kind == KIND_Q4_1 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 16)))
-                                            : _mm256_mul_ps(dw, _mm256_set1_ps(-8.0f)); /* Q8_0: unused */
-        const __m256i *v = (const __m256i *)(blk + 8 * KIND_QS[kind]);
-        __m256i u[8]; /* Q4: run (c, h)'s low values at 4c + 2h, high at 4c + 2h + 1; Q8_0: run (c, h) at 2c + h */
+        const int q5 = kind == KIND_Q5_0 || kind == KIND_Q5_1;
+        const __m256 mw = kind == KIND_Q4_1 || kind == KIND_Q5_1 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 16)))
+                                                                 : _mm256_mul_ps(dw, _mm256_set1_ps(q5 ? -16.0f : -8.0f)); /* Q8_0: unused */
+        const uint8_t *vals = blk + 8 * KIND_QS[kind];
+        __m256i u[8]; /* Q4 / Q5: run (c, h)'s low values at 4c + 2h, high at 4c + 2h + 1; Q8_0: run (c, h) at 2c + h */
         for (int i = 0; i < (kind == KIND_Q8_0 ? 8 : 4); i++) {
-            const __m256i r = _mm256_loadu_si256(v + i);
+            const __m256i r = _mm256_loadu_si256((const __m256i *)vals + i);
             if (kind == KIND_Q8_0) u[i] = r;
             else { u[2 * i] = _mm256_and_si256(r, low); u[2 * i + 1] = _mm256_and_si256(_mm256_srli_epi16(r, 4), low); }
+            if (q5) { /* byte 8r + k gets 0x10 where bit k of its row's qh byte is set: low values', then high values' */
+                int64_t bits;
+                memcpy(&bits, vals - 32 + 8 * i, 8);
+                const __m256i spread = _mm256_set1_epi64x(bits), sel = _mm256_set1_epi64x((long long)0x8040201008040201ULL);
+                const __m256i at_lo = _mm256_setr_epi64x(0, 0x0101010101010101, 0x0202020202020202, 0x0303030303030303);
+                const __m256i at_hi = _mm256_add_epi8(at_lo, _mm256_set1_epi8(4));
+                for (int hi = 0; hi < 2; hi++) {
+                    const __m256i b = _mm256_and_si256(_mm256_shuffle_epi8(spread, hi ? at_hi : at_lo), sel);
+                    u[2 * i + hi] = _mm256_or_si256(u[2 * i + hi], _mm256_and_si256(_mm256_cmpeq_epi8(b, sel), _mm256_set1_epi8(0x10)));
+                }
+            }
         }
         for (int t = 0; t < T; t++) {
             const int64_t *aq = (const int64_t *)a[t][b].qs;
@@ -512,7 +530,7 @@ static inline __attribute__((always_inline)) void x8_dot(const uint8_t *w, int k
                                                                                              _mm256_sign_epi8(x, q)), ones));
                     }
                 }
-            else { /* values 0..15: four pairs' sums stay within int16 (4 * 2 * 15 * 127) */
+            else { /* values 0..31: four pairs' sums stay within int16 (4 * 2 * 31 * 127) */
                 const __m256i x0 = _mm256_set1_epi64x(aq[0]), x1 = _mm256_set1_epi64x(aq[1]),
                               x2 = _mm256_set1_epi64x(aq[2]), x3 = _mm256_set1_epi64x(aq[3]);
                 for (int h = 0; h < 2; h++)
@@ -536,10 +554,14 @@ static inline __attribute__((always_inline)) void x8_dot(const uint8_t *w, int k
     static void x8_##KIND##_4(const uint8_t *w, const act_block *const *a, int64_t nb, float *o) { x8_dot(w, KIND, a, nb, 4, o); }
 X8_INSTANCES(KIND_Q4_0)
 X8_INSTANCES(KIND_Q4_1)
+X8_INSTANCES(KIND_Q5_0)
+X8_INSTANCES(KIND_Q5_1)
 X8_INSTANCES(KIND_Q8_0)
 typedef void (*x8_fn)(const uint8_t *, const act_block *const *, int64_t, float *);
 static const x8_fn X8_FNS[N_KINDS][3] = {{x8_KIND_Q4_0_1, x8_KIND_Q4_0_2, x8_KIND_Q4_0_4},
-                                         {x8_KIND_Q4_1_1, x8_KIND_Q4_1_2, x8_KIND_Q4_1_4}, {0}, {0},
+                                         {x8_KIND_Q4_1_1, x8_KIND_Q4_1_2, x8_KIND_Q4_1_4},
+                                         {x8_KIND_Q5_0_1, x8_KIND_Q5_0_2, x8_KIND_Q5_0_4},
+                                         {x8_KIND_Q5_1_1, x8_KIND_Q5_1_2, x8_KIND_Q5_1_4},
                                          {x8_KIND_Q8_0_1, x8_KIND_Q8_0_2, x8_KIND_Q8_0_4}};
 
 /* group g's 8 rows with activation rows [0, T) (any T, in steps of 4, 2, 1): y[t * ldy + 8g + row] (+ bias) */
