@@ -10,8 +10,9 @@ round (interleaved), a STREAM triad sample beside each run:
   same precision (an F32 GGUF made from the shipped Q4_1 file with ``llama-quantize``: the values
   flexplan's float32 folder holds), the same threads;
 - ``transformers``: ``transformers serve --continuous-batching`` on the same float32 folder;
-- ``flexplan-q4_1`` and ``llama-server-q4_1`` (with ``--targets``): both servers on the embedded
-  model's own Q4_1 GGUF file, its blocks as they are (int8 activations in both).
+- ``flexplan-q4_1``, ``llama-server-q4_1`` and ``sequential-q4_1`` (with ``--targets``): both servers
+  and the one-at-a-time loop on the embedded model's own Q4_1 GGUF file, its blocks as they are
+  (int8 activations in all).
 
 Prompts are texts of random one-token words of the trace's lengths (the trace gives lengths, not
 text), the output length forced (``ignore_eos``; transformers serve refuses the field, so its outputs
@@ -49,7 +50,7 @@ TRACE = REPO_ROOT.parent / "shared" / "traces" / "azure_llm_2023_code.csv"
 F32_GGUF = Path.home() / ".cache" / "flexplan" / "bench" / "SmolLM2-135M-Instruct.F32.gguf"
 TARGETS = ("flexplan", "sequential", "llama-server", "transformers")
 # the embedded model's own Q4_1 file served as it is by both engines (int8 activations in both)
-GGUF_TARGETS = ("flexplan-q4_1", "llama-server-q4_1")
+GGUF_TARGETS = ("flexplan-q4_1", "llama-server-q4_1", "sequential-q4_1")
 
 
 def trace_requests(n: int, input_scale: float, input_cap: int, output_cap: int, seed: int) -> list[tuple[int, int]]:
@@ -175,10 +176,8 @@ class HttpTarget:
 class SequentialTarget:
     """flexplan's own generate(), one request at a time in a worker thread (FIFO)."""
 
-    name = "sequential"
-
-    def __init__(self, model_dir: Path):
-        self.model_dir = model_dir
+    def __init__(self, model_dir: Path, name: str = "sequential"):
+        self.model_dir, self.name = model_dir, name
         self.lm = None
 
     def start(self) -> None:
@@ -276,6 +275,8 @@ def make_targets(names: list[str], model_dir: Path, threads: int, slots: int, ct
                                           "127.0.0.1", "--port", str(port)], port, gguf.name)
         elif name == "sequential":
             out[name] = SequentialTarget(model_dir)
+        elif name == "sequential-q4_1":
+            out[name] = SequentialTarget(gguf_path(), name)
         elif name in ("llama-server", "llama-server-q4_1"):
             server = llama_cpp_tool("llama-server")
             if server is None:
