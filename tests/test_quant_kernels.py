@@ -237,6 +237,8 @@ def test_interleaved_blocks_round_trip_and_keep_each_rows_bytes_in_its_range(fmt
     assert sorted(run.tolist()) == list(range(8 * fmt.block_bytes))  # a permutation of a group's blocks
     packed = interleave.pack(qt.data, run)
     assert packed.shape == qt.data.shape and torch.equal(interleave.unpack(packed, run), qt.data)
+    assert torch.equal(NATIVE.x8_pack(qt.data, fmt), packed)  # the native copy, the same permutation
+    assert torch.equal(NATIVE.x8_pack(packed, fmt, unpack=True), qt.data)
     assert not torch.equal(packed[:8], qt.data[:8])
     for g in range(out // 8):  # each group's bytes stay within its 8 rows; rows past the groups as the file's
         assert sorted(packed[8 * g:8 * g + 8].flatten().tolist()) == sorted(qt.data[8 * g:8 * g + 8].flatten().tolist())

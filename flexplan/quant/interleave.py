@@ -7,7 +7,9 @@ each byte of a group's run holds) and reads it; here the same permutation is app
 tensors with torch ops, to pack a matrix for the CPU (:func:`pack`) and to give it back in the
 file's layout where something else reads it (:func:`unpack`: an accelerator's dequantisation, the
 tests). Rows past the last group of 8 keep the file's layout, so a packed matrix has the shape and
-bytes of the file's, each row's bytes in its own offset range, 8 rows at a time.
+bytes of the file's, each row's bytes in its own offset range, 8 rows at a time. Both are one
+indexed copy into the output (no intermediate the size of the matrix: a loader packs tensors of
+hundreds of megabytes).
 """
 
 from __future__ import annotations
@@ -18,25 +20,35 @@ X8_FLAG = 0x100  # quant_gemv.c's X8: a ggml type id with it names the interleav
 GROUP_ROWS = 8
 
 
-def _groups(data: torch.Tensor, run_src: torch.Tensor) -> tuple[int, int, int]:
-    """(groups, blocks a row, block bytes) of ``data`` [out, row bytes] under a run of ``run_src``."""
-    block_bytes = run_src.numel() // GROUP_ROWS
-    return data.shape[0] // GROUP_ROWS, data.shape[1] // block_bytes, block_bytes
+def _group_index(run_src: torch.Tensor, row_bytes: int, device: torch.device) -> tuple[int, torch.Tensor]:
+    """(groups' bytes, index): byte i of a packed group (its runs for blocks 0, 1, ...) is byte
+    index[i] of the group's 8 rows in the file's layout."""
+    run = run_src.numel()
+    block_bytes = run // GROUP_ROWS
+    src = run_src.to(device)
+    index = ((src // block_bytes) * row_bytes)[None, :] + (src % block_bytes)[None, :] \
+        + (torch.arange(row_bytes // block_bytes, device=device) * block_bytes)[:, None]
+    return GROUP_ROWS * row_bytes, index.reshape(-1)
 
 
 def pack(data: torch.Tensor, run_src: torch.Tensor) -> torch.Tensor:
     """The file's blocks ``data`` [out, row bytes] (uint8) in the interleaved layout: each group's
     block b is one run whose byte j is byte ``run_src[j]`` of the group's 8 blocks b end to end."""
-    g, nb, bb = _groups(data, run_src)
-    head = data[:g * GROUP_ROWS].reshape(g, GROUP_ROWS, nb, bb).transpose(1, 2).reshape(g, nb, GROUP_ROWS * bb)
-    runs = head[:, :, run_src.to(data.device)].reshape(g * GROUP_ROWS, -1)
-    return torch.cat([runs, data[g * GROUP_ROWS:]]) if data.shape[0] % GROUP_ROWS else runs
+    data = data.contiguous()
+    g = data.shape[0] // GROUP_ROWS
+    width, index = _group_index(run_src, data.shape[1], data.device)
+    out = torch.empty_like(data)
+    torch.index_select(data[:g * GROUP_ROWS].view(g, width), 1, index, out=out[:g * GROUP_ROWS].view(g, width))
+    out[g * GROUP_ROWS:] = data[g * GROUP_ROWS:]
+    return out
 
 
 def unpack(data: torch.Tensor, run_src: torch.Tensor) -> torch.Tensor:
     """:func:`pack`'s inverse: the file's layout of interleaved blocks ``data`` (on any device)."""
-    g, nb, bb = _groups(data, run_src)
-    inv = torch.argsort(run_src).to(data.device)
-    head = data[:g * GROUP_ROWS].reshape(g, nb, GROUP_ROWS * bb)[:, :, inv]
-    rows = head.reshape(g, nb, GROUP_ROWS, bb).transpose(1, 2).reshape(g * GROUP_ROWS, -1)
-    return torch.cat([rows, data[g * GROUP_ROWS:]]) if data.shape[0] % GROUP_ROWS else rows
+    data = data.contiguous()
+    g = data.shape[0] // GROUP_ROWS
+    width, index = _group_index(run_src, data.shape[1], data.device)
+    out = torch.empty_like(data)
+    out[:g * GROUP_ROWS].view(g, width).index_copy_(1, index, data[:g * GROUP_ROWS].view(g, width))
+    out[g * GROUP_ROWS:] = data[g * GROUP_ROWS:]
+    return out

@@ -82,6 +82,9 @@ class NativeQuant:
         self._x8_layout = lib.flexplan_quant_x8_layout
         self._x8_layout.argtypes = [i64, ptr]
         self._x8_layout.restype = i64
+        self._x8_pack = lib.flexplan_quant_x8_pack
+        self._x8_pack.argtypes = [ptr, ptr, i64, i64, i64, i64]
+        self._x8_pack.restype = ctypes.c_int
         self._lib = lib  # keeps the library loaded
 
     @functools.lru_cache(maxsize=None)
@@ -92,6 +95,15 @@ class NativeQuant:
         src = (ctypes.c_int32 * (8 * 34))()
         n = self._x8_layout(fmt.ggml_type, src) if fmt.ggml_type is not None else 0
         return torch.tensor(src[:n], dtype=torch.int64) if n else None
+
+    def x8_pack(self, data: torch.Tensor, fmt: BlockFormat, unpack: bool = False) -> torch.Tensor:
+        """:func:`flexplan.quant.interleave.pack` (or ``unpack``) of host blocks [out, row bytes] in
+        native code: the layout's pieces copied whole, in parallel (a loader packs a whole model)."""
+        data = data.contiguous()
+        out = torch.empty_like(data)
+        if self._x8_pack(data.data_ptr(), out.data_ptr(), fmt.ggml_type, data.shape[0], data.shape[1], int(unpack)):
+            raise InvalidInputError(f"{fmt.name} has no interleaved layout here, or its rows are not whole blocks")
+        return out
 
     def gemv_list(self, items: list[tuple[torch.Tensor, BlockFormat, torch.Tensor]]) -> GemvList:
         """Independent GEMVs (raw blocks [out, row_bytes], format, x [in] float32 contiguous) run

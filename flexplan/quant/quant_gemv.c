@@ -468,6 +468,39 @@ int64_t flexplan_quant_x8_layout(int64_t wtype, int32_t *src) {
     return j;
 }
 
+/* dst [rows, row_bytes] = src in the interleaved layout (unpack 0) or back in the file's (unpack 1), the
+ * rows past the groups copied as they are; the layout's contiguous pieces (a field, 8 bytes of values)
+ * copied whole, the groups in parallel: a loader packs every linear of a model. Returns 0, or 1 for a
+ * type without an interleaved layout here or rows of no whole blocks. */
+int flexplan_quant_x8_pack(const uint8_t *src, uint8_t *dst, int64_t wtype, int64_t rows, int64_t row_bytes,
+                           int64_t unpack) {
+    int32_t map[X8_MAX_RUN], first[X8_MAX_RUN], len[X8_MAX_RUN];
+    const int64_t run = flexplan_quant_x8_layout(wtype, map), bb = run / 8;
+    if (!run || row_bytes % bb) return 1;
+    int pieces = 0;
+    for (int64_t j = 0; j < run;) { /* a piece: consecutive bytes of one row's block */
+        int64_t e = j + 1;
+        while (e < run && map[e] == map[e - 1] + 1 && map[e] % bb) e++;
+        first[pieces] = (int32_t)j;
+        len[pieces++] = (int32_t)(e - j);
+        j = e;
+    }
+    const int64_t nb = row_bytes / bb, groups = rows / 8;
+    #pragma omp parallel for schedule(static)
+    for (int64_t g = 0; g < groups; g++) {
+        const uint8_t *s = src + g * 8 * row_bytes;
+        uint8_t *d = dst + g * 8 * row_bytes;
+        for (int64_t b = 0; b < nb; b++)
+            for (int k = 0; k < pieces; k++) {
+                const int64_t m = map[first[k]], file = (m / bb) * row_bytes + b * bb + m % bb, packed = b * run + first[k];
+                if (unpack) memcpy(d + file, s + packed, (size_t)len[k]);
+                else memcpy(d + packed, s + file, (size_t)len[k]);
+            }
+    }
+    memcpy(dst + groups * 8 * row_bytes, src + groups * 8 * row_bytes, (size_t)((rows - groups * 8) * row_bytes));
+    return 0;
+}
+
 /* row o's blocks as the file holds them: in place for a plain type or a row past the groups, else
  * gathered from its group into buf (nb * bb bytes) */
 static const uint8_t *x8_raw_row(const uint8_t *w, int64_t wtype, int64_t o, int64_t rows, int64_t nb, int64_t rb,
@@ -699,12 +732,14 @@ int flexplan_quant_gemm(const uint8_t *w, int64_t wtype, const float *x, float *
                 }
     }
 #endif
+    /* the interleaved groups' activation rows (a prefill's: too many for the stack) */
+    const act_block **rows = groups ? (const act_block **)malloc((size_t)(batch + 1) * sizeof(act_block *)) : NULL;
+    if (groups && !rows) { free(a); free(scales); return 2; }
+    for (int64_t r = 0; groups && r < batch; r++) rows[r] = (const act_block *)(a + r * ab);
     #pragma omp parallel
     {
 #ifdef X8_KERNELS
-    if (groups) { /* the interleaved groups: every activation row per group, one arithmetic per row */
-        const act_block *rows[batch > 0 ? batch : 1];
-        for (int64_t r = 0; r < batch; r++) rows[r] = (const act_block *)(a + r * ab);
+    if (groups) { /* every activation row per group, one arithmetic per row */
         #pragma omp for schedule(static) nowait
         for (int64_t g = 0; g < groups; g++) x8_group(w, kind, rows, nb, batch, g, y, out, bias);
     }
@@ -747,6 +782,7 @@ int flexplan_quant_gemm(const uint8_t *w, int64_t wtype, const float *x, float *
         }
     }
     }
+    free(rows);
     free(a);
     free(scales);
     return 0;

@@ -44,7 +44,7 @@ class QuantLinear(nn.Module):
         # interleaved for the CPU's kernels where they have that layout (the same bytes, 8 rows' blocks side by side)
         run = None if self.dense is not None else kernels.status()[0].x8_layout(qt.format)
         self.interleaved = run is not None and self.out_features >= interleave.GROUP_ROWS
-        blocks = interleave.pack(qt.data, run) if self.interleaved else qt.data.contiguous()
+        blocks = kernels.status()[0].x8_pack(qt.data, qt.format) if self.interleaved else qt.data.contiguous()
         self.blocks = nn.Parameter(blocks, requires_grad=False) if self.dense is None else None
 
     @property
@@ -72,7 +72,15 @@ class QuantLinear(nn.Module):
         None for a format dequantised at load."""
         if self.dense is not None:
             return None
-        return interleave.unpack(self.blocks, kernels.status()[0].x8_layout(self.format)) if self.interleaved else self.blocks
+        return self._file_layout(self.blocks) if self.interleaved else self.blocks
+
+    def _file_layout(self, blocks: torch.Tensor) -> torch.Tensor:
+        """Interleaved ``blocks`` (on any device) back in the file's layout: natively on the host,
+        by torch's indexed copy elsewhere."""
+        native = kernels.status()[0]
+        if blocks.device.type == "cpu":
+            return native.x8_pack(blocks, self.format, unpack=True)
+        return interleave.unpack(blocks, native.x8_layout(self.format))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.device.type != "cpu" or (self.dense is None and self.blocks.device.type != "cpu"):
@@ -96,7 +104,7 @@ class QuantLinear(nn.Module):
         else:
             blocks = self.blocks.to(x.device, non_blocking=True)
             if self.interleaved:  # back to the file's layout, on the accelerator (a permutation of the bytes)
-                blocks = interleave.unpack(blocks, kernels.status()[0].x8_layout(self.format))
+                blocks = self._file_layout(blocks)
             w = fused_dequant.dequantize(blocks, self.format.ggml_type, self.in_features, dtype)
         bias = None if self.bias is None else self.bias.to(x.device, dtype)
         return nn.functional.linear(x.to(dtype), w, bias)
