@@ -300,3 +300,26 @@ def test_quant_linear_holds_interleaved_blocks_and_gives_the_files_back():
     ref = torch.nn.functional.linear(x.double(), qt.dequantize().double())
     assert _rel(lin.forward_dequantised(x), ref) < 1e-6  # the accelerator's path, through the file's layout
     assert _rel(lin(x), ref) < 2e-2
+
+
+@needs_x8
+def test_the_vnni_form_of_the_interleaved_kernel_gives_the_same_bits(tmp_path):
+    """The interleaved kernel's VNNI form (one dpbusd per four products), built here with dpbusd
+    emulated by AVX2 (this CPU may have no VNNI): the self-check, and bit for bit the AVX2 form's
+    results (integer dots are exact either way)."""
+    import ctypes
+    import subprocess
+
+    from flexplan.executor.native import _compiler
+
+    lib = tmp_path / "vnni_form.so"
+    emulated = "X8_DPBUSD(a,u,s)=_mm256_add_epi32(a,_mm256_madd_epi16(_mm256_maddubs_epi16(u,s),_mm256_set1_epi16(1)))"
+    subprocess.run([_compiler(), "-O2", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=gnu11", f"-D{emulated}",
+                    *map(str, kernels.SOURCES), "-o", str(lib)], check=True, capture_output=True, timeout=120)
+    vnni = kernels.NativeQuant(ctypes.CDLL(str(lib)), lib)
+    kernels._self_check(vnni)
+    for fmt in X8_FORMATS:
+        qt = _weights(fmt, out=45, blocks=4)
+        packed = NATIVE.x8_pack(qt.data, fmt)
+        x = torch.randn(6, qt.shape[1], generator=torch.Generator().manual_seed(2))
+        assert torch.equal(vnni.gemm(packed, fmt, x, interleaved=True), NATIVE.gemm(packed, fmt, x, interleaved=True))

@@ -517,13 +517,24 @@ static const uint8_t *x8_raw_row(const uint8_t *w, int64_t wtype, int64_t o, int
 }
 
 #ifdef X8_KERNELS
+/* acc + the four u8 x s8 products of each int32 lane: VNNI's one instruction where the CPU has it
+ * (no saturation: a product fits int16, the sum int32), else none (the kernels below sum in int16) */
+#if defined(X8_DPBUSD)  /* given by the build (a test emulates it with AVX2) */
+#elif defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#define X8_DPBUSD(acc, u, s) _mm256_dpbusd_epi32(acc, u, s)
+#elif defined(__AVXVNNI__)
+#define X8_DPBUSD(acc, u, s) _mm256_dpbusd_avx_epi32(acc, u, s)
+#endif
 /* one group's 8 rows with T activation rows (1..4, a constant after inlining): out[t * 8 + row].
  * Per row and block: the integer dot (exact), acc = fma(dw * dx, dot, acc), ex = fma(m, s, ex);
  * then acc + ex: the same operations for every T. */
 static inline __attribute__((always_inline)) void x8_dot(const uint8_t *w, int kind, const act_block *const *a,
                                                          int64_t nb, int T, float *out) {
     const int64_t run = 8 * KIND_BYTES[kind];
-    const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+    const __m256i low = _mm256_set1_epi8(0x0F);
+#ifndef X8_DPBUSD
+    const __m256i ones = _mm256_set1_epi16(1);
+#endif
     __m256 acc[4], ex[4];
     for (int t = 0; t < T; t++) acc[t] = ex[t] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
@@ -559,19 +570,28 @@ static inline __attribute__((always_inline)) void x8_dot(const uint8_t *w, int k
                     s[h] = _mm256_setzero_si256();
                     for (int c = 0; c < 4; c++) {
                         const __m256i q = u[2 * c + h], x = _mm256_set1_epi64x(aq[c]);
+#ifdef X8_DPBUSD
+                        s[h] = X8_DPBUSD(s[h], _mm256_sign_epi8(q, q), _mm256_sign_epi8(x, q));
+#else
                         s[h] = _mm256_add_epi32(s[h], _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(q, q),
                                                                                              _mm256_sign_epi8(x, q)), ones));
+#endif
                     }
                 }
             else { /* values 0..31: four pairs' sums stay within int16 (4 * 2 * 31 * 127) */
                 const __m256i x0 = _mm256_set1_epi64x(aq[0]), x1 = _mm256_set1_epi64x(aq[1]),
                               x2 = _mm256_set1_epi64x(aq[2]), x3 = _mm256_set1_epi64x(aq[3]);
                 for (int h = 0; h < 2; h++)
+#ifdef X8_DPBUSD
+                    s[h] = X8_DPBUSD(X8_DPBUSD(X8_DPBUSD(X8_DPBUSD(_mm256_setzero_si256(), u[2 * h], x0), u[2 * h + 1], x2),
+                                               u[4 + 2 * h], x1), u[4 + 2 * h + 1], x3);
+#else
                     s[h] = _mm256_madd_epi16(
                         _mm256_add_epi16(_mm256_add_epi16(_mm256_maddubs_epi16(u[2 * h], x0), _mm256_maddubs_epi16(u[2 * h + 1], x2)),
                                          _mm256_add_epi16(_mm256_maddubs_epi16(u[4 + 2 * h], x1),
                                                           _mm256_maddubs_epi16(u[4 + 2 * h + 1], x3))),
                         ones);
+#endif
             }
             const __m256 dot = _mm256_cvtepi32_ps(_mm256_hadd_epi32(s[0], s[1]));
             acc[t] = _mm256_fmadd_ps(_mm256_mul_ps(dw, _mm256_set1_ps(a[t][b].d)), dot, acc[t]);
