@@ -42,10 +42,9 @@ import torch
 
 from flexplan.errors import InvalidInputError
 from flexplan.executor.native import _load
+from flexplan.quant import interleave
 from flexplan.quant.formats import GGUF_FORMATS, BlockFormat
 from flexplan.quant.gguf_weights import QuantTensor
-from flexplan.quant import interleave
-from flexplan.quant.interleave import X8_FLAG
 
 SOURCES = (Path(__file__).with_name("quant_gemv.c"), Path(__file__).with_name("quant_kquants.c"))  # one library
 NATIVE_FORMATS = {f.name: f for f in GGUF_FORMATS.values() if f.native_kernel}  # the blocks the kernels read as they are
@@ -57,6 +56,7 @@ FLOAT_ACT_REL_ERROR = 1e-6  # the float-activation path, max |y - ref| / max |re
 # the int8 path against float64 of the same quantised activation (int8_activation_reference), max norm:
 # the integer dots are exact, only the float32 scaling and sums round
 INT8_PATH_REL_ERROR = 1e-5
+X8_MAX_RUN_BYTES = 8 * 34  # quant_gemv.c's X8_MAX_RUN: the longest interleaved run, 8 Q8_0 blocks
 
 
 class NativeQuant:
@@ -92,7 +92,7 @@ class NativeQuant:
         """The interleaved layout's run for ``fmt`` (:mod:`flexplan.quant.interleave`: int64 [8 *
         block bytes], byte j of a group's run is byte src[j] of its 8 rows' blocks end to end), or None
         where this build has no interleaved kernel for the format (then its blocks stay as the file holds them)."""
-        src = (ctypes.c_int32 * (8 * 34))()
+        src = (ctypes.c_int32 * X8_MAX_RUN_BYTES)()
         n = self._x8_layout(fmt.ggml_type, src) if fmt.ggml_type is not None else 0
         return torch.tensor(src[:n], dtype=torch.int64) if n else None
 
@@ -158,7 +158,7 @@ class NativeQuant:
 
 def wtype(fmt: BlockFormat, interleaved: bool = False) -> int:
     """The type id the kernels take: ggml's, with :data:`~flexplan.quant.interleave.X8_FLAG` for the interleaved layout."""
-    return fmt.ggml_type | (X8_FLAG if interleaved else 0)
+    return fmt.ggml_type | (interleave.X8_FLAG if interleaved else 0)
 
 
 class GemvList:
@@ -278,7 +278,7 @@ def _self_check(native: NativeQuant) -> None:
             b = torch.randn(out, generator=g) if with_bias else None
             ref = torch.nn.functional.linear(x.double(), w.double(), None if b is None else b.double())
             run = native.x8_layout(fmt)
-            layouts = [(qt.data, False)] + ([] if run is None else [(interleave.pack(qt.data, run), True)])
+            layouts = [(qt.data, False)] + ([] if run is None else [(native.x8_pack(qt.data, fmt), True)])
             if run is not None and not torch.equal(native.dequantize(layouts[1][0], fmt, k, True).view(torch.int32),
                                                    w.view(torch.int32)):
                 raise RuntimeError(f"self-check failed: {fmt.name} interleaved dequantisation differs from gguf's")
