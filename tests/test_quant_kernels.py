@@ -8,8 +8,7 @@ blocks were made).
 - the int8-activation path (llama.cpp's per-block activation quantisation) stays within the
   stated bound ACT_QUANT_REL_ERROR (RMS error over the RMS of y) of dequantise-then-float64, and
   equals float64 of the same quantised activation (int8_activation_reference) to float32 rounding;
-- each row of the batched kernel equals the GEMV of that row to float32 summation order (the same
-  integer dots, the tile's scaled sums in another order), bit for bit for rows past the tiles;
+- each row of the batched kernel equals the GEMV of that row bit for bit;
 - the interleaved layout (8 rows' blocks side by side) round-trips, dequantises as gguf does, agrees
   with the file's layout, and gives each row bit for bit the same whatever the batch;
 - without the library, linear() is dequantise (bit for bit as gguf) + F.linear."""
@@ -83,13 +82,8 @@ def test_batched_rows_equal_the_gemv(fmt):
     qt = _weights(fmt, out=33, blocks=3)
     x = torch.randn(9, qt.shape[1], generator=torch.Generator().manual_seed(5))  # two tiles of 4, one row left over
     y = NATIVE.gemm(qt.data, fmt, x)
-    for r in range(9):
-        one = NATIVE.gemm(qt.data, fmt, x[r:r + 1].contiguous())[0]
-        # K-quants: the tile runs the GEMV's own arithmetic per row (bit for bit); the 32-blocks'
-        # tile reduces 4 rows' dots together (the same integers, the scaled sums in another order:
-        # float32 roundings of partial sums that may cancel, so the bound is a few ulps of the row's largest)
-        exact = r == 8 or fmt.block_weights == 256
-        assert torch.equal(y[r], one) if exact else _rel(y[r], one.double()) < 1e-5, r
+    for r in range(9):  # the tile runs the GEMV's own arithmetic per row: bit for bit
+        assert torch.equal(y[r], NATIVE.gemm(qt.data, fmt, x[r:r + 1].contiguous())[0]), r
 
 
 @needs_native

@@ -21,9 +21,10 @@
  *   Q8_0 . x = sum_b d_w d_x sum q_w q_x
  * ISA, chosen at compile time by -march=native: AVX-512 VNNI (or AVX-VNNI) dpbusd, else AVX2
  * maddubs + madd, else portable C; flexplan_quant_isa() names it. OpenMP over output rows.
- * The batched kernel (prefill) takes the activation rows 4 at a time per decoded weight block
- * (with AVX2, their 4 integer dots reduced by horizontal adds: ~25% faster than 4 separate
- * reductions on a 2-core EPYC); rows past a multiple of 4 take the GEMV's path.
+ * The batched kernel (prefill) takes the activation rows 4 at a time per decoded weight block, each
+ * row with the GEMV's own operations; rows past a multiple of 4 take the GEMV. With AVX2 a CPU
+ * linear's blocks are interleaved 8 rows at a time (the X8 layout below), whose kernels take the
+ * GEMV and the prefill alike; the file's layout stays for rows past the last group of 8.
  *
  * A float-activation path (float_act = 1) dequantises each weight exactly as gguf's reference
  * (d * q rounded, then + m rounded: no fused multiply-add) and sums w * x in double: it is the
@@ -306,44 +307,6 @@ static inline __attribute__((always_inline)) void dot_rows(const uint8_t *w, int
     for (int t = 0; t < T; t++) out[t] = hsum8(_mm256_add_ps(acc0[t], acc1[t])) + (ex0[t] + ex1[t]);
 }
 
-/* Prefill: NT tiles of 4 activation rows (NT = 1 or 2, a constant after inlining) on one weight
- * row, the block decoded once for all; each tile's 4 integer dots of a block reduced into one vector
- * by horizontal adds ([rows 0-3 | rows 0-3]: the two 128-bit halves), so one convert and one
- * multiply-add with the tile's scales (da[i] / ds[i]: [block][4], contiguous) serve the 4. A row's
- * operations are the same whatever NT: the same results. */
-static inline __attribute__((always_inline)) void dot_tiles(const uint8_t *w, int kind, const act_block *const *a,
-                                                            const float *const *da, const float *const *ds, int NT,
-                                                            int64_t nb, float *out) {
-    const int64_t bb = KIND_BYTES[kind];
-    __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
-    __m128 ex[2] = {_mm_setzero_ps(), _mm_setzero_ps()};
-    for (int64_t b = 0; b < nb; b++) {
-        const uint8_t *blk = w + b * bb;
-        const float dw = fp16_to_f32(blk);
-        __m256i p[8];
-        if (kind == KIND_Q8_0) {
-            const __m256i q = _mm256_loadu_si256((const __m256i *)(blk + 2));
-            const __m256i u = _mm256_sign_epi8(q, q);
-            for (int t = 0; t < 4 * NT; t++)
-                p[t] = dot_u8s8(u, _mm256_sign_epi8(_mm256_loadu_si256((const __m256i *)a[t][b].qs), q));
-        } else {
-            const __m256i u = decode_u(blk, kind);
-            for (int t = 0; t < 4 * NT; t++) p[t] = dot_u8s8(u, _mm256_loadu_si256((const __m256i *)a[t][b].qs));
-        }
-        const float mw = kind == KIND_Q8_0 ? 0.0f : block_min(blk, kind, dw);
-        for (int i = 0; i < NT; i++) {
-            const __m256i *pi = p + 4 * i;
-            const __m256i h = _mm256_hadd_epi32(_mm256_hadd_epi32(pi[0], pi[1]), _mm256_hadd_epi32(pi[2], pi[3]));
-            const __m128 sc = _mm_mul_ps(_mm_set1_ps(dw), _mm_loadu_ps(da[i] + 4 * b));
-            acc[i] = _mm256_fmadd_ps(_mm256_set_m128(sc, sc), _mm256_cvtepi32_ps(h), acc[i]);
-            if (kind != KIND_Q8_0) ex[i] = _mm_fmadd_ps(_mm_set1_ps(mw), _mm_loadu_ps(ds[i] + 4 * b), ex[i]);
-        }
-    }
-    for (int i = 0; i < NT; i++)
-        _mm_storeu_ps(out + 4 * i, _mm_add_ps(_mm_add_ps(_mm256_castps256_ps128(acc[i]),
-                                                         _mm256_extractf128_ps(acc[i], 1)), ex[i]));
-}
-#define HAVE_TILE4 1
 #else
 static inline void dot_rows(const uint8_t *w, int kind, const act_block *const *a, int64_t nb, int T, float *out) {
     const int64_t bb = KIND_BYTES[kind];
@@ -385,24 +348,6 @@ INSTANCE(KIND_Q4_1)
 INSTANCE(KIND_Q5_0)
 INSTANCE(KIND_Q5_1)
 INSTANCE(KIND_Q8_0)
-#ifdef HAVE_TILE4
-/* NT tiles of one weight row: da / ds, each tile's activation scales ([block][4] each) */
-typedef void (*tiles_fn)(const uint8_t *, const act_block *const *, const float *const *, const float *const *,
-                         int64_t, float *);
-#define TILES(KIND, NT)                                                                                  \
-    static void tiles##NT##_##KIND(const uint8_t *w, const act_block *const *a, const float *const *da,  \
-                                   const float *const *ds, int64_t nb, float *o) { dot_tiles(w, KIND, a, da, ds, NT, nb, o); }
-#define TILES_OF(KIND) TILES(KIND, 1) TILES(KIND, 2)
-TILES_OF(KIND_Q4_0)
-TILES_OF(KIND_Q4_1)
-TILES_OF(KIND_Q5_0)
-TILES_OF(KIND_Q5_1)
-TILES_OF(KIND_Q8_0)
-static const tiles_fn TILE4S[N_KINDS] = {tiles1_KIND_Q4_0, tiles1_KIND_Q4_1, tiles1_KIND_Q5_0, tiles1_KIND_Q5_1,
-                                         tiles1_KIND_Q8_0};
-static const tiles_fn TILE8S[N_KINDS] = {tiles2_KIND_Q4_0, tiles2_KIND_Q4_1, tiles2_KIND_Q5_0, tiles2_KIND_Q5_1,
-                                         tiles2_KIND_Q8_0};
-#endif
 typedef void (*dot_fn)(const uint8_t *, const act_block *const *, int64_t, float *);
 static const dot_fn DOT1[N_KINDS] = {dot1_KIND_Q4_0, dot1_KIND_Q4_1, dot1_KIND_Q5_0, dot1_KIND_Q5_1, dot1_KIND_Q8_0};
 static const dot_fn DOTT[N_KINDS] = {dotT_KIND_Q4_0, dotT_KIND_Q4_1, dotT_KIND_Q5_0, dotT_KIND_Q5_1, dotT_KIND_Q8_0};
@@ -439,8 +384,7 @@ static const int X8_LANE_ROW[8] = {0, 1, 4, 5, 2, 3, 6, 7}; /* what _mm256_hadd_
 
 static int x8_kind(int64_t wtype) { /* the kind of an interleaved type with a kernel here, else -1 */
 #ifdef X8_KERNELS
-    const int kind = (wtype & X8) ? kind_of(wtype & ~(int64_t)X8) : -1;
-    return kind;
+    return (wtype & X8) ? kind_of(wtype & ~(int64_t)X8) : -1;
 #else
     (void)wtype;
     return -1;
@@ -736,25 +680,9 @@ int flexplan_quant_gemm(const uint8_t *w, int64_t wtype, const float *x, float *
     if (!a) return 2;
     #pragma omp parallel for schedule(static) if (batch > 1)  /* a prefill's rows: quantised in parallel too */
     for (int64_t r = 0; r < batch; r++) quantize_any(base, x + r * in, a + r * ab, nb);
-    /* each tile's activation scales d and d * sum q as [block][4], for the horizontal-add tile kernel */
-    float *scales = NULL;
-#ifdef HAVE_TILE4
-    if (batch >= TILE && kind >= 0) {
-        const act_block *ax = (const act_block *)a;
-        const int64_t tiles = batch / TILE;
-        scales = (float *)malloc((size_t)(tiles * nb * 2 * TILE) * sizeof(float));
-        if (!scales) { free(a); return 2; }
-        for (int64_t i = 0; i < tiles; i++)
-            for (int64_t b = 0; b < nb; b++)
-                for (int t = 0; t < TILE; t++) {
-                    scales[(i * 2 * nb + b) * TILE + t] = ax[(i * TILE + t) * nb + b].d;
-                    scales[((i * 2 + 1) * nb + b) * TILE + t] = ACT_S(kind, ax[(i * TILE + t) * nb + b]);
-                }
-    }
-#endif
     /* the interleaved groups' activation rows (a prefill's: too many for the stack) */
     const act_block **rows = groups ? (const act_block **)malloc((size_t)(batch + 1) * sizeof(act_block *)) : NULL;
-    if (groups && !rows) { free(a); free(scales); return 2; }
+    if (groups && !rows) { free(a); return 2; }
     for (int64_t r = 0; groups && r < batch; r++) rows[r] = (const act_block *)(a + r * ab);
     #pragma omp parallel
     {
@@ -769,29 +697,11 @@ int flexplan_quant_gemm(const uint8_t *w, int64_t wtype, const float *x, float *
         const uint8_t *wr = w + o * row_bytes;
         const float bo = bias ? bias[o] : 0.0f;
         int64_t r = 0;
-#ifdef HAVE_TILE4
-        if (scales)  /* two tiles per decoded weight block while 8 rows are left */
-            for (; r + 2 * TILE <= batch; r += 2 * TILE) {
-                const void *rows[2 * TILE];
-                float v[2 * TILE];
-                for (int t = 0; t < 2 * TILE; t++) rows[t] = a + (r + t) * ab;
-                const float *s0 = scales + (r / TILE) * nb * 2 * TILE, *s1 = s0 + nb * 2 * TILE;
-                const float *da[2] = {s0, s1}, *ds[2] = {s0 + nb * TILE, s1 + nb * TILE};
-                TILE8S[kind](wr, (const act_block *const *)rows, da, ds, nb, v);
-                for (int t = 0; t < 2 * TILE; t++) y[(r + t) * out + o] = v[t] + bo;
-            }
-#endif
         for (; r + TILE <= batch; r += TILE) {  /* a tile of activation rows per decoded weight block */
             const void *rows[TILE];
             float v[TILE];
             for (int t = 0; t < TILE; t++) rows[t] = a + (r + t) * ab;
             if (kind < 0) flexplan_kq_dot(base, wr, rows, nb, TILE, v);
-#ifdef HAVE_TILE4
-            else if (scales) {
-                const float *da[1] = {scales + (r / TILE) * nb * 2 * TILE}, *ds[1] = {da[0] + nb * TILE};
-                TILE4S[kind](wr, (const act_block *const *)rows, da, ds, nb, v);
-            }
-#endif
             else DOTT[kind](wr, (const act_block *const *)rows, nb, v);
             for (int t = 0; t < TILE; t++) y[(r + t) * out + o] = v[t] + bo;
         }
@@ -804,7 +714,6 @@ int flexplan_quant_gemm(const uint8_t *w, int64_t wtype, const float *x, float *
     }
     free(rows);
     free(a);
-    free(scales);
     return 0;
 }
 
