@@ -229,10 +229,9 @@ def test_interleaved_blocks_round_trip_and_keep_each_rows_bytes_in_its_range(fmt
     qt = _weights(fmt, out=out, blocks=3)
     run = NATIVE.x8_layout(fmt)
     assert sorted(run.tolist()) == list(range(8 * fmt.block_bytes))  # a permutation of a group's blocks
-    packed = interleave.pack(qt.data, run)
-    assert packed.shape == qt.data.shape and torch.equal(interleave.unpack(packed, run), qt.data)
-    assert torch.equal(NATIVE.x8_pack(qt.data, fmt), packed)  # the native copy, the same permutation
-    assert torch.equal(NATIVE.x8_pack(packed, fmt, unpack=True), qt.data)
+    packed = NATIVE.x8_pack(qt.data, fmt)
+    assert packed.shape == qt.data.shape and torch.equal(NATIVE.x8_pack(packed, fmt, unpack=True), qt.data)
+    assert torch.equal(interleave.unpack(packed, run), qt.data)  # torch's copy (an accelerator's), the same permutation
     assert not torch.equal(packed[:8], qt.data[:8])
     for g in range(out // 8):  # each group's bytes stay within its 8 rows; rows past the groups as the file's
         assert sorted(packed[8 * g:8 * g + 8].flatten().tolist()) == sorted(qt.data[8 * g:8 * g + 8].flatten().tolist())
@@ -248,7 +247,7 @@ def test_interleaved_kernels_agree_with_the_files_layout(fmt):
     """The float path bit for bit (the same double sums of the same rows); the int8 path to float32
     rounding of the same integer dots, within the int8 path's bound of its float64 reference."""
     qt = _weights(fmt, out=45, blocks=4)  # five groups and five rows past them
-    packed = interleave.pack(qt.data, NATIVE.x8_layout(fmt))
+    packed = NATIVE.x8_pack(qt.data, fmt)
     g = torch.Generator().manual_seed(3)
     x, b = torch.randn(6, qt.shape[1], generator=g), torch.randn(45, generator=g)
     assert torch.equal(NATIVE.gemm(packed, fmt, x, b, float_act=True, interleaved=True),
@@ -264,7 +263,7 @@ def test_interleaved_rows_do_not_depend_on_the_batch(fmt):
     """Each activation row's outputs bit for bit as its own GEMV, whatever the batch (tiles of 4, 2
     and 1 rows): what keeps a request's greedy tokens independent of what shares its batch."""
     qt = _weights(fmt, out=32, blocks=3)
-    packed = interleave.pack(qt.data, NATIVE.x8_layout(fmt))
+    packed = NATIVE.x8_pack(qt.data, fmt)
     x = torch.randn(11, qt.shape[1], generator=torch.Generator().manual_seed(5))
     y = NATIVE.gemm(packed, fmt, x, interleaved=True)
     for r in range(11):

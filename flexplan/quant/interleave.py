@@ -1,17 +1,14 @@
-"""The CPU's interleaved layout of a matrix's blocks: 8 rows' block b side by side (``quant_gemv.c``'s X8).
+"""The CPU's interleaved layout of a matrix's blocks (``quant_gemv.c``'s X8), back to the file's on any device.
 
 The GEMV on the file's layout decodes one row's block at a time and is bound by its own arithmetic
 on AVX2 cores; interleaved, one step decodes 8 rows' block b and scales their 8 dots as one vector.
 ``quant_gemv.c`` states the layout (``flexplan_quant_x8_layout``: which byte of the 8 rows' blocks
-each byte of a group's run holds) and reads it; here the same permutation is applied to whole
-tensors with torch ops, to pack a matrix for the CPU (:func:`pack`) and to give it back in the
-file's layout where something else reads it (:func:`unpack`: an accelerator's dequantisation, the
-tests). Rows past the last group of 8 keep the file's layout, so a packed matrix has the shape and
-bytes of the file's, each row's bytes in its own offset range, 8 rows at a time. Both are one
-indexed copy into the output (no intermediate the size of the matrix: a loader packs tensors of
-hundreds of megabytes).
+each byte of a group's run holds), reads it, and packs host matrices into it
+(:meth:`flexplan.quant.kernels.NativeQuant.x8_pack`). Here the inverse permutation runs with torch
+ops, where the blocks are on a device the native code cannot read (an accelerator dequantising
+them: :func:`unpack`). Rows past the last group of 8 keep the file's layout, so a packed matrix
+has the shape and bytes of the file's, each row's bytes in its own offset range, 8 rows at a time.
 """
-
 from __future__ import annotations
 
 import torch
@@ -31,20 +28,9 @@ def _group_index(run_src: torch.Tensor, row_bytes: int, device: torch.device) ->
     return GROUP_ROWS * row_bytes, index.reshape(-1)
 
 
-def pack(data: torch.Tensor, run_src: torch.Tensor) -> torch.Tensor:
-    """The file's blocks ``data`` [out, row bytes] (uint8) in the interleaved layout: each group's
-    block b is one run whose byte j is byte ``run_src[j]`` of the group's 8 blocks b end to end."""
-    data = data.contiguous()
-    g = data.shape[0] // GROUP_ROWS
-    width, index = _group_index(run_src, data.shape[1], data.device)
-    out = torch.empty_like(data)
-    torch.index_select(data[:g * GROUP_ROWS].view(g, width), 1, index, out=out[:g * GROUP_ROWS].view(g, width))
-    out[g * GROUP_ROWS:] = data[g * GROUP_ROWS:]
-    return out
-
-
 def unpack(data: torch.Tensor, run_src: torch.Tensor) -> torch.Tensor:
-    """:func:`pack`'s inverse: the file's layout of interleaved blocks ``data`` (on any device)."""
+    """The file's layout of interleaved blocks ``data`` [out, row bytes] (uint8, on any device): one
+    indexed copy into the output, no intermediate the size of the matrix."""
     data = data.contiguous()
     g = data.shape[0] // GROUP_ROWS
     width, index = _group_index(run_src, data.shape[1], data.device)

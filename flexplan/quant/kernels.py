@@ -97,8 +97,9 @@ class NativeQuant:
         return torch.tensor(src[:n], dtype=torch.int64) if n else None
 
     def x8_pack(self, data: torch.Tensor, fmt: BlockFormat, unpack: bool = False) -> torch.Tensor:
-        """:func:`flexplan.quant.interleave.pack` (or ``unpack``) of host blocks [out, row bytes] in
-        native code: the layout's pieces copied whole, in parallel (a loader packs a whole model)."""
+        """Host blocks [out, row bytes] in the interleaved layout (or, ``unpack``, back in the file's;
+        :mod:`flexplan.quant.interleave` unpacks on other devices): the layout's pieces copied whole,
+        in parallel (a loader packs a whole model)."""
         data = data.contiguous()
         out = torch.empty_like(data)
         if self._x8_pack(data.data_ptr(), out.data_ptr(), fmt.ggml_type, data.shape[0], data.shape[1], int(unpack)):

@@ -359,8 +359,7 @@ static int kind_of(int64_t wtype) {
 
 /* ---- the interleaved layout (wtype | X8): the CPU's own arrangement of a matrix's blocks ----------
  * One GEMV step of the file's layout decodes one row's block and ends in 8 lanes of partial sums,
- * each converted, scaled and finally summed across: compute-bound at ~10 GB/s a core on AVX2, below
- * what one core reads. Interleaved, 8 rows' block b lie in one run, their 8 integer dots end as the
+ * each converted, scaled and finally summed across: on AVX2 that arithmetic, not memory, bounds it. Interleaved, 8 rows' block b lie in one run, their 8 integer dots end as the
  * 8 lanes of one vector (two horizontal adds of 4 rows each) and one convert and one multiply-add
  * scale them all (llama.cpp repacks Q4_0 for its AVX2 GEMV likewise). Rows [0, 8 * (out / 8)) in
  * groups of 8; a group's block b is one run of 8 * bb bytes: the 8 rows' fp16 d, then (Q4_1) their
