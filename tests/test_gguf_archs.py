@@ -123,12 +123,21 @@ def test_tokenizer_equals_autotokenizers(made, arch):
 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_an_f32_file_gives_the_models_own_logits(made, arch):
+    """Weights the file stores as floats are plain float32 linears (no kernel reads blocks of them):
+    the executor packs and runs them as a folder's, its native stack where it runs the model's."""
+    import flexplan
+
     models, path = made
     model, _ = load_gguf_model(path(arch), tokenizer=False, log=lambda line: None)
-    assert sum(isinstance(m, QuantLinear) for m in model.modules()) > 0
+    assert not any(isinstance(m, QuantLinear) for m in model.modules())
     ids = _ids(2, 16)
     with torch.no_grad():
         assert torch.equal(model(ids).logits, models[arch](ids).logits)
+    runs = []
+    for source in (str(path(arch)), models[arch]):  # the file, and the model it was written from
+        lm = flexplan.load(source, plan={"prefill": "cpu", "decode": "cpu"})
+        runs.append((_greedy(lm, ids[:1]), lm.last_stats.native_stack_steps))
+    assert torch.equal(runs[0][0], runs[1][0]) and runs[0][1] == runs[1][1]
 
 
 @pytest.mark.parametrize("arch", ARCHS)

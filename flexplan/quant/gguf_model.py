@@ -186,15 +186,18 @@ def load_gguf_model(path: str | Path, *, tokenizer: bool = True, float_act: bool
             qt = tensors.blocks(key)
             _check_shape(path, key, qt.shape, f"{mod_name}.weight", (module.out_features, module.in_features))
             bias = tensors.dense(f"{base}.bias") if tensors.has(f"{base}.bias") else None
-            if dequantize_all:
+            # a format no kernel reads (a float type, or no native kernels here) is a plain float32 linear:
+            # the executor packs and runs it as a folder's (QuantLinear would hold it outside the native stack)
+            dense = dequantize_all or native is None or qt.format.name not in kernels.NATIVE_FORMATS
+            if dense and not dequantize_all:
+                dequantised.setdefault(qt.format.name, []).append(key)
+            if dense:
                 lin = nn.Linear(module.in_features, module.out_features, bias=bias is not None)
                 lin.weight = nn.Parameter(qt.dequantize(), requires_grad=False)
                 if bias is not None:
                     lin.bias = nn.Parameter(bias, requires_grad=False)
                 model.set_submodule(mod_name, lin)
                 continue
-            if native is None or qt.format.name not in kernels.NATIVE_FORMATS:
-                dequantised.setdefault(qt.format.name, []).append(key)
             model.set_submodule(mod_name, QuantLinear(qt, bias, float_act))
         else:
             for pname, param in list(module.named_parameters(recurse=False)):
