@@ -39,11 +39,20 @@ def phase_costs(shape: Shape, hw: Hardware, eff: Efficiency, phase: str) -> Phas
     step_overhead = eff.cpu_step_overhead_s(b, shape.model.vocab_size)  # the host runs generate()'s loop, whatever the policy
     t_cpu_head = t_on_device_s(w.head_flops, w.head_bytes_cpu, th_cpu, bw_cpu, *cpu_head_factors(shape, eff, b),
                                overhead_s=step_overhead)
+    # an all-CPU float32 decode step of a Llama-structured model runs every layer in one native call
+    # (executor.cpu_decode.FusedStack): its own per-layer and per-step overheads, where calibrated
+    stack = (eff.cpu_stack_overhead_s(b, shape.model.vocab_size, w.weight_bytes_cpu, cd)
+             if phase == "decode" and cd == "float32" and shape.model.native_decode_stack else None)
+    t_stack = None if stack is None else (
+        t_on_device_s(w.flops - w.prefill_attention_flops, w.d_cpu + w.kv_write_cpu, th_cpu, bw_cpu, eff_comp, eff_mem,
+                      kv_bytes=w.kv_read_cpu, eff_kv=eff_kv, overhead_s=stack[0]),
+        t_on_device_s(w.head_flops, w.head_bytes_cpu, th_cpu, bw_cpu, *cpu_head_factors(shape, eff, b),
+                      overhead_s=stack[1]))
     if gpu is None or link is None:
         inf = float("inf")
         return PhaseCosts(phase, w.tokens_per_seq, t_cpu, inf, inf, inf, inf, inf, inf, t_cpu_head, inf, inf,
                           w.weight_bytes_gpu, w.kv_read, w.kv_write, w.hidden_bytes, w.logits_bytes,
-                          w.head_bytes_gpu, 1.0)
+                          w.head_bytes_gpu, 1.0, t_cpu_stack_s=t_stack)
     th_gpu, bw_gpu = gpu.peak_flops_per_s[shape.dtype], gpu.memory_bandwidth_bytes_per_s
     # weights held as blocks: the accelerator dequantises them before each GEMM, every call (D, dequant_terms)
     t_dequant = t_gpu_dequant_layer_s(shape.weights, shape.model, shape.w_bytes, bw_gpu, eff.gpu_memory(rows))
@@ -69,5 +78,5 @@ def phase_costs(shape: Shape, hw: Hardware, eff: Efficiency, phase: str) -> Phas
         hidden_bytes=w.hidden_bytes, logits_bytes=w.logits_bytes, head_bytes_gpu=w.head_bytes_gpu,
         cpu_under_copy=eff.cpu_under_copy(rows), experts=expert_split_costs(shape, hw, eff, phase),
         cpu_attention=attention, operators=operator_costs(shape, hw, eff, phase, None if attention is None else attention.t_cpu_attention_s),
-        t_gpu_dequant_s=t_dequant, t_gpu_head_dequant_s=t_head_dequant,
+        t_gpu_dequant_s=t_dequant, t_gpu_head_dequant_s=t_head_dequant, t_cpu_stack_s=t_stack,
     )

@@ -310,6 +310,9 @@ class PhaseCosts:
     operators: object = None  # operator_terms.OperatorCosts: C, G, H per operator of a split layer (None: no GPU)
     t_gpu_dequant_s: float = 0.0  # Park & Egger's D of one layer's blocks on the accelerator (0: float weights)
     t_gpu_head_dequant_s: float = 0.0  # ... of the LM head's
+    # an all-CPU decode step the executor's native stack runs (phase_costs): (one layer, the LM head with
+    # the step's loop) at that path's overheads; None: the layer calls' terms above price it
+    t_cpu_stack_s: tuple | None = None
 
 
 @dataclass(frozen=True)

@@ -280,6 +280,10 @@ class CPUFactors:
     split_linear: Table | None = None  # time of split layers' CPU linear / the packed kernel's, by rows
     executor_extra_s: float = 0.0  # per layer: what the executor's decode step adds to the bare layer
     executor_extra_by_bytes: Table | None = None  # ... by the layer's weight bytes, where two widths were timed
+    # a decode step the executor's native stack runs (cpu_stack_overhead rows): seconds per layer beyond its
+    # arithmetic and reads, and per step outside the layers, by decode batch; None: not measured
+    stack_layer_s: Table | None = None
+    stack_step_s: Table | None = None
 
 
 @dataclass(frozen=True)
@@ -432,6 +436,13 @@ class CalibratedEfficiency:
     def cpu_step_overhead_s(self, batch=1, vocab=0):
         return self.step_overhead(batch, vocab)
 
+    def cpu_stack_overhead_s(self, batch=1, vocab=0, layer_bytes=None, dtype=None):
+        f = self._cpu(dtype)
+        if f is None or f.stack_layer_s is None or f.stack_step_s is None:
+            return None
+        # the loop's cost per logit as generate_step measured it (the stack's toy had 128 logits)
+        return f.stack_layer_s(batch), f.stack_step_s(batch) + self.step_overhead.per_logit_s * float(batch) * float(vocab)
+
     def gpu_layer_overhead_s(self):
         return self.gpu_overhead_s
 
@@ -444,6 +455,8 @@ class CalibratedEfficiency:
                                             "layer_overhead_s": f.overhead.rows() if f.overhead else None,
                                             "split_linear": f.split_linear.rows("tokens") if f.split_linear else None,
                                             "executor_extra_s": _num(f.executor_extra_s),
+                                            "stack_layer_s": f.stack_layer_s.rows("batch") if f.stack_layer_s else None,
+                                            "stack_step_s": f.stack_step_s.rows("batch") if f.stack_step_s else None,
                                             "executor_extra_by_layer_bytes": [
                                                 {"layer_bytes": _num(x), "extra_s": _num(y)} for x, y in
                                                 zip(f.executor_extra_by_bytes.x, f.executor_extra_by_bytes.y)]
@@ -561,6 +574,20 @@ def executor_extra_by_bytes(executor_rows: list[dict], layer_rows: list[dict], d
     return Table(xs, ys, lo=0.0, hi=1.0)
 
 
+STACK_KEYS = ("dtype", "batch", "layer_s", "step_s")
+
+
+def stack_tables(rows: list[dict]) -> tuple[Table | None, Table | None]:
+    """The native stack's per-layer and per-step seconds by decode batch, from the rows whose steps
+    the stack ran (``native_stack``); (None, None) where none did."""
+    ran = [r for r in rows if r.get("native_stack") is True]
+    if not ran:
+        return None, None
+    batches = [float(r["batch"]) for r in ran]
+    return (Table(batches, [float(r["layer_s"]) for r in ran], lo=0.0, hi=1.0),
+            Table(batches, [float(r["step_s"]) for r in ran], lo=0.0, hi=1.0))
+
+
 SPLIT_LINEAR_KEYS = ("dtype", "tokens", "time_s", "reference_time_s")
 SPLIT_LINEAR_RANGE = (0.25, 4.0)  # bounds of the time ratio: a row outside is a disturbed timing
 
@@ -634,6 +661,8 @@ def cpu_factors(meas: dict, dtype: str, hw: Hardware, notes: list[str]) -> CPUFa
         notes += [f"CPU {dtype} routed experts: {x}" for x in n]
     exec_rows = _of_dtype(check_rows(meas.get("cpu_executor_layers"), EXECUTOR_LAYER_KEYS,
                                      "measurements.cpu_executor_layers"), dtype)
+    stack_layer, stack_step = stack_tables(_of_dtype(check_rows(meas.get("cpu_stack_overhead"), STACK_KEYS,
+                                                                "measurements.cpu_stack_overhead"), dtype))
     split_rows = _of_dtype(check_rows(meas.get("cpu_split_linear"), SPLIT_LINEAR_KEYS,
                                       "measurements.cpu_split_linear"), dtype)
     split_linear = Table([r["tokens"] for r in split_rows], [r["time_s"] / r["reference_time_s"] for r in split_rows],
@@ -650,7 +679,8 @@ def cpu_factors(meas: dict, dtype: str, hw: Hardware, notes: list[str]) -> CPUFa
                       attention_by_layout_batch=by_layout_batch or None, expert_compute=expert_c,
                       expert_memory=expert_m, prefill_attention=prefill_attention, split_linear=split_linear,
                       executor_extra_s=executor_extra_s(exec_rows, layer_rows),
-                      executor_extra_by_bytes=executor_extra_by_bytes(exec_rows, layer_rows, dtype))
+                      executor_extra_by_bytes=executor_extra_by_bytes(exec_rows, layer_rows, dtype),
+                      stack_layer_s=stack_layer, stack_step_s=stack_step)
 
 
 def normalised_blocks(meas: dict) -> list[dict]:

@@ -109,6 +109,8 @@ def _steps(mode: str, hw, threads: int, cpu_dtypes: list[str], gpu_dtype: str | 
                           lambda tick, dt=dt: mb.layers(s, dt, tick=tick), dt))
         steps.append(Step("cpu_executor_layers", 2 * len(executor_layers.executor_widths(s)),
                           lambda tick, dt=dt: executor_layers.executor_layers(s, dt, tick=tick), dt))
+        steps.append(Step("cpu_stack_overhead", len(executor_layers.STACK_BATCHES),
+                          lambda tick, dt=dt: executor_layers.stack_overhead(s, dt, tick=tick), dt))
         steps.append(Step("cpu_head_gemv", (len(s.head_shapes) + len(mb.tied_head_shapes(s, dt))) * len(s.head_tokens),
                           lambda tick, dt=dt: mb.head_gemv(s, dt, tick=tick), dt))
         steps.append(Step("cpu_experts", len(s.expert_tokens), lambda tick, dt=dt: mb.expert_gemv(s, dt, tick=tick), dt))
@@ -379,6 +381,11 @@ def format_summary(res: Result) -> str:
             alone = f"{r['layer_time_s'] * 1e3:.3f} ms" if r.get("layer_time_s") else "cpu_layers"
             lines.append(f"  {dt}: decode layer of hidden {r['hidden']} run by the executor "
                          f"{r['time_s'] * 1e3:.3f} ms (the layer alone: {alone})")
+        stack = [r for r in m.get("cpu_stack_overhead", []) if r["dtype"] == dt]
+        if stack:
+            lines.append(f"  {dt}: decode step run by the native stack " + ("" if all(r["native_stack"] for r in stack)
+                                                                           else "(not run here) ") + "; ".join(
+                f"batch {r['batch']}: {r['layer_s'] * 1e6:.0f} us a layer, {r['step_s'] * 1e3:.2f} ms a step" for r in stack))
         split = [r for r in m.get("cpu_split_linear", []) if r["dtype"] == dt]
         if split:
             lines.append(f"  {dt}: split layers' CPU linear ({split[0]['split_kernel']} on dense weights) time over "

@@ -95,3 +95,60 @@ def _executor_layer(sizes: Sizes, dtype: str, width: tuple[int, int, int, int, i
              "depths": list(depths), "steps": steps, "slopes": len(slopes),
              "time_s": _sig(float(statistics.median(slopes))), "layer_time_s": _sig(float(statistics.median(bare))),
              "extra_s": _sig(float(statistics.median(a - b for a, b in zip(slopes, bare))))}]
+
+
+STACK_DEPTHS = (2, 26)  # toy depths of stack_overhead: the slope over 24 layers, the intercept near zero
+STACK_BATCHES = (1, 8)  # decode batches of stack_overhead: validate's smallest and largest
+# its toy layers: hidden, intermediate, heads, kv heads, head dim; every projection's rows a multiple of
+# the native block (cpu_linear: 64), which the stack needs; 160 KB of weights a layer, all of them within
+# the last-level cache, read in a microsecond or two (a layer's reads are priced by the factors)
+STACK_WIDTH = (64, 128, 4, 4, 16)
+
+
+def stack_overhead(sizes: Sizes, dtype: str, tick: Callable[[], None] | None = None) -> list[dict]:
+    """Seconds a decode step run by the executor's native stack (``executor.cpu_decode.FusedStack``:
+    every layer in one native call) spends beyond its layers' arithmetic and reads: toy Llamas of
+    small layers (:data:`STACK_WIDTH`) at two depths, plan cpu/cpu in
+    ``dtype``, each decode batch of :data:`STACK_BATCHES`. ``layer_s``: the slope, one layer's fixed
+    costs in the stack; ``step_s``: the intercept, the step without layers (generate's loop at a
+    128-token vocabulary, the executor's hooks, the stack's own Python). ``native_stack``: whether
+    the stack ran those steps (False: a dtype or machine it does not run on; the estimator then
+    prices the layer calls). A slope or intercept that comes out non-positive is measured again, then
+    given up (no row for that batch)."""
+    import torch
+    from transformers import LlamaForCausalLM
+
+    steps, repeats = 16, max(3, min(5, sizes.repeats))
+    lms = {}
+    for depth in STACK_DEPTHS:
+        model = LlamaForCausalLM(_llama_config(*STACK_WIDTH, layers=depth)).eval()
+        lms[depth] = load(model, plan=fixed_plan(model.config, "cpu", "cpu", cpu_dtype=dtype, input_len=16,
+                                                 output_len=steps + 1, batch_size=max(STACK_BATCHES)),
+                          accelerator=None, online_correction=False)
+    rows = []
+    for batch in STACK_BATCHES:
+        ids = torch.ones(batch, 16, dtype=torch.long)
+
+        def gen(lm, n):
+            return lambda: lm.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=n,
+                                       min_new_tokens=n, do_sample=False, pad_token_id=0)
+
+        gen(lms[STACK_DEPTHS[-1]], 3)()
+        native = lms[STACK_DEPTHS[-1]].last_stats.native_stack_steps > 0
+
+        def step_s(lm) -> float:  # one decode step, the prompt and the first token taken out
+            return (time_call(gen(lm, steps + 1), repeats, sizes.budget_s)["time_s"]
+                    - time_call(gen(lm, 1), repeats, sizes.budget_s)["time_s"]) / steps
+
+        for _ in range(3):
+            shallow, deep = (step_s(lms[d]) for d in STACK_DEPTHS)
+            layer_s = (deep - shallow) / (STACK_DEPTHS[1] - STACK_DEPTHS[0])
+            base_s = shallow - STACK_DEPTHS[0] * layer_s
+            if layer_s > 0 and base_s > 0:
+                rows.append({"dtype": dtype, "batch": batch, "depths": list(STACK_DEPTHS), "steps": steps,
+                             "layer_s": _sig(layer_s), "step_s": _sig(base_s),
+                             "native_stack": bool(native), "hidden_size": STACK_WIDTH[0], "vocab": 128})
+                break
+        if tick:
+            tick()
+    return rows

@@ -213,7 +213,7 @@ MODES = {
                    block_formats=PROBE_BLOCK_FORMATS, block_tokens=(1, 8, 128),
                    parts=frozenset({"cpu_stream", "cpu_op_dispatch", "cpu_gemv", "cpu_gemm", "cpu_attention",
                                     "cpu_block_gemm",
-                                    "cpu_layers", "cpu_layer_overhead", "cpu_generate_step", "h2d", "d2h",
+                                    "cpu_layers", "cpu_stack_overhead", "cpu_layer_overhead", "cpu_generate_step", "h2d", "d2h",
                                     "gpu_gemv", "gpu_gemm", "gpu_memory", "gpu_layer_overhead", "cpu_under_copy"})),
 }
 

@@ -21,6 +21,13 @@ from flexplan.errors import MalformedDataError
 from flexplan.workload.config_fields import reject_non_layerwise, spec_fields, text_config
 
 
+# The families whose decoder transformers writes as Llama's (q/k/v/o, rotate-half rotary, SwiGLU,
+# RMSNorm): the executor's native stack (executor.cpu_decode.covered_stack) runs their whole float32
+# decode step on the CPU in one call, priced apart (estimator.phase_costs); tests/test_native_stack_pricing.py
+# checks this set against what the executor installs on each tested family
+NATIVE_STACK_FAMILIES = frozenset({"llama", "mistral", "qwen2"})
+
+
 @dataclass(frozen=True)
 class ModelSpec:
     """Shapes of a decoder-only causal LM, as its transformers modules hold them.
@@ -173,6 +180,14 @@ class ModelSpec:
     @property
     def is_moe(self) -> bool:
         return any(self.moe_layers)
+
+    @property
+    def native_decode_stack(self) -> bool:
+        """Whether the executor's native stack runs this model's all-CPU float32 decode step (one
+        call for every layer: :data:`NATIVE_STACK_FAMILIES`, no experts, no sliding layers: the
+        stack steps aside once a window cuts the keys)."""
+        return (self.family in NATIVE_STACK_FAMILIES and not self.is_moe and not self.qk_norm
+                and all(t == "full_attention" for t in self.layer_types))
 
     def stored_formats(self, group: str) -> dict[str, int]:
         """{GGUF format: parameters} of operator ``group`` as its file stores them ({}: a HuggingFace

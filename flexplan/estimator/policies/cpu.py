@@ -10,8 +10,10 @@ from flexplan.placement import CPU
 
 
 def eq1_time_s(pc: PhaseCosts, num_layers: int) -> float:
-    """Equation 1: (C / (TH_CPU Eff_CPU,Comp) + (D [+ D_KVCache]) / (BW_CPU Eff_CPU,Mem)) x N, plus the LM head."""
-    return mean_over_steps(pc.t_cpu_layer_s) * num_layers + mean_over_steps(pc.t_cpu_head_s)
+    """Equation 1: (C / (TH_CPU Eff_CPU,Comp) + (D [+ D_KVCache]) / (BW_CPU Eff_CPU,Mem)) x N, plus the LM head
+    (a decode step the native stack runs: its terms, ``PhaseCosts.t_cpu_stack_s``)."""
+    layer, head = pc.t_cpu_stack_s or (pc.t_cpu_layer_s, pc.t_cpu_head_s)
+    return mean_over_steps(layer) * num_layers + mean_over_steps(head)
 
 
 class CPUPolicy(Policy):
