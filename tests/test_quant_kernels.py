@@ -232,6 +232,10 @@ def test_interleaved_blocks_round_trip_and_keep_each_rows_bytes_in_its_range(fmt
     packed = NATIVE.x8_pack(qt.data, fmt)
     assert packed.shape == qt.data.shape and torch.equal(NATIVE.x8_pack(packed, fmt, unpack=True), qt.data)
     assert torch.equal(interleave.unpack(packed, run), qt.data)  # torch's copy (an accelerator's), the same permutation
+    # its index built once per device, width and layout: the next call (an accelerator's next step) reuses it
+    row_bytes = packed.shape[1]
+    assert interleave._group_index(run, row_bytes, packed.device)[1] is interleave._group_index(run, row_bytes, packed.device)[1]
+    assert torch.equal(interleave.unpack(packed, run), qt.data)
     assert not torch.equal(packed[:8], qt.data[:8])
     for g in range(out // 8):  # each group's bytes stay within its 8 rows; rows past the groups as the file's
         assert sorted(packed[8 * g:8 * g + 8].flatten().tolist()) == sorted(qt.data[8 * g:8 * g + 8].flatten().tolist())

@@ -17,9 +17,25 @@ X8_FLAG = 0x100  # quant_gemv.c's X8: a ggml type id with it names the interleav
 GROUP_ROWS = 8
 
 
+# (device, row bytes, the layout's run) -> _group_index's answer: an accelerator dequantises a layer's
+# blocks every call, and building the index there each time cost a host-to-device copy and four kernels
+_INDEX_CACHE: dict[tuple, tuple[int, torch.Tensor]] = {}
+_INDEX_CACHE_MAX = 64  # distinct (format, width, device) triples of a model: a handful; more is a leak
+
+
 def _group_index(run_src: torch.Tensor, row_bytes: int, device: torch.device) -> tuple[int, torch.Tensor]:
     """(groups' bytes, index): byte i of a packed group (its runs for blocks 0, 1, ...) is byte
-    index[i] of the group's 8 rows in the file's layout."""
+    index[i] of the group's 8 rows in the file's layout; built once per device, width and layout."""
+    key = (str(device), row_bytes, tuple(run_src.tolist()))
+    hit = _INDEX_CACHE.get(key)
+    if hit is None:
+        if len(_INDEX_CACHE) >= _INDEX_CACHE_MAX:
+            _INDEX_CACHE.clear()
+        hit = _INDEX_CACHE[key] = _build_group_index(run_src, row_bytes, device)
+    return hit
+
+
+def _build_group_index(run_src: torch.Tensor, row_bytes: int, device: torch.device) -> tuple[int, torch.Tensor]:
     run = run_src.numel()
     block_bytes = run // GROUP_ROWS
     src = run_src.to(device)
