@@ -92,3 +92,14 @@ def test_eq1_prices_a_stacked_decode_with_the_stack_overheads_worked_by_hand():
     prefill = Shape(llama, 1, 128, 32, "float32", "float32")
     assert (eq1_time_s(phase_costs(prefill, HW_CPU, eff, "prefill"), 30)
             == eq1_time_s(phase_costs(prefill, HW_CPU, base, "prefill"), 30))
+
+
+def test_a_serving_iteration_is_priced_as_the_layer_calls_it_runs():
+    """The engine's iterations run each layer's native calls over paged KV, never the stack: the
+    placed scheduler's price (estimator.iteration) does not take the stack's overheads."""
+    from flexplan.estimator.iteration import iteration_time_s
+
+    base, eff = DefaultEfficiency.for_hardware(HW_CPU), _StackPriced.for_hardware(HW_CPU)
+    llama = ModelSpec.from_config(make_model("llama", num_hidden_layers=30).config)
+    args = ("cpu", 0, "decode", 4, 200, "float32", "float32")
+    assert iteration_time_s(llama, HW_CPU, eff, *args) == iteration_time_s(llama, HW_CPU, base, *args)

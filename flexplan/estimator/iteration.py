@@ -31,9 +31,10 @@ def iteration_time_s(spec: ModelSpec, hw: Hardware, eff: Efficiency, policy: str
         raise InvalidInputError(f"unknown policy {policy!r}; use one of {', '.join(REGISTRY)}")
     if batch < 1 or tokens < 1:
         raise InvalidInputError(f"batch and tokens must be positive, got batch={batch}, tokens={tokens}")
-    # decode step k attends input_len + k keys (Shape.decode_context_lens): one step at `tokens` keys
-    shape = (Shape(spec, batch, tokens, 1, dtype, cpu_dtype, weights) if phase == "prefill"
-             else Shape(spec, batch, max(tokens - 1, 1), 2, dtype, cpu_dtype, weights))
+    # decode step k attends input_len + k keys (Shape.decode_context_lens): one step at `tokens` keys; the
+    # engine's iterations run each layer's native calls over paged KV, never the executor's native stack
+    shape = (Shape(spec, batch, tokens, 1, dtype, cpu_dtype, weights, native_stack=False) if phase == "prefill"
+             else Shape(spec, batch, max(tokens - 1, 1), 2, dtype, cpu_dtype, weights, native_stack=False))
     pc = phase_costs(shape, hw, eff, phase)
     return float(REGISTRY[policy].estimate(pc, spec.num_layers, np.array([int(gpu_layers)])).time_s[0])
 

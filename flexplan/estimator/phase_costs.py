@@ -42,7 +42,7 @@ def phase_costs(shape: Shape, hw: Hardware, eff: Efficiency, phase: str) -> Phas
     # an all-CPU float32 decode step of a Llama-structured model runs every layer in one native call
     # (executor.cpu_decode.FusedStack): its own per-layer and per-step overheads, where calibrated
     stack = (eff.cpu_stack_overhead_s(b, shape.model.vocab_size, w.weight_bytes_cpu, cd)
-             if phase == "decode" and cd == "float32" and shape.model.native_decode_stack else None)
+             if phase == "decode" and cd == "float32" and shape.native_stack and shape.model.native_decode_stack else None)
     t_stack = None if stack is None else (
         t_on_device_s(w.flops - w.prefill_attention_flops, w.d_cpu + w.kv_write_cpu, th_cpu, bw_cpu, eff_comp, eff_mem,
                       kv_bytes=w.kv_read_cpu, eff_kv=eff_kv, overhead_s=stack[0]),

@@ -87,6 +87,9 @@ class Shape:
     # the weights held as blocks (a GGUF file's, ModelSpec.stored_weights, or quantised at load), on the
     # CPU and, where the plan puts layers there, on the accelerator; (): in the dtypes
     weights: tuple[tuple[str, str, int], ...] = ()
+    # whether an all-CPU decode of this shape may run the executor's native stack (phase_costs): False for
+    # the serving engine's iterations, which run each layer's native calls over its paged KV instead
+    native_stack: bool = True
 
     @property
     def w_bytes(self) -> int:
