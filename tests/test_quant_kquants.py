@@ -269,15 +269,17 @@ def test_flexplan_load_runs_the_whole_mixed_file_on_its_blocks(q4_k_m):
                                                         ("IQ4_XS", {"Q5_K", "Q8_0"}, {"IQ4_NL", "IQ4_XS"})])
 def test_types_without_a_kernel_load_dequantised_with_a_line_naming_them(llama_quantized, qtype, native, dequantised):
     """llama-quantize's Q2_K of SmolLM2 holds Q3_K ffn_down (and Q4_0 where 576 is no multiple of 256);
-    its IQ4_XS holds IQ4_NL and IQ4_XS: no kernel, so dequantised at load, one line per type saying so."""
+    its IQ4_XS holds IQ4_NL and IQ4_XS: no kernel, so dequantised at load into plain float32 linears, one
+    line per type saying so."""
     from flexplan.quant.gguf_model import load_gguf_model
     from flexplan.quant.quant_linear import QuantLinear
 
     lines = []
     model, tok = load_gguf_model(llama_quantized(qtype), log=lines.append)
     linears = [m for m in model.modules() if isinstance(m, QuantLinear)]
-    assert {m.format.name for m in linears if m.dense is None} == native
-    assert {m.format.name for m in linears if m.dense is not None} == dequantised
+    assert {m.format.name for m in linears} == native and all(m.dense is None for m in linears)
+    plain = [m for m in model.modules() if type(m) is torch.nn.Linear]  # the dequantised: float32 linears
+    assert plain and all(m.weight.dtype == torch.float32 for m in plain)
     for fmt in dequantised:
         assert any(line.startswith("flexplan: ") and f" {fmt} linear weights dequantised to float32 at load" in line
                    for line in lines), (fmt, lines)
