@@ -18,18 +18,34 @@ from flexplan.workload.model import ModelSpec
 SETTINGS = {"cpu_dtypes": ["float32"], "cpu_threads": 16}
 
 
+def _stack_ran(model) -> bool:
+    """Whether the executor's native stack ran the decode steps of a short greedy generation."""
+    import flexplan
+    import torch
+
+    lm = flexplan.load(model, plan={"prefill": "cpu", "decode": "cpu"}, accelerator=None)
+    ids = torch.tensor([[3, 4, 5, 6]])
+    lm.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=3, do_sample=False, pad_token_id=0)
+    return lm.last_stats.native_stack_steps > 0
+
+
 @pytest.mark.parametrize("family", FAMILIES + MORE_FAMILIES)
 def test_the_spec_names_the_models_whose_decode_the_executor_stacks(family):
-    """The config-level rule agrees with what the executor installs: a model it names gets the
-    native stack, and one that gets it is named unless a sliding window can make the stack step
-    aside (then priced as the layer calls)."""
-    import flexplan
-
+    """The config-level rule agrees with what the executor does on every tested family: the stack
+    runs a model's decode steps exactly when the rule names it (a sliding window makes it step aside
+    once the keys pass the window: such a model is priced as the layer calls)."""
     model = make_model(family)
-    spec = ModelSpec.from_config(model.config)
-    lm = flexplan.load(model, plan={"prefill": "cpu", "decode": "cpu"}, accelerator=None)
-    stacked = lm.executor._stack is not None
-    assert spec.native_decode_stack == (stacked and all(t == "full_attention" for t in spec.layer_types))
+    assert ModelSpec.from_config(model.config).native_decode_stack == _stack_ran(model)
+
+
+@pytest.mark.parametrize("overrides, runs", [({}, True), ({"num_key_value_heads": 1}, False),
+                                             ({"intermediate_size": 96}, False)],
+                         ids=["packable", "kv-rows-16", "mlp-rows-96"])
+def test_the_rule_follows_whether_the_stack_runs_a_decode(overrides, runs):
+    """Beyond the family: a Llama whose projections are not whole native blocks (64 rows) is not
+    packed, and its stack steps aside at run time; the rule says so from the config."""
+    model = make_model("llama", **overrides)
+    assert ModelSpec.from_config(model.config).native_decode_stack == _stack_ran(model) == runs
 
 
 def _stack_rows(layer_s: dict[int, float], step_s: dict[int, float], native: bool = True) -> list[dict]:
@@ -51,16 +67,16 @@ def test_the_stack_rows_give_its_overheads_by_batch_and_logits():
     the row's intercept plus generate's per-logit cost at the model's batch x vocabulary."""
     eff = _factors(_stack_rows({1: 30e-6, 8: 90e-6}, {1: 0.8e-3, 8: 0.9e-3}))
     per_logit = eff.step_overhead.per_logit_s
-    layer, step = eff.cpu_stack_overhead_s(1, 49152, 2e6, "float32")
+    layer, step = eff.cpu_stack_overhead_s(1, 49152, "float32")
     assert layer == pytest.approx(30e-6) and step == pytest.approx(0.8e-3 + per_logit * 49152)
-    layer, _ = eff.cpu_stack_overhead_s(int(np.sqrt(8) + 0.5), 0, 2e6, "float32")  # 3: half way in log batch
+    layer, _ = eff.cpu_stack_overhead_s(int(np.sqrt(8) + 0.5), 0, "float32")  # 3: half way in log batch
     assert 30e-6 < layer < 90e-6
-    layer, step = eff.cpu_stack_overhead_s(16, 1000, 2e6, "float32")  # held beyond the last batch
+    layer, step = eff.cpu_stack_overhead_s(16, 1000, "float32")  # held beyond the last batch
     assert layer == pytest.approx(90e-6) and step == pytest.approx(0.9e-3 + per_logit * 16 * 1000)
 
 
 def test_without_stack_rows_or_where_the_stack_did_not_run_there_is_no_stack_price():
-    assert _factors(None).cpu_stack_overhead_s(1, 49152, 2e6, "float32") is None
+    assert _factors(None).cpu_stack_overhead_s(1, 49152, "float32") is None
     assert _factors(_stack_rows({1: 30e-6}, {1: 0.8e-3}, native=False)).cpu_stack_overhead_s(1, 100) is None
     assert DefaultEfficiency.for_hardware(HW_CPU).cpu_stack_overhead_s(1, 100) is None
 
@@ -68,7 +84,7 @@ def test_without_stack_rows_or_where_the_stack_did_not_run_there_is_no_stack_pri
 class _StackPriced(DefaultEfficiency):
     """Defaults, with the native stack's overheads given."""
 
-    def cpu_stack_overhead_s(self, batch=1, vocab=0, layer_bytes=None, dtype=None):
+    def cpu_stack_overhead_s(self, batch=1, vocab=0, dtype=None):
         return 20e-6, 0.4e-3
 
 

@@ -61,7 +61,7 @@ class ConstantEfficiency:
     def cpu_threads(self): return None
     def cpu_layer_overhead_s(self, tokens=1, dtype=None, layer_bytes=None): return 0.0
     def cpu_step_overhead_s(self, batch=1, vocab=0): return 0.0
-    def cpu_stack_overhead_s(self, batch=1, vocab=0, layer_bytes=None, dtype=None): return None
+    def cpu_stack_overhead_s(self, batch=1, vocab=0, dtype=None): return None
     def gpu_layer_overhead_s(self): return 0.0
 
 

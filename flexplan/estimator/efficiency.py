@@ -74,7 +74,7 @@ class Efficiency(Protocol):
     # CPU beyond its GEMMs and KV reads (Python, dispatch, norms, rotary), by tokens per GEMM and layer size
     def cpu_step_overhead_s(self, batch: int = 1, vocab: int = 0) -> float: ...  # generate() loop per step,
     # outside the layers (host side): logits upcast, processors, argmax, stopping criteria
-    def cpu_stack_overhead_s(self, batch: int = 1, vocab: int = 0, layer_bytes: float | None = None,
+    def cpu_stack_overhead_s(self, batch: int = 1, vocab: int = 0,
                              dtype: str | None = None) -> tuple[float, float] | None: ...  # a decode step whose
     # layers the executor's native stack runs in one call (ModelSpec.native_decode_stack): (seconds per layer
     # beyond its GEMVs and KV reads, seconds per step outside the layers); None: not calibrated
@@ -194,7 +194,7 @@ class DefaultEfficiency:
     def cpu_step_overhead_s(self, batch=1, vocab=0):
         return STEP_OVERHEAD_DEFAULT_S
 
-    def cpu_stack_overhead_s(self, batch=1, vocab=0, layer_bytes=None, dtype=None):
+    def cpu_stack_overhead_s(self, batch=1, vocab=0, dtype=None):
         return None  # no default: uncalibrated, the native stack is priced as the layer calls
 
     def gpu_layer_overhead_s(self):
@@ -294,8 +294,8 @@ class ScaledEfficiency:
     def cpu_step_overhead_s(self, batch=1, vocab=0):
         return self.base.cpu_step_overhead_s(batch, vocab) * self.scale("overhead")
 
-    def cpu_stack_overhead_s(self, batch=1, vocab=0, layer_bytes=None, dtype=None):
-        got = self.base.cpu_stack_overhead_s(batch, vocab, layer_bytes, dtype)
+    def cpu_stack_overhead_s(self, batch=1, vocab=0, dtype=None):
+        got = self.base.cpu_stack_overhead_s(batch, vocab, dtype)
         return None if got is None else tuple(t * self.scale("overhead") for t in got)
 
     def gpu_layer_overhead_s(self):

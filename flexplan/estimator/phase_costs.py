@@ -32,22 +32,24 @@ def phase_costs(shape: Shape, hw: Hardware, eff: Efficiency, phase: str) -> Phas
     eff_kv = eff.cpu_attention(w.context_len, cd) if phase == "decode" else 1.0
     # weights held as blocks (a GGUF file's): each format's block kernels' factors (terms.cpu_layer_factors)
     eff_comp, eff_mem = cpu_layer_factors(shape, eff, rows)
-    t_cpu = (t_on_device_s(w.flops - w.prefill_attention_flops, w.d_cpu + w.kv_write_cpu, th_cpu, bw_cpu,
-                           eff_comp, eff_mem, kv_bytes=w.kv_read_cpu, eff_kv=eff_kv,
-                           overhead_s=eff.cpu_layer_overhead_s(rows, cd, w.weight_bytes_cpu))
-             + t_cpu_prefill_attention_s(w, th_cpu, eff, cd))
+    head_factors = cpu_head_factors(shape, eff, b)
+
+    def cpu_layer_s(overhead_s):
+        return (t_on_device_s(w.flops - w.prefill_attention_flops, w.d_cpu + w.kv_write_cpu, th_cpu, bw_cpu,
+                              eff_comp, eff_mem, kv_bytes=w.kv_read_cpu, eff_kv=eff_kv, overhead_s=overhead_s)
+                + t_cpu_prefill_attention_s(w, th_cpu, eff, cd))
+
+    def cpu_head_s(overhead_s):
+        return t_on_device_s(w.head_flops, w.head_bytes_cpu, th_cpu, bw_cpu, *head_factors, overhead_s=overhead_s)
+
+    t_cpu = cpu_layer_s(eff.cpu_layer_overhead_s(rows, cd, w.weight_bytes_cpu))
     step_overhead = eff.cpu_step_overhead_s(b, shape.model.vocab_size)  # the host runs generate()'s loop, whatever the policy
-    t_cpu_head = t_on_device_s(w.head_flops, w.head_bytes_cpu, th_cpu, bw_cpu, *cpu_head_factors(shape, eff, b),
-                               overhead_s=step_overhead)
+    t_cpu_head = cpu_head_s(step_overhead)
     # an all-CPU float32 decode step of a Llama-structured model runs every layer in one native call
     # (executor.cpu_decode.FusedStack): its own per-layer and per-step overheads, where calibrated
-    stack = (eff.cpu_stack_overhead_s(b, shape.model.vocab_size, w.weight_bytes_cpu, cd)
+    stack = (eff.cpu_stack_overhead_s(b, shape.model.vocab_size, cd)
              if phase == "decode" and cd == "float32" and shape.native_stack and shape.model.native_decode_stack else None)
-    t_stack = None if stack is None else (
-        t_on_device_s(w.flops - w.prefill_attention_flops, w.d_cpu + w.kv_write_cpu, th_cpu, bw_cpu, eff_comp, eff_mem,
-                      kv_bytes=w.kv_read_cpu, eff_kv=eff_kv, overhead_s=stack[0]),
-        t_on_device_s(w.head_flops, w.head_bytes_cpu, th_cpu, bw_cpu, *cpu_head_factors(shape, eff, b),
-                      overhead_s=stack[1]))
+    t_stack = None if stack is None else (cpu_layer_s(stack[0]), cpu_head_s(stack[1]))
     if gpu is None or link is None:
         inf = float("inf")
         return PhaseCosts(phase, w.tokens_per_seq, t_cpu, inf, inf, inf, inf, inf, inf, t_cpu_head, inf, inf,

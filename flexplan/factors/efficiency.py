@@ -436,7 +436,7 @@ class CalibratedEfficiency:
     def cpu_step_overhead_s(self, batch=1, vocab=0):
         return self.step_overhead(batch, vocab)
 
-    def cpu_stack_overhead_s(self, batch=1, vocab=0, layer_bytes=None, dtype=None):
+    def cpu_stack_overhead_s(self, batch=1, vocab=0, dtype=None):
         f = self._cpu(dtype)
         if f is None or f.stack_layer_s is None or f.stack_step_s is None:
             return None

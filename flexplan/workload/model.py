@@ -26,6 +26,7 @@ from flexplan.workload.config_fields import reject_non_layerwise, spec_fields, t
 # decode step on the CPU in one call, priced apart (estimator.phase_costs); tests/test_native_stack_pricing.py
 # checks this set against what the executor installs on each tested family
 NATIVE_STACK_FAMILIES = frozenset({"llama", "mistral", "qwen2"})
+NATIVE_BLOCK_ROWS = 64  # executor.cpu_linear's native block: a float32 linear packs (and the stack runs) only then
 
 
 @dataclass(frozen=True)
@@ -184,9 +185,12 @@ class ModelSpec:
     @property
     def native_decode_stack(self) -> bool:
         """Whether the executor's native stack runs this model's all-CPU float32 decode step (one
-        call for every layer: :data:`NATIVE_STACK_FAMILIES`, no experts, no sliding layers: the
+        call for every layer): :data:`NATIVE_STACK_FAMILIES`, no experts, no QK-norm, every
+        projection's rows a multiple of :data:`NATIVE_BLOCK_ROWS` (packable), no sliding layers (the
         stack steps aside once a window cuts the keys)."""
+        rows = (self.q_dim, self.kv_dim, self.hidden_size, self.intermediate_size)
         return (self.family in NATIVE_STACK_FAMILIES and not self.is_moe and not self.qk_norm
+                and all(n % NATIVE_BLOCK_ROWS == 0 for n in rows)
                 and all(t == "full_attention" for t in self.layer_types))
 
     def stored_formats(self, group: str) -> dict[str, int]:
