@@ -359,7 +359,8 @@ static int kind_of(int64_t wtype) {
 
 /* ---- the interleaved layout (wtype | X8): the CPU's own arrangement of a matrix's blocks ----------
  * One GEMV step of the file's layout decodes one row's block and ends in 8 lanes of partial sums,
- * each converted, scaled and finally summed across: on AVX2 that arithmetic, not memory, bounds it. Interleaved, 8 rows' block b lie in one run, their 8 integer dots end as the
+ * each converted, scaled and finally summed across: on AVX2 that arithmetic, not memory, bounds it.
+ * Interleaved, 8 rows' block b lie in one run, their 8 integer dots end as the
  * 8 lanes of one vector (two horizontal adds of 4 rows each) and one convert and one multiply-add
  * scale them all (llama.cpp repacks Q4_0 for its AVX2 GEMV likewise). Rows [0, 8 * (out / 8)) in
  * groups of 8; a group's block b is one run of 8 * bb bytes: the 8 rows' fp16 d, then (Q4_1) their
@@ -680,15 +681,15 @@ int flexplan_quant_gemm(const uint8_t *w, int64_t wtype, const float *x, float *
     #pragma omp parallel for schedule(static) if (batch > 1)  /* a prefill's rows: quantised in parallel too */
     for (int64_t r = 0; r < batch; r++) quantize_any(base, x + r * in, a + r * ab, nb);
     /* the interleaved groups' activation rows (a prefill's: too many for the stack) */
-    const act_block **rows = groups ? (const act_block **)malloc((size_t)(batch + 1) * sizeof(act_block *)) : NULL;
-    if (groups && !rows) { free(a); return 2; }
-    for (int64_t r = 0; groups && r < batch; r++) rows[r] = (const act_block *)(a + r * ab);
+    const act_block **act_rows = groups ? (const act_block **)malloc((size_t)(batch + 1) * sizeof(act_block *)) : NULL;
+    if (groups && !act_rows) { free(a); return 2; }
+    for (int64_t r = 0; groups && r < batch; r++) act_rows[r] = (const act_block *)(a + r * ab);
     #pragma omp parallel
     {
 #ifdef X8_KERNELS
     if (groups) { /* every activation row per group, one arithmetic per row */
         #pragma omp for schedule(static) nowait
-        for (int64_t g = 0; g < groups; g++) x8_group(w, kind, rows, nb, batch, g, y, out, bias);
+        for (int64_t g = 0; g < groups; g++) x8_group(w, kind, act_rows, nb, batch, g, y, out, bias);
     }
 #endif
     #pragma omp for schedule(static)
@@ -711,7 +712,7 @@ int flexplan_quant_gemm(const uint8_t *w, int64_t wtype, const float *x, float *
         }
     }
     }
-    free(rows);
+    free(act_rows);
     free(a);
     return 0;
 }
