@@ -32,6 +32,21 @@ def executor_layers(sizes: Sizes, dtype: str, tick: Callable[[], None] | None = 
     return rows
 
 
+def _generate(lm, ids, n: int) -> Callable[[], object]:
+    """A greedy generation of exactly ``n`` tokens after ``ids`` by ``lm``."""
+    import torch
+
+    return lambda: lm.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=n,
+                               min_new_tokens=n, do_sample=False, pad_token_id=0)
+
+
+def _decode_step_s(lm, ids, steps: int, repeats: int, long_budget_s: float, short_budget_s: float) -> float:
+    """One decode step of ``lm`` after ``ids``: ``steps`` + 1 tokens less one token, over ``steps``
+    (the prompt and the first token taken out)."""
+    return (time_call(_generate(lm, ids, steps + 1), repeats, long_budget_s)["time_s"]
+            - time_call(_generate(lm, ids, 1), repeats, short_budget_s)["time_s"]) / steps
+
+
 def executor_widths(sizes: Sizes) -> list[tuple[int, int, int, int, int]]:
     """The layer widths :func:`executor_layers` times: the first, and the widest where
     ``sizes.executor_widths`` is 2."""
@@ -62,12 +77,8 @@ def _executor_layer(sizes: Sizes, dtype: str, width: tuple[int, int, int, int, i
                                                  output_len=steps + 1, batch_size=batch),
                           accelerator=None, online_correction=False)
 
-    def step_s(lm) -> float:  # one decode step, the prompt and the first token taken out
-        def gen(n):
-            return lambda: lm.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=n,
-                                       min_new_tokens=n, do_sample=False, pad_token_id=0)
-        return (time_call(gen(steps + 1), repeats, 2 * sizes.budget_s)["time_s"]
-                - time_call(gen(1), repeats, sizes.budget_s)["time_s"]) / steps
+    def step_s(lm) -> float:
+        return _decode_step_s(lm, ids, steps, repeats, 2 * sizes.budget_s, sizes.budget_s)
 
     # the median of SLOPES slopes: one slope is a difference of differences, noisy enough alone to
     # price every decode step several percent off; a busy host can swamp the difference (tiny
@@ -129,19 +140,11 @@ def stack_overhead(sizes: Sizes, dtype: str, tick: Callable[[], None] | None = N
     for batch in STACK_BATCHES:
         ids = torch.ones(batch, 16, dtype=torch.long)
 
-        def gen(lm, n):
-            return lambda: lm.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=n,
-                                       min_new_tokens=n, do_sample=False, pad_token_id=0)
-
-        gen(lms[STACK_DEPTHS[-1]], 3)()
+        _generate(lms[STACK_DEPTHS[-1]], ids, 3)()
         native = lms[STACK_DEPTHS[-1]].last_stats.native_stack_steps > 0
-
-        def step_s(lm) -> float:  # one decode step, the prompt and the first token taken out
-            return (time_call(gen(lm, steps + 1), repeats, sizes.budget_s)["time_s"]
-                    - time_call(gen(lm, 1), repeats, sizes.budget_s)["time_s"]) / steps
-
         for _ in range(3):
-            shallow, deep = (step_s(lms[d]) for d in STACK_DEPTHS)
+            shallow, deep = (_decode_step_s(lms[d], ids, steps, repeats, sizes.budget_s, sizes.budget_s)
+                             for d in STACK_DEPTHS)
             layer_s = (deep - shallow) / (STACK_DEPTHS[1] - STACK_DEPTHS[0])
             base_s = shallow - STACK_DEPTHS[0] * layer_s
             if layer_s > 0 and base_s > 0:
