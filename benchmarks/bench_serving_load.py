@@ -4,7 +4,8 @@ An asyncio client replays request lengths from the Azure LLM code trace (``../sh
 Poisson arrivals at each ``--rates`` value (requests/s), against each target in turn, round after
 round (interleaved), a STREAM triad sample beside each run:
 
-- ``flexplan``: ``flexplan serve`` (the engine, continuous batching) over HTTP;
+- ``flexplan``: ``flexplan serve`` (the engine, continuous batching) over HTTP; ``flexplan:OPTIONS``
+  passes the server options after the colon, e.g. ``flexplan:--tpot-target-ms=150`` beside ``flexplan``;
 - ``sequential``: flexplan's own ``generate()``, one request at a time, in this process;
 - ``llama-server``: llama.cpp's server (continuous batching, ``-np`` slots) on the same weights in the
   same precision (an F32 GGUF made from the shipped Q4_1 file with ``llama-quantize``: the values
@@ -34,6 +35,7 @@ import json
 import math
 import os
 import random
+import shlex
 import shutil
 import signal
 import socket
@@ -266,13 +268,13 @@ def make_targets(names: list[str], model_dir: Path, threads: int, slots: int, ct
     out = {}
     for name in names:
         port = free_port()
-        if name == "flexplan":
-            out[name] = HttpTarget(name, [sys.executable, "-m", "flexplan", "serve", str(model_dir), "--host",
-                                          "127.0.0.1", "--port", str(port)], port, model_dir.name)
-        elif name == "flexplan-q4_1":
-            gguf = gguf_path()
-            out[name] = HttpTarget(name, [sys.executable, "-m", "flexplan", "serve", str(gguf), "--host",
-                                          "127.0.0.1", "--port", str(port)], port, gguf.name)
+        # a flexplan server's own options after a colon, e.g. "flexplan:--token-budget=64" (compared in one run)
+        base, _, options = name.partition(":")
+        if base in ("flexplan", "flexplan-q4_1"):
+            weights = model_dir if base == "flexplan" else gguf_path()
+            out[name] = HttpTarget(name, [sys.executable, "-m", "flexplan", "serve", str(weights), "--host",
+                                          "127.0.0.1", "--port", str(port), *shlex.split(options)],
+                                   port, weights.name)
         elif name == "sequential":
             out[name] = SequentialTarget(model_dir)
         elif name == "sequential-q4_1":

@@ -102,6 +102,19 @@ def gib_bytes(text: str) -> int:
     return round(gib * (1 << 30))
 
 
+def positive_ms(text: str) -> float:
+    """argparse type of a time in milliseconds (serve's --tpot-target-ms): a finite number > 0."""
+    import argparse
+
+    try:
+        ms = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected milliseconds as a number (e.g. 200), got {text!r}") from None
+    if not math.isfinite(ms) or ms <= 0:
+        raise argparse.ArgumentTypeError(f"a time must be a finite number of milliseconds > 0, got {text}")
+    return ms
+
+
 def check_cpu_threads(value: Any) -> None:
     if value is not None and (not _is_int(value) or value < 1):
         raise InvalidInputError(f"cpu_threads must be a positive int (or None: the calibrated count, else all "

@@ -25,7 +25,7 @@ import torch
 
 from flexplan.errors import FlexplanError, InvalidInputError
 from flexplan.estimator.policies import POLICIES
-from flexplan.inputs import gib_bytes
+from flexplan.inputs import gib_bytes, positive_ms
 from flexplan.hardware import get_hardware
 from flexplan.measure.state import efficiency_now
 from flexplan.quant.sources import DENSE, GGUF_BLOCKS, GGUF_FLOAT32, WeightsSource, weights_source
@@ -75,6 +75,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-running", type=int, default=256, metavar="N", help="requests running at once")
     parser.add_argument("--token-budget", type=int, default=512, metavar="N",
                         help="new tokens per iteration: prefill chunks + decodes (default 512)")
+    parser.add_argument("--tpot-target-ms", type=positive_ms, default=None, metavar="MS",
+                        help="the time between a running request's tokens to aim for: each iteration's prefill "
+                             "chunks sized to it from the iterations measured, at most --token-budget tokens "
+                             "(default: none, always --token-budget)")
     parser.add_argument("--max-model-len", type=int, default=None, metavar="N",
                         help="context length served (default: the model's)")
     parser.add_argument("--drain-s", type=float, default=5.0, metavar="S",
@@ -162,7 +166,8 @@ def run(args: argparse.Namespace) -> int:
         plan = placed_plan(args)
         limits = dict(dtype=getattr(torch, args.dtype), device_memory_bytes=args.gpu_memory,
                       host_memory_bytes=args.cpu_memory, max_running=args.max_running,
-                      token_budget=args.token_budget, max_model_len=args.max_model_len)
+                      token_budget=args.token_budget, max_model_len=args.max_model_len,
+                      iteration_target_s=None if args.tpot_target_ms is None else args.tpot_target_ms / 1e3)
         if plan is not None:  # placed per phase; its scheduler prices the placements (serving.placed_scheduler)
             source = weights_source(args.model if args.model is not None else str(default_model_dir(verbose=False)),
                                     args.weights)

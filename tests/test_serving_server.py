@@ -161,7 +161,7 @@ def test_metrics_export_queue_running_blocks_tokens_latencies_and_modes(double):
                  'pool="host"', "flexplan_kv_blocks_free{", "flexplan_generation_tokens_total",
                  "flexplan_generation_tokens_per_second", "flexplan_time_to_first_token_seconds_bucket",
                  "flexplan_time_per_output_token_seconds_bucket", 'flexplan_iterations_total{mode="cpu-only"',
-                 "flexplan_prompt_tokens_total"):
+                 "flexplan_prompt_tokens_total", "flexplan_iteration_token_budget{"):
         assert name in text, name
     ttft = [line for line in text.splitlines() if line.startswith("flexplan_time_to_first_token_seconds_count")]
     assert float(ttft[0].split()[-1]) >= 1
@@ -442,6 +442,17 @@ def test_flexplan_serve_placement_flags_refused_with_what_works(args, says, caps
     assert main(["serve", *args, "--port", str(free_port())]) == 2
     err = capsys.readouterr().err.strip()
     assert says in err and "\n" not in err
+
+
+@pytest.mark.parametrize("value", ["0", "-5", "nan", "fast"])
+def test_flexplan_serve_refuses_a_bad_tpot_target_saying_what_works(value, capsys):
+    from flexplan.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["serve", "--tpot-target-ms", value])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "--tpot-target-ms" in err and "milliseconds" in err
 
 
 def _serve(args: list[str], port: int) -> subprocess.Popen:

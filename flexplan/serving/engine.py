@@ -25,6 +25,7 @@ from flexplan.executor import cpu_linear
 from flexplan.quant.sources import DENSE, GGUF_BLOCKS, weights_source
 from flexplan.serving import placed, sampling
 from flexplan.serving.fcfs import FcfsScheduler
+from flexplan.serving.iteration_budget import IterationBudget
 from flexplan.serving.kv_blocks import (
     BLOCK_SIZE_TOKENS,
     DEVICE,
@@ -91,7 +92,10 @@ class Engine:
     iteration's activations; on the CPU it makes a pool that stands in for an accelerator's), else
     80% of the accelerator's free memory (none when the model is on the CPU); the host pool from
     ``host_memory_bytes``, else a quarter of the available memory, at most 2 GiB.
-    ``token_budget``: new tokens per iteration (prefill chunks + decodes).
+    ``token_budget``: new tokens per iteration (prefill chunks + decodes). ``iteration_target_s``:
+    the time an iteration (a running request's time between tokens) should take: each iteration's
+    budget is then sized to it from the iterations measured (:mod:`iteration_budget`), at most
+    ``token_budget``; None: always ``token_budget``.
     ``scheduler``: any object with ``schedule(EngineState) -> IterationPlan`` (default: FCFS; for a
     FlexModel, FCFS under the placement the estimator prices lower, :mod:`placed_scheduler`);
     where it also has ``observe(plan, seconds)``, each iteration's measured wall time is passed
@@ -101,7 +105,8 @@ class Engine:
     def __init__(self, model, tokenizer=None, *, device_blocks: int | None = None, host_blocks: int | None = None,
                  block_size_tokens: int = BLOCK_SIZE_TOKENS, token_budget: int = 512, max_running: int = 256,
                  max_model_len: int | None = None, scheduler=None, asymmetric_pipelining: bool | None = None,
-                 device_memory_bytes: int | None = None, host_memory_bytes: int | None = None):
+                 device_memory_bytes: int | None = None, host_memory_bytes: int | None = None,
+                 iteration_target_s: float | None = None):
         flexmodel = None
         if placed.is_flexmodel(model):  # a FlexModel: its executor places the weights, the engine keeps the KV
             flexmodel = model
@@ -111,6 +116,7 @@ class Engine:
         for name, v in (("token_budget", token_budget), ("max_running", max_running)):
             if not isinstance(v, int) or v < 1:
                 raise InvalidInputError(f"{name} must be a positive integer, got {v!r}")
+        self.budget = IterationBudget(iteration_target_s, token_budget) if iteration_target_s is not None else None
         self.model = model.eval()
         self.tokenizer = tokenizer
         param = next(model.parameters())
@@ -295,8 +301,14 @@ class Engine:
             waiting=tuple(r.view(None) for r in self._waiting),
             running=tuple(r.view(self.blocks.pool_of(r.request_id)) for r in self._running.values()),
             free_blocks=free, total_blocks={n: p.num_blocks for n, p in self.blocks.pools.items()},
-            block_size_tokens=self.blocks.block_size_tokens, token_budget=self.token_budget,
+            block_size_tokens=self.blocks.block_size_tokens, token_budget=self.iteration_tokens(),
             max_running=self.max_running, accelerator=self.accelerator)
+
+    def iteration_tokens(self) -> int:
+        """The next iteration's token budget: ``token_budget``, or sized to ``iteration_target_s``."""
+        if self.budget is None:
+            return self.token_budget
+        return self.budget.tokens(sum(1 for r in self._running.values() if r.decoding))
 
     @_locked
     def stats(self) -> EngineStats:
@@ -307,7 +319,8 @@ class Engine:
         return EngineStats(waiting=len(self._waiting), running_by_device=by_device, blocks_used=used,
                            blocks_free=free, iterations=self._iterations, last_mode=self._last_mode,
                            last_placement=self._last_placement,
-                           prompt_tokens_total=self._prompt_total, generated_tokens_total=self._generated_total)
+                           prompt_tokens_total=self._prompt_total, generated_tokens_total=self._generated_total,
+                           token_budget=self.iteration_tokens())
 
     # ---- one iteration ----
     @_locked
@@ -339,6 +352,8 @@ class Engine:
             logits = self.runner.forward(segments, phase)
         outputs += self._finish(segments, logits) if segments else []
         self.last_iteration_s = time.perf_counter() - started
+        if self.budget is not None and self._in_flight is None:  # an overlapped iteration's time is not its own
+            self.budget.observe(self._scheduled_tokens, self.last_iteration_s)
         observe = getattr(self.scheduler, "observe", None)
         if callable(observe):  # what the iteration took, for a scheduler that corrects its cost model online
             observe(plan, self.last_iteration_s)

@@ -44,6 +44,8 @@ class ServingMetrics:
         self.generation_tokens = Counter("flexplan_generation_tokens", "tokens generated", m, registry=r)
         self.tokens_per_s = Gauge("flexplan_generation_tokens_per_second",
                                   f"tokens generated per second over the last {RATE_WINDOW_S:g} s", m, registry=r)
+        self.token_budget = Gauge("flexplan_iteration_token_budget", "new tokens the next iteration may schedule "
+                                  "(--token-budget, or sized to --tpot-target-ms)", m, registry=r)
         self.iterations = Counter("flexplan_iterations", "engine iterations by the scheduler's mode", m + ["mode"],
                                   registry=r)
         self.placements = Counter("flexplan_placed_iterations", "a placed model's iterations by the executor "
@@ -74,6 +76,7 @@ class ServingMetrics:
             self.blocks_used.labels(name, pool).set(n)
         for pool, n in stats.blocks_free.items():
             self.blocks_free.labels(name, pool).set(n)
+        self.token_budget.labels(name).set(stats.token_budget)
         now = time.monotonic()
         with self._lock:
             seen, self._seen = self._seen, stats

@@ -92,6 +92,7 @@ class EngineStats:
     last_placement: str = ""  # a placed model's last placement (IterationPlan.placement)
     prompt_tokens_total: int = 0
     generated_tokens_total: int = 0
+    token_budget: int = 0  # new tokens the next iteration may schedule
 
 
 @dataclass(frozen=True)
