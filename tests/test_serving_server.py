@@ -132,6 +132,8 @@ def _error(r: httpx.Response) -> dict:
     ({"prompt": "x", "n": 2}, 400, "n", "unsupported"),
     ({"prompt": "x", "temperature": 7}, 400, "temperature", "invalid_value"),
     ({"prompt": "x", "logprobs": 3}, 400, "logprobs", "unsupported"),
+    ({"prompt": "x", "seed": 2**70}, 400, "seed", "invalid_value"),
+    ({"prompt": "x", "top_k": -2}, 400, "top_k", "invalid_value"),
     ({"prompt": ["a", "b"]}, 400, "prompt", "invalid_value"),
     ([1, 2], 400, None, "invalid_json"),
 ])
@@ -147,11 +149,30 @@ def test_bad_requests_get_an_openai_error_and_the_server_keeps_serving(double, b
 
 def test_chat_errors_name_their_field(double):
     for body, param in (({}, "messages"), ({"messages": [{"content": "x"}]}, "messages.[0].role"),
+                        ({"messages": [{"role": "wizard", "content": "x"}]}, "messages.[0].role"),
                         ({"messages": [{"role": "user", "content": "x" * 5000}]}, "messages")):
         r = httpx.post(f"{double.url}/v1/chat/completions", json=body)
         assert r.status_code == 400 and _error(r)["param"] == param
     with pytest.raises(openai.NotFoundError):
         double.client.chat.completions.create(model="nope", messages=[{"role": "user", "content": "x"}])
+
+
+def test_fields_other_servers_send_are_read_as_they_mean(double):
+    # vLLM's clients send top_k=-1 for "off"; max_completion_tokens is honoured on /v1/completions too
+    out = double.client.completions.create(model="double", prompt="hi", max_tokens=5,
+                                           extra_body={"top_k": -1, "max_completion_tokens": 2})
+    assert out.choices[0].text == "ab" and out.usage.completion_tokens == 2
+    big = double.client.completions.create(model="double", prompt="hi", max_tokens=1, seed=2**64 - 1)
+    assert big.choices[0].text == "a"
+
+
+@pytest.mark.parametrize("method, path, status", [("GET", "/v1/nothing", 404), ("POST", "/health", 405),
+                                                  ("GET", "/v1/completions", 405)])
+def test_an_unknown_path_or_method_gets_an_openai_error_naming_the_endpoints(double, method, path, status):
+    r = httpx.request(method, f"{double.url}{path}")
+    assert r.status_code == status
+    err = _error(r)
+    assert path in err["message"] and "POST /v1/chat/completions" in err["message"]
 
 
 def test_metrics_export_queue_running_blocks_tokens_latencies_and_modes(double):

@@ -17,6 +17,7 @@ from flexplan.errors import InvalidInputError
 from flexplan.serving.types import SamplingParams
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions (chat: the context left)
+ROLES = ("system", "developer", "user", "assistant", "tool", "function")  # the roles OpenAI's API takes
 # (field, the value that means "off"): a field given anything else is refused
 UNSUPPORTED = {"logprobs": (None, False, 0), "top_logprobs": (None, 0), "echo": (None, False), "suffix": (None, ""),
                "best_of": (None, 1), "presence_penalty": (None, 0, 0.0), "frequency_penalty": (None, 0, 0.0),
@@ -69,6 +70,12 @@ def _number(body: dict, name: str, default):
     return float(v)
 
 
+def _top_k(body: dict) -> int:
+    """top_k (not OpenAI's; vLLM's clients send it): 0 or None off, and -1 off as vLLM reads it."""
+    k = _int(body, "top_k", 0) or 0
+    return 0 if k == -1 else k
+
+
 def _prompt(body: dict):
     """A completion's prompt: a string, token ids, or a list of one of either."""
     if "prompt" not in body:
@@ -97,6 +104,9 @@ def _messages(body: dict) -> list[dict]:
     for i, m in enumerate(msgs):
         if not isinstance(m, dict) or not isinstance(m.get("role"), str):
             raise bad(f"messages[{i}] must be an object with a string 'role'", f"messages.[{i}].role")
+        if m["role"] not in ROLES:
+            raise bad(f"messages[{i}].role {m['role']!r} is not a role: use one of {', '.join(ROLES)}",
+                      f"messages.[{i}].role")
         content = m.get("content")
         if isinstance(content, list):  # content parts: text parts joined, anything else refused
             if not all(isinstance(c, dict) and c.get("type") == "text" and isinstance(c.get("text"), str)
@@ -122,7 +132,8 @@ def parse(body, chat: bool) -> Parsed:
     n = _int(body, "n", 1)
     if n not in (None, 1):
         raise bad(f"n={n} is not supported: this server returns one choice per request (n=1)", "n", "unsupported")
-    max_name = "max_completion_tokens" if chat and body.get("max_completion_tokens") is not None else "max_tokens"
+    # max_completion_tokens (chat's newer name) is honoured on either endpoint, before max_tokens
+    max_name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
     max_tokens = _int(body, max_name)
     if max_tokens is not None and max_tokens < 1:
         raise bad(f"{max_name} must be at least 1, got {max_tokens}", max_name)
@@ -142,7 +153,7 @@ def parse(body, chat: bool) -> Parsed:
     try:
         params = SamplingParams(max_tokens=max_tokens or DEFAULT_COMPLETION_MAX_TOKENS,
                                 temperature=_number(body, "temperature", 1.0), top_p=_number(body, "top_p", 1.0),
-                                top_k=_int(body, "top_k", 0) or 0, stop=tuple(s for s in stop if s),
+                                top_k=_top_k(body), stop=tuple(s for s in stop if s),
                                 seed=_int(body, "seed"), ignore_eos=bool(body.get("ignore_eos", False)))
     except InvalidInputError as e:  # SamplingParams' own check, its message names the field first
         field = str(e).split(" ", 1)[0]

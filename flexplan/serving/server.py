@@ -24,6 +24,7 @@ import signal
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 from jinja2 import TemplateError
 
 from flexplan.serving import openai_protocol as oa
@@ -137,6 +138,14 @@ def create_app(engine, model_name: str, *, aliases=(), max_waiting: int = 256, d
     app = FastAPI(title="flexplan serve", lifespan=lifespan)
     app.state.served = served
     app.state.drain_s = drain_s
+
+    @app.exception_handler(StarletteHTTPException)
+    async def routing_error(request: Request, e: StarletteHTTPException):
+        """A path or method the server has not (404, 405): OpenAI's error body, saying what it serves."""
+        what = "no such endpoint" if e.status_code == 404 else str(e.detail)
+        return _error_response(ApiError(e.status_code, f"{request.method} {request.url.path}: {what}; this server "
+                                        "answers POST /v1/completions, POST /v1/chat/completions, GET /v1/models, "
+                                        "GET /health and GET /metrics", code=None), served.metrics)
 
     async def handle(request: Request, chat: bool):
         try:

@@ -57,8 +57,9 @@ class SamplingParams:
             raise InvalidInputError(f"top_k must be a non-negative integer (0: off), got {self.top_k!r}")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise InvalidInputError(f"stop must be non-empty strings, got {self.stop!r}")
-        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):
-            raise InvalidInputError(f"seed must be an integer or None, got {self.seed!r}")
+        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)
+                                      or not -(2**63) <= self.seed < 2**64):  # what a 64-bit generator takes
+            raise InvalidInputError(f"seed must be an integer in [-2**63, 2**64) or None, got {self.seed!r}")
 
     @property
     def greedy(self) -> bool:
