@@ -37,6 +37,22 @@ def test_blocked_linear_matches_f_linear(tokens, out, k, with_bias):
 
 
 @needs_native
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tokens", [96, 97, 101, 130])
+def test_many_rows_equal_each_row_alone_bit_for_bit(dtype, tokens):
+    """A prefill's many rows (AVX2: the 16-column panels, with 1-5 rows left over) give each row
+    exactly what a one-row decode step gives it: every output sums over the inputs in one order."""
+    g = torch.Generator().manual_seed(tokens)
+    w = torch.randn(192, 300, generator=g).to(dtype)
+    x = torch.randn(1, tokens, 300, generator=g)
+    b = torch.randn(192, generator=g)
+    p = cpu_linear.pack(w, 1, cpu_linear.KERNEL_BLOCKED, torch.float32)
+    y = cpu_linear.linear(x, p, b)
+    alone = torch.cat([cpu_linear.linear(x[:, t:t + 1], p, b) for t in range(tokens)], dim=1)
+    assert torch.equal(y, alone)
+
+
+@needs_native
 def test_blocked_weights_read_back_exactly_and_refuse_stock_f_linear():
     w = torch.randn(128, 40)
     p = cpu_linear.pack(w, None, cpu_linear.KERNEL_BLOCKED)

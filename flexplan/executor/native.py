@@ -329,8 +329,10 @@ def _self_check(native: NativeGemv) -> None:
         return native.gemv(w.view(out // native.block, native.block, k).transpose(1, 2).contiguous(), x, b)
 
     # (name, kernel, sizes (out, in, batch, bias)): the dense kernel's outs not a multiple of its 4 rows,
-    # and above 32 batch rows its 64-row panels with rows left over
-    kernels = (("blocked", blocked, ((128, 37, 1, True), (64, 300, 6, False), (192, 64, 3, True))),
+    # and above 32 batch rows its 64-row panels with rows left over; the blocked kernel's AVX2 panels
+    # from 96 rows, with 1 and 5 rows left over
+    kernels = (("blocked", blocked, ((128, 37, 1, True), (64, 300, 6, False), (192, 64, 3, True),
+                                     (64, 40, 97, True), (64, 33, 101, False))),
                ("dense", native.dense_gemv, ((7, 64, 1, True), (130, 96, 6, False), (4, 32, 11, True),
                                               (130, 96, 40, True))))
     experts = torch.randn(3, 128, 48, generator=g)  # the grouped kernel: experts 2 and 0 of 3, 2 and 3 rows
