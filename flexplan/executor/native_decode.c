@@ -345,6 +345,9 @@ typedef struct {
 } flexplan_layer;
 
 enum { LIN_Q, LIN_K, LIN_V, LIN_O, LIN_G, LIN_U, LIN_D };
+/* elements from which an element-wise step is shared among the threads: a prefill's rows, not a
+ * decode step's few (a fork and join costs more than a few thousand additions) */
+#define ELEMENTWISE_PARALLEL (1 << 15)
 
 /* y [batch, out] = x [batch, in] W^T (+ bias) for the layer's linear j, by the kernel of its layout:
  * a mixed-format layer (a K-quant file keeps some tensors in other types) takes each one's own. */
@@ -402,6 +405,8 @@ int flexplan_layer_post_attention_f32(const flexplan_layer* L, const float* x, f
                                               st, L->scale) != 0)
         return -1;
     if (linear(L, LIN_O, L->wo, L->bo, attn, tmp, H, L->hq * L->d, batch)) return -1;
+    /* the element-wise steps on both threads for a prefill's rows (one thread would leave the other spinning) */
+#pragma omp parallel for simd schedule(static) if (batch * H >= ELEMENTWISE_PARALLEL)
     for (int64_t i = 0; i < batch * H; i++) y[i] = x[i] + tmp[i];
     flexplan_rmsnorm_f32(y, L->ln2, xn, batch, H, L->eps2);
     const int j[2] = {LIN_G, LIN_U};
@@ -410,9 +415,10 @@ int flexplan_layer_post_attention_f32(const flexplan_layer* L, const float* x, f
     float* gu[2] = {g, u};
     const int64_t out[2] = {I, I};
     if (linears_on(L, 2, j, P, b, xn, gu, out, H, batch)) return -1;
-#pragma omp simd
+#pragma omp parallel for simd schedule(static) if (batch * I >= ELEMENTWISE_PARALLEL)
     for (int64_t i = 0; i < batch * I; i++) g[i] = g[i] / (1.0f + exp_f32(-g[i])) * u[i];
     if (linear(L, LIN_D, L->wd, L->bd, g, tmp, H, I, batch)) return -1;
+#pragma omp parallel for simd schedule(static) if (batch * H >= ELEMENTWISE_PARALLEL)
     for (int64_t i = 0; i < batch * H; i++) y[i] += tmp[i];
     return 0;
 }
