@@ -330,9 +330,9 @@ def _self_check(native: NativeGemv) -> None:
 
     # (name, kernel, sizes (out, in, batch, bias)): the dense kernel's outs not a multiple of its 4 rows,
     # and above 32 batch rows its 64-row panels with rows left over; the blocked kernel's AVX2 panels
-    # from 96 rows, with 1 and 5 rows left over
+    # from 160 rows, with 1 and 5 rows left over; below them the row passes spreading the next chunk's fetch
     kernels = (("blocked", blocked, ((128, 37, 1, True), (64, 300, 6, False), (192, 64, 3, True),
-                                     (64, 40, 97, True), (64, 33, 101, False))),
+                                     (64, 40, 161, True), (64, 33, 165, False), (128, 70, 9, True))),
                ("dense", native.dense_gemv, ((7, 64, 1, True), (130, 96, 6, False), (4, 32, 11, True),
                                               (130, 96, 40, True))))
     experts = torch.randn(3, 128, 48, generator=g)  # the grouped kernel: experts 2 and 0 of 3, 2 and 3 rows

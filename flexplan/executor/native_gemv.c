@@ -16,7 +16,7 @@
  * follows at full speed; row-major GEMVs keep 4-8 row streams per thread in flight and, on the
  * development machine (2 Zen 4 cores), stall at ~50 GB/s where the memory gives ~66-70 GB/s
  * (benchmarks/bench_cpu_linear.py has the measured figures). With batch > 1 the kernel runs
- * GROUP batch rows (6 with AVX-512, 1 otherwise; AVX2 from 96 rows: 16-column panels of 6 rows,
+ * GROUP batch rows (6 with AVX-512, 1 otherwise; AVX2 from 160 rows: 16-column panels of 6 rows,
  * see panel_rows) against an L1-sized chunk of a block, then the
  * next group against the same chunk while it is still in L1/L2, so DRAM sees the weights once
  * per step. Prefill comes here too, its tokens as the batch rows (flexplan/executor/cpu_linear.py);
@@ -103,6 +103,7 @@ static inline float vsum(vec a) { return a; }
 #define PREFETCH_BYTES 8192
 
 enum { WEIGHT_F32 = 0, WEIGHT_BF16 = 1, WEIGHT_F16 = 2 };
+enum { PREFETCH_NONE = 0, PREFETCH_NTA = 1, PREFETCH_SPREAD = 2 };
 
 const char* flexplan_gemv_isa(void) { return ISA; }
 int flexplan_gemv_block(void) { return BLOCK; }
@@ -205,16 +206,25 @@ static inline __attribute__((always_inline)) void transpose_tile(vec* r) {
  * accumulated into y (zeroed first when `first`); nb and wt are constants at each call site. */
 static inline __attribute__((always_inline)) void block_rows(const void* p, const float* x, float* y, int64_t in,
                                                              int64_t out, int64_t i0, int64_t i1, int first,
-                                                             int prefetch, const int nb, const int wt) {
+                                                             int prefetch, int pass, int passes, const int nb,
+                                                             const int wt) {
   vec acc[GROUP_MAX][NV];
   _Pragma("GCC unroll 8") for (int b = 0; b < nb; ++b)
     _Pragma("GCC unroll 64") for (int v = 0; v < NV; ++v) acc[b][v] = first ? vzero() : vload(y + b * out + v * VW);
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+  int64_t spread = i0 + pass; /* the next row whose counterpart in the next chunk this pass fetches */
+#endif
   for (int64_t i = i0; i < i1; ++i) {
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
     const int row_bytes = BLOCK * (wt == WEIGHT_F32 ? 4 : 2);
-    if (prefetch) /* the first pass over a chunk: fetch ahead, non-temporally (see PREFETCH_BYTES) */
+    if (prefetch == PREFETCH_NTA) /* the one pass over a chunk: fetch ahead, non-temporally (see PREFETCH_BYTES) */
       _Pragma("GCC unroll 4") for (int l = 0; l < row_bytes / 64; ++l)
         _mm_prefetch((const char*)p + i * row_bytes + PREFETCH_BYTES + 64 * l, _MM_HINT_NTA);
+    else if (prefetch == PREFETCH_SPREAD && i == spread) { /* see gemv_block */
+      _Pragma("GCC unroll 4") for (int l = 0; l < row_bytes / 64; ++l)
+        _mm_prefetch((const char*)p + (i + (i1 - i0)) * row_bytes + 64 * l, _MM_HINT_T0);
+      spread += passes;
+    }
 #endif
     vec w[NV];
     _Pragma("GCC unroll 64") for (int v = 0; v < NV; ++v) w[v] = wload(p, i * BLOCK + v * VW, wt);
@@ -234,13 +244,12 @@ static inline __attribute__((always_inline)) void block_rows(const void* p, cons
  * and a broadcast for 8 FMAs) is bound by the loads. The chunk stays in L1 across the panels; each
  * output still sums over i in the same order as block_rows, bit for bit. The first panel prefetches
  * to L1 (T0), not non-temporally: the three panels after it read the same lines. From PANEL_MIN_ROWS
- * rows only: below, the weights' read, not the arithmetic, bounds the product, and one full-width
- * pass per row reads them faster (on the Zen 2 VM, SmolLM2's 576 x 1536 weights from DRAM: 8 rows
- * 260 us row by row against 340 in panels, 64 rows 840 against 870, 96 rows 1230 against 1160,
- * 256 rows 3100 against 2730). */
+ * rows only: below, the row passes (which fetch the next chunk under their arithmetic) do as well
+ * (on the Zen 2 VM, SmolLM2's 576 x 1536 weights from DRAM: 96 rows 1080-1090 us in rows against
+ * 1110-1140 in panels, 128 rows 1450 against 1430-1500, 256 rows 2870 against 2660). */
 #define PANEL_ROWS 6
 #define PANEL_COLS 16
-#define PANEL_MIN_ROWS 96
+#define PANEL_MIN_ROWS 160
 static inline __attribute__((always_inline)) void panel_rows(const void* p, const float* x, float* y, int64_t in,
                                                              int64_t out, int64_t i0, int64_t i1, int first,
                                                              int prefetch, const int nb, const int wt, const int c0) {
@@ -295,25 +304,30 @@ static inline __attribute__((always_inline)) void gemv_block(const void* P, cons
       for (int64_t b = 0; b < batch; b += PANEL_ROWS) {
         const int64_t nb = batch - b < PANEL_ROWS ? batch - b : PANEL_ROWS;
         float* yb = y + b * out + k * BLOCK;
-        if (nb == 1) block_rows(p, x + b * in, yb, in, out, i0, i1, i0 == 0, b == 0, 1, wt);
+        if (nb == 1) block_rows(p, x + b * in, yb, in, out, i0, i1, i0 == 0, PREFETCH_NONE, 0, 1, 1, wt);
         else panels(p, x + b * in, yb, in, out, i0, i1, i0 == 0, b == 0, nb, wt);
       }
       continue;
     }
 #endif
+    /* One pass (a decode step's few rows): it fetches ahead itself. Several: each fetches a share of
+     * the next chunk while the passes after the first compute from L1, so DRAM stays busy under
+     * their arithmetic instead of idling until the next chunk's first pass. */
+    const int passes = (int)((batch + GROUP - 1) / GROUP);
     for (int64_t b = 0; b < batch; b += GROUP) {
       const float* xb = x + b * in;
       float* yb = y + b * out + k * BLOCK;
-      const int first = i0 == 0;
+      const int first = i0 == 0, pass = (int)(b / GROUP);
+      const int pf = passes > 1 ? PREFETCH_SPREAD : PREFETCH_NTA;
       switch (batch - b < GROUP ? batch - b : GROUP) {
 #if GROUP >= 6
-        case 6: block_rows(p, xb, yb, in, out, i0, i1, first, b == 0, 6, wt); break;
-        case 5: block_rows(p, xb, yb, in, out, i0, i1, first, b == 0, 5, wt); break;
-        case 4: block_rows(p, xb, yb, in, out, i0, i1, first, b == 0, 4, wt); break;
-        case 3: block_rows(p, xb, yb, in, out, i0, i1, first, b == 0, 3, wt); break;
-        case 2: block_rows(p, xb, yb, in, out, i0, i1, first, b == 0, 2, wt); break;
+        case 6: block_rows(p, xb, yb, in, out, i0, i1, first, pf, pass, passes, 6, wt); break;
+        case 5: block_rows(p, xb, yb, in, out, i0, i1, first, pf, pass, passes, 5, wt); break;
+        case 4: block_rows(p, xb, yb, in, out, i0, i1, first, pf, pass, passes, 4, wt); break;
+        case 3: block_rows(p, xb, yb, in, out, i0, i1, first, pf, pass, passes, 3, wt); break;
+        case 2: block_rows(p, xb, yb, in, out, i0, i1, first, pf, pass, passes, 2, wt); break;
 #endif
-        default: block_rows(p, xb, yb, in, out, i0, i1, first, b == 0, 1, wt); break;
+        default: block_rows(p, xb, yb, in, out, i0, i1, first, pf, pass, passes, 1, wt); break;
       }
     }
   }
@@ -506,13 +520,13 @@ static inline __attribute__((always_inline)) void dense_panel(const void* W, con
       const int first = i0 == 0;
       switch (batch - b < GROUP ? batch - b : GROUP) {
 #if GROUP >= 6
-        case 6: block_rows(buf, xb, yb, in, out, 0, i1 - i0, first, 0, 6, WEIGHT_F32); break;
-        case 5: block_rows(buf, xb, yb, in, out, 0, i1 - i0, first, 0, 5, WEIGHT_F32); break;
-        case 4: block_rows(buf, xb, yb, in, out, 0, i1 - i0, first, 0, 4, WEIGHT_F32); break;
-        case 3: block_rows(buf, xb, yb, in, out, 0, i1 - i0, first, 0, 3, WEIGHT_F32); break;
-        case 2: block_rows(buf, xb, yb, in, out, 0, i1 - i0, first, 0, 2, WEIGHT_F32); break;
+        case 6: block_rows(buf, xb, yb, in, out, 0, i1 - i0, first, PREFETCH_NONE, 0, 1, 6, WEIGHT_F32); break;
+        case 5: block_rows(buf, xb, yb, in, out, 0, i1 - i0, first, PREFETCH_NONE, 0, 1, 5, WEIGHT_F32); break;
+        case 4: block_rows(buf, xb, yb, in, out, 0, i1 - i0, first, PREFETCH_NONE, 0, 1, 4, WEIGHT_F32); break;
+        case 3: block_rows(buf, xb, yb, in, out, 0, i1 - i0, first, PREFETCH_NONE, 0, 1, 3, WEIGHT_F32); break;
+        case 2: block_rows(buf, xb, yb, in, out, 0, i1 - i0, first, PREFETCH_NONE, 0, 1, 2, WEIGHT_F32); break;
 #endif
-        default: block_rows(buf, xb, yb, in, out, 0, i1 - i0, first, 0, 1, WEIGHT_F32); break;
+        default: block_rows(buf, xb, yb, in, out, 0, i1 - i0, first, PREFETCH_NONE, 0, 1, 1, WEIGHT_F32); break;
       }
     }
   }
