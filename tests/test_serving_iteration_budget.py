@@ -50,8 +50,10 @@ def test_budget_keeps_a_positive_slope_and_a_bounded_window():
 
 @pytest.mark.parametrize("target", [0, -1.0, float("nan"), float("inf"), "0.2"])
 def test_a_bad_target_says_what_would_work(target):
-    with pytest.raises(InvalidInputError, match="positive number of seconds"):
+    with pytest.raises(InvalidInputError, match="iteration_target_s must be a positive number of seconds"):
         IterationBudget(target, cap_tokens=64)
+    with pytest.raises(InvalidInputError, match="iteration_target_s"):
+        Engine(make_model("llama"), host_blocks=16, iteration_target_s=target)
 
 
 def test_the_engine_chunks_prefills_to_the_target_and_keeps_the_tokens():

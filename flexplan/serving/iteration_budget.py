@@ -30,8 +30,8 @@ class IterationBudget:
 
     def __init__(self, target_s: float, cap_tokens: int, floor_tokens: int = FLOOR_TOKENS, window: int = WINDOW):
         if not (isinstance(target_s, (int, float)) and math.isfinite(target_s) and target_s > 0):
-            raise InvalidInputError(f"an iteration time target must be a positive number of seconds, got "
-                                    f"{target_s!r} (e.g. 0.2 for 200 ms between tokens)")
+            raise InvalidInputError(f"iteration_target_s must be a positive number of seconds, got {target_s!r} "
+                                    "(e.g. 0.2 for 200 ms between tokens)")
         self.target_s = float(target_s)
         self.cap_tokens = int(cap_tokens)
         self.floor_tokens = min(int(floor_tokens), self.cap_tokens)
