@@ -75,6 +75,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-running", type=int, default=256, metavar="N", help="requests running at once")
     parser.add_argument("--token-budget", type=int, default=512, metavar="N",
                         help="new tokens per iteration: prefill chunks + decodes (default 512)")
+    parser.add_argument("--kv-dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"),
+                        help="the KV blocks' dtype (default auto: the model's); bfloat16 under a float32 model halves "
+                             "the bytes a decode's attention reads and doubles the tokens a pool holds")
     parser.add_argument("--tpot-target-ms", type=positive_ms, default=None, metavar="MS",
                         help="the time between a running request's tokens to aim for: each iteration's prefill "
                              "chunks sized to it from the iterations measured, at most --token-budget tokens "
@@ -167,7 +170,8 @@ def run(args: argparse.Namespace) -> int:
         limits = dict(dtype=getattr(torch, args.dtype), device_memory_bytes=args.gpu_memory,
                       host_memory_bytes=args.cpu_memory, max_running=args.max_running,
                       token_budget=args.token_budget, max_model_len=args.max_model_len,
-                      iteration_target_s=None if args.tpot_target_ms is None else args.tpot_target_ms / 1e3)
+                      iteration_target_s=None if args.tpot_target_ms is None else args.tpot_target_ms / 1e3,
+                      kv_dtype=None if args.kv_dtype == "auto" else getattr(torch, args.kv_dtype))
         if plan is not None:  # placed per phase; its scheduler prices the placements (serving.placed_scheduler)
             source = weights_source(args.model if args.model is not None else str(default_model_dir(verbose=False)),
                                     args.weights)

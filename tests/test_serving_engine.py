@@ -136,6 +136,40 @@ def test_every_decode_attention_path_keeps_the_tokens(models, kernel, monkeypatc
         assert [list(o.new_token_ids) for o in e.generate(list(PROMPTS), GREEDY)] == refs
 
 
+def test_bfloat16_kv_blocks_under_a_float32_model(models, monkeypatch):
+    """kv_dtype=bfloat16: pools of half the bytes (twice the blocks in one budget); the one native
+    call per decode iteration and the per-layer calls round each new K/V alike (the C rounding is
+    torch's) and give the same tokens; a bad dtype is refused naming what works."""
+    import copy
+
+    from flexplan.executor import cpu_linear
+    from flexplan.serving import fused_step
+    from flexplan.serving.kv_blocks import pool_blocks
+
+    if not (native.decode_status()[0] and cpu_linear.blocking_available() and fused_step.stack_status()[0]):
+        pytest.skip("no native kernels here (no C compiler)")
+    model = copy.deepcopy(wide_kv_model("llama"))  # blocked weights, as Engine.from_pretrained packs them
+    cpu_linear.pack_module(model, None, cpu_linear.KERNEL_BLOCKED)
+    budget = dict(device=torch.device("cpu"), block_size_tokens=4, token_budget=64, max_running=8,
+                  host_memory_bytes=1 << 20)
+    assert pool_blocks(model, kv_dtype=torch.bfloat16, **budget)[1] == 2 * pool_blocks(model, **budget)[1]
+    runs = {}
+    for path in ("one call", "per layer"):
+        if path == "per layer":
+            monkeypatch.setattr(fused_step, "stack_status", lambda: (None, "off in this test"))
+        with Engine(model, host_blocks=64, block_size_tokens=4, kv_dtype=torch.bfloat16) as e:
+            out = [list(o.new_token_ids) for o in e.generate(list(PROMPTS), GREEDY)]
+            pool = e.blocks.pools[HOST]
+            assert pool.k_slots.dtype == pool.v_slots.dtype == torch.bfloat16
+            runs[path] = (out, pool.k_slots.clone(), pool.v_slots.clone(), e.runner.fused.stack_iterations)
+    assert runs["one call"][3] > 0 and runs["per layer"][3] == 0
+    assert runs["one call"][0] == runs["per layer"][0]
+    assert torch.equal(runs["one call"][1], runs["per layer"][1]) and torch.equal(runs["one call"][2],
+                                                                                  runs["per layer"][2])
+    with pytest.raises(InvalidInputError, match="kv_dtype=torch.int8: give one of"):
+        Engine(model, host_blocks=4, kv_dtype=torch.int8)
+
+
 @settings(max_examples=12, deadline=None)
 @given(st.integers(1, 5), st.sampled_from([(4, 4), (6, 2), (3, 1)]), st.sampled_from([1, 4, 16]),
        st.integers(0, 2**16), st.sampled_from([None, 3]))

@@ -51,6 +51,7 @@ from flexplan.serving.types import (
 from flexplan.smollm import default_model_dir
 
 STALL_STEPS = 100  # generate(): iterations in a row that schedule nothing before it gives up
+KV_DTYPES = (None, torch.float32, torch.bfloat16, torch.float16)  # the KV blocks' dtypes (None: the model's)
 
 
 def _check_target(source, device, dtype: torch.dtype) -> None:
@@ -95,7 +96,9 @@ class Engine:
     ``token_budget``: new tokens per iteration (prefill chunks + decodes). ``iteration_target_s``:
     the time an iteration (a running request's time between tokens) should take: each iteration's
     budget is then sized to it from the iterations measured (:mod:`iteration_budget`), at most
-    ``token_budget``; None: always ``token_budget``.
+    ``token_budget``; None: always ``token_budget``. ``kv_dtype``: the KV blocks' dtype (default: the
+    model's); ``torch.bfloat16`` under a float32 model halves the bytes a decode's attention reads and
+    doubles the tokens a pool holds, K and V rounded to bfloat16 as they are written.
     ``scheduler``: any object with ``schedule(EngineState) -> IterationPlan`` (default: FCFS; for a
     FlexModel, FCFS under the placement the estimator prices lower, :mod:`placed_scheduler`);
     where it also has ``observe(plan, seconds)``, each iteration's measured wall time is passed
@@ -106,7 +109,7 @@ class Engine:
                  block_size_tokens: int = BLOCK_SIZE_TOKENS, token_budget: int = 512, max_running: int = 256,
                  max_model_len: int | None = None, scheduler=None, asymmetric_pipelining: bool | None = None,
                  device_memory_bytes: int | None = None, host_memory_bytes: int | None = None,
-                 iteration_target_s: float | None = None):
+                 iteration_target_s: float | None = None, kv_dtype: torch.dtype | None = None):
         flexmodel = None
         if placed.is_flexmodel(model):  # a FlexModel: its executor places the weights, the engine keeps the KV
             flexmodel = model
@@ -117,6 +120,9 @@ class Engine:
             if not isinstance(v, int) or v < 1:
                 raise InvalidInputError(f"{name} must be a positive integer, got {v!r}")
         self.budget = IterationBudget(iteration_target_s, token_budget) if iteration_target_s is not None else None
+        if kv_dtype not in KV_DTYPES:
+            raise InvalidInputError(f"kv_dtype={kv_dtype!r}: give one of {', '.join(map(str, KV_DTYPES))} "
+                                    "(None: the model's dtype)")
         self.model = model.eval()
         self.tokenizer = tokenizer
         param = next(model.parameters())
@@ -130,14 +136,14 @@ class Engine:
         on_accelerator = self.device.type != "cpu"
         if flexmodel is not None and device_blocks is None and device_memory_bytes is not None:
             device_blocks = placed.device_pool_blocks(flexmodel, device_memory_bytes, block_size_tokens, token_budget,
-                                                      max_running)
+                                                      max_running, kv_dtype)
         sized = pool_blocks(model, device=self.device, block_size_tokens=block_size_tokens, token_budget=token_budget,
                             max_running=max_running, device_memory_bytes=device_memory_bytes,
-                            host_memory_bytes=host_memory_bytes)
+                            host_memory_bytes=host_memory_bytes, kv_dtype=kv_dtype)
         device_blocks = sized[0] if device_blocks is None else device_blocks
         host_blocks = sized[1] if host_blocks is None else host_blocks
-        self.blocks = BlockManager(config, device_blocks=device_blocks, host_blocks=host_blocks, dtype=self.dtype,
-                                   device=self.device, block_size_tokens=block_size_tokens)
+        self.blocks = BlockManager(config, device_blocks=device_blocks, host_blocks=host_blocks,
+                                   dtype=kv_dtype or self.dtype, device=self.device, block_size_tokens=block_size_tokens)
         self.runner = ModelRunner(model, self.blocks)
         self.flexmodel = None
         if flexmodel is not None:

@@ -41,21 +41,24 @@ STACK_SOURCES = (*native.DECODE_SOURCES, Path(__file__).with_name("paged_attenti
 
 
 class PagedDecodeStack:
-    """The loaded ``flexplan_paged_decode_stack_f32`` (paged_stack.c)."""
+    """The loaded ``flexplan_paged_decode_stack_f32`` and ``_bf16`` (paged_stack.c), by pool dtype."""
 
     def __init__(self, lib: ctypes.CDLL, path: Path):
         self.path = path
         i64, ptr = ctypes.c_int64, ctypes.c_void_p
-        self._fn = lib.flexplan_paged_decode_stack_f32
-        self._fn.argtypes = [ptr, i64, ptr, ptr, i64, ptr, ptr, i64, ptr, ptr] + [i64] * 6 + [ptr] * 13
-        self._fn.restype = ctypes.c_int
+        self._fn = {}
+        for dtype, suffix in paged_attention.KV_DTYPES.items():
+            fn = getattr(lib, f"flexplan_paged_decode_stack_{suffix}")
+            fn.argtypes = [ptr, i64, ptr, ptr, i64, ptr, ptr, i64, ptr, ptr] + [i64] * 6 + [ptr] * 13
+            fn.restype = ctypes.c_int
+            self._fn[dtype] = fn
         self._lib = lib
 
     def __call__(self, layers, n: int, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, tables: torch.Tensor,
                  kv_len: torch.Tensor, kv_lo: torch.Tensor, bs: int, dims: tuple[int, ...], scales,
                  cos: torch.Tensor, sin: torch.Tensor, x: torch.Tensor, s: dict[str, torch.Tensor]) -> None:
         hidden, _, hq, hk, d = dims
-        rc = self._fn(layers, n, k.data_ptr(), v.data_ptr(), k.stride(0), slots.data_ptr(), tables.data_ptr(),
+        rc = self._fn[k.dtype](layers, n, k.data_ptr(), v.data_ptr(), k.stride(0), slots.data_ptr(), tables.data_ptr(),
                       tables.shape[1], kv_len.data_ptr(), kv_lo.data_ptr(), bs, x.shape[0], hidden, hq, hk, d,
                       scales, cos.data_ptr(), sin.data_ptr(), x.data_ptr(),
                       *(s[n].data_ptr() for n in ("y", "xn", "tmp", "q", "attn", "k", "v", "g", "u")))
@@ -162,15 +165,16 @@ class FusedStep:
 
     def _stacked(self, batch: RaggedBatch, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                  s: dict[str, torch.Tensor]) -> bool:
-        """A decode-only iteration of one CPU pool of float32 K/V without sliding windows, in one
-        native call for all the layers (x becomes the last layer's output); False where it is not
-        one (the per-layer calls run it)."""
+        """A decode-only iteration of one CPU pool of float32 or bfloat16 K/V without sliding windows,
+        in one native call for all the layers (x becomes the last layer's output); False where it is
+        not one (the per-layer calls run it)."""
         if len(batch.groups) != 1 or not self._in_order or any(self.windows):
             return False
         g = batch.groups[0]
         pool = g.pool
-        if not (g.decode and pool.device.type == "cpu" and pool.k_slots.dtype == torch.float32
-                and pool.v_slots.dtype == torch.float32 and pool.k_slots.is_contiguous() and pool.v_slots.is_contiguous()
+        if not (g.decode and pool.device.type == "cpu" and pool.k_slots.dtype in paged_attention.KV_DTYPES
+                and pool.v_slots.dtype == pool.k_slots.dtype and pool.k_slots.is_contiguous()
+                and pool.v_slots.is_contiguous()
                 and tuple(pool.k_slots.shape[2:]) == (self.layers[0].weights.hk, self.layers[0].head_dim)
                 and pool.v_slots.shape == pool.k_slots.shape):
             return False

@@ -76,27 +76,30 @@ def activation_reserve_bytes(config, token_budget: int, max_running: int, dtype:
 
 
 def pool_blocks(model, *, device: torch.device, block_size_tokens: int, token_budget: int, max_running: int,
-                device_memory_bytes: int | None = None, host_memory_bytes: int | None = None) -> tuple[int, int]:
+                device_memory_bytes: int | None = None, host_memory_bytes: int | None = None,
+                kv_dtype: torch.dtype | None = None) -> tuple[int, int]:
     """(device blocks, host blocks) where not given. The device pool: ``device_memory_bytes`` less
     the weights on the device and an iteration's activations (:func:`activation_reserve_bytes`;
     on the CPU such a budget makes a pool that stands in for an accelerator's), else 80% of an
     accelerator's free memory after the weights, else none. The host pool: ``host_memory_bytes``,
-    else a quarter of the memory available now, at most 2 GiB."""
+    else a quarter of the memory available now, at most 2 GiB. Blocks hold ``kv_dtype`` (default:
+    the model's dtype)."""
     config = model.config
     dtype = next(model.parameters()).dtype
+    kv = kv_dtype or dtype
     if device_memory_bytes is not None:
         weights = sum(t.numel() * t.element_size() for t in list(model.parameters()) + list(model.buffers())
                       if t.device == device)
         free = device_memory_bytes - weights - activation_reserve_bytes(config, token_budget, max_running, dtype)
-        device_blocks = blocks_in_bytes(max(0, free), config, dtype, block_size_tokens)
+        device_blocks = blocks_in_bytes(max(0, free), config, kv, block_size_tokens)
     elif device.type == "cuda":
         free = torch.cuda.mem_get_info(device)[0] * DEVICE_POOL_SHARE
-        device_blocks = blocks_in_bytes(free, config, dtype, block_size_tokens)
+        device_blocks = blocks_in_bytes(free, config, kv, block_size_tokens)
     else:
         device_blocks = 0
     if host_memory_bytes is None:
         host_memory_bytes = min(DEFAULT_HOST_POOL_BYTES, available_host_bytes() * HOST_POOL_SHARE)
-    return device_blocks, blocks_in_bytes(host_memory_bytes, config, dtype, block_size_tokens)
+    return device_blocks, blocks_in_bytes(host_memory_bytes, config, kv, block_size_tokens)
 
 
 class BlockPool:

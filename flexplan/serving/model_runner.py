@@ -244,8 +244,9 @@ class ModelRunner:
         k, v = (s[layer].index_select(0, flat) for s in (g.pool.k_slots, g.pool.v_slots))
         k = k.view(n, max_k, *k.shape[1:]).transpose(1, 2)  # a strided view: [N, heads, maxK, dim]
         v = v.view(n, max_k, *v.shape[1:]).transpose(1, 2)
-        if hasattr(module, "expand_kv"):
-            k, v = module.expand_kv(k.to(self.device), v.to(self.device))
+        if hasattr(module, "expand_kv"):  # in the module's own dtype (the pool's may be narrower: kv_dtype)
+            dtype = next(module.parameters()).dtype
+            k, v = module.expand_kv(k.to(self.device, dtype), v.to(self.device, dtype))
         return k, v
 
     def attention(self, batch: RaggedBatch, module: nn.Module, query: torch.Tensor,
@@ -292,6 +293,8 @@ class ModelRunner:
         q = query[0].index_select(1, rows).view(hq, n, max_q, d).transpose(0, 1).to(keys.device)
         res = None if softcap or sinks is not None else self._decode_native(g, q, keys, values, window, scale)
         if res is None:
+            if keys.dtype != q.dtype:  # a pool narrower than the model (kv_dtype): widened for SDPA
+                keys, values = keys.to(q.dtype), values.to(q.dtype)
             mask = g.mask(window).to(keys.device)
             if softcap or sinks is not None:
                 res = _eager(q, keys, values, mask, scale, softcap, sinks)

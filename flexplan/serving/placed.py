@@ -42,14 +42,15 @@ def load(path, plan, accelerator, gpu_memory_bytes, dtype: torch.dtype, cpu_line
 
 
 def device_pool_blocks(flexmodel, device_memory_bytes: int, block_size_tokens: int, token_budget: int,
-                       max_running: int) -> int:
+                       max_running: int, kv_dtype: torch.dtype | None = None) -> int:
     """The device KV pool within ``device_memory_bytes``: less what the plan holds on the accelerator
     in its larger phase (resident layers, weight slots and its own KV at the planned shape, as the
-    memory model counts them) and an iteration's activations."""
+    memory model counts them) and an iteration's activations; blocks of ``kv_dtype`` (default: the
+    model's dtype)."""
     plan, config, dtype = flexmodel.plan, flexmodel.model.config, next(flexmodel.model.parameters()).dtype
     held = max(plan.prefill.gpu_memory_bytes, plan.decode.gpu_memory_bytes)
     free = device_memory_bytes - held - activation_reserve_bytes(config, token_budget, max_running, dtype)
-    return blocks_in_bytes(max(0, free), config, dtype, block_size_tokens)
+    return blocks_in_bytes(max(0, free), config, kv_dtype or dtype, block_size_tokens)
 
 
 def is_flexmodel(model) -> bool:
