@@ -39,6 +39,7 @@
  * last float32 bits (tests/test_native_decode.py holds them to 1e-5 relative of PyTorch's).
  */
 #include <math.h>
+#include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -269,6 +270,17 @@ static void attention_chunk_##SUFFIX(const float* q, const KT* k, const KT* v, c
 DEFINE_ATTENTION_CHUNK(f32, float)
 DEFINE_ATTENTION_CHUNK(bf16, uint16_t)
 
+/* Chunks per sequence: enough for CHUNK_T keys each, and where a step has few work items (a batch-1
+ * decode over a short past), as many more as make them a multiple of the threads, each a span of
+ * equal keys: 74 keys on 2 threads were items of 32, 32 and 10 (one thread did 64), now 4 of 19. */
+static int64_t attention_chunks(int64_t batch, int64_t T) {
+    const int64_t threads = omp_get_max_threads();
+    int64_t chunks = (T + CHUNK_T - 1) / CHUNK_T;
+    if (batch * chunks < 4 * threads)
+        while ((batch * chunks) % threads && chunks < T) chunks++;
+    return chunks;
+}
+
 /* Merge the chunks' partial softmaxes of every (sequence, head) into out [batch, hq, d]. */
 static void merge_chunks(const float* part, float* out, int64_t batch, int64_t chunks, int64_t hq, int64_t d) {
     for (int64_t b = 0; b < batch; b++)
@@ -306,7 +318,8 @@ static void merge_chunks(const float* part, float* out, int64_t batch, int64_t c
 int flexplan_decode_attention_##SUFFIX(const float* q, const KT* k, const KT* v, const uint8_t* mask,        \
                                        float* out, int64_t batch, int64_t hq, int64_t hk, int64_t T,          \
                                        int64_t d, int64_t sb, int64_t sh, int64_t st, float scale) {          \
-    const int64_t chunks = (T + CHUNK_T - 1) / CHUNK_T;                                                       \
+    const int64_t chunks = attention_chunks(batch, T);                                                        \
+    const int64_t span = (T + chunks - 1) / chunks; /* keys per chunk, <= CHUNK_T */                          \
     float* part = (float*)malloc(sizeof(float) * (size_t)(batch * chunks * hq * (d + 2)));                    \
     float* scores = (float*)malloc(sizeof(float) * (size_t)(batch * chunks * hq * CHUNK_T));                  \
     if (!part || !scores) {                                                                                   \
@@ -316,7 +329,7 @@ int flexplan_decode_attention_##SUFFIX(const float* q, const KT* k, const KT* v,
     _Pragma("omp parallel for schedule(static)")                                                              \
     for (int64_t item = 0; item < batch * chunks; item++) {                                                   \
         const int64_t b = item / chunks, c = item % chunks;                                                   \
-        const int64_t t0 = c * CHUNK_T, t1 = t0 + CHUNK_T < T ? t0 + CHUNK_T : T;                             \
+        const int64_t t0 = c * span < T ? c * span : T, t1 = t0 + span < T ? t0 + span : T;                 \
         attention_chunk_##SUFFIX(q, k, v, mask ? mask + b * T : NULL, b, hq, hk, d, sb, sh, st, scale, t0, t1, \
                                  part + item * hq * (d + 2), scores + item * hq * CHUNK_T);                   \
     }                                                                                                         \
