@@ -25,7 +25,7 @@
  * flexplan_dense_gemv computes the same product on a dense row-major W (four row streams per
  * thread), for weights that must keep the layout an accelerator copy needs (split-points layers).
  *
- * Compiled on first use by flexplan/executor/native.py with -O3 -march=native -fopenmp. torch
+ * Compiled on first use by flexplan/executor/native.py with -O3 -march=native -fopenmp (native.CFLAGS). torch
  * loads its own libgomp.so.1 first, so this library binds to the same OpenMP runtime: one
  * thread pool, sized by torch.set_num_threads. ISA paths: AVX-512F, AVX2 + FMA, plain C.
  */
