@@ -109,6 +109,19 @@ def test_not_a_gguf_file(tmp_path):
         read_gguf(tmp_path / "x.gguf")
 
 
+@pytest.mark.parametrize("keep", [40, 200, 0.6])
+def test_a_file_cut_short_is_refused_not_a_trace(tmp_path, keep):
+    """A truncated download ends anywhere: in the header's strings (gguf's parser raised IndexError),
+    in a tensor's data (ValueError); either is one clear refusal."""
+    path = tmp_path / "whole.gguf"
+    _write(path, {"blk.0.attn_q.weight": (np.ones((64, 64), np.float32), gguf.GGMLQuantizationType.Q4_1)})
+    data = path.read_bytes()
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(data[:int(len(data) * keep) if isinstance(keep, float) else keep])
+    with pytest.raises(InvalidInputError, match="not a readable GGUF file, corrupt or cut short"):
+        read_gguf(cut)
+
+
 def test_row_permutation_moves_whole_rows_of_blocks():
     rows = torch.arange(8, dtype=torch.uint8)[:, None].repeat(1, 20)  # row r: 20 bytes of r (one Q4_1 block)
     from flexplan.quant.gguf_weights import QuantTensor

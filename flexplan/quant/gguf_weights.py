@@ -151,11 +151,13 @@ def read_gguf(path: str | Path) -> GGUFWeights:
     path = Path(path)
     try:
         reader = gguf.GGUFReader(path, "c")  # copy-on-write map: torch gets writable views, the file stays as it is
-    except (OSError, ValueError) as e:
+    except Exception as e:  # noqa: BLE001 - a corrupt or cut-short file fails anywhere in gguf's parser
         if "GGMLQuantizationType" in str(e):  # a type id newer than the installed gguf package
             raise InvalidInputError(f"{path} holds a tensor type the installed gguf package ({gguf_version()}) does "
                                     f"not know ({e}); upgrade gguf (pip install -U gguf)") from None
-        raise InvalidInputError(f"{path} is not a readable GGUF file: {e}") from e
+        raise InvalidInputError(f"{path} is not a readable GGUF file, corrupt or cut short ({type(e).__name__}: "
+                                f"{e}); pass a whole .gguf file written by llama.cpp's convert_hf_to_gguf.py or "
+                                "llama-quantize") from None
     metadata = {k: _field_value(f) for k, f in reader.fields.items() if not k.startswith("GGUF.")}
     tensors = {}
     for t in reader.tensors:
