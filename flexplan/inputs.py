@@ -102,6 +102,19 @@ def gib_bytes(text: str) -> int:
     return round(gib * (1 << 30))
 
 
+def port_number(text: str) -> int:
+    """argparse type of serve's --port: a TCP port, 0-65535 (0: any free one)."""
+    import argparse
+
+    try:
+        port = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a port number (e.g. 8000), got {text!r}") from None
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"a port is 0-65535, got {port}")
+    return port
+
+
 def positive_ms(text: str) -> float:
     """argparse type of a time in milliseconds (serve's --tpot-target-ms): a finite number > 0."""
     import argparse

@@ -25,7 +25,7 @@ import torch
 
 from flexplan.errors import FlexplanError, InvalidInputError
 from flexplan.estimator.policies import POLICIES
-from flexplan.inputs import gib_bytes, positive_ms
+from flexplan.inputs import gib_bytes, port_number, positive_ms
 from flexplan.hardware import get_hardware
 from flexplan.measure.state import efficiency_now
 from flexplan.quant.sources import DENSE, GGUF_BLOCKS, GGUF_FLOAT32, WeightsSource, weights_source
@@ -50,7 +50,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "(any --device), a folder as auto; int8 / int4: a folder's decoder and head linears "
                              "quantised at load to group-wise blocks (Q8_0 / Q4_1, groups of 32; on the CPU)")
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
-    parser.add_argument("--port", type=int, default=8000, help="port (default 8000)")
+    parser.add_argument("--port", type=port_number, default=8000, help="port (default 8000)")
     parser.add_argument("--device", default=None, help="where the weights live: cpu or cuda (default: cuda if "
                                                        "available, else cpu; blocks run on the cpu only)")
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))

@@ -440,6 +440,11 @@ def test_bad_inputs_say_what_would_work(models):
         Engine(model, host_blocks=8, token_budget=0)
     with pytest.raises(InvalidInputError, match="no block"):
         Engine(model, host_blocks=0)
+    for bad in (0, 257, 10**9, 1.5):  # past the trained positions: refused, not served as garbage
+        with pytest.raises(InvalidInputError, match=r"max_model_len=.*give 1\.\.256"):
+            Engine(model, host_blocks=8, max_model_len=bad)
+    with Engine(model, host_blocks=8, max_model_len=100) as e:
+        assert e.max_model_len == 100
 
 
 @pytest.mark.parametrize("family, words", [("bloom", "AttentionInterface"), ("llama4", "cache's length")])

@@ -465,15 +465,19 @@ def test_flexplan_serve_placement_flags_refused_with_what_works(args, says, caps
     assert says in err and "\n" not in err
 
 
-@pytest.mark.parametrize("value", ["0", "-5", "nan", "fast"])
-def test_flexplan_serve_refuses_a_bad_tpot_target_saying_what_works(value, capsys):
+@pytest.mark.parametrize("flag, value, says", [("--tpot-target-ms", "0", "milliseconds"),
+                                               ("--tpot-target-ms", "-5", "milliseconds"),
+                                               ("--tpot-target-ms", "nan", "milliseconds"),
+                                               ("--tpot-target-ms", "fast", "milliseconds"),
+                                               ("--port", "99999", "0-65535"), ("--port", "http", "port number")])
+def test_flexplan_serve_refuses_a_bad_flag_saying_what_works(flag, value, says, capsys):
     from flexplan.cli import main
 
     with pytest.raises(SystemExit) as e:
-        main(["serve", "--tpot-target-ms", value])
+        main(["serve", flag, value])
     assert e.value.code == 2
     err = capsys.readouterr().err
-    assert "--tpot-target-ms" in err and "milliseconds" in err
+    assert flag in err and says in err
 
 
 def _serve(args: list[str], port: int) -> subprocess.Popen:

@@ -131,6 +131,11 @@ class Engine:
             self.device = placed.accelerator(flexmodel)
         config = text_config(model.config)
         context = getattr(config, "max_position_embeddings", None) or 2048
+        if max_model_len is not None and (isinstance(max_model_len, bool) or not isinstance(max_model_len, int)
+                                          or not 1 <= max_model_len <= context):
+            # past the positions the model was trained on its rotary angles extrapolate: garbage, not an error
+            raise InvalidInputError(f"max_model_len={max_model_len!r}: give 1..{context} (this model's context, "
+                                    "max_position_embeddings), or None for all of it")
         self.max_model_len = int(max_model_len or context)
         self.vocab_size = int(config.vocab_size)
         on_accelerator = self.device.type != "cpu"
