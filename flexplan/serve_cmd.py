@@ -29,7 +29,7 @@ from flexplan.inputs import gib_bytes, port_number, positive_ms
 from flexplan.hardware import get_hardware
 from flexplan.measure.state import efficiency_now
 from flexplan.quant.sources import DENSE, GGUF_BLOCKS, GGUF_FLOAT32, WeightsSource, weights_source
-from flexplan.serving.engine import Engine
+from flexplan.serving.engine import KV_DTYPES, Engine
 from flexplan.serving.scheduler import NeoApexScheduler
 from flexplan.smollm import MODEL_NAME, default_model_dir
 from flexplan.workload import resolve_model
@@ -75,7 +75,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-running", type=int, default=256, metavar="N", help="requests running at once")
     parser.add_argument("--token-budget", type=int, default=512, metavar="N",
                         help="new tokens per iteration: prefill chunks + decodes (default 512)")
-    parser.add_argument("--kv-dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"),
+    parser.add_argument("--kv-dtype", default="auto",
+                        choices=("auto", *(str(d).removeprefix("torch.") for d in KV_DTYPES if d is not None)),
                         help="the KV blocks' dtype (default auto: the model's); bfloat16 under a float32 model halves "
                              "the bytes a decode's attention reads and doubles the tokens a pool holds")
     parser.add_argument("--tpot-target-ms", type=positive_ms, default=None, metavar="MS",

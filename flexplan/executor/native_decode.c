@@ -272,7 +272,8 @@ DEFINE_ATTENTION_CHUNK(bf16, uint16_t)
 
 /* Chunks per sequence: enough for CHUNK_T keys each, and where a step has few work items (a batch-1
  * decode over a short past), as many more as make them a multiple of the threads, each a span of
- * equal keys: 74 keys on 2 threads were items of 32, 32 and 10 (one thread did 64), now 4 of 19. */
+ * equal keys, so no thread waits on another's longer share (74 keys on 2 threads: 4 spans of 19,
+ * not 32 + 32 + 10). */
 static int64_t attention_chunks(int64_t batch, int64_t T) {
     const int64_t threads = omp_get_max_threads();
     int64_t chunks = (T + CHUNK_T - 1) / CHUNK_T;
@@ -363,8 +364,8 @@ enum { LIN_Q, LIN_K, LIN_V, LIN_O, LIN_G, LIN_U, LIN_D };
 #define ELEMENTWISE_PARALLEL (1 << 15)
 
 /* The element-wise steps, on both threads for a prefill's rows (one thread would leave the other
- * spinning), on this one for a decode step's: a parallel region with a false if() still costs
- * ~0.5 us, and it kept the SiLU loop's exp from its vector clone (8 us for 1536 values, not 1.3). */
+ * spinning), on this one for a decode step's, outside any parallel region: one with a false if()
+ * still pays its set-up, and GCC did not vectorise the SiLU loop inside it. */
 static void add_rows(float* y, const float* a, const float* b, int64_t n) {
     if (n >= ELEMENTWISE_PARALLEL) {
 #pragma omp parallel for simd schedule(static)

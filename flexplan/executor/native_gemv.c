@@ -244,9 +244,8 @@ static inline __attribute__((always_inline)) void block_rows(const void* p, cons
  * and a broadcast for 8 FMAs) is bound by the loads. The chunk stays in L1 across the panels; each
  * output still sums over i in the same order as block_rows, bit for bit. The first panel prefetches
  * to L1 (T0), not non-temporally: the three panels after it read the same lines. From PANEL_MIN_ROWS
- * rows only: below, the row passes (which fetch the next chunk under their arithmetic) do as well
- * (on the Zen 2 VM, SmolLM2's 576 x 1536 weights from DRAM: 96 rows 1080-1090 us in rows against
- * 1110-1140 in panels, 128 rows 1450 against 1430-1500, 256 rows 2870 against 2660). */
+ * rows only: below, the row passes (which fetch the next chunk under their arithmetic) are as fast
+ * or faster, the weights' read and not the arithmetic bounding the product (the figures: git log). */
 #define PANEL_ROWS 6
 #define PANEL_COLS 16
 #define PANEL_MIN_ROWS 160
