@@ -121,9 +121,11 @@ def test_integer_extremes_are_exact(fmt):
     x = torch.ones(3, 512)
     x[1] = -1.0
     x[2, ::2] = -1.0
-    y = NATIVE.gemm(qt.data, fmt, x)
     ref = kernels.int8_activation_reference(qt, x)
-    assert float((y.double() - ref).abs().max() / ref.abs().max()) < kernels.INT8_PATH_REL_ERROR
+    layouts = [(qt.data, False)] + ([(NATIVE.x8_pack(qt.data, fmt), True)] if NATIVE.x8_layout(fmt) is not None else [])
+    for data, interleaved in layouts:  # the 8 rows as one interleaved group too: its int16 pair sums at their largest
+        y = NATIVE.gemm(data, fmt, x, interleaved=interleaved)
+        assert float((y.double() - ref).abs().max() / ref.abs().max()) < kernels.INT8_PATH_REL_ERROR, interleaved
 
 
 @needs_native

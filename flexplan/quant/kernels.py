@@ -4,7 +4,7 @@ The library computes ``y = x W^T (+ bias)`` with W [out, in] in the blocks a GGU
 (:data:`NATIVE_FORMATS`: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 in 32-weight blocks, ``quant_gemv.c``; Q4_K,
 Q5_K, Q6_K in 256-weight super-blocks, ``quant_kquants.c``): the decode GEMV (one row of x) and
 the prefill GEMM (several rows, a tile of 4 activation rows per decoded weight block), on the
-file's layout or, for the 32-weight blocks with AVX2, on 8 rows' blocks interleaved (:meth:`NativeQuant.x8_layout`,
+file's layout or, with AVX2, on 8 rows' blocks interleaved (:meth:`NativeQuant.x8_layout`,
 :mod:`flexplan.quant.interleave`: what QuantLinear holds where it can; each row's result the same
 whatever the batch), the
 activation quantised to int8 as llama.cpp does (per 32-block for the 32-blocks, Q8_0's rule; per
@@ -56,7 +56,7 @@ FLOAT_ACT_REL_ERROR = 1e-6  # the float-activation path, max |y - ref| / max |re
 # the int8 path against float64 of the same quantised activation (int8_activation_reference), max norm:
 # the integer dots are exact, only the float32 scaling and sums round
 INT8_PATH_REL_ERROR = 1e-5
-X8_MAX_RUN_BYTES = 8 * 34  # quant_gemv.c's X8_MAX_RUN: the longest interleaved run, 8 Q8_0 blocks
+X8_MAX_RUN_BYTES = 8 * 210  # quant_gemv.c's X8_MAX_RUN: the longest interleaved run, 8 Q6_K super-blocks
 
 
 class NativeQuant:

@@ -23,8 +23,9 @@
  * maddubs + madd, else portable C; flexplan_quant_isa() names it. OpenMP over output rows.
  * The batched kernel (prefill) takes the activation rows 4 at a time per decoded weight block, each
  * row with the GEMV's own operations; rows past a multiple of 4 take the GEMV. With AVX2 a CPU
- * linear's blocks are interleaved 8 rows at a time (the X8 layout below), whose kernels take the
- * GEMV and the prefill alike; the file's layout stays for rows past the last group of 8.
+ * linear's blocks are interleaved 8 rows at a time (the X8 layout below; the K-quants' in
+ * quant_kquants.c), whose kernels take the GEMV and the prefill alike; the file's layout stays for
+ * rows past the last group of 8.
  *
  * A float-activation path (float_act = 1) dequantises each weight exactly as gguf's reference
  * (d * q rounded, then + m rounded: no fused multiply-add) and sums w * x in double: it is the
@@ -72,6 +73,9 @@ void flexplan_kq_quantize_act(const float *x, void *a, int64_t nb);
 void flexplan_kq_dot(int64_t wtype, const uint8_t *w, const void *const *a, int64_t nb, int64_t T, float *out);
 void flexplan_kq_dequantize_block(int64_t wtype, const uint8_t *w, float *out);
 double flexplan_kq_dot_float(int64_t wtype, const uint8_t *w, const float *x, int64_t nb);
+int64_t flexplan_kq_x8_layout(int64_t wtype, int32_t *src);  /* their interleaved layout: 0 where none */
+int flexplan_kq_x8_kernels(void);  /* 1 where this build has their interleaved kernels */
+void flexplan_kq_x8_dot(int64_t wtype, const uint8_t *w, const void *const *a, int64_t nb, int64_t T, float *out);
 #define QK_K 256
 
 const char *flexplan_quant_isa(void) { return ISA; }
@@ -379,10 +383,11 @@ static int kind_of(int64_t wtype) {
 #ifndef X8_PREFETCH_BYTES
 #define X8_PREFETCH_BYTES 1024
 #endif
-#define X8_MAX_RUN (8 * 34)
+#define X8_MAX_RUN (8 * 210) /* 8 Q6_K super-blocks */
 static const int X8_LANE_ROW[8] = {0, 1, 4, 5, 2, 3, 6, 7}; /* what _mm256_hadd_epi32 of rows 0-3 and 4-7 gives (its own inverse) */
 
-static int x8_kind(int64_t wtype) { /* the kind of an interleaved type with a kernel here, else -1 */
+static int is_k(int64_t wtype) { return flexplan_kq_block_bytes(wtype) != 0; }
+static int x8_kind(int64_t wtype) { /* the kind of an interleaved 32-block type with a kernel here, else -1 */
 #ifdef X8_KERNELS
     return (wtype & X8) ? kind_of(wtype & ~(int64_t)X8) : -1;
 #else
@@ -395,6 +400,7 @@ static int x8_kind(int64_t wtype) { /* the kind of an interleaved type with a ke
  * interleaved run holds; returns the run's length 8 * bb, or 0 where wtype has no interleaved kernel
  * here (another format, or no AVX2): such blocks stay as the file holds them. */
 int64_t flexplan_quant_x8_layout(int64_t wtype, int32_t *src) {
+    if (is_k(wtype & ~(int64_t)X8)) return flexplan_kq_x8_layout(wtype & ~(int64_t)X8, src);
     const int kind = x8_kind(wtype | X8);
     if (kind < 0) return 0;
     const int bb = (int)KIND_BYTES[kind], qs = KIND_QS[kind], runs = kind == KIND_Q8_0 ? 4 : 2;
@@ -561,14 +567,16 @@ static const x8_fn X8_FNS[N_KINDS][3] = {{x8_KIND_Q4_0_1, x8_KIND_Q4_0_2, x8_KIN
                                          {x8_KIND_Q5_1_1, x8_KIND_Q5_1_2, x8_KIND_Q5_1_4},
                                          {x8_KIND_Q8_0_1, x8_KIND_Q8_0_2, x8_KIND_Q8_0_4}};
 
-/* group g's 8 rows with activation rows [0, T) (any T, in steps of 4, 2, 1): y[t * ldy + 8g + row] (+ bias) */
-static void x8_group(const uint8_t *w, int kind, const act_block *const *a, int64_t nb, int64_t T, int64_t g,
+/* group g's 8 rows with activation rows [0, T) (any T, in steps of 4, 2, 1): y[t * ldy + 8g + row] (+ bias);
+ * kind -1: a K-quant (type base), quant_kquants.c's kernel on its own activation blocks */
+static void x8_group(const uint8_t *w, int64_t base, int kind, const void *const *a, int64_t nb, int64_t T, int64_t g,
                      float *y, int64_t ldy, const float *bias) {
-    const uint8_t *wg = w + g * 8 * nb * KIND_BYTES[kind];
+    const uint8_t *wg = w + g * 8 * nb * (kind < 0 ? flexplan_kq_block_bytes(base) : KIND_BYTES[kind]);
     for (int64_t t = 0; t < T;) {
         const int n = T - t >= 4 ? 4 : T - t >= 2 ? 2 : 1;
         float v[32];
-        X8_FNS[kind][n == 4 ? 2 : n - 1](wg, a + t, nb, v);
+        if (kind < 0) flexplan_kq_x8_dot(base, wg, a + t, nb, n, v);
+        else X8_FNS[kind][n == 4 ? 2 : n - 1](wg, (const act_block *const *)a + t, nb, v);
         for (int i = 0; i < n; i++)
             for (int r = 0; r < 8; r++) y[(t + i) * ldy + 8 * g + r] = v[8 * i + r] + (bias ? bias[8 * g + r] : 0.0f);
         t += n;
@@ -608,10 +616,9 @@ static double dot_row_float(const uint8_t *w, int64_t wtype, const float *x, int
 }
 
 /* ---- the entry points: every format, the 32-blocks here and the K-quants from quant_kquants.c -------- */
-static int is_k(int64_t wtype) { return flexplan_kq_block_bytes(wtype) != 0; }
 /* 0 for a type no kernel here reads: an unknown one, or the interleaved flag on a format without its kernel */
 static int64_t weights_per_block(int64_t wtype) {
-    if (wtype & X8) return x8_kind(wtype) >= 0 ? QK : 0;
+    if (wtype & X8) return x8_kind(wtype) >= 0 ? QK : (is_k(wtype & ~(int64_t)X8) && flexplan_kq_x8_kernels()) ? QK_K : 0;
     return is_k(wtype) ? QK_K : block_bytes(wtype) ? QK : 0;
 }
 static int64_t any_block_bytes(int64_t wtype) {
@@ -644,7 +651,7 @@ int flexplan_quant_dequantize(const uint8_t *w, int64_t wtype, float *out, int64
         for (int64_t r = 0; r < rows; r++) {
             const uint8_t *wr = (wtype & X8) ? x8_raw_row(w, wtype, r, rows, nb, nb * bb, buf) : w + r * nb * bb;
             for (int64_t b = 0; b < nb; b++) {
-                if (is_k(wtype)) flexplan_kq_dequantize_block(wtype, wr + b * bb, out + r * in + b * qk);
+                if (is_k(wtype & ~(int64_t)X8)) flexplan_kq_dequantize_block(wtype & ~(int64_t)X8, wr + b * bb, out + r * in + b * qk);
                 else dequant_block(wr + b * bb, wtype & ~(int64_t)X8, out + r * in + b * qk);
             }
         }
@@ -681,15 +688,15 @@ int flexplan_quant_gemm(const uint8_t *w, int64_t wtype, const float *x, float *
     #pragma omp parallel for schedule(static) if (batch > 1)  /* a prefill's rows: quantised in parallel too */
     for (int64_t r = 0; r < batch; r++) quantize_any(base, x + r * in, a + r * ab, nb);
     /* the interleaved groups' activation rows (a prefill's: too many for the stack) */
-    const act_block **act_rows = groups ? (const act_block **)malloc((size_t)(batch + 1) * sizeof(act_block *)) : NULL;
+    const void **act_rows = groups ? (const void **)malloc((size_t)(batch + 1) * sizeof(void *)) : NULL;
     if (groups && !act_rows) { free(a); return 2; }
-    for (int64_t r = 0; groups && r < batch; r++) act_rows[r] = (const act_block *)(a + r * ab);
+    for (int64_t r = 0; groups && r < batch; r++) act_rows[r] = a + r * ab;
     #pragma omp parallel
     {
 #ifdef X8_KERNELS
     if (groups) { /* every activation row per group, one arithmetic per row */
         #pragma omp for schedule(static) nowait
-        for (int64_t g = 0; g < groups; g++) x8_group(w, kind, act_rows, nb, batch, g, y, out, bias);
+        for (int64_t g = 0; g < groups; g++) x8_group(w, base, kind, act_rows, nb, batch, g, y, out, bias);
     }
 #endif
     #pragma omp for schedule(static)
@@ -727,8 +734,8 @@ static inline void gemv_unit(const uint8_t *w, int64_t wtype, int64_t u, int64_t
     const int kind = kind_of(base);
 #ifdef X8_KERNELS
     if (u < groups) {
-        const act_block *row = (const act_block *)a;
-        x8_group(w, kind, &row, nb, 1, u, y, out, bias);
+        const void *row = a;
+        x8_group(w, base, kind, &row, nb, 1, u, y, out, bias);
         return;
     }
 #endif
@@ -785,7 +792,7 @@ int flexplan_quant_gemv_shared(int64_t n, const uint8_t *const *w, const int64_t
     for (int64_t i = 0; i < n; i++) {
         const int64_t qk = weights_per_block(wtype[i]);
         if (!qk || in % qk || out[i] < 0) return 1;
-        if (is_k(wtype[i])) need_k = 1; else need_q = 1;
+        if (is_k(wtype[i] & ~(int64_t)X8)) need_k = 1; else need_q = 1;
     }
     const int64_t nq = in / QK, nk = in / QK_K;
     uint8_t *aq = need_q ? (uint8_t *)malloc((size_t)(nq * (int64_t)sizeof(act_block))) : NULL;
@@ -797,7 +804,7 @@ int flexplan_quant_gemv_shared(int64_t n, const uint8_t *const *w, const int64_t
     int64_t nb[SHARED_MAX], units[SHARED_MAX], total = 0;
     const uint8_t *act[SHARED_MAX];
     for (int64_t i = 0; i < n; i++) {
-        const int k = is_k(wtype[i]);
+        const int k = is_k(wtype[i] & ~(int64_t)X8);
         nb[i] = k ? nk : nq;
         act[i] = k ? ak : aq;
         units[i] = gemv_units(wtype[i], out[i]);
