@@ -9,7 +9,8 @@ a round, a triad sample before the round):
   4096x11008, per kernel format (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0: random Gaussian weights quantised by
   gguf's reference; Q4_K, Q5_K, Q6_K: random blocks with sane scales, gguf having no K-quant
   quantiser, and only where ``in`` is a multiple of 256, as llama-quantize falls back otherwise);
-  each weight in enough copies to pass four times the last-level cache and 64 MB, cycled (decode
+  each in the file's layout and (``FORMAT/x8``, where the build has one) the interleaved layout
+  that QuantLinear holds; each weight in enough copies to pass four times the last-level cache and 64 MB, cycled (decode
   streams its layers from memory, not from a cache); batch 1 (decode) and ``--prefill-rows`` rows
   (prefill);
 - SmolLM2 whole: one token's linear layers (210 weights and the tied Q8_0 LM head) from each GGUF
@@ -86,6 +87,9 @@ def bench_matrices(native, rounds: int, threads: int, prefill_rows: int, min_byt
             copies = max(1, -(-max(4 * llc_bytes(), min_bytes) // qt.nbytes))
             nxt = _cycler([qt.data.clone() for _ in range(copies)])
             cases[name] = (qt.nbytes, lambda x, nxt=nxt, fmt=fmt: native.gemm(nxt(), fmt, x))
+            if native.x8_layout(fmt) is not None:  # the layout QuantLinear holds, beside the file's in each round
+                nxt8 = _cycler([native.x8_pack(qt.data, fmt) for _ in range(copies)])
+                cases[f"{name}/x8"] = (qt.nbytes, lambda x, nxt=nxt8, fmt=fmt: native.gemm(nxt(), fmt, x, interleaved=True))
         copies = max(1, -(-max(4 * llc_bytes(), min_bytes) // (w32.numel() * 4)))
         nxt32 = _cycler([w32.clone() for _ in range(copies)])
         cases["float32"] = (w32.numel() * 4, lambda x: torch.nn.functional.linear(x, nxt32()))
