@@ -25,7 +25,7 @@ from flexplan.estimator import REGISTRY, Shape, phase_costs
 from flexplan.estimator.policies.gpu_offload import eq2_streamed_layer_s, pipeline_fill_s
 from flexplan.estimator.terms import phase_work, t_compute_s, t_link_s, t_memory_s
 from flexplan.executor.plans import fixed_plan
-from flexplan.executor.stats import step_flops
+from flexplan.executor.stats import PhaseStats, step_flops
 from flexplan.hardware.spec import CPUSpec, GPUSpec, Hardware, LinkSpec
 from flexplan.run_cmd import phase_memory_bytes
 from flexplan.workload.model import ModelSpec
@@ -153,6 +153,17 @@ def test_executor_flop_count():
     assert step_flops(SPEC, 1, 1, 4) == approx(1184)
     # 2 tokens on a past of 4: GEMMs 2 x 2 x 144 = 576, attention 4 x 2 x 2 x (2 x 4 + 3 causal pairs) = 176
     assert step_flops(SPEC, 1, 2, 4) == approx(3 * 752 + 80)
+
+
+def test_phase_stats_count_decode_steps_as_step_flops_does():
+    """The executor's count: decode steps settled in one vectorised sum, the others at once; the
+    same total as step_flops one step at a time, whatever the order of batches and contexts."""
+    steps = [(1, 4, 0), (1, 1, 4), (2, 1, 5), (1, 1, 5), (1, 2, 6), (2, 1, 6), (3, 1, 9)]
+    ps = PhaseStats("decode")
+    for batch, q, past in steps:
+        ps.count_step(SPEC, batch, q, past)
+    assert ps.to_dict()["flops"] == approx(sum(step_flops(SPEC, *s) for s in steps))
+    assert ps.flops_per_s == 0.0 and not ps.pending_decode
 
 
 def test_achieved_memory_traffic_of_a_cpu_plan():

@@ -33,7 +33,8 @@ from flexplan.executor.families import decoder_parts, layer_windows, text_config
 from flexplan.executor.kv_cache import FlexCache, FlexKVLayer, KVPool, kv_bytes, kv_geometry
 from flexplan.executor.link import ACCELERATOR, HOST_MEMORY, PINNED, Link
 from flexplan.executor.placement import Placement, check_fits
-from flexplan.executor.stats import PhaseStats, step_flops
+from flexplan.executor.rebinds import rebinds
+from flexplan.executor.stats import PhaseStats
 from flexplan.executor.step import Step, generic_kv_to
 from flexplan.executor.weights import GroupWeights, StreamSlots, torch_dtype
 from flexplan.memory import (
@@ -136,6 +137,7 @@ class Executor:
                        if len(self.fused_layers) == self.num_layers else None)
         if self._stack is not None:
             self._fused.append(self.parts.stack)
+        self._cpu_ready: tuple | None = None  # (link step, (placement, cache, rebinds)) of the last ready step
         self.cpu_decode_ops = (cpu_decode.describe(len(self.fused_layers), self.num_layers) if self._fused else
                                f"transformers' ops ({'IPEX' if self.backend.ipex is not None else self.parts.family})")
         covered = {id(m._parameters[leaf]) for g in (self.embed, *self.layers, self.head) for m, leaf in g.params.values()}
@@ -473,10 +475,17 @@ class Executor:
         and activated there), so the native stack may run every layer in one call; else False."""
         if st.phase != DECODE or st.cache is None or any(not m.on_cpu for m in self.placement.modes[DECODE]):
             return False
+        # the step right after a ready one, with the same placement, cache and no parameter rebound
+        # since: every layer is still bound and its KV still home (only a step or a rebind moves them)
+        key = (id(self.placement), id(st.cache), rebinds())
+        if self._cpu_ready == (self.link.step - 1, key):
+            self._cpu_ready = (self.link.step, key)
+            return True
         for i, g in enumerate(self.layers):
             place = self.placement.layer_place(i, DECODE)
             self._bind_layer(i, DECODE)
             self._kv_to(st.cache.layers[i], place, False)
+        self._cpu_ready = (self.link.step, (id(self.placement), id(st.cache), rebinds()))
         return True
 
     def _after_stack(self, module, args, kwargs, output):
@@ -493,7 +502,7 @@ class Executor:
         ps.time_s += now - st.t0
         ps.steps += 1
         ps.tokens += st.batch * st.query_len
-        ps.flops += step_flops(self.spec, st.batch, st.query_len, st.past_len)
+        ps.count_step(self.spec, st.batch, st.query_len, st.past_len)
         if st.phase == PREFILL:
             self.prefill_end_s = now
         self._step = None

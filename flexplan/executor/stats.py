@@ -12,6 +12,8 @@ import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+import numpy as np
+
 from flexplan.executor.link import D2H, H2D
 from flexplan.plan_types import Plan
 from flexplan.workload import costs
@@ -41,6 +43,23 @@ class PhaseStats:
     flops: float = 0.0
     h2d_bytes: int = 0
     d2h_bytes: int = 0
+    # decode steps not yet in ``flops``: (id of the spec, batch) -> (spec, their context lengths), counted by
+    # :meth:`settle` in one vectorised C_Decode (per step it cost more than a native decode's overhead)
+    pending_decode: dict = field(default_factory=dict, repr=False, compare=False)
+
+    def count_step(self, spec: ModelSpec, batch: int, query_len: int, past_len: int) -> None:
+        """Add one forward step's FLOPs (:func:`step_flops`); a decode step's wait for :meth:`settle`."""
+        if query_len == 1 and past_len > 0:  # keyed by identity: hashing a ModelSpec costs what this saves
+            self.pending_decode.setdefault((id(spec), batch), (spec, []))[1].append(past_len + 1)
+        else:
+            self.flops += step_flops(spec, batch, query_len, past_len)
+
+    def settle(self) -> None:
+        """Count the pending decode steps into ``flops`` (as :func:`step_flops` would one by one)."""
+        for (_, batch), (spec, contexts) in self.pending_decode.items():
+            per_layer = costs.c_decode(spec, batch, np.asarray(contexts, dtype=float))
+            self.flops += float(np.sum(spec.num_layers * per_layer + costs.c_lm_head(spec, batch)))
+        self.pending_decode.clear()
 
     @property
     def link_bytes(self) -> int:
@@ -53,10 +72,13 @@ class PhaseStats:
 
     @property
     def flops_per_s(self) -> float:
+        self.settle()
         return self.flops / self.time_s if self.time_s > 0 else 0.0
 
     def to_dict(self) -> dict[str, Any]:
+        self.settle()
         d = asdict(self)
+        d.pop("pending_decode")
         d["link_bandwidth_bytes_per_s"] = self.link_bandwidth_bytes_per_s
         d["flops_per_s"] = self.flops_per_s
         return d
@@ -147,6 +169,7 @@ def collect(executor, t_start_s: float, t_end_s: float, batch: int, input_len: i
     phases = {}
     for ph in ("prefill", "decode"):
         ps = executor.phase_stats.get(ph) or PhaseStats(ph)
+        ps.settle()
         ps.h2d_bytes = link.bytes_moved(H2D, phase=ph)
         ps.d2h_bytes = link.bytes_moved(D2H, phase=ph)
         phases[ph] = ps
