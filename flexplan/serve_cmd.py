@@ -79,6 +79,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         choices=("auto", *(str(d).removeprefix("torch.") for d in KV_DTYPES if d is not None)),
                         help="the KV blocks' dtype (default auto: the model's); bfloat16 under a float32 model halves "
                              "the bytes a decode's attention reads and doubles the tokens a pool holds")
+    parser.add_argument("--no-prefix-caching", action="store_true",
+                        help="compute every prompt whole (default: a prompt's leading blocks that an earlier request "
+                             "computed, a shared system prompt or a conversation's earlier turns, are taken from "
+                             "the KV pool)")
     parser.add_argument("--tpot-target-ms", type=positive_ms, default=None, metavar="MS",
                         help="the time between a running request's tokens to aim for: each iteration's prefill "
                              "chunks sized to it from the iterations measured, at most --token-budget tokens "
@@ -172,7 +176,8 @@ def run(args: argparse.Namespace) -> int:
                       host_memory_bytes=args.cpu_memory, max_running=args.max_running,
                       token_budget=args.token_budget, max_model_len=args.max_model_len,
                       iteration_target_s=None if args.tpot_target_ms is None else args.tpot_target_ms / 1e3,
-                      kv_dtype=None if args.kv_dtype == "auto" else getattr(torch, args.kv_dtype))
+                      kv_dtype=None if args.kv_dtype == "auto" else getattr(torch, args.kv_dtype),
+                      prefix_caching=not args.no_prefix_caching)
         if plan is not None:  # placed per phase; its scheduler prices the placements (serving.placed_scheduler)
             source = weights_source(args.model if args.model is not None else str(default_model_dir(verbose=False)),
                                     args.weights)

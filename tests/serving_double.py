@@ -77,9 +77,11 @@ class DoubleEngine:
 
     def stats(self) -> EngineStats:
         used = self._used()
-        return EngineStats(len(self.waiting), {"accelerator": 0, "cpu": len(self.running)}, {"host": used},
-                           {"host": self.blocks - used}, self.iterations, MODE_CPU_ONLY if self.iterations else "",
-                           self.prompt_total, self.generated_total)
+        return EngineStats(waiting=len(self.waiting), running_by_device={"accelerator": 0, "cpu": len(self.running)},
+                           blocks_used={"host": used}, blocks_free={"host": self.blocks - used},
+                           iterations=self.iterations, last_mode=MODE_CPU_ONLY if self.iterations else "",
+                           prompt_tokens_total=self.prompt_total, generated_tokens_total=self.generated_total,
+                           blocks_cached={"host": 0})
 
     def step(self) -> list[RequestOutput]:
         self.gate.wait()

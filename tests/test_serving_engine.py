@@ -235,6 +235,63 @@ def test_greedy_tokens_whatever_the_arrivals_aborts_and_pools(models, requests, 
         assert_freed(e)
 
 
+@settings(max_examples=8, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 1), st.integers(0, 40), st.lists(st.integers(3, 159), max_size=6),
+                          st.integers(0, 5), st.integers(1, 5)), min_size=2, max_size=5),
+       st.integers(0, 8), st.sampled_from([2, 4]), st.integers(2, 24))
+def test_prefix_cache_keeps_the_tokens_whatever_is_shared_evicted_or_preempted(models, requests, device_blocks, bs,
+                                                                                 budget):
+    """Prompts that share leading tokens (two system prompts, any length of them, any suffix),
+    arriving at any steps, in pools small enough to evict cached blocks and to preempt: every
+    request gets generate()'s tokens, a request after another with its prefix computes less, and
+    every block comes back (a cached one is free to take)."""
+    model = models["qwen3"]
+    heads = ([11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31, 32, 33, 34, 35, 36, 37, 38, 39, 40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50],
+             [90, 91, 92, 93, 94, 95, 96, 97, 98, 99, 100, 101, 102, 103, 104, 105, 106, 107, 108, 109])
+    prompts = [heads[h][:k] + tail or [7] for h, k, tail, _, _ in requests]
+    need = max(-(-(len(p) + n) // bs) for p, (_, _, _, _, n) in zip(prompts, requests))
+    with Engine(model, device_blocks=device_blocks, host_blocks=need + 2, block_size_tokens=bs,
+                token_budget=budget) as e:
+        got: dict = {}
+        for step in range(400):
+            for i, (p, (_, _, _, arrive, n)) in enumerate(zip(prompts, requests)):
+                if arrive == step:
+                    e.add_request(str(i), p, SamplingParams(max_tokens=n, temperature=0))
+            if step > max(r[3] for r in requests) and not e.has_unfinished():
+                break
+            drain(e, got, steps=1)
+        for i, (p, (_, _, _, _, n)) in enumerate(zip(prompts, requests)):
+            assert got[str(i)][0] == cached_alone(model, tuple(p), n), i
+        assert_freed(e)
+        stats = e.stats()
+        assert stats.prefix_hit_tokens <= stats.prefix_query_tokens
+
+
+def test_prefix_cache_serves_a_shared_prompt_once(models):
+    """A second request with the first's 40-token prefix takes its 2 full blocks of 16 (32 tokens,
+    never the prompt's last) and computes only the rest; the tokens equal generate()'s; with
+    prefix_caching=False it computes everything."""
+    model = models["qwen3"]
+    system = list(range(20, 60))
+    for caching, hits in ((True, 32), (False, 0)):
+        with Engine(model, device_blocks=0, host_blocks=64, prefix_caching=caching) as e:
+            a = drain_one(e, "a", system + [5, 6], 4)
+            e.add_request("b", system + [7, 8, 9], SamplingParams(max_tokens=4, temperature=0))
+            plan_tokens = []
+            while e.has_unfinished():
+                e.step()
+                plan_tokens.append(e._scheduled_tokens)
+            assert plan_tokens[0] == len(system) + 3 - hits  # the prefill: what the cache does not hold
+            assert e.stats().prefix_hit_tokens == hits and (e.stats().blocks_cached["host"] > 0) == caching
+            assert a == cached_alone(model, tuple(system + [5, 6]), 4)
+            assert_freed(e)
+
+
+def drain_one(e: Engine, rid: str, prompt: list[int], n: int) -> list[int]:
+    e.add_request(rid, prompt, SamplingParams(max_tokens=n, temperature=0))
+    return drain(e)[rid][0]
+
+
 def test_a_scheduler_that_observes_gets_each_iterations_time(models):
     class Observing(FcfsScheduler):
         def __init__(self):

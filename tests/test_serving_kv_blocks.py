@@ -25,9 +25,43 @@ CONFIG = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hid
                                   num_attention_heads=4, num_key_value_heads=2, vocab_size=128)
 
 
-def manager(device_blocks=4, host_blocks=4, bs=4) -> BlockManager:
+def manager(device_blocks=4, host_blocks=4, bs=4, prefix_caching=True) -> BlockManager:
     return BlockManager(CONFIG, device_blocks=device_blocks, host_blocks=host_blocks, dtype=torch.float32,
-                        device="cpu", block_size_tokens=bs)
+                        device="cpu", block_size_tokens=bs, prefix_caching=prefix_caching)
+
+
+def test_prefix_cache_by_hand():
+    """Blocks of 4 tokens: a's 10 computed tokens name 2 full blocks; b's prompt shares 9 of them and
+    takes those 2 (8 tokens); c's equal to a's first 8 takes 1 only (never the last token); the
+    named blocks outlive their requests and are taken back last, the least recently released first."""
+    m = manager(device_blocks=0, host_blocks=6, bs=4)
+    a = list(range(10))
+    m.append("a", 10, HOST)
+    m.commit("a", a, 10)
+    pool = m.pools[HOST]
+    assert pool.cached_blocks == 2 and m.pools[HOST].free_blocks == 3
+    assert m.match_prefix("b", a[:9] + [99], HOST) == 8
+    assert m.tables["b"].blocks == m.tables["a"].blocks[:2] and m.shared_blocks("b") == 2
+    assert m.match_prefix("c", a[:8], HOST) == 4
+    assert m.shared_blocks("a") == 2 and pool.holders(m.tables["a"].blocks[0]) == 3
+    m.free("a")
+    assert pool.free_blocks == 4  # a's own third block only: the shared two are still held
+    m.free("b"), m.free("c")
+    assert pool.free_blocks == 6 and pool.used_blocks == 0 and pool.cached_blocks == 2
+    first, second = (m.match_prefix("d", a, HOST), m.tables["d"].blocks)
+    assert first == 8 and pool.free_blocks == 4
+    m.free("d")
+    taken = pool.take(5)  # the 4 free blocks, then the evictable one released first (d's second block)
+    assert second[1] in taken and second[0] not in taken and pool.cached_blocks == 1
+    assert m.match_prefix("e", a, HOST) == 4  # its first block is still named
+    assert m.prefix_hit_tokens == 8 + 4 + 8 + 4 and m.prefix_query_tokens == 10 + 8 + 10 + 10
+
+
+def test_prefix_caching_off_matches_nothing():
+    m = manager(device_blocks=0, host_blocks=6, bs=4, prefix_caching=False)
+    m.append("a", 10, HOST)
+    m.commit("a", list(range(10)), 10)
+    assert m.match_prefix("b", list(range(10)), HOST) == 0 and m.pools[HOST].cached_blocks == 0
 
 
 def test_block_bytes_by_hand():
@@ -108,10 +142,14 @@ def test_swap_moves_the_data_between_pools():
 
 
 @settings(max_examples=40, deadline=None)
-@given(st.lists(st.tuples(st.sampled_from(["append", "free", "swap"]), st.integers(0, 3), st.integers(1, 9)),
-                max_size=40))
-def test_blocks_are_never_lost_or_shared(ops):
+@given(st.lists(st.tuples(st.sampled_from(["append", "free", "swap", "commit", "match"]), st.integers(0, 3),
+                          st.integers(1, 9)), max_size=40))
+def test_blocks_are_never_lost_and_shared_only_through_the_prefix_cache(ops):
+    """Any appends, frees, swaps, commits of computed tokens and prefix matches (every request's
+    tokens a prefix of one sequence, so matches happen): a block is held by exactly the requests
+    that count it, free or evictable when none does, never both; each table covers its tokens."""
     m = manager(device_blocks=5, host_blocks=5, bs=4)
+    tokens = list(range(100, 140))
     for op, r, n in ops:
         rid = f"r{r}"
         try:
@@ -119,14 +157,22 @@ def test_blocks_are_never_lost_or_shared(ops):
                 m.append(rid, n, None if rid in m.tables else (DEVICE if n % 2 else HOST))
             elif op == "free":
                 m.free(rid)
-            elif rid in m.tables:
+            elif op == "commit" and rid in m.tables:
+                m.commit(rid, tokens, m.num_tokens(rid))
+            elif op == "match" and rid not in m.tables:
+                got = m.match_prefix(rid, tokens[:4 * n + 1], DEVICE if n % 2 else HOST)
+                assert got % 4 == 0 and got <= 4 * n
+            elif op == "swap" and rid in m.tables:
                 m.swap(rid, HOST if m.pool_of(rid) == DEVICE else DEVICE)
         except DoesNotFitError:
             pass
         for name, pool in m.pools.items():
             held = [b for t in m.tables.values() if t.pool == name for b in t.blocks]
-            assert len(held) == len(set(held)) == pool.used_blocks
-            assert set(held).isdisjoint(pool._free) and len(pool._free) == len(set(pool._free))
+            assert all(held.count(b) == pool.holders(b) for b in held) and len(set(held)) == pool.used_blocks
+            idle = set(pool._free) | set(pool._evictable)
+            assert set(held).isdisjoint(idle) and len(pool._free) + len(pool._evictable) == len(idle)
+            assert len(idle) + len(set(held)) == pool.num_blocks
+            assert set(pool._evictable) <= set(pool._name_of) and set(pool._free).isdisjoint(pool._name_of)
         for t in m.tables.values():
             assert len(t.blocks) == m.blocks_for(t.num_tokens)
 

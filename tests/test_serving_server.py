@@ -182,7 +182,8 @@ def test_metrics_export_queue_running_blocks_tokens_latencies_and_modes(double):
                  'pool="host"', "flexplan_kv_blocks_free{", "flexplan_generation_tokens_total",
                  "flexplan_generation_tokens_per_second", "flexplan_time_to_first_token_seconds_bucket",
                  "flexplan_time_per_output_token_seconds_bucket", 'flexplan_iterations_total{mode="cpu-only"',
-                 "flexplan_prompt_tokens_total", "flexplan_iteration_token_budget{"):
+                 "flexplan_prompt_tokens_total", "flexplan_iteration_token_budget{",
+                 "flexplan_prefix_cache_queries_total", "flexplan_prefix_cache_hits_total", "flexplan_kv_blocks_cached{"):
         assert name in text, name
     ttft = [line for line in text.splitlines() if line.startswith("flexplan_time_to_first_token_seconds_count")]
     assert float(ttft[0].split()[-1]) >= 1

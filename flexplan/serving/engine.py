@@ -103,13 +103,16 @@ class Engine:
     FlexModel, FCFS under the placement the estimator prices lower, :mod:`placed_scheduler`);
     where it also has ``observe(plan, seconds)``, each iteration's measured wall time is passed
     back (an online correction of its cost model). ``asymmetric_pipelining``: run an asymmetric
-    plan's two sub-batches at once (default: where the model is on an accelerator)."""
+    plan's two sub-batches at once (default: where the model is on an accelerator).
+    ``prefix_caching``: a prompt whose leading whole blocks another request computed takes those
+    blocks instead of computing them again (:mod:`kv_blocks`); False computes every prompt whole."""
 
     def __init__(self, model, tokenizer=None, *, device_blocks: int | None = None, host_blocks: int | None = None,
                  block_size_tokens: int = BLOCK_SIZE_TOKENS, token_budget: int = 512, max_running: int = 256,
                  max_model_len: int | None = None, scheduler=None, asymmetric_pipelining: bool | None = None,
                  device_memory_bytes: int | None = None, host_memory_bytes: int | None = None,
-                 iteration_target_s: float | None = None, kv_dtype: torch.dtype | None = None):
+                 iteration_target_s: float | None = None, kv_dtype: torch.dtype | None = None,
+                 prefix_caching: bool = True):
         flexmodel = None
         if placed.is_flexmodel(model):  # a FlexModel: its executor places the weights, the engine keeps the KV
             flexmodel = model
@@ -148,7 +151,8 @@ class Engine:
         device_blocks = sized[0] if device_blocks is None else device_blocks
         host_blocks = sized[1] if host_blocks is None else host_blocks
         self.blocks = BlockManager(config, device_blocks=device_blocks, host_blocks=host_blocks,
-                                   dtype=kv_dtype or self.dtype, device=self.device, block_size_tokens=block_size_tokens)
+                                   dtype=kv_dtype or self.dtype, device=self.device, block_size_tokens=block_size_tokens,
+                                   prefix_caching=prefix_caching)
         self.runner = ModelRunner(model, self.blocks)
         self.flexmodel = None
         if flexmodel is not None:
@@ -310,7 +314,8 @@ class Engine:
         free = self.blocks.usage()[1]
         return EngineState(
             waiting=tuple(r.view(None) for r in self._waiting),
-            running=tuple(r.view(self.blocks.pool_of(r.request_id)) for r in self._running.values()),
+            running=tuple(r.view(self.blocks.pool_of(r.request_id), self.blocks.shared_blocks(r.request_id))
+                          for r in self._running.values()),
             free_blocks=free, total_blocks={n: p.num_blocks for n, p in self.blocks.pools.items()},
             block_size_tokens=self.blocks.block_size_tokens, token_budget=self.iteration_tokens(),
             max_running=self.max_running, accelerator=self.accelerator)
@@ -331,7 +336,9 @@ class Engine:
                            blocks_free=free, iterations=self._iterations, last_mode=self._last_mode,
                            last_placement=self._last_placement,
                            prompt_tokens_total=self._prompt_total, generated_tokens_total=self._generated_total,
-                           token_budget=self.iteration_tokens())
+                           token_budget=self.iteration_tokens(), prefix_query_tokens=self.blocks.prefix_query_tokens,
+                           prefix_hit_tokens=self.blocks.prefix_hit_tokens,
+                           blocks_cached={n: p.cached_blocks for n, p in self.blocks.pools.items()})
 
     # ---- one iteration ----
     @_locked
@@ -380,6 +387,7 @@ class Engine:
         outputs = []
         for s in segments:
             r = self._running[s.request_id]
+            self.blocks.commit(r.request_id, r.tokens, r.computed)  # its KV is written: full blocks join the cache
             if r.new_tokens or r.finish_reason:
                 outputs.append(r.take_output())
             if r.finish_reason:
@@ -415,6 +423,8 @@ class Engine:
                 self._waiting.remove(r)
                 self._running[rid] = r
                 pool = HOST if rid in plan.prefill_host or not self.blocks.pools[DEVICE].num_blocks else DEVICE
+                if r.computed == 0:  # the blocks another request (or its own preempted run) computed
+                    r.computed = self.blocks.match_prefix(rid, r.tokens, pool)
             else:
                 r, pool = self._running[rid], None
             todo = len(r.tokens) - r.computed

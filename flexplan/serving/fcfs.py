@@ -41,8 +41,8 @@ class FcfsScheduler:
         preempted: list[str] = []
         swap_out: list[str] = []
 
-        def held(r: RequestState) -> int:
-            return state.blocks_for(r.context_tokens)
+        def held(r: RequestState) -> int:  # what its release frees (blocks others share stay held)
+            return r.releasable_blocks(state.block_size_tokens)
 
         def reserve(r: RequestState) -> int:
             """Blocks beyond its own that ``r`` needs for what it computes next."""
@@ -57,8 +57,9 @@ class FcfsScheduler:
                 victim = members(name)[-1]
                 free[name] += held(victim)
                 host_room = free[HOST] - sum(map(reserve, members(HOST)))
-                if name == DEVICE and held(victim) + reserve(victim) <= host_room:
-                    free[HOST] -= held(victim)
+                moved = state.blocks_for(victim.context_tokens)  # a swap copies every block it holds
+                if name == DEVICE and moved + reserve(victim) <= host_room:
+                    free[HOST] -= moved
                     pool[victim.request_id] = HOST
                     swap_out.append(victim.request_id)
                 else:

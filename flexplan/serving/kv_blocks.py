@@ -11,6 +11,14 @@ indexes the ``[layers, num_blocks * block_size_tokens, heads, dim]`` views :attr
 and :attr:`BlockPool.v_slots`: one ``index_copy_`` writes an iteration's new tokens, one
 ``index_select`` gathers a request's past.
 
+Prefix caching (vLLM's automatic prefix caching): a block whose tokens are all computed is named
+by a digest of its tokens and every token before it (:func:`block_key`), and a new request's
+prompt takes the blocks its leading whole blocks name (:meth:`BlockManager.match_prefix`) instead of
+computing them again: a shared system prompt, a conversation's earlier turns, a preempted request's
+own KV. Blocks count the requests that hold them; a full block no request holds stays cached and is
+taken back, least recently released first, only when no free block is left. Only full blocks are
+named, and a request writes only its last, partly filled block, so a shared block is never written.
+
 Pool sizes come from bytes (:func:`blocks_in_bytes`): the accelerator's free memory after the
 weights, or a host budget; the geometry of one token's K and V is the executor's
 :func:`flexplan.executor.kv_cache.kv_geometry`, the same the planner's memory model prices.
@@ -18,6 +26,9 @@ weights, or a host budget; the geometry of one token's K and V is the executor's
 
 from __future__ import annotations
 
+import hashlib
+from array import array
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import torch
@@ -32,6 +43,15 @@ BLOCK_SIZE_TOKENS = 16  # vLLM's and NEO's default page
 DEFAULT_HOST_POOL_BYTES = 2 * 2**30  # the host pool's cap unless given: KV is committed memory
 HOST_POOL_SHARE = 0.25  # ... and at most this share of the memory available now
 DEVICE_POOL_SHARE = 0.8  # of the accelerator's free memory after the weights: the rest for activations
+
+
+def block_key(parent: bytes, token_ids) -> bytes:
+    """A full block's name in the prefix cache: a digest of its tokens chained to its parent's name
+    (b"" for a request's first block), so equal names mean equal tokens from the request's start
+    (16 bytes of BLAKE2b: no collision to fear, as vLLM's sha256 option)."""
+    h = hashlib.blake2b(parent, digest_size=16)
+    h.update(array("q", token_ids).tobytes())
+    return h.digest()
 
 
 def text_config(config):
@@ -103,8 +123,9 @@ def pool_blocks(model, *, device: torch.device, block_size_tokens: int, token_bu
 
 
 class BlockPool:
-    """One pool's K and V tensors and its free blocks (a stack: the most recently freed block is
-    reused first, while it is still in cache)."""
+    """One pool's K and V tensors, its free blocks (a stack: the most recently freed block is reused
+    first, while it is still in the CPU's cache), how many requests hold each block, and its prefix
+    cache: full blocks by name, those no request holds evictable, least recently released first."""
 
     def __init__(self, name: str, num_blocks: int, block_size_tokens: int, layers: int, geometry: KVGeometry,
                  dtype: torch.dtype, device: torch.device | str, pin_memory: bool = False):
@@ -127,24 +148,68 @@ class BlockPool:
         slots = self.num_blocks * block_size_tokens
         self.k_slots = self.k.view(layers, slots, g.k_heads, g.k_dim)
         self.v_slots = self.v.view(layers, slots, g.v_heads, g.v_dim)
-        self._free = list(range(self.num_blocks - 1, -1, -1))
+        self._free = list(range(self.num_blocks - 1, -1, -1))  # held by none, named by none
+        self._holders = [0] * self.num_blocks  # requests holding each block
+        self._cached: dict[bytes, int] = {}  # name -> block
+        self._name_of: dict[int, bytes] = {}  # block -> name
+        self._evictable: OrderedDict[int, None] = OrderedDict()  # named blocks no request holds, LRU first
 
     @property
     def free_blocks(self) -> int:
-        return len(self._free)
+        """Blocks a request may take: free ones and cached ones no request holds."""
+        return len(self._free) + len(self._evictable)
 
     @property
     def used_blocks(self) -> int:
-        return self.num_blocks - len(self._free)
+        return self.num_blocks - self.free_blocks
+
+    @property
+    def cached_blocks(self) -> int:
+        return len(self._cached)
 
     def take(self, n: int) -> list[int]:
-        if n > len(self._free):
-            raise DoesNotFitError(f"{self.name} KV pool: {n} blocks asked, {len(self._free)} free of "
+        if n > self.free_blocks:
+            raise DoesNotFitError(f"{self.name} KV pool: {n} blocks asked, {self.free_blocks} free of "
                                   f"{self.num_blocks}; the scheduler should ask can_allocate first")
-        return [self._free.pop() for _ in range(n)]
+        out = []
+        for _ in range(n):  # free blocks first; a cached one only when none is left (its name forgotten)
+            if self._free:
+                b = self._free.pop()
+            else:
+                b, _ = self._evictable.popitem(last=False)
+                del self._cached[self._name_of.pop(b)]
+            self._holders[b] = 1
+            out.append(b)
+        return out
 
     def give_back(self, blocks: list[int]) -> None:
-        self._free.extend(reversed(blocks))
+        """One holder fewer for each block; a block no one holds is free, or evictable when named
+        (a request's last blocks released first: the least likely to be asked for again)."""
+        for b in reversed(blocks):
+            self._holders[b] -= 1
+            if self._holders[b] == 0:
+                if b in self._name_of:
+                    self._evictable[b] = None
+                else:
+                    self._free.append(b)
+
+    def holders(self, block: int) -> int:
+        return self._holders[block]
+
+    def lookup(self, name: bytes) -> int | None:
+        return self._cached.get(name)
+
+    def hold(self, block: int) -> None:
+        """One holder more for a cached block (out of the evictable ones if it was there)."""
+        if self._holders[block] == 0:
+            self._evictable.pop(block, None)
+        self._holders[block] += 1
+
+    def register(self, block: int, name: bytes) -> None:
+        """Name a held, full block in the cache (a name another block already has keeps that one)."""
+        if name not in self._cached and block not in self._name_of:
+            self._cached[name] = block
+            self._name_of[block] = name
 
 
 @dataclass
@@ -154,13 +219,14 @@ class BlockTable:
     pool: str
     blocks: list[int] = field(default_factory=list)
     num_tokens: int = 0
+    names: list[bytes] = field(default_factory=list)  # names of its leading full blocks (matched or committed)
 
 
 class BlockManager:
     """The device and host pools of one model, and a block table per request."""
 
     def __init__(self, config, *, device_blocks: int, host_blocks: int, dtype: torch.dtype,
-                 device: torch.device | str, block_size_tokens: int = BLOCK_SIZE_TOKENS):
+                 device: torch.device | str, block_size_tokens: int = BLOCK_SIZE_TOKENS, prefix_caching: bool = True):
         if not isinstance(block_size_tokens, int) or block_size_tokens < 1:
             raise InvalidInputError(f"block_size_tokens must be a positive integer (16 is usual), "
                                     f"got {block_size_tokens!r}")
@@ -176,6 +242,9 @@ class BlockManager:
             HOST: BlockPool(HOST, host_blocks, block_size_tokens, self.layers, self.geometry, dtype, "cpu", pin),
         }
         self.tables: dict[str, BlockTable] = {}
+        self.prefix_caching = bool(prefix_caching)
+        self.prefix_query_tokens = 0  # prompt tokens looked up in the prefix cache
+        self.prefix_hit_tokens = 0  # ... and found there (not computed again)
 
     # ---- questions the scheduler asks ----
     def blocks_for(self, num_tokens: int) -> int:
@@ -203,6 +272,48 @@ class BlockManager:
     def num_tokens(self, request_id: str) -> int:
         t = self.tables.get(request_id)
         return t.num_tokens if t else 0
+
+    def shared_blocks(self, request_id: str) -> int:
+        """Its blocks other requests hold too: releasing it frees the rest only."""
+        t = self.tables.get(request_id)
+        return sum(1 for b in t.blocks if self.pools[t.pool].holders(b) > 1) if t else 0
+
+    # ---- the prefix cache ----
+    def match_prefix(self, request_id: str, token_ids: list[int], pool: str) -> int:
+        """For a request about to be admitted into ``pool``: its longest prefix of whole blocks that
+        the pool's cache holds, never its last token (whose logits it must compute), taken as its
+        first blocks. Returns the tokens matched (computed already)."""
+        if not self.prefix_caching or request_id in self.tables:
+            return 0
+        p, bs = self.pool(pool), self.block_size_tokens
+        names, blocks, parent = [], [], b""
+        for i in range((len(token_ids) - 1) // bs):
+            name = block_key(parent, token_ids[i * bs:(i + 1) * bs])
+            b = p.lookup(name)
+            if b is None:
+                break
+            names.append(name)
+            blocks.append(b)
+            parent = name
+        for b in blocks:
+            p.hold(b)
+        self.prefix_query_tokens += len(token_ids)
+        self.prefix_hit_tokens += len(blocks) * bs
+        if blocks:
+            self.tables[request_id] = BlockTable(p.name, blocks, len(blocks) * bs, names)
+        return len(blocks) * bs
+
+    def commit(self, request_id: str, token_ids: list[int], computed: int) -> None:
+        """Name in the cache the request's blocks that its first ``computed`` tokens fill (their KV
+        written by the forward that just ran)."""
+        t = self.tables.get(request_id)
+        if not self.prefix_caching or t is None:
+            return
+        bs, p = self.block_size_tokens, self.pools[t.pool]
+        for i in range(len(t.names), min(computed, len(token_ids), t.num_tokens) // bs):
+            name = block_key(t.names[-1] if t.names else b"", token_ids[i * bs:(i + 1) * bs])
+            p.register(t.blocks[i], name)
+            t.names.append(name)
 
     # ---- changes ----
     def append(self, request_id: str, new_tokens: int, pool: str | None = None) -> None:

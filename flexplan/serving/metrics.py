@@ -41,6 +41,12 @@ class ServingMetrics:
         self.blocks_used = Gauge("flexplan_kv_blocks_used", "KV blocks in use per pool", m + ["pool"], registry=r)
         self.blocks_free = Gauge("flexplan_kv_blocks_free", "KV blocks free per pool", m + ["pool"], registry=r)
         self.prompt_tokens = Counter("flexplan_prompt_tokens", "prompt tokens of requests added", m, registry=r)
+        self.prefix_queries = Counter("flexplan_prefix_cache_queries", "prompt tokens looked up in the prefix cache "
+                                      "when their request was admitted", m, registry=r)
+        self.prefix_hits = Counter("flexplan_prefix_cache_hits", "prompt tokens the prefix cache held (not computed "
+                                   "again)", m, registry=r)
+        self.blocks_cached = Gauge("flexplan_kv_blocks_cached", "full KV blocks named in the prefix cache per pool "
+                                   "(held by requests or free to take)", m + ["pool"], registry=r)
         self.generation_tokens = Counter("flexplan_generation_tokens", "tokens generated", m, registry=r)
         self.tokens_per_s = Gauge("flexplan_generation_tokens_per_second",
                                   f"tokens generated per second over the last {RATE_WINDOW_S:g} s", m, registry=r)
@@ -76,6 +82,8 @@ class ServingMetrics:
             self.blocks_used.labels(name, pool).set(n)
         for pool, n in stats.blocks_free.items():
             self.blocks_free.labels(name, pool).set(n)
+        for pool, n in stats.blocks_cached.items():
+            self.blocks_cached.labels(name, pool).set(n)
         self.token_budget.labels(name).set(stats.token_budget)
         now = time.monotonic()
         with self._lock:
@@ -86,6 +94,8 @@ class ServingMetrics:
             t0, n0 = self._window[0]
         self.prompt_tokens.labels(name).inc(max(0, stats.prompt_tokens_total - seen.prompt_tokens_total))
         self.generation_tokens.labels(name).inc(max(0, stats.generated_tokens_total - seen.generated_tokens_total))
+        self.prefix_queries.labels(name).inc(max(0, stats.prefix_query_tokens - seen.prefix_query_tokens))
+        self.prefix_hits.labels(name).inc(max(0, stats.prefix_hit_tokens - seen.prefix_hit_tokens))
         if stats.iterations > seen.iterations and stats.last_mode:  # one step() is one iteration
             self.iterations.labels(name, stats.last_mode).inc(stats.iterations - seen.iterations)
         if stats.iterations > seen.iterations and stats.last_placement:

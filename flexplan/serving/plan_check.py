@@ -22,11 +22,12 @@ def check_plan(plan: IterationPlan, blocks: BlockManager, running: dict[str, Req
     free = bm.usage()[1]
     pool = {rid: bm.pool_of(rid) for rid in running}
     held = {rid: len(bm.tables[rid].blocks) if rid in bm.tables else 0 for rid in running}
+    freed = {rid: held[rid] - bm.shared_blocks(rid) for rid in running}  # blocks others share stay held
     for rid in plan.preempted:
-        free[pool.pop(rid)] += held[rid]
+        free[pool.pop(rid)] += freed[rid]
     for rid, to in [(r, HOST) for r in plan.swap_out] + [(r, DEVICE) for r in plan.swap_in]:
         if pool.get(rid) not in (None, to):
-            free[pool[rid]] += held[rid]
+            free[pool[rid]] += freed[rid]
             free[to] -= held[rid]
             pool[rid] = to
     for rid, where in [(r, DEVICE) for r in plan.device_decodes] + [(r, HOST) for r in plan.host_decodes]:

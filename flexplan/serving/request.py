@@ -40,11 +40,12 @@ class Request:
         """Its KV holds every token but the last generated one: its next step is a decode."""
         return bool(self.output) and self.computed == len(self.prompt) + len(self.output) - 1
 
-    def view(self, pool: str | None) -> RequestState:
-        """What a scheduler sees of it (``pool``: where its blocks are, None while it waits)."""
+    def view(self, pool: str | None, shared_blocks: int = 0) -> RequestState:
+        """What a scheduler sees of it (``pool``: where its blocks are, None while it waits;
+        ``shared_blocks``: its blocks other requests hold too)."""
         left = 0 if self.decoding and pool is not None else len(self.prompt) + len(self.output) - self.computed
         return RequestState(self.request_id, len(self.prompt), left, self.computed, len(self.output),
-                            self.params.max_tokens, pool, self.arrival)
+                            self.params.max_tokens, pool, self.arrival, shared_blocks)
 
     def append(self, token: int, eos: frozenset[int], max_model_len: int) -> None:
         """A sampled token; finished by EOS (unless ignore_eos) or a stop string ("stop"), else by

@@ -196,9 +196,8 @@ class NeoApexScheduler:
                 need = state.blocks_for(r.context_tokens) + state.extra_blocks(r, 1)
                 if free_dev - need >= headroom:
                     free_dev -= need
-                    held = state.blocks_for(r.context_tokens)
-                    free[DEVICE] -= held
-                    free[HOST] += held
+                    free[DEVICE] -= state.blocks_for(r.context_tokens)
+                    free[HOST] += r.releasable_blocks(state.block_size_tokens)
                     moved.append(r.request_id)
                     r = dataclasses.replace(r, pool=DEVICE)
             running.append(r)

@@ -17,7 +17,8 @@ class RequestState:
     ``prefill_left``: tokens still to compute before it decodes (its prompt, or for a preempted
     request its prompt and the tokens it had generated; 0 once decoding: a decode adds 1 token).
     ``context_tokens``: tokens whose KV its blocks hold. ``pool``: "device", "host" or None
-    (waiting: no blocks)."""
+    (waiting: no blocks). ``shared_blocks``: its blocks that other requests hold too (a prefix
+    cache's): releasing it (preempted, or swapped to the other pool) frees the rest only."""
 
     request_id: str
     prompt_tokens: int
@@ -27,6 +28,11 @@ class RequestState:
     max_tokens: int
     pool: str | None
     arrival: int  # order of add_request: first come, first served
+    shared_blocks: int = 0
+
+    def releasable_blocks(self, block_size_tokens: int) -> int:
+        """Blocks its release frees: those it holds that no other request holds."""
+        return -(-self.context_tokens // block_size_tokens) - self.shared_blocks
 
     @property
     def decoding(self) -> bool:

@@ -94,6 +94,9 @@ class EngineStats:
     prompt_tokens_total: int = 0
     generated_tokens_total: int = 0
     token_budget: int = 0  # new tokens the next iteration may schedule
+    prefix_query_tokens: int = 0  # prompt tokens admitted, looked up in the prefix cache
+    prefix_hit_tokens: int = 0  # ... found there, not computed
+    blocks_cached: dict[str, int] = field(default_factory=dict)  # pool -> full blocks named in its prefix cache
 
 
 @dataclass(frozen=True)
