@@ -21,6 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from flexplan import greedy_decode
 from flexplan.errors import DeviceUnavailableError, FlexplanError, InvalidInputError
 from flexplan.estimator.policies import REGISTRY, placement_of
 from flexplan.executor.cpu_backend import local_cpu_cores, local_cpu_dtype
@@ -250,7 +251,11 @@ class FlexModel:
         self.executor.begin_run()
         t0 = time.perf_counter()
         try:
-            out = self.model.generate(inputs, generation_config, *args, **kwargs)
+            # a plain greedy request decoded natively: flexplan's loop, not transformers' (greedy_decode)
+            plain = (greedy_decode.plain_greedy(self.model, inputs, generation_config, kwargs)
+                     if self.executor.decodes_natively and not args else None)
+            out = (greedy_decode.generate(self.model, inputs, plain, kwargs) if plain is not None
+                   else self.model.generate(inputs, generation_config, *args, **kwargs))
         finally:
             self.executor.end_run()
         t1 = time.perf_counter()

@@ -469,6 +469,11 @@ class Executor:
         if self._stack is not None:
             self._stack.armed = self._cpu_step_ready(st)
 
+    @property
+    def decodes_natively(self) -> bool:
+        """Every decode step runs in the native stack's one call: all layers on the CPU, each covered."""
+        return self._stack is not None and all(m.on_cpu for m in self.placement.modes[DECODE])
+
     def _cpu_step_ready(self, st: Step) -> bool:
         """For a decode step whose every layer computes on the CPU, with flexplan's cache: do
         now what the per-layer hooks would (weights bound to host memory, each KV cache moved to
