@@ -33,11 +33,14 @@ def executor_layers(sizes: Sizes, dtype: str, tick: Callable[[], None] | None = 
 
 
 def _generate(lm, ids, n: int) -> Callable[[], object]:
-    """A greedy generation of exactly ``n`` tokens after ``ids`` by ``lm``."""
+    """A greedy generation of exactly ``n`` tokens after ``ids`` by ``lm``: the end-of-sequence token
+    one no logit names, so the loop a plain greedy request runs is timed (flexplan's own at batch 1,
+    :mod:`flexplan.greedy_decode`), not one with min_new_tokens' processor in it."""
     import torch
 
+    never = int(lm.config.vocab_size)
     return lambda: lm.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=n,
-                               min_new_tokens=n, do_sample=False, pad_token_id=0)
+                               do_sample=False, pad_token_id=0, eos_token_id=never)
 
 
 def _decode_step_s(lm, ids, steps: int, repeats: int, long_budget_s: float, short_budget_s: float) -> float:
