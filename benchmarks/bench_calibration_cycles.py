@@ -32,7 +32,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from common import REPO_ROOT, write_result  # noqa: E402
+from common import REPO_ROOT, triad_gbs, write_result  # noqa: E402
 
 MODES = {"full": [], "quick": ["--quick"], "probe": ["--probe"]}
 MODELS = {"smollm2": "SmolLM2-135M-Instruct", "random-llama": "random Llama 2 GB fp32"}
@@ -43,11 +43,6 @@ GRIDS = {"smollm2": None, "random-llama": "b=1,4,8 i=32,128 o=16,64"}
 TARGETS = {"full": 5.0, "quick": 10.0, "probe": 25.0, "warm": 5.0}
 TARGET_P90_FULL = 10.0
 
-
-def triad_gbs() -> float:
-    from flexplan.measure.stream import stream_triad_bytes_per_s
-
-    return round(stream_triad_bytes_per_s(128 * 2**20, repeats=3) / 1e9, 2)
 
 
 def flexplan_cmd(*args: str, env: dict) -> subprocess.CompletedProcess:
@@ -64,7 +59,7 @@ def one_cycle(k: int, folder: Path, env: dict, grid: str | None, models=tuple(MO
     files = {}
     for mode, flags in MODES.items():
         path = folder / f"cycle{k}-{mode}.yaml"
-        before = triad_gbs()
+        before = triad_gbs(2)
         t0 = time.perf_counter()
         flexplan_cmd("calibrate", *flags, "--out", str(path), "--no-progress", env=env)
         cycle["calibrations"][mode] = {"wall_s": round(time.perf_counter() - t0, 1), "triad_gbs_before": before,

@@ -28,13 +28,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from common import LLAMA_CPP_HOW, REPO_ROOT, llama_cpp_tool, machine_description, write_result  # noqa: E402
+from common import LLAMA_CPP_HOW, REPO_ROOT, llama_cpp_tool, machine_description, triad_gbs, write_result  # noqa: E402
 
-
-def triad_gbs() -> float:
-    from flexplan.measure.stream import stream_triad_bytes_per_s
-
-    return round(stream_triad_bytes_per_s(128 * 2**20, repeats=3) / 1e9, 1)
 
 
 def flexplan_run(lm, prompt: int, new: int, seed: int) -> dict:

@@ -24,7 +24,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from common import REPO_ROOT, machine_description, write_result  # noqa: E402
+from common import REPO_ROOT, machine_description, triad_gbs, write_result  # noqa: E402
 
 TARGET_MS = 10.0
 
@@ -79,12 +79,6 @@ def run_side(src: Path, args) -> dict[str, dict]:
         raise SystemExit(f"plan timing of {src} failed:\n{out.stderr[-3000:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])
 
-
-def triad_gbs() -> float:
-    sys.path.insert(0, str(REPO_ROOT))
-    from flexplan.measure.stream import stream_triad_bytes_per_s
-
-    return round(stream_triad_bytes_per_s(128 * 2**20, repeats=3) / 1e9, 1)
 
 
 def summary(rounds: list[dict[str, dict]]) -> dict:

@@ -20,13 +20,8 @@ import statistics
 import sys
 import time
 
-from common import REPO_ROOT, write_result  # noqa: E402
+from common import REPO_ROOT, triad_gbs, write_result  # noqa: E402
 
-
-def triad_gbs() -> float:
-    from flexplan.measure.stream import stream_triad_bytes_per_s
-
-    return round(stream_triad_bytes_per_s(128 * 2**20, repeats=3) / 1e9, 1)
 
 
 def serve_batch(engine, prompts: list[list[int]], new: int) -> dict:

@@ -46,7 +46,7 @@ import threading
 import time
 from pathlib import Path
 
-from common import LLAMA_CPP_HOW, llama_cpp_tool, REPO_ROOT, machine_description, write_result  # noqa: E402
+from common import LLAMA_CPP_HOW, REPO_ROOT, llama_cpp_tool, machine_description, triad_gbs, write_result  # noqa: E402
 
 TRACE = REPO_ROOT.parent / "shared" / "traces" / "azure_llm_2023_code.csv"
 F32_GGUF = Path.home() / ".cache" / "flexplan" / "bench" / "SmolLM2-135M-Instruct.F32.gguf"
@@ -108,12 +108,6 @@ def free_port() -> int:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
-
-def triad_gbs() -> float:
-    sys.path.insert(0, str(REPO_ROOT))
-    from flexplan.measure.stream import stream_triad_bytes_per_s
-
-    return round(stream_triad_bytes_per_s(128 * 2**20, repeats=3) / 1e9, 1)
 
 
 # ----------------------------------------------------------------------------- targets

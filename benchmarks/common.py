@@ -140,3 +140,10 @@ def llama_cpp_tool(name: str) -> Path | None:
         return path if path.exists() else None
     found = shutil.which(name)
     return Path(found) if found else None
+
+
+def triad_gbs(digits: int = 1) -> float:
+    """A STREAM triad sample now (GB/s, 3 x 128 MiB arrays, best of 3): the memory state beside a figure."""
+    from flexplan.measure.stream import stream_triad_bytes_per_s
+
+    return round(stream_triad_bytes_per_s(128 * 2**20, repeats=3) / 1e9, digits)
