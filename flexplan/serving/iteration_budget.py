@@ -36,11 +36,13 @@ class IterationBudget:
         self.cap_tokens = int(cap_tokens)
         self.floor_tokens = min(int(floor_tokens), self.cap_tokens)
         self._seen: deque[tuple[int, float]] = deque(maxlen=window)
+        self._line: tuple[float, float] | None = None  # fit() of the window as it is (state() and stats() both ask)
 
     def observe(self, tokens: int, seconds: float) -> None:
         """One iteration measured: ``tokens`` new tokens in ``seconds``."""
         if tokens > 0 and seconds > 0:
             self._seen.append((int(tokens), float(seconds)))
+            self._line = None
 
     def fit(self) -> tuple[float, float] | None:
         """(t0 seconds, c seconds per token) of the window's least-squares line, or None before any
@@ -48,6 +50,11 @@ class IterationBudget:
         k = len(self._seen)
         if not k:
             return None
+        if self._line is None:
+            self._line = self._fitted(k)
+        return self._line
+
+    def _fitted(self, k: int) -> tuple[float, float]:
         mean_n = sum(n for n, _ in self._seen) / k
         mean_t = sum(t for _, t in self._seen) / k
         var = sum((n - mean_n) ** 2 for n, _ in self._seen)
