@@ -391,6 +391,31 @@ def test_real_engine_seeded_sampling_repeats_and_metrics_show_both_pools(real):
         assert f'flexplan_kv_blocks_free{{model_name="tiny-llama",pool="{pool}"}}' in text
 
 
+def test_real_engine_conversation_turns_reuse_their_prefix(real, tokenizer):
+    """A conversation's second turn re-sends the first: its prompt's leading blocks come from the
+    prefix cache (/metrics' hits grow by at least the first turn's whole blocks), and its greedy
+    text is what transformers gives on that prompt alone."""
+    reference = tiny_llama(tokenizer)
+
+    def hits() -> float:
+        text = httpx.get(f"{real.url}/metrics").text
+        return float(next(line.split()[-1] for line in text.splitlines()
+                          if line.startswith('flexplan_prefix_cache_hits_total{model_name="tiny-llama"}')))
+
+    first = [{"role": "system", "content": "You answer briefly. " * 6}, {"role": "user", "content": "Hi there"}]
+    r1 = real.client.chat.completions.create(model="tiny-llama", messages=first, max_tokens=4, temperature=0,
+                                             extra_body={"ignore_eos": True})
+    before = hits()
+    second = first + [{"role": "assistant", "content": r1.choices[0].message.content},
+                      {"role": "user", "content": "And again?"}]
+    r2 = real.client.chat.completions.create(model="tiny-llama", messages=second, max_tokens=4, temperature=0,
+                                             extra_body={"ignore_eos": True})
+    assert hits() - before >= r1.usage.prompt_tokens // 16 * 16 > 0
+    ids = tokenizer.encode(tokenizer.apply_chat_template(second, tokenize=False, add_generation_prompt=True),
+                           add_special_tokens=False)
+    assert r2.choices[0].message.content == tokenizer.decode(alone(reference, ids, 4), skip_special_tokens=True)
+
+
 def test_real_engine_chat_stream_uses_the_chat_template(real, tokenizer):
     msgs = [{"role": "user", "content": "What is 2+2?"}]
     chunks = list(real.client.chat.completions.create(model="tiny-llama", messages=msgs, max_tokens=5, stream=True,
