@@ -478,7 +478,7 @@ class Executor:
         """For a decode step whose every layer computes on the CPU, with flexplan's cache: do
         now what the per-layer hooks would (weights bound to host memory, each KV cache moved to
         and activated there), so the native stack may run every layer in one call; else False."""
-        if st.phase != DECODE or st.cache is None or any(not m.on_cpu for m in self.placement.modes[DECODE]):
+        if st.phase != DECODE or st.cache is None or not self.decodes_natively:
             return False
         # the step right after a ready one, with the same placement, cache and no parameter rebound
         # since: every layer is still bound and its KV still home (only a step or a rebind moves them)
@@ -490,7 +490,7 @@ class Executor:
             place = self.placement.layer_place(i, DECODE)
             self._bind_layer(i, DECODE)
             self._kv_to(st.cache.layers[i], place, False)
-        self._cpu_ready = (self.link.step, (id(self.placement), id(st.cache), rebinds()))
+        self._cpu_ready = (self.link.step, (id(self.placement), id(st.cache), rebinds()))  # after the binds' own
         return True
 
     def _after_stack(self, module, args, kwargs, output):
