@@ -44,8 +44,9 @@ MODEL_ARGUMENTS = frozenset({"attention_mask"})  # besides generation settings, 
 
 
 def plain_greedy(model, inputs, generation_config, kwargs: dict[str, Any]):
-    """The merged generation config of a request this loop decodes as transformers would, else
-    None (transformers' loop then runs it)."""
+    """The merged generation config of a request this loop decodes as transformers would, its
+    ``max_new_tokens`` set (from ``max_length`` where only that was given), else None
+    (transformers' loop then runs it)."""
     x = inputs if inputs is not None else kwargs.get("input_ids")
     if not isinstance(x, torch.Tensor) or x.dim() != 2 or x.shape[0] != 1 or kwargs.get(CACHE_KWARG) is None:
         return None
@@ -65,8 +66,9 @@ def plain_greedy(model, inputs, generation_config, kwargs: dict[str, Any]):
     for k, v in gc.to_diff_dict().items():
         if k not in ANY_VALUE and v not in NO_OP.get(k, ()):
             return None
-    max_new = gc.max_new_tokens if gc.max_new_tokens is not None else (gc.max_length or 0) - x.shape[1]
-    return gc if max_new >= 1 else None
+    if gc.max_new_tokens is None:
+        gc.max_new_tokens = (gc.max_length or 0) - x.shape[1]
+    return gc if gc.max_new_tokens >= 1 else None
 
 
 def eos_ids(gc) -> frozenset[int]:
@@ -78,14 +80,13 @@ def generate(model, inputs, gc, kwargs: dict[str, Any]) -> torch.Tensor:
     """The sequences [1, prompt + new] transformers' greedy search gives for this plain request."""
     x = inputs if inputs is not None else kwargs["input_ids"]
     args = {k: v for k, v in kwargs.items() if k in MODEL_ARGUMENTS or k == CACHE_KWARG}
-    max_new = gc.max_new_tokens if gc.max_new_tokens is not None else gc.max_length - x.shape[1]
     first = copy.deepcopy(gc)
     first.max_new_tokens, first.max_length = 1, None
     seq = model.generate(x, generation_config=first, **args)  # the prefill and its token, transformers' own
     cache, eos = args.get(CACHE_KWARG), eos_ids(gc)
     tokens = [seq[:, -1:]]
     with torch.no_grad():
-        for _ in range(max_new - 1):
+        for _ in range(gc.max_new_tokens - 1):
             if int(tokens[-1]) in eos:
                 break
             logits = model(input_ids=tokens[-1], use_cache=True, **{CACHE_KWARG: cache}).logits
