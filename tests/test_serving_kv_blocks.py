@@ -173,8 +173,10 @@ def test_blocks_are_never_lost_and_shared_only_through_the_prefix_cache(ops):
             assert set(held).isdisjoint(idle) and len(pool._free) + len(pool._evictable) == len(idle)
             assert len(idle) + len(set(held)) == pool.num_blocks
             assert set(pool._evictable) <= set(pool._name_of) and set(pool._free).isdisjoint(pool._name_of)
-        for t in m.tables.values():
+        for rid, t in m.tables.items():
             assert len(t.blocks) == m.blocks_for(t.num_tokens)
+            # shared_blocks scans the named blocks only: no other block of the table is shared
+            assert m.shared_blocks(rid) == sum(1 for b in t.blocks if m.pools[t.pool].holders(b) > 1)
 
 
 def test_pool_sizes_from_a_memory_budget_by_hand():

@@ -274,9 +274,14 @@ class BlockManager:
         return t.num_tokens if t else 0
 
     def shared_blocks(self, request_id: str) -> int:
-        """Its blocks other requests hold too: releasing it frees the rest only."""
+        """Its blocks other requests hold too: releasing it frees the rest only. Only named blocks
+        (its leading ones, :attr:`BlockTable.names`) can be shared: the rest are not scanned (the
+        engine asks for every running request each iteration)."""
         t = self.tables.get(request_id)
-        return sum(1 for b in t.blocks if self.pools[t.pool].holders(b) > 1) if t else 0
+        if t is None:
+            return 0
+        pool = self.pools[t.pool]
+        return sum(1 for b in t.blocks[:len(t.names)] if pool.holders(b) > 1)
 
     # ---- the prefix cache ----
     def match_prefix(self, request_id: str, token_ids: list[int], pool: str) -> int:
