@@ -87,6 +87,15 @@ def test_batched_rows_equal_the_gemv(fmt):
 
 
 @needs_native
+def test_gemm_writes_into_the_output_it_is_given():
+    qt = _weights(Q4_1, out=16, blocks=2)
+    x = torch.randn(3, qt.shape[1], generator=torch.Generator().manual_seed(2))
+    y = torch.full((3, 16), float("nan"))
+    assert NATIVE.gemm(qt.data, Q4_1, x, y=y) is y  # every element written, the caller's tensor returned
+    assert torch.equal(y, NATIVE.gemm(qt.data, Q4_1, x))
+
+
+@needs_native
 @pytest.mark.parametrize("fmt", [Q4_1, Q4_K], ids=lambda f: f.name)
 def test_zero_activation_block_and_bad_sizes(fmt):
     qt = _weights(fmt, blocks=2)

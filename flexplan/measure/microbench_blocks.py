@@ -4,8 +4,9 @@ A layer a GGUF file holds as blocks runs on ``flexplan/quant/kernels.py`` (``qua
 ``quant_kquants.c``: the activation quantised to int8 per block, integer dots), not on the float
 GEMV/GEMM the ``cpu_gemv`` / ``cpu_gemm`` rows time, and at another rate (an integer dot product
 per block, not a streamed FMA: a block GEMV can be held by its arithmetic well below the memory's
-rate where a float32 GEMV is not). So each format of ``Sizes.block_formats`` is timed as the executor runs it: a
-:class:`~flexplan.quant.quant_linear.QuantLinear` over random valid blocks
+rate where a float32 GEMV is not). So each format of ``Sizes.block_formats`` is timed as the native
+decoder layers run it: the kernel of a :class:`~flexplan.quant.quant_linear.QuantLinear` over random
+valid blocks, called on its blocks as they call it (:func:`_kernel_call`)
 (``kernels.random_blocks``: random bytes, float16 scales small and finite; the kernels' speed does
 not depend on the values), at the float rows' weight shapes and GEMV and GEMM row counts, the
 weights cycled through copies that exceed the last-level cache as the float rows' are. Rows as the
@@ -40,6 +41,13 @@ def kernel_name() -> str:
     return f"quant-{native.isa}"
 
 
+def _kernel_call(lin: QuantLinear, x: torch.Tensor, y: torch.Tensor) -> None:
+    """The kernel of one QuantLinear call on its blocks, into y: the call the native decoder layers
+    make from C. Not the module's forward, whose Python around the kernel (the output's allocation,
+    reshapes) a 2048 x 2048 block GEMV's time would take in as the kernel's own and the stack never pays."""
+    lin.native.gemm(lin.blocks, lin.format, x, lin.bias, lin.float_act, lin.interleaved, y=y)
+
+
 def block_gemm(sizes: mb.Sizes, format_name: str, tick: Callable[[], None] | None = None) -> list[dict]:
     """One row per (rows, k, n) of ``sizes.block_rows()`` x ``sizes.weight_shapes``: ``time_s`` per
     call of a QuantLinear holding ``format_name``'s blocks of that weight, achieved ``flops_per_s``
@@ -57,13 +65,16 @@ def block_gemm(sizes: mb.Sizes, format_name: str, tick: Callable[[], None] | Non
             count = mb.copies_for(data.numel(), mb.rotate_bytes(sizes))
             layers = mb.Cycle(QuantLinear(QuantTensor("", data.clone(), (n, k), fmt)) for _ in range(count))
             xs = {t: torch.randn(t, k, generator=g) for t in sizes.block_rows()}
+            ys = {t: torch.empty(t, n) for t in sizes.block_rows()}
             timed: dict[int, dict] = {}
-            for t, x in xs.items():
-                timed[t] = mb.time_call(lambda x=x, layers=layers: layers.next()(x), sizes.repeats, sizes.budget_s)
+            for t in xs:
+                timed[t] = mb.time_call(lambda t=t, layers=layers: _kernel_call(layers.next(), xs[t], ys[t]),
+                                        sizes.repeats, sizes.budget_s)
                 if tick:
                     tick()
             for t in mb.rechecks(timed):  # once more, after the others; the typical run of the two kept
-                again = mb.time_call(lambda x=xs[t], layers=layers: layers.next()(x), sizes.repeats, sizes.budget_s)
+                again = mb.time_call(lambda t=t, layers=layers: _kernel_call(layers.next(), xs[t], ys[t]),
+                                     sizes.repeats, sizes.budget_s)
                 timed[t] = dict(min(timed[t], again, key=lambda r: r["time_median_s"]), rechecked=True)
             for t, r in timed.items():
                 rows.append({"dtype": "float32", "format": fmt.name, "tokens": t, "k": k, "n": n,

@@ -131,13 +131,14 @@ class NativeQuant:
         return ys
 
     def gemm(self, data: torch.Tensor, fmt: BlockFormat, x2d: torch.Tensor, bias: torch.Tensor | None = None,
-             float_act: bool = False, interleaved: bool = False) -> torch.Tensor:
+             float_act: bool = False, interleaved: bool = False, y: torch.Tensor | None = None) -> torch.Tensor:
         """x2d [batch, in] float32 contiguous times W^T, W the raw blocks ``data`` [out, row_bytes]
         (uint8, contiguous) of a :data:`NATIVE_FORMATS` format, in the file's layout or (``interleaved``)
-        :mod:`~flexplan.quant.interleave`'s; bias [out] float32 or None. Returns a new [batch, out]
-        float32 tensor."""
+        :mod:`~flexplan.quant.interleave`'s; bias [out] float32 or None. Returns y: a new [batch, out]
+        float32 tensor, or the one given (contiguous, that shape: the caller's, written over)."""
         out, k = data.shape[0], x2d.shape[1]
-        y = torch.empty(x2d.shape[0], out, dtype=torch.float32)
+        if y is None:
+            y = torch.empty(x2d.shape[0], out, dtype=torch.float32)
         rc = self._gemm(data.data_ptr(), wtype(fmt, interleaved), x2d.data_ptr(), y.data_ptr(),
                         None if bias is None else bias.data_ptr(), out, k, x2d.shape[0], int(float_act))
         if rc == 2:
