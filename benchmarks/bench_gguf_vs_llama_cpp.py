@@ -7,9 +7,10 @@ its ``llama-bench`` run, a STREAM triad sample before each):
 - flexplan: ``flexplan.load(file)`` (the cpu policy on the blocks: QuantLinear layers, the native
   decoder-layer calls), one ``generate()`` of ``--new`` tokens after a ``--prompt``-token prompt of
   random ids; TTFT (the prefill) and TPOT as flexplan's run statistics measure them;
-- llama.cpp: ``llama-bench -p PROMPT -n NEW -r 1`` on the same file, same threads: the prefill time
-  is PROMPT / pp tokens/s, the TPOT 1 / tg tokens/s (llama-bench decodes from an empty context,
-  flexplan after the prompt: a few keys more to attend per token, which SmolLM2's cost hardly sees).
+- llama.cpp: ``llama-bench`` on the same file, same threads: the prefill time PROMPT / pp tokens/s
+  of ``-p PROMPT -n 0`` (from an empty context), the TPOT 1 / tg tokens/s of ``-p 0 -n NEW -d PROMPT``:
+  its decode after PROMPT tokens of context, as flexplan's follows its prompt (at ``-d 0`` llama.cpp
+  would attend PROMPT fewer keys a token: on SmolLM2 after 128 tokens its decode is ~10-15% slower).
 
 Reported per file: medians over the rounds, flexplan / llama.cpp for each phase, and the decode's
 compressed bytes per token over its TPOT (the GB/s of weights it reads) as a fraction of the
@@ -48,14 +49,17 @@ def flexplan_run(lm, prompt: int, new: int, seed: int) -> dict:
 
 
 def llama_bench_run(tool: Path, path: Path, prompt: int, new: int, threads: int) -> dict:
-    cmd = [str(tool), "-m", str(path), "-t", str(threads), "-p", str(prompt), "-n", str(new), "-r", "1", "-o", "json"]
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-    if r.returncode:
-        raise SystemExit(f"llama-bench failed on {path}: {r.stderr[-400:]}")
-    rows = json.loads(r.stdout)
-    pp = next(x["avg_ts"] for x in rows if x["n_prompt"] == prompt and x["n_gen"] == 0)
-    tg = next(x["avg_ts"] for x in rows if x["n_gen"] == new and x["n_prompt"] == 0)
-    return {"prefill_s": prompt / pp, "tpot_s": 1.0 / tg, "build": rows[0].get("build_commit")}
+    def bench(*test: str) -> dict:
+        cmd = [str(tool), "-m", str(path), "-t", str(threads), *test, "-r", "1", "-o", "json"]
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+        if r.returncode:
+            raise SystemExit(f"llama-bench {' '.join(test)} failed on {path}: {r.stderr[-400:]}")
+        return json.loads(r.stdout)[0]
+
+    pp = bench("-p", str(prompt), "-n", "0")  # the prompt from an empty context
+    tg = bench("-p", "0", "-n", str(new), "-d", str(prompt))  # the tokens after it
+    return {"prefill_s": prompt / pp["avg_ts"], "tpot_s": 1.0 / tg["avg_ts"], "decode_depth": tg.get("n_depth"),
+            "build": pp.get("build_commit")}
 
 
 def main() -> int:
