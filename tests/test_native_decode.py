@@ -93,6 +93,27 @@ def _counted(monkeypatch, ops, name: str) -> list:
     return calls
 
 
+def test_rotary_rows_kept_per_position_are_the_modules_own():
+    stack = _wide_model("llama").model
+    rot = stack.rotary_emb
+    rows, x = cpu_decode.RotaryRows(stack), torch.zeros(1, 1, 256)
+
+    def module(pos):
+        return tuple(t.reshape(1, 64) for t in rot(x, torch.full((1, 1), pos)))
+
+    for pos in (0, 5, 5, 127):
+        assert all(torch.equal(a, b) for a, b in zip(rows(x, pos, 1, 64), module(pos)))
+    assert sorted(rows.rows) == [0, 5, 127]
+    cos3, sin3 = rows(x, 5, 3, 64)  # a batch at one position: the row for each
+    assert cos3.shape == (3, 64) and all(torch.equal(r, module(5)[0][0]) for r in cos3)
+    with torch.no_grad():  # new frequencies: what was kept is dropped
+        rot.inv_freq.mul_(2.0)
+    assert torch.equal(rows(x, 5, 1, 64)[0], module(5)[0]) and list(rows.rows) == [5]
+    dynamic = _wide_model("llama", rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0})
+    rows = cpu_decode.RotaryRows(dynamic.model)  # its frequencies follow the length: never kept
+    assert rows(x, 3, 1, 64) is not None and rows.rows == {} and not rows.static
+
+
 @needs_decode
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
 @pytest.mark.parametrize("path", ["stack", "layer"])

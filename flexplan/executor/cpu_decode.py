@@ -165,6 +165,47 @@ def _rows(pe: tuple[torch.Tensor, torch.Tensor], batch: int, head_dim: int) -> t
     return tuple(t.reshape(-1, head_dim).expand(batch, head_dim).contiguous() for t in pe)
 
 
+class RotaryRows:
+    """The rotary embedding's cos and sin rows of one decode position, kept per position: a batch-1
+    decode step asks transformers' rotary module for one position's, ~10 small torch ops a step
+    (each started with cold caches after the weights' stream), and the next request asks for the
+    same positions again. A kept pair is what the module itself returned for that position, so the
+    step's numbers are the same. Kept only where the module's output depends on the position alone:
+    a rope type that does not rescale its frequencies with the length (dynamic, longrope) and the
+    same frequencies and scaling as when kept (a later ``inv_freq`` write or reload starts afresh)."""
+
+    MAX_POSITIONS = 4096  # kept pairs at most; then it starts afresh (a few MB at head_dim 128)
+
+    def __init__(self, owner: nn.Module):
+        self.owner = owner  # the module whose ``rotary_emb`` it asks (looked up per call: it may be replaced)
+        self.rows: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # position -> (cos, sin) [1, head_dim]
+        self._source: tuple = ()
+        self.static = False
+
+    @staticmethod
+    def _static(rotary: nn.Module) -> bool:
+        rope_type = str(getattr(rotary, "rope_type", "default"))
+        return "dynamic" not in rope_type and "longrope" not in rope_type
+
+    def __call__(self, x: torch.Tensor, pos: int, batch: int, head_dim: int):
+        """(cos, sin) [batch, head_dim] of position ``pos`` for every row (x: the step's float32
+        input on the CPU), or None where the module's rows are not head_dim wide float32."""
+        rotary = self.owner.rotary_emb
+        inv = getattr(rotary, "inv_freq", None)
+        source = (id(rotary), id(inv), getattr(inv, "_version", None), getattr(rotary, "attention_scaling", None))
+        if source != self._source or len(self.rows) >= self.MAX_POSITIONS:
+            self.rows, self._source, self.static = {}, source, self._static(rotary)
+        one = self.rows.get(pos)
+        if one is None:
+            cos, sin = rotary(x, torch.full((1, 1), pos, dtype=torch.long))
+            if not (_cpu_f32(cos, sin) and cos.shape[-1] == head_dim and cos.numel() == head_dim):
+                return None
+            one = _rows((cos, sin), 1, head_dim)
+            if self.static:
+                self.rows[pos] = one
+        return one if batch == 1 else _rows(one, batch, head_dim)
+
+
 def _native_readable(keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor | None,
                      batch: int) -> tuple[bool, torch.Tensor | None]:
     """(whether the native attention can read this cache view and mask, the mask as [batch, keys]
@@ -392,6 +433,7 @@ class FusedStack:
         self.weight_ptrs = (ctypes.POINTER(native.LayerWeights) * self.n)(*(ctypes.pointer(f.weights) for f in layers))
         self.window = getattr(stack.config, "sliding_window", None)
         self.armed = False
+        self.rotary_rows = RotaryRows(stack)
         self.steps = 0  # decode steps run natively
         self.scratch: dict[str, torch.Tensor] = {}
         self._cache_ptrs: tuple = ()  # (key, k pointer array, v pointer array)
@@ -460,13 +502,17 @@ class FusedStack:
                 return None
             mask = None if bool(mask.all()) else mask.to(torch.bool).contiguous()
         position_ids = kwargs.get("position_ids")
-        if position_ids is None:
-            position_ids = torch.full((1, 1), pos, dtype=torch.long)
-        cos, sin = self.stack.rotary_emb(x, position_ids)
         d = self.layers[0].head_dim
-        if not (_cpu_f32(cos, sin) and cos.shape[-1] == d and cos.numel() in (d, b * d)):
-            return None
-        cos, sin = _rows((cos, sin), b, d)
+        if position_ids is None:  # every row at the cache's position: its rows, kept per position
+            pe = self.rotary_rows(x, pos, b, d)
+            if pe is None:
+                return None
+            cos, sin = pe
+        else:
+            cos, sin = self.stack.rotary_emb(x, position_ids)
+            if not (_cpu_f32(cos, sin) and cos.shape[-1] == d and cos.numel() in (d, b * d)):
+                return None
+            cos, sin = _rows((cos, sin), b, d)
         self.scratch = _scratch(self.scratch, self.layers[0].weights, b)
         h = x.reshape(b, -1).clone()
         self.ops.decode_stack(self.weight_ptrs, self.n, k_ptrs, v_ptrs, pos, h, cos, sin, mask, self.scratch)
