@@ -155,6 +155,34 @@ def test_fused_decode_runs_every_step_and_matches_transformers(family, path, one
 
 
 @needs_decode
+def test_native_stack_looks_up_embeddings_and_norms_and_leaves_a_bad_id_to_the_embedding(one_thread):
+    """The step's embedding rows and final norm computed in the native call equal the modules'; an
+    id with no row leaves the cache as it was and gets the embedding's own IndexError."""
+    import copy
+
+    from flexplan import api
+    from flexplan.executor.families import CACHE_KWARG
+
+    ref = _wide_model("llama")
+    lm = api.load(copy.deepcopy(ref), plan={"prefill": "cpu", "decode": "cpu", "cpu_dtype": "float32"},
+                  accelerator="cpu", dtype="float32")
+    stack = lm.executor._stack
+    looked_up = []  # the embedding module's own calls (the native call runs no hooks)
+    lm.model.model.embed_tokens.register_forward_hook(lambda *a: looked_up.append(1))
+    cache = lm.executor.new_cache(1, 16, 4)
+    with torch.no_grad():
+        lm.model(input_ids=torch.tensor([[5, 6, 7, 8]]), use_cache=True, **{CACHE_KWARG: cache})
+        steps = stack.steps
+        with pytest.raises(IndexError):
+            lm.model(input_ids=torch.tensor([[192]]), use_cache=True, **{CACHE_KWARG: cache})
+        assert stack.steps == steps and all(kv.length == 4 for kv in cache.layers)
+        ours = lm.model(input_ids=torch.tensor([[9]]), use_cache=True, **{CACHE_KWARG: cache}).logits
+        assert stack.steps == steps + 1 and len(looked_up) == 1  # the prefill's
+        theirs = ref(input_ids=torch.tensor([[5, 6, 7, 8, 9]])).logits[:, -1:]
+    assert _rel(ours, theirs) < 1e-4
+
+
+@needs_decode
 def test_native_stack_checks_its_layers_once_until_a_parameter_is_rebound(one_thread, monkeypatch):
     """The per-layer checks (each layer's tensors, each cache's buffers) run at a generate's first
     native step and again only after a parameter was pointed elsewhere (weights.set_param counts

@@ -417,8 +417,10 @@ _STACK_KWARGS = frozenset({"input_ids", "inputs_embeds", "attention_mask", "posi
 class FusedStack:
     """The decoder stack (embedding, every decoder layer, final norm) for one decode step with one
     native call for all the layers (``flexplan_decode_stack_f32``), which writes each layer's new
-    k and v straight into its KV cache. Nothing runs in Python between the layers: no module
-    calls, no hooks, no cache ``update()``, no per-layer mask or rotary handling.
+    k and v straight into its KV cache, and where their tables are float32 on the CPU also looks
+    the embedding rows up and applies the final norm. Nothing runs in Python between the layers:
+    no module calls, no hooks (the embedding's and the final norm's included where the call does
+    them), no cache ``update()``, no per-layer mask or rotary handling.
 
     It runs only while :attr:`armed`, which the executor sets for a decode step whose every layer
     computes on the CPU, after putting their weights and KV caches there (what its per-layer
@@ -493,9 +495,14 @@ class FusedStack:
         window, k_ptrs, v_ptrs = checked
         if window and pos + 1 > window:
             return None
-        x = self.stack.embed_tokens(ids) if embeds is None else embeds
-        if not _cpu_f32(x):
-            return None
+        embed = self._embedding_rows(ids) if embeds is None else None
+        if embed is not None:  # looked up in the native call
+            h = torch.empty(b, self.layers[0].weights.hidden)
+        else:
+            x = self.stack.embed_tokens(ids) if embeds is None else embeds
+            if not _cpu_f32(x):
+                return None
+            h = x.reshape(b, -1).clone()
         mask = kwargs.get("attention_mask")
         if mask is not None:
             if mask.dim() != 2 or tuple(mask.shape) != (b, pos + 1) or mask.device.type != "cpu":
@@ -503,6 +510,7 @@ class FusedStack:
             mask = None if bool(mask.all()) else mask.to(torch.bool).contiguous()
         position_ids = kwargs.get("position_ids")
         d = self.layers[0].head_dim
+        x = h.view(b, 1, -1)  # what the rotary module reads of its input: device and dtype
         if position_ids is None:  # every row at the cache's position: its rows, kept per position
             pe = self.rotary_rows(x, pos, b, d)
             if pe is None:
@@ -514,12 +522,30 @@ class FusedStack:
                 return None
             cos, sin = _rows((cos, sin), b, d)
         self.scratch = _scratch(self.scratch, self.layers[0].weights, b)
-        h = x.reshape(b, -1).clone()
-        self.ops.decode_stack(self.weight_ptrs, self.n, k_ptrs, v_ptrs, pos, h, cos, sin, mask, self.scratch)
+        norm = self.stack.norm
+        folded = _cpu_f32(norm.weight) and norm.weight.is_contiguous()  # else the head's placement runs it
+        out = torch.empty_like(h) if folded else None
+        if not self.ops.decode_stack(self.weight_ptrs, self.n, k_ptrs, v_ptrs, pos, h, cos, sin, mask, self.scratch,
+                                     embed=embed, norm=(norm.weight, float(norm.variance_epsilon), out) if folded
+                                     else None):
+            return None  # an id the embedding has no row for: nothing done, the stack's forward says so
         for kv in cache.layers:
             kv.advance(1, views=False)  # the native step attended by itself: views only if read
         self.steps += 1
-        return BaseModelOutputWithPast(last_hidden_state=self.stack.norm(h.view(b, 1, -1)), **{CACHE_KWARG: cache})
+        hidden = out.view(b, 1, -1) if folded else norm(h.view(b, 1, -1))
+        return BaseModelOutputWithPast(last_hidden_state=hidden, **{CACHE_KWARG: cache})
+
+    def _embedding_rows(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(the embedding's weight, the ids as int64 [batch]) where the native call can look the rows
+        up as ``nn.Embedding`` would: a plain float32 [vocab, hidden] table on the CPU (no blocked
+        layout put in by the executor, no max_norm, which rewrites rows); else None."""
+        e = self.stack.embed_tokens
+        w = e.weight
+        if ("forward" in e.__dict__ or e.max_norm is not None or not _cpu_f32(w) or w.dim() != 2
+                or not w.is_contiguous() or w.shape[1] != self.layers[0].weights.hidden
+                or ids.dtype != torch.long or ids.device.type != "cpu"):
+            return None
+        return w, ids.reshape(-1).contiguous()
 
     def __call__(self, *args, **kwargs):
         out = self._run(kwargs) if self.armed and not args else None

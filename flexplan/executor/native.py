@@ -198,7 +198,7 @@ class NativeDecode:
         self._post.argtypes = [ctypes.POINTER(LayerWeights)] + [ptr] * 6 + [i64] * 5 + [ptr] * 5
         self._post.restype = ctypes.c_int
         self._stack = lib.flexplan_decode_stack_f32
-        self._stack.argtypes = [ptr, i64, ptr, ptr, i64, i64] + [ptr] * 11
+        self._stack.argtypes = [ptr, i64, ptr, ptr, i64, i64] + [ptr] * 13 + [i64, ptr, ctypes.c_float, ptr]
         self._stack.restype = ctypes.c_int
         self._moe_silu = lib.flexplan_moe_silu_f32
         self._moe_silu.argtypes = [ptr, ptr, i64, i64, i64] + [ptr] * 4 + [i64] * 3 + [ptr, i64, i64, ptr]
@@ -274,17 +274,28 @@ class NativeDecode:
                               "a quantised activation")
 
     def decode_stack(self, layers, n: int, k_caches, v_caches, pos: int, x: torch.Tensor, cos: torch.Tensor,
-                     sin: torch.Tensor, mask: torch.Tensor | None, scratch: dict[str, torch.Tensor]) -> None:
+                     sin: torch.Tensor, mask: torch.Tensor | None, scratch: dict[str, torch.Tensor],
+                     embed: tuple[torch.Tensor, torch.Tensor] | None = None,
+                     norm: tuple[torch.Tensor, float, torch.Tensor] | None = None) -> bool:
         """One decode step through ``n`` decoder layers: ``layers`` an array of pointers to their
         :class:`LayerWeights`, ``k_caches``/``v_caches`` arrays of pointers to each layer's
         [capacity, batch, hk, d] float32 cache, whose position ``pos`` receives this step's k and v;
-        x [batch, hidden] holds the embeddings in and the last layer's output out; mask [batch,
-        pos + 1] bool or None; cos/sin [batch, d]. Scratch as :meth:`layer_post_attention`, plus
-        ``y`` [batch, hidden]."""
+        x [batch, hidden] holds the embeddings in (with ``embed`` = (weight [vocab, hidden], ids
+        [batch] int64), their rows looked up there first) and the last layer's output out; mask
+        [batch, pos + 1] bool or None; cos/sin [batch, d]; ``norm`` = (weight [hidden], eps, out
+        [batch, hidden]): the final RMSNorm of the output into out. Scratch as
+        :meth:`layer_post_attention`, plus ``y`` [batch, hidden]. All float32, contiguous. False
+        (nothing computed) where an id is not a row of the embedding."""
+        e, ids = embed if embed is not None else (None, None)
+        w, eps, out = norm if norm is not None else (None, 0.0, None)
         rc = self._stack(layers, n, k_caches, v_caches, pos, x.shape[0], cos.data_ptr(), sin.data_ptr(), _ptr(mask),
-                         x.data_ptr(), *(scratch[k].data_ptr() for k in ("y", "q", "attn", "tmp", "xn", "g", "u")))
+                         x.data_ptr(), *(scratch[k].data_ptr() for k in ("y", "q", "attn", "tmp", "xn", "g", "u")),
+                         _ptr(e), _ptr(ids), 0 if e is None else e.shape[0], _ptr(w), eps, _ptr(out))
+        if rc == -2:
+            return False
         if rc != 0:
             raise MemoryError(f"native decode attention could not allocate scores for {pos + 1} keys")
+        return True
 
 
 def _cache_root() -> Path:

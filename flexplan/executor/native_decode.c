@@ -460,13 +460,26 @@ int flexplan_layer_post_attention_f32(const flexplan_layer* L, const float* x, f
  * pre-attention half writes this step's k and v straight into the layer's KV cache at position
  * pos (rotary applied there), attention reads positions [0, pos], then the post-attention half.
  *   kc[l], vc[l]: layer l's cache, flexplan's layout [capacity, batch, hk, d] (position-major)
- *   x [batch, hidden]: the embeddings in, the last layer's output out; y [batch, hidden] scratch
+ *   x [batch, hidden]: the embeddings in (or, with embed, their rows are looked up first: embed
+ *     [vocab, hidden], ids [batch]), the last layer's output out; y [batch, hidden] scratch
  *   mask [batch, pos + 1] bytes or NULL; cos/sin [batch, d]; other scratch as
- *   flexplan_layer_post_attention_f32's, q [batch, hq d].
- * Returns 0, or -1 (no memory for attention's partials or a quantised activation). */
+ *   flexplan_layer_post_attention_f32's, q [batch, hq d]
+ *   norm_w [hidden] or NULL: the final RMSNorm of x into out [batch, hidden] (eps norm_eps).
+ * The embedding and the final norm are here for the step's Python, not its arithmetic: after the
+ * weights' stream every small torch op starts with cold caches.
+ * Returns 0, -1 (no memory for attention's partials or a quantised activation) or -2 (an id not
+ * in [0, vocab): nothing written). */
 int flexplan_decode_stack_f32(const flexplan_layer* const* layers, int64_t n, float* const* kc, float* const* vc,
                               int64_t pos, int64_t batch, const float* cos_, const float* sin_, const uint8_t* mask,
-                              float* x, float* y, float* q, float* attn, float* tmp, float* xn, float* g, float* u) {
+                              float* x, float* y, float* q, float* attn, float* tmp, float* xn, float* g, float* u,
+                              const float* embed, const int64_t* ids, int64_t vocab, const float* norm_w,
+                              float norm_eps, float* out) {
+    const int64_t H = n > 0 ? layers[0]->hidden : 0;
+    if (embed) {
+        for (int64_t b = 0; b < batch; b++)
+            if (ids[b] < 0 || ids[b] >= vocab) return -2;
+        for (int64_t b = 0; b < batch; b++) memcpy(x + b * H, embed + ids[b] * H, sizeof(float) * (size_t)H);
+    }
     for (int64_t l = 0; l < n; l++) {
         const flexplan_layer* L = layers[l];
         const int64_t row = batch * L->hk * L->d; /* floats per cache position */
@@ -476,6 +489,7 @@ int flexplan_decode_stack_f32(const flexplan_layer* const* layers, int64_t n, fl
             return -1;
         memcpy(x, y, sizeof(float) * (size_t)(batch * L->hidden));
     }
+    if (norm_w) flexplan_rmsnorm_f32(x, norm_w, out, batch, H, norm_eps);
     return 0;
 }
 
