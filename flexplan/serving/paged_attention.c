@@ -98,9 +98,9 @@ static void merge(const float* part, int64_t lo, int64_t hi, int64_t hq, int64_t
 
 /* One head's partial softmax over keys [i0, cnt) of a block on the vector path (d = NV LANES):
  * scores into s, the unnormalised output into o (d floats); returns the max score, *l the sum of
- * e^(score - max). A dot is NV multiply-adds into two registers (q read from the L1), folded once;
- * the output's NV registers take each value row's multiple. NV a constant per instance: a run-time
- * count left the loops compare-and-branch at every step and the registers spilled to the stack. */
+ * e^(score - max). q is held in NV registers; a dot is NV multiply-adds into two registers, folded
+ * once; the output's NV registers take each value row's multiple and are stored once. NV a constant
+ * per instance: a run-time count left the loops compare-and-branch at every step and q on the stack. */
 #define DEFINE_HEAD_VECTOR(SUFFIX, KT, NAME, NV)                                                              \
 static inline float NAME(const float* qh, const KT* kh, const KT* vh, int64_t i0, int64_t cnt, int64_t ss,    \
                          int64_t nv, float scale, float* s, float* o, float* l) {                             \
@@ -205,7 +205,7 @@ int flexplan_paged_decode_##SUFFIX(const float* q, const KT* k, const KT* v, con
                 const float* qh = q + (r * hq + h) * d;                                                       \
                 const KT* kh = k + base + (h / group) * sh;                                                   \
                 const KT* vh = v + base + (h / group) * sh;                                                   \
-                if (vector) { /* q and the output in registers, each key's and value's row read once */       \
+                if (vector) { /* q and the output in registers (head_vector_ below) */                          \
                     p[0] = head_vector_##SUFFIX(qh, kh, vh, i0, cnt, ss, d / LANES, scale, s, o, &p[1]);     \
                     continue;                                                                                 \
                 }                                                                                             \
