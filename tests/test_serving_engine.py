@@ -270,6 +270,27 @@ def test_prefix_cache_keeps_the_tokens_whatever_is_shared_evicted_or_preempted(m
         assert stats.prefix_hit_tokens <= stats.prefix_query_tokens
 
 
+def test_requests_added_together_compute_their_shared_prefix_once(models):
+    """Three requests with a 40-token system prompt added at once, a budget that would admit them
+    all in one iteration: the first computes the prompt, the others wait an iteration and take its
+    2 whole blocks of 16 from the cache; a request with another prompt is not held; the tokens equal
+    generate()'s. With prefix_caching=False all four run at once and compute everything."""
+    model = models["qwen3"]
+    system = list(range(20, 60))
+    prompts = {"a": system + [5, 6], "b": system + [7, 8, 9], "c": system + [10], "x": list(range(70, 110))}
+    for caching in (True, False):
+        with Engine(model, device_blocks=0, host_blocks=64, token_budget=512, prefix_caching=caching) as e:
+            for rid, p in prompts.items():
+                e.add_request(rid, p, SamplingParams(max_tokens=4, temperature=0))
+            assert {r.request_id for r in e.state().waiting} == ({"a", "x"} if caching else set(prompts))
+            got: dict = {}
+            drain(e, got)
+            assert e.stats().prefix_hit_tokens == (2 * 32 if caching else 0)
+            for rid, p in prompts.items():
+                assert got[rid][0] == cached_alone(model, tuple(p), 4), rid
+            assert_freed(e)
+
+
 def test_prefix_cache_serves_a_shared_prompt_once(models):
     """A second request with the first's 40-token prefix takes its 2 full blocks of 16 (32 tokens,
     never the prompt's last) and computes only the rest; the tokens equal generate()'s; with

@@ -310,10 +310,12 @@ class Engine:
 
     @_locked
     def state(self) -> EngineState:
-        """What the scheduler sees now."""
+        """What the scheduler sees now: the waiting requests but those held for a prefix
+        (:meth:`_held_for_a_prefix`)."""
         free = self.blocks.usage()[1]
+        held = self._held_for_a_prefix()
         return EngineState(
-            waiting=tuple(r.view(None) for r in self._waiting),
+            waiting=tuple(r.view(None) for r in self._waiting if r.request_id not in held),
             running=tuple(r.view(self.blocks.pool_of(r.request_id), self.blocks.shared_blocks(r.request_id))
                           for r in self._running.values()),
             free_blocks=free, total_blocks={n: p.num_blocks for n, p in self.blocks.pools.items()},
@@ -401,6 +403,36 @@ class Engine:
             return []
         pending, self._in_flight = self._in_flight, None
         return self._finish(pending.segments, pending.result())
+
+    def _names(self, r: Request) -> list[bytes]:
+        n, names = r.block_names
+        if n != len(r.prompt) + len(r.output):
+            r.block_names = (len(r.prompt) + len(r.output), self.blocks.prefix_names(r.tokens))
+        return r.block_names[1]
+
+    def _held_for_a_prefix(self) -> set[str]:
+        """Waiting requests left out of this iteration's admissions: the first whole block of theirs
+        that the cache lacks is one a request now prefilling will compute, or one an earlier waiting
+        request (not held) would compute first. Admitted together, each would compute the shared
+        prefix itself; held, it takes the blocks from the cache once they are computed (SGLang's
+        in-batch prefix caching). A held request never waits on a request that cannot move first:
+        the one it waits on is running, or is ahead of it in the queue."""
+        if not self.blocks.prefix_caching or not self._waiting:
+            return set()
+        bs = self.blocks.block_size_tokens
+        computing = {name for r in self._running.values() if not r.decoding
+                     for name in self._names(r)[r.computed // bs:]}
+        held, claimed = set(), set()
+        for r in self._waiting:  # the queue's order (a preempted request is back at its front)
+            names = self._names(r)
+            first = next((i for i, name in enumerate(names) if not self.blocks.cached(name)), None)
+            if first is None:
+                continue
+            if names[first] in computing or names[first] in claimed:
+                held.add(r.request_id)
+            else:
+                claimed.update(names[first:])
+        return held
 
     def _carry_out(self, plan: IterationPlan) -> list[Segment]:
         """Preemptions, swaps and block allocations of the plan; the segments to run."""

@@ -291,15 +291,13 @@ class BlockManager:
         if not self.prefix_caching or request_id in self.tables:
             return 0
         p, bs = self.pool(pool), self.block_size_tokens
-        names, blocks, parent = [], [], b""
-        for i in range((len(token_ids) - 1) // bs):
-            name = block_key(parent, token_ids[i * bs:(i + 1) * bs])
+        names, blocks = [], []
+        for name in self.prefix_names(token_ids):
             b = p.lookup(name)
             if b is None:
                 break
             names.append(name)
             blocks.append(b)
-            parent = name
         for b in blocks:
             p.hold(b)
         self.prefix_query_tokens += len(token_ids)
@@ -307,6 +305,19 @@ class BlockManager:
         if blocks:
             self.tables[request_id] = BlockTable(p.name, blocks, len(blocks) * bs, names)
         return len(blocks) * bs
+
+    def prefix_names(self, token_ids: list[int]) -> list[bytes]:
+        """The names of the whole blocks of ``token_ids`` that a request admitted with them could take
+        from the cache (:meth:`match_prefix`'s: never the block of its last token)."""
+        bs, names, parent = self.block_size_tokens, [], b""
+        for i in range((len(token_ids) - 1) // bs):
+            parent = block_key(parent, token_ids[i * bs:(i + 1) * bs])
+            names.append(parent)
+        return names
+
+    def cached(self, name: bytes) -> bool:
+        """Whether a pool's cache holds a block of this name."""
+        return any(p.lookup(name) is not None for p in self.pools.values())
 
     def commit(self, request_id: str, token_ids: list[int], computed: int) -> None:
         """Name in the cache the request's blocks that its first ``computed`` tokens fill (their KV
