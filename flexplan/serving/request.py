@@ -31,7 +31,7 @@ class Request:
     new_tokens: list[int] = field(default_factory=list)  # since the last output
     finish_reason: str | None = None
     # the prefix cache's names of its whole blocks, for the tokens it had then: (token count, names)
-    block_names: tuple[int, list[bytes]] = field(default=(-1, []), repr=False, compare=False)
+    block_names: tuple[int, list[bytes]] = field(default_factory=lambda: (-1, []), repr=False, compare=False)
 
     @property
     def tokens(self) -> list[int]:
