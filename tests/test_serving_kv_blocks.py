@@ -51,8 +51,11 @@ def test_prefix_cache_by_hand():
     first, second = (m.match_prefix("d", a, HOST), m.tables["d"].blocks)
     assert first == 8 and pool.free_blocks == 4
     m.free("d")
+    names = m.prefix_names(a)
+    assert len(names) == 2 and all(m.cached(n) for n in names) and m.names_forgotten == 0
     taken = pool.take(5)  # the 4 free blocks, then the evictable one released first (d's second block)
     assert second[1] in taken and second[0] not in taken and pool.cached_blocks == 1
+    assert m.names_forgotten == 1 and m.cached(names[0]) and not m.cached(names[1])
     assert m.match_prefix("e", a, HOST) == 4  # its first block is still named
     assert m.prefix_hit_tokens == 8 + 4 + 8 + 4 and m.prefix_query_tokens == 10 + 8 + 10 + 10
 

@@ -419,14 +419,20 @@ class Engine:
         the one it waits on is running, or is ahead of it in the queue."""
         if not self.blocks.prefix_caching or not self._waiting:
             return set()
-        bs = self.blocks.block_size_tokens
+        bs, forgotten = self.blocks.block_size_tokens, self.blocks.names_forgotten
         computing = {name for r in self._running.values() if not r.decoding
                      for name in self._names(r)[r.computed // bs:]}
         held, claimed = set(), set()
         for r in self._waiting:  # the queue's order (a preempted request is back at its front)
             names = self._names(r)
-            first = next((i for i, name in enumerate(names) if not self.blocks.cached(name)), None)
-            if first is None:
+            # its first name the cache lacks; the names found cached before are looked up again only
+            # where the cache has dropped a name since (every iteration asks, for every waiting request)
+            when, first = r.names_cached
+            first = first if when == forgotten else 0
+            while first < len(names) and self.blocks.cached(names[first]):
+                first += 1
+            r.names_cached = (forgotten, first)
+            if first == len(names):
                 continue
             if names[first] in computing or names[first] in claimed:
                 held.add(r.request_id)

@@ -153,6 +153,7 @@ class BlockPool:
         self._cached: dict[bytes, int] = {}  # name -> block
         self._name_of: dict[int, bytes] = {}  # block -> name
         self._evictable: OrderedDict[int, None] = OrderedDict()  # named blocks no request holds, LRU first
+        self.names_forgotten = 0  # names dropped from the cache so far (a name is only ever dropped by take())
 
     @property
     def free_blocks(self) -> int:
@@ -178,6 +179,7 @@ class BlockPool:
             else:
                 b, _ = self._evictable.popitem(last=False)
                 del self._cached[self._name_of.pop(b)]
+                self.names_forgotten += 1
             self._holders[b] = 1
             out.append(b)
         return out
@@ -318,6 +320,11 @@ class BlockManager:
     def cached(self, name: bytes) -> bool:
         """Whether a pool's cache holds a block of this name."""
         return any(p.lookup(name) is not None for p in self.pools.values())
+
+    @property
+    def names_forgotten(self) -> int:
+        """Names the pools' caches have dropped so far: while it stays, a name found cached still is."""
+        return sum(p.names_forgotten for p in self.pools.values())
 
     def commit(self, request_id: str, token_ids: list[int], computed: int) -> None:
         """Name in the cache the request's blocks that its first ``computed`` tokens fill (their KV

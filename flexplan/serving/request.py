@@ -32,6 +32,8 @@ class Request:
     finish_reason: str | None = None
     # the prefix cache's names of its whole blocks, for the tokens it had then: (token count, names)
     block_names: tuple[int, list[bytes]] = field(default_factory=lambda: (-1, []), repr=False, compare=False)
+    # how many of those names the cache held when last looked, and the caches' forgotten-names count then
+    names_cached: tuple[int, int] = field(default=(-1, 0), repr=False, compare=False)
 
     @property
     def tokens(self) -> list[int]:
