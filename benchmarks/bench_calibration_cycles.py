@@ -44,7 +44,6 @@ TARGETS = {"full": 5.0, "quick": 10.0, "probe": 25.0, "warm": 5.0}
 TARGET_P90_FULL = 10.0
 
 
-
 def flexplan_cmd(*args: str, env: dict) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "flexplan", *args]
     r = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=REPO_ROOT)

@@ -10,7 +10,7 @@ its ``llama-bench`` run, a STREAM triad sample before each):
 - llama.cpp: ``llama-bench`` on the same file, same threads: the prefill time PROMPT / pp tokens/s
   of ``-p PROMPT -n 0`` (from an empty context), the TPOT 1 / tg tokens/s of ``-p 0 -n NEW -d PROMPT``:
   its decode after PROMPT tokens of context, as flexplan's follows its prompt (at ``-d 0`` llama.cpp
-  would attend PROMPT fewer keys a token: on SmolLM2 after 128 tokens its decode is ~10-15% slower).
+  would attend PROMPT fewer keys a token than flexplan does).
 
 Reported per file: medians over the rounds, flexplan / llama.cpp for each phase, and the decode's
 compressed bytes per token over its TPOT (the GB/s of weights it reads) as a fraction of the
@@ -29,7 +29,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from common import LLAMA_CPP_HOW, REPO_ROOT, llama_cpp_tool, machine_description, triad_gbs, write_result  # noqa: E402
+from common import LLAMA_CPP_HOW, llama_cpp_tool, machine_description, triad_gbs, use_threads, write_result  # noqa: E402
 
 
 
@@ -71,15 +71,11 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=os.cpu_count())
     ap.add_argument("--name", default="gguf_vs_llama_cpp")
     args = ap.parse_args()
-    os.environ.setdefault("OMP_NUM_THREADS", str(args.threads))
-    sys.path.insert(0, str(REPO_ROOT))
-    import torch
-
+    use_threads(args.threads)
     import flexplan
     from flexplan.quant.quant_linear import QuantLinear
     from flexplan.smollm import gguf_path
 
-    torch.set_num_threads(args.threads)
     tool = llama_cpp_tool("llama-bench")
     if tool is None:
         raise SystemExit(f"this benchmark needs llama.cpp's llama-bench: {LLAMA_CPP_HOW}")

@@ -80,7 +80,6 @@ def run_side(src: Path, args) -> dict[str, dict]:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-
 def summary(rounds: list[dict[str, dict]]) -> dict:
     """Per model the median over rounds of its median; the median and worst over models."""
     per_model = {m: statistics.median(r[m]["median_ms"] for r in rounds) for m in rounds[0]}

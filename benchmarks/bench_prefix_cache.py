@@ -17,10 +17,9 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import sys
 import time
 
-from common import REPO_ROOT, triad_gbs, write_result  # noqa: E402
+from common import triad_gbs, use_threads, write_result  # noqa: E402
 
 
 
@@ -60,13 +59,9 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=os.cpu_count())
     ap.add_argument("--name", default="prefix_cache")
     args = ap.parse_args()
-    os.environ.setdefault("OMP_NUM_THREADS", str(args.threads))
-    sys.path.insert(0, str(REPO_ROOT))
-    import torch
-
+    torch = use_threads(args.threads)
     import flexplan
 
-    torch.set_num_threads(args.threads)
     engines = {on: flexplan.Engine.from_pretrained(args.model, weights=args.weights, prefix_caching=on)
                for on in (True, False)}
     vocab = engines[True].vocab_size

@@ -35,7 +35,7 @@ import subprocess
 import time
 from pathlib import Path
 
-from common import write_result  # noqa: E402
+from common import use_threads, write_result  # noqa: E402
 
 LLAMA_BENCH = os.environ.get("FLEXPLAN_LLAMA_BENCH",
                              "/work/llamacpp/llama_cpp_python-0.3.36/vendor/llama.cpp/build/bin/llama-bench")
@@ -197,13 +197,10 @@ def main() -> int:
     ap.add_argument("--note", default="", help="the machine's state (shared, loaded, ...)")
     ap.add_argument("--name", default="bench_quant_gemv")
     args = ap.parse_args()
-    os.environ.setdefault("OMP_NUM_THREADS", str(args.threads))  # the kernel's OpenMP threads, read at its start
-    import torch
-
+    use_threads(args.threads)
     from flexplan.quant.kernels import NATIVE_FORMATS, status
     from flexplan.smollm import gguf_path
 
-    torch.set_num_threads(args.threads)
     native, why = status()
     if native is None:
         raise SystemExit(f"no native quantised kernel: {why}")

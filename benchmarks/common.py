@@ -147,3 +147,13 @@ def triad_gbs(digits: int = 1) -> float:
     from flexplan.measure.stream import stream_triad_bytes_per_s
 
     return round(stream_triad_bytes_per_s(128 * 2**20, repeats=3) / 1e9, digits)
+
+
+def use_threads(threads: int):
+    """This process's torch and OpenMP kernels on ``threads`` threads (OMP_NUM_THREADS unless the
+    caller set it: the native kernels read it when they start); returns torch."""
+    os.environ.setdefault("OMP_NUM_THREADS", str(threads))
+    import torch
+
+    torch.set_num_threads(threads)
+    return torch
