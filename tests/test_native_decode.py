@@ -113,6 +113,15 @@ def test_rotary_rows_kept_per_position_are_the_modules_own():
     rows = cpu_decode.RotaryRows(dynamic.model)  # its frequencies follow the length: never kept
     assert rows(x, 3, 1, 64) is not None and rows.rows == {} and not rows.static
 
+    class Shifted(type(rot)):  # a forward of its own (here: one position on): never kept
+        def forward(self, x, position_ids):
+            return super().forward(x, position_ids + 1)
+
+    stack.rotary_emb = shifted = Shifted(stack.config)
+    rows = cpu_decode.RotaryRows(stack)
+    want = shifted(x, torch.full((1, 1), 3))[0].reshape(1, 64)
+    assert torch.equal(rows(x, 3, 1, 64)[0], want) and rows.rows == {} and not rows.static
+
 
 @needs_decode
 @pytest.mark.parametrize("family", ["llama", "qwen2"])

@@ -170,9 +170,9 @@ class RotaryRows:
     decode step asks transformers' rotary module for one position's, ~10 small torch ops a step
     (each started with cold caches after the weights' stream), and the next request asks for the
     same positions again. A kept pair is what the module itself returned for that position, so the
-    step's numbers are the same. Kept only where the module's output depends on the position alone:
-    a rope type that does not rescale its frequencies with the length (dynamic, longrope) and the
-    same frequencies and scaling as when kept (a later ``inv_freq`` write or reload starts afresh)."""
+    step's numbers are the same. Kept only where the module's output depends on the position alone
+    (:meth:`_static`) and with the same frequencies and scaling as when kept (a later ``inv_freq``
+    write or reload starts afresh)."""
 
     MAX_POSITIONS = 4096  # kept pairs at most; then it starts afresh (a few MB at head_dim 128)
 
@@ -184,8 +184,11 @@ class RotaryRows:
 
     @staticmethod
     def _static(rotary: nn.Module) -> bool:
+        """Llama's rotary forward (any family's copy of it), and a rope type its transformers
+        decorator (dynamic_rope_update) does not recompute the frequencies for by the length."""
         rope_type = str(getattr(rotary, "rope_type", "default"))
-        return "dynamic" not in rope_type and "longrope" not in rope_type
+        return (_same_code(type(rotary).forward, _llama().LlamaRotaryEmbedding.forward)
+                and "dynamic" not in rope_type and "longrope" not in rope_type)
 
     def __call__(self, x: torch.Tensor, pos: int, batch: int, head_dim: int):
         """(cos, sin) [batch, head_dim] of position ``pos`` for every row (x: the step's float32
