@@ -93,6 +93,9 @@ def test_gemm_writes_into_the_output_it_is_given():
     y = torch.full((3, 16), float("nan"))
     assert NATIVE.gemm(qt.data, Q4_1, x, y=y) is y  # every element written, the caller's tensor returned
     assert torch.equal(y, NATIVE.gemm(qt.data, Q4_1, x))
+    for bad in (torch.empty(3, 15), torch.empty(16, 3).t(), torch.empty(3, 16, dtype=torch.float64)):
+        with pytest.raises(InvalidInputError, match=r"takes a contiguous float32 \[3, 16\]"):
+            NATIVE.gemm(qt.data, Q4_1, x, y=bad)
 
 
 @needs_native

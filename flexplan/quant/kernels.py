@@ -139,6 +139,10 @@ class NativeQuant:
         out, k = data.shape[0], x2d.shape[1]
         if y is None:
             y = torch.empty(x2d.shape[0], out, dtype=torch.float32)
+        elif y.shape != (x2d.shape[0], out) or y.dtype != torch.float32 or not y.is_contiguous() or y.device.type != "cpu":
+            raise InvalidInputError(f"quantised GEMM: the output given is {tuple(y.shape)} {y.dtype} on {y.device}"
+                                    f"{'' if y.is_contiguous() else ', not contiguous'}; it takes a contiguous "
+                                    f"float32 [{x2d.shape[0]}, {out}] tensor on the CPU")
         rc = self._gemm(data.data_ptr(), wtype(fmt, interleaved), x2d.data_ptr(), y.data_ptr(),
                         None if bias is None else bias.data_ptr(), out, k, x2d.shape[0], int(float_act))
         if rc == 2:
