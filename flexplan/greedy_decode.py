@@ -10,8 +10,10 @@ transformers' greedy search takes it, until an end-of-sequence token or the leng
 Taken only where the tokens are transformers' by construction (:func:`plain_greedy`): one prompt
 (batch 1, no padding) in flexplan's cache, its generation settings merged by transformers' own
 code, greedy, one beam and one sequence, no logits processor or stopping criterion beyond the
-end-of-sequence tokens and the length, no argument beyond the prompt and its mask, the sequences
-tensor returned. Anything else runs transformers' loop.
+end-of-sequence tokens and the length, no argument beyond the prompt, its mask and a streamer, the
+sequences tensor returned. Anything else runs transformers' loop. A streamer is fed as transformers'
+loop feeds it (the prompt, then each new token as a [1] tensor, then ``end()``): a streamed request
+(``flexplan run``'s answer, a ``TextStreamer``) decodes as fast as one that is not.
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ NO_OP = {"do_sample": (False,), "num_beams": (1,), "num_return_sequences": (1,),
          "output_attentions": (False,), "output_hidden_states": (False,), "output_scores": (False,),
          "output_logits": (False,), "return_dict_in_generate": (False,)}
 MODEL_ARGUMENTS = frozenset({"attention_mask"})  # besides generation settings, what generate()'s call may carry
+STREAMER = "streamer"  # generate()'s own argument, not a model's: fed here as transformers' loop feeds it
 
 
 def plain_greedy(model, inputs, generation_config, kwargs: dict[str, Any]):
@@ -58,7 +61,7 @@ def plain_greedy(model, inputs, generation_config, kwargs: dict[str, Any]):
         return None
     try:
         gc, model_kwargs = prepare(generation_config, **{k: v for k, v in kwargs.items()
-                                                         if k not in ("input_ids", CACHE_KWARG)})
+                                                         if k not in ("input_ids", CACHE_KWARG, STREAMER)})
     except Exception:  # noqa: BLE001 - whatever transformers refuses, its own loop says so
         return None
     if set(model_kwargs) - MODEL_ARGUMENTS:
@@ -80,11 +83,16 @@ def generate(model, inputs, gc, kwargs: dict[str, Any]) -> torch.Tensor:
     """The sequences [1, prompt + new] transformers' greedy search gives for this plain request."""
     x = inputs if inputs is not None else kwargs["input_ids"]
     args = {k: v for k, v in kwargs.items() if k in MODEL_ARGUMENTS or k == CACHE_KWARG}
+    streamer = kwargs.get(STREAMER)
     first = copy.deepcopy(gc)
     first.max_new_tokens, first.max_length = 1, None
+    if streamer is not None:  # transformers' order: the prompt, each token as it is chosen, then end()
+        streamer.put(x.cpu())
     seq = model.generate(x, generation_config=first, **args)  # the prefill and its token, transformers' own
     cache, eos = args.get(CACHE_KWARG), eos_ids(gc)
     tokens = [seq[:, -1:]]
+    if streamer is not None:
+        streamer.put(tokens[-1].reshape(-1).cpu())
     with torch.no_grad():
         for _ in range(gc.max_new_tokens - 1):
             if int(tokens[-1]) in eos:
@@ -92,4 +100,8 @@ def generate(model, inputs, gc, kwargs: dict[str, Any]) -> torch.Tensor:
             logits = model(input_ids=tokens[-1], use_cache=True, **{CACHE_KWARG: cache}).logits
             # greedy search's choice: the float32 logits of the last position, their first largest
             tokens.append(torch.argmax(logits[:, -1, :].float(), dim=-1, keepdim=True))
+            if streamer is not None:
+                streamer.put(tokens[-1].reshape(-1).cpu())
+    if streamer is not None:
+        streamer.end()
     return torch.cat([seq] + tokens[1:], dim=1) if len(tokens) > 1 else seq

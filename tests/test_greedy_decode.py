@@ -90,3 +90,38 @@ def test_a_model_whose_decode_is_not_native_runs_transformers_loop(one_thread, m
     ids = torch.tensor([[5, 17, 33, 9]])
     assert torch.equal(lm.generate(ids, max_new_tokens=5), ref.generate(ids, max_new_tokens=5))
     assert not lm.executor.decodes_natively and runs == []
+
+
+class _Recording:
+    """transformers' streamer protocol, recorded: each put() value, and end()."""
+
+    def __init__(self):
+        self.puts, self.ended = [], 0
+
+    def put(self, value):
+        assert not self.ended, "a put() after end()"
+        self.puts.append(value.clone())
+
+    def end(self):
+        self.ended += 1
+
+
+@needs_decode
+def test_a_streamed_plain_greedy_request_takes_the_loop_and_streams_as_transformers(one_thread, monkeypatch):
+    """A streamer (``flexplan run``'s TextStreamer) keeps the request on flexplan's loop, and sees what
+    transformers' loop shows it: the prompt, each new token as a [1] tensor (an end-of-sequence one
+    included), then one end()."""
+    ref, lm = _loaded("llama")
+    runs = _counting(monkeypatch)
+    ids = torch.tensor([[5, 17, 33, 9, 61]])
+    stop_at = int(ref.generate(ids, max_new_tokens=8, do_sample=False)[0, ids.shape[1] + 2])
+    for kw in (dict(max_new_tokens=8), dict(max_new_tokens=8, eos_token_id=stop_at), dict(max_new_tokens=1)):
+        ours, theirs = _Recording(), _Recording()
+        out = lm.generate(ids, streamer=ours, **kw)
+        assert torch.equal(out, ref.generate(ids, streamer=theirs, **kw)), kw
+        assert lm.last_stats.native_stack_steps == out.shape[1] - ids.shape[1] - 1, kw
+        assert ours.ended == theirs.ended == 1, kw
+        assert [p.shape for p in ours.puts] == [p.shape for p in theirs.puts], kw
+        assert all(torch.equal(a, b) for a, b in zip(ours.puts, theirs.puts)), kw
+        assert len(ours.puts) == out.shape[1] - ids.shape[1] + 1, kw
+    assert len(runs) == 3
