@@ -6,7 +6,7 @@ round (interleaved), a STREAM triad sample beside each run:
 
 - ``flexplan``: ``flexplan serve`` (the engine, continuous batching) over HTTP; ``flexplan:OPTIONS``
   passes the server options after the colon, e.g. ``flexplan:--tpot-target-ms=150`` beside ``flexplan``;
-- ``sequential``: flexplan's own ``generate()``, one request at a time, in this process;
+- ``sequential``: flexplan's own ``generate()``, one request at a time, in a process of its own;
 - ``llama-server``: llama.cpp's server (continuous batching, ``-np`` slots) on the same weights in the
   same precision (an F32 GGUF made from the shipped Q4_1 file with ``llama-quantize``: the values
   flexplan's float32 folder holds), the same threads;
@@ -168,48 +168,89 @@ class HttpTarget:
         return t0, times, used if used is not None else len(times)
 
 
-class SequentialTarget:
-    """flexplan's own generate(), one request at a time in a worker thread (FIFO)."""
+def _sequential_worker(model: str, threads: int, conn) -> None:
+    """The one-at-a-time target's own process: (text, max_tokens) in, (each token's time, tokens) out,
+    until None. A process of its own, as every server target has, so the client's event loop never
+    shares the GIL or the cores' time slices with the decode it times. The length is forced as
+    ``ignore_eos`` forces the servers': no end-of-sequence token to stop at (a generation config
+    without one), not ``min_new_tokens``, whose logits processor would cost each step and leave
+    flexplan's own greedy loop for transformers'."""
+    import copy
 
-    def __init__(self, model_dir: Path, name: str = "sequential"):
-        self.model_dir, self.name = model_dir, name
-        self.lm = None
+    import torch
 
-    def start(self) -> None:
-        sys.path.insert(0, str(REPO_ROOT))
-        import flexplan
+    sys.path.insert(0, str(REPO_ROOT))
+    import flexplan
 
-        self.lm = flexplan.load(str(self.model_dir), dtype="float32")
-        self.lock = threading.Lock()
+    torch.set_num_threads(threads)
+    lm = flexplan.load(model, dtype="float32")
+    conn.send("ready")
+    while (msg := conn.recv()) is not None:
+        text, max_tokens = msg
+        ids = lm.tokenizer(text, add_special_tokens=False)["input_ids"]
+        config = copy.deepcopy(lm.model.generation_config)
+        config.update(eos_token_id=None, max_new_tokens=max_tokens, min_new_tokens=None, do_sample=False)
+        stamp = _Stamp()
+        out = lm.generate(torch.tensor([ids]), generation_config=config, streamer=stamp)
+        conn.send((stamp.times, int(out.shape[1]) - len(ids)))
 
-    def stop(self) -> None:
+
+class _Stamp:
+    """transformers' streamer protocol: put() per new token, the prompt first. time.perf_counter()
+    is CLOCK_MONOTONIC on Linux, the same clock in the client's process."""
+
+    def __init__(self):
+        self.times, self.first = [], True
+
+    def put(self, value):
+        if self.first:
+            self.first = False
+            return
+        self.times.append(time.perf_counter())
+
+    def end(self):
         pass
 
-    async def request(self, client, text: str, max_tokens: int) -> tuple[float, list[float], int]:
-        import torch
 
-        ids = self.lm.tokenizer(text, add_special_tokens=False)["input_ids"]
+class SequentialTarget:
+    """flexplan's own generate(), one request at a time (FIFO), in a worker process."""
+
+    def __init__(self, model: Path, threads: int, name: str = "sequential"):
+        self.model, self.threads, self.name = model, threads, name
+        self.proc = self.conn = None
+        self.lock = threading.Lock()
+
+    def start(self, timeout_s: float = 300.0) -> None:
+        import multiprocessing
+
+        ctx = multiprocessing.get_context("spawn")
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=_sequential_worker, args=(str(self.model), self.threads, child), daemon=True)
+        self.proc.start()
+        child.close()
+        if not self.conn.poll(timeout_s):
+            self.stop()
+            raise SystemExit(f"{self.name}: the generate() worker did not load {self.model} in {timeout_s:.0f} s")
+        self.conn.recv()
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            try:
+                self.conn.send(None)
+            except (BrokenPipeError, OSError):
+                pass
+            self.proc.join(20)
+            if self.proc.is_alive():
+                self.proc.kill()
+        self.proc = None
+
+    async def request(self, client, text: str, max_tokens: int) -> tuple[float, list[float], int]:
         t0 = time.perf_counter()
 
-        class Stamp:  # transformers' streamer protocol: put() per new token, the prompt first
-            def __init__(self):
-                self.times, self.first = [], True
-
-            def put(self, value):
-                if self.first:
-                    self.first = False
-                    return
-                self.times.append(time.perf_counter())
-
-            def end(self):
-                pass
-
         def run():
-            s = Stamp()
             with self.lock:  # one request at a time: the next waits for this one's end
-                out = self.lm.generate(torch.tensor([ids]), max_new_tokens=max_tokens, min_new_tokens=max_tokens,
-                                       do_sample=False, streamer=s)
-            return s.times, int(out.shape[1]) - len(ids)
+                self.conn.send((text, max_tokens))
+                return self.conn.recv()
 
         times, n = await asyncio.to_thread(run)
         return t0, times, n
@@ -269,9 +310,9 @@ def make_targets(names: list[str], model_dir: Path, threads: int, slots: int, ct
                                           "127.0.0.1", "--port", str(port), *shlex.split(options)],
                                    port, weights.name)
         elif name == "sequential":
-            out[name] = SequentialTarget(model_dir)
+            out[name] = SequentialTarget(model_dir, threads)
         elif name == "sequential-q4_1":
-            out[name] = SequentialTarget(gguf_path(), name)
+            out[name] = SequentialTarget(gguf_path(), threads, name)
         elif name in ("llama-server", "llama-server-q4_1"):
             server = llama_cpp_tool("llama-server")
             if server is None:
