@@ -201,6 +201,9 @@ def run(args: argparse.Namespace) -> int:
     app = server.create_app(engine, name, aliases=aliases, max_waiting=args.max_waiting, drain_s=args.drain_s)
     try:
         server.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    except server.ServerFailed as e:
+        print(f"flexplan serve: error: {e}", file=sys.stderr)
+        return 1
     finally:
         engine.close()
     return 0

@@ -45,6 +45,7 @@ class DoubleEngine:
         self.gate = threading.Event()  # cleared: step() waits (a test holds requests in the queue)
         self.gate.set()
         self.fail_next = False  # the next step() raises, as an engine bug would
+        self.main_thread_only = False  # step() refuses any thread but the main one (server.run's rule)
         self.waiting: deque = deque()
         self.running: dict[str, dict] = {}
         self.aborted: list[dict] = []
@@ -84,6 +85,8 @@ class DoubleEngine:
                            blocks_cached={"host": 0})
 
     def step(self) -> list[RequestOutput]:
+        if self.main_thread_only and threading.current_thread() is not threading.main_thread():
+            raise RuntimeError(f"step() on {threading.current_thread().name}, not the main thread")
         self.gate.wait()
         if self.fail_next:
             self.fail_next = False
@@ -116,5 +119,6 @@ if __name__ == "__main__":  # a server over the double, for the SIGTERM test
     from flexplan.serving import server
 
     engine = DoubleEngine(max_model_len=4096, step_s=0.05)
+    engine.main_thread_only = True  # server.run steps the engine on the thread that calls it
     server.run(server.create_app(engine, "double", drain_s=float(sys.argv[2])), port=int(sys.argv[1]),
                log_level="warning")

@@ -270,6 +270,20 @@ def test_a_full_queue_is_429_and_the_server_recovers():
         s.stop()
 
 
+def test_a_server_that_cannot_bind_its_port_exits_with_an_error():
+    """server.run steps the engine on the main thread and serves HTTP on another: when that one
+    cannot start (the port is taken), the process exits non-zero at once, saying so, not waits."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        port = taken.getsockname()[1]
+        env = dict(os.environ, PYTHONPATH=f"{TESTS}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+        r = subprocess.run([sys.executable, str(TESTS / "serving_double.py"), str(port), "1.0"], env=env,
+                           capture_output=True, text=True, timeout=60)
+    assert r.returncode != 0
+    assert f"127.0.0.1:{port}" in r.stderr and "--port" in r.stderr, r.stderr[-2000:]
+
+
 def test_sigterm_drains_in_flight_requests_then_exits_zero():
     port = free_port()
     env = dict(os.environ, PYTHONPATH=f"{TESTS}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")

@@ -1,6 +1,9 @@
 """The bridge between the HTTP front (asyncio) and the engine (blocking ``step()``): one thread
 owns the engine and runs ``step()`` while work exists; each request's outputs reach its handler
-through its own asyncio queue, fed with ``loop.call_soon_threadsafe``.
+through its own asyncio queue, fed with ``loop.call_soon_threadsafe``. That thread is the loop's own
+(:meth:`EngineLoop.start`, from the app's lifespan), or the caller's (:meth:`EngineLoop.run_here`:
+``flexplan serve`` steps the engine on the main thread that loaded the model, the HTTP server on
+another; see :func:`flexplan.serving.server.run` for why).
 
 Rules:
 - only the stepping thread calls the engine (``add_request``, ``abort``, ``step``, ``stats``): a
@@ -74,13 +77,36 @@ class EngineLoop:
         self._stop = False
         self._thread: threading.Thread | None = None
         self._aio: asyncio.AbstractEventLoop | None = None
+        self._attached = threading.Event()  # the event loop is known (run_here waits for it)
+        self.hosted = False  # True: run_here() steps the engine on its caller's thread, start() only attaches
 
     # ---- lifecycle ----
     def start(self) -> None:
-        """Start the stepping thread; call from the event loop that will read the queues."""
+        """Start the stepping thread (hosted: let :meth:`run_here` begin); call from the event loop
+        that will read the queues."""
         self._aio = asyncio.get_running_loop()
-        self._thread = threading.Thread(target=self._run, name="flexplan-engine-loop", daemon=True)
-        self._thread.start()
+        self._attached.set()
+        if not self.hosted:
+            self._thread = threading.Thread(target=self._run, name="flexplan-engine-loop", daemon=True)
+            self._thread.start()
+
+    def run_here(self, alive) -> bool:
+        """Step the engine on this thread (``hosted`` must be set before the app starts) until
+        :meth:`stop`, or until ``alive()`` (the HTTP server's thread) turns false. True: stopped
+        as asked; False: the server went away first (e.g. it could not bind its port)."""
+        while not self._attached.wait(IDLE_WAIT_S):
+            if self._stop:
+                return True
+            if not alive():
+                return False
+        while True:
+            try:
+                if self._once():
+                    return True
+            except Exception as e:  # a bug in the engine: fail its requests, keep serving the next ones
+                self._failed(e)
+            if not self.engine.has_unfinished() and not alive() and not self._stop:
+                return False
 
     def begin_drain(self, grace_s: float) -> None:
         """Refuse new requests; abort those still in flight after ``grace_s`` seconds. Takes no lock:
@@ -213,11 +239,13 @@ class EngineLoop:
                 if self._once():
                     return
             except Exception as e:  # a bug in the engine: fail its requests, keep serving the next ones
-                log.exception("the engine failed; answering the requests in flight with an error")
-                self._fail_all(EngineFailure(f"the engine failed ({type(e).__name__}: {e}); the request was "
-                                             "aborted"))
-                self._wake.wait(IDLE_WAIT_S)  # an engine that fails at once again does not spin the CPU
-                self._wake.clear()
+                self._failed(e)
+
+    def _failed(self, e: Exception) -> None:
+        log.exception("the engine failed; answering the requests in flight with an error")
+        self._fail_all(EngineFailure(f"the engine failed ({type(e).__name__}: {e}); the request was aborted"))
+        self._wake.wait(IDLE_WAIT_S)  # an engine that fails at once again does not spin the CPU
+        self._wake.clear()
 
     def _once(self) -> bool:
         """One pass: the inbox applied, one iteration run (or a wait for work); True: stop now."""

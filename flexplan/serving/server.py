@@ -20,6 +20,7 @@ import dataclasses
 import json
 import logging
 import signal
+import threading
 
 import uvicorn
 from fastapi import FastAPI, Request
@@ -27,6 +28,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from jinja2 import TemplateError
 
+from flexplan.errors import FlexplanError
 from flexplan.serving import openai_protocol as oa
 from flexplan.serving.loop import (
     EngineFailure,
@@ -303,6 +305,10 @@ async def _stream(served: _Served, request: Request, rid: str, q: asyncio.Queue,
     return StreamingResponse(events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
 
+class ServerFailed(FlexplanError):
+    """The HTTP server stopped on its own (it could not start, or failed) while the engine ran."""
+
+
 class _DrainingServer(uvicorn.Server):
     """uvicorn that, on SIGTERM or SIGINT, first tells the engine loop to drain, and exits 0 once
     done (uvicorn would re-raise the signal: the drain is the handling it asked for)."""
@@ -319,8 +325,30 @@ class _DrainingServer(uvicorn.Server):
 
 
 def run(app: FastAPI, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info") -> None:
-    """Serve ``app`` until SIGTERM / SIGINT; in-flight requests get ``drain_s`` seconds."""
+    """Serve ``app`` until SIGTERM / SIGINT; in-flight requests get ``drain_s`` seconds.
+
+    The engine steps on this (the calling, main) thread and uvicorn runs on another. Rule: one
+    thread runs every OpenMP region of the process. The thread that loaded the model keeps an
+    OpenMP thread pool; a second thread stepping the engine starts a second pool, and once libgomp
+    manages more threads than there are cores its workers stop spinning between parallel regions
+    and sleep: every region of a decode step then pays a wake-up, which made SmolLM2's decode
+    iterations 2.5-3x slower. The HTTP thread runs no torch. Signals reach the main thread, which
+    hands them to uvicorn (which listens for them only on the main thread itself)."""
     drain_s = app.state.drain_s
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=drain_s + 2,
                             access_log=False)
-    _DrainingServer(config, app).run()
+    http = _DrainingServer(config, app)
+    loop = app.state.served.loop
+    loop.hosted = True
+    thread = threading.Thread(target=http.run, name="flexplan-http", daemon=True)
+    handlers = {sig: signal.signal(sig, http.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        thread.start()
+        stopped = loop.run_here(thread.is_alive)
+    finally:
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
+    thread.join(drain_s + 5)
+    if not (stopped and http.started):  # it stopped before the engine, or never bound its port
+        raise ServerFailed(f"the HTTP server on {host}:{port} stopped before the engine (its log above says why: "
+                           "e.g. the port is in use; give another with --port)")
