@@ -35,6 +35,7 @@ from __future__ import annotations
 import copy
 import inspect
 import threading
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 from torch import nn
@@ -130,6 +131,9 @@ class ModelRunner:
         self.blocks = blocks
         self.device = next(model.parameters()).device
         self._local = threading.local()  # the batch this thread's forward runs (sub-batches run in threads)
+        # forward_async's one thread, kept for the runner's life: a thread per call would start (and
+        # end) its own OpenMP pool for every iteration's host sub-batch
+        self._side: ThreadPoolExecutor | None = None
         self._placeholder_mask = torch.ones(1, 1, 1, 1, dtype=torch.bool, device=self.device)
         self._takes_logits_to_keep = "logits_to_keep" in inspect.signature(type(model).forward).parameters
         self.modules = self._install()
@@ -170,6 +174,9 @@ class ModelRunner:
 
     def close(self) -> None:
         """Give each attention module its own config back (the model is as it was loaded)."""
+        if self._side is not None:
+            self._side.shutdown(wait=True)
+            self._side = None
         for m in self.modules:
             m.__dict__.pop(RUNNER, None)
             original = m.__dict__.pop("_flexplan_paged_config", None)
@@ -213,7 +220,9 @@ class ModelRunner:
         """:meth:`forward` on a thread of its own (on an accelerator, its own stream, after the
         work queued so far): ``.result()`` waits for the logits. The CPU's attention kernel and
         PyTorch's ops release the GIL, so it runs beside the caller's own forward."""
-        return PendingForward(self, segments, phase)
+        if self._side is None:
+            self._side = ThreadPoolExecutor(1, thread_name_prefix="flexplan-sub-batch")
+        return PendingForward(self, segments, phase, self._side)
 
     def forward_sub_batches(self, sub_batches: list[list[Segment]], phase: str | None = None) -> torch.Tensor:
         """NEO's asymmetric pipelining: each sub-batch its own forward, all at once (the first on
@@ -308,11 +317,11 @@ class ModelRunner:
     @staticmethod
     def _prefill_each(g: Group, query, layer: int, window, scale: float) -> torch.Tensor:
         """A prefill group attended request by request, each on its own keys: [N, hq, maxQ, d].
-        Rule: never pad prompts to the group's longest; padded to maxQ x maxK under one mask, a
-        chunk of a 384-token prompt and a few short ones cost 35-43% of the trace's prefill on the
-        CPU (SmolLM2, 16 prompts). A prompt computed from its first token is causal (SDPA's own
-        is_causal, as generate() runs it); a chunk after cached or earlier keys gets its
-        lower-right causal mask, and a window narrows either."""
+        Rule: never pad prompts to the group's longest; padded to maxQ x maxK under one mask, a chunk
+        of one long prompt beside a few short ones does the long one's work for each. A prompt
+        computed from its first token is causal (SDPA's own is_causal, as generate() runs it); a
+        chunk after cached or earlier keys gets its lower-right causal mask, and a window narrows
+        either."""
         n, max_q = g.q_index.shape
         hq, pool, flat = query.shape[1], g.pool, query[0]
         k_all, v_all = pool.k_slots[layer], pool.v_slots[layer]
@@ -371,31 +380,24 @@ class ModelRunner:
 
 
 class PendingForward:
-    """A forward running on its own thread (:meth:`ModelRunner.forward_async`)."""
+    """A forward running on the runner's side thread (:meth:`ModelRunner.forward_async`)."""
 
-    def __init__(self, runner: ModelRunner, segments: list[Segment], phase: str | None = None):
+    def __init__(self, runner: ModelRunner, segments: list[Segment], phase: str | None,
+                 side: ThreadPoolExecutor):
         self.segments = segments
-        self._out: torch.Tensor | BaseException | None = None
         dev = runner.device
         stream = torch.cuda.Stream(dev) if dev.type == "cuda" else None
         if stream is not None:
             stream.wait_stream(torch.cuda.current_stream(dev))  # the swaps queued before it
 
-        def run() -> None:
-            try:
-                if stream is None:
-                    self._out = runner.forward(segments, phase)
-                else:
-                    with torch.cuda.stream(stream):
-                        self._out = runner.forward(segments, phase)
-            except BaseException as e:  # noqa: BLE001 - raised again by result(), in the caller's thread
-                self._out = e
+        def run() -> torch.Tensor:
+            if stream is None:
+                return runner.forward(segments, phase)
+            with torch.cuda.stream(stream):
+                return runner.forward(segments, phase)
 
-        self._thread = threading.Thread(target=run, name="flexplan-sub-batch", daemon=True)
-        self._thread.start()
+        self._future = side.submit(run)
 
     def result(self) -> torch.Tensor:
-        self._thread.join()
-        if isinstance(self._out, BaseException):
-            raise self._out
-        return self._out
+        """The logits; an exception the forward raised, raised again here, in the caller's thread."""
+        return self._future.result()
