@@ -331,8 +331,8 @@ def run(app: FastAPI, host: str = "127.0.0.1", port: int = 8000, log_level: str 
     thread runs every OpenMP region of the process. The thread that loaded the model keeps an
     OpenMP thread pool; a second thread stepping the engine starts a second pool, and once libgomp
     manages more threads than there are cores its workers stop spinning between parallel regions
-    and sleep: every region of a decode step then pays a wake-up, which made SmolLM2's decode
-    iterations 2.5-3x slower. The HTTP thread runs no torch. Signals reach the main thread, which
+    and sleep: every region of a decode step then pays a wake-up (docs/serve.md, "Rooms"). The
+    HTTP thread runs no torch. Signals reach the main thread, which
     hands them to uvicorn (which listens for them only on the main thread itself)."""
     drain_s = app.state.drain_s
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=drain_s + 2,
