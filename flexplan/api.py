@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from flexplan import greedy_decode
+from flexplan.compute_thread import ComputeThread
 from flexplan.errors import DeviceUnavailableError, FlexplanError, InvalidInputError
 from flexplan.estimator.policies import REGISTRY, placement_of
 from flexplan.executor.cpu_backend import local_cpu_cores, local_cpu_dtype
@@ -120,6 +121,7 @@ class FlexModel:
         self.tokenizer = tokenizer
         self.cpu_threads_source = cpu_threads_source  # why the executor runs this many CPU threads
         self.last_stats: RunStats | None = None
+        self.compute_thread = ComputeThread()  # generate() on another thread warns once (compute_thread.py)
         # "auto" or a dict of overrides: planned per request shape; a Plan: fixed
         self._auto = isinstance(plan_spec, dict) or plan_spec == "auto"
         self._plan_spec = {k: v for k, v in plan_spec.items() if k not in DEFAULT_SHAPE} if isinstance(plan_spec, dict) else plan_spec
@@ -237,6 +239,7 @@ class FlexModel:
     def generate(self, inputs=None, generation_config=None, *args, **kwargs):
         """transformers' ``generate`` (same arguments, same return value), run under the plan;
         fills ``last_stats``."""
+        self.compute_thread.check("FlexModel.generate()")
         batch, eff_batch, input_len, max_new = self._request_shape(inputs, generation_config, kwargs)
         if not str(self.executor.link.name).startswith("cuda"):  # every KV byte is in host memory
             check_kv_fits_host(self.executor.spec, eff_batch, input_len + max_new,

@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from flexplan.compute_thread import ComputeThread
 from flexplan.errors import DeviceUnavailableError, FlexplanError, InvalidInputError
 from flexplan.executor import cpu_linear
 from flexplan.quant.sources import DENSE, GGUF_BLOCKS, weights_source
@@ -176,6 +177,7 @@ class Engine:
         self.last_iteration_s = 0.0  # wall time of the last step()'s swaps, forward and sampling
         self._in_flight: PendingForward | None = None  # host decodes overlapping the next iteration (APEX)
         self._held_outputs: list[RequestOutput] = []  # collected early (an abort waited for them)
+        self.compute_thread = ComputeThread()  # step() on another thread warns once (compute_thread.py)
 
     @classmethod
     def from_pretrained(cls, path=None, *, weights: str | None = None, device: str | None = None,
@@ -349,6 +351,7 @@ class Engine:
         request that finished its prefill or decoded. Outputs of requests that produced tokens,
         finished or were aborted. Under APEX's asynchronous overlap the host decodes of an
         iteration run beside the next and their tokens come out of that next step()."""
+        self.compute_thread.check("Engine.step()")
         outputs = [r.take_output() for r in self._aborted] + self._held_outputs + self._collect_in_flight()
         self._aborted, self._held_outputs = [], []
         if not (self._waiting or self._running):
