@@ -327,13 +327,10 @@ class _DrainingServer(uvicorn.Server):
 def run(app: FastAPI, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info") -> None:
     """Serve ``app`` until SIGTERM / SIGINT; in-flight requests get ``drain_s`` seconds.
 
-    The engine steps on this (the calling, main) thread and uvicorn runs on another. Rule: one
-    thread runs every OpenMP region of the process. The thread that loaded the model keeps an
-    OpenMP thread pool; a second thread stepping the engine starts a second pool, and once libgomp
-    manages more threads than there are cores its workers stop spinning between parallel regions
-    and sleep: every region of a decode step then pays a wake-up (docs/serve.md, "Rooms"). The
-    HTTP thread runs no torch. Signals reach the main thread, which
-    hands them to uvicorn (which listens for them only on the main thread itself)."""
+    The engine steps on this (the calling, main) thread, the one that loaded the model, and uvicorn
+    runs on another: :mod:`flexplan.compute_thread`'s rule (one thread runs every OpenMP region).
+    The HTTP thread runs no torch. Signals reach the main thread, which hands them to uvicorn (it
+    listens for them only when it runs on the main thread itself)."""
     drain_s = app.state.drain_s
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=drain_s + 2,
                             access_log=False)
