@@ -203,7 +203,7 @@ def run(args: argparse.Namespace) -> int:
         server.run(app, host=args.host, port=args.port, log_level=args.log_level)
     except server.ServerFailed as e:
         print(f"flexplan serve: error: {e}", file=sys.stderr)
-        return 1
+        return 2
     finally:
         engine.close()
     return 0

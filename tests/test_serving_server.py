@@ -584,6 +584,18 @@ def test_flexplan_serve_places_a_model_with_accelerator(tmp_path, tokenizer):
         assert proc.wait(15) == 0, proc.stdout.read()
 
 
+@pytest.mark.slow
+def test_flexplan_serve_on_a_port_in_use_exits_2_naming_it(tmp_path, tokenizer):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        port = taken.getsockname()[1]
+        proc = _serve([str(_tiny_folder(tmp_path, tokenizer)), "--cpu-memory", "0.05"], port)
+        out = proc.communicate(timeout=120)[0]
+    assert proc.returncode == 2, out
+    assert f"flexplan serve: error: the HTTP server on 127.0.0.1:{port}" in out and "--port" in out
+
+
 def test_flexplan_serve_on_a_folder_without_a_model_is_one_line_and_exit_2(tmp_path, capsys, tokenizer):
     from flexplan.cli import main
 
