@@ -105,8 +105,11 @@ class EngineLoop:
                     return True
             except Exception as e:  # a bug in the engine: fail its requests, keep serving the next ones
                 self._failed(e)
-            if not self.engine.has_unfinished() and not alive() and not self._stop:
-                return False
+            if not alive():  # no server left to answer: what is in flight is aborted, then this returns
+                if self._draining_until is None or self._draining_until > time.monotonic():
+                    self._draining_until = time.monotonic()
+                if not self.engine.has_unfinished():
+                    return self._stop
 
     def begin_drain(self, grace_s: float) -> None:
         """Refuse new requests; abort those still in flight after ``grace_s`` seconds. Takes no lock:
@@ -180,7 +183,10 @@ class EngineLoop:
                 item = t.ended_by[0]
             elif item.finished and self.metrics is not None:
                 self.metrics.observe_finished(item, (t.first_token_s or now) - t.arrival_s, now - t.arrival_s)
-        self._aio.call_soon_threadsafe(t.queue.put_nowait, item)
+        try:
+            self._aio.call_soon_threadsafe(t.queue.put_nowait, item)
+        except RuntimeError:  # the event loop is closed (the server exited at once): no handler is left to tell
+            pass
 
     def _apply_inbox(self) -> None:
         with self._lock:

@@ -346,6 +346,6 @@ def run(app: FastAPI, host: str = "127.0.0.1", port: int = 8000, log_level: str 
         for sig, handler in handlers.items():
             signal.signal(sig, handler)
     thread.join(drain_s + 5)
-    if not (stopped and http.started):  # it stopped before the engine, or never bound its port
+    if not http.started or not (stopped or http.should_exit):  # never bound its port, or stopped unasked
         raise ServerFailed(f"the HTTP server on {host}:{port} stopped before the engine (its log above says why: "
                            "e.g. the port is in use; give another with --port)")
