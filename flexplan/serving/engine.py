@@ -408,8 +408,7 @@ class Engine:
         return self._finish(pending.segments, pending.result())
 
     def _names(self, r: Request) -> list[bytes]:
-        n, names = r.block_names
-        if n != len(r.prompt) + len(r.output):
+        if r.block_names[0] != len(r.prompt) + len(r.output):
             r.block_names = (len(r.prompt) + len(r.output), self.blocks.prefix_names(r.tokens))
         return r.block_names[1]
 

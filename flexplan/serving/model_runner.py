@@ -326,21 +326,12 @@ class ModelRunner:
         hq, pool, flat = query.shape[1], g.pool, query[0]
         k_all, v_all = pool.k_slots[layer], pool.v_slots[layer]
         res = query.new_zeros(n, hq, max_q, v_all.shape[-1])
-        q_lens, kv_lens = g.q_valid.sum(1).tolist(), g.kv_len.tolist()
-        for r in range(n):
-            q_len, k_len = q_lens[r], kv_lens[r]
-            start = k_len - q_len  # the first query's position: keys before it are cached or earlier chunks'
-            slots = g.kv_slots[r, :k_len]
+        for r, (q_len, slots, rows, mask) in enumerate(_each_request(g, window, k_all.device)):
             k = k_all.index_select(0, slots).transpose(0, 1).unsqueeze(0)  # [1, hk, k_len, d]
             v = v_all.index_select(0, slots).transpose(0, 1).unsqueeze(0)
-            q = flat.index_select(1, g.q_index[r, :q_len]).unsqueeze(0).to(k.device)  # [1, hq, q_len, d]
+            q = flat.index_select(1, rows).unsqueeze(0).to(k.device)  # [1, hq, q_len, d]
             if k.dtype != q.dtype:  # a pool narrower than the model (kv_dtype): widened for SDPA
                 k, v = k.to(q.dtype), v.to(q.dtype)
-            mask = None
-            if start or (window and window < k_len):
-                i = torch.arange(start, k_len, device=k.device)[:, None]
-                j = torch.arange(k_len, device=k.device)[None, :]
-                mask = (j <= i) & ((j > i - window) if window else True)
             out = nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
                                                              scale=scale, enable_gqa=hq != k.shape[1])
             res[r, :, :q_len] = out[0].to(res.device, res.dtype)
@@ -377,6 +368,24 @@ class ModelRunner:
         n, hq, _, d = q.shape
         out = ops.decode_attention(q.reshape(n, hq, d).to(torch.float32).contiguous(), keys, values, mask, scale)
         return out.view(n, hq, 1, d).to(q.dtype)
+
+
+def _each_request(g: Group, window, device) -> list:
+    """Per request of a prefill group: (its query count, key slots, query rows, and mask or None
+    for SDPA's is_causal), made once per iteration and window (every layer reads the same)."""
+    key = ("each", window)
+    if key not in g.masks:
+        each = []
+        for r, (q_len, k_len) in enumerate(zip(g.q_valid.sum(1).tolist(), g.kv_len.tolist())):
+            start = k_len - q_len  # the first query's position: keys before it are cached or earlier chunks'
+            mask = None
+            if start or (window and window < k_len):
+                i = torch.arange(start, k_len, device=device)[:, None]
+                j = torch.arange(k_len, device=device)[None, :]
+                mask = (j <= i) & ((j > i - window) if window else True)
+            each.append((q_len, g.kv_slots[r, :k_len], g.q_index[r, :q_len], mask))
+        g.masks[key] = each
+    return g.masks[key]
 
 
 class PendingForward:
