@@ -17,8 +17,8 @@ VOCAB_SIZE = 259
 EOS_ID = 258
 # transformers model_type -> the GGUF architecture llama.cpp's converter writes it as
 GGUF_ARCH = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3_text": "gemma3",
-             "qwen3_moe": "qwen3moe", "mixtral": "llama"}
-ARCHS = ("llama", "mistral", "qwen2", "qwen3", "gemma3", "qwen3_moe", "mixtral")
+             "qwen3_moe": "qwen3moe", "mixtral": "llama", "gpt_oss": "gpt-oss"}
+ARCHS = ("llama", "mistral", "qwen2", "qwen3", "gemma3", "qwen3_moe", "mixtral", "gpt_oss")
 
 
 def tiny_model(arch: str, seed: int = 0):
@@ -41,6 +41,10 @@ def tiny_model(arch: str, seed: int = 0):
         "qwen3_moe": lambda: transformers.Qwen3MoeConfig(**common, head_dim=16, moe_intermediate_size=32,
                                                          num_experts=4, num_experts_per_tok=2, norm_topk_prob=True,
                                                          tie_word_embeddings=False),
+        "gpt_oss": lambda: transformers.GptOssConfig(**{**common, "intermediate_size": 32,
+                                                        "max_position_embeddings": 131072}, head_dim=16,
+                                                     num_local_experts=4, num_experts_per_tok=2, sliding_window=4,
+                                                     tie_word_embeddings=False),
         "mixtral": lambda: transformers.MixtralConfig(**{**common, "intermediate_size": 32}, num_local_experts=4,
                                                       num_experts_per_tok=2, tie_word_embeddings=False),
     }[arch]()
@@ -86,6 +90,11 @@ def _metadata(w: gguf.GGUFWriter, config, arch: str, name: str) -> None:
         w.add_expert_count(config.num_experts)
         w.add_expert_used_count(config.num_experts_per_tok)
         w.add_expert_feed_forward_length(config.moe_intermediate_size)
+    if arch == "gpt-oss":  # the converter's GptOssModel: its window and experts (rope: the class's YaRN defaults)
+        w.add_sliding_window(config.sliding_window)
+        w.add_expert_count(config.num_local_experts)
+        w.add_expert_used_count(config.num_experts_per_tok)
+        w.add_expert_feed_forward_length(config.intermediate_size)
     if config.model_type == "mixtral":  # the converter's LlamaModel: the experts' count, their width is the FFN's
         w.add_expert_count(config.num_local_experts)
         w.add_expert_used_count(config.num_experts_per_tok)
@@ -111,19 +120,28 @@ def _tensors(model, arch: str, experts_apart: bool = False):
         if hf_name == "lm_head.weight" and config.tie_word_embeddings:
             continue
         value = p.detach().float().numpy().copy()
-        if hf_name.endswith((".gate_up_proj", ".down_proj")) and ".experts." in hf_name:
+        if ".experts." in hf_name and hf_name.endswith(("gate_up_proj", "down_proj", "gate_up_proj_bias", "down_proj_bias")):
             layer = hf_name.split(".layers.")[1].split(".")[0]
-            stacks = dict(zip(("ffn_gate", "ffn_up"), np.split(value, 2, axis=1))) if hf_name.endswith(
-                "gate_up_proj") else {"ffn_down": value}
+            suffix = "bias" if hf_name.endswith("_bias") else "weight"
+            if arch == "gpt-oss" and suffix == "weight":
+                value = value.swapaxes(1, 2)  # transformers holds gpt-oss's experts [E, in, out]
+            if "gate_up_proj" not in hf_name:
+                stacks = {"ffn_down": value}
+            elif arch == "gpt-oss":  # GptOssModel.modify_tensors: gate the even rows, up the odd ones
+                stacks = {"ffn_gate": value[:, 0::2], "ffn_up": value[:, 1::2]}
+            else:
+                stacks = dict(zip(("ffn_gate", "ffn_up"), np.split(value, 2, axis=1)))
             for kind, stack in stacks.items():
                 if experts_apart:
-                    yield from ((f"blk.{layer}.{kind}.{e}.weight", stack[e]) for e in range(stack.shape[0]))
+                    yield from ((f"blk.{layer}.{kind}.{e}.{suffix}", stack[e]) for e in range(stack.shape[0]))
                 else:
-                    yield f"blk.{layer}.{kind}_exps.weight", stack
+                    yield f"blk.{layer}.{kind}_exps.{suffix}", np.ascontiguousarray(stack)
             continue
         gguf_name = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
         if gguf_name is None:
             raise KeyError(f"no GGUF name for {hf_name}")
+        if not gguf_name.endswith((".weight", ".bias")):  # a bare parameter (gpt-oss's sinks): filter_tensors adds it
+            gguf_name += ".weight"
         if arch == "llama" and gguf_name.endswith(("attn_q.weight", "attn_k.weight")):
             heads = config.num_attention_heads if "attn_q" in gguf_name else config.num_key_value_heads
             value = _permute(value, heads)
@@ -132,17 +150,22 @@ def _tensors(model, arch: str, experts_apart: bool = False):
         yield gguf_name, value
 
 
-def write_gguf(model, path, qtype: str = "F32", name: str | None = None, experts_apart: bool = False) -> None:
+def write_gguf(model, path, qtype: str = "F32", name: str | None = None, experts_apart: bool = False,
+               experts_qtype: str | None = None) -> None:
     """``model`` as a GGUF file: 2-D weights in ``qtype`` (F32, F16, Q8_0, Q4_0, Q4_1: gguf's own
-    quantisers), 1-D tensors, experts' stacks and the F32 choice as float32; ``experts_apart``:
-    see :func:`_tensors`."""
+    quantisers), 1-D tensors, experts' stacks (in ``experts_qtype`` where given, e.g. MXFP4 as
+    gpt-oss's files hold them) and the F32 choice as float32; ``experts_apart``: see :func:`_tensors`."""
     config = model.config
     arch = GGUF_ARCH[config.model_type]
     w = gguf.GGUFWriter(str(path), arch)
     _metadata(w, config, arch, name or f"tiny-{config.model_type}")
     q = gguf.GGMLQuantizationType[qtype]
     for gguf_name, value in _tensors(model, arch, experts_apart):
-        if value.ndim == 2 and q not in (gguf.GGMLQuantizationType.F32,):
+        weight = gguf_name.endswith(".weight")  # biases stay float32, as the converter keeps them
+        if weight and value.ndim == 3 and experts_qtype is not None:
+            eq = gguf.GGMLQuantizationType[experts_qtype]
+            w.add_tensor(gguf_name, gguf.quants.quantize(value, eq), raw_dtype=eq)
+        elif weight and value.ndim == 2 and q not in (gguf.GGMLQuantizationType.F32,):
             data = value.astype(np.float16) if q == gguf.GGMLQuantizationType.F16 else gguf.quants.quantize(value, q)
             w.add_tensor(gguf_name, data, raw_dtype=q)
         else:

@@ -41,11 +41,16 @@ from flexplan.workload.gguf_header import read_header
 
 # the GGUF architectures whose tensors this loader maps (general.architecture; llama.cpp writes
 # Mistral, SmolLM and Mixtral as "llama"), each checked against transformers on small files (tests/test_gguf_archs.py)
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma3", "qwen3moe")
-ARCHITECTURE_NOTE = "llama (Llama, Mistral, SmolLM, Mixtral), qwen2, qwen3, gemma3, qwen3moe"
-# fused routed experts (transformers 5 holds [experts, out, in] per layer): GGUF keeps gate and up
-# apart; concatenated gate first on the out axis, as transformers' Qwen2MoeTensorProcessor does
-FUSED_EXPERTS = {"gate_up_proj": ("ffn_gate_exps", "ffn_up_exps"), "down_proj": ("ffn_down_exps",)}
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma3", "qwen3moe", "gpt-oss")
+ARCHITECTURE_NOTE = "llama (Llama, Mistral, SmolLM, Mixtral), qwen2, qwen3, gemma3, qwen3moe, gpt-oss"
+# fused routed experts (transformers 5 holds [experts, out, in] per layer, or [experts, in, out] where
+# the module says ``is_transposed``) and their biases: GGUF keeps gate and up apart ([experts, out, in]
+# each); concatenated gate first on the out axis, as transformers' Qwen2MoeTensorProcessor does
+FUSED_EXPERTS = {"gate_up_proj": ("ffn_gate_exps", "ffn_up_exps"), "down_proj": ("ffn_down_exps",),
+                 "gate_up_proj_bias": ("ffn_gate_exps", "ffn_up_exps"), "down_proj_bias": ("ffn_down_exps",)}
+# the architectures whose converter split gate_up by alternate rows, not halves (llama.cpp's
+# GptOssModel.modify_tensors: gate = [:, ::2], up = [:, 1::2]): interleaved back
+INTERLEAVED_GATE_UP = ("gpt-oss",)
 
 
 def _arch_enum(name: str) -> gguf.MODEL_ARCH:
@@ -149,9 +154,10 @@ def _fused_experts(model: nn.Module, tensors: _Tensors, path: Path) -> list[str]
             raise InvalidInputError(f"{path}: experts module {mod_name} is in no decoder layer")
         for pname in params:
             n_experts, parts = params[pname].shape[0], []
+            suffix = "bias" if pname.endswith("_bias") else "weight"
             for k in FUSED_EXPERTS[pname]:
-                key = f"blk.{layer.group(1)}.{k}.weight"
-                each = [f"blk.{layer.group(1)}.{k.removesuffix('_exps')}.{e}.weight" for e in range(n_experts)]
+                key = f"blk.{layer.group(1)}.{k}.{suffix}"
+                each = [f"blk.{layer.group(1)}.{k.removesuffix('_exps')}.{e}.{suffix}" for e in range(n_experts)]
                 if tensors.has(key):
                     parts.append(tensors.dense(key))
                 elif all(tensors.has(e) for e in each):  # one tensor per expert: GGUF files before April 2024
@@ -159,12 +165,30 @@ def _fused_experts(model: nn.Module, tensors: _Tensors, path: Path) -> list[str]
                 else:
                     raise InvalidInputError(f"{path}: no tensor {key} (nor {each[0]} .. {each[-1]}, one per expert) "
                                             f"for {mod_name}.{pname}")
-            value = torch.cat(parts, dim=1)
-            keys = [f"blk.{layer.group(1)}.{k}" for k in FUSED_EXPERTS[pname]]
+            if len(parts) == 2 and tensors.weights.architecture in INTERLEAVED_GATE_UP:
+                value = torch.stack(parts, dim=2).flatten(1, 2)  # gate, up, gate, up, ... on the out axis
+            else:
+                value = torch.cat(parts, dim=1)
+            if suffix == "weight" and getattr(module, "is_transposed", False):
+                value = value.transpose(1, 2).contiguous()  # [experts, in, out], as the module holds them
+            keys = [f"blk.{layer.group(1)}.{k}.{suffix}" for k in FUSED_EXPERTS[pname]]
             _check_shape(path, " + ".join(keys), value.shape, f"{mod_name}.{pname}", params[pname].shape)
             module._parameters[pname] = nn.Parameter(value, requires_grad=False)
         filled.append(mod_name)
     return filled
+
+
+def _bare_parameters(module: nn.Module, mod_name: str, names, tensors: _Tensors, path: Path) -> None:
+    """Fill the parameters a module holds itself where the module has no GGUF name but the
+    parameter has (gpt-oss's ``self_attn.sinks``: ``blk.N.attn_sinks.weight``, the converter
+    adding ``.weight``)."""
+    for pname, param in list(module.named_parameters(recurse=False)):
+        name = names.get_name(f"{mod_name}.{pname}") if param.is_meta else None
+        key = next((k for k in (f"{name}.weight", name) if name is not None and tensors.has(k)), None)
+        if key is not None:
+            value = tensors.dense(key)
+            _check_shape(path, key, value.shape, f"{mod_name}.{pname}", param.shape)
+            module._parameters[pname] = nn.Parameter(value, requires_grad=False)
 
 
 def load_gguf_model(path: str | Path, *, tokenizer: bool = True, float_act: bool = False, dequantize_all: bool = False,
@@ -184,6 +208,7 @@ def load_gguf_model(path: str | Path, *, tokenizer: bool = True, float_act: bool
     for mod_name, module in list(model.named_modules()):
         base = names.get_name(mod_name)
         if base is None:
+            _bare_parameters(module, mod_name, names, tensors, path)
             continue
         if isinstance(module, nn.Linear):
             key = f"{base}.weight"

@@ -6,7 +6,8 @@ transformers' own key tables (``GGUF_CONFIG_MAPPING``, its per-architecture defa
 architecture-specific config builders) applied as ``load_gguf_checkpoint`` applies them, without its
 reader, which parses every vocabulary string (seconds for a 49k-token vocabulary). Additions
 (:data:`ADDED_KEYS`): widths llama.cpp writes that transformers' table leaves unread for some
-architectures (qwen3's ``attention.key_length``, qwen3moe's ``expert_feed_forward_length``), where
+architectures (qwen3's ``attention.key_length``, qwen3moe's ``expert_feed_forward_length``, gpt-oss's
+``attention.sliding_window``), where
 the config class's default would otherwise stand in for the file's value. Tests hold the result
 equal to transformers' reading wherever transformers reads the file right.
 
@@ -17,6 +18,7 @@ holds how many of its parameters. A tied head reads the embedding's blocks and h
 
 from __future__ import annotations
 
+import inspect
 import re
 from dataclasses import replace
 from functools import lru_cache
@@ -36,9 +38,11 @@ _LLAMA_WITH_EXPERTS = ("mixtral", {"expert_count": "num_local_experts", "expert_
 # architectures whose head ties to the embedding whatever the file holds (load_gguf_checkpoint's exceptions)
 _ALWAYS_TIED = ("falcon", "bloom")
 # llama.cpp's keys (after the architecture) -> the config field they set, where transformers' table
-# sets that field from no key for the architecture: its class default would stand in for the file's value
+# sets that field from no key the file holds (gpt_oss's table reads "sliding_window", llama.cpp writes
+# "attention.sliding_window"): the config class's default would stand in for the file's value
 ADDED_KEYS = {"attention.key_length": "head_dim", "expert_feed_forward_length": "moe_intermediate_size",
-              "expert_shared_feed_forward_length": "shared_expert_intermediate_size"}
+              "expert_shared_feed_forward_length": "shared_expert_intermediate_size",
+              "attention.sliding_window": "sliding_window"}
 # GGUF's tensor names (gguf-py's constants.py TENSOR_NAMES) to ModelSpec's operator groups, first match wins
 _GROUPS = (
     (r"token_embd\.", "embedding"), (r"output_norm\.", "final_norm"), (r"output\.", "lm_head"),
@@ -52,6 +56,19 @@ _GROUPS = (
 def _single(value):
     """transformers reads a one-element array as its element (``load_gguf_checkpoint``)."""
     return value[0] if isinstance(value, list) and len(value) == 1 else value
+
+
+@lru_cache(maxsize=64)
+def _declared_fields(model_type: str | None) -> frozenset[str]:
+    """The fields the config class of ``model_type`` declares (an added key sets only those: gpt-oss's
+    experts are ``intermediate_size`` wide, it has no ``moe_intermediate_size``)."""
+    from transformers import CONFIG_MAPPING
+
+    try:
+        cls = CONFIG_MAPPING[model_type]
+    except KeyError:
+        return frozenset()
+    return frozenset(inspect.signature(cls.__init__).parameters) | frozenset(getattr(cls, "__dataclass_fields__", ()))
 
 
 def hf_config_dict(header: GGUFHeader) -> dict:
@@ -81,6 +98,7 @@ def hf_config_dict(header: GGUFHeader) -> dict:
     cfg: dict = {"tie_word_embeddings": "output.weight" not in header.tensor_names or arch in _ALWAYS_TIED}
     for key, value in GGUF_CONFIG_DEFAULTS_MAPPING.get(hf_arch, GGUF_CONFIG_DEFAULTS_MAPPING.get(arch) or {}).items():
         cfg.setdefault(key, value)
+    read = set()  # the config fields transformers' table set from this file's keys
     for key, value in md.items():
         prefix, _, rest = key.replace(arch, hf_arch).partition(".")
         target = tables.get(prefix, {}).get(rest)
@@ -88,9 +106,11 @@ def hf_config_dict(header: GGUFHeader) -> dict:
             continue
         value = _single(value)
         cfg[target] = value.replace(arch, hf_arch) if isinstance(value, str) and arch in value else value
+        read.add(target)
+    declared = _declared_fields(cfg.get("model_type"))
     for key, target in ADDED_KEYS.items():
         value = md.get(f"{arch}.{key}")
-        if value is not None and target not in tables[hf_arch].values():
+        if value is not None and target not in read and target in declared:
             cfg[target] = int(_single(value))
     if cfg.get("model_type") == "gemma3":  # a Gemma 3 GGUF holds the text model only
         cfg["model_type"] = "gemma3_text"
