@@ -150,6 +150,31 @@ def _tensors(model, arch: str, experts_apart: bool = False):
         yield gguf_name, value
 
 
+def _rope_freqs(config) -> np.ndarray | None:
+    """convert_hf_to_gguf.py's LlamaModel.generate_extra_tensors: the "llama3" rope scaling as one
+    divisor per rotary frequency (``rope_freqs.weight``); None for other scalings."""
+    import math
+
+    rope = config.rope_parameters
+    if rope.get("rope_type", "").lower() != "llama3":
+        return None
+    dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    freqs = 1.0 / (rope["rope_theta"] ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+    factor, low, high = rope.get("factor", 8.0), rope.get("low_freq_factor", 1.0), rope.get("high_freq_factor", 4.0)
+    old = rope.get("original_max_position_embeddings", 8192)
+    out = []
+    for freq in freqs:
+        wavelen = 2 * math.pi / freq
+        if wavelen < old / high:
+            out.append(1)
+        elif wavelen > old / low:
+            out.append(factor)
+        else:
+            smooth = (old / wavelen - low) / (high - low)
+            out.append(1 / ((1 - smooth) / factor + smooth))
+    return torch.tensor(out, dtype=torch.float32).numpy()
+
+
 def write_gguf(model, path, qtype: str = "F32", name: str | None = None, experts_apart: bool = False,
                experts_qtype: str | None = None) -> None:
     """``model`` as a GGUF file: 2-D weights in ``qtype`` (F32, F16, Q8_0, Q4_0, Q4_1: gguf's own
@@ -170,6 +195,8 @@ def write_gguf(model, path, qtype: str = "F32", name: str | None = None, experts
             w.add_tensor(gguf_name, data, raw_dtype=q)
         else:
             w.add_tensor(gguf_name, np.ascontiguousarray(value, dtype=np.float32))
+    if arch == "llama" and (factors := _rope_freqs(config)) is not None:
+        w.add_tensor("rope_freqs.weight", factors)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

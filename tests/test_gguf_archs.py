@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 import torch
 
-from gguf_files import ARCHS, EOS_ID, tiny_model, write_gguf
+from gguf_files import ARCHS, EOS_ID, VOCAB_SIZE, tiny_model, write_gguf
 from flexplan.errors import FlexplanError, UnsupportedModelError
 from flexplan.quant.gguf_model import SUPPORTED_ARCHITECTURES, load_gguf_model
 from flexplan.quant.quant_linear import QuantLinear, set_float_activation
@@ -237,6 +237,62 @@ def test_a_mixtral_file_with_one_tensor_per_expert_loads_as_the_stacked_one(made
         load_gguf_model(odd, tokenizer=False)
 
 
+def test_llama3_rope_scaling_is_read_from_the_files_rope_freqs(tmp_path):
+    """Llama 3.1+ files carry their "llama3" rope scaling only as rope_freqs.weight (the metadata has
+    no scaling type): the rotary frequencies divided by it give the model's logits; without it they
+    are another model's."""
+    import transformers
+    from transformers import AutoModelForCausalLM
+
+    config = transformers.LlamaConfig(vocab_size=VOCAB_SIZE, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                                      initializer_range=0.2, rope_parameters={
+                                          "rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0,
+                                          "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                          "original_max_position_embeddings": 64})
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    path = tmp_path / "llama3-rope.gguf"
+    write_gguf(model, path, "F32")
+    lines = []
+    loaded, _ = load_gguf_model(path, tokenizer=False, log=lines.append)
+    assert not [line for line in lines if "not used" in line]  # every tensor of the file used, rope_freqs too
+    ids = _ids(2, 48, seed=5)
+    with torch.no_grad():
+        want, got = model(ids).logits, loaded(ids).logits
+        assert torch.allclose(got, want, atol=1e-5, rtol=0)  # llama.cpp's divisor vs transformers' product
+        plain = load_gguf_model(path, tokenizer=False)[0]
+        plain.model.rotary_emb.inv_freq = 1.0 / 10000.0 ** (torch.arange(0, 16, 2).float() / 16)  # no scaling
+        assert (plain(ids).logits - want).abs().max() > 1e-2
+    import flexplan
+
+    lm = flexplan.load(str(path))  # the executor keeps the frequencies: transformers' greedy tokens
+    assert torch.equal(_greedy(lm, ids[:1, :12], n=16), _greedy(model, ids[:1, :12], n=16))
+
+
+def test_tensors_the_model_has_no_place_for_are_named(tmp_path):
+    model = tiny_model("qwen2")
+    path = tmp_path / "extra.gguf"
+    write_gguf(model, path, "Q8_0")
+    extra = tmp_path / "extra2.gguf"
+    reader = gguf.GGUFReader(str(path))
+    w = gguf.GGUFWriter(str(extra), "qwen2")
+    for f in reader.fields.values():
+        if not f.name.startswith(("GGUF.", "general.architecture")):
+            w.add_key_value(f.name, f.contents(), f.types[0], f.types[-1] if f.types[0] == gguf.GGUFValueType.ARRAY else None)
+    for t in reader.tensors:
+        w.add_tensor(t.name, t.data, raw_dtype=t.tensor_type)
+    w.add_tensor("blk.0.nextn_proj.weight", np.zeros((4, 32), np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    lines = []
+    load_gguf_model(extra, tokenizer=False, log=lines.append)
+    assert any("1 tensors of the file have no place in transformers' Qwen2ForCausalLM and are not used: "
+               "blk.0.nextn_proj.weight" in line for line in lines), lines
+
+
 def test_gpt_oss_experts_held_in_mxfp4_are_the_gguf_readers_values(tmp_path):
     """gpt-oss's files hold the routed experts in MXFP4 (the rest Q8_0 here): dequantised at load to
     gguf's reference values, gate and up interleaved and transposed as transformers holds them."""
@@ -330,7 +386,11 @@ def _hf_folder(arch: str, folder: Path):
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, bos_token_id=1,
                   eos_token_id=2, initializer_range=0.1)
     config = {
-        "llama": lambda: transformers.LlamaConfig(**common, tie_word_embeddings=True),
+        # Llama 3.1's rope scaling (llama.cpp writes it as rope_freqs.weight), its original context short
+        # enough that the 64-token sequences below turn the scaled frequencies
+        "llama": lambda: transformers.LlamaConfig(**common, tie_word_embeddings=True, rope_parameters={
+            "rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 64}),
         "mistral": lambda: transformers.MistralConfig(**common, sliding_window=None),
         "qwen2": lambda: transformers.Qwen2Config(**common, tie_word_embeddings=True),
         "qwen3": lambda: transformers.Qwen3Config(**common, head_dim=64),
@@ -399,7 +459,12 @@ def test_llama_cpps_own_files(converted, arch):
     ids = torch.randint(0, SMOLLM_VOCAB, (2, 64), generator=torch.Generator().manual_seed(0))
     f32, _ = load_gguf_model(out["f32"], tokenizer=False, log=lambda line: None)
     with torch.no_grad():
-        assert torch.equal(f32(ids).logits, model(ids).logits)
+        got, want = f32(ids).logits, model(ids).logits
+    if "rope_freqs.weight" in read_header(out["f32"]).tensor_names:
+        # llama.cpp's divisors: the frequencies within 1.5e-8 of transformers' products, the logits 1.1e-5
+        assert torch.allclose(got, want, atol=1e-4, rtol=0)
+    else:
+        assert torch.equal(got, want)
     for q in ("q8_0", "q4_0"):
         ref, _ = load_gguf_model(out[q], tokenizer=False, dequantize_all=True)
         blocks, _ = load_gguf_model(out[q], tokenizer=False, log=lambda line: None)

@@ -191,6 +191,32 @@ def _bare_parameters(module: nn.Module, mod_name: str, names, tensors: _Tensors,
             module._parameters[pname] = nn.Parameter(value, requires_grad=False)
 
 
+# llama.cpp's rotary frequency divisors (convert_hf_to_gguf writes them for Llama 3.1+'s "llama3"
+# rope scaling, whose parameters the metadata does not carry; llama.cpp divides each frequency by its
+# factor): the rotary embedding's frequencies divided the same way, as transformers' llama3 scaling sets them
+ROPE_FREQS = "rope_freqs.weight"
+
+
+def _rope_freqs(model: nn.Module, tensors: _Tensors, path: Path) -> int:
+    """Divide every rotary embedding's ``inv_freq`` by the file's :data:`ROPE_FREQS`; the modules set."""
+    if not tensors.has(ROPE_FREQS):
+        return 0
+    factors = tensors.dense(ROPE_FREQS).reshape(-1)
+    done = 0
+    for name, m in model.named_modules():
+        inv = getattr(m, "inv_freq", None)
+        if not isinstance(inv, torch.Tensor):
+            continue
+        if inv.shape != factors.shape:
+            raise InvalidInputError(f"{path}: {ROPE_FREQS} holds {factors.numel()} factors but {name} has "
+                                    f"{inv.numel()} rotary frequencies; the file's metadata and tensors disagree")
+        m.inv_freq = (inv / factors).to(inv.dtype)
+        if isinstance(getattr(m, "original_inv_freq", None), torch.Tensor):
+            m.original_inv_freq = m.inv_freq.clone()
+        done += 1
+    return done
+
+
 def load_gguf_model(path: str | Path, *, tokenizer: bool = True, float_act: bool = False, dequantize_all: bool = False,
                     log=None):
     """(model, tokenizer) from GGUF file ``path``: decoder linears as QuantLinear on the file's blocks
@@ -243,6 +269,11 @@ def load_gguf_model(path: str | Path, *, tokenizer: bool = True, float_act: bool
     left = [n for n, p in model.named_parameters() if p.is_meta]
     if left:
         raise InvalidInputError(f"{path}: no GGUF tensor found for {', '.join(left[:5])}")
+    _rope_freqs(model, tensors, path)
+    unused = sorted(set(weights.tensors) - tensors.used)
+    if unused:  # said, not refused: what transformers' model of the file has no place for is not computed
+        log(f"flexplan: {len(unused)} tensors of the file have no place in transformers' {type(model).__name__} "
+            f"and are not used: {', '.join(unused[:6])}{' ...' if len(unused) > 6 else ''}")
     for fmt, keys in dequantised.items():
         if BY_NAME[fmt].is_float:  # stored unquantised: nothing to run on blocks
             log(f"flexplan: {len(keys)} {fmt} linear weights run as float32 (the file stores them unquantised)")
