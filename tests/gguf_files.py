@@ -17,8 +17,9 @@ VOCAB_SIZE = 259
 EOS_ID = 258
 # transformers model_type -> the GGUF architecture llama.cpp's converter writes it as
 GGUF_ARCH = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3_text": "gemma3",
-             "qwen3_moe": "qwen3moe", "mixtral": "llama", "gpt_oss": "gpt-oss"}
-ARCHS = ("llama", "mistral", "qwen2", "qwen3", "gemma3", "qwen3_moe", "mixtral", "gpt_oss")
+             "qwen3_moe": "qwen3moe", "mixtral": "llama", "gpt_oss": "gpt-oss", "qwen2_moe": "qwen2moe",
+             "gemma2": "gemma2"}
+ARCHS = ("llama", "mistral", "qwen2", "qwen3", "gemma3", "qwen3_moe", "mixtral", "gpt_oss", "qwen2_moe", "gemma2")
 
 
 def tiny_model(arch: str, seed: int = 0):
@@ -45,6 +46,10 @@ def tiny_model(arch: str, seed: int = 0):
                                                         "max_position_embeddings": 131072}, head_dim=16,
                                                      num_local_experts=4, num_experts_per_tok=2, sliding_window=4,
                                                      tie_word_embeddings=False),
+        "qwen2_moe": lambda: transformers.Qwen2MoeConfig(**common, moe_intermediate_size=32,
+                                                         shared_expert_intermediate_size=64, num_experts=4,
+                                                         num_experts_per_tok=2, tie_word_embeddings=False),
+        "gemma2": lambda: transformers.Gemma2Config(**common, head_dim=16, sliding_window=4, query_pre_attn_scalar=256),
         "mixtral": lambda: transformers.MixtralConfig(**{**common, "intermediate_size": 32}, num_local_experts=4,
                                                       num_experts_per_tok=2, tie_word_embeddings=False),
     }[arch]()
@@ -84,12 +89,14 @@ def _metadata(w: gguf.GGUFWriter, config, arch: str, name: str) -> None:
     if config.to_dict().get("head_dim") is not None:  # the converter writes the widths a config states
         w.add_key_length(head_dim)
         w.add_value_length(head_dim)
-    if arch == "gemma3":
+    if arch in ("gemma2", "gemma3"):
         w.add_sliding_window(config.sliding_window)
-    if arch == "qwen3moe":
+    if arch in ("qwen2moe", "qwen3moe"):
         w.add_expert_count(config.num_experts)
         w.add_expert_used_count(config.num_experts_per_tok)
         w.add_expert_feed_forward_length(config.moe_intermediate_size)
+    if arch == "qwen2moe":
+        w.add_expert_shared_feed_forward_length(config.shared_expert_intermediate_size)
     if arch == "gpt-oss":  # the converter's GptOssModel: its window and experts (rope: the class's YaRN defaults)
         w.add_sliding_window(config.sliding_window)
         w.add_expert_count(config.num_local_experts)
@@ -145,7 +152,9 @@ def _tensors(model, arch: str, experts_apart: bool = False):
         if arch == "llama" and gguf_name.endswith(("attn_q.weight", "attn_k.weight")):
             heads = config.num_attention_heads if "attn_q" in gguf_name else config.num_key_value_heads
             value = _permute(value, heads)
-        if arch == "gemma3" and "norm" in gguf_name:
+        if gguf_name.endswith("ffn_gate_inp_shexp.weight"):
+            value = value.reshape(-1)  # the converter writes the shared expert's one-row gate 1-D
+        if arch in ("gemma2", "gemma3") and "norm" in gguf_name:
             value = value + 1  # transformers' Gemma RMSNorm scales by (1 + w); llama.cpp stores w + 1
         yield gguf_name, value
 

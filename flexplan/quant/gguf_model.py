@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import re
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import gguf
@@ -41,8 +42,8 @@ from flexplan.workload.gguf_header import read_header
 
 # the GGUF architectures whose tensors this loader maps (general.architecture; llama.cpp writes
 # Mistral, SmolLM and Mixtral as "llama"), each checked against transformers on small files (tests/test_gguf_archs.py)
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma3", "qwen3moe", "gpt-oss")
-ARCHITECTURE_NOTE = "llama (Llama, Mistral, SmolLM, Mixtral), qwen2, qwen3, gemma3, qwen3moe, gpt-oss"
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma2", "gemma3", "qwen2moe", "qwen3moe", "gpt-oss")
+ARCHITECTURE_NOTE = "llama (Llama, Mistral, SmolLM, Mixtral), qwen2, qwen3, gemma2, gemma3, qwen2moe, qwen3moe, gpt-oss"
 # fused routed experts (transformers 5 holds [experts, out, in] per layer, or [experts, in, out] where
 # the module says ``is_transposed``) and their biases: GGUF keeps gate and up apart ([experts, out, in]
 # each); concatenated gate first on the out axis, as transformers' Qwen2MoeTensorProcessor does
@@ -233,6 +234,8 @@ def load_gguf_model(path: str | Path, *, tokenizer: bool = True, float_act: bool
     experts = _fused_experts(model, tensors, path)
     for mod_name, module in list(model.named_modules()):
         base = names.get_name(mod_name)
+        if base is None and mod_name == "lm_head":  # an architecture whose map has no output (gemma2: always tied)
+            base = gguf.TENSOR_NAMES[gguf.MODEL_TENSOR.OUTPUT]
         if base is None:
             _bare_parameters(module, mod_name, names, tensors, path)
             continue
@@ -243,6 +246,8 @@ def load_gguf_model(path: str | Path, *, tokenizer: bool = True, float_act: bool
             if not tensors.has(key):
                 raise InvalidInputError(f"{path}: no tensor {key} for {mod_name}")
             qt = tensors.blocks(key)
+            if len(qt.shape) == 1 and module.out_features == 1:  # a one-row matrix the converter wrote 1-D
+                qt = replace(qt, data=qt.data.reshape(1, -1), shape=(1, *qt.shape))  # (Qwen2-MoE's shared-expert gate)
             _check_shape(path, key, qt.shape, f"{mod_name}.weight", (module.out_features, module.in_features))
             bias = tensors.dense(f"{base}.bias") if tensors.has(f"{base}.bias") else None
             # a format no kernel reads (a float type, or no native kernels here) is a plain float32 linear:
