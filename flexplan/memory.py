@@ -240,9 +240,10 @@ def packed_dtype(t: Tensor, weight_dtype: str, cpu_dtype: str, kernel: str | Non
 def unit_bytes(tensors: tuple[Tensor, ...], place: str, dtype: str, cpu_dtype: str, kernel: str | None) -> int:
     """Bytes of one unit's weights in ``place``: its flat buffer (64-byte aligned tensors), plus
     on the host its packed weights (GroupWeights.nbytes)."""
-    if place != HOST:  # the flat buffer: blocks (a linear's bytes per weight) as they are, the rest in the dtype
+    if place != HOST:  # the flat buffer: blocks (a linear's or the experts' bytes per weight) as they are, the rest in the dtype
         return max(1, sum(_padded(math.ceil(math.prod(t.shape) * t.bytes_per_weight) if t.bytes_per_weight
-                                  and t.kind == LINEAR else math.prod(t.shape) * DTYPE_BYTES[dtype]) for t in tensors))
+                                  and t.kind in (LINEAR, EXPERTS) else math.prod(t.shape) * DTYPE_BYTES[dtype])
+                          for t in tensors))
     wdt = cpu_weight_dtype(dtype, cpu_dtype)
     flat = packed = 0
     for t in tensors:
@@ -320,9 +321,10 @@ def _units(inv: Inventory, dtype: str, cpu_dtype: str, kernel: str | None) -> di
 
 
 def _expert_bytes(tensors: tuple[Tensor, ...], place: str, dtype: str, cpu_dtype: str) -> int:
-    """Bytes of a layer's routed-expert tensors in ``place`` (0 for a layer without them)."""
+    """Bytes of a layer's routed-expert tensors in ``place`` (0 for a layer without them): blocks
+    (QuantExperts) as they are in every memory, float experts in the place's dtype."""
     dt = cpu_dtype if place == HOST else dtype
-    return sum(math.ceil(math.prod(t.shape) * t.bytes_per_weight) if t.bytes_per_weight and place == HOST
+    return sum(math.ceil(math.prod(t.shape) * t.bytes_per_weight) if t.bytes_per_weight
                else _padded(math.prod(t.shape) * DTYPE_BYTES[dt]) for t in tensors if t.kind == EXPERTS)
 
 

@@ -26,6 +26,7 @@ import torch
 from gguf_files import ARCHS, EOS_ID, VOCAB_SIZE, tiny_model, write_gguf
 from flexplan.errors import FlexplanError, UnsupportedModelError
 from flexplan.quant.gguf_model import SUPPORTED_ARCHITECTURES, load_gguf_model
+from flexplan.quant.quant_experts import QuantExperts
 from flexplan.quant.quant_linear import QuantLinear, set_float_activation
 from flexplan.workload import resolve_model
 from flexplan.workload.gguf_config import ADDED_KEYS, hf_config
@@ -208,6 +209,50 @@ def test_the_files_blocks_agree_on_the_top_token(made, arch, qtype):
     assert _top1(model, ref, _ids(4, 64, seed=2)) >= INT8_TOP1_BOUND
 
 
+MOE_ARCHS = ("qwen3_moe", "qwen2_moe", "mixtral", "gpt_oss")
+
+
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0"])
+@pytest.mark.parametrize("arch", MOE_ARCHS)
+def test_routed_experts_run_on_the_files_blocks(tmp_path, arch, qtype):
+    """Experts stored in a kernel format stay blocks (QuantExperts, the file's bytes): with float
+    activations the dequantised model's greedy tokens, with llama.cpp's int8 ones its top token
+    within the measured bound; flexplan.load's executor runs them as they run alone."""
+    import flexplan
+
+    path = tmp_path / f"{arch}-{qtype}.gguf"
+    write_gguf(tiny_model(arch), path, qtype, experts_qtype=qtype)
+    ref, _ = load_gguf_model(path, tokenizer=False, dequantize_all=True)
+    exact, _ = load_gguf_model(path, tokenizer=False, float_act=True, log=lambda line: None)
+    experts = [m for m in exact.modules() if isinstance(m, QuantExperts)]
+    assert len(experts) == 2 and all(e.gate_up_format.name == e.down_format.name == qtype for e in experts)
+    dense = ref.model.layers[0].mlp.experts
+    assert experts[0].nbytes * 3 < sum(p.numel() * 4 for p in dense.parameters() if p.dim() == 3)
+    ids = _ids(seed=6)
+    assert torch.equal(_greedy(exact, ids), _greedy(ref, ids))
+    model, _ = load_gguf_model(path, tokenizer=False, log=lambda line: None)
+    assert _top1(model, ref, _ids(4, 64, seed=2)) >= INT8_TOP1_BOUND_OF.get(arch, INT8_TOP1_BOUND)
+    lm = flexplan.load(str(path))
+    assert any(isinstance(m, QuantExperts) for m in lm.model.modules())
+    assert torch.equal(_greedy(lm, ids), _greedy(model, ids))
+    # one native call a layer (the default SiLU gate) or a Python loop over the experts: the same GEMMs,
+    # SiLU within an ulp or two of torch's (gpt-oss's own gate always takes the loop)
+    with torch.no_grad():
+        for act in (True, False):
+            set_float_activation(model, act)
+            one = model(ids).logits
+            for m in experts_of(model):
+                m.fused = False
+            loop = model(ids).logits
+            for m in experts_of(model):
+                m.fused = True
+            assert torch.allclose(one, loop, atol=1e-4, rtol=0), (act, (one - loop).abs().max())
+
+
+def experts_of(model):
+    return [m for m in model.modules() if isinstance(m, QuantExperts)]
+
+
 def test_a_mixtral_file_with_one_tensor_per_expert_loads_as_the_stacked_one(made, tmp_path):
     """Mixtral GGUFs converted before April 2024 hold blk.N.ffn_gate.E.weight per expert: the same
     model as the stacked tensors (float32), each expert's quantised blocks where they belong (Q4_0)."""
@@ -220,13 +265,15 @@ def test_a_mixtral_file_with_one_tensor_per_expert_loads_as_the_stacked_one(made
         stacked = load_gguf_model(path("mixtral"), tokenizer=False)[0](ids).logits
         assert torch.equal(load_gguf_model(apart, tokenizer=False)[0](ids).logits, stacked)
     quantised = tmp_path / "mixtral-apart-q4_0.gguf"
-    write_gguf(models["mixtral"], quantised, "Q4_0", experts_apart=True)
+    write_gguf(models["mixtral"], quantised, "Q4_0", experts_apart=True, experts_qtype="Q4_0")
     experts = load_gguf_model(quantised, tokenizer=False, log=lambda line: None)[0].model.layers[1].mlp.experts
+    assert isinstance(experts, QuantExperts)  # the file's blocks, stacked
     reader = gguf.GGUFReader(str(quantised))
     blocks = {t.name: gguf.quants.dequantize(t.data, t.tensor_type) for t in reader.tensors}
+    gate_up, down = experts.dequantized("gate_up"), experts.dequantized("down")
     for e in range(4):
-        gate, up = experts.gate_up_proj[e].chunk(2)
-        for kind, got in (("ffn_gate", gate), ("ffn_up", up), ("ffn_down", experts.down_proj[e])):
+        gate, up = gate_up[e].chunk(2)
+        for kind, got in (("ffn_gate", gate), ("ffn_up", up), ("ffn_down", down[e])):
             assert np.array_equal(got.numpy(), blocks[f"blk.1.{kind}.{e}.weight"]), (kind, e)
     model = tiny_model("mixtral")
     model.config.num_local_experts = 5  # one expert more in the metadata than the file holds

@@ -10,7 +10,7 @@ import flexplan
 from flexplan.estimator import DefaultEfficiency, REGISTRY, Shape, phase_costs
 from flexplan.explain import format_plan
 from flexplan.hardware import get_hardware
-from flexplan.placement import ACCELERATOR, CPU_EXPERTS, HOST, ON_CPU, RESIDENT, Placement
+from flexplan.placement import ACCELERATOR, CPU_EXPERTS, HOST, ON_CPU, RESIDENT
 from flexplan.planner import placement_memory
 from flexplan.workload import resolve_model
 from flexplan.estimator.policies import placement_of
@@ -276,7 +276,7 @@ def test_cpu_experts_run_on_the_native_blocked_gemv(fresh, family, monkeypatch):
     layouts) is blocked in place (the same bytes) and the selected experts' projections are grouped
     blocked GEMVs: two native calls per (layer, step), over every routed (token, choice) row (one
     fused call with the activation for Mixtral's default SiLU gate); the tokens stay transformers'."""
-    from flexplan.executor import cpu_experts, native
+    from flexplan.executor import native
 
     if not native.available():
         pytest.skip(native.status()[1])
@@ -358,16 +358,16 @@ def test_fused_expert_call_only_for_the_default_silu_gate():
                                          num_experts_per_tok=2, num_hidden_layers=1, num_attention_heads=4,
                                          num_key_value_heads=2, vocab_size=50)
     m = experts(transformers.models.mixtral.modeling_mixtral.MixtralExperts, mixtral)
-    assert cpu_experts._default_silu_gate(m)
+    assert cpu_experts.default_silu_gate(m)
     m.act_fn = transformers.activations.ACT2FN["gelu"]
-    assert not cpu_experts._default_silu_gate(m)
+    assert not cpu_experts.default_silu_gate(m)
     m = experts(transformers.models.mixtral.modeling_mixtral.MixtralExperts, mixtral)
     m.has_post_expert_norm = True
-    assert not cpu_experts._default_silu_gate(m)
+    assert not cpu_experts.default_silu_gate(m)
     oss = transformers.GptOssConfig(hidden_size=64, intermediate_size=64, num_local_experts=4, num_experts_per_tok=2,
                                     num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                                     vocab_size=50)
-    assert not cpu_experts._default_silu_gate(experts(transformers.models.gpt_oss.modeling_gpt_oss.GptOssExperts, oss))
+    assert not cpu_experts.default_silu_gate(experts(transformers.models.gpt_oss.modeling_gpt_oss.GptOssExperts, oss))
 
 
 def test_replacing_moves_experts_between_split_and_whole_layers(fresh):

@@ -25,6 +25,8 @@ from flexplan.executor.plans import fixed_plan
 from flexplan.memory import footprint
 from flexplan.planner import _inventory
 from flexplan.quant import kernels
+from flexplan.quant import quant_experts
+from flexplan.quant.quant_experts import QuantExperts
 from flexplan.quant.quant_linear import QuantLinear
 from flexplan.workload import resolve_model
 
@@ -130,16 +132,19 @@ def test_streamed_layers_cross_the_link_as_blocks(block_models, one_thread):
     assert ex.slots.nbytes < 0.2 * params * 4  # a float32 layer's slot would be > 5x larger
 
 
-@pytest.mark.parametrize("prefill,decode", [("gpu", "gpu"), ("gpu-offload", "cpu-attention"),
-                                            ("split-points", "gpu-offload-partial"), ("cpu", "cpu")])
-def test_memory_model_predicts_what_the_executor_allocates_for_blocks(tmp_path, one_thread, prefill, decode):
+MEMORY_PAIRS = [("gpu", "gpu"), ("gpu-offload", "cpu-attention"), ("split-points", "gpu-offload-partial"), ("cpu", "cpu")]
+
+
+@pytest.mark.parametrize("arch,prefill,decode", [("llama", *p) for p in MEMORY_PAIRS]
+                         + [("qwen3_moe", *p) for p in MEMORY_PAIRS + [("cpu-experts", "cpu-experts")]])
+def test_memory_model_predicts_what_the_executor_allocates_for_blocks(tmp_path, one_thread, prefill, decode, arch):
     """The planner's memory model of a GGUF file's blocks (from its header alone) against the bytes
     the executor's link holds once placed, per memory."""
     sys.path.insert(0, str(__import__("pathlib").Path(__file__).parent))
     from gguf_files import tiny_model, write_gguf
 
     path = tmp_path / "tiny.Q4_1.gguf"
-    write_gguf(tiny_model("llama"), path, "Q4_1")
+    write_gguf(tiny_model(arch), path, "Q4_1", experts_qtype="Q4_1")  # a MoE's experts: blocks too
     spec = resolve_model(str(path))
     lm = flexplan.load(str(path), plan={"prefill": prefill, "decode": decode, "gpu_layers": 1}
                        if REGISTRY[prefill].needs_gpu_layers or REGISTRY[decode].needs_gpu_layers
@@ -151,6 +156,77 @@ def test_memory_model_predicts_what_the_executor_allocates_for_blocks(tmp_path, 
     for where in ("accelerator", "pinned", "host"):
         real, pred = ex.link.live_bytes(where), need.allocated(where)
         assert abs(pred - real) <= 0.02 * max(real, 1), (where, pred, real)
+
+
+def _moe_file(tmp_path, fmt: str):
+    """A tiny Qwen3-MoE GGUF file, every weight (routed experts too) in ``fmt``."""
+    sys.path.insert(0, str(__import__("pathlib").Path(__file__).parent))
+    from gguf_files import tiny_model, write_gguf
+
+    path = tmp_path / f"tiny-moe.{fmt}.gguf"
+    write_gguf(tiny_model("qwen3_moe"), path, fmt, experts_qtype=fmt)
+    return path
+
+
+def _file_tokens(path, prefill, decode):
+    plan = {"prefill": prefill, "decode": decode}
+    if REGISTRY[prefill].needs_gpu_layers or REGISTRY[decode].needs_gpu_layers:
+        plan["gpu_layers"] = 1
+    lm = flexplan.load(str(path), plan=plan, accelerator="cpu", gpu_memory_bytes=GIB)
+    out = lm.generate(PROMPT, max_new_tokens=NEW_TOKENS, do_sample=False, min_new_tokens=NEW_TOKENS)
+    return out[0, PROMPT.shape[1]:].tolist(), lm
+
+
+def test_routed_experts_on_blocks_run_under_every_policy(tmp_path, one_thread):
+    """A MoE file's experts held as blocks (QuantExperts) under each policy (cpu-experts among them:
+    the host computes them on their blocks): the cpu policy's tokens."""
+    path = _moe_file(tmp_path, "Q4_0")
+    want, lm = _file_tokens(path, "cpu", "cpu")
+    assert any(isinstance(m, QuantExperts) for m in lm.model.modules())
+    for prefill, decode in ROTATED_PAIRS:
+        assert _file_tokens(path, prefill, decode)[0] == want, (prefill, decode)
+
+
+@pytest.mark.parametrize("prefill,decode", [("cpu-experts", "cpu-experts"), ("gpu-offload", "cpu-experts")])
+def test_an_expert_cache_holds_blocks_on_the_accelerator(tmp_path, one_thread, prefill, decode):
+    """Layer 0 caches all four experts, layer 1 two: the cached ones compute from their blocks on
+    the accelerator, the rest on the host; the cpu policy's tokens. The cache holds blocks."""
+    from dataclasses import replace
+
+    from flexplan.plan_types import ExpertCache
+    from flexplan.quant.gguf_model import gguf_config_and_tokenizer
+
+    path = _moe_file(tmp_path, "Q4_0")
+    want, _ = _file_tokens(path, "cpu", "cpu")
+    config = gguf_config_and_tokenizer(path, tokenizer=False)[0]
+    plan = fixed_plan(config, prefill, decode, 0, batch_size=1, input_len=PROMPT.shape[1], output_len=NEW_TOKENS,
+                      gpu_memory_bytes=GIB)
+    plan = replace(plan, expert_cache=ExpertCache({0: (0, 1, 2, 3), 1: (1, 3)}, {0: 1.0, 1: 0.5}, 0, 0.0, "test"))
+    lm = flexplan.load(str(path), plan=plan, accelerator="cpu", gpu_memory_bytes=GIB)
+    out = lm.generate(PROMPT, max_new_tokens=NEW_TOKENS, do_sample=False, min_new_tokens=NEW_TOKENS)
+    assert out[0, PROMPT.shape[1]:].tolist() == want
+    caches = [place.cached for _, place in filter(None, lm.executor.expert_modules)]
+    assert [c.ids for c in caches] == [(0, 1, 2, 3), (1, 3)]
+    assert all(c.module.gate_up_blocks.dtype == torch.uint8 for c in caches)
+    rates = lm.executor.expert_cache_hit_rates()
+    assert rates[0] == 1.0 and 0.0 <= rates[1] <= 1.0
+
+
+@pytest.mark.parametrize("policy", ["gpu", "gpu-offload", "cpu-experts"])
+def test_routed_experts_dequantised_on_the_accelerators_path_equal_the_float_model(tmp_path, one_thread,
+                                                                                  monkeypatch, policy):
+    """QuantExperts on the path an accelerator takes (each selected expert's blocks dequantised by
+    torch ops) and every QuantLinear dequantising: the tokens of the float32 model of the same file."""
+    path = _moe_file(tmp_path, "Q8_0")
+    ref = flexplan.load(str(path), weights="float32", plan={"prefill": policy, "decode": policy}, accelerator="cpu",
+                        gpu_memory_bytes=GIB)
+    want = ref.generate(PROMPT, max_new_tokens=NEW_TOKENS, do_sample=False,
+                        min_new_tokens=NEW_TOKENS)[0, PROMPT.shape[1]:].tolist()
+    calls = []
+    monkeypatch.setattr(quant_experts, "kernel_reads", lambda fmt: calls.append(fmt) is not None)
+    monkeypatch.setattr(QuantLinear, "forward", QuantLinear.forward_dequantised)
+    got, _ = _file_tokens(path, policy, policy)
+    assert calls and got == want
 
 
 @needs_gguf

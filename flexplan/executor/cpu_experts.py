@@ -66,6 +66,13 @@ def _forward_signature(cls: type) -> inspect.Signature | None:
         return None
 
 
+def routed_interface(module: nn.Module) -> bool:
+    """Called as transformers' fused experts are, ``forward(hidden_states, top_k_index, top_k_weights)``,
+    whatever it holds (float experts, or a GGUF file's blocks: quant.quant_experts)."""
+    sig = _forward_signature(type(module))
+    return sig is not None and len(sig.parameters) >= 4
+
+
 def takes_routing(module: nn.Module) -> bool:
     """transformers' fused-experts interface: forward(hidden_states, top_k_index, top_k_weights)."""
     has_weights = isinstance(getattr(module, "down_proj", None), torch.Tensor) and (
@@ -168,7 +175,7 @@ def _grouped_forward(module: nn.Module, gemv, x: torch.Tensor, top_k_index: torc
     return gemv.scatter_experts(h.contiguous(), top_k_weights.float().contiguous(), pairs, tokens)
 
 
-def _default_silu_gate(module: nn.Module) -> bool:
+def default_silu_gate(module: nn.Module) -> bool:
     """Whether ``module`` gates as transformers' default does, SiLU(gate) * up over the halves of
     gate_up (``_default_apply_gate`` with a SiLU ``act_fn``), with no norm after the experts: what
     native_decode.c's fused call computes. A class with its own gate (gpt-oss's clamped SwiGLU)
@@ -188,7 +195,7 @@ def _fused_forward(module: nn.Module, x: torch.Tensor, top_k_index: torch.Tensor
     """The whole layer in one native call (NativeDecode.moe_silu), where it applies: the default
     SiLU gate, both projections blocked in one weight type, float32 biases (or none), a routing
     weight the kernel widens exactly; else None."""
-    if not _default_silu_gate(module) or top_k_weights.dtype not in native.WEIGHT_TYPES:
+    if not default_silu_gate(module) or top_k_weights.dtype not in native.WEIGHT_TYPES:
         return None
     ops = native.decode_status()[0]
     gu, dn = module.gate_up_proj, module.down_proj
@@ -249,7 +256,8 @@ def split_forward(cached: CachedExperts, x: torch.Tensor, top_k_index: torch.Ten
     hits = int(hit.sum())  # one synchronisation: the count says both how many and whether all hit
     place.cache_pairs += hits
     place.routed_pairs += int(top_k_index.numel())
-    out = routed_experts_forward(cached.module, x.to(cached.dtype), slot, top_k_weights).to(x.dtype)
+    run = routed_experts_forward if takes_routing(cached.module) else type(cached.module).forward  # blocks: their own
+    out = run(cached.module, x.to(cached.dtype), slot, top_k_weights).to(x.dtype)
     if hits == top_k_index.numel():
         return out
     miss = torch.where(hit, torch.full_like(top_k_index, cached.num_experts), top_k_index)
@@ -286,7 +294,7 @@ def _forward(module: nn.Module, place: ExpertsPlace, *args, **kwargs):
     own = type(module).forward
     if not place.on_cpu:
         return own(module, *args, **kwargs)
-    if place.cached is not None and takes_routing(module):
+    if place.cached is not None and routed_interface(module):
         return split_forward(place.cached, *_routing_args(module, args, kwargs),
                              lambda *a: _host_forward(module, place, a, {}), place)
     return _host_forward(module, place, args, kwargs)
@@ -303,7 +311,8 @@ def _host_forward(module: nn.Module, place: ExpertsPlace, args: tuple, kwargs: d
     def to_host(t):
         if not isinstance(t, torch.Tensor):
             return t
-        cast = w.dtype if t.is_floating_point() and t.dtype != w.dtype else None
+        # to the host weights' dtype where they are floats (blocks, QuantExperts', compute on float inputs)
+        cast = w.dtype if t.is_floating_point() and w.is_floating_point() and t.dtype != w.dtype else None
         return link.move(t, False, cast, "expert inputs", layer)
 
     args = tuple(to_host(a) for a in args)

@@ -29,7 +29,7 @@ class CachedExperts:
         module's parameter ``leaf`` in its stored (unblocked) layout; ``link``: allocates the
         accelerator buffer and logs the copies."""
 
-        num_experts = int(module.down_proj.shape[0])
+        num_experts = int(next(p for p in module._parameters.values() if p is not None).shape[0])
         self.ids = tuple(sorted(int(e) for e in ids))
         if not self.ids or not all(0 <= e < num_experts for e in self.ids) or len(set(self.ids)) != len(self.ids):
             raise UnsupportedModelError(f"expert cache of layer {layer}: expert ids {list(ids)} are not distinct ids "
@@ -42,19 +42,26 @@ class CachedExperts:
         dense = {n: dense_of(n) for n in leaves}
         if any(t.shape[0] != num_experts for t in dense.values()):
             raise UnsupportedModelError(f"layer {layer}'s experts module has a parameter not indexed by expert")
-        k, elem = len(self.ids), torch.empty(0, dtype=dtype).element_size()
-        sizes = {n: k * dense[n][0].numel() * elem for n in leaves}
+        # expert-indexed buffers too (QuantExperts' biases); float tensors in the cache's dtype, blocks as they are
+        indexed = {n: b for n, b in module._buffers.items() if b is not None and b.dim() and b.shape[0] == num_experts}
+        tensors = {**dense, **indexed}
+        kinds = {n: dtype if t.is_floating_point() else t.dtype for n, t in tensors.items()}
+        k = len(self.ids)
+        sizes = {n: -(-k * t[0].numel() * torch.empty(0, dtype=kinds[n]).element_size() // 64) * 64
+                 for n, t in tensors.items()}  # 64-byte aligned views, whatever each one's element
         self.nbytes = sum(sizes.values())
         self.buffer = link.alloc(self.nbytes, ACCELERATOR, f"expert cache, layer {layer}")
         self.module = copy.copy(module)
         self.module.__dict__["_parameters"] = {}
+        self.module.__dict__["_buffers"] = dict(module._buffers)
         self.module.__dict__.pop("forward", None)  # the executor's instance-level forward
         index = torch.tensor(self.ids)
         offset = 0
-        for n in leaves:
-            view = self.buffer.tensor[offset:offset + sizes[n]].view(dtype).view(k, *dense[n].shape[1:])
-            link.copy(view, dense[n].index_select(0, index).to(dtype), H2D, "expert cache", layer)
-            self.module._parameters[n] = view
+        for n, t in tensors.items():
+            nbytes = k * t[0].numel() * torch.empty(0, dtype=kinds[n]).element_size()
+            view = self.buffer.tensor[offset:offset + nbytes].view(kinds[n]).view(k, *t.shape[1:])
+            link.copy(view, t.index_select(0, index).to(kinds[n]), H2D, "expert cache", layer)
+            (self.module._parameters if n in dense else self.module._buffers)[n] = view
             offset += sizes[n]
         self.slot_of = torch.full((num_experts,), -1, dtype=torch.long)
         self.slot_of[index] = torch.arange(k)

@@ -203,6 +203,9 @@ class NativeDecode:
         self._moe_silu = lib.flexplan_moe_silu_f32
         self._moe_silu.argtypes = [ptr, ptr, i64, i64, i64] + [ptr] * 4 + [i64] * 3 + [ptr, i64, i64, ptr]
         self._moe_silu.restype = ctypes.c_int
+        self._quant_moe_silu = lib.flexplan_quant_moe_silu
+        self._quant_moe_silu.argtypes = [ptr, i64, i64, ptr, i64, i64] + [ptr] * 4 + [i64] * 3 + [ptr, i64, i64, ptr, i64]
+        self._quant_moe_silu.restype = ctypes.c_int
         self._lib = lib
 
     def rmsnorm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -233,6 +236,23 @@ class NativeDecode:
                             top_k_weights.data_ptr(), tokens, k, e, x.data_ptr(), hidden, nb * bl // 2, out.data_ptr())
         if rc:
             raise MemoryError(f"routed experts: out of memory for the scratch of {tokens} x {k} routed rows")
+        return out
+
+    def quant_moe_silu(self, gate_up: torch.Tensor, gate_up_type: int, down: torch.Tensor, down_type: int,
+                       gate_up_bias: torch.Tensor | None, down_bias: torch.Tensor | None, top_k_index: torch.Tensor,
+                       top_k_weights: torch.Tensor, x: torch.Tensor, intermediate: int, float_act: bool) -> torch.Tensor:
+        """:meth:`moe_silu` on a GGUF file's blocks (native_decode.c's flexplan_quant_moe_silu):
+        gate_up [E, 2I, row bytes] and down [E, H, row bytes] uint8 contiguous, of the kernels' type
+        ids (quant.kernels.wtype); each selected expert's rows one quantised GEMM per projection."""
+        tokens, k = top_k_index.shape
+        hidden = down.shape[1]
+        out = torch.empty(tokens, hidden, dtype=torch.float32)
+        rc = self._quant_moe_silu(gate_up.data_ptr(), gate_up_type, gate_up.stride(0), down.data_ptr(), down_type,
+                                  down.stride(0), _ptr(gate_up_bias), _ptr(down_bias), top_k_index.data_ptr(),
+                                  top_k_weights.data_ptr(), tokens, k, gate_up.shape[0], x.data_ptr(), hidden,
+                                  intermediate, out.data_ptr(), int(float_act))
+        if rc:
+            raise MemoryError(f"routed experts on blocks: out of memory for {tokens} x {k} routed rows")
         return out
 
     def decode_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,

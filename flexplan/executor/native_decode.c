@@ -20,7 +20,8 @@
  *                             RMSNorm, gate/up GEMVs, SiLU * up, down GEMV + residual.
  *   flexplan_decode_stack_f32 every layer of a decode step in one call, appending each layer's new
  *                             k and v to its KV cache itself (no Python between the layers)
- *   flexplan_moe_silu_f32     a MoE layer's routed experts with the default SiLU(gate) * up gate:
+ *   flexplan_moe_silu_f32 / flexplan_quant_moe_silu
+ *                             a MoE layer's routed experts with the default SiLU(gate) * up gate:
  *                             routing, grouped GEMVs, SiLU, weighted scatter (cpu-experts policy)
  *
  * The GEMVs are native_gemv.c's flexplan_blocked_gemv (compiled into the same library), on
@@ -493,20 +494,48 @@ int flexplan_decode_stack_f32(const flexplan_layer* const* layers, int64_t n, fl
     return 0;
 }
 
-/* The routed experts of one MoE layer whose gate is transformers' default, SiLU(gate) * up over
- * the two halves of each expert's gate_up projection (Mixtral, Qwen2/3-MoE, DeepSeek, ...), in one
- * call with no Python between its steps: the routing grouped by expert (flexplan_route_experts),
- * the selected experts' gate_up GEMVs (flexplan_grouped_gemv), SiLU(gate) * up, their down GEMVs,
- * and the weighted scatter (flexplan_scatter_experts). Wgu [E, 2 inter/64, hidden, 64] and Wd
- * [E, hidden/64, inter, 64] blocked, of weight type wtype, expert strides gu_stride and d_stride
- * elements; biases [E, 2 inter] and [E, hidden] float32 or NULL; index [tokens, k] int64, weights
- * [tokens, k] float32, x [tokens, hidden] and out [tokens, hidden] float32. Every step but SiLU
- * is the grouped path's, bit for bit; SiLU uses exp_f32 (as the dense decode layer does), within
- * an ulp or two of PyTorch's. Returns 0, or -1 when the scratch cannot be allocated. */
-int flexplan_moe_silu_f32(const void* Wgu, const void* Wd, int64_t wtype, int64_t gu_stride, int64_t d_stride,
-                          const float* bgu, const float* bd, const int64_t* index, const float* weights,
-                          int64_t tokens, int64_t k, int64_t n_experts, const float* x, int64_t hidden,
-                          int64_t inter, float* out) {
+/* One projection of every selected expert i < n: rows [row_start[i], row_start[i + 1]) of y [rows, out]
+ * = those rows of x [rows, in] times expert experts[i]'s W^T (+ its bias row of bias [E, out] if given),
+ * W at W + experts[i] * stride (elements of the blocked layout, or bytes of GGUF blocks).
+ * Returns 0, or nonzero when a GEMM could not run (out of memory). */
+typedef int (*experts_projection)(const void* W, int64_t wtype, int64_t stride, const int64_t* experts,
+                                  const int64_t* row_start, int64_t n, const float* x, float* y, const float* bias,
+                                  int64_t out, int64_t in, int64_t float_act);
+
+static int blocked_projection(const void* W, int64_t wtype, int64_t stride, const int64_t* experts,
+                              const int64_t* row_start, int64_t n, const float* x, float* y, const float* bias,
+                              int64_t out, int64_t in, int64_t float_act) {
+    (void)float_act;
+    flexplan_grouped_gemv(W, wtype, stride, experts, row_start, n, x, y, bias, out, in);
+    return 0;
+}
+
+/* a GGUF file's blocks (quant_gemv.c's types, interleaved or not): one quantised GEMM per expert,
+ * its rows at once (llama.cpp's int8 activations, or exact with float_act) */
+static int quant_projection(const void* W, int64_t wtype, int64_t stride, const int64_t* experts,
+                            const int64_t* row_start, int64_t n, const float* x, float* y, const float* bias,
+                            int64_t out, int64_t in, int64_t float_act) {
+    for (int64_t i = 0; i < n; i++) {
+        const int64_t r0 = row_start[i], rows = row_start[i + 1] - r0;
+        if (flexplan_quant_gemm((const uint8_t*)W + experts[i] * stride, wtype, x + r0 * in, y + r0 * out,
+                                bias ? bias + experts[i] * out : NULL, out, in, rows, float_act))
+            return -1;
+    }
+    return 0;
+}
+
+/* The routed experts of one MoE layer whose gate is transformers' default, SiLU(gate) * up over the
+ * two halves of each expert's gate_up projection, in one call with no Python between its steps: the
+ * routing grouped by expert (flexplan_route_experts), the selected experts' gate_up projections,
+ * SiLU(gate) * up, their down projections, and the weighted scatter (flexplan_scatter_experts).
+ * biases [E, 2 inter] and [E, hidden] float32 or NULL; index [tokens, k] int64, weights [tokens, k]
+ * float32, x [tokens, hidden] and out [tokens, hidden] float32. SiLU uses exp_f32 (as the dense
+ * decode layer does), within an ulp or two of PyTorch's. Returns 0, or -1 when the scratch cannot
+ * be allocated. */
+static int moe_silu(experts_projection project, const void* Wgu, int64_t gu_type, int64_t gu_stride, const void* Wd,
+                    int64_t d_type, int64_t d_stride, const float* bgu, const float* bd, const int64_t* index,
+                    const float* weights, int64_t tokens, int64_t k, int64_t n_experts, const float* x, int64_t hidden,
+                    int64_t inter, float* out, int64_t float_act) {
     const int64_t slots = tokens * k, n_ids = slots < n_experts ? slots : n_experts;
     if (slots == 0) { /* no token, or no choice: nothing routed (malloc(0) may return NULL) */
         memset(out, 0, sizeof(float) * (size_t)(tokens * hidden));
@@ -522,23 +551,42 @@ int flexplan_moe_silu_f32(const void* Wgu, const void* Wd, int64_t wtype, int64_
     int64_t *pairs = ints, *experts = ints + slots, *row_start = ints + slots + n_ids;
     float *gu = h + slots * hidden, *act = gu + slots * 2 * inter, *dn = act + slots * inter;
     const int64_t n = flexplan_route_experts(index, tokens, k, n_experts, x, hidden, pairs, experts, row_start, h);
-    if (n < 0) {
-        free(ints);
-        free(h);
-        return -1;
-    }
-    const int64_t rows = row_start[n];
-    flexplan_grouped_gemv(Wgu, wtype, gu_stride, experts, row_start, n, h, gu, bgu, 2 * inter, hidden);
+    int rc = n < 0 ? -1 : project(Wgu, gu_type, gu_stride, experts, row_start, n, h, gu, bgu, 2 * inter, hidden, float_act);
+    if (rc == 0) {
+        const int64_t rows = row_start[n];
 #pragma omp parallel for schedule(static) if (rows * inter >= (1 << 16))
-    for (int64_t r = 0; r < rows; r++) {
-        const float* g = gu + r * 2 * inter;
-        float* a = act + r * inter;
+        for (int64_t r = 0; r < rows; r++) {
+            const float* g = gu + r * 2 * inter;
+            float* a = act + r * inter;
 #pragma omp simd
-        for (int64_t j = 0; j < inter; j++) a[j] = g[j] / (1.0f + exp_f32(-g[j])) * g[inter + j];
+            for (int64_t j = 0; j < inter; j++) a[j] = g[j] / (1.0f + exp_f32(-g[j])) * g[inter + j];
+        }
+        rc = project(Wd, d_type, d_stride, experts, row_start, n, act, dn, bd, hidden, inter, float_act);
+        if (rc == 0) flexplan_scatter_experts(dn, weights, pairs, rows, tokens, k, out, hidden);
     }
-    flexplan_grouped_gemv(Wd, wtype, d_stride, experts, row_start, n, act, dn, bd, hidden, inter);
-    flexplan_scatter_experts(dn, weights, pairs, rows, tokens, k, out, hidden);
     free(ints);
     free(h);
-    return 0;
+    return rc ? -1 : 0;
+}
+
+/* moe_silu on blocked float experts: Wgu [E, 2 inter/64, hidden, 64] and Wd [E, hidden/64, inter, 64]
+ * of weight type wtype, expert strides gu_stride and d_stride elements. Every step but SiLU is the
+ * grouped path's (flexplan_grouped_gemv), bit for bit. */
+int flexplan_moe_silu_f32(const void* Wgu, const void* Wd, int64_t wtype, int64_t gu_stride, int64_t d_stride,
+                          const float* bgu, const float* bd, const int64_t* index, const float* weights,
+                          int64_t tokens, int64_t k, int64_t n_experts, const float* x, int64_t hidden,
+                          int64_t inter, float* out) {
+    return moe_silu(blocked_projection, Wgu, wtype, gu_stride, Wd, wtype, d_stride, bgu, bd, index, weights, tokens,
+                    k, n_experts, x, hidden, inter, out, 0);
+}
+
+/* moe_silu on a GGUF file's blocks (flexplan.quant.quant_experts): Wgu [E, 2 inter, gate_up row bytes]
+ * of quant_gemv.c type gu_type and Wd [E, hidden, down row bytes] of d_type, expert strides in bytes;
+ * each expert's rows one flexplan_quant_gemm, as the per-expert path computes them. */
+int flexplan_quant_moe_silu(const uint8_t* Wgu, int64_t gu_type, int64_t gu_stride, const uint8_t* Wd, int64_t d_type,
+                            int64_t d_stride, const float* bgu, const float* bd, const int64_t* index,
+                            const float* weights, int64_t tokens, int64_t k, int64_t n_experts, const float* x,
+                            int64_t hidden, int64_t inter, float* out, int64_t float_act) {
+    return moe_silu(quant_projection, Wgu, gu_type, gu_stride, Wd, d_type, d_stride, bgu, bd, index, weights, tokens,
+                    k, n_experts, x, hidden, inter, out, float_act);
 }

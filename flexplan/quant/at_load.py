@@ -6,8 +6,11 @@ the kernels run, so host memory peaks at the quantised model plus one float tens
   a float16 minimum each: FlexGen's group-wise int4 at the smallest group it allows, 32);
 - ``int8``: Q8_0 blocks, groups of 32, symmetric (a float16 scale each).
 
-Quantised as llama.cpp's reference does (the ``gguf`` package's quantizer); embeddings, norms,
-routers and fused experts stay float32, as a GGUF file's are once loaded (workload.weight_formats).
+Quantised as llama.cpp's reference does (the ``gguf`` package's quantizer). A MoE layer's routed
+experts (transformers' fused gate_up / down) become a
+:class:`~flexplan.quant.quant_experts.QuantExperts` on blocks of the same format, one matrix per
+expert; embeddings, norms and routers stay float32, as a GGUF file's are once loaded
+(workload.weight_formats).
 """
 
 from __future__ import annotations
@@ -22,8 +25,10 @@ from torch import nn
 
 from flexplan.errors import InvalidInputError
 from flexplan.executor.loading import SafetensorsSource, build_skeleton, read_config
+from flexplan.quant import quant_experts
 from flexplan.quant.formats import BY_NAME, BlockFormat
 from flexplan.quant.gguf_weights import QuantTensor
+from flexplan.quant.quant_experts import QuantExperts
 from flexplan.quant.quant_linear import QuantLinear
 from flexplan.workload.weight_formats import AT_LOAD
 
@@ -54,6 +59,25 @@ def quantised_linear_names(model: nn.Module, config) -> list[str]:
     return out
 
 
+def _quantized_experts(name: str, module: nn.Module, source, fmt: BlockFormat) -> QuantExperts:
+    """transformers' fused experts ``module`` read from ``source`` as QuantExperts on ``fmt`` blocks:
+    each [experts, out, in] as the module computes it (a transposed module's [experts, in, out]
+    turned), its rows in the module's order (what its gate reads)."""
+    transposed = bool(getattr(module, "is_transposed", False))
+
+    def read(leaf: str) -> torch.Tensor | None:
+        if module._parameters.get(leaf) is None:
+            return None
+        value = source(f"{name}.{leaf}").float()
+        return value.transpose(1, 2) if transposed and not leaf.endswith("_bias") else value
+
+    gate_up, down = read("gate_up_proj"), read("down_proj")
+    blocks = {leaf: quantize(f"{name}.{leaf}", w, fmt).data for leaf, w in (("gate_up_proj", gate_up), ("down_proj", down))}
+    return QuantExperts(module, (blocks["gate_up_proj"], fmt), (blocks["down_proj"], fmt), hidden=down.shape[1],
+                        intermediate=down.shape[2], gate_up_bias=read("gate_up_proj_bias"),
+                        down_bias=read("down_proj_bias"))
+
+
 def load_quantized_folder(folder: str | Path, weights: str, log=None) -> nn.Module:
     """The transformers model of ``folder`` (config.json + *.safetensors) with its decoder and head
     linears as ``QuantLinear`` on ``weights`` ("int4" / "int8") blocks, everything else float32."""
@@ -71,8 +95,12 @@ def load_quantized_folder(folder: str | Path, weights: str, log=None) -> nn.Modu
                                 "transformers converts on load, e.g. per-expert MoE tensors); weights='int4'/'int8' "
                                 "read the shards tensor by tensor: load this model without weights=")
     linears = set(quantised_linear_names(model, config))
+    experts = [n for n, m in model.named_modules() if quant_experts.replaceable(m)]
     try:
         for mod_name, module in list(model.named_modules()):
+            if mod_name in experts:
+                model.set_submodule(mod_name, _quantized_experts(mod_name, module, source, fmt))
+                continue
             if mod_name in linears:
                 weight = source(f"{mod_name}.weight")
                 qt = quantize(f"{mod_name}.weight", weight, fmt)
@@ -88,6 +116,7 @@ def load_quantized_folder(folder: str | Path, weights: str, log=None) -> nn.Modu
     if left:
         raise InvalidInputError(f"{folder}: no tensor read for {', '.join(left[:5])}")
     model.config.tie_word_embeddings = False  # the head holds its own blocks
-    log(f"flexplan: {len(linears)} linear weights of {Path(folder).name} quantised at load to {weights} "
+    also = f" and the routed experts of {len(experts)} layers" if experts else ""
+    log(f"flexplan: {len(linears)} linear weights{also} of {Path(folder).name} quantised at load to {weights} "
         f"({fmt.name} blocks: {fmt.block_weights} weights a group)")
     return model

@@ -33,7 +33,7 @@ import torch
 from torch import nn
 
 from flexplan.errors import InvalidInputError
-from flexplan.quant import kernels
+from flexplan.quant import kernels, quant_experts
 from flexplan.quant.formats import BY_NAME
 from flexplan.quant.gguf_weights import GGUFWeights, read_gguf
 from flexplan.quant.quant_linear import QuantLinear
@@ -143,40 +143,89 @@ def _check_shape(path: Path, key: str, shape, hf_name: str, want) -> None:
                                 f"{hf_name} {list(want)}; the file's metadata and tensors disagree")
 
 
-def _fused_experts(model: nn.Module, tensors: _Tensors, path: Path) -> list[str]:
-    """Fill every fused-experts parameter (:data:`FUSED_EXPERTS`) from the file; the layers filled."""
-    filled = []
-    for mod_name, module in model.named_modules():
+def _expert_parts(tensors: _Tensors, path: Path, layer: str, pname: str, n_experts: int, mod_name: str) -> list:
+    """The file's tensors behind fused-experts parameter ``pname`` of a layer (gate and up, or down;
+    their weights or biases), each [experts, ...]: stacked tensors, or one per expert stacked here
+    (GGUF files before April 2024)."""
+    suffix = "bias" if pname.endswith("_bias") else "weight"
+    parts = []
+    for k in FUSED_EXPERTS[pname]:
+        key = f"blk.{layer}.{k}.{suffix}"
+        each = [f"blk.{layer}.{k.removesuffix('_exps')}.{e}.{suffix}" for e in range(n_experts)]
+        if tensors.has(key):
+            parts.append(tensors.blocks(key))
+        elif all(tensors.has(e) for e in each):
+            qts = [tensors.blocks(e) for e in each]
+            if len({q.format for q in qts}) != 1:
+                raise InvalidInputError(f"{path}: {each[0]} .. {each[-1]} are not all one format")
+            parts.append(replace(qts[0], name=key, data=torch.stack([q.data for q in qts]),
+                                 shape=(n_experts, *qts[0].shape)))
+        else:
+            raise InvalidInputError(f"{path}: no tensor {key} (nor {each[0]} .. {each[-1]}, one per expert) "
+                                    f"for {mod_name}.{pname}")
+    return parts
+
+
+def _gate_up(parts: list, interleaved: bool, values: bool) -> torch.Tensor:
+    """Gate and up (or the one tensor) as one [experts, rows, ...]: halves, or alternate rows
+    (:data:`INTERLEAVED_GATE_UP`); ``values``: dequantised float32, else the raw blocks."""
+    ts = [p.dequantize() if values else p.data for p in parts]
+    if len(ts) == 2 and interleaved:
+        return torch.stack(ts, dim=2).flatten(1, 2)  # gate, up, gate, up, ... on the out axis
+    return torch.cat(ts, dim=1)
+
+
+def _takes_blocks(module: nn.Module, parts: dict) -> bool:
+    """Whether the experts run on their blocks (QuantExperts): a module it stands in for
+    (:func:`~flexplan.quant.quant_experts.replaceable`) whose weights' formats the kernels read,
+    gate and up in one format."""
+    formats = [{q.format for q in parts[p]} for p in ("gate_up_proj", "down_proj")]
+    return quant_experts.replaceable(module) and all(
+        len(f) == 1 and quant_experts.kernel_reads(next(iter(f))) for f in formats)
+
+
+def _fused_experts(model: nn.Module, tensors: _Tensors, path: Path, float_act: bool,
+                   dequantize_all: bool) -> tuple[list[str], list[str]]:
+    """Fill every fused-experts module (:data:`FUSED_EXPERTS` parameters) from the file: replaced by a
+    :class:`~flexplan.quant.quant_experts.QuantExperts` on the file's blocks where the kernels read
+    them (:func:`_takes_blocks`), else its parameters dequantised. (the layers on blocks, the
+    layers dequantised)."""
+    on_blocks, dense = [], []
+    interleaved = tensors.weights.architecture in INTERLEAVED_GATE_UP
+    for mod_name, module in list(model.named_modules()):
         params = dict(module.named_parameters(recurse=False))
         if not params or not set(params) <= set(FUSED_EXPERTS):
             continue
         layer = re.search(r"\.layers\.(\d+)\.", f".{mod_name}.")
         if layer is None:
             raise InvalidInputError(f"{path}: experts module {mod_name} is in no decoder layer")
+        parts = {p: _expert_parts(tensors, path, layer.group(1), p, params[p].shape[0], mod_name) for p in params}
+        transposed = bool(getattr(module, "is_transposed", False))
+        for pname, param in params.items():  # the shapes the module holds, checked on the file's
+            value_shape = [*parts[pname][0].shape]
+            value_shape[1] = sum(q.shape[1] for q in parts[pname])  # gate and up stacked on the rows
+            want = list(param.shape)
+            if not pname.endswith("_bias") and transposed:
+                want = [want[0], want[2], want[1]]
+            _check_shape(path, " + ".join(q.name for q in parts[pname]), value_shape, f"{mod_name}.{pname}", want)
+        if not dequantize_all and _takes_blocks(module, parts):
+            gate_up, down = parts["gate_up_proj"], parts["down_proj"]
+            bias = {p: _gate_up(parts[p], interleaved, values=True) for p in ("gate_up_proj_bias", "down_proj_bias")
+                    if p in parts}
+            experts = quant_experts.QuantExperts(
+                module, (_gate_up(gate_up, interleaved, values=False), gate_up[0].format),
+                (down[0].data, down[0].format), hidden=down[0].shape[1], intermediate=gate_up[0].shape[1],
+                gate_up_bias=bias.get("gate_up_proj_bias"), down_bias=bias.get("down_proj_bias"), float_act=float_act)
+            model.set_submodule(mod_name, experts)
+            on_blocks.append(mod_name)
+            continue
         for pname in params:
-            n_experts, parts = params[pname].shape[0], []
-            suffix = "bias" if pname.endswith("_bias") else "weight"
-            for k in FUSED_EXPERTS[pname]:
-                key = f"blk.{layer.group(1)}.{k}.{suffix}"
-                each = [f"blk.{layer.group(1)}.{k.removesuffix('_exps')}.{e}.{suffix}" for e in range(n_experts)]
-                if tensors.has(key):
-                    parts.append(tensors.dense(key))
-                elif all(tensors.has(e) for e in each):  # one tensor per expert: GGUF files before April 2024
-                    parts.append(torch.stack([tensors.dense(e) for e in each]))
-                else:
-                    raise InvalidInputError(f"{path}: no tensor {key} (nor {each[0]} .. {each[-1]}, one per expert) "
-                                            f"for {mod_name}.{pname}")
-            if len(parts) == 2 and tensors.weights.architecture in INTERLEAVED_GATE_UP:
-                value = torch.stack(parts, dim=2).flatten(1, 2)  # gate, up, gate, up, ... on the out axis
-            else:
-                value = torch.cat(parts, dim=1)
-            if suffix == "weight" and getattr(module, "is_transposed", False):
+            value = _gate_up(parts[pname], interleaved, values=True)
+            if not pname.endswith("_bias") and transposed:
                 value = value.transpose(1, 2).contiguous()  # [experts, in, out], as the module holds them
-            keys = [f"blk.{layer.group(1)}.{k}.{suffix}" for k in FUSED_EXPERTS[pname]]
-            _check_shape(path, " + ".join(keys), value.shape, f"{mod_name}.{pname}", params[pname].shape)
             module._parameters[pname] = nn.Parameter(value, requires_grad=False)
-        filled.append(mod_name)
-    return filled
+        dense.append(mod_name)
+    return on_blocks, dense
 
 
 def _bare_parameters(module: nn.Module, mod_name: str, names, tensors: _Tensors, path: Path) -> None:
@@ -231,7 +280,7 @@ def load_gguf_model(path: str | Path, *, tokenizer: bool = True, float_act: bool
     names = gguf.get_tensor_name_map(_arch_enum(weights.architecture), config.num_hidden_layers)
     native, why = kernels.status()
     dequantised: dict[str, list[str]] = {}
-    experts = _fused_experts(model, tensors, path)
+    experts_on_blocks, experts = _fused_experts(model, tensors, path, float_act, dequantize_all)
     for mod_name, module in list(model.named_modules()):
         base = names.get_name(mod_name)
         if base is None and mod_name == "lm_head":  # an architecture whose map has no output (gemma2: always tied)
@@ -286,8 +335,8 @@ def load_gguf_model(path: str | Path, *, tokenizer: bool = True, float_act: bool
         reason = "no native kernel for it" if native is not None else f"native kernels unavailable: {why}"
         log(f"flexplan: {len(keys)} {fmt} linear weights dequantised to float32 at load ({reason})")
     if experts and not dequantize_all:
-        log(f"flexplan: the routed experts of {len(experts)} layers dequantised to float32 at load "
-            "(no kernel runs quantised experts yet)")
+        log(f"flexplan: the routed experts of {len(experts)} layers dequantised to float32 at load (a format no "
+            "kernel reads here, or an experts module not on transformers' routed interface)")
     model.config.tie_word_embeddings = False  # the head holds its own blocks; nothing to tie again
     model.flexplan_gguf = {"path": str(path), "formats": weights.formats()}
     return model, tok

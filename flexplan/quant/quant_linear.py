@@ -20,6 +20,7 @@ from torch import nn
 
 from flexplan.quant import fused_dequant, interleave, kernels
 from flexplan.quant.gguf_weights import QuantTensor
+from flexplan.quant.quant_experts import QuantExperts
 
 
 class QuantLinear(nn.Module):
@@ -116,8 +117,8 @@ class QuantLinear(nn.Module):
 
 
 def set_float_activation(model: nn.Module, on: bool) -> None:
-    """Every QuantLinear of ``model`` on the exact float-activation path (True) or llama.cpp's
-    int8-activation path (False)."""
+    """Every QuantLinear and QuantExperts of ``model`` on the exact float-activation path (True) or
+    llama.cpp's int8-activation path (False)."""
     for m in model.modules():
-        if isinstance(m, QuantLinear):
+        if isinstance(m, (QuantLinear, QuantExperts)):
             m.float_act = on

@@ -5,9 +5,9 @@ are. Torch-free: the estimator and the memory model read it.
 As ``flexplan.quant.gguf_model`` loads a file: a stored format a kernel reads
 (``BlockFormat.native_kernel``: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K) is held as its
 blocks; any other (the float types F32 / F16 / BF16 of norms and small tensors, the types
-dequantised at load) as float32; the embedding is dequantised for its row lookup and the routed
-experts held in one fused tensor per layer too (no kernel runs them yet); a tied head runs on the
-embedding's blocks, held beside it.
+dequantised at load) as float32; the embedding is dequantised for its row lookup; routed experts
+are held as their blocks too (``flexplan.quant.quant_experts``) where their format has a kernel; a
+tied head runs on the embedding's blocks, held beside it.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from flexplan.quant.formats import BY_NAME
 
 FLOAT32_BYTES = 4  # what a weight no kernel reads as blocks is held in (dequantised at load)
 LAYER_GROUPS = ("attention", "norms", "mlp", "router", "experts", "shared_experts")  # ModelSpec.layer_group_params
-DEQUANTISED_GROUPS = ("embedding", "experts")  # held in float32 whatever the file stores (see above)
+DEQUANTISED_GROUPS = ("embedding",)  # held in float32 whatever the file stores (see above)
 
 
 def block_bytes_per_weight(format_name: str, float_bytes: float = FLOAT32_BYTES) -> float:
@@ -77,7 +77,7 @@ def head_bytes_per_weight(weights: Weights, float_bytes: float = FLOAT32_BYTES) 
 # flexplan.load(folder, weights=...): what a float checkpoint's decoder and head linears are
 # quantised to at load (flexplan.quant.at_load), as the GGUF block formats the kernels run
 AT_LOAD = {"int4": "Q4_1", "int8": "Q8_0"}  # groups of 32: asymmetric int4 (scale, min), symmetric int8 (scale)
-QUANTISED_GROUPS = ("attention", "mlp", "shared_experts")  # routers, norms, fused experts stay float32
+QUANTISED_GROUPS = ("attention", "mlp", "experts", "shared_experts")  # routers and norms stay float32
 # the block formats a kernel runs, by name: what a plan may price a float model's linears in
 KERNEL_FORMATS = tuple(name for name, f in BY_NAME.items() if f.native_kernel)
 
