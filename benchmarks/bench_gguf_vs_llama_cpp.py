@@ -13,8 +13,8 @@ its ``llama-bench`` run, a STREAM triad sample before each):
   would attend PROMPT fewer keys a token than flexplan does).
 
 Reported per file: medians over the rounds, flexplan / llama.cpp for each phase, and the decode's
-compressed bytes per token over its TPOT (the GB/s of weights it reads) as a fraction of the
-triad. Writes ``benchmarks/results/<name>.json``.
+compressed bytes per token (a MoE layer's experts: the k of E a token picks) over its TPOT (the GB/s
+of weights it reads) as a fraction of the triad. Writes ``benchmarks/results/<name>.json``.
 
     python benchmarks/bench_gguf_vs_llama_cpp.py --rounds 3 --gguf ~/.cache/flexplan/bench/*.Q4_0.gguf
 """
@@ -73,6 +73,7 @@ def main() -> int:
     args = ap.parse_args()
     use_threads(args.threads)
     import flexplan
+    from flexplan.quant.quant_experts import QuantExperts
     from flexplan.quant.quant_linear import QuantLinear
     from flexplan.smollm import gguf_path
 
@@ -83,7 +84,10 @@ def main() -> int:
     models = {}
     for f in files:
         lm = flexplan.load(str(f))
-        weight_bytes = sum(m.nbytes for m in lm.model.modules() if isinstance(m, QuantLinear))
+        # a token's blocks: every linear's, and of a MoE layer's experts the share its k of E read
+        k = getattr(lm.model.config, "num_experts_per_tok", 0) or 0
+        weight_bytes = sum(m.nbytes if isinstance(m, QuantLinear) else m.nbytes * k / m.num_experts
+                           for m in lm.model.modules() if isinstance(m, (QuantLinear, QuantExperts)))
         models[f] = (lm, weight_bytes)
         flexplan_run(lm, 8, 4, 0)  # warm: first-use compile and caches
     runs = []
