@@ -146,12 +146,12 @@ def _run(fresh, family, prefill, decode, gpu_layers=1):
 
 
 @pytest.mark.parametrize("family,kernel", [("llama", "native"), ("mistral", "native"), ("mistral_sw", "native"),
-                                           ("gemma2", "transformers"), ("qwen3", "transformers")])
+                                           ("gemma2", "transformers"), ("qwen3", "native")])
 def test_decode_moves_attention_io_not_the_kv_cache(fresh, family, kernel):
     """Batched, left-padded, token-identical; in decode each streamed layer sends q and the new K, V
     to the host and gets the attention output back, and no KV cache crosses the link. The native
-    kernel attends where it covers the layer (Llama-like, GQA, sliding window), transformers'
-    function otherwise (soft-capping, QK-norm)."""
+    kernel attends where it covers the layer (Llama-like, GQA, sliding window, QK-norm), transformers'
+    function otherwise (soft-capping)."""
     from flexplan.executor.link import D2H, H2D
 
     lm = _run(fresh, family, "gpu-offload", "cpu-attention")
@@ -258,11 +258,11 @@ def test_cpu_attention_term_golden():
 
 
 @pytest.mark.parametrize("decode", ["cpu-attention", "split-points"])
-@pytest.mark.parametrize("family,kernel", [("llama", "native"), ("qwen3", "transformers")])
+@pytest.mark.parametrize("family,kernel", [("llama", "native"), ("qwen3", "native"), ("olmo2", "transformers")])
 def test_cpu_decode_attention_over_a_bf16_cache(fresh, monkeypatch, decode, family, kernel):
     """A bf16 model (the accelerator dtype on CUDA) keeps a bf16 KV cache on the host. Where the
     native kernel covers the layer it reads that cache as it is (no SDPA call in decode);
-    elsewhere (QK-norm) transformers' SDPA attends, with the all-true mask: an unpadded batch
+    elsewhere (OLMo 2's own norm class) transformers' SDPA attends, with the all-true mask: an unpadded batch
     decodes with none, and PyTorch's unmasked CPU SDPA reads a bf16 grouped-query cache 6-7x
     slower than its masked path (the VM: 12.3 against 2.0 ms at 4096 keys)."""
     import torch

@@ -105,7 +105,7 @@ def test_parts_windows_and_fused_layers_found_per_family(fresh):
     assert found["gemma3"].windows == [WINDOW, WINDOW, None]
     assert found["llama3"].fused_layers == [0, 1] and found["llama3"].native_stack_steps == 0
     assert found["mixtral"].fused_layers == [] and found["mixtral"].native_attention == {0, 1}  # MoE: attention only
-    assert found["qwen3_moe"].native_attention == frozenset()  # QK-norm: transformers' attention
+    assert found["qwen3_moe"].fused_layers == [] and found["qwen3_moe"].native_attention == {0, 1}  # QK-norm too
     assert found["granite"].fused_layers == []  # its layers scale the residual: not Llama's forward
     assert tuple(found["deepseek_v3"].kv_geometry[0]) == (1, 16, 1, 8)
 

@@ -73,16 +73,18 @@ def _wide_model(family: str, **overrides):
 
     cfg = dict(vocab_size=192, hidden_size=256, intermediate_size=320, num_hidden_layers=2, num_attention_heads=4,
                num_key_value_heads=2, max_position_embeddings=128, pad_token_id=0, bos_token_id=1, eos_token_id=2)
-    config = {"qwen2": transformers.Qwen2Config, "mistral": transformers.MistralConfig}.get(
-        family, transformers.LlamaConfig)(**cfg, **overrides)
+    if family == "qwen3":
+        cfg["head_dim"] = 64  # its QK-norm per head
+    config = {"qwen2": transformers.Qwen2Config, "mistral": transformers.MistralConfig,
+              "qwen3": transformers.Qwen3Config}.get(family, transformers.LlamaConfig)(**cfg, **overrides)
     torch.manual_seed(3)
     model = transformers.AutoModelForCausalLM.from_config(config).eval()
     with torch.no_grad():
         for p in model.parameters():
             if p.dim() == 2:
                 p.mul_(4.0)
-            elif p.dim() == 1 and family == "qwen2":
-                p.add_(0.1 * torch.randn_like(p))  # biases that matter
+            elif p.dim() == 1 and family in ("qwen2", "qwen3"):
+                p.add_(0.1 * torch.randn_like(p))  # biases and QK-norms that matter
     return model
 
 
@@ -124,7 +126,7 @@ def test_rotary_rows_kept_per_position_are_the_modules_own():
 
 
 @needs_decode
-@pytest.mark.parametrize("family", ["llama", "qwen2"])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
 @pytest.mark.parametrize("path", ["stack", "layer"])
 def test_fused_decode_runs_every_step_and_matches_transformers(family, path, one_thread, monkeypatch):
     """The whole-stack native step (one call per decode step), or without it the whole-layer one

@@ -50,6 +50,9 @@ from flexplan.executor.families import CACHE_KWARG, CACHE_KWARGS, cache_in
 
 # ---- which modules the native ops cover: compared with transformers' Llama, structurally -------------------
 _ATTENTION_CHILDREN = frozenset({"q_proj", "k_proj", "v_proj", "o_proj"})
+# a QK-norm (Qwen3's): RMSNorms of q and k before the rotary embedding, per head or over the projection
+# (each row of the norm's width), both or neither
+_QK_NORMS = frozenset({"q_norm", "k_norm"})
 _MLP_CHILDREN = frozenset({"gate_proj", "up_proj", "down_proj", "act_fn"})
 _LAYER_CHILDREN = frozenset({"self_attn", "mlp", "input_layernorm", "post_attention_layernorm"})
 # names a covered attention forward may use besides Llama's: Mistral/Qwen2 pass their (None) sliding window
@@ -96,15 +99,20 @@ def covered_norm(m: nn.Module) -> bool:
 
 
 def covered_attention(a: nn.Module) -> bool:
-    """Llama's attention block: q/k/v/o projections only, rotate-half rotary. A sliding window is
+    """Llama's attention block: q/k/v/o projections only (and a QK-norm of Llama's RMSNorm, Qwen3's),
+    rotate-half rotary. A sliding window is
     covered in decode: the cache hands over only the window's keys (as transformers' sliding
     cache layers do) and the mask, if any, is the one transformers built for them."""
     kids = _children(a)
-    if (set(kids) != _ATTENTION_CHILDREN or not all(_is_linear(c) for c in kids.values())
+    norms = set(kids) & _QK_NORMS
+    if norms and (norms != _QK_NORMS or not all(covered_norm(kids[n]) for n in norms)):
+        return False
+    linears = {n: c for n, c in kids.items() if n not in _QK_NORMS}
+    if (set(linears) != _ATTENTION_CHILDREN or not all(_is_linear(c) for c in linears.values())
             or a._parameters or a._buffers
             or not all(hasattr(a, x) for x in ("head_dim", "scaling", "layer_idx"))
             or getattr(getattr(a, "config", None), "attn_logit_softcapping", None)
-            or _extra_names(type(a).forward, _llama().LlamaAttention.forward) - _ATTENTION_EXTRA_NAMES):
+            or _extra_names(type(a).forward, _llama().LlamaAttention.forward) - _ATTENTION_EXTRA_NAMES - norms):
         return False
     g = inspect.unwrap(type(a).forward).__globals__
     L = _llama()
@@ -261,6 +269,8 @@ def _attention_forward(module: nn.Module, ops: native.NativeDecode, *args, **kwa
     hidden, (cos, sin), mask, cache = call
     b, d = hidden.shape[0], module.head_dim
     q, k, v = module.q_proj(hidden), module.k_proj(hidden), module.v_proj(hidden)
+    if getattr(module, "q_norm", None) is not None:  # the QK-norm, the module's own, before the rotary embedding
+        q, k = (n(t.reshape(-1, n.weight.numel())).reshape(t.shape) for n, t in ((module.q_norm, q), (module.k_norm, k)))
     hq, hk = q.shape[-1] // d, k.shape[-1] // d
     q, k = q.contiguous().view(b, hq, d), k.contiguous().view(b, hk, d)
     ops.rope_(q, cos, sin)
@@ -340,6 +350,7 @@ class FusedLayer:
         a, m = layer.self_attn, layer.mlp
         self.attn, self.head_dim, self.layer_idx = a, a.head_dim, a.layer_idx
         self.norms = (layer.input_layernorm, layer.post_attention_layernorm)
+        self.qk_norms = (a.q_norm, a.k_norm) if getattr(a, "q_norm", None) is not None else ()
         self.linears = (a.q_proj, a.k_proj, a.v_proj, a.o_proj, m.gate_proj, m.up_proj, m.down_proj)
         self.silu = type(m.act_fn).__name__ in _SILU
         self.weights = native.LayerWeights()
@@ -348,7 +359,7 @@ class FusedLayer:
         # where each tensor the struct points at is held (a module's own dicts: stable objects), so the
         # per-step check reads them without module attribute lookups
         self._slots = [slot for lin in self.linears for slot in _tensor_slots(lin)] + \
-            [(n._parameters, "weight") for n in self.norms]
+            [(n._parameters, "weight") for n in self.norms + self.qk_norms]
         self.scratch: dict[str, torch.Tensor] = {}
 
     def _fill(self) -> bool:
@@ -367,8 +378,9 @@ class FusedLayer:
             return self._ok
         self._bound = bound
         kinds = _layer_linears(self.linears) if self.silu else None
-        self._ok = (kinds is not None and _cpu_f32(*(n.weight for n in self.norms))
-                    and all(hasattr(n, "variance_epsilon") for n in self.norms))
+        norms = self.norms + self.qk_norms
+        self._ok = (kinds is not None and _cpu_f32(*(n.weight for n in norms))
+                    and all(hasattr(n, "variance_epsilon") and n.weight.is_contiguous() for n in norms))
         if not self._ok:
             return False
         w, a, d = self.weights, self.attn, self.head_dim
@@ -382,6 +394,15 @@ class FusedLayer:
         (q_out, _), (k_out, _), (o_out, _), (_, down_in) = (dims[i] for i in (0, 1, 3, 6))
         w.hidden, w.inter, w.hq, w.hk, w.d = o_out, down_in, q_out // d, k_out // d, d
         w.scale = float(a.scaling)
+        w.qn = w.kn = None
+        if self.qk_norms:  # each norm's width divides its projection's rows (a head's d, or all of it)
+            qn, kn = self.qk_norms
+            if q_out % qn.weight.numel() or k_out % kn.weight.numel():
+                self._ok = False
+                return False
+            w.qn, w.kn = qn.weight.data_ptr(), kn.weight.data_ptr()
+            w.qn_width, w.kn_width = qn.weight.numel(), kn.weight.numel()
+            w.eps_q, w.eps_k = float(qn.variance_epsilon), float(kn.variance_epsilon)
         return True
 
     def dims(self) -> tuple[int, ...]:

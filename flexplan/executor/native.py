@@ -157,13 +157,16 @@ class LayerWeights(ctypes.Structure):
     """``flexplan_layer`` of native_decode.c: one decoder layer's weights and sizes. Each of the
     seven linears (q k v o gate up down) is blocked, the blocked ones of one dtype (``wtype`` its
     :data:`WEIGHT_TYPES` code), or a GGUF file's raw blocks (``qtype[j]`` its ggml type id, 0 for
-    blocked; ``float_act`` the exact float-activation path)."""
+    blocked; ``float_act`` the exact float-activation path); ``qn`` / ``kn`` a QK-norm's weights
+    (None: none) over the last ``qn_width`` / ``kn_width`` elements of q's and k's rows."""
 
     _fields_ = ([(n, ctypes.c_void_p) for n in ("ln1", "ln2", "wq", "wk", "wv", "wo", "bq", "bk", "bv", "bo",
                                                 "wg", "wu", "wd", "bg", "bu", "bd")]
                 + [(n, ctypes.c_int64) for n in ("hidden", "inter", "hq", "hk", "d", "wtype")]
                 + [(n, ctypes.c_float) for n in ("eps1", "eps2", "scale")]
-                + [("qtype", ctypes.c_int64 * 7), ("float_act", ctypes.c_int64)])
+                + [("qtype", ctypes.c_int64 * 7), ("float_act", ctypes.c_int64)]
+                + [("qn", ctypes.c_void_p), ("kn", ctypes.c_void_p), ("qn_width", ctypes.c_int64),
+                   ("kn_width", ctypes.c_int64), ("eps_q", ctypes.c_float), ("eps_k", ctypes.c_float)])
 
 
 def _ptr(t: torch.Tensor | None) -> int | None:

@@ -357,6 +357,11 @@ typedef struct {
      * type (ggml's type id) whose raw rows [out, in / block] quant_gemv.c's flexplan_quant_gemm reads */
     int64_t qtype[7];
     int64_t float_act;                      /* quantised linears: the exact float-activation path */
+    /* QK-norm (Qwen3, OLMo 2), or NULL: RMSNorm of q and k before the rotary embedding, over the
+     * last qn_width (kn_width) elements of each row (a head's d, or a projection's whole width) */
+    const float *qn, *kn;
+    int64_t qn_width, kn_width;
+    float eps_q, eps_k;
 } flexplan_layer;
 
 enum { LIN_Q, LIN_K, LIN_V, LIN_O, LIN_G, LIN_U, LIN_D };
@@ -425,6 +430,8 @@ int flexplan_layer_pre_attention_f32(const flexplan_layer* L, const float* x, co
     float* y[3] = {q, k, v};
     const int64_t out[3] = {L->hq * L->d, L->hk * L->d, L->hk * L->d};
     if (linears_on(L, 3, j, P, b, xn, y, out, L->hidden, batch)) return -1;
+    if (L->qn) flexplan_rmsnorm_f32(q, L->qn, q, batch * out[0] / L->qn_width, L->qn_width, L->eps_q);
+    if (L->kn) flexplan_rmsnorm_f32(k, L->kn, k, batch * out[1] / L->kn_width, L->kn_width, L->eps_k);
     flexplan_rope_f32(q, cos_, sin_, batch, L->hq, L->d);
     flexplan_rope_f32(k, cos_, sin_, batch, L->hk, L->d);
     return 0;
