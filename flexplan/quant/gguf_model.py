@@ -15,9 +15,11 @@ rewritten value by value: :data:`SUPPORTED_ARCHITECTURES`, each tested on small 
 
 The embedding (``token_embd``, small) is dequantised once; the head, when the file has no
 ``output`` tensor (tied, as SmolLM2), runs on ``token_embd``'s blocks through a QuantLinear. Routed
-experts held as one fused tensor per layer (Qwen3-MoE) are dequantised at load: no kernel runs
-quantised experts yet. Formats without a kernel are dequantised at load with one printed line
-naming them.
+experts (one tensor per layer and projection, or one per expert in older files) become a
+:class:`~flexplan.quant.quant_experts.QuantExperts` on their blocks where a kernel reads their
+format, else they are dequantised at load. Formats without a kernel are dequantised at load with
+one printed line naming them; a Llama 3.1+ file's ``rope_freqs`` scale the rotary frequencies; a
+tensor the model has no place for is named in one line.
 """
 
 from __future__ import annotations
@@ -280,7 +282,7 @@ def load_gguf_model(path: str | Path, *, tokenizer: bool = True, float_act: bool
     names = gguf.get_tensor_name_map(_arch_enum(weights.architecture), config.num_hidden_layers)
     native, why = kernels.status()
     dequantised: dict[str, list[str]] = {}
-    experts_on_blocks, experts = _fused_experts(model, tensors, path, float_act, dequantize_all)
+    _, experts = _fused_experts(model, tensors, path, float_act, dequantize_all)
     for mod_name, module in list(model.named_modules()):
         base = names.get_name(mod_name)
         if base is None and mod_name == "lm_head":  # an architecture whose map has no output (gemma2: always tied)

@@ -73,14 +73,14 @@ class QuantExperts(nn.Module):
         self.float_act = float_act
         self.fused = True  # the layer in one native call where it applies (False: per expert, in Python)
         self.num_experts, self.hidden, self.intermediate = gate_up[0].shape[0], hidden, intermediate
-        native = kernels.status()[0]
+        quant = kernels.status()[0]
         for name, (blocks, fmt), bias in (("gate_up", gate_up, gate_up_bias), ("down", down, down_bias)):
             e, rows, row_bytes = blocks.shape
-            run = native.x8_layout(fmt) if kernel_reads(fmt) else None
+            run = quant.x8_layout(fmt) if kernel_reads(fmt) else None
             interleaved = run is not None and rows % interleave.GROUP_ROWS == 0
             flat = blocks.reshape(e * rows, row_bytes).contiguous()
             # packed 8 rows at a time: an expert's rows are whole groups, so each expert's slice is its own matrix
-            packed = native.x8_pack(flat, fmt) if interleaved else flat
+            packed = quant.x8_pack(flat, fmt) if interleaved else flat
             setattr(self, f"{name}_blocks", nn.Parameter(packed.view(e, rows, row_bytes), requires_grad=False))
             setattr(self, f"{name}_format", fmt)
             setattr(self, f"{name}_interleaved", interleaved)
