@@ -20,9 +20,8 @@ from __future__ import annotations
 import argparse
 import time
 
+from bench_cpu_experts import EXPERTS, HIDDEN, LAYERS, TOP_K, WIDTH  # the same shapes
 from common import machine_description, median, write_result  # noqa: E402  (also puts the repo on sys.path)
-
-HIDDEN, WIDTH, EXPERTS, TOP_K, LAYERS = 2048, 768, 32, 8, 4
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -39,19 +39,7 @@ def main() -> int:
                                       initializer_range=0.02, norm_topk_prob=True)
     torch.manual_seed(0)
     folder = out / "qwen3moe-rand"
-    AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval().save_pretrained(folder)
-    # SmolLM2's tokenizer with its own pre-tokenizer, as tests/test_gguf_archs.py's _hf_folder sets it
-    from tokenizers import pre_tokenizers
-    from transformers.tokenization_utils_tokenizers import TokenizersBackend
-
-    from flexplan.smollm import gguf_path
-
-    src = gguf_path()
-    tok = TokenizersBackend.from_pretrained(str(src.parent), gguf_file=src.name)
-    tok.backend_tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
-        [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)])
-    tok.backend_tokenizer.normalizer = None
-    tok.save_pretrained(folder)
+    helpers.save_for_the_converter(AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval(), folder)
     stub = out / "stub"
     stub.mkdir(exist_ok=True)
     (stub / "sentencepiece.py").write_text("class SentencePieceProcessor:  # stand-in: never called\n    pass\n")

@@ -425,11 +425,7 @@ SMOLLM_VOCAB = 49152
 def _hf_folder(arch: str, folder: Path):
     """A random model of ``arch`` (hidden 256, 2 layers) with SmolLM2's tokenizer, as the converter takes it."""
     import transformers
-    from tokenizers import pre_tokenizers
     from transformers import AutoModelForCausalLM
-    from transformers.tokenization_utils_tokenizers import TokenizersBackend
-
-    from flexplan.smollm import gguf_path
 
     common = dict(vocab_size=SMOLLM_VOCAB, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, bos_token_id=1,
@@ -459,15 +455,25 @@ def _hf_folder(arch: str, folder: Path):
     }[arch]()
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    save_for_the_converter(model, folder)
+    return model
+
+
+def save_for_the_converter(model, folder: Path) -> None:
+    """``model`` saved to ``folder`` with SmolLM2's tokenizer (from the shipped GGUF file, with its
+    own pre-tokenizer: digits one by one, then byte-level), as llama.cpp's converter takes a folder."""
+    from tokenizers import pre_tokenizers
+    from transformers.tokenization_utils_tokenizers import TokenizersBackend
+
+    from flexplan.smollm import gguf_path
+
     model.save_pretrained(folder)
     src = gguf_path()
     tok = TokenizersBackend.from_pretrained(str(src.parent), gguf_file=src.name)
-    # SmolLM2's own pre-tokenizer (its tokenizer.json): digits one by one, then byte-level
     tok.backend_tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
         [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)])
     tok.backend_tokenizer.normalizer = None
     tok.save_pretrained(folder)
-    return model
 
 
 def _run(cmd, env=None):
