@@ -18,8 +18,9 @@ EOS_ID = 258
 # transformers model_type -> the GGUF architecture llama.cpp's converter writes it as
 GGUF_ARCH = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3_text": "gemma3",
              "qwen3_moe": "qwen3moe", "mixtral": "llama", "gpt_oss": "gpt-oss", "qwen2_moe": "qwen2moe",
-             "gemma2": "gemma2"}
-ARCHS = ("llama", "mistral", "qwen2", "qwen3", "gemma3", "qwen3_moe", "mixtral", "gpt_oss", "qwen2_moe", "gemma2")
+             "gemma2": "gemma2", "phi3": "phi3"}
+ARCHS = ("llama", "mistral", "qwen2", "qwen3", "gemma3", "qwen3_moe", "mixtral", "gpt_oss", "qwen2_moe", "gemma2",
+         "phi3")
 
 
 def tiny_model(arch: str, seed: int = 0):
@@ -50,6 +51,7 @@ def tiny_model(arch: str, seed: int = 0):
                                                          shared_expert_intermediate_size=64, num_experts=4,
                                                          num_experts_per_tok=2, tie_word_embeddings=False),
         "gemma2": lambda: transformers.Gemma2Config(**common, head_dim=16, sliding_window=4, query_pre_attn_scalar=256),
+        "phi3": lambda: transformers.Phi3Config(**common, tie_word_embeddings=False),  # fused qkv and gate_up
         "mixtral": lambda: transformers.MixtralConfig(**{**common, "intermediate_size": 32}, num_local_experts=4,
                                                       num_experts_per_tok=2, tie_word_embeddings=False),
     }[arch]()
@@ -91,6 +93,8 @@ def _metadata(w: gguf.GGUFWriter, config, arch: str, name: str) -> None:
         w.add_value_length(head_dim)
     if arch in ("gemma2", "gemma3"):
         w.add_sliding_window(config.sliding_window)
+    if arch == "phi3":  # the converter's Phi3MiniModel: 0 where the config has no window
+        w.add_sliding_window(config.sliding_window or 0)
     if arch in ("qwen2moe", "qwen3moe"):
         w.add_expert_count(config.num_experts)
         w.add_expert_used_count(config.num_experts_per_tok)

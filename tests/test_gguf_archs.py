@@ -1,5 +1,5 @@
 """GGUF files of every supported architecture (llama, Mistral and Mixtral written as llama, qwen2,
-qwen3, gemma2, gemma3, qwen2moe, qwen3moe, gpt-oss) against the transformers model they were written from.
+qwen3, gemma2, gemma3, qwen2moe, qwen3moe, gpt-oss, phi3) against the transformers model they were written from.
 
 By default on files written here with gguf's GGUFWriter (tests/gguf_files.py: tiny random models,
 so they always run); in the slow run also on files made by llama.cpp's own convert_hf_to_gguf.py
@@ -12,6 +12,7 @@ model of the same dequantised weights; the file's own blocks give them too with 
 and agree on the top-1 token within a measured bound with llama.cpp's int8 activations."""
 
 import dataclasses
+import json
 import os
 import shutil
 import subprocess
@@ -45,7 +46,7 @@ INT8_TOP1_BOUND = 0.88
 INT8_TOP1_BOUND_OF = dict.fromkeys(("qwen3_moe", "qwen2_moe", "mixtral", "gpt_oss"), 0.80)
 # transformers reads these files right (qwen3's head_dim and qwen3moe's expert width it leaves at the
 # class defaults: flexplan reads them, ADDED_KEYS)
-TRANSFORMERS_READS = ("llama", "mistral", "qwen2", "gemma2", "gemma3")
+TRANSFORMERS_READS = ("llama", "mistral", "qwen2", "gemma2", "gemma3", "phi3")
 # llama.cpp writes Mixtral as "llama" with experts, which transformers reads as a dense Llama
 READ_AS_DENSE_LLAMA = ("mixtral",)
 
@@ -375,13 +376,20 @@ def _write_raw(path, arch, metadata, tensors):
 def test_an_unsupported_architecture_is_refused_naming_it_and_the_supported(tmp_path):
     import flexplan
 
-    path = tmp_path / "phi3.gguf"
-    _write_raw(path, "phi3", {"phi3.block_count": 1}, {"token_embd.weight": np.zeros((4, 32), np.float32)})
+    path = tmp_path / "starcoder2.gguf"
+    _write_raw(path, "starcoder2", {"starcoder2.block_count": 1}, {"token_embd.weight": np.zeros((4, 32), np.float32)})
     for load in (lambda: load_gguf_model(path), lambda: flexplan.load(str(path))):
-        with pytest.raises(FlexplanError, match=r"architecture 'phi3' is not supported; flexplan runs llama .*qwen2, "
-                                                r"qwen3, gemma2, gemma3, qwen2moe, qwen3moe, gpt-oss"):
+        with pytest.raises(FlexplanError, match=r"architecture 'starcoder2' is not supported; flexplan runs llama .*"
+                                                r"qwen2, qwen3, gemma2, gemma3, qwen2moe, qwen3moe, gpt-oss, phi3"):
             load()
-    assert SUPPORTED_ARCHITECTURES == ("llama", "qwen2", "qwen3", "gemma2", "gemma3", "qwen2moe", "qwen3moe", "gpt-oss")
+    assert SUPPORTED_ARCHITECTURES == ("llama", "qwen2", "qwen3", "gemma2", "gemma3", "qwen2moe", "qwen3moe", "gpt-oss",
+                                       "phi3")
+    longrope = tmp_path / "phi3-128k.gguf"  # a 128k Phi-3's LongRoPE factors: refused, not run without them
+    _write_raw(longrope, "phi3", {"phi3.block_count": 1}, {"token_embd.weight": np.zeros((4, 32), np.float32),
+                                                           "rope_factors_long.weight": np.ones(8, np.float32)})
+    with pytest.raises(FlexplanError, match=r"holds LongRoPE factors \(rope_factors_long.weight\), which flexplan does "
+                                            r"not map yet; load the model's HuggingFace folder instead"):
+        load_gguf_model(longrope)
     odd = tmp_path / "odd.gguf"
     _write_raw(odd, "rwkv9", {"rwkv9.block_count": 1}, {"token_embd.weight": np.zeros((4, 32), np.float32)})
     with pytest.raises(UnsupportedModelError, match=r"architecture 'rwkv9' has no transformers config mapping"):
@@ -452,10 +460,14 @@ def _hf_folder(arch: str, folder: Path):
                                                          shared_expert_intermediate_size=256, num_experts=4,
                                                          num_experts_per_tok=2),
         "gemma2": lambda: transformers.Gemma2Config(**common, head_dim=64, sliding_window=8, query_pre_attn_scalar=256),
+        "phi3": lambda: transformers.Phi3Config(**common),
     }[arch]()
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
     save_for_the_converter(model, folder)
+    if arch == "phi3":  # the converter takes a BPE vocabulary where the folder names GPT2Tokenizer (Phi-4's)
+        conf = folder / "tokenizer_config.json"
+        conf.write_text(json.dumps({**json.loads(conf.read_text()), "tokenizer_class": "GPT2Tokenizer"}))
     return model
 
 

@@ -44,8 +44,12 @@ from flexplan.workload.gguf_header import read_header
 
 # the GGUF architectures whose tensors this loader maps (general.architecture; llama.cpp writes
 # Mistral, SmolLM and Mixtral as "llama"), each checked against transformers on small files (tests/test_gguf_archs.py)
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma2", "gemma3", "qwen2moe", "qwen3moe", "gpt-oss")
-ARCHITECTURE_NOTE = "llama (Llama, Mistral, SmolLM, Mixtral), qwen2, qwen3, gemma2, gemma3, qwen2moe, qwen3moe, gpt-oss"
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma2", "gemma3", "qwen2moe", "qwen3moe", "gpt-oss", "phi3")
+ARCHITECTURE_NOTE = ("llama (Llama, Mistral, SmolLM, Mixtral), qwen2, qwen3, gemma2, gemma3, qwen2moe, qwen3moe, gpt-oss, "
+                     "phi3 (without LongRoPE factors)")
+# LongRoPE's per-frequency factors (llama.cpp's Phi3MiniModel writes them for the 128k Phi-3 / 3.5
+# files): not mapped to transformers' longrope parameters yet, so such a file is refused, not run wrong
+LONGROPE_FACTORS = ("rope_factors_long.weight", "rope_factors_short.weight")
 # fused routed experts (transformers 5 holds [experts, out, in] per layer, or [experts, in, out] where
 # the module says ``is_transposed``) and their biases: GGUF keeps gate and up apart ([experts, out, in]
 # each); concatenated gate first on the out axis, as transformers' Qwen2MoeTensorProcessor does
@@ -71,6 +75,10 @@ def _check(path: Path) -> GGUFWeights:
     if weights.architecture not in SUPPORTED_ARCHITECTURES:
         raise InvalidInputError(f"{path}: GGUF architecture {weights.architecture!r} is not supported; flexplan runs "
                                 f"{ARCHITECTURE_NOTE} GGUF files (or load a HuggingFace folder)")
+    longrope = [n for n in LONGROPE_FACTORS if n in weights.tensors]
+    if longrope:
+        raise InvalidInputError(f"{path}: holds LongRoPE factors ({', '.join(longrope)}), which flexplan does not map "
+                                "yet; load the model's HuggingFace folder instead (its config carries them)")
     return weights
 
 

@@ -111,7 +111,8 @@ def hf_config_dict(header: GGUFHeader) -> dict:
     for key, target in ADDED_KEYS.items():
         value = md.get(f"{arch}.{key}")
         if value is not None and target not in read and target in declared:
-            cfg[target] = int(_single(value))
+            # llama.cpp writes a window of 0 for none (convert_hf_to_gguf on a config without one)
+            cfg[target] = None if target == "sliding_window" and int(_single(value)) == 0 else int(_single(value))
     if cfg.get("model_type") == "gemma3":  # a Gemma 3 GGUF holds the text model only
         cfg["model_type"] = "gemma3_text"
     if "vocab_size" not in cfg and isinstance(md.get("tokenizer.ggml.tokens"), (int, list)):
