@@ -25,7 +25,6 @@ from flexplan.executor.plans import fixed_plan
 from flexplan.memory import footprint
 from flexplan.planner import _inventory
 from flexplan.quant import kernels
-from flexplan.quant import quant_experts
 from flexplan.quant.quant_experts import QuantExperts
 from flexplan.quant.quant_linear import QuantLinear
 from flexplan.workload import resolve_model
@@ -223,9 +222,10 @@ def test_routed_experts_dequantised_on_the_accelerators_path_equal_the_float_mod
     want = ref.generate(PROMPT, max_new_tokens=NEW_TOKENS, do_sample=False,
                         min_new_tokens=NEW_TOKENS)[0, PROMPT.shape[1]:].tolist()
     calls = []
-    monkeypatch.setattr(quant_experts, "kernel_reads", lambda fmt: calls.append(fmt) is not None)
+    monkeypatch.setattr(QuantExperts, "_native_here", lambda self, x, blocks: calls.append(blocks.shape) is not None)
     monkeypatch.setattr(QuantLinear, "forward", QuantLinear.forward_dequantised)
-    got, _ = _file_tokens(path, policy, policy)
+    got, lm = _file_tokens(path, policy, policy)
+    assert any(isinstance(m, QuantExperts) for m in lm.model.modules())  # the experts kept as blocks
     assert calls and got == want
 
 

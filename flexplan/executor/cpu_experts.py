@@ -207,6 +207,23 @@ def _fused_forward(module: nn.Module, x: torch.Tensor, top_k_index: torch.Tensor
                         top_k_weights.float().contiguous(), x.contiguous())
 
 
+def expert_rows(top_k_index: torch.Tensor, num_experts: int):
+    """(expert, its tokens, their choice positions) for every expert some token picked, experts
+    ascending, each expert's (choice, token) pairs in [k, T] order: the order transformers' eager
+    loop takes them (one stable sort); a sentinel id (expert parallelism, padding, an expert
+    computed elsewhere) is skipped."""
+    tokens = top_k_index.shape[0]
+    flat = top_k_index.t().reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    experts, counts = torch.unique_consecutive(flat[order], return_counts=True)
+    start = 0
+    for e, n in zip(experts.tolist(), counts.tolist()):
+        pairs = order[start:start + n]
+        start += n
+        if 0 <= e < num_experts:
+            yield e, pairs % tokens, torch.div(pairs, tokens, rounding_mode="floor")
+
+
 def routed_experts_forward(module: nn.Module, x: torch.Tensor, top_k_index: torch.Tensor,
                            top_k_weights: torch.Tensor, grouped: bool = True, fused: bool = True) -> torch.Tensor:
     """The routed experts' output for tokens ``x`` [T, H] routed to ``top_k_index`` [T, k] with
@@ -214,25 +231,14 @@ def routed_experts_forward(module: nn.Module, x: torch.Tensor, top_k_index: torc
     weights, all of them in one native call per projection (``grouped``; False: one call per expert
     and projection, as before, for comparison), and with the default SiLU gate the whole layer in
     one native call (``fused``; False: the activation in torch, eager's result bit for bit)."""
-    tokens, k = top_k_index.shape
     num_experts = module.down_proj.shape[0]
     has_gate = getattr(module, "has_gate", True) and isinstance(getattr(module, "gate_up_proj", None), torch.Tensor)
     gemv = _grouped_kernel(module, x, "gate_up_proj" if has_gate else "up_proj") if grouped else None
     if gemv is not None:
         out = _fused_forward(module, x, top_k_index, top_k_weights) if fused and has_gate else None
         return out if out is not None else _grouped_forward(module, gemv, x, top_k_index, top_k_weights, has_gate)
-    # (choice, token) pairs in [k, T] order, stably sorted by expert: each expert's rows in eager's order
-    flat = top_k_index.t().reshape(-1)
-    order = torch.argsort(flat, stable=True)
-    experts, counts = torch.unique_consecutive(flat[order], return_counts=True)
     out = torch.zeros_like(x)
-    start = 0
-    for e, n in zip(experts.tolist(), counts.tolist()):
-        pairs = order[start:start + n]
-        start += n
-        if not 0 <= e < num_experts:  # a sentinel (expert parallelism, padding): no expert runs
-            continue
-        tok, pos = pairs % tokens, torch.div(pairs, tokens, rounding_mode="floor")
+    for e, tok, pos in expert_rows(top_k_index, num_experts):
         h = x[tok]
         if has_gate:
             h = module._apply_gate(_project(module, h, "gate_up_proj", e))

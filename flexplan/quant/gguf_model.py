@@ -257,12 +257,11 @@ def _bare_parameters(module: nn.Module, mod_name: str, names, tensors: _Tensors,
 ROPE_FREQS = "rope_freqs.weight"
 
 
-def _rope_freqs(model: nn.Module, tensors: _Tensors, path: Path) -> int:
-    """Divide every rotary embedding's ``inv_freq`` by the file's :data:`ROPE_FREQS`; the modules set."""
+def _rope_freqs(model: nn.Module, tensors: _Tensors, path: Path) -> None:
+    """Divide every rotary embedding's ``inv_freq`` by the file's :data:`ROPE_FREQS`, where it has one."""
     if not tensors.has(ROPE_FREQS):
-        return 0
+        return
     factors = tensors.dense(ROPE_FREQS).reshape(-1)
-    done = 0
     for name, m in model.named_modules():
         inv = getattr(m, "inv_freq", None)
         if not isinstance(inv, torch.Tensor):
@@ -273,8 +272,6 @@ def _rope_freqs(model: nn.Module, tensors: _Tensors, path: Path) -> int:
         m.inv_freq = (inv / factors).to(inv.dtype)
         if isinstance(getattr(m, "original_inv_freq", None), torch.Tensor):
             m.original_inv_freq = m.inv_freq.clone()
-        done += 1
-    return done
 
 
 def load_gguf_model(path: str | Path, *, tokenizer: bool = True, float_act: bool = False, dequantize_all: bool = False,

@@ -26,8 +26,6 @@ Python loop of small GEMMs and torch ops per selected expert costs more than the
 
 from __future__ import annotations
 
-import inspect
-
 import torch
 from torch import nn
 
@@ -43,13 +41,8 @@ def replaceable(module: nn.Module) -> bool:
     down (biases allowed) and nothing else of its own, its own ``_apply_gate`` between them, called
     as ``forward(hidden_states, top_k_index, top_k_weights)``."""
     params = {n for n, p in module._parameters.items() if p is not None}
-    if not ({"gate_up_proj", "down_proj"} <= params <= set(FUSED_PARAMETERS)) or not callable(
-            getattr(module, "_apply_gate", None)):
-        return False
-    try:
-        return len(inspect.signature(type(module).forward).parameters) == 4
-    except (TypeError, ValueError):
-        return False
+    return ({"gate_up_proj", "down_proj"} <= params <= set(FUSED_PARAMETERS)
+            and callable(getattr(module, "_apply_gate", None)) and cpu_experts.routed_interface(module))
 
 
 def kernel_reads(fmt: BlockFormat) -> bool:
@@ -72,6 +65,9 @@ class QuantExperts(nn.Module):
         self.gate = gate
         self.float_act = float_act
         self.fused = True  # the layer in one native call where it applies (False: per expert, in Python)
+        # fixed with the module: transformers' default SiLU gate (the one call computes it), kernel formats
+        self._silu_gate = cpu_experts.default_silu_gate(gate)
+        self._kernels = kernel_reads(gate_up[1]) and kernel_reads(down[1])
         self.num_experts, self.hidden, self.intermediate = gate_up[0].shape[0], hidden, intermediate
         quant = kernels.status()[0]
         for name, (blocks, fmt), bias in (("gate_up", gate_up, gate_up_bias), ("down", down, down_bias)):
@@ -107,7 +103,7 @@ class QuantExperts(nn.Module):
         bias = None if bias is None else bias[e]
         interleaved = getattr(self, f"{name}_interleaved")
         in_features = self.hidden if name == "gate_up" else self.intermediate
-        if x.device.type == "cpu" and blocks.device.type == "cpu" and kernel_reads(fmt):
+        if self._native_here(x, blocks):
             x2d = x.reshape(-1, in_features).float().contiguous()
             return kernels.status()[0].gemm(blocks, fmt, x2d, bias, self.float_act, interleaved)
         # elsewhere: this expert's blocks dequantised on x's device (the file's layout first)
@@ -118,12 +114,15 @@ class QuantExperts(nn.Module):
         w = fused_dequant.dequantize(blocks, fmt.ggml_type, in_features, dtype)
         return nn.functional.linear(x.to(dtype), w, None if bias is None else bias.to(x.device, dtype))
 
+    def _native_here(self, x: torch.Tensor, blocks: torch.Tensor) -> bool:
+        """Whether the CPU's kernels compute on ``blocks`` for input ``x`` (both on the host, formats
+        they read); else the blocks are dequantised on x's device."""
+        return self._kernels and x.device.type == "cpu" and blocks.device.type == "cpu"
+
     def _one_call(self, x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor | None:
         """The layer in one native call (NativeDecode.quant_moe_silu) where it applies: transformers'
         default SiLU gate, blocks and float32 input on the host, formats the kernels read; else None."""
-        if (x.device.type != "cpu" or x.dtype != torch.float32 or self.gate_up_blocks.device.type != "cpu"
-                or not (kernel_reads(self.gate_up_format) and kernel_reads(self.down_format))
-                or not cpu_experts.default_silu_gate(self.gate)):
+        if not (self._silu_gate and x.dtype == torch.float32 and self._native_here(x, self.gate_up_blocks)):
             return None
         ops = native.decode_status()[0]
         if ops is None:
@@ -140,19 +139,7 @@ class QuantExperts(nn.Module):
         if out is not None:
             return out.to(hidden_states.dtype)
         out = torch.zeros_like(hidden_states)
-        tokens = top_k_index.shape[0]
-        # (choice, token) pairs in [k, T] order, stably sorted by expert: eager's experts ascending, each
-        # expert's rows in its order (cpu_experts.routed_experts_forward groups them the same way)
-        flat = top_k_index.t().reshape(-1)
-        order = torch.argsort(flat, stable=True)
-        experts, counts = torch.unique_consecutive(flat[order], return_counts=True)
-        start = 0
-        for e, n in zip(experts.tolist(), counts.tolist()):
-            pairs = order[start:start + n]
-            start += n
-            if not 0 <= e < self.num_experts:  # a sentinel (padding, an expert computed elsewhere): skipped
-                continue
-            tok, choice = pairs % tokens, torch.div(pairs, tokens, rounding_mode="floor")
+        for e, tok, choice in cpu_experts.expert_rows(top_k_index, self.num_experts):  # eager's order
             h = self.gate._apply_gate(self._project("gate_up", e, hidden_states[tok]))
             h = self._project("down", e, h)
             h = h * top_k_weights[tok, choice, None]
