@@ -22,10 +22,13 @@ Covered, per module and structurally (not by model_type): a decoder layer whose 
 projections, no parameters of its own (attention sinks), no QK-norm or logit soft-capping (its
 forward names nothing Llama's does not, besides the sliding window it passes on), Llama's rotary
 embedding (``rotate_half``); a sliding window is fine in decode, where the cache hands attention
-only the window's keys and transformers' mask for them; a SwiGLU MLP (Llama's forward, SiLU); RMSNorms whose
-forward is Llama's (Gemma's ``1 + weight`` is not). A layer whose attention is covered but whose
-MLP is not (a mixture of experts) keeps the fused attention and norms; the rest of it, and every
-layer not covered, runs transformers' own forward. Float32 tensors on the CPU (linear weights
+only the window's keys and transformers' mask for them; a SwiGLU MLP (Llama's forward, SiLU), or a
+routed mixture of experts with a top-k softmax router whose experts offer their GGUF blocks
+(:func:`moe_norm_topk`: Qwen3-MoE's and Mixtral's blocks, flexplan.quant's QuantExperts) and
+compute with their layer this step; RMSNorms whose forward is Llama's (Gemma's ``1 + weight`` is
+not). A layer whose attention is covered but whose feed-forward is not (a shared expert, float
+experts) keeps the fused attention and norms; the rest of it, and every layer not covered, runs
+transformers' own forward. Float32 tensors on the CPU (linear weights
 float32 or, blocked, 16-bit: computed in float32), no attention weights requested, a boolean
 padding mask or none. Anything else (another
 device or dtype: a layer on the accelerator; prefill; a float mask; ``FLEXPLAN_NATIVE=0``) runs
@@ -42,9 +45,9 @@ import weakref
 
 import torch
 from torch import nn
-from transformers.modeling_outputs import BaseModelOutputWithPast
+from transformers.modeling_outputs import BaseModelOutputWithPast, MoeModelOutputWithPast
 
-from flexplan.executor import cpu_attention, native
+from flexplan.executor import cpu_attention, cpu_experts, native
 from flexplan.executor.rebinds import rebinds
 from flexplan.executor.families import CACHE_KWARG, CACHE_KWARGS, cache_in
 
@@ -55,6 +58,7 @@ _ATTENTION_CHILDREN = frozenset({"q_proj", "k_proj", "v_proj", "o_proj"})
 _QK_NORMS = frozenset({"q_norm", "k_norm"})
 _MLP_CHILDREN = frozenset({"gate_proj", "up_proj", "down_proj", "act_fn"})
 _LAYER_CHILDREN = frozenset({"self_attn", "mlp", "input_layernorm", "post_attention_layernorm"})
+_MOE_CHILDREN = frozenset({"gate", "experts"})
 # names a covered attention forward may use besides Llama's: Mistral/Qwen2 pass their (None) sliding window
 _ATTENTION_EXTRA_NAMES = frozenset({"getattr", "sliding_window"})
 # names a covered decoder stack forward may use besides Llama's: the sliding-window mask mapping (unused)
@@ -66,6 +70,27 @@ def _llama():
     from transformers.models.llama import modeling_llama
 
     return modeling_llama
+
+
+@functools.cache
+def _moe_forwards() -> tuple[tuple, dict]:
+    """transformers' top-k softmax MoE blocks the native layer computes: (the block forwards, {router
+    forward: whether it renormalises the kept probabilities, or None where its ``norm_topk_prob`` says}).
+    Qwen3-MoE's and Mixtral's, compared by code, so a family that copies them is covered too."""
+    from transformers.models.mixtral import modeling_mixtral as mixtral
+    from transformers.models.qwen3_moe import modeling_qwen3_moe as qwen3_moe
+
+    blocks = (qwen3_moe.Qwen3MoeSparseMoeBlock.forward, mixtral.MixtralSparseMoeBlock.forward)
+    return blocks, {qwen3_moe.Qwen3MoeTopKRouter.forward: None, mixtral.MixtralTopKRouter.forward: True}
+
+
+@functools.cache
+def _layer_forwards() -> tuple:
+    """Decoder layer forwards of Llama's structure (pre-norm residual attention and feed-forward
+    blocks): Llama's, and Mixtral's (the same steps, its keyword arguments in another order)."""
+    from transformers.models.mixtral import modeling_mixtral as mixtral
+
+    return _llama().LlamaDecoderLayer.forward, mixtral.MixtralDecoderLayer.forward
 
 
 def _code(f):
@@ -127,11 +152,33 @@ def covered_mlp(m: nn.Module) -> bool:
             and type(kids["act_fn"]).__name__ in _SILU and _same_code(type(m).forward, _llama().LlamaMLP.forward))
 
 
+def moe_norm_topk(m: nn.Module) -> bool | None:
+    """For a routed MoE block the native layer computes, whether its router renormalises the top-k
+    probabilities; None where it is not one. Covered: a block whose forward is Qwen3-MoE's or
+    Mixtral's (router, then experts, nothing else: no shared expert), a router whose forward is one
+    of theirs (softmax over the experts' logits, the top k kept) with a weight only, and experts that
+    offer their blocks to the native layer (``native_layout``: flexplan.quant's QuantExperts, named by
+    what it offers so this module does not import flexplan.quant)."""
+    kids = _children(m)
+    if set(kids) != _MOE_CHILDREN:
+        return None
+    blocks, routers = _moe_forwards()
+    gate, experts = kids["gate"], kids["experts"]
+    norm = next((n for f, n in routers.items() if _same_code(type(gate).forward, f)), False)
+    if (norm is False or not any(_same_code(type(m).forward, f) for f in blocks)
+            or set(n for n, _ in gate.named_parameters()) != {"weight"} or not callable(getattr(experts, "native_layout", None))
+            or not all(hasattr(gate, a) for a in ("top_k", "num_experts"))):
+        return None
+    return bool(gate.norm_topk_prob) if norm is None else norm
+
+
 def covered_layer(layer: nn.Module) -> bool:
-    """A whole decoder layer the native layer calls compute (:class:`FusedLayer`)."""
+    """A whole decoder layer the native layer calls compute (:class:`FusedLayer`): its feed-forward
+    a SwiGLU MLP or a routed MoE block (:func:`moe_norm_topk`)."""
     kids = _children(layer)
-    return (set(kids) == _LAYER_CHILDREN and _same_code(type(layer).forward, _llama().LlamaDecoderLayer.forward)
-            and covered_attention(kids["self_attn"]) and covered_mlp(kids["mlp"])
+    return (set(kids) == _LAYER_CHILDREN and any(_same_code(type(layer).forward, f) for f in _layer_forwards())
+            and covered_attention(kids["self_attn"])
+            and (covered_mlp(kids["mlp"]) or moe_norm_topk(kids["mlp"]) is not None)
             and covered_norm(kids["input_layernorm"]) and covered_norm(kids["post_attention_layernorm"]))
 
 
@@ -351,8 +398,11 @@ class FusedLayer:
         self.attn, self.head_dim, self.layer_idx = a, a.head_dim, a.layer_idx
         self.norms = (layer.input_layernorm, layer.post_attention_layernorm)
         self.qk_norms = (a.q_norm, a.k_norm) if getattr(a, "q_norm", None) is not None else ()
-        self.linears = (a.q_proj, a.k_proj, a.v_proj, a.o_proj, m.gate_proj, m.up_proj, m.down_proj)
-        self.silu = type(m.act_fn).__name__ in _SILU
+        # a routed MoE block instead of the MLP: its router and experts (moe_norm_topk), the MLP's linears none
+        self.norm_topk = moe_norm_topk(m)
+        self.moe = (m.gate, m.experts) if self.norm_topk is not None else None
+        self.linears = (a.q_proj, a.k_proj, a.v_proj, a.o_proj) + (() if self.moe else (m.gate_proj, m.up_proj, m.down_proj))
+        self.silu = self.moe is not None or type(m.act_fn).__name__ in _SILU
         self.weights = native.LayerWeights()
         self._bound: tuple = ()  # (address, dtype) of the tensors the struct points at
         self._ok = False
@@ -360,6 +410,11 @@ class FusedLayer:
         # per-step check reads them without module attribute lookups
         self._slots = [slot for lin in self.linears for slot in _tensor_slots(lin)] + \
             [(n._parameters, "weight") for n in self.norms + self.qk_norms]
+        if self.moe:
+            gate, experts = self.moe
+            self._slots += [(gate._parameters, "weight")] + [
+                (d, f"{name}_{what}") for name in ("gate_up", "down")
+                for d, what in ((experts._parameters, "blocks"), (experts._buffers, "bias"))]
         self.scratch: dict[str, torch.Tensor] = {}
 
     def _fill(self) -> bool:
@@ -374,6 +429,9 @@ class FusedLayer:
             bound = tuple(None if t is None else (t.data_ptr(), t.dtype) for t in tensors)
         except RuntimeError:  # an opaque oneDNN-packed weight has no data pointer: none the native calls read
             bound = ("opaque", tuple(id(t) for t in tensors))
+        # and the count of rebinds: a switch that changes what the struct says without moving a tensor
+        # (a linear's or the experts' float_act, the experts' fused) notes one
+        bound += (rebinds(),)
         if bound == self._bound:
             return self._ok
         self._bound = bound
@@ -390,9 +448,13 @@ class FusedLayer:
             setattr(w, "w" + name, t.data_ptr())
             setattr(w, "b" + name, None if lin.bias is None else lin.bias.data_ptr())
         w.wtype, qtypes, w.float_act, dims = kinds
-        w.qtype[:] = qtypes
-        (q_out, _), (k_out, _), (o_out, _), (_, down_in) = (dims[i] for i in (0, 1, 3, 6))
-        w.hidden, w.inter, w.hq, w.hk, w.d = o_out, down_in, q_out // d, k_out // d, d
+        w.qtype[:] = qtypes + [0] * (7 - len(qtypes))
+        (q_out, _), (k_out, _), (o_out, _) = dims[0], dims[1], dims[3]
+        w.hidden, w.hq, w.hk, w.d = o_out, q_out // d, k_out // d, d
+        w.inter = 0 if self.moe else dims[6][1]
+        if not self._fill_moe(w):
+            self._ok = False
+            return False
         w.scale = float(a.scaling)
         w.qn = w.kn = None
         if self.qk_norms:  # each norm's width divides its projection's rows (a head's d, or all of it)
@@ -403,6 +465,28 @@ class FusedLayer:
             w.qn, w.kn = qn.weight.data_ptr(), kn.weight.data_ptr()
             w.qn_width, w.kn_width = qn.weight.numel(), kn.weight.numel()
             w.eps_q, w.eps_k = float(qn.variance_epsilon), float(kn.variance_epsilon)
+        return True
+
+    def _fill_moe(self, w: native.LayerWeights) -> bool:
+        """The struct's routed experts (n_experts 0 for an MLP layer); False where the experts do not
+        offer their blocks on the host (``native_layout``) or the router is not float32 [E, hidden]
+        on the CPU."""
+        w.n_experts = 0
+        if self.moe is None:
+            return True
+        gate, experts = self.moe
+        layout = experts.native_layout()
+        r = gate.weight
+        if (layout is None or not _cpu_f32(r) or not r.is_contiguous() or tuple(r.shape) != (gate.num_experts, w.hidden)
+                or not 0 < gate.top_k <= gate.num_experts or experts.num_experts != gate.num_experts
+                or experts.hidden != w.hidden):
+            return False
+        gu, gu_type, dn, dn_type, b_gu, b_dn = layout
+        w.router, w.egu, w.ed = r.data_ptr(), gu.data_ptr(), dn.data_ptr()
+        w.begu, w.bed = (None if b is None else b.data_ptr() for b in (b_gu, b_dn))
+        w.egu_type, w.ed_type, w.egu_stride, w.ed_stride = gu_type, dn_type, gu.stride(0), dn.stride(0)
+        w.n_experts, w.top_k, w.norm_topk = gate.num_experts, gate.top_k, int(self.norm_topk)
+        w.moe_inter, w.moe_float_act = experts.intermediate, int(experts.float_act)
         return True
 
     def dims(self) -> tuple[int, ...]:
@@ -416,7 +500,8 @@ class FusedLayer:
     def __call__(self, *args, **kwargs):
         layer = self.layer
         call = _decode_call(args, kwargs, self.head_dim, layer.training)
-        if call is None or not self._fill():
+        if (call is None or not self._fill()
+                or (self.moe is not None and not cpu_experts.with_its_layer(self.moe[1]))):  # experts placed apart
             return type(layer).forward(layer, *args, **kwargs)
         hidden, (cos, sin), mask, cache = call
         w, b = self.weights, hidden.shape[0]
@@ -435,7 +520,8 @@ class FusedLayer:
 
 
 _STACK_KWARGS = frozenset({"input_ids", "inputs_embeds", "attention_mask", "position_ids", *CACHE_KWARGS,
-                           "use_cache", "return_dict", "output_attentions", "output_hidden_states"})
+                           "use_cache", "return_dict", "output_attentions", "output_hidden_states",
+                           "output_router_logits"})  # a MoE stack's (not asked: the step computes none)
 
 
 class FusedStack:
@@ -501,7 +587,7 @@ class FusedStack:
         cache, ids, embeds = cache_in(kwargs), kwargs.get("input_ids"), kwargs.get("inputs_embeds")
         config = self.stack.config
         if (self.stack.training or not _STACK_KWARGS.issuperset(kwargs) or kwargs.get("return_dict") is False
-                or kwargs.get("output_attentions") or kwargs.get("output_hidden_states")
+                or kwargs.get("output_attentions") or kwargs.get("output_hidden_states") or kwargs.get("output_router_logits")
                 or getattr(config, "output_attentions", False) or getattr(config, "output_hidden_states", False)
                 or (ids is None) == (embeds is None) or len(getattr(cache, "layers", ())) != self.n
                 or config.num_hidden_layers != self.n):
@@ -557,7 +643,9 @@ class FusedStack:
             kv.advance(1, views=False)  # the native step attended by itself: views only if read
         self.steps += 1
         hidden = out.view(b, 1, -1) if folded else norm(h.view(b, 1, -1))
-        return BaseModelOutputWithPast(last_hidden_state=hidden, **{CACHE_KWARG: cache})
+        # what the stack's own forward returns: a MoE stack's output names its (unasked) router logits
+        output = MoeModelOutputWithPast if "output_router_logits" in kwargs else BaseModelOutputWithPast
+        return output(last_hidden_state=hidden, **{CACHE_KWARG: cache})
 
     def _embedding_rows(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(the embedding's weight, the ids as int64 [batch]) where the native call can look the rows

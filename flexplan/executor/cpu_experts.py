@@ -332,6 +332,16 @@ def _host_forward(module: nn.Module, place: ExpertsPlace, args: tuple, kwargs: d
     return link.move(out, True, back_dtype, "expert outputs", layer)
 
 
+def with_its_layer(module: nn.Module) -> bool:
+    """Whether ``module`` computes this step where its layer does, by its own forward: no executor
+    forward (:func:`install`) or one whose place is not apart on the CPU; what a fused layer that
+    computes the experts itself may stand in for."""
+    f = module.__dict__.get("forward")
+    if f is None:
+        return True
+    return isinstance(f, functools.partial) and f.func is _forward and not f.args[1].on_cpu
+
+
 def install(module: nn.Module, place: ExpertsPlace) -> None:
     """Give ``module`` a forward that computes on the host while ``place.on_cpu``."""
     module.forward = functools.partial(_forward, module, place)

@@ -158,7 +158,10 @@ class LayerWeights(ctypes.Structure):
     seven linears (q k v o gate up down) is blocked, the blocked ones of one dtype (``wtype`` its
     :data:`WEIGHT_TYPES` code), or a GGUF file's raw blocks (``qtype[j]`` its ggml type id, 0 for
     blocked; ``float_act`` the exact float-activation path); ``qn`` / ``kn`` a QK-norm's weights
-    (None: none) over the last ``qn_width`` / ``kn_width`` elements of q's and k's rows."""
+    (None: none) over the last ``qn_width`` / ``kn_width`` elements of q's and k's rows. With
+    ``n_experts`` > 0 the layer's feed-forward is a routed mixture of experts instead of gate/up/down:
+    ``router`` [E, hidden] float32, each expert's gate_up / down blocks at ``egu`` / ``ed`` (GGUF
+    types ``egu_type`` / ``ed_type``, expert strides in bytes), biases ``begu`` / ``bed`` or None."""
 
     _fields_ = ([(n, ctypes.c_void_p) for n in ("ln1", "ln2", "wq", "wk", "wv", "wo", "bq", "bk", "bv", "bo",
                                                 "wg", "wu", "wd", "bg", "bu", "bd")]
@@ -166,7 +169,10 @@ class LayerWeights(ctypes.Structure):
                 + [(n, ctypes.c_float) for n in ("eps1", "eps2", "scale")]
                 + [("qtype", ctypes.c_int64 * 7), ("float_act", ctypes.c_int64)]
                 + [("qn", ctypes.c_void_p), ("kn", ctypes.c_void_p), ("qn_width", ctypes.c_int64),
-                   ("kn_width", ctypes.c_int64), ("eps_q", ctypes.c_float), ("eps_k", ctypes.c_float)])
+                   ("kn_width", ctypes.c_int64), ("eps_q", ctypes.c_float), ("eps_k", ctypes.c_float)]
+                + [(n, ctypes.c_void_p) for n in ("router", "egu", "ed", "begu", "bed")]
+                + [(n, ctypes.c_int64) for n in ("n_experts", "top_k", "norm_topk", "moe_inter", "egu_type", "ed_type",
+                                                 "egu_stride", "ed_stride", "moe_float_act")])
 
 
 def _ptr(t: torch.Tensor | None) -> int | None:
@@ -287,7 +293,7 @@ class NativeDecode:
                              scratch: dict[str, torch.Tensor]) -> None:
         """y [batch, hidden] = the layer's output for input x: attention of q over keys/values
         (as :meth:`decode_attention`; with keys None, ``scratch["attn"]`` already holds it), o GEMV +
-        residual, RMSNorm, SiLU MLP + residual."""
+        residual, RMSNorm, SiLU MLP (or routed experts) + residual."""
         t, strides = (0, (0, 0, 0)) if keys is None else (keys.shape[2], keys.stride()[:3])
         rc = self._post(ctypes.byref(lw), x.data_ptr(), y.data_ptr(), q.data_ptr(), _ptr(keys), _ptr(values),
                         _ptr(mask), t, *strides, x.shape[0], scratch["attn"].data_ptr(), scratch["tmp"].data_ptr(),

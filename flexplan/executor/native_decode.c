@@ -17,7 +17,9 @@
  *                             a whole decoder layer for one decode step, in two halves around
  *                             the KV-cache update (which stays the cache's own Python method):
  *                             RMSNorm, q/k/v GEMVs, rotary | attention, o GEMV + residual,
- *                             RMSNorm, gate/up GEMVs, SiLU * up, down GEMV + residual.
+ *                             RMSNorm, gate/up GEMVs, SiLU * up, down GEMV + residual (or, for
+ *                             a MoE layer, the router's top-k softmax and the routed experts on
+ *                             their GGUF blocks: moe_ffn).
  *   flexplan_decode_stack_f32 every layer of a decode step in one call, appending each layer's new
  *                             k and v to its KV cache itself (no Python between the layers)
  *   flexplan_moe_silu_f32 / flexplan_quant_moe_silu
@@ -56,6 +58,8 @@ int flexplan_quant_gemm(const uint8_t* w, int64_t wtype, const float* x, float* 
                         int64_t in, int64_t batch, int64_t float_act); /* quant_gemv.c, compiled in */
 int flexplan_quant_gemv_shared(int64_t n, const uint8_t* const* w, const int64_t* wtype, const float* x, int64_t in,
                                float* const* y, const float* const* bias, const int64_t* out);
+int flexplan_quant_gemv_list(int64_t n, const uint8_t* const* w, const int64_t* wtype, const float* const* x,
+                             float* const* y, const int64_t* out, const int64_t* in, const float* const* bias);
 void flexplan_scatter_experts(const float* h, const float* weights, const int64_t* pairs, int64_t rows,
                               int64_t tokens, int64_t k, float* out, int64_t width);
 
@@ -362,6 +366,14 @@ typedef struct {
     const float *qn, *kn;
     int64_t qn_width, kn_width;
     float eps_q, eps_k;
+    /* A routed mixture of experts in place of the gate/up/down MLP where n_experts > 0 (moe_ffn):
+     * router [n_experts, hidden] float32; each expert's gate_up [2 moe_inter rows] and down [hidden
+     * rows] on GGUF blocks of types egu_type / ed_type (quant_gemv.c's, interleaved or not), expert
+     * strides in bytes; biases [E, rows] or NULL; moe_float_act their exact float-activation path. */
+    const float* router;
+    const void *egu, *ed;
+    const float *begu, *bed;
+    int64_t n_experts, top_k, norm_topk, moe_inter, egu_type, ed_type, egu_stride, ed_stride, moe_float_act;
 } flexplan_layer;
 
 enum { LIN_Q, LIN_K, LIN_V, LIN_O, LIN_G, LIN_U, LIN_D };
@@ -437,7 +449,10 @@ int flexplan_layer_pre_attention_f32(const flexplan_layer* L, const float* x, co
     return 0;
 }
 
-/* The rest of the layer: y = x + o_proj(attention); y += down(silu(gate(n)) * up(n)), n = RMSNorm(y).
+static int moe_ffn(const flexplan_layer* L, const float* xn, float* out, int64_t batch);
+
+/* The rest of the layer: y = x + o_proj(attention); y += down(silu(gate(n)) * up(n)), n = RMSNorm(y)
+ * (or, with n_experts, y += the routed experts of n: moe_ffn).
  * With keys == NULL, attn already holds the attention output [batch, hq * d]. Scratch: attn
  * [batch, hq d], tmp and xn [batch, hidden], g and u [batch, inter]. Returns 0 or -1 (no memory for
  * attention's partials or a quantised activation). */
@@ -452,6 +467,11 @@ int flexplan_layer_post_attention_f32(const flexplan_layer* L, const float* x, f
     if (linear(L, LIN_O, L->wo, L->bo, attn, tmp, H, L->hq * L->d, batch)) return -1;
     add_rows(y, x, tmp, batch * H);
     flexplan_rmsnorm_f32(y, L->ln2, xn, batch, H, L->eps2);
+    if (L->n_experts > 0) {
+        if (moe_ffn(L, xn, tmp, batch)) return -1;
+        add_rows(y, y, tmp, batch * H);
+        return 0;
+    }
     const int j[2] = {LIN_G, LIN_U};
     const void* P[2] = {L->wg, L->wu};
     const float* b[2] = {L->bg, L->bu};
@@ -519,9 +539,24 @@ static int blocked_projection(const void* W, int64_t wtype, int64_t stride, cons
 
 /* a GGUF file's blocks (quant_gemv.c's types, interleaved or not): one quantised GEMM per expert,
  * its rows at once (llama.cpp's int8 activations, or exact with float_act) */
+#define LIST_MAX 64 /* selected experts a one-row-each projection runs in one flexplan_quant_gemv_list */
 static int quant_projection(const void* W, int64_t wtype, int64_t stride, const int64_t* experts,
                             const int64_t* row_start, int64_t n, const float* x, float* y, const float* bias,
                             int64_t out, int64_t in, int64_t float_act) {
+    if (!float_act && n <= LIST_MAX && row_start[n] == n) {
+        /* a decode step's experts, one row each: one parallel region for all of them, not a fork and a
+         * join per expert (the same results: gemv_list equals the GEMM of one row bit for bit) */
+        const uint8_t* w[LIST_MAX];
+        const float *xs[LIST_MAX], *bs[LIST_MAX];
+        float* ys[LIST_MAX];
+        int64_t types[LIST_MAX], outs[LIST_MAX], ins[LIST_MAX];
+        for (int64_t i = 0; i < n; i++) {
+            w[i] = (const uint8_t*)W + experts[i] * stride;
+            xs[i] = x + i * in, ys[i] = y + i * out, bs[i] = bias ? bias + experts[i] * out : NULL;
+            types[i] = wtype, outs[i] = out, ins[i] = in;
+        }
+        return flexplan_quant_gemv_list(n, w, types, xs, ys, outs, ins, bs) ? -1 : 0;
+    }
     for (int64_t i = 0; i < n; i++) {
         const int64_t r0 = row_start[i], rows = row_start[i + 1] - r0;
         if (flexplan_quant_gemm((const uint8_t*)W + experts[i] * stride, wtype, x + r0 * in, y + r0 * out,
@@ -596,4 +631,53 @@ int flexplan_quant_moe_silu(const uint8_t* Wgu, int64_t gu_type, int64_t gu_stri
                             int64_t hidden, int64_t inter, float* out, int64_t float_act) {
     return moe_silu(quant_projection, Wgu, gu_type, gu_stride, Wd, d_type, d_stride, bgu, bd, index, weights, tokens,
                     k, n_experts, x, hidden, inter, out, float_act);
+}
+
+/* multiply-adds from which the router's logits are shared among the threads (a large router's:
+ * Qwen3-30B-A3B's 128 x 2048; a small one costs less than the fork and join) */
+#define ROUTER_PARALLEL (1 << 17)
+
+/* A MoE layer's feed-forward on xn [batch, hidden] into out [batch, hidden] (L->n_experts > 0):
+ * transformers' top-k softmax router (Qwen3-MoE's and Mixtral's: logits = xn router^T, softmax over
+ * the experts, the top_k largest probabilities, largest first and ties to the lower id, renormalised
+ * to sum 1 with norm_topk), then moe_silu on the experts' blocks. The softmax takes libm's expf, not
+ * exp_f32: the router's probabilities are the routing weights, E of them a token. Returns 0, or -1
+ * (no memory). */
+static int moe_ffn(const flexplan_layer* L, const float* xn, float* out, int64_t batch) {
+    const int64_t E = L->n_experts, k = L->top_k, H = L->hidden;
+    float* logits = malloc(sizeof(float) * (size_t)(batch * (E + k)));
+    int64_t* index = malloc(sizeof(int64_t) * (size_t)(batch * k));
+    if (!logits || !index) {
+        free(logits);
+        free(index);
+        return -1;
+    }
+    float* weights = logits + batch * E;
+#pragma omp parallel for schedule(static) if (batch * E * H >= ROUTER_PARALLEL)
+    for (int64_t i = 0; i < batch * E; i++) logits[i] = dot_f32(xn + (i / E) * H, L->router + (i % E) * H, H);
+    for (int64_t b = 0; b < batch; b++) {
+        const float* l = logits + b * E;
+        int64_t* id = index + b * k;
+        float* w = weights + b * k;
+        for (int64_t c = 0; c < k; c++) { /* the c-th largest, by a scan: k and E are small */
+            int64_t best = -1;
+            for (int64_t e = 0; e < E; e++) {
+                int taken = 0;
+                for (int64_t j = 0; j < c; j++) taken |= id[j] == e;
+                if (!taken && (best < 0 || l[e] > l[best])) best = e;
+            }
+            id[c] = best;
+        }
+        const float m = l[id[0]];
+        float sum = 0.0f, kept = 0.0f;
+        for (int64_t e = 0; e < E; e++) sum += expf(l[e] - m);
+        for (int64_t c = 0; c < k; c++) kept += (w[c] = expf(l[id[c]] - m) / sum);
+        if (L->norm_topk)
+            for (int64_t c = 0; c < k; c++) w[c] /= kept;
+    }
+    const int rc = moe_silu(quant_projection, L->egu, L->egu_type, L->egu_stride, L->ed, L->ed_type, L->ed_stride,
+                            L->begu, L->bed, index, weights, batch, k, E, xn, H, L->moe_inter, out, L->moe_float_act);
+    free(logits);
+    free(index);
+    return rc;
 }

@@ -74,7 +74,7 @@ class NativeQuant:
         self._dequantize.argtypes = [ptr, i64, ptr, i64, i64]
         self._dequantize.restype = ctypes.c_int
         self._list = lib.flexplan_quant_gemv_list
-        self._list.argtypes = [i64] + [ptr] * 6
+        self._list.argtypes = [i64] + [ptr] * 7
         self._list.restype = ctypes.c_int
         self._shared = lib.flexplan_quant_gemv_shared
         self._shared.argtypes = [i64, ptr, ptr, ptr, i64, ptr, ptr, ptr]
@@ -181,7 +181,7 @@ class GemvList:
                       (ctypes.c_void_p * n)(*(x.data_ptr() for _, _, x in items)),
                       (ctypes.c_void_p * n)(*(y.data_ptr() for y in self.ys)),
                       (ctypes.c_int64 * n)(*(w.shape[0] for w, _, _ in items)),
-                      (ctypes.c_int64 * n)(*(x.numel() for _, _, x in items)))
+                      (ctypes.c_int64 * n)(*(x.numel() for _, _, x in items)), None)
 
     def run(self) -> list[torch.Tensor]:
         rc = self._fn(self._n, *self._args)

@@ -30,6 +30,7 @@ import torch
 from torch import nn
 
 from flexplan.executor import cpu_experts, native
+from flexplan.executor.rebinds import note_rebind
 from flexplan.quant import fused_dequant, interleave, kernels
 from flexplan.quant.formats import BlockFormat
 
@@ -63,8 +64,7 @@ class QuantExperts(nn.Module):
         super().__init__()
         gate._parameters.clear()
         self.gate = gate
-        self.float_act = float_act
-        self.fused = True  # the layer in one native call where it applies (False: per expert, in Python)
+        self._float_act, self._fused = bool(float_act), True
         # fixed with the module: transformers' default SiLU gate (the one call computes it), kernel formats
         self._silu_gate = cpu_experts.default_silu_gate(gate)
         self._kernels = kernel_reads(gate_up[1]) and kernel_reads(down[1])
@@ -81,6 +81,27 @@ class QuantExperts(nn.Module):
             setattr(self, f"{name}_format", fmt)
             setattr(self, f"{name}_interleaved", interleaved)
             self.register_buffer(f"{name}_bias", None if bias is None else bias.float().contiguous(), persistent=False)
+
+    @property
+    def float_act(self) -> bool:
+        """The exact float-activation path (True) or llama.cpp's int8 activation (False)."""
+        return self._float_act
+
+    @float_act.setter
+    def float_act(self, on: bool) -> None:
+        self._float_act = bool(on)
+        note_rebind()  # what the native decoder layers were told of these experts is stale
+
+    @property
+    def fused(self) -> bool:
+        """Whether the layer runs in one native call where it applies (False: per expert, in Python;
+        the native decoder layer then leaves the experts to this module)."""
+        return self._fused
+
+    @fused.setter
+    def fused(self, value: bool) -> None:
+        self._fused = bool(value)
+        note_rebind()  # the native decode stack's checks of this layer (native_layout) are stale
 
     @property
     def nbytes(self) -> int:
@@ -133,6 +154,16 @@ class QuantExperts(nn.Module):
             kernels.wtype(self.down_format, self.down_interleaved), bias[0], bias[1],
             top_k_index.to(torch.int64).contiguous(), top_k_weights.float().contiguous(), x.contiguous(),
             self.intermediate, self.float_act)
+
+    def native_layout(self) -> tuple | None:
+        """(gate_up blocks, their kernel type, down blocks, their type, gate_up bias, down bias) as
+        the native decoder layer's routed experts read them (``native_decode.c``'s moe_ffn), where the
+        layer's one native call applies: transformers' default SiLU gate, formats the kernels read,
+        blocks on the host, ``fused``; else None."""
+        if not (self.fused and self._silu_gate and self._native_here(self.gate_up_blocks, self.down_blocks)):
+            return None
+        return (self.gate_up_blocks, kernels.wtype(self.gate_up_format, self.gate_up_interleaved), self.down_blocks,
+                kernels.wtype(self.down_format, self.down_interleaved), self.gate_up_bias, self.down_bias)
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
         out = self._one_call(hidden_states, top_k_index, top_k_weights) if self.fused else None

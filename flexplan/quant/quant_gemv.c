@@ -745,13 +745,14 @@ static inline void gemv_unit(const uint8_t *w, int64_t wtype, int64_t u, int64_t
     y[o] = v + (bias ? bias[o] : 0.0f);
 }
 
-/* n independent GEMVs y_i [out_i] = W_i x_i in one parallel region (no fork and no Python call per
- * matrix): q/k/v on one input, gate/up, or a token's matrices for the benchmark; any formats mixed.
- * Each x_i is quantised as flexplan_quant_gemm does, then each matrix's rows are shared out without a
- * barrier between matrices; every y_i equals flexplan_quant_gemm's for batch 1 bit for bit.
+/* n independent GEMVs y_i [out_i] = W_i x_i (+ bias_i, where bias and bias[i] are not NULL) in one
+ * parallel region (no fork and no Python call per matrix): a decode step's selected experts, or a
+ * token's matrices for the benchmark; any formats mixed. Each x_i is quantised as flexplan_quant_gemm
+ * does, then each matrix's rows are shared out without a barrier between matrices; every y_i equals
+ * flexplan_quant_gemm's for batch 1 bit for bit.
  * Returns 0, 1 for an unknown type or an in not a multiple of the block, 2 out of memory. */
 int flexplan_quant_gemv_list(int64_t n, const uint8_t *const *w, const int64_t *wtype, const float *const *x,
-                             float *const *y, const int64_t *out, const int64_t *in) {
+                             float *const *y, const int64_t *out, const int64_t *in, const float *const *bias) {
     int64_t *start = (int64_t *)malloc((size_t)(n + 1) * sizeof(int64_t));  /* byte offsets of each x_i's blocks */
     if (!start) return 2;
     start[0] = 0;
@@ -771,7 +772,7 @@ int flexplan_quant_gemv_list(int64_t n, const uint8_t *const *w, const int64_t *
             const int64_t nb = in[i] / weights_per_block(wtype[i]);
             #pragma omp for schedule(static) nowait
             for (int64_t u = 0; u < gemv_units(wtype[i], out[i]); u++)
-                gemv_unit(w[i], wtype[i], u, out[i], a + start[i], nb, y[i], NULL);
+                gemv_unit(w[i], wtype[i], u, out[i], a + start[i], nb, y[i], bias ? bias[i] : NULL);
         }
     }
     free(a);

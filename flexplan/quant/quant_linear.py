@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from flexplan.executor.rebinds import note_rebind
 from flexplan.quant import fused_dequant, interleave, kernels
 from flexplan.quant.gguf_weights import QuantTensor
 from flexplan.quant.quant_experts import QuantExperts
@@ -35,7 +36,7 @@ class QuantLinear(nn.Module):
         self.out_features, self.in_features = qt.shape
         self.format = qt.format  # the GGUF block format (the blocks are held below, not the QuantTensor:
         self.tensor_name = qt.name  # the executor re-places them and the file's copy is then freed)
-        self.float_act = float_act
+        self._float_act = bool(float_act)
         self.register_buffer("bias", None if bias is None else bias.float().contiguous(), persistent=False)
         # a kernel format runs on its blocks; anything else is dequantised once (exact, as gguf does)
         runs = kernels.status()[0] is not None and qt.format.name in kernels.NATIVE_FORMATS
@@ -47,6 +48,16 @@ class QuantLinear(nn.Module):
         self.interleaved = run is not None and self.out_features >= interleave.GROUP_ROWS
         blocks = kernels.status()[0].x8_pack(qt.data, qt.format) if self.interleaved else qt.data.contiguous()
         self.blocks = nn.Parameter(blocks, requires_grad=False) if self.dense is None else None
+
+    @property
+    def float_act(self) -> bool:
+        """The exact float-activation path (True) or llama.cpp's int8 activation (False)."""
+        return self._float_act
+
+    @float_act.setter
+    def float_act(self, on: bool) -> None:
+        self._float_act = bool(on)
+        note_rebind()  # what the native decoder layers were told of this linear is stale
 
     @property
     def native(self):
