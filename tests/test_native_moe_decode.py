@@ -180,3 +180,19 @@ def test_experts_placed_apart_keep_the_executors_path(files):
     with torch.no_grad():
         assert torch.equal(got, alone.generate(ids, max_new_tokens=4, min_new_tokens=4, do_sample=False,
                                                pad_token_id=EOS_ID))
+
+
+@pytest.mark.parametrize("arch", MOE)
+def test_the_spec_prices_the_stack_exactly_where_it_runs(files, arch):
+    """ModelSpec.native_decode_stack (the estimator's rule for pricing a decode step as the native
+    stack's) holds for a MoE file whose experts are kernel blocks, where the executor's stack runs;
+    the same model with float experts (no blocks) is not one."""
+    import flexplan
+    from flexplan.workload import resolve_model
+
+    path = files(arch)
+    spec = resolve_model(path)
+    assert spec.native_decode_stack and not spec.native_decode_stack_with(())
+    lm = flexplan.load(str(path))
+    _decode(lm, _ids(seed=6), n=3)
+    assert lm.last_stats.native_stack_steps == 2

@@ -102,8 +102,8 @@ def test_eq1_prices_a_stacked_decode_with_the_stack_overheads_worked_by_hand():
     assert llama.native_decode_stack
     assert _decode_s(llama, eff) - _decode_s(llama, base) == pytest.approx(30 * (20e-6 - 150e-6) + (0.4e-3 - 1e-3))
     # the prefill, a bfloat16 CPU decode and a model the stack does not run keep the layer calls' price
-    qwen3 = ModelSpec.from_config(make_model("qwen3").config)
-    assert not qwen3.native_decode_stack and _decode_s(qwen3, eff) == _decode_s(qwen3, base)
+    olmo2 = ModelSpec.from_config(make_model("olmo2").config)
+    assert not olmo2.native_decode_stack and _decode_s(olmo2, eff) == _decode_s(olmo2, base)
     assert _decode_s(llama, eff, "bfloat16") == _decode_s(llama, base, "bfloat16")
     prefill = Shape(llama, 1, 128, 32, "float32", "float32")
     assert (eq1_time_s(phase_costs(prefill, HW_CPU, eff, "prefill"), 30)

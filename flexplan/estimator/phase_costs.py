@@ -48,7 +48,8 @@ def phase_costs(shape: Shape, hw: Hardware, eff: Efficiency, phase: str) -> Phas
     # an all-CPU float32 decode step of a Llama-structured model runs every layer in one native call
     # (executor.cpu_decode.FusedStack): its own per-layer and per-step overheads, where calibrated
     stack = (eff.cpu_stack_overhead_s(b, shape.model.vocab_size, cd)
-             if phase == "decode" and cd == "float32" and shape.native_stack and shape.model.native_decode_stack else None)
+             if phase == "decode" and cd == "float32" and shape.native_stack
+             and shape.model.native_decode_stack_with(shape.weights) else None)
     t_stack = None if stack is None else (cpu_layer_s(stack[0]), cpu_head_s(stack[1]))
     if gpu is None or link is None:
         inf = float("inf")

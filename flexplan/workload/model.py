@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from flexplan.errors import MalformedDataError
+from flexplan.workload import weight_formats
 from flexplan.workload.config_fields import reject_non_layerwise, spec_fields, text_config
 
 
@@ -25,7 +26,9 @@ from flexplan.workload.config_fields import reject_non_layerwise, spec_fields, t
 # RMSNorm): the executor's native stack (executor.cpu_decode.covered_stack) runs their whole float32
 # decode step on the CPU in one call, priced apart (estimator.phase_costs); tests/test_native_stack_pricing.py
 # checks this set against what the executor installs on each tested family
-NATIVE_STACK_FAMILIES = frozenset({"llama", "mistral", "qwen2"})
+# families whose decoder layers executor.cpu_decode covers (Llama's layer; Qwen3's QK-norm; Qwen3-MoE's and
+# Mixtral's top-k softmax router, whose experts on kernel blocks the native layer reads)
+NATIVE_STACK_FAMILIES = frozenset({"llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral"})
 NATIVE_BLOCK_ROWS = 64  # executor.cpu_linear's native block: a float32 linear packs (and the stack runs) only then
 
 
@@ -185,11 +188,24 @@ class ModelSpec:
     @property
     def native_decode_stack(self) -> bool:
         """Whether the executor's native stack runs this model's all-CPU float32 decode step (one
-        call for every layer): :data:`NATIVE_STACK_FAMILIES`, no experts, no QK-norm, every
-        projection's rows a multiple of :data:`NATIVE_BLOCK_ROWS` (packable), no sliding layers (the
-        stack steps aside once a window cuts the keys)."""
-        rows = (self.q_dim, self.kv_dim, self.hidden_size, self.intermediate_size)
-        return (self.family in NATIVE_STACK_FAMILIES and not self.is_moe and not self.qk_norm
+        call for every layer) with the weights as stored (:meth:`native_decode_stack_with`)."""
+        return self.native_decode_stack_with(self.stored_weights)
+
+    def native_decode_stack_with(self, weights: tuple = ()) -> bool:
+        """Whether the executor's native stack runs this model's all-CPU float32 decode step with
+        ``weights`` held as blocks (Shape.weights; (): in their dtypes): :data:`NATIVE_STACK_FAMILIES`,
+        a QK-norm per head or none, every float projection's rows a multiple of
+        :data:`NATIVE_BLOCK_ROWS` (packable; a group on kernel blocks needs no packing), no sliding
+        layers (the stack steps aside once a window cuts the keys); a MoE model with every layer
+        routed, no shared expert and its experts on kernel blocks (the native layer reads
+        QuantExperts' blocks, not float experts)."""
+        on_blocks = {g for g, f, _ in weights if f in weight_formats.KERNEL_FORMATS}
+        rows = ((self.q_dim, self.kv_dim, self.hidden_size) if "attention" not in on_blocks else ()) + \
+            ((self.intermediate_size,) if "mlp" not in on_blocks and not self.is_moe else ())
+        moe_ok = not self.is_moe or (all(self.moe_layers) and not self.shared_expert_intermediate_size
+                                     and not self.router_bias and not self.expert_bias
+                                     and weight_formats.experts_on_kernel_blocks(weights))
+        return (self.family in NATIVE_STACK_FAMILIES and self.qk_norm in ("", "head") and moe_ok
                 and all(n % NATIVE_BLOCK_ROWS == 0 for n in rows)
                 and all(t == "full_attention" for t in self.layer_types))
 

@@ -91,6 +91,13 @@ def kernel_format(weights: str) -> str | None:
     return name if name in KERNEL_FORMATS else None
 
 
+def experts_on_kernel_blocks(weights: Weights) -> bool:
+    """Whether routed experts are held as blocks a kernel runs (flexplan.quant's QuantExperts, which
+    the native decode layer reads): every "experts" entry of ``weights`` in a kernel format."""
+    formats = {f for g, f, _ in weights if g == "experts"}
+    return bool(formats) and formats <= set(KERNEL_FORMATS)
+
+
 def at_load_weights(spec, weights: str) -> Weights:
     """The (group, format, parameters) triples of ``spec`` with its decoder and head linears in the
     block format ``weights`` names (:func:`kernel_format`: "int4", "int8", "Q4_K", ...)."""
