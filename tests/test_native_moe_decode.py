@@ -196,3 +196,28 @@ def test_the_spec_prices_the_stack_exactly_where_it_runs(files, arch):
     lm = flexplan.load(str(path))
     _decode(lm, _ids(seed=6), n=3)
     assert lm.last_stats.native_stack_steps == 2
+
+
+@pytest.mark.parametrize("arch", MOE)
+def test_the_serving_engine_runs_a_moe_file_in_its_native_step(files, arch):
+    """The engine's native iteration (serving.fused_step: per layer the native calls, a decode-only
+    iteration one call for all the layers) takes a MoE file's layers too: each request's greedy
+    tokens those of the model alone, two requests sharing the batch."""
+    from flexplan.serving.engine import Engine
+    from flexplan.serving.types import SamplingParams
+
+    path = files(arch)
+    alone, _ = load_gguf_model(path, tokenizer=False, log=lambda line: None)
+    prompts = ([5, 6, 7, 8, 9, 10, 11], list(range(30, 52)))
+    want = []
+    for p in prompts:
+        with torch.no_grad():
+            ids = torch.tensor([p])
+            out = alone.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=6, do_sample=False,
+                                 pad_token_id=EOS_ID)[0, len(p):].tolist()
+        want.append(out[:out.index(EOS_ID) + 1] if EOS_ID in out else out)
+    with Engine.from_pretrained(path, host_blocks=32, block_size_tokens=4, token_budget=32) as e:
+        assert e.runner.fused is not None
+        outs = e.generate([list(p) for p in prompts], SamplingParams(max_tokens=6, temperature=0.0))
+        assert e.runner.fused.iterations > 0 and e.runner.fused.stack_iterations > 0
+    assert [list(o.new_token_ids) for o in outs] == want

@@ -4,7 +4,8 @@ The model runner's general path runs transformers' forward: per decoder layer a 
 PyTorch ops dispatched from Python besides the GEMVs: on a small model, as costly as reading its
 weights. For a model whose every decoder layer the native layer calls
 cover (:func:`flexplan.executor.cpu_decode.covered_layer`: pre-norm residual blocks, q/k/v/o
-projections, rotate-half rotary, SwiGLU MLP, RMSNorm) with blocked weights on the CPU or a GGUF
+projections, rotate-half rotary, SwiGLU MLP or Qwen3-MoE's / Mixtral's routed experts on GGUF blocks,
+RMSNorm) with blocked weights on the CPU or a GGUF
 file's blocks that flexplan's kernels read, an iteration here is, per layer, four calls whatever
 the batch:
 
@@ -80,10 +81,16 @@ def stack_status() -> tuple[PagedDecodeStack | None, str]:
     return native._load("native paged decode stack", "paged_stack", STACK_SOURCES, PagedDecodeStack, lambda lib: None)
 
 
-def _llama_head_forward():
+@functools.cache
+def _head_forwards() -> tuple:
+    """Causal-LM forwards whose logits are ``lm_head(hidden)`` and nothing else at inference:
+    Llama's, and the MoE models' the native layers cover (Qwen3-MoE's, Mixtral's: their router
+    loss only where router logits are asked for, which this step never is)."""
     from transformers.models.llama.modeling_llama import LlamaForCausalLM
+    from transformers.models.mixtral.modeling_mixtral import MixtralForCausalLM
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeForCausalLM
 
-    return LlamaForCausalLM.forward
+    return LlamaForCausalLM.forward, Qwen3MoeForCausalLM.forward, MixtralForCausalLM.forward
 
 
 def _window(attn: nn.Module) -> int | None:
@@ -121,7 +128,7 @@ class FusedStep:
         stack = getattr(model, "model", None)
         layers = getattr(stack, "layers", None)
         if (ops is None or layers is None or len(layers) == 0 or not cpu_decode._is_linear(getattr(model, "lm_head", None))
-                or not cpu_decode._same_code(type(model).forward, _llama_head_forward())
+                or not any(cpu_decode._same_code(type(model).forward, f) for f in _head_forwards())
                 or not cpu_decode.covered_stack(stack) or not all(cpu_decode.covered_layer(x) for x in layers)):
             return None
         return cls(model, [cpu_decode.FusedLayer(x, ops) for x in layers], ops)
