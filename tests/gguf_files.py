@@ -18,9 +18,15 @@ EOS_ID = 258
 # transformers model_type -> the GGUF architecture llama.cpp's converter writes it as
 GGUF_ARCH = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3_text": "gemma3",
              "qwen3_moe": "qwen3moe", "mixtral": "llama", "gpt_oss": "gpt-oss", "qwen2_moe": "qwen2moe",
-             "gemma2": "gemma2", "phi3": "phi3"}
+             "gemma2": "gemma2", "phi3": "phi3", "deepseek_v3": "deepseek2", "deepseek_v2": "deepseek2"}
 ARCHS = ("llama", "mistral", "qwen2", "qwen3", "gemma3", "qwen3_moe", "mixtral", "gpt_oss", "qwen2_moe", "gemma2",
-         "phi3")
+         "phi3", "deepseek_v3", "deepseek_v2")
+
+
+_MLA = dict(kv_lora_rank=32, qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=16, moe_intermediate_size=32,
+            n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1)
+_YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 64,
+         "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0}
 
 
 def tiny_model(arch: str, seed: int = 0):
@@ -54,12 +60,23 @@ def tiny_model(arch: str, seed: int = 0):
         "phi3": lambda: transformers.Phi3Config(**common, tie_word_embeddings=False),  # fused qkv and gate_up
         "mixtral": lambda: transformers.MixtralConfig(**{**common, "intermediate_size": 32}, num_local_experts=4,
                                                       num_experts_per_tok=2, tie_word_embeddings=False),
+        # MLA (a latent of 32, per head 32 + 16 rotary key and 16 value widths), a dense first layer, then
+        # routed experts beside a shared one: V3's sigmoid router with a score-correction bias in two groups
+        # and YaRN rope, V2's softmax router without a q LoRA
+        "deepseek_v3": lambda: transformers.DeepseekV3Config(**{**common, "num_key_value_heads": 4}, **_MLA,
+                                                             q_lora_rank=32, n_group=2, topk_group=1,
+                                                             routed_scaling_factor=2.5, norm_topk_prob=True,
+                                                             rope_parameters=_YARN, tie_word_embeddings=False),
+        "deepseek_v2": lambda: transformers.DeepseekV2Config(**{**common, "num_key_value_heads": 4}, **_MLA,
+                                                             q_lora_rank=None, topk_method="greedy",
+                                                             tie_word_embeddings=False),
     }[arch]()
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
-    with torch.no_grad():  # norms away from their initial constant, so a misplaced one shows
-        for name, p in model.named_parameters():
-            if p.dim() == 1:
+    with torch.no_grad():  # norms (and DeepSeek-V3's router bias) away from their initial constant, so a misplaced one shows
+        for name, p in [*model.named_parameters(), *model.named_buffers()]:
+            if p.dim() == 1 and p.is_floating_point() and (name.endswith("e_score_correction_bias")
+                                                           or not name.endswith(("inv_freq", "_bias"))):
                 p.add_(0.1 * torch.randn_like(p))
     return model
 
@@ -77,6 +94,9 @@ def _permute(w: np.ndarray, n_head: int) -> np.ndarray:
 
 def _metadata(w: gguf.GGUFWriter, config, arch: str, name: str) -> None:
     w.add_name(name)
+    if arch == "deepseek2":
+        _deepseek2_metadata(w, config)
+        return
     w.add_block_count(config.num_hidden_layers)
     w.add_context_length(config.max_position_embeddings)
     w.add_embedding_length(config.hidden_size)
@@ -110,6 +130,10 @@ def _metadata(w: gguf.GGUFWriter, config, arch: str, name: str) -> None:
         w.add_expert_count(config.num_local_experts)
         w.add_expert_used_count(config.num_experts_per_tok)
     w.add_vocab_size(config.vocab_size)
+    _tokenizer_metadata(w)
+
+
+def _tokenizer_metadata(w: gguf.GGUFWriter) -> None:
     tokens = _byte_tokens() + ["\u0120t", "he", "<|endoftext|>"]
     w.add_tokenizer_model("gpt2")
     w.add_token_list(tokens)
@@ -118,6 +142,47 @@ def _metadata(w: gguf.GGUFWriter, config, arch: str, name: str) -> None:
     w.add_bos_token_id(EOS_ID)
     w.add_eos_token_id(EOS_ID)
     w.add_pad_token_id(EOS_ID)
+
+
+def _deepseek2_metadata(w: gguf.GGUFWriter, config) -> None:
+    """convert_hf_to_gguf.py's DeepseekV2Model (V2 and V3): MLA as one key/value head of the latent's
+    width, the per-head widths in the _mla keys, YaRN's mscale_all_dim as 0.1 x yarn_log_multiplier, the
+    router's kind as the gating function (a V3 config's scoring_func "sigmoid")."""
+    w.add_block_count(config.num_hidden_layers)
+    w.add_context_length(config.max_position_embeddings)
+    w.add_embedding_length(config.hidden_size)
+    w.add_feed_forward_length(config.intermediate_size)
+    w.add_head_count(config.num_attention_heads)
+    w.add_head_count_kv(1)
+    w.add_layer_norm_rms_eps(config.rms_norm_eps)
+    rope = config.rope_parameters
+    w.add_rope_freq_base(rope["rope_theta"])
+    w.add_leading_dense_block_count(config.first_k_dense_replace)
+    w.add_vocab_size(config.vocab_size)
+    if config.q_lora_rank is not None:
+        w.add_q_lora_rank(config.q_lora_rank)
+    w.add_kv_lora_rank(config.kv_lora_rank)
+    w.add_key_length(config.kv_lora_rank + config.qk_rope_head_dim)
+    w.add_value_length(config.kv_lora_rank)
+    w.add_key_length_mla(config.qk_nope_head_dim + config.qk_rope_head_dim)
+    w.add_value_length_mla(config.v_head_dim)
+    w.add_expert_feed_forward_length(config.moe_intermediate_size)
+    w.add_expert_count(config.n_routed_experts)
+    w.add_expert_used_count(config.num_experts_per_tok)
+    w.add_expert_shared_count(config.n_shared_experts)
+    w.add_expert_weights_scale(config.routed_scaling_factor)
+    if config.model_type == "deepseek_v3":
+        w.add_expert_weights_norm(config.norm_topk_prob)
+        w.add_expert_group_count(config.n_group)
+        w.add_expert_group_used_count(config.topk_group)
+        w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
+    w.add_rope_dimension_count(config.qk_rope_head_dim)
+    if rope.get("rope_type") == "yarn":
+        w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        w.add_rope_scaling_factor(rope["factor"])
+        w.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+        w.add_rope_scaling_yarn_log_mul(0.1 * rope["mscale_all_dim"])
+    _tokenizer_metadata(w)
 
 
 def _tensors(model, arch: str, experts_apart: bool = False):
@@ -147,6 +212,16 @@ def _tensors(model, arch: str, experts_apart: bool = False):
                     yield from ((f"blk.{layer}.{kind}.{e}.{suffix}", stack[e]) for e in range(stack.shape[0]))
                 else:
                     yield f"blk.{layer}.{kind}_exps.{suffix}", np.ascontiguousarray(stack)
+            continue
+        if hf_name.endswith("kv_b_proj.weight") and arch == "deepseek2":  # DeepseekV2Model: k_b transposed, v_b
+            heads, nope = config.num_attention_heads, config.qk_nope_head_dim
+            kv_b = value.reshape(heads, nope + config.v_head_dim, -1)
+            base = names.get_name(hf_name.removesuffix(".weight"))
+            yield base.replace("attn_kv_b", "attn_k_b") + ".weight", np.ascontiguousarray(kv_b[:, :nope].swapaxes(1, 2))
+            yield base.replace("attn_kv_b", "attn_v_b") + ".weight", np.ascontiguousarray(kv_b[:, nope:])
+            continue
+        if hf_name.endswith("e_score_correction_bias"):  # the converter's name: exp_probs_b, with .bias
+            yield names.get_name(hf_name.removesuffix("_bias")) + ".bias", value
             continue
         gguf_name = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
         if gguf_name is None:

@@ -49,6 +49,8 @@ INT8_TOP1_BOUND_OF = dict.fromkeys(("qwen3_moe", "qwen2_moe", "mixtral", "gpt_os
 TRANSFORMERS_READS = ("llama", "mistral", "qwen2", "gemma2", "gemma3", "phi3")
 # llama.cpp writes Mixtral as "llama" with experts, which transformers reads as a dense Llama
 READ_AS_DENSE_LLAMA = ("mixtral",)
+# transformers reads no "deepseek2" file (no config mapping, no tokenizer): compared with the model written
+TRANSFORMERS_READS_NONE = ("deepseek_v3", "deepseek_v2")
 
 
 @pytest.fixture(scope="module")
@@ -88,7 +90,9 @@ def test_the_planner_reads_the_model_from_the_header_alone(made, arch, tmp_path)
     ignore = {"name", "stored_weights"} | ({"family"} if arch == "mistral" else set())  # llama.cpp writes Mistral as llama
     assert {k: got[k] for k in got if k not in ignore} == {k: want[k] for k in want if k not in ignore}
     assert spec.name == p.name
-    assert sum(n for _, _, n in spec.stored_weights) == spec.total_params  # every parameter, stored once
+    # every parameter, stored once (and DeepSeek-V3's router bias, a buffer of the model, not a parameter)
+    buffers = sum(t.numel for t in read_header(p).tensors if ".exp_probs_b." in t.name)
+    assert sum(n for _, _, n in spec.stored_weights) == spec.total_params + buffers
     assert set(spec.stored_formats("attention")) <= {"Q8_0", "F32"} and spec.stored_formats("norms") == {
         "F32": spec.layer_norm_params * spec.num_layers}
     # the tensors are never read: a file cut where its tensor data begins plans the same
@@ -108,6 +112,14 @@ def test_config_equals_transformers_reading_of_the_file(made, arch):
     models, path = made
     p = path(arch)
     ours = hf_config(read_header(p)).to_dict()
+    if arch in TRANSFORMERS_READS_NONE:
+        want = models[arch].config.to_dict()
+        differ = {k for k in set(ours) | set(want) if ours.get(k) != want.get(k)}
+        # what the file does not carry: the class's defaults (labels, dropout, initialiser), float32 rounding
+        assert differ <= {"rms_norm_eps", "initializer_range", "architectures", "transformers_version", "dtype",
+                          "_name_or_path", "pad_token_id", "unk_token_id", "n_group", "topk_group"}, differ
+        assert ours["rms_norm_eps"] == pytest.approx(want["rms_norm_eps"], rel=1e-6)
+        return
     theirs = AutoConfig.from_pretrained(str(p.parent), gguf_file=p.name).to_dict()
     if arch in READ_AS_DENSE_LLAMA:  # transformers drops the experts; flexplan reads the model written
         assert (theirs["model_type"], ours["model_type"]) == ("llama", arch)
@@ -133,7 +145,9 @@ def test_tokenizer_equals_autotokenizers(made, arch):
 
     p = made[1](arch)
     ours, why = gguf_tokenizer(p, hf_config(read_header(p)))
-    theirs = AutoTokenizer.from_pretrained(str(p.parent), gguf_file=p.name)
+    # transformers reads no deepseek2 file: its tokenizer of a llama file of the same vocabulary
+    theirs_p = made[1]("llama") if arch in TRANSFORMERS_READS_NONE else p
+    theirs = AutoTokenizer.from_pretrained(str(theirs_p.parent), gguf_file=theirs_p.name)
     text = "the cat sat on the mat, thrice: 1 22 333 <|endoftext|> \u00e9t\u00e9 \u4f60\u597d"
     assert not why and ours(text).input_ids == theirs(text).input_ids
     assert ours.eos_token == theirs.eos_token and ours.padding_side == "left"
@@ -212,7 +226,7 @@ def test_the_files_blocks_agree_on_the_top_token(made, arch, qtype):
     assert _top1(model, ref, _ids(4, 64, seed=2)) >= INT8_TOP1_BOUND
 
 
-MOE_ARCHS = ("qwen3_moe", "qwen2_moe", "mixtral", "gpt_oss")
+MOE_ARCHS = ("qwen3_moe", "qwen2_moe", "mixtral", "gpt_oss", "deepseek_v3", "deepseek_v2")
 
 
 @pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0"])
@@ -228,8 +242,10 @@ def test_routed_experts_run_on_the_files_blocks(tmp_path, arch, qtype):
     ref, _ = load_gguf_model(path, tokenizer=False, dequantize_all=True)
     exact, _ = load_gguf_model(path, tokenizer=False, float_act=True, log=lambda line: None)
     experts = [m for m in exact.modules() if isinstance(m, QuantExperts)]
-    assert len(experts) == 2 and all(e.gate_up_format.name == e.down_format.name == qtype for e in experts)
-    dense = ref.model.layers[0].mlp.experts
+    moe_layers = [i for i, layer in enumerate(ref.model.layers) if hasattr(layer.mlp, "experts")]
+    assert len(experts) == len(moe_layers) > 0 and all(e.gate_up_format.name == e.down_format.name == qtype
+                                                       for e in experts)
+    dense = ref.model.layers[moe_layers[0]].mlp.experts
     assert experts[0].nbytes * 3 < sum(p.numel() * 4 for p in dense.parameters() if p.dim() == 3)
     ids = _ids(seed=6)
     assert torch.equal(_greedy(exact, ids), _greedy(ref, ids))
@@ -383,7 +399,7 @@ def test_an_unsupported_architecture_is_refused_naming_it_and_the_supported(tmp_
                                                 r"qwen2, qwen3, gemma2, gemma3, qwen2moe, qwen3moe, gpt-oss, phi3"):
             load()
     assert SUPPORTED_ARCHITECTURES == ("llama", "qwen2", "qwen3", "gemma2", "gemma3", "qwen2moe", "qwen3moe", "gpt-oss",
-                                       "phi3")
+                                       "phi3", "deepseek2")
     longrope = tmp_path / "phi3-128k.gguf"  # a 128k Phi-3's LongRoPE factors: refused, not run without them
     _write_raw(longrope, "phi3", {"phi3.block_count": 1}, {"token_embd.weight": np.zeros((4, 32), np.float32),
                                                            "rope_factors_long.weight": np.ones(8, np.float32)})
@@ -430,6 +446,12 @@ runpy.run_path({converter!r}, run_name="__main__")
 SMOLLM_VOCAB = 49152
 
 
+_MLA = dict(kv_lora_rank=64, qk_nope_head_dim=32, qk_rope_head_dim=32, v_head_dim=48, moe_intermediate_size=128,
+            n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1)
+_YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 64,
+         "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0}
+
+
 def _hf_folder(arch: str, folder: Path):
     """A random model of ``arch`` (hidden 256, 2 layers) with SmolLM2's tokenizer, as the converter takes it."""
     import transformers
@@ -461,9 +483,22 @@ def _hf_folder(arch: str, folder: Path):
                                                          num_experts_per_tok=2),
         "gemma2": lambda: transformers.Gemma2Config(**common, head_dim=64, sliding_window=8, query_pre_attn_scalar=256),
         "phi3": lambda: transformers.Phi3Config(**common),
+        # DeepSeek-V3's config names its router's sigmoid (the converter writes it as the gating function)
+        "deepseek_v3": lambda: transformers.DeepseekV3Config(**{**common, "num_key_value_heads": 4}, **_MLA,
+                                                             q_lora_rank=96, n_group=2, topk_group=1,
+                                                             routed_scaling_factor=2.5, norm_topk_prob=True,
+                                                             rope_parameters=_YARN, scoring_func="sigmoid"),
+        # with a q LoRA, as DeepSeek-V2 (this llama-quantize refuses a file without one, as V2-Lite's: a key it
+        # requires; the files tests/gguf_files.py writes cover that layout)
+        "deepseek_v2": lambda: transformers.DeepseekV2Config(**{**common, "num_key_value_heads": 4}, **_MLA,
+                                                             q_lora_rank=96, topk_method="greedy"),
     }[arch]()
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    with torch.no_grad():  # DeepSeek-V3's router bias away from its initial zeros, so a misplaced one shows
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.add_(0.1 * torch.randn_like(b))
     save_for_the_converter(model, folder)
     if arch == "phi3":  # the converter takes a BPE vocabulary where the folder names GPT2Tokenizer (Phi-4's)
         conf = folder / "tokenizer_config.json"
@@ -528,7 +563,8 @@ def test_llama_cpps_own_files(converted, arch):
         pytest.skip("llama.cpp's Gemma 2 converter reads a sentencepiece tokenizer.model, which these folders have not")
     model, out = converted(arch)
     assert read_header(out["f32"]).architecture == {"mistral": "llama", "qwen3_moe": "qwen3moe", "mixtral": "llama",
-                                                     "gpt_oss": "gpt-oss", "qwen2_moe": "qwen2moe"}.get(arch, arch)
+                                                     "gpt_oss": "gpt-oss", "qwen2_moe": "qwen2moe",
+                                                     "deepseek_v3": "deepseek2", "deepseek_v2": "deepseek2"}.get(arch, arch)
     ids = torch.randint(0, SMOLLM_VOCAB, (2, 64), generator=torch.Generator().manual_seed(0))
     f32, _ = load_gguf_model(out["f32"], tokenizer=False, log=lambda line: None)
     with torch.no_grad():

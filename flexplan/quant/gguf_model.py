@@ -19,7 +19,8 @@ experts (one tensor per layer and projection, or one per expert in older files) 
 :class:`~flexplan.quant.quant_experts.QuantExperts` on their blocks where a kernel reads their
 format, else they are dequantised at load. Formats without a kernel are dequantised at load with
 one printed line naming them; a Llama 3.1+ file's ``rope_freqs`` scale the rotary frequencies; a
-tensor the model has no place for is named in one line.
+tensor the model has no place for is named in one line. DeepSeek's MLA kv_b_proj, which llama.cpp's
+converter writes split in two halves (one transposed), is put back together dequantised.
 """
 
 from __future__ import annotations
@@ -44,9 +45,10 @@ from flexplan.workload.gguf_header import read_header
 
 # the GGUF architectures whose tensors this loader maps (general.architecture; llama.cpp writes
 # Mistral, SmolLM and Mixtral as "llama"), each checked against transformers on small files (tests/test_gguf_archs.py)
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma2", "gemma3", "qwen2moe", "qwen3moe", "gpt-oss", "phi3")
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma2", "gemma3", "qwen2moe", "qwen3moe", "gpt-oss", "phi3",
+                           "deepseek2")
 ARCHITECTURE_NOTE = ("llama (Llama, Mistral, SmolLM, Mixtral), qwen2, qwen3, gemma2, gemma3, qwen2moe, qwen3moe, gpt-oss, "
-                     "phi3 (without LongRoPE factors)")
+                     "phi3 (without LongRoPE factors), deepseek2 (DeepSeek V2, V3, R1)")
 # LongRoPE's per-frequency factors (llama.cpp's Phi3MiniModel writes them for the 128k Phi-3 / 3.5
 # files): not mapped to transformers' longrope parameters yet, so such a file is refused, not run wrong
 LONGROPE_FACTORS = ("rope_factors_long.weight", "rope_factors_short.weight")
@@ -55,6 +57,11 @@ LONGROPE_FACTORS = ("rope_factors_long.weight", "rope_factors_short.weight")
 # each); concatenated gate first on the out axis, as transformers' Qwen2MoeTensorProcessor does
 FUSED_EXPERTS = {"gate_up_proj": ("ffn_gate_exps", "ffn_up_exps"), "down_proj": ("ffn_down_exps",),
                  "gate_up_proj_bias": ("ffn_gate_exps", "ffn_up_exps"), "down_proj_bias": ("ffn_down_exps",)}
+# MLA's kv_b_proj [heads x (nope + v), kv_lora_rank], which llama.cpp's converter (since its MLA
+# absorption) writes as attn_k_b [heads, kv_lora_rank, nope] (each head's key rows transposed) and
+# attn_v_b [heads, v, kv_lora_rank]: put back together dequantised (the transposed half's blocks run
+# along the other axis), with one line saying so
+KV_B_SPLIT = ("attn_k_b", "attn_v_b")
 # the architectures whose converter split gate_up by alternate rows, not halves (llama.cpp's
 # GptOssModel.modify_tensors: gate = [:, ::2], up = [:, 1::2]): interleaved back
 INTERLEAVED_GATE_UP = ("gpt-oss",)
@@ -238,6 +245,34 @@ def _fused_experts(model: nn.Module, tensors: _Tensors, path: Path, float_act: b
     return on_blocks, dense
 
 
+def _joined_kv_b(tensors: _Tensors, base: str, path: Path) -> torch.Tensor | None:
+    """kv_b_proj's float32 weight from the file's split halves (:data:`KV_B_SPLIT`), or None where the
+    file has no such pair for ``base`` (blk.N.attn_kv_b)."""
+    k_key, v_key = (base.replace("attn_kv_b", half) + ".weight" for half in KV_B_SPLIT)
+    if not (tensors.has(k_key) and tensors.has(v_key)):
+        return None
+    k_b, v_b = tensors.dense(k_key), tensors.dense(v_key)
+    if k_b.dim() != 3 or v_b.dim() != 3 or k_b.shape[0] != v_b.shape[0] or k_b.shape[1] != v_b.shape[2]:
+        raise InvalidInputError(f"{path}: {k_key} {list(k_b.shape)} and {v_key} {list(v_b.shape)} are not MLA's "
+                                "[heads, rank, nope] and [heads, v, rank] halves of one kv_b_proj")
+    return torch.cat([k_b.transpose(1, 2), v_b], dim=1).reshape(-1, k_b.shape[1]).contiguous()
+
+
+def _bare_buffers(module: nn.Module, mod_name: str, names, tensors: _Tensors, path: Path) -> None:
+    """Fill a module's float buffers that the file holds as a tensor of its own: DeepSeek-V3's
+    router ``e_score_correction_bias`` (``blk.N.exp_probs_b.bias``: gguf's map knows the name without
+    its ``_bias``, the converter adds ``.bias``)."""
+    for bname, buf in list(module.named_buffers(recurse=False)):
+        if buf is None or not buf.is_floating_point() or not bname.endswith("_bias"):
+            continue
+        name = names.get_name(f"{mod_name}.{bname.removesuffix('_bias')}")
+        key = f"{name}.bias" if name is not None else None
+        if key is not None and tensors.has(key):
+            value = tensors.dense(key)
+            _check_shape(path, key, value.shape, f"{mod_name}.{bname}", buf.shape)
+            module._buffers[bname] = value.to(buf.dtype)
+
+
 def _bare_parameters(module: nn.Module, mod_name: str, names, tensors: _Tensors, path: Path) -> None:
     """Fill the parameters a module holds itself where the module has no GGUF name but the
     parameter has (gpt-oss's ``self_attn.sinks``: ``blk.N.attn_sinks.weight``, the converter
@@ -287,6 +322,7 @@ def load_gguf_model(path: str | Path, *, tokenizer: bool = True, float_act: bool
     names = gguf.get_tensor_name_map(_arch_enum(weights.architecture), config.num_hidden_layers)
     native, why = kernels.status()
     dequantised: dict[str, list[str]] = {}
+    split_kv_b: list[str] = []
     _, experts = _fused_experts(model, tensors, path, float_act, dequantize_all)
     for mod_name, module in list(model.named_modules()):
         base = names.get_name(mod_name)
@@ -295,10 +331,18 @@ def load_gguf_model(path: str | Path, *, tokenizer: bool = True, float_act: bool
         if base is None:
             _bare_parameters(module, mod_name, names, tensors, path)
             continue
+        _bare_buffers(module, mod_name, names, tensors, path)
         if isinstance(module, nn.Linear):
             key = f"{base}.weight"
             if not tensors.has(key) and mod_name == "lm_head":
                 key = names.get_name("model.embed_tokens") + ".weight"  # tied head: the embedding's blocks
+            joined = _joined_kv_b(tensors, base, path) if not tensors.has(key) else None
+            if joined is not None:
+                _check_shape(path, " + ".join(KV_B_SPLIT), joined.shape, f"{mod_name}.weight",
+                             (module.out_features, module.in_features))
+                module.weight = nn.Parameter(joined, requires_grad=False)
+                split_kv_b.append(mod_name)
+                continue
             if not tensors.has(key):
                 raise InvalidInputError(f"{path}: no tensor {key} for {mod_name}")
             qt = tensors.blocks(key)
@@ -341,6 +385,9 @@ def load_gguf_model(path: str | Path, *, tokenizer: bool = True, float_act: bool
             continue
         reason = "no native kernel for it" if native is not None else f"native kernels unavailable: {why}"
         log(f"flexplan: {len(keys)} {fmt} linear weights dequantised to float32 at load ({reason})")
+    if split_kv_b and not dequantize_all:
+        log(f"flexplan: MLA's kv_b_proj of {len(split_kv_b)} layers put back together from the file's "
+            f"{' and '.join(KV_B_SPLIT)} halves, dequantised to float32")
     if experts and not dequantize_all:
         log(f"flexplan: the routed experts of {len(experts)} layers dequantised to float32 at load (a format no "
             "kernel reads here, or an experts module not on transformers' routed interface)")

@@ -43,11 +43,26 @@ _ALWAYS_TIED = ("falcon", "bloom")
 ADDED_KEYS = {"attention.key_length": "head_dim", "expert_feed_forward_length": "moe_intermediate_size",
               "expert_shared_feed_forward_length": "shared_expert_intermediate_size",
               "attention.sliding_window": "sliding_window"}
+# llama.cpp's DeepSeek keys (convert_hf_to_gguf's DeepseekV2Model: V2, V2-Lite, V3, R1, Kimi K2 all write
+# "deepseek2"), which transformers' table does not read: key after the architecture -> config field. The
+# head widths, rope scaling and router kind follow from several keys (_deepseek2)
+_DEEPSEEK2_KEYS = {
+    "context_length": "max_position_embeddings", "block_count": "num_hidden_layers",
+    "feed_forward_length": "intermediate_size", "embedding_length": "hidden_size", "rope.freq_base": "rope_theta",
+    "attention.head_count": "num_attention_heads", "attention.layer_norm_rms_epsilon": "rms_norm_eps",
+    "vocab_size": "vocab_size", "expert_count": "n_routed_experts", "expert_used_count": "num_experts_per_tok",
+    "expert_shared_count": "n_shared_experts", "expert_feed_forward_length": "moe_intermediate_size",
+    "leading_dense_block_count": "first_k_dense_replace", "expert_weights_scale": "routed_scaling_factor",
+    "expert_weights_norm": "norm_topk_prob", "attention.q_lora_rank": "q_lora_rank",
+    "attention.kv_lora_rank": "kv_lora_rank", "rope.dimension_count": "qk_rope_head_dim",
+    "expert_group_count": "n_group", "expert_group_used_count": "topk_group"}
+_SIGMOID_GATING = 2  # llama.cpp's LLAMA_EXPERT_GATING_FUNC_TYPE_SIGMOID (1: softmax)
 # GGUF's tensor names (gguf-py's constants.py TENSOR_NAMES) to ModelSpec's operator groups, first match wins
 _GROUPS = (
     (r"token_embd\.", "embedding"), (r"output_norm\.", "final_norm"), (r"output\.", "lm_head"),
-    (r"blk\.\d+\.attn_(q|k|v|qkv|output|q_norm|k_norm|sinks)\.", "attention"),
-    (r"blk\.\d+\.ffn_gate_inp_shexp\.", "shared_experts"), (r"blk\.\d+\.ffn_gate_inp\.", "router"),
+    (r"blk\.\d+\.attn_(q|k|v|qkv|output|q_norm|k_norm|sinks|q_a|q_b|kv_a_mqa|kv_b|k_b|v_b|q_a_norm|kv_a_norm)\.",
+     "attention"),
+    (r"blk\.\d+\.ffn_gate_inp_shexp\.", "shared_experts"), (r"blk\.\d+\.(ffn_gate_inp|exp_probs_b)\.", "router"),
     (r"blk\.\d+\.ffn_\w+_exps\.", "experts"), (r"blk\.\d+\.ffn_\w+_shexp\.", "shared_experts"),
     (r"blk\.\d+\.ffn_(gate|up|down)\.", "mlp"), (r"blk\.\d+\.\w*norm\w*\.", "norms"),
 )
@@ -84,6 +99,8 @@ def hf_config_dict(header: GGUFHeader) -> dict:
         raise InvalidInputError(f"{header.path}: the GGUF metadata names no general.architecture")
     if arch in GGUF_CONFIG_ARCHS:  # transformers' own builder for this architecture
         return get_gguf_config(md, header.tensor_names)
+    if arch == "deepseek2":
+        return _deepseek2(header, GGUF_CONFIG_MAPPING["tokenizer"])
     name = md.get("general.name")
     # transformers loads a "llama" file named exactly "mistral" as Mistral (llama.cpp writes Mistral as llama)
     hf_arch = "mistral" if "llama" in arch and name == "mistral" else _HF_ARCHITECTURE.get(arch, arch)
@@ -115,6 +132,51 @@ def hf_config_dict(header: GGUFHeader) -> dict:
             cfg[target] = None if target == "sliding_window" and int(_single(value)) == 0 else int(_single(value))
     if cfg.get("model_type") == "gemma3":  # a Gemma 3 GGUF holds the text model only
         cfg["model_type"] = "gemma3_text"
+    if "vocab_size" not in cfg and isinstance(md.get("tokenizer.ggml.tokens"), (int, list)):
+        tokens = md["tokenizer.ggml.tokens"]
+        cfg["vocab_size"] = tokens if isinstance(tokens, int) else len(tokens)
+    return cfg
+
+
+def _deepseek2(header: GGUFHeader, tokenizer_keys: dict) -> dict:
+    """The config of a llama.cpp "deepseek2" file (transformers reads none): DeepSeek-V3's (sigmoid
+    router with a score-correction bias: V3, R1, Kimi K2) or V2's (softmax router: V2, V2-Lite). The
+    converter writes MLA as one key/value head of the latent's width; the per-head widths are in the
+    ``_mla`` keys (files before them: in key_length / value_length), and YaRN's ``mscale_all_dim`` as
+    ``yarn_log_multiplier`` / 0.1 (llama.cpp's convention; ``mscale`` the same, as DeepSeek's configs set them)."""
+    md, a = header.metadata, "deepseek2."
+
+    def key(name, default=None):
+        value = md.get(a + name)
+        return default if value is None else _single(value)
+
+    cfg = {field: _single(md[a + k]) for k, field in _DEEPSEEK2_KEYS.items() if a + k in md}
+    cfg.update({field: _single(md[f"tokenizer.{k}"]) for k, field in tokenizer_keys.items() if f"tokenizer.{k}" in md})
+    rope = int(key("rope.dimension_count"))
+    if key("attention.key_length_mla") is not None:
+        nope, v = int(key("attention.key_length_mla")) - rope, int(key("attention.value_length_mla"))
+    else:
+        nope, v = int(key("attention.key_length")) - rope, int(key("attention.value_length"))
+    heads = int(cfg["num_attention_heads"])
+    sigmoid = (key("expert_gating_func") == _SIGMOID_GATING
+               or (key("expert_gating_func") is None and any(n.endswith("exp_probs_b.bias") for n in header.tensor_names)))
+    groups = int(cfg.get("n_group") or 1)
+    cfg.update(model_type="deepseek_v3" if sigmoid else "deepseek_v2", num_key_value_heads=heads,
+               qk_nope_head_dim=nope, v_head_dim=v, q_lora_rank=cfg.get("q_lora_rank"), n_group=groups,
+               topk_group=int(cfg.get("topk_group") or 1), norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
+               tie_word_embeddings="output.weight" not in header.tensor_names)
+    if not sigmoid:
+        cfg["topk_method"] = "group_limited_greedy" if groups > 1 else "greedy"
+    theta = float(cfg.pop("rope_theta", 10000.0))
+    rope_parameters = {"rope_type": "default", "rope_theta": theta}
+    if key("rope.scaling.type") == "yarn":
+        mscale = round(float(key("rope.scaling.yarn_log_multiplier", 0.0)) / 0.1, 6)  # stored as float32
+        rope_parameters = {"rope_type": "yarn", "rope_theta": theta, "factor": float(key("rope.scaling.factor")),
+                           "original_max_position_embeddings": int(key("rope.scaling.original_context_length")),
+                           "beta_fast": float(key("rope.scaling.yarn_beta_fast", 32.0)),
+                           "beta_slow": float(key("rope.scaling.yarn_beta_slow", 1.0)),
+                           "mscale": mscale, "mscale_all_dim": mscale}
+    cfg["rope_parameters"] = rope_parameters
     if "vocab_size" not in cfg and isinstance(md.get("tokenizer.ggml.tokens"), (int, list)):
         tokens = md["tokenizer.ggml.tokens"]
         cfg["vocab_size"] = tokens if isinstance(tokens, int) else len(tokens)
