@@ -6,7 +6,7 @@ Qwen3-30B-A3B-shaped experts (hidden 2048, expert width 768, 8 of E experts per 
 layer here, not 128, and 4 layers, so the float32 copies fit a small machine: a step's bytes and
 shapes are the real model's), routed uniformly at random. Each round samples the STREAM triad,
 then times one decode step of each variant through the 4 layers' experts, in an order rotated each
-round: float32 (fused native call), QuantExperts on Q4_K and on Q8_0 blocks (llama.cpp's int8
+round: float32 (fused native call), QuantExperts on Q4_K, Q8_0 and MXFP4 blocks (llama.cpp's int8
 activations; one native call a layer), and the Q4_K modules with ``fused=False`` (a Python loop of
 two quantised GEMMs per selected expert). Reported per batch and variant: milliseconds a step, the experts' bytes read a step
 (distinct experts picked x their bytes) over that time, as GB/s and as a share of the triad, and
@@ -21,6 +21,8 @@ import argparse
 import time
 
 from bench_cpu_experts import EXPERTS, HIDDEN, LAYERS, TOP_K, WIDTH  # the same shapes
+
+QUANT = ("Q4_K", "Q8_0", "MXFP4")  # the experts' block formats timed (MXFP4: gpt-oss's files)
 from common import machine_description, median, write_result  # noqa: E402  (also puts the repo on sys.path)
 
 
@@ -51,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
                                       num_key_value_heads=2, vocab_size=64)
     experts_cls = transformers.models.qwen3_moe.modeling_qwen3_moe.Qwen3MoeExperts
     g = torch.Generator().manual_seed(0)
-    variants: dict[str, list] = {"float32": [], "Q4_K": [], "Q8_0": [], "Q4_K per expert": []}
+    variants: dict[str, list] = {"float32": [], "Q4_K": [], "Q8_0": [], "MXFP4": [], "Q4_K per expert": []}
     for _ in range(LAYERS):
         m = experts_cls(cfg)
         with torch.no_grad():
@@ -60,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
                 m._parameters[name] = torch.nn.Parameter(
                     cpu_experts.block_experts_into(dense, transposed, torch.empty(dense.numel())), requires_grad=False)
         variants["float32"].append(m)
-        for fmt_name in ("Q4_K", "Q8_0"):
+        for fmt_name in QUANT:
             fmt = kernels.NATIVE_FORMATS[fmt_name]
             gu = kernels.random_blocks(fmt, EXPERTS * 2 * WIDTH, HIDDEN, g, scale=0.02).data
             dn = kernels.random_blocks(fmt, EXPERTS * HIDDEN, WIDTH, g, scale=0.02).data
@@ -68,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
                                                    (dn.view(EXPERTS, HIDDEN, -1), fmt), hidden=HIDDEN, intermediate=WIDTH))
     variants["Q4_K per expert"] = variants["Q4_K"]  # the same modules, fused=False: a Python loop over the experts
     per_expert = {"float32": 3 * HIDDEN * WIDTH * 4.0,
-                  **{f: 3 * HIDDEN * WIDTH * kernels.NATIVE_FORMATS[f].bytes_per_weight for f in ("Q4_K", "Q8_0")}}
+                  **{f: 3 * HIDDEN * WIDTH * kernels.NATIVE_FORMATS[f].bytes_per_weight for f in QUANT}}
     per_expert["Q4_K per expert"] = per_expert["Q4_K"]
     held = {k: LAYERS * EXPERTS * v for k, v in per_expert.items()}
 

@@ -360,21 +360,34 @@ def test_tensors_the_model_has_no_place_for_are_named(tmp_path):
 
 
 def test_gpt_oss_experts_held_in_mxfp4_are_the_gguf_readers_values(tmp_path):
-    """gpt-oss's files hold the routed experts in MXFP4 (the rest Q8_0 here): dequantised at load to
-    gguf's reference values, gate and up interleaved and transposed as transformers holds them."""
+    """gpt-oss's files hold the routed experts in MXFP4 (the rest Q8_0 here): kept as the file's blocks
+    (QuantExperts, 17 bytes per 32 weights), which dequantise to gguf's reference values, gate and up
+    interleaved on the rows as the module reads them; with float activations the dequantised model's
+    greedy tokens, with int8 ones its top token within the measured bound, under flexplan.load too."""
+    import flexplan
+
     path = tmp_path / "gpt-oss-mxfp4.gguf"
     write_gguf(tiny_model("gpt_oss"), path, "Q8_0", experts_qtype="MXFP4")
     reader = gguf.GGUFReader(str(path))
     stored = {t.name: t for t in reader.tensors}
     assert stored["blk.0.ffn_up_exps.weight"].tensor_type == gguf.GGMLQuantizationType.MXFP4
     value = {n: gguf.quants.dequantize(t.data, t.tensor_type) for n, t in stored.items() if "exps" in n}
-    experts = load_gguf_model(path, tokenizer=False, log=lambda line: None)[0].model.layers[1].mlp.experts
-    gate_up = experts.gate_up_proj.detach().numpy()  # [E, H, 2I]: gate in the even columns
-    assert np.array_equal(gate_up[..., 0::2], value["blk.1.ffn_gate_exps.weight"].swapaxes(1, 2))
-    assert np.array_equal(gate_up[..., 1::2], value["blk.1.ffn_up_exps.weight"].swapaxes(1, 2))
-    assert np.array_equal(experts.down_proj.detach().numpy(), value["blk.1.ffn_down_exps.weight"].swapaxes(1, 2))
-    bias = experts.gate_up_proj_bias.detach().numpy()
-    assert np.array_equal(bias[:, 1::2], value["blk.1.ffn_up_exps.bias"])
+    model = load_gguf_model(path, tokenizer=False, log=lambda line: None)[0]
+    experts = model.model.layers[1].mlp.experts
+    assert isinstance(experts, QuantExperts) and experts.gate_up_format.name == experts.down_format.name == "MXFP4"
+    assert experts.nbytes == sum(stored[f"blk.1.ffn_{k}_exps.weight"].n_bytes for k in ("gate", "up", "down"))
+    gate_up = experts.dequantized("gate_up").numpy()  # [E, 2I, H]: gate on the even rows
+    assert np.array_equal(gate_up[:, 0::2], value["blk.1.ffn_gate_exps.weight"])
+    assert np.array_equal(gate_up[:, 1::2], value["blk.1.ffn_up_exps.weight"])
+    assert np.array_equal(experts.dequantized("down").numpy(), value["blk.1.ffn_down_exps.weight"])
+    assert np.array_equal(experts.gate_up_bias.numpy()[:, 1::2], value["blk.1.ffn_up_exps.bias"])
+    ref, _ = load_gguf_model(path, tokenizer=False, dequantize_all=True)
+    exact, _ = load_gguf_model(path, tokenizer=False, float_act=True, log=lambda line: None)
+    ids = _ids(seed=6)
+    assert torch.equal(_greedy(exact, ids), _greedy(ref, ids))
+    assert _top1(model, ref, _ids(4, 64, seed=2)) >= INT8_TOP1_BOUND_OF["gpt_oss"]
+    lm = flexplan.load(str(path))
+    assert torch.equal(_greedy(lm, ids), _greedy(model, ids))
 
 
 def _write_raw(path, arch, metadata, tensors):

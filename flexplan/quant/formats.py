@@ -3,10 +3,10 @@
 Two families:
 
 - GGUF block formats, read as the file holds them (ggml-common.h's ``block_*`` structs): Q4_0,
-  Q4_1, Q8_0, Q5_0, Q5_1 (32 weights a block) and the K-quants Q4_K, Q5_K, Q6_K (256 a
+  Q4_1, Q8_0, Q5_0, Q5_1, MXFP4 (32 weights a block) and the K-quants Q4_K, Q5_K, Q6_K (256 a
   super-block), each with a native kernel (``native_kernel``); the plain float types F32 / F16 /
   BF16 a file carries for norms and small tensors; and the other types the ``gguf`` package can
-  dequantise (Q2_K, Q3_K, the IQ and TQ types, MXFP4, NVFP4: :data:`DEQUANTISED_AT_LOAD`), read
+  dequantise (Q2_K, Q3_K, the IQ and TQ types, NVFP4: :data:`DEQUANTISED_AT_LOAD`), read
   as blocks and dequantised to float32 at load, where a kernel would run them;
 - flexplan's own group-wise int8 / int4 (FlexGen's compression: groups of 64 consecutive weights
   along the input dimension, asymmetric, a float16 scale and a float16 minimum a group; groups of
@@ -72,6 +72,7 @@ Q5_1 = BlockFormat("Q5_1", 7, 32, 24, 5, True, "32 weights: float16 scale d and 
 Q4_K = BlockFormat("Q4_K", 12, 256, 144, 4, True, "256 weights: 8 sub-blocks of 32 with 6-bit scales and mins")
 Q5_K = BlockFormat("Q5_K", 13, 256, 176, 5, True, "256 weights: 8 sub-blocks of 32 with 6-bit scales and mins")
 Q6_K = BlockFormat("Q6_K", 14, 256, 210, 6, True, "256 weights: 16 sub-blocks of 16 with int8 scales")
+MXFP4 = BlockFormat("MXFP4", 39, 32, 17, 4, True, "32 weights: E8M0 scale, FP4 (E2M1) values (gpt-oss's experts)")
 
 # ggml-common.h's other weight types the gguf package dequantises (gguf/quants.py): no kernel runs
 # them, so a file holding them is dequantised to float32 at load (4 bytes a weight in memory, not these)
@@ -89,12 +90,11 @@ DEQUANTISED_AT_LOAD = (
     BlockFormat("IQ1_M", 29, 256, 56, 1, description="256 weights: 1.75-bit lattice codes"),
     BlockFormat("TQ1_0", 34, 256, 54, 2, description="256 weights: ternary, base-3 packed"),
     BlockFormat("TQ2_0", 35, 256, 66, 2, description="256 weights: ternary, 2 bits each"),
-    BlockFormat("MXFP4", 39, 32, 17, 4, description="32 weights: E8M0 scale, FP4 (E2M1) values"),
     BlockFormat("NVFP4", 40, 64, 36, 4, description="64 weights: FP4 (E2M1) values, FP8 scales per 16"),
 )
 
 GGUF_FORMATS: dict[int, BlockFormat] = {
-    f.ggml_type: f for f in (F32, F16, BF16, Q4_0, Q4_1, Q8_0, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K, *DEQUANTISED_AT_LOAD)}
+    f.ggml_type: f for f in (F32, F16, BF16, Q4_0, Q4_1, Q8_0, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K, MXFP4, *DEQUANTISED_AT_LOAD)}
 BY_NAME: dict[str, BlockFormat] = {f.name: f for f in GGUF_FORMATS.values()}
 
 # ggml.h's enum ggml_type names for the ids flexplan refuses, so the refusal names the type

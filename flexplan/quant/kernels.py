@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import math
 from pathlib import Path
 
 import gguf
@@ -50,7 +51,7 @@ SOURCES = (Path(__file__).with_name("quant_gemv.c"), Path(__file__).with_name("q
 NATIVE_FORMATS = {f.name: f for f in GGUF_FORMATS.values() if f.native_kernel}  # the blocks the kernels read as they are
 # where each kernel format's block keeps its float16 fields (ggml-common.h): every other bit pattern is a value
 FP16_FIELDS = {"Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q8_0": (0,), "Q4_K": (0, 2),
-               "Q5_K": (0, 2), "Q6_K": (208,)}
+               "Q5_K": (0, 2), "Q6_K": (208,), "MXFP4": ()}
 ACT_QUANT_REL_ERROR = 1e-2  # the stated bound of the int8 activation path (Gaussian x): rms(y - ref) / rms(ref)
 FLOAT_ACT_REL_ERROR = 1e-6  # the float-activation path, max |y - ref| / max |ref|: one float32 rounding
 # the int8 path against float64 of the same quantised activation (int8_activation_reference), max norm:
@@ -204,13 +205,17 @@ def random_blocks(fmt: BlockFormat, out: int, in_features: int, generator: torch
                   scale: float = 1e-2) -> QuantTensor:
     """[out, in_features] raw blocks of ``fmt`` (a :data:`NATIVE_FORMATS` format): uniform random
     bytes, every float16 field (:data:`FP16_FIELDS`: scales, minimums) uniform in [-scale, scale]
-    (subnormals included): valid blocks whatever the bytes, for the tests, the self-check and the
+    (subnormals included), MXFP4's exponent such that its weights stay within about ``scale``: valid
+    blocks whatever the bytes, for the tests, the self-check and the
     benchmarks of formats gguf cannot quantise."""
     blocks = out * fmt.row_bytes(in_features) // fmt.block_bytes
     raw = torch.randint(0, 256, (blocks, fmt.block_bytes), dtype=torch.uint8, generator=generator)
     for offset in FP16_FIELDS[fmt.name]:
         value = ((torch.rand(blocks, generator=generator) * 2 - 1) * scale).half()
         raw[:, offset:offset + 2] = value.view(torch.uint8).reshape(blocks, 2)
+    if fmt.name == "MXFP4":  # its E8M0 exponent: a block's largest weight (6 x 2^(e - 127)) up to ~scale
+        top = 127 + int(math.floor(math.log2(scale / 6)))
+        raw[:, 0] = torch.randint(top - 3, top + 1, (blocks,), dtype=torch.uint8, generator=generator)
     return QuantTensor("", raw.reshape(out, -1), (out, in_features), fmt)
 
 

@@ -5,6 +5,8 @@
  *   Q5_0 (type 6): fp16 d, u32 qh, 16 bytes of nibbles;               w = d * (q - 16)
  *   Q5_1 (type 7): fp16 d, fp16 m, u32 qh, 16 bytes of nibbles;       w = d * q + m
  *   Q8_0 (type 8): fp16 d, 32 int8;                                   w = d * q
+ *   MXFP4 (type 39): E8M0 e, 16 bytes of nibbles;                     w = 2^(e - 128) * K[q]
+ *                   (K: E2M1's values doubled, 0 1 2 3 4 6 8 12 and their negatives: gpt-oss's experts)
  * A nibble byte j holds value j (low 4 bits) and value j + 16 (high 4 bits); bit j of the
  * little-endian qh is value j's fifth bit. The K-quants (256-weight super-blocks: Q4_K, Q5_K, Q6_K)
  * are quant_kquants.c's, compiled into the same library: the entry points below hand them over.
@@ -19,6 +21,7 @@
  *   Q5_0 . x = sum_b d_w d_x sum u_w q_x - 16 d_w s0_x     (u_w: the 5-bit value as stored)
  *   Q5_1 . x = sum_b d_w d_x sum u_w q_x + m_w s_x
  *   Q8_0 . x = sum_b d_w d_x sum q_w q_x
+ *   MXFP4 . x = sum_b d_w d_x sum K[q_w] q_x                (d_w a power of two: the product exact)
  * ISA, chosen at compile time by -march=native: AVX-512 VNNI (or AVX-VNNI) dpbusd, else AVX2
  * maddubs + madd, else portable C; flexplan_quant_isa() names it. OpenMP over output rows.
  * The batched kernel (prefill) takes the activation rows 4 at a time per decoded weight block, each
@@ -44,6 +47,7 @@
 #define TYPE_Q5_0 6
 #define TYPE_Q5_1 7
 #define TYPE_Q8_0 8
+#define TYPE_MXFP4 39
 #define TILE 4 /* activation rows that share one decode of a weight block in the batched kernel */
 #ifndef QUANT_PREFETCH_BYTES
 #define QUANT_PREFETCH_BYTES 4096
@@ -133,7 +137,16 @@ static inline float round_fp16(float f) {
 
 static int64_t block_bytes(int64_t wtype) { /* the 32-weight blocks; 0 for any other type */
     return wtype == TYPE_Q4_0 ? 18 : wtype == TYPE_Q4_1 ? 20 : wtype == TYPE_Q5_0 ? 22 : wtype == TYPE_Q5_1 ? 24
-         : wtype == TYPE_Q8_0 ? 34 : 0;
+         : wtype == TYPE_Q8_0 ? 34 : wtype == TYPE_MXFP4 ? 17 : 0;
+}
+
+/* MXFP4: ggml's kvalues_mxfp4 (E2M1 doubled) and its scale 2^(e - 127) / 2 (ggml_e8m0_to_fp32_half) */
+static const int8_t MXFP4_VALUES[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
+static inline float e8m0_half(uint8_t e) {
+    const uint32_t bits = e < 2 ? 0x00200000u << e : (uint32_t)(e - 1) << 23;
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
 }
 
 /* The int8 activation's two steps, shared with quant_kquants.c (its Q8_K): the largest |x| of n
@@ -217,9 +230,14 @@ static void quantize_act(const float *x, act_block *a, int64_t nb) {
 /* ---- integer dots of one weight row with T activation rows ---------------------------------------
  * kind: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 (compile-time after inlining). Two blocks per step into two sets
  * of accumulators: the fused multiply-add's latency is the bound with one. */
-enum { KIND_Q4_0, KIND_Q4_1, KIND_Q5_0, KIND_Q5_1, KIND_Q8_0, N_KINDS };
-static const int64_t KIND_BYTES[N_KINDS] = {18, 20, 22, 24, 34};
-static const int KIND_QS[N_KINDS] = {2, 4, 6, 8, 2};  /* where the nibbles (Q8_0: the int8 values) start */
+enum { KIND_Q4_0, KIND_Q4_1, KIND_Q5_0, KIND_Q5_1, KIND_Q8_0, KIND_MXFP4, N_KINDS };
+static const int64_t KIND_BYTES[N_KINDS] = {18, 20, 22, 24, 34, 17};
+static const int KIND_QS[N_KINDS] = {2, 4, 6, 8, 2, 1};  /* where the nibbles (Q8_0: the int8 values) start */
+
+/* a block's scale d: its float16 d, or MXFP4's E8M0 exponent */
+static inline float block_d(const uint8_t *blk, int kind) {
+    return kind == KIND_MXFP4 ? e8m0_half(blk[0]) : fp16_to_f32(blk);
+}
 
 /* the activation block's sum that multiplies block_min: Q8_1's s for Q4_1 / Q5_1, d sum q for the rest */
 #define ACT_S(kind, blk) (((kind) == KIND_Q4_1 || (kind) == KIND_Q5_1) ? (blk).s : (blk).ds)
@@ -275,9 +293,11 @@ static inline float hsum8(__m256 v) {
  * per activation row. */
 static inline __attribute__((always_inline)) void step(const uint8_t *blk, int kind, const act_block *const *a,
                                                        int64_t b, int T, __m256 *acc, float *ex) {
-    const float dw = fp16_to_f32(blk);
-    if (kind == KIND_Q8_0) {
-        const __m256i q = _mm256_loadu_si256((const __m256i *)(blk + 2));
+    const float dw = block_d(blk, kind);
+    if (kind == KIND_Q8_0 || kind == KIND_MXFP4) {  /* signed values: Q8_0's int8, MXFP4's K[q] by one shuffle */
+        const __m256i q = kind == KIND_Q8_0 ? _mm256_loadu_si256((const __m256i *)(blk + 2))
+            : _mm256_shuffle_epi8(_mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)MXFP4_VALUES)),
+                                  nibbles32(blk + 1));
         const __m256i u = _mm256_sign_epi8(q, q);
         for (int t = 0; t < T; t++) {
             const __m256i s = _mm256_sign_epi8(_mm256_loadu_si256((const __m256i *)a[t][b].qs), q);
@@ -316,10 +336,12 @@ static inline void dot_rows(const uint8_t *w, int kind, const act_block *const *
     const int64_t bb = KIND_BYTES[kind];
     for (int t = 0; t < T; t++) out[t] = 0.0f;
     for (int64_t b = 0; b < nb; b++, w += bb) {
-        const float dw = fp16_to_f32(w);
+        const float dw = block_d(w, kind);
         int8_t q[QK];
         float mw = 0.0f;
         if (kind == KIND_Q8_0) memcpy(q, w + 2, QK);
+        else if (kind == KIND_MXFP4)
+            for (int j = 0; j < QK / 2; j++) { q[j] = MXFP4_VALUES[w[1 + j] & 0x0F]; q[j + QK / 2] = MXFP4_VALUES[w[1 + j] >> 4]; }
         else {
             const uint8_t *p = w + KIND_QS[kind];
             for (int j = 0; j < QK / 2; j++) { q[j] = p[j] & 0x0F; q[j + QK / 2] = p[j] >> 4; }
@@ -352,13 +374,16 @@ INSTANCE(KIND_Q4_1)
 INSTANCE(KIND_Q5_0)
 INSTANCE(KIND_Q5_1)
 INSTANCE(KIND_Q8_0)
+INSTANCE(KIND_MXFP4)
 typedef void (*dot_fn)(const uint8_t *, const act_block *const *, int64_t, float *);
-static const dot_fn DOT1[N_KINDS] = {dot1_KIND_Q4_0, dot1_KIND_Q4_1, dot1_KIND_Q5_0, dot1_KIND_Q5_1, dot1_KIND_Q8_0};
-static const dot_fn DOTT[N_KINDS] = {dotT_KIND_Q4_0, dotT_KIND_Q4_1, dotT_KIND_Q5_0, dotT_KIND_Q5_1, dotT_KIND_Q8_0};
+static const dot_fn DOT1[N_KINDS] = {dot1_KIND_Q4_0, dot1_KIND_Q4_1, dot1_KIND_Q5_0, dot1_KIND_Q5_1, dot1_KIND_Q8_0,
+                                     dot1_KIND_MXFP4};
+static const dot_fn DOTT[N_KINDS] = {dotT_KIND_Q4_0, dotT_KIND_Q4_1, dotT_KIND_Q5_0, dotT_KIND_Q5_1, dotT_KIND_Q8_0,
+                                     dotT_KIND_MXFP4};
 
 static int kind_of(int64_t wtype) {
     return wtype == TYPE_Q4_0 ? KIND_Q4_0 : wtype == TYPE_Q4_1 ? KIND_Q4_1 : wtype == TYPE_Q5_0 ? KIND_Q5_0
-         : wtype == TYPE_Q5_1 ? KIND_Q5_1 : wtype == TYPE_Q8_0 ? KIND_Q8_0 : -1;
+         : wtype == TYPE_Q5_1 ? KIND_Q5_1 : wtype == TYPE_Q8_0 ? KIND_Q8_0 : wtype == TYPE_MXFP4 ? KIND_MXFP4 : -1;
 }
 
 /* ---- the interleaved layout (wtype | X8): the CPU's own arrangement of a matrix's blocks ----------
@@ -389,7 +414,8 @@ static const int X8_LANE_ROW[8] = {0, 1, 4, 5, 2, 3, 6, 7}; /* what _mm256_hadd_
 static int is_k(int64_t wtype) { return flexplan_kq_block_bytes(wtype) != 0; }
 static int x8_kind(int64_t wtype) { /* the kind of an interleaved 32-block type with a kernel here, else -1 */
 #ifdef X8_KERNELS
-    return (wtype & X8) ? kind_of(wtype & ~(int64_t)X8) : -1;
+    const int kind = (wtype & X8) ? kind_of(wtype & ~(int64_t)X8) : -1;
+    return kind == KIND_MXFP4 ? -1 : kind;  /* MXFP4 (experts only, an odd 17-byte block) keeps the file's layout */
 #else
     (void)wtype;
     return -1;
@@ -586,6 +612,14 @@ static void x8_group(const uint8_t *w, int64_t base, int kind, const void *const
 
 /* ---- float-activation path: exact dequantisation, double sums ------------------------------------- */
 static void dequant_block(const uint8_t *w, int64_t wtype, float *out) {
+    if (wtype == TYPE_MXFP4) {  /* gguf's reference: d * K[q], exact (d a power of two) */
+        const float d = e8m0_half(w[0]);
+        for (int j = 0; j < QK / 2; j++) {
+            out[j] = d * (float)MXFP4_VALUES[w[1 + j] & 0x0F];
+            out[j + QK / 2] = d * (float)MXFP4_VALUES[w[1 + j] >> 4];
+        }
+        return;
+    }
     const float d = fp16_to_f32(w);
     if (wtype == TYPE_Q8_0) {
         for (int j = 0; j < QK; j++) out[j] = (float)(int8_t)w[2 + j] * d;

@@ -15,8 +15,8 @@ is therefore correctly rounded in the same sequence, and the float32 result equa
 ``gguf.quants.dequantize`` bit for bit (tests/test_quant_torch_dequant.py checks it on the CPU,
 and a CUDA run against the CPU run where a GPU exists). A cast to the requested dtype comes last.
 
-Formats (ggml type ids): Q4_0 (2), Q4_1 (3), Q5_0 (6), Q5_1 (7), Q8_0 (8) in 32-weight blocks;
-Q4_K (12), Q5_K (13), Q6_K (14) in 256-weight super-blocks. Anything else, or a shape that is
+Formats (ggml type ids): Q4_0 (2), Q4_1 (3), Q5_0 (6), Q5_1 (7), Q8_0 (8), MXFP4 (39) in 32-weight
+blocks; Q4_K (12), Q5_K (13), Q6_K (14) in 256-weight super-blocks. Anything else, or a shape that is
 not whole blocks, raises :class:`~flexplan.errors.InvalidInputError`.
 """
 
@@ -106,6 +106,20 @@ def _q8_0(blocks: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return (x * d).to(dtype)
 
 
+_MXFP4_VALUES = (0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12)  # E2M1, doubled (gguf's kvalues)
+
+
+def _mxfp4(blocks: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    # block_mxfp4: E8M0 e, 16 bytes of nibbles; w = d * K[q], d = 2^(e - 127) / 2 as float32 bits
+    # (gguf's e8m0_to_fp32_half: e < 2 a subnormal 0x00200000 << e, else (e - 1) << 23)
+    e = blocks[:, :1].to(torch.int32)
+    bits = torch.where(e < 2, torch.full_like(e, 0x00200000) << e, (e - 1) << 23)
+    d = bits.view(torch.float32)
+    values = torch.tensor(_MXFP4_VALUES, dtype=torch.float32, device=blocks.device)
+    q = values[_nibbles(blocks[:, 1:], 16).long()]
+    return (d * q).to(dtype)
+
+
 # --- the K-quants (256-weight super-blocks) ------------------------------------------------------
 
 def _scale_min_k4(scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -160,7 +174,7 @@ def _q6_k(blocks: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 # computed in float32 and cast last. One function (one code object) per format: torch.compile caches
 # its compiled graphs per code object (flexplan.quant.fused_dequant), so formats never share a cache.
 DEQUANTIZERS: dict[int, Callable[[torch.Tensor, torch.dtype], torch.Tensor]] = {
-    2: _q4_0, 3: _q4_1, 6: _q5_0, 7: _q5_1, 8: _q8_0, 12: _q4_k, 13: _q5_k, 14: _q6_k,
+    2: _q4_0, 3: _q4_1, 6: _q5_0, 7: _q5_1, 8: _q8_0, 12: _q4_k, 13: _q5_k, 14: _q6_k, 39: _mxfp4,
 }
 SUPPORTED = frozenset(DEQUANTIZERS)
 
