@@ -393,7 +393,7 @@ static int kind_of(int64_t wtype) {
  * 8 lanes of one vector (two horizontal adds of 4 rows each) and one convert and one multiply-add
  * scale them all (llama.cpp repacks Q4_0 for its AVX2 GEMV likewise). Rows [0, 8 * (out / 8)) in
  * groups of 8; a group's block b is one run of 8 * bb bytes: the 8 rows' fp16 d, then (Q4_1) their
- * fp16 m, each in lane order (X8_LANE_ROW), then (Q5) the fifth bits of each value run in run order,
+ * fp16 m, each in lane order (X8_LANE_ROW; MXFP4: the 8 rows' exponent bytes), then (Q5) the fifth bits of each value run in run order,
  * 8 bytes a run (qh byte c of its 4 rows, then qh byte 2 + c), then the values in 32-byte runs, run
  * (c, h) = bytes 8c .. 8c + 7 of rows 4h .. 4h + 3 (Q4 / Q5: c < 2, each byte two values; Q8_0: c < 4), c major. The
  * rows after the last group keep the file's layout; every row's bytes keep their offset range, a
@@ -414,8 +414,7 @@ static const int X8_LANE_ROW[8] = {0, 1, 4, 5, 2, 3, 6, 7}; /* what _mm256_hadd_
 static int is_k(int64_t wtype) { return flexplan_kq_block_bytes(wtype) != 0; }
 static int x8_kind(int64_t wtype) { /* the kind of an interleaved 32-block type with a kernel here, else -1 */
 #ifdef X8_KERNELS
-    const int kind = (wtype & X8) ? kind_of(wtype & ~(int64_t)X8) : -1;
-    return kind == KIND_MXFP4 ? -1 : kind;  /* MXFP4 (experts only, an odd 17-byte block) keeps the file's layout */
+    return (wtype & X8) ? kind_of(wtype & ~(int64_t)X8) : -1;
 #else
     (void)wtype;
     return -1;
@@ -432,8 +431,11 @@ int64_t flexplan_quant_x8_layout(int64_t wtype, int32_t *src) {
     const int bb = (int)KIND_BYTES[kind], qs = KIND_QS[kind], runs = kind == KIND_Q8_0 ? 4 : 2;
     const int fields = kind == KIND_Q4_1 || kind == KIND_Q5_1 ? 2 : 1, q5 = kind == KIND_Q5_0 || kind == KIND_Q5_1;
     int j = 0;
-    for (int f = 0; f < 2 * fields; f += 2) /* d, then m */
-        for (int l = 0; l < 8; l++) { src[j++] = X8_LANE_ROW[l] * bb + f; src[j++] = X8_LANE_ROW[l] * bb + f + 1; }
+    if (kind == KIND_MXFP4) /* its one-byte exponent */
+        for (int l = 0; l < 8; l++) src[j++] = X8_LANE_ROW[l] * bb;
+    else
+        for (int f = 0; f < 2 * fields; f += 2) /* d, then m */
+            for (int l = 0; l < 8; l++) { src[j++] = X8_LANE_ROW[l] * bb + f; src[j++] = X8_LANE_ROW[l] * bb + f + 1; }
     for (int c = 0; c < 2 * q5; c++) /* Q5: each value run's fifth bits, qh byte c then byte 2 + c of its 4 rows */
         for (int h = 0; h < 2; h++)
             for (int hi = 0; hi < 2; hi++)
@@ -516,16 +518,34 @@ static inline __attribute__((always_inline)) void x8_dot(const uint8_t *w, int k
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *blk = w + b * run;
         for (int64_t p = 0; p < run; p += 64) _mm_prefetch((const char *)blk + X8_PREFETCH_BYTES + p, _MM_HINT_T0);
-        const __m256 dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)blk));
-        const int q5 = kind == KIND_Q5_0 || kind == KIND_Q5_1;
+        const int q5 = kind == KIND_Q5_0 || kind == KIND_Q5_1, fp4 = kind == KIND_MXFP4;
+        __m256 dw;
+        if (fp4) { /* ggml_e8m0_to_fp32_half of the 8 exponents: (e - 1) << 23, below 2 the subnormal 0x00200000 << e */
+            int64_t e8;
+            memcpy(&e8, blk, 8);
+            const __m256i e = _mm256_cvtepu8_epi32(_mm_cvtsi64_si128(e8));
+            const __m256i normal = _mm256_slli_epi32(_mm256_sub_epi32(e, _mm256_set1_epi32(1)), 23);
+            const __m256i sub = _mm256_sllv_epi32(_mm256_set1_epi32(0x00200000), e);
+            dw = _mm256_castsi256_ps(_mm256_blendv_epi8(normal, sub, _mm256_cmpgt_epi32(_mm256_set1_epi32(2), e)));
+        } else {
+            dw = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)blk));
+        }
         const __m256 mw = kind == KIND_Q4_1 || kind == KIND_Q5_1 ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 16)))
                                                                  : _mm256_mul_ps(dw, _mm256_set1_ps(q5 ? -16.0f : -8.0f)); /* Q8_0: unused */
         const uint8_t *vals = blk + 8 * KIND_QS[kind];
         __m256i u[8]; /* Q4 / Q5: run (c, h)'s low values at 4c + 2h, high at 4c + 2h + 1; Q8_0: run (c, h) at 2c + h */
+        __m256i mag[8]; /* MXFP4: |K[q]|, the values' signs moved onto the activation per row */
         for (int i = 0; i < (kind == KIND_Q8_0 ? 8 : 4); i++) {
             const __m256i r = _mm256_loadu_si256((const __m256i *)vals + i);
             if (kind == KIND_Q8_0) u[i] = r;
             else { u[2 * i] = _mm256_and_si256(r, low); u[2 * i + 1] = _mm256_and_si256(_mm256_srli_epi16(r, 4), low); }
+            if (fp4) {
+                const __m256i table = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)MXFP4_VALUES));
+                for (int k = 2 * i; k < 2 * i + 2; k++) {
+                    u[k] = _mm256_shuffle_epi8(table, u[k]);
+                    mag[k] = _mm256_sign_epi8(u[k], u[k]);
+                }
+            }
             if (q5) { /* byte 8r + k gets 0x10 where bit k of its row's qh byte is set: low values', then high values' */
                 int64_t bits;
                 memcpy(&bits, vals - 32 + 8 * i, 8);
@@ -554,6 +574,22 @@ static inline __attribute__((always_inline)) void x8_dot(const uint8_t *w, int k
 #endif
                     }
                 }
+            else if (fp4) { /* |K[q]| <= 12: four pairs' sums stay within int16 (4 * 2 * 12 * 127) */
+                const __m256i x[4] = {_mm256_set1_epi64x(aq[0]), _mm256_set1_epi64x(aq[1]), _mm256_set1_epi64x(aq[2]),
+                                      _mm256_set1_epi64x(aq[3])};
+                for (int h = 0; h < 2; h++) { /* the Q4 runs' order: low values with x0 / x1, high with x2 / x3 */
+                    const int at[4] = {2 * h, 2 * h + 1, 4 + 2 * h, 4 + 2 * h + 1}, xs[4] = {0, 2, 1, 3};
+#ifdef X8_DPBUSD
+                    s[h] = _mm256_setzero_si256();
+                    for (int k = 0; k < 4; k++) s[h] = X8_DPBUSD(s[h], mag[at[k]], _mm256_sign_epi8(x[xs[k]], u[at[k]]));
+#else
+                    __m256i p[4];
+                    for (int k = 0; k < 4; k++)
+                        p[k] = _mm256_maddubs_epi16(mag[at[k]], _mm256_sign_epi8(x[xs[k]], u[at[k]]));
+                    s[h] = _mm256_madd_epi16(_mm256_add_epi16(_mm256_add_epi16(p[0], p[1]), _mm256_add_epi16(p[2], p[3])), ones);
+#endif
+                }
+            }
             else { /* values 0..31: four pairs' sums stay within int16 (4 * 2 * 31 * 127) */
                 const __m256i x0 = _mm256_set1_epi64x(aq[0]), x1 = _mm256_set1_epi64x(aq[1]),
                               x2 = _mm256_set1_epi64x(aq[2]), x3 = _mm256_set1_epi64x(aq[3]);
@@ -571,7 +607,7 @@ static inline __attribute__((always_inline)) void x8_dot(const uint8_t *w, int k
             }
             const __m256 dot = _mm256_cvtepi32_ps(_mm256_hadd_epi32(s[0], s[1]));
             acc[t] = _mm256_fmadd_ps(_mm256_mul_ps(dw, _mm256_set1_ps(a[t][b].d)), dot, acc[t]);
-            if (kind != KIND_Q8_0) ex[t] = _mm256_fmadd_ps(mw, _mm256_set1_ps(ACT_S(kind, a[t][b])), ex[t]);
+            if (kind != KIND_Q8_0 && !fp4) ex[t] = _mm256_fmadd_ps(mw, _mm256_set1_ps(ACT_S(kind, a[t][b])), ex[t]);
         }
     }
     const __m256i rows = _mm256_setr_epi32(0, 1, 4, 5, 2, 3, 6, 7); /* X8_LANE_ROW: lanes back to row order */
@@ -586,12 +622,14 @@ X8_INSTANCES(KIND_Q4_1)
 X8_INSTANCES(KIND_Q5_0)
 X8_INSTANCES(KIND_Q5_1)
 X8_INSTANCES(KIND_Q8_0)
+X8_INSTANCES(KIND_MXFP4)
 typedef void (*x8_fn)(const uint8_t *, const act_block *const *, int64_t, float *);
 static const x8_fn X8_FNS[N_KINDS][3] = {{x8_KIND_Q4_0_1, x8_KIND_Q4_0_2, x8_KIND_Q4_0_4},
                                          {x8_KIND_Q4_1_1, x8_KIND_Q4_1_2, x8_KIND_Q4_1_4},
                                          {x8_KIND_Q5_0_1, x8_KIND_Q5_0_2, x8_KIND_Q5_0_4},
                                          {x8_KIND_Q5_1_1, x8_KIND_Q5_1_2, x8_KIND_Q5_1_4},
-                                         {x8_KIND_Q8_0_1, x8_KIND_Q8_0_2, x8_KIND_Q8_0_4}};
+                                         {x8_KIND_Q8_0_1, x8_KIND_Q8_0_2, x8_KIND_Q8_0_4},
+                                         {x8_KIND_MXFP4_1, x8_KIND_MXFP4_2, x8_KIND_MXFP4_4}};
 
 /* group g's 8 rows with activation rows [0, T) (any T, in steps of 4, 2, 1): y[t * ldy + 8g + row] (+ bias);
  * kind -1: a K-quant (type base), quant_kquants.c's kernel on its own activation blocks */
