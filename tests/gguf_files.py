@@ -92,18 +92,23 @@ def _permute(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def _metadata(w: gguf.GGUFWriter, config, arch: str, name: str) -> None:
-    w.add_name(name)
-    if arch == "deepseek2":
-        _deepseek2_metadata(w, config)
-        return
+def _shape_metadata(w: gguf.GGUFWriter, config, kv_heads: int) -> None:
+    """The keys every converter writes: layers, context, widths, heads, the norms' epsilon."""
     w.add_block_count(config.num_hidden_layers)
     w.add_context_length(config.max_position_embeddings)
     w.add_embedding_length(config.hidden_size)
     w.add_feed_forward_length(config.intermediate_size)
     w.add_head_count(config.num_attention_heads)
-    w.add_head_count_kv(config.num_key_value_heads)
+    w.add_head_count_kv(kv_heads)
     w.add_layer_norm_rms_eps(config.rms_norm_eps)
+
+
+def _metadata(w: gguf.GGUFWriter, config, arch: str, name: str) -> None:
+    w.add_name(name)
+    if arch == "deepseek2":
+        _deepseek2_metadata(w, config)
+        return
+    _shape_metadata(w, config, config.num_key_value_heads)
     rope = config.rope_parameters
     w.add_rope_freq_base((rope.get("full_attention") or rope)["rope_theta"])  # Gemma 3: the global layers' base
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
@@ -148,13 +153,7 @@ def _deepseek2_metadata(w: gguf.GGUFWriter, config) -> None:
     """convert_hf_to_gguf.py's DeepseekV2Model (V2 and V3): MLA as one key/value head of the latent's
     width, the per-head widths in the _mla keys, YaRN's mscale_all_dim as 0.1 x yarn_log_multiplier, the
     router's kind as the gating function (a V3 config's scoring_func "sigmoid")."""
-    w.add_block_count(config.num_hidden_layers)
-    w.add_context_length(config.max_position_embeddings)
-    w.add_embedding_length(config.hidden_size)
-    w.add_feed_forward_length(config.intermediate_size)
-    w.add_head_count(config.num_attention_heads)
-    w.add_head_count_kv(1)
-    w.add_layer_norm_rms_eps(config.rms_norm_eps)
+    _shape_metadata(w, config, 1)
     rope = config.rope_parameters
     w.add_rope_freq_base(rope["rope_theta"])
     w.add_leading_dense_block_count(config.first_k_dense_replace)

@@ -32,6 +32,7 @@ from torch import nn
 from flexplan.executor import cpu_experts, native
 from flexplan.executor.rebinds import note_rebind
 from flexplan.quant import fused_dequant, interleave, kernels
+from flexplan.quant.activation_switch import FloatActivationSwitch
 from flexplan.quant.formats import BlockFormat
 
 FUSED_PARAMETERS = ("gate_up_proj", "down_proj", "gate_up_proj_bias", "down_proj_bias")
@@ -51,7 +52,7 @@ def kernel_reads(fmt: BlockFormat) -> bool:
     return kernels.status()[0] is not None and fmt.name in kernels.NATIVE_FORMATS
 
 
-class QuantExperts(nn.Module):
+class QuantExperts(FloatActivationSwitch, nn.Module):
     """Routed experts whose projections are raw blocks (see the module docstring)."""
 
     def __init__(self, gate: nn.Module, gate_up: tuple[torch.Tensor, BlockFormat], down: tuple[torch.Tensor, BlockFormat],
@@ -81,16 +82,6 @@ class QuantExperts(nn.Module):
             setattr(self, f"{name}_format", fmt)
             setattr(self, f"{name}_interleaved", interleaved)
             self.register_buffer(f"{name}_bias", None if bias is None else bias.float().contiguous(), persistent=False)
-
-    @property
-    def float_act(self) -> bool:
-        """The exact float-activation path (True) or llama.cpp's int8 activation (False)."""
-        return self._float_act
-
-    @float_act.setter
-    def float_act(self, on: bool) -> None:
-        self._float_act = bool(on)
-        note_rebind()  # what the native decoder layers were told of these experts is stale
 
     @property
     def fused(self) -> bool:

@@ -18,13 +18,13 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from flexplan.executor.rebinds import note_rebind
 from flexplan.quant import fused_dequant, interleave, kernels
+from flexplan.quant.activation_switch import FloatActivationSwitch
 from flexplan.quant.gguf_weights import QuantTensor
 from flexplan.quant.quant_experts import QuantExperts
 
 
-class QuantLinear(nn.Module):
+class QuantLinear(FloatActivationSwitch, nn.Module):
     """``y = x W^T (+ bias)`` with W the raw blocks of ``qt`` ([out, in] in torch order)."""
 
     weight = None  # no float weight: code that asks (tied-head checks) sees none, not an AttributeError
@@ -48,16 +48,6 @@ class QuantLinear(nn.Module):
         self.interleaved = run is not None and self.out_features >= interleave.GROUP_ROWS
         blocks = kernels.status()[0].x8_pack(qt.data, qt.format) if self.interleaved else qt.data.contiguous()
         self.blocks = nn.Parameter(blocks, requires_grad=False) if self.dense is None else None
-
-    @property
-    def float_act(self) -> bool:
-        """The exact float-activation path (True) or llama.cpp's int8 activation (False)."""
-        return self._float_act
-
-    @float_act.setter
-    def float_act(self, on: bool) -> None:
-        self._float_act = bool(on)
-        note_rebind()  # what the native decoder layers were told of this linear is stale
 
     @property
     def native(self):
