@@ -419,6 +419,13 @@ def test_an_unsupported_architecture_is_refused_naming_it_and_the_supported(tmp_
     with pytest.raises(FlexplanError, match=r"holds LongRoPE factors \(rope_factors_long.weight\), which flexplan does "
                                             r"not map yet; load the model's HuggingFace folder instead"):
         load_gguf_model(longrope)
+    partial = tmp_path / "deepseek2-partial.gguf"  # a deepseek2 header without MLA's widths: named, not a KeyError
+    _write_raw(partial, "deepseek2", {"deepseek2.block_count": 1, "deepseek2.embedding_length": 64,
+                                      "deepseek2.attention.head_count": 4},
+               {"token_embd.weight": np.zeros((4, 32), np.float32)})
+    with pytest.raises(FlexplanError, match=r"deepseek2 file without deepseek2\.rope\.dimension_count, "
+                                            r"deepseek2\.attention\.kv_lora_rank; its metadata is incomplete"):
+        resolve_model(partial)
     odd = tmp_path / "odd.gguf"
     _write_raw(odd, "rwkv9", {"rwkv9.block_count": 1}, {"token_embd.weight": np.zeros((4, 32), np.float32)})
     with pytest.raises(UnsupportedModelError, match=r"architecture 'rwkv9' has no transformers config mapping"):

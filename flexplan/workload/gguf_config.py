@@ -56,6 +56,8 @@ _DEEPSEEK2_KEYS = {
     "expert_weights_norm": "norm_topk_prob", "attention.q_lora_rank": "q_lora_rank",
     "attention.kv_lora_rank": "kv_lora_rank", "rope.dimension_count": "qk_rope_head_dim",
     "expert_group_count": "n_group", "expert_group_used_count": "topk_group"}
+_DEEPSEEK2_REQUIRED = ("block_count", "embedding_length", "attention.head_count", "rope.dimension_count",
+                       "attention.kv_lora_rank")
 _SIGMOID_GATING = 2  # llama.cpp's LLAMA_EXPERT_GATING_FUNC_TYPE_SIGMOID (1: softmax)
 # GGUF's tensor names (gguf-py's constants.py TENSOR_NAMES) to ModelSpec's operator groups, first match wins
 _GROUPS = (
@@ -150,6 +152,10 @@ def _deepseek2(header: GGUFHeader, tokenizer_keys: dict) -> dict:
         value = md.get(a + name)
         return default if value is None else _single(value)
 
+    missing = [a + k for k in _DEEPSEEK2_REQUIRED if a + k not in md]
+    if missing or (a + "attention.key_length_mla" not in md and a + "attention.key_length" not in md):
+        raise InvalidInputError(f"{header.path}: a deepseek2 file without {', '.join(missing) or a + 'attention.key_length'}"
+                                "; its metadata is incomplete (convert it again with llama.cpp's convert_hf_to_gguf.py)")
     cfg = {field: _single(md[a + k]) for k, field in _DEEPSEEK2_KEYS.items() if a + k in md}
     cfg.update({field: _single(md[f"tokenizer.{k}"]) for k, field in tokenizer_keys.items() if f"tokenizer.{k}" in md})
     rope = int(key("rope.dimension_count"))
