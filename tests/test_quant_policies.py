@@ -135,7 +135,8 @@ MEMORY_PAIRS = [("gpu", "gpu"), ("gpu-offload", "cpu-attention"), ("split-points
 
 
 @pytest.mark.parametrize("arch,prefill,decode", [("llama", *p) for p in MEMORY_PAIRS]
-                         + [("qwen3_moe", *p) for p in MEMORY_PAIRS + [("cpu-experts", "cpu-experts")]])
+                         + [("qwen3_moe", *p) for p in MEMORY_PAIRS + [("cpu-experts", "cpu-experts")]]
+                         + [("deepseek_v3", "cpu", "cpu"), ("deepseek_v3", "gpu-offload", "cpu-experts")])
 def test_memory_model_predicts_what_the_executor_allocates_for_blocks(tmp_path, one_thread, prefill, decode, arch):
     """The planner's memory model of a GGUF file's blocks (from its header alone) against the bytes
     the executor's link holds once placed, per memory."""

@@ -205,12 +205,18 @@ def _format_name(ggml_type: int) -> str:
     return fmt.name if fmt is not None else GGML_TYPE_NAMES.get(ggml_type, f"GGML type {ggml_type}")
 
 
+# tensors the loader holds in float32 whatever the file stores (flexplan.quant.gguf_model: MLA's kv_b_proj,
+# put back together from these halves), so priced and placed as F32
+_HELD_FLOAT = re.compile(r"blk\.\d+\.attn_(k_b|v_b)\.")
+
+
 def stored_weights(header: GGUFHeader) -> tuple[tuple[str, str, int], ...]:
-    """(operator group, GGUF format, parameters) for every group and format the file holds, sorted."""
+    """(operator group, GGUF format, parameters) for every group and format the file holds, sorted
+    (as the loader holds them: :data:`_HELD_FLOAT` tensors as F32)."""
     counts: dict[tuple[str, str], int] = {}
     for t in header.tensors:
         group = next((g for pattern, g in _GROUPS if re.match(pattern, t.name)), "other")
-        key = (group, _format_name(t.ggml_type))
+        key = (group, "F32" if _HELD_FLOAT.match(t.name) else _format_name(t.ggml_type))
         counts[key] = counts.get(key, 0) + t.numel
     return tuple(sorted((g, f, n) for (g, f), n in counts.items()))
 
