@@ -2,7 +2,7 @@
 softmax router and the experts' GGUF blocks in the same native call as attention, so a MoE model's
 all-CPU decode step is one native call for every layer (cpu_decode.FusedLayer / FusedStack).
 
-What holds, on tiny random Qwen3-MoE and Mixtral files from gguf's writer: with float activations
+What holds, on tiny random Qwen3-MoE, Mixtral and Qwen2-MoE files from gguf's writer: with float activations
 the fused layers give the model's own logits within float32 rounding (the router's softmax and the
 SiLU are computed natively) and its greedy tokens; the experts' own forward then runs in prefill
 only; a router that does not renormalise (Qwen3-MoE's norm_topk_prob=False) is followed; switching
@@ -20,7 +20,7 @@ from flexplan.quant.quant_linear import set_float_activation
 
 pytestmark = pytest.mark.skipif(native.decode_status()[0] is None, reason="no native decode ops here")
 
-MOE = ("qwen3_moe", "mixtral")
+MOE = ("qwen3_moe", "mixtral", "qwen2_moe")  # Qwen2-MoE: a sigmoid-gated shared expert beside the routed ones
 
 
 @pytest.fixture(scope="module")

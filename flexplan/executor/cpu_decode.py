@@ -59,6 +59,7 @@ _QK_NORMS = frozenset({"q_norm", "k_norm"})
 _MLP_CHILDREN = frozenset({"gate_proj", "up_proj", "down_proj", "act_fn"})
 _LAYER_CHILDREN = frozenset({"self_attn", "mlp", "input_layernorm", "post_attention_layernorm"})
 _MOE_CHILDREN = frozenset({"gate", "experts"})
+_SHARED_EXPERT = frozenset({"shared_expert", "shared_expert_gate"})  # Qwen2-MoE's: a SwiGLU MLP, a [1, hidden] gate
 # names a covered attention forward may use besides Llama's: Mistral/Qwen2 pass their (None) sliding window
 _ATTENTION_EXTRA_NAMES = frozenset({"getattr", "sliding_window"})
 # names a covered decoder stack forward may use besides Llama's: the sliding-window mask mapping (unused)
@@ -76,12 +77,17 @@ def _llama():
 def _moe_forwards() -> tuple[tuple, dict]:
     """transformers' top-k softmax MoE blocks the native layer computes: (the block forwards, {router
     forward: whether it renormalises the kept probabilities, or None where its ``norm_topk_prob`` says}).
-    Qwen3-MoE's and Mixtral's, compared by code, so a family that copies them is covered too."""
+    Qwen3-MoE's and Mixtral's, and Qwen2-MoE's with its sigmoid-gated shared expert, compared by code,
+    so a family that copies them is covered too."""
     from transformers.models.mixtral import modeling_mixtral as mixtral
     from transformers.models.qwen3_moe import modeling_qwen3_moe as qwen3_moe
 
-    blocks = (qwen3_moe.Qwen3MoeSparseMoeBlock.forward, mixtral.MixtralSparseMoeBlock.forward)
-    return blocks, {qwen3_moe.Qwen3MoeTopKRouter.forward: None, mixtral.MixtralTopKRouter.forward: True}
+    from transformers.models.qwen2_moe import modeling_qwen2_moe as qwen2_moe
+
+    blocks = (qwen3_moe.Qwen3MoeSparseMoeBlock.forward, mixtral.MixtralSparseMoeBlock.forward,
+              qwen2_moe.Qwen2MoeSparseMoeBlock.forward)
+    return blocks, {qwen3_moe.Qwen3MoeTopKRouter.forward: None, mixtral.MixtralTopKRouter.forward: True,
+                    qwen2_moe.Qwen2MoeTopKRouter.forward: None}
 
 
 @functools.cache
@@ -155,12 +161,17 @@ def covered_mlp(m: nn.Module) -> bool:
 def moe_norm_topk(m: nn.Module) -> bool | None:
     """For a routed MoE block the native layer computes, whether its router renormalises the top-k
     probabilities; None where it is not one. Covered: a block whose forward is Qwen3-MoE's or
-    Mixtral's (router, then experts, nothing else: no shared expert), a router whose forward is one
+    Mixtral's (router, then experts), or Qwen2-MoE's (and a SwiGLU shared expert scaled by a one-row
+    sigmoid gate), a router whose forward is one
     of theirs (softmax over the experts' logits, the top k kept) with a weight only, and experts that
     offer their blocks to the native layer (``native_layout``: flexplan.quant's QuantExperts, named by
     what it offers so this module does not import flexplan.quant)."""
     kids = _children(m)
-    if set(kids) != _MOE_CHILDREN:
+    shared = set(kids) - _MOE_CHILDREN
+    if not _MOE_CHILDREN <= set(kids) or shared not in (set(), _SHARED_EXPERT):
+        return None
+    if shared and not (covered_mlp(kids["shared_expert"]) and _is_linear(kids["shared_expert_gate"])
+                       and kids["shared_expert_gate"].out_features == 1 and kids["shared_expert_gate"].bias is None):
         return None
     blocks, routers = _moe_forwards()
     gate, experts = kids["gate"], kids["experts"]
@@ -401,8 +412,13 @@ class FusedLayer:
         # a routed MoE block instead of the MLP: its router and experts (moe_norm_topk), the MLP's linears none
         self.norm_topk = moe_norm_topk(m)
         self.moe = (m.gate, m.experts) if self.norm_topk is not None else None
-        self.linears = (a.q_proj, a.k_proj, a.v_proj, a.o_proj) + (() if self.moe else (m.gate_proj, m.up_proj, m.down_proj))
-        self.silu = self.moe is not None or type(m.act_fn).__name__ in _SILU
+        # the SwiGLU in the gate/up/down slots: the MLP, or a MoE block's shared expert (with its one-row gate)
+        mlp = m.shared_expert if self.moe and hasattr(m, "shared_expert") else (None if self.moe else m)
+        self.shared_gate = m.shared_expert_gate if self.moe and mlp is not None else None
+        self._sgate: torch.Tensor | None = None  # the shared gate's row, float32 [hidden]
+        self.linears = (a.q_proj, a.k_proj, a.v_proj, a.o_proj) + (
+            () if mlp is None else (mlp.gate_proj, mlp.up_proj, mlp.down_proj))
+        self.silu = mlp is None or type(mlp.act_fn).__name__ in _SILU
         self.weights = native.LayerWeights()
         self._bound: tuple = ()  # (address, dtype) of the tensors the struct points at
         self._ok = False
@@ -415,6 +431,8 @@ class FusedLayer:
             self._slots += [(gate._parameters, "weight")] + [
                 (d, f"{name}_{what}") for name in ("gate_up", "down")
                 for d, what in ((experts._parameters, "blocks"), (experts._buffers, "bias"))]
+            if self.shared_gate is not None:
+                self._slots += _tensor_slots(self.shared_gate)
         self.scratch: dict[str, torch.Tensor] = {}
 
     def _fill(self) -> bool:
@@ -451,7 +469,7 @@ class FusedLayer:
         w.qtype[:] = qtypes + [0] * (7 - len(qtypes))
         (q_out, _), (k_out, _), (o_out, _) = dims[0], dims[1], dims[3]
         w.hidden, w.hq, w.hk, w.d = o_out, q_out // d, k_out // d, d
-        w.inter = 0 if self.moe else dims[6][1]
+        w.inter = dims[6][1] if len(dims) == 7 else 0
         if not self._fill_moe(w):
             self._ok = False
             return False
@@ -471,9 +489,19 @@ class FusedLayer:
         """The struct's routed experts (n_experts 0 for an MLP layer); False where the experts do not
         offer their blocks on the host (``native_layout``) or the router is not float32 [E, hidden]
         on the CPU."""
-        w.n_experts = 0
+        w.n_experts, w.sgate = 0, None
         if self.moe is None:
             return True
+        if self.shared_gate is not None:
+            # its one row, float32, asked of the module (a packed float linear holds no plain weight): the
+            # identity through it, exact (a QuantLinear's blocks dequantised as gguf does)
+            g, eye = self.shared_gate, torch.eye(self.shared_gate.in_features)
+            with torch.no_grad():
+                row = g.forward_dequantised(eye) if callable(getattr(g, "raw_blocks", None)) else g(eye)
+            if row.device.type != "cpu" or tuple(row.shape) != (w.hidden, 1):
+                return False
+            self._sgate = row.float().reshape(-1).contiguous()
+            w.sgate = self._sgate.data_ptr()
         gate, experts = self.moe
         layout = experts.native_layout()
         r = gate.weight

@@ -161,7 +161,8 @@ class LayerWeights(ctypes.Structure):
     (None: none) over the last ``qn_width`` / ``kn_width`` elements of q's and k's rows. With
     ``n_experts`` > 0 the layer's feed-forward is a routed mixture of experts instead of gate/up/down:
     ``router`` [E, hidden] float32, each expert's gate_up / down blocks at ``egu`` / ``ed`` (GGUF
-    types ``egu_type`` / ``ed_type``, expert strides in bytes), biases ``begu`` / ``bed`` or None."""
+    types ``egu_type`` / ``ed_type``, expert strides in bytes), biases ``begu`` / ``bed`` or None; a shared
+    expert (Qwen2-MoE's) in the gate/up/down slots, scaled by sigmoid(``sgate`` . x) where given."""
 
     _fields_ = ([(n, ctypes.c_void_p) for n in ("ln1", "ln2", "wq", "wk", "wv", "wo", "bq", "bk", "bv", "bo",
                                                 "wg", "wu", "wd", "bg", "bu", "bd")]
@@ -172,7 +173,8 @@ class LayerWeights(ctypes.Structure):
                    ("kn_width", ctypes.c_int64), ("eps_q", ctypes.c_float), ("eps_k", ctypes.c_float)]
                 + [(n, ctypes.c_void_p) for n in ("router", "egu", "ed", "begu", "bed")]
                 + [(n, ctypes.c_int64) for n in ("n_experts", "top_k", "norm_topk", "moe_inter", "egu_type", "ed_type",
-                                                 "egu_stride", "ed_stride", "moe_float_act")])
+                                                 "egu_stride", "ed_stride", "moe_float_act")]
+                + [("sgate", ctypes.c_void_p)])
 
 
 def _ptr(t: torch.Tensor | None) -> int | None:

@@ -374,6 +374,9 @@ typedef struct {
     const void *egu, *ed;
     const float *begu, *bed;
     int64_t n_experts, top_k, norm_topk, moe_inter, egu_type, ed_type, egu_stride, ed_stride, moe_float_act;
+    /* a MoE layer's shared expert (Qwen2-MoE's): the gate/up/down linears (wg, wu, wd: NULL for none),
+     * its output scaled per row by sigmoid(sgate . n) where sgate [hidden] float32 is given */
+    const float* sgate;
 } flexplan_layer;
 
 enum { LIN_Q, LIN_K, LIN_V, LIN_O, LIN_G, LIN_U, LIN_D };
@@ -452,7 +455,7 @@ int flexplan_layer_pre_attention_f32(const flexplan_layer* L, const float* x, co
 static int moe_ffn(const flexplan_layer* L, const float* xn, float* out, int64_t batch);
 
 /* The rest of the layer: y = x + o_proj(attention); y += down(silu(gate(n)) * up(n)), n = RMSNorm(y)
- * (or, with n_experts, y += the routed experts of n: moe_ffn).
+ * (or, with n_experts, y += the routed experts of n: moe_ffn, then the shared expert if any).
  * With keys == NULL, attn already holds the attention output [batch, hq * d]. Scratch: attn
  * [batch, hq d], tmp and xn [batch, hidden], g and u [batch, inter]. Returns 0 or -1 (no memory for
  * attention's partials or a quantised activation). */
@@ -470,7 +473,7 @@ int flexplan_layer_post_attention_f32(const flexplan_layer* L, const float* x, f
     if (L->n_experts > 0) {
         if (moe_ffn(L, xn, tmp, batch)) return -1;
         add_rows(y, y, tmp, batch * H);
-        return 0;
+        if (!L->wg) return 0;  /* no shared expert: the routed ones are the feed-forward */
     }
     const int j[2] = {LIN_G, LIN_U};
     const void* P[2] = {L->wg, L->wu};
@@ -480,6 +483,11 @@ int flexplan_layer_post_attention_f32(const flexplan_layer* L, const float* x, f
     if (linears_on(L, 2, j, P, b, xn, gu, out, H, batch)) return -1;
     silu_mul(g, u, batch * I);
     if (linear(L, LIN_D, L->wd, L->bd, g, tmp, H, I, batch)) return -1;
+    if (L->n_experts > 0 && L->sgate)  /* the shared expert's gate: sigmoid of one dot per row */
+        for (int64_t r = 0; r < batch; r++) {
+            const float s = 1.0f / (1.0f + expf(-dot_f32(L->sgate, xn + r * H, H)));
+            for (int64_t i = 0; i < H; i++) tmp[r * H + i] *= s;
+        }
     add_rows(y, y, tmp, batch * H);
     return 0;
 }

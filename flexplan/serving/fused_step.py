@@ -4,7 +4,7 @@ The model runner's general path runs transformers' forward: per decoder layer a 
 PyTorch ops dispatched from Python besides the GEMVs: on a small model, as costly as reading its
 weights. For a model whose every decoder layer the native layer calls
 cover (:func:`flexplan.executor.cpu_decode.covered_layer`: pre-norm residual blocks, q/k/v/o
-projections, rotate-half rotary, SwiGLU MLP or Qwen3-MoE's / Mixtral's routed experts on GGUF blocks,
+projections, rotate-half rotary, SwiGLU MLP or Qwen3-MoE's / Mixtral's / Qwen2-MoE's routed experts on GGUF blocks,
 RMSNorm) with blocked weights on the CPU or a GGUF
 file's blocks that flexplan's kernels read, an iteration here is, per layer, four calls whatever
 the batch:
@@ -84,13 +84,15 @@ def stack_status() -> tuple[PagedDecodeStack | None, str]:
 @functools.cache
 def _head_forwards() -> tuple:
     """Causal-LM forwards whose logits are ``lm_head(hidden)`` and nothing else at inference:
-    Llama's, and the MoE models' the native layers cover (Qwen3-MoE's, Mixtral's: their router
+    Llama's, and the MoE models' the native layers cover (Qwen3-MoE's, Mixtral's, Qwen2-MoE's: their router
     loss only where router logits are asked for, which this step never is)."""
     from transformers.models.llama.modeling_llama import LlamaForCausalLM
     from transformers.models.mixtral.modeling_mixtral import MixtralForCausalLM
+    from transformers.models.qwen2_moe.modeling_qwen2_moe import Qwen2MoeForCausalLM
     from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeForCausalLM
 
-    return LlamaForCausalLM.forward, Qwen3MoeForCausalLM.forward, MixtralForCausalLM.forward
+    return (LlamaForCausalLM.forward, Qwen3MoeForCausalLM.forward, MixtralForCausalLM.forward,
+            Qwen2MoeForCausalLM.forward)
 
 
 def _window(attn: nn.Module) -> int | None:

@@ -26,9 +26,9 @@ from flexplan.workload.config_fields import reject_non_layerwise, spec_fields, t
 # RMSNorm): the executor's native stack (executor.cpu_decode.covered_stack) runs their whole float32
 # decode step on the CPU in one call, priced apart (estimator.phase_costs); tests/test_native_stack_pricing.py
 # checks this set against what the executor installs on each tested family
-# families whose decoder layers executor.cpu_decode covers (Llama's layer; Qwen3's QK-norm; Qwen3-MoE's and
-# Mixtral's top-k softmax router, whose experts on kernel blocks the native layer reads)
-NATIVE_STACK_FAMILIES = frozenset({"llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral"})
+# families whose decoder layers executor.cpu_decode covers (Llama's layer; Qwen3's QK-norm; Qwen3-MoE's,
+# Mixtral's and Qwen2-MoE's top-k softmax router, whose experts on kernel blocks the native layer reads)
+NATIVE_STACK_FAMILIES = frozenset({"llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral", "qwen2_moe"})
 NATIVE_BLOCK_ROWS = 64  # executor.cpu_linear's native block: a float32 linear packs (and the stack runs) only then
 
 
@@ -197,12 +197,13 @@ class ModelSpec:
         a QK-norm per head or none, every float projection's rows a multiple of
         :data:`NATIVE_BLOCK_ROWS` (packable; a group on kernel blocks needs no packing), no sliding
         layers (the stack steps aside once a window cuts the keys); a MoE model with every layer
-        routed, no shared expert and its experts on kernel blocks (the native layer reads
-        QuantExperts' blocks, not float experts)."""
+        routed, no shared expert or a gated one (Qwen2-MoE's), and its experts on kernel blocks (the
+        native layer reads QuantExperts' blocks, not float experts)."""
         on_blocks = {g for g, f, _ in weights if f in weight_formats.KERNEL_FORMATS}
         rows = ((self.q_dim, self.kv_dim, self.hidden_size) if "attention" not in on_blocks else ()) + \
             ((self.intermediate_size,) if "mlp" not in on_blocks and not self.is_moe else ())
-        moe_ok = not self.is_moe or (all(self.moe_layers) and not self.shared_expert_intermediate_size
+        moe_ok = not self.is_moe or (all(self.moe_layers) and (not self.shared_expert_intermediate_size
+                                                               or self.shared_expert_gate)
                                      and not self.router_bias and not self.expert_bias
                                      and weight_formats.experts_on_kernel_blocks(weights))
         return (self.family in NATIVE_STACK_FAMILIES and self.qk_norm in ("", "head") and moe_ok
