@@ -30,7 +30,7 @@ from flexplan.quant.gguf_model import SUPPORTED_ARCHITECTURES, load_gguf_model
 from flexplan.quant.quant_experts import QuantExperts
 from flexplan.quant.quant_linear import QuantLinear, set_float_activation
 from flexplan.workload import resolve_model
-from flexplan.workload.gguf_config import ADDED_KEYS, hf_config
+from flexplan.workload.gguf_config import ADDED_KEYS, hf_config, hf_config_dict
 from flexplan.workload.gguf_header import read_header
 from flexplan.workload.model import ModelSpec
 
@@ -402,7 +402,7 @@ def _write_raw(path, arch, metadata, tensors):
     w.close()
 
 
-def test_an_unsupported_architecture_is_refused_naming_it_and_the_supported(tmp_path):
+def test_an_unsupported_architecture_is_refused_naming_it_and_the_supported(made, tmp_path):
     import flexplan
 
     path = tmp_path / "starcoder2.gguf"
@@ -419,6 +419,14 @@ def test_an_unsupported_architecture_is_refused_naming_it_and_the_supported(tmp_
     with pytest.raises(FlexplanError, match=r"holds LongRoPE factors \(rope_factors_long.weight\), which flexplan does "
                                             r"not map yet; load the model's HuggingFace folder instead"):
         load_gguf_model(longrope)
+    # a V3 file converted before llama.cpp wrote the router's gating function: its score-correction bias
+    # (exp_probs_b) says sigmoid, as V3's config does; without either, V2's softmax router
+    header = read_header(made[1]("deepseek_v3"))
+    no_key = dataclasses.replace(header, metadata={k: v for k, v in header.metadata.items()
+                                                   if k != "deepseek2.expert_gating_func"})
+    assert hf_config_dict(no_key)["model_type"] == "deepseek_v3"
+    no_bias = dataclasses.replace(no_key, tensors=tuple(t for t in header.tensors if ".exp_probs_b." not in t.name))
+    assert hf_config_dict(no_bias)["model_type"] == "deepseek_v2"
     partial = tmp_path / "deepseek2-partial.gguf"  # a deepseek2 header without MLA's widths: named, not a KeyError
     _write_raw(partial, "deepseek2", {"deepseek2.block_count": 1, "deepseek2.embedding_length": 64,
                                       "deepseek2.attention.head_count": 4},

@@ -415,7 +415,7 @@ class FusedLayer:
         # the SwiGLU in the gate/up/down slots: the MLP, or a MoE block's shared expert (with its one-row gate)
         mlp = m.shared_expert if self.moe and hasattr(m, "shared_expert") else (None if self.moe else m)
         self.shared_gate = m.shared_expert_gate if self.moe and mlp is not None else None
-        self._sgate: torch.Tensor | None = None  # the shared gate's row, float32 [hidden]
+        self._sgate: tuple = ()  # (the shared gate's tensors' addresses, its row float32 [hidden])
         self.linears = (a.q_proj, a.k_proj, a.v_proj, a.o_proj) + (
             () if mlp is None else (mlp.gate_proj, mlp.up_proj, mlp.down_proj))
         self.silu = mlp is None or type(mlp.act_fn).__name__ in _SILU
@@ -493,15 +493,10 @@ class FusedLayer:
         if self.moe is None:
             return True
         if self.shared_gate is not None:
-            # its one row, float32, asked of the module (a packed float linear holds no plain weight): the
-            # identity through it, exact (a QuantLinear's blocks dequantised as gguf does)
-            g, eye = self.shared_gate, torch.eye(self.shared_gate.in_features)
-            with torch.no_grad():
-                row = g.forward_dequantised(eye) if callable(getattr(g, "raw_blocks", None)) else g(eye)
-            if row.device.type != "cpu" or tuple(row.shape) != (w.hidden, 1):
+            row = self._shared_gate_row(w.hidden)
+            if row is None:
                 return False
-            self._sgate = row.float().reshape(-1).contiguous()
-            w.sgate = self._sgate.data_ptr()
+            w.sgate = row.data_ptr()
         gate, experts = self.moe
         layout = experts.native_layout()
         r = gate.weight
@@ -516,6 +511,26 @@ class FusedLayer:
         w.n_experts, w.top_k, w.norm_topk = gate.num_experts, gate.top_k, int(self.norm_topk)
         w.moe_inter, w.moe_float_act = experts.intermediate, int(experts.float_act)
         return True
+
+    def _shared_gate_row(self, hidden: int) -> torch.Tensor | None:
+        """The shared expert's gate as one float32 row [hidden], asked of the module (a packed float
+        linear holds no plain weight): the identity through it, exact (a QuantLinear's blocks
+        dequantised as gguf does); kept while the gate's own tensors stay where they are, since the
+        layer's other checks run again after every rebind. None where it is not a [1, hidden] gate on
+        the CPU."""
+        g = self.shared_gate
+        try:
+            key = tuple(None if t is None else t.data_ptr() for d, k in _tensor_slots(g) for t in [d.get(k)])
+        except RuntimeError:  # an opaque packed weight: known by the objects
+            key = tuple(id(d.get(k)) for d, k in _tensor_slots(g))
+        if self._sgate[:1] != (key,):
+            eye = torch.eye(g.in_features)
+            with torch.no_grad():
+                row = g.forward_dequantised(eye) if callable(getattr(g, "raw_blocks", None)) else g(eye)
+            if row.device.type != "cpu" or tuple(row.shape) != (hidden, 1):
+                return None
+            self._sgate = (key, row.float().reshape(-1).contiguous())
+        return self._sgate[1]
 
     def dims(self) -> tuple[int, ...]:
         w = self.weights

@@ -40,7 +40,7 @@ from flexplan.quant import kernels, quant_experts
 from flexplan.quant.formats import BY_NAME
 from flexplan.quant.gguf_weights import GGUFWeights, read_gguf
 from flexplan.quant.quant_linear import QuantLinear
-from flexplan.workload.gguf_config import hf_config
+from flexplan.workload.gguf_config import KV_B_HALVES, hf_config
 from flexplan.workload.gguf_header import read_header
 
 # the GGUF architectures whose tensors this loader maps (general.architecture; llama.cpp writes
@@ -57,11 +57,6 @@ LONGROPE_FACTORS = ("rope_factors_long.weight", "rope_factors_short.weight")
 # each); concatenated gate first on the out axis, as transformers' Qwen2MoeTensorProcessor does
 FUSED_EXPERTS = {"gate_up_proj": ("ffn_gate_exps", "ffn_up_exps"), "down_proj": ("ffn_down_exps",),
                  "gate_up_proj_bias": ("ffn_gate_exps", "ffn_up_exps"), "down_proj_bias": ("ffn_down_exps",)}
-# MLA's kv_b_proj [heads x (nope + v), kv_lora_rank], which llama.cpp's converter (since its MLA
-# absorption) writes as attn_k_b [heads, kv_lora_rank, nope] (each head's key rows transposed) and
-# attn_v_b [heads, v, kv_lora_rank]: put back together dequantised (the transposed half's blocks run
-# along the other axis), with one line saying so
-KV_B_SPLIT = ("attn_k_b", "attn_v_b")
 # the architectures whose converter split gate_up by alternate rows, not halves (llama.cpp's
 # GptOssModel.modify_tensors: gate = [:, ::2], up = [:, 1::2]): interleaved back
 INTERLEAVED_GATE_UP = ("gpt-oss",)
@@ -246,9 +241,10 @@ def _fused_experts(model: nn.Module, tensors: _Tensors, path: Path, float_act: b
 
 
 def _joined_kv_b(tensors: _Tensors, base: str, path: Path) -> torch.Tensor | None:
-    """kv_b_proj's float32 weight from the file's split halves (:data:`KV_B_SPLIT`), or None where the
-    file has no such pair for ``base`` (blk.N.attn_kv_b)."""
-    k_key, v_key = (base.replace("attn_kv_b", half) + ".weight" for half in KV_B_SPLIT)
+    """kv_b_proj's float32 weight from the file's split halves (gguf_config's ``KV_B_HALVES``:
+    dequantised, since the transposed half's blocks run along the other axis), or None where the file
+    has no such pair for ``base`` (blk.N.attn_kv_b)."""
+    k_key, v_key = (base.replace("attn_kv_b", half) + ".weight" for half in KV_B_HALVES)
     if not (tensors.has(k_key) and tensors.has(v_key)):
         return None
     k_b, v_b = tensors.dense(k_key), tensors.dense(v_key)
@@ -338,7 +334,7 @@ def load_gguf_model(path: str | Path, *, tokenizer: bool = True, float_act: bool
                 key = names.get_name("model.embed_tokens") + ".weight"  # tied head: the embedding's blocks
             joined = _joined_kv_b(tensors, base, path) if not tensors.has(key) else None
             if joined is not None:
-                _check_shape(path, " + ".join(KV_B_SPLIT), joined.shape, f"{mod_name}.weight",
+                _check_shape(path, " + ".join(KV_B_HALVES), joined.shape, f"{mod_name}.weight",
                              (module.out_features, module.in_features))
                 module.weight = nn.Parameter(joined, requires_grad=False)
                 split_kv_b.append(mod_name)
@@ -387,7 +383,7 @@ def load_gguf_model(path: str | Path, *, tokenizer: bool = True, float_act: bool
         log(f"flexplan: {len(keys)} {fmt} linear weights dequantised to float32 at load ({reason})")
     if split_kv_b and not dequantize_all:
         log(f"flexplan: MLA's kv_b_proj of {len(split_kv_b)} layers put back together from the file's "
-            f"{' and '.join(KV_B_SPLIT)} halves, dequantised to float32")
+            f"{' and '.join(KV_B_HALVES)} halves, dequantised to float32")
     if experts and not dequantize_all:
         log(f"flexplan: the routed experts of {len(experts)} layers dequantised to float32 at load (a format no "
             "kernel reads here, or an experts module not on transformers' routed interface)")

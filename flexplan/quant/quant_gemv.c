@@ -148,6 +148,12 @@ static inline float e8m0_half(uint8_t e) {
     memcpy(&f, &bits, 4);
     return f;
 }
+static inline void mxfp4_values(const uint8_t *blk, int8_t *q) { /* a block's 32 K[q], in order */
+    for (int j = 0; j < QK / 2; j++) {
+        q[j] = MXFP4_VALUES[blk[1 + j] & 0x0F];
+        q[j + QK / 2] = MXFP4_VALUES[blk[1 + j] >> 4];
+    }
+}
 
 /* The int8 activation's two steps, shared with quant_kquants.c (its Q8_K): the largest |x| of n
  * values, and x * id rounded to nearest, ties to even (llama.cpp's SIMD quantisers and its
@@ -340,8 +346,7 @@ static inline void dot_rows(const uint8_t *w, int kind, const act_block *const *
         int8_t q[QK];
         float mw = 0.0f;
         if (kind == KIND_Q8_0) memcpy(q, w + 2, QK);
-        else if (kind == KIND_MXFP4)
-            for (int j = 0; j < QK / 2; j++) { q[j] = MXFP4_VALUES[w[1 + j] & 0x0F]; q[j + QK / 2] = MXFP4_VALUES[w[1 + j] >> 4]; }
+        else if (kind == KIND_MXFP4) mxfp4_values(w, q);
         else {
             const uint8_t *p = w + KIND_QS[kind];
             for (int j = 0; j < QK / 2; j++) { q[j] = p[j] & 0x0F; q[j + QK / 2] = p[j] >> 4; }
@@ -535,12 +540,12 @@ static inline __attribute__((always_inline)) void x8_dot(const uint8_t *w, int k
         const uint8_t *vals = blk + 8 * KIND_QS[kind];
         __m256i u[8]; /* Q4 / Q5: run (c, h)'s low values at 4c + 2h, high at 4c + 2h + 1; Q8_0: run (c, h) at 2c + h */
         __m256i mag[8]; /* MXFP4: |K[q]|, the values' signs moved onto the activation per row */
+        const __m256i table = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)MXFP4_VALUES));
         for (int i = 0; i < (kind == KIND_Q8_0 ? 8 : 4); i++) {
             const __m256i r = _mm256_loadu_si256((const __m256i *)vals + i);
             if (kind == KIND_Q8_0) u[i] = r;
             else { u[2 * i] = _mm256_and_si256(r, low); u[2 * i + 1] = _mm256_and_si256(_mm256_srli_epi16(r, 4), low); }
             if (fp4) {
-                const __m256i table = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)MXFP4_VALUES));
                 for (int k = 2 * i; k < 2 * i + 2; k++) {
                     u[k] = _mm256_shuffle_epi8(table, u[k]);
                     mag[k] = _mm256_sign_epi8(u[k], u[k]);
@@ -652,10 +657,9 @@ static void x8_group(const uint8_t *w, int64_t base, int kind, const void *const
 static void dequant_block(const uint8_t *w, int64_t wtype, float *out) {
     if (wtype == TYPE_MXFP4) {  /* gguf's reference: d * K[q], exact (d a power of two) */
         const float d = e8m0_half(w[0]);
-        for (int j = 0; j < QK / 2; j++) {
-            out[j] = d * (float)MXFP4_VALUES[w[1 + j] & 0x0F];
-            out[j + QK / 2] = d * (float)MXFP4_VALUES[w[1 + j] >> 4];
-        }
+        int8_t q[QK];
+        mxfp4_values(w, q);
+        for (int j = 0; j < QK; j++) out[j] = d * (float)q[j];
         return;
     }
     const float d = fp16_to_f32(w);

@@ -102,7 +102,7 @@ def hf_config_dict(header: GGUFHeader) -> dict:
     if arch in GGUF_CONFIG_ARCHS:  # transformers' own builder for this architecture
         return get_gguf_config(md, header.tensor_names)
     if arch == "deepseek2":
-        return _deepseek2(header, GGUF_CONFIG_MAPPING["tokenizer"])
+        return _vocab_from_tokens(_deepseek2(header, GGUF_CONFIG_MAPPING["tokenizer"]), md)
     name = md.get("general.name")
     # transformers loads a "llama" file named exactly "mistral" as Mistral (llama.cpp writes Mistral as llama)
     hf_arch = "mistral" if "llama" in arch and name == "mistral" else _HF_ARCHITECTURE.get(arch, arch)
@@ -134,6 +134,11 @@ def hf_config_dict(header: GGUFHeader) -> dict:
             cfg[target] = None if target == "sliding_window" and int(_single(value)) == 0 else int(_single(value))
     if cfg.get("model_type") == "gemma3":  # a Gemma 3 GGUF holds the text model only
         cfg["model_type"] = "gemma3_text"
+    return _vocab_from_tokens(cfg, md)
+
+
+def _vocab_from_tokens(cfg: dict, md: dict) -> dict:
+    """``cfg`` with the vocabulary's size from the token list where no key gave it."""
     if "vocab_size" not in cfg and isinstance(md.get("tokenizer.ggml.tokens"), (int, list)):
         tokens = md["tokenizer.ggml.tokens"]
         cfg["vocab_size"] = tokens if isinstance(tokens, int) else len(tokens)
@@ -183,9 +188,6 @@ def _deepseek2(header: GGUFHeader, tokenizer_keys: dict) -> dict:
                            "beta_slow": float(key("rope.scaling.yarn_beta_slow", 1.0)),
                            "mscale": mscale, "mscale_all_dim": mscale}
     cfg["rope_parameters"] = rope_parameters
-    if "vocab_size" not in cfg and isinstance(md.get("tokenizer.ggml.tokens"), (int, list)):
-        tokens = md["tokenizer.ggml.tokens"]
-        cfg["vocab_size"] = tokens if isinstance(tokens, int) else len(tokens)
     return cfg
 
 
@@ -205,9 +207,11 @@ def _format_name(ggml_type: int) -> str:
     return fmt.name if fmt is not None else GGML_TYPE_NAMES.get(ggml_type, f"GGML type {ggml_type}")
 
 
-# tensors the loader holds in float32 whatever the file stores (flexplan.quant.gguf_model: MLA's kv_b_proj,
-# put back together from these halves), so priced and placed as F32
-_HELD_FLOAT = re.compile(r"blk\.\d+\.attn_(k_b|v_b)\.")
+# MLA's kv_b_proj as llama.cpp's converter (since its MLA absorption) writes it: attn_k_b [heads,
+# kv_lora_rank, nope] (each head's key rows transposed) and attn_v_b [heads, v, kv_lora_rank]. The loader
+# (flexplan.quant.gguf_model) puts them back together dequantised, so they are priced and placed as F32
+KV_B_HALVES = ("attn_k_b", "attn_v_b")
+_HELD_FLOAT = re.compile(rf"blk\.\d+\.({'|'.join(KV_B_HALVES)})\.")
 
 
 def stored_weights(header: GGUFHeader) -> tuple[tuple[str, str, int], ...]:

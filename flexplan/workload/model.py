@@ -22,12 +22,11 @@ from flexplan.workload import weight_formats
 from flexplan.workload.config_fields import reject_non_layerwise, spec_fields, text_config
 
 
-# The families whose decoder transformers writes as Llama's (q/k/v/o, rotate-half rotary, SwiGLU,
-# RMSNorm): the executor's native stack (executor.cpu_decode.covered_stack) runs their whole float32
+# The families whose decoder layers executor.cpu_decode covers (Llama's q/k/v/o, rotate-half rotary,
+# SwiGLU, RMSNorm; Qwen3's QK-norm; Qwen3-MoE's, Mixtral's and Qwen2-MoE's top-k softmax router, whose
+# experts on kernel blocks the native layer reads): the executor's native stack runs their whole float32
 # decode step on the CPU in one call, priced apart (estimator.phase_costs); tests/test_native_stack_pricing.py
-# checks this set against what the executor installs on each tested family
-# families whose decoder layers executor.cpu_decode covers (Llama's layer; Qwen3's QK-norm; Qwen3-MoE's,
-# Mixtral's and Qwen2-MoE's top-k softmax router, whose experts on kernel blocks the native layer reads)
+# and tests/test_native_moe_decode.py check this set against what the executor runs
 NATIVE_STACK_FAMILIES = frozenset({"llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral", "qwen2_moe"})
 NATIVE_BLOCK_ROWS = 64  # executor.cpu_linear's native block: a float32 linear packs (and the stack runs) only then
 
